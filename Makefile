@@ -1,0 +1,32 @@
+# One entry point for a fresh machine: `make test` creates .venv, installs, runs the suite.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+PYTEST_ARGS ?=
+
+.PHONY: install test test-fast bench clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --upgrade pip
+	# torch first (CPU wheel, pinned), then build fairseq and deepspeed against it without isolation.
+	$(PY) -m pip install torch==2.13.0 cython==3.3.1 numpy==2.4.6 setuptools wheel
+	$(PY) -m pip install --no-build-isolation -e '.[test]'
+	$(PY) -c "import torch, fairseq; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: install
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-fast: install
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+bench: install
+	$(PY) -m benchmarks.balanced_assignment
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache
