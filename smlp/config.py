@@ -1,0 +1,210 @@
+"""Core configurations: frozen, keyword-only dataclasses validated on construction.
+
+A bad value raises ValueError naming the field, the value and what would be valid, so a
+mistake in a fairseq flag surfaces before any weight is allocated.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+TOKEN_ROUTERS = ("base", "switch", "gshard", "hash")
+SMOE_ROUTINGS = ("deterministic", "partial")
+ACTIVATIONS = ("gelu", "relu")
+
+
+def _positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name}={value!r} is invalid: it must be a positive integer")
+
+
+def _choice(name: str, value: str, valid: tuple[str, ...]) -> None:
+    if value not in valid:
+        raise ValueError(f"{name}={value!r} is unknown: valid values are {', '.join(valid)}")
+
+
+def _probability(name: str, value: float) -> None:
+    if not 0.0 <= value < 1.0:
+        raise ValueError(f"{name}={value!r} is invalid: it must be in [0, 1)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SGUConfig:
+    """Spatial Gating Unit (gMLP section 2.1), optionally multi-head.
+
+    dim:     width of the SGU input. With split=True (gMLP) it is cut into a gate half and a
+             value half of dim/2 each; with split=False the normalized input gates itself
+             (the sMLP sparse block, which has no channel projection).
+    seq_len: T, the size of the causal T x T spatial weight; inputs may be shorter.
+    heads:   independent spatial weights over equal chunks of the gated channels.
+    """
+
+    dim: int
+    seq_len: int
+    heads: int = 1
+    split: bool = True
+    init_eps: float = 1e-3
+
+    def __post_init__(self) -> None:
+        _positive("dim", self.dim)
+        _positive("seq_len", self.seq_len)
+        _positive("heads", self.heads)
+        if self.split and self.dim % 2:
+            raise ValueError(f"dim={self.dim} must be even: the SGU splits it into two halves")
+        if self.gated_dim % self.heads:
+            raise ValueError(
+                f"heads={self.heads} must divide the gated width {self.gated_dim} "
+                f"(dim={self.dim}, split={self.split})"
+            )
+
+    @property
+    def gated_dim(self) -> int:
+        return self.dim // 2 if self.split else self.dim
+
+
+@dataclass(frozen=True, kw_only=True)
+class GMLPConfig:
+    """A gMLP block: LayerNorm -> D->F projection -> GELU -> SGU -> F/2->D projection, residual."""
+
+    d_model: int
+    d_ffn: int
+    seq_len: int
+    heads: int = 1
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        _positive("d_model", self.d_model)
+        _positive("d_ffn", self.d_ffn)
+        _probability("dropout", self.dropout)
+        SGUConfig(dim=self.d_ffn, seq_len=self.seq_len, heads=self.heads)  # validates the SGU part
+
+    @property
+    def sgu(self) -> SGUConfig:
+        return SGUConfig(dim=self.d_ffn, seq_len=self.seq_len, heads=self.heads)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TMoEConfig:
+    """Token-routed FFN experts (tMoE).
+
+    router: base (balanced assignment, Base Layers), switch (top-1, capacity factor,
+            load-balancing loss), gshard (top-2, capacity 2S/E), hash (fixed token-id table).
+    expert_norm: each expert normalizes its own input (Base Layers' expert sublayer); the
+            default is True for base, False otherwise (the caller normalizes before routing).
+    """
+
+    d_model: int
+    d_ffn: int
+    num_experts: int
+    router: str = "base"
+    activation: str = "gelu"
+    capacity_factor: float = 1.0
+    vocab_size: int | None = None
+    hash_seed: int = 0
+    expert_norm: bool | None = None
+
+    def __post_init__(self) -> None:
+        _positive("d_model", self.d_model)
+        _positive("d_ffn", self.d_ffn)
+        _positive("num_experts", self.num_experts)
+        _choice("router", self.router, TOKEN_ROUTERS)
+        _choice("activation", self.activation, ACTIVATIONS)
+        if not self.capacity_factor > 0:
+            raise ValueError(f"capacity_factor={self.capacity_factor!r} is invalid: it must be > 0")
+        if self.router == "hash":
+            if self.vocab_size is None:
+                raise ValueError("router='hash' needs vocab_size: the hash table maps every token id to an expert")
+            _positive("vocab_size", self.vocab_size)
+
+    @property
+    def uses_expert_norm(self) -> bool:
+        return self.router == "base" if self.expert_norm is None else self.expert_norm
+
+
+@dataclass(frozen=True, kw_only=True)
+class SMoEConfig:
+    """The sparse spatial MoE (sMoE, sMLP section 3.1-3.2).
+
+    dim, split, seq_len: as for SGUConfig; the gated channels are routed to experts.
+    routing: deterministic (hidden chunk i -> expert i, 3.2.1) or partial (a router reads the
+             first prefix_fraction of positions and assigns hidden dimensions to experts, which
+             then mix only the remaining positions, 3.2.2).
+    """
+
+    dim: int
+    seq_len: int
+    num_experts: int
+    routing: str = "deterministic"
+    split: bool = True
+    prefix_fraction: float = 0.2
+    init_eps: float = 1e-3
+
+    def __post_init__(self) -> None:
+        _positive("dim", self.dim)
+        _positive("seq_len", self.seq_len)
+        _positive("num_experts", self.num_experts)
+        _choice("routing", self.routing, SMOE_ROUTINGS)
+        if self.split and self.dim % 2:
+            raise ValueError(f"dim={self.dim} must be even: the sMoE splits it into gate and value halves")
+        if self.routing == "deterministic" and self.gated_dim % self.num_experts:
+            raise ValueError(
+                f"num_experts={self.num_experts} must divide the gated width {self.gated_dim} "
+                f"(dim={self.dim}, split={self.split}): deterministic routing sends equal chunks to experts"
+            )
+        if self.routing == "partial":
+            if not 0.0 < self.prefix_fraction < 1.0:
+                raise ValueError(f"prefix_fraction={self.prefix_fraction!r} must be in (0, 1)")
+            if not 1 <= self.prefix_len < self.seq_len:
+                raise ValueError(
+                    f"seq_len={self.seq_len} with prefix_fraction={self.prefix_fraction} gives a routing "
+                    f"prefix of {self.prefix_len} positions; it must leave at least one position on each side"
+                )
+
+    @property
+    def gated_dim(self) -> int:
+        return self.dim // 2 if self.split else self.dim
+
+    @property
+    def prefix_len(self) -> int:
+        """Positions the partial-prediction router reads (0 for deterministic routing)."""
+        if self.routing != "partial":
+            return 0
+        return int(round(self.prefix_fraction * self.seq_len))
+
+    @property
+    def expert_len(self) -> int:
+        """Size of each expert's square spatial weight."""
+        return self.seq_len - self.prefix_len
+
+
+@dataclass(frozen=True, kw_only=True)
+class SparseBlockConfig:
+    """The sMLP sparse block: sMoE token mixing then tMoE (Base Layers) channel mixing.
+
+    It has no dense channel projection (the paper's per-GPU parameter counts, Tables 8-10):
+        x = x + sMoE(LayerNorm(x))     sMoE gates the D channels with themselves (split=False)
+        x = x + tMoE(x)                Base Layers: sigmoid(x.c_e) * FFN_e(LN_e(x))
+    """
+
+    d_model: int
+    d_ffn: int
+    seq_len: int
+    num_experts: int
+    smoe_routing: str = "deterministic"
+    activation: str = "gelu"
+    dropout: float = 0.0
+    prefix_fraction: float = 0.2
+
+    def __post_init__(self) -> None:
+        _probability("dropout", self.dropout)
+        self.smoe  # validates
+        self.tmoe
+
+    @property
+    def smoe(self) -> SMoEConfig:
+        return SMoEConfig(dim=self.d_model, seq_len=self.seq_len, num_experts=self.num_experts,
+                          routing=self.smoe_routing, split=False, prefix_fraction=self.prefix_fraction)
+
+    @property
+    def tmoe(self) -> TMoEConfig:
+        return TMoEConfig(d_model=self.d_model, d_ffn=self.d_ffn, num_experts=self.num_experts,
+                          router="base", activation=self.activation)

@@ -1,0 +1,176 @@
+"""Dispatchers: move routed rows to the experts that own them and bring the results back.
+
+Shape legend:
+    S  rows to dispatch on this rank (tokens for tMoE, hidden-dimension vectors for sMoE)
+    R  rows received by this rank's experts, grouped by local expert
+    D  row width
+    E  experts (global), L local experts (E / W), W ranks in the expert-parallel group
+
+Both dispatchers share one interface, so every expert-parallel layer has a single-process
+twin (LocalDispatcher holding all experts) to test against:
+
+    x_RD, counts_L, state = dispatcher.dispatch(x_SD, expert_S)
+    y_RD = experts(x_RD, counts_L)
+    y_SD = dispatcher.combine(y_RD, state)
+
+Dispatchers hold no parameters and take their process group as an argument; they are the only
+place that calls a collective.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+__all__ = ["LocalDispatcher", "AllToAllDispatcher", "all_to_all", "expert_parallel_layout"]
+
+
+def expert_parallel_layout(num_experts: int, world_size: int) -> int:
+    """Local experts per rank for E experts on W ranks; ValueError when they do not fit."""
+    if num_experts < 1 or world_size < 1:
+        raise ValueError(f"num_experts={num_experts} and world_size={world_size} must both be >= 1")
+    if num_experts % world_size:
+        if world_size % num_experts == 0:
+            raise ValueError(
+                f"num_experts={num_experts} is smaller than the expert-parallel world size {world_size}: "
+                f"replicating experts across ranks is not supported; use num_experts equal to a multiple of "
+                f"{world_size} (e.g. {world_size} or {2 * world_size})"
+            )
+        raise ValueError(
+            f"num_experts={num_experts} cannot be spread evenly over {world_size} ranks: it must be a "
+            f"multiple of the world size (e.g. {world_size} or {2 * world_size})"
+        )
+    return num_experts // world_size
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single with uneven splits; the backward pass is the reverse exchange."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, out_splits: list[int], in_splits: list[int], group) -> Tensor:
+        ctx.out_splits, ctx.in_splits, ctx.group = out_splits, in_splits, group
+        return _exchange(x, out_splits, in_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _exchange(grad, ctx.in_splits, ctx.out_splits, ctx.group), None, None, None
+
+
+def _exchange(x: Tensor, out_splits: list[int], in_splits: list[int], group) -> Tensor:
+    x = x.contiguous()
+    out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+    dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
+    return out
+
+
+def all_to_all(x: Tensor, out_splits: list[int], in_splits: list[int], group=None) -> Tensor:
+    """Differentiable all_to_all_single: send x[rows of split i] to rank i, receive out_splits[i] rows."""
+    return _AllToAll.apply(x, list(out_splits), list(in_splits), group)
+
+
+@dataclass
+class DispatchState:
+    order_S: Tensor  # permutation that sorted the rows by expert
+    send_splits: list[int] = field(default_factory=list)
+    recv_splits: list[int] = field(default_factory=list)
+    by_expert_R: Tensor | None = None  # permutation from (source rank, local expert) to (local expert, source rank)
+
+
+class LocalDispatcher:
+    """All experts live in this process: sorting rows by expert is the whole dispatch."""
+
+    def __init__(self, num_experts: int):
+        self.num_experts = num_experts
+        self.num_local_experts = num_experts
+        self.first_expert = 0
+        self.world_size = 1
+        self.comm_seconds = 0.0
+
+    def common_width(self, width: int) -> int:
+        return width
+
+    def dispatch(self, x_SD: Tensor, expert_S: Tensor) -> tuple[Tensor, list[int], DispatchState]:
+        order_S = torch.argsort(expert_S, stable=True)
+        counts_L = torch.bincount(expert_S, minlength=self.num_experts).tolist()
+        return x_SD[order_S], counts_L, DispatchState(order_S)
+
+    def combine(self, y_RD: Tensor, state: DispatchState) -> Tensor:
+        return y_RD[torch.argsort(state.order_S)]
+
+
+class AllToAllDispatcher(LocalDispatcher):
+    """Expert parallelism over a process group: rank r owns experts [r*L, (r+1)*L)."""
+
+    def __init__(self, num_experts: int, ep_group=None):
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "AllToAllDispatcher needs an initialized torch.distributed process group; "
+                "use LocalDispatcher for single-process runs"
+            )
+        world = dist.get_world_size(ep_group)
+        local = expert_parallel_layout(num_experts, world)
+        super().__init__(num_experts)
+        self.ep_group = ep_group
+        self.world_size = world
+        self.rank = dist.get_rank(ep_group)
+        self.num_local_experts = local
+        self.first_expert = self.rank * local
+
+    def common_width(self, width: int) -> int:
+        """The largest row width in the group (sMoE rows are as long as the local sequence)."""
+        t = torch.tensor([width], dtype=torch.long, device=self._device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.ep_group)
+        return int(t.item())
+
+    @property
+    def _device(self) -> torch.device:
+        # NCCL needs device tensors, gloo host tensors; follow the backend of the group.
+        backend = dist.get_backend(self.ep_group)
+        if backend == "nccl" and torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def dispatch(self, x_SD: Tensor, expert_S: Tensor) -> tuple[Tensor, list[int], DispatchState]:
+        W, L = self.world_size, self.num_local_experts
+        # 1. Sort rows by global expert: rows for rank w are then contiguous, ordered by local expert.
+        order_S = torch.argsort(expert_S, stable=True)
+        x_sorted = x_SD[order_S]
+        counts_E = torch.bincount(expert_S, minlength=self.num_experts)
+        # 2. Tell every rank how many rows it will get for each of its local experts.
+        start = time.perf_counter()
+        counts_E = counts_E.to(self._device)
+        recv_WL = torch.empty_like(counts_E)
+        dist.all_to_all_single(recv_WL, counts_E, group=self.ep_group)
+        # 3. Split sizes are needed on the host (one sync per layer, as in every uneven all2all).
+        send_splits = counts_E.view(W, L).sum(1).tolist()
+        recv_WL = recv_WL.view(W, L).cpu()
+        recv_splits = recv_WL.sum(1).tolist()
+        # 4. Exchange the rows; they arrive grouped by (source rank, local expert).
+        x_recv = all_to_all(x_sorted, recv_splits, send_splits, self.ep_group)
+        self.comm_seconds += time.perf_counter() - start
+        # 5. Regroup by (local expert, source rank) so each local expert sees one contiguous block.
+        by_expert_R = _block_transpose(recv_WL).to(x_SD.device)
+        counts_L = recv_WL.sum(0).tolist()
+        state = DispatchState(order_S, send_splits, recv_splits, by_expert_R)
+        return x_recv[by_expert_R], counts_L, state
+
+    def combine(self, y_RD: Tensor, state: DispatchState) -> Tensor:
+        # Reverse of dispatch: undo the regrouping, send rows home, undo the sort.
+        y_recv = y_RD[torch.argsort(state.by_expert_R)]
+        start = time.perf_counter()
+        y_sorted = all_to_all(y_recv, state.send_splits, state.recv_splits, self.ep_group)
+        self.comm_seconds += time.perf_counter() - start
+        return y_sorted[torch.argsort(state.order_S)]
+
+
+def _block_transpose(counts_WL: Tensor) -> Tensor:
+    """Row permutation turning blocks ordered (w, l) into blocks ordered (l, w)."""
+    W, L = counts_WL.shape
+    flat = counts_WL.reshape(-1)
+    starts = torch.cumsum(flat, 0) - flat  # start of block (w, l) in the received order
+    pieces = [torch.arange(int(starts[w * L + l]), int(starts[w * L + l] + flat[w * L + l]))
+              for l in range(L) for w in range(W)]
+    return torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.long)

@@ -1,0 +1,86 @@
+"""Experts: the parameters that live on one rank only.
+
+Shape legend: R rows received (grouped by local expert), L local experts, D model width,
+F FFN width, M row length of an sMoE row (positions), T expert spatial size.
+
+Every expert parameter carries `param.expert = True`: fairseq's legacy_ddp then skips it in the
+gradient all-reduce and clip_grad_norm_ treats it per rank (DESIGN.md, fairseq facts).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .mixers import causal_weight, check_length, init_spatial_
+
+__all__ = ["mark_expert", "FFNExperts", "SpatialExperts"]
+
+
+def mark_expert(module: nn.Module) -> nn.Module:
+    for p in module.parameters():
+        p.expert = True
+    return module
+
+
+def _split_rows(x_RD: Tensor, counts_L: list[int]) -> list[Tensor]:
+    if sum(counts_L) != x_RD.shape[0]:
+        raise ValueError(f"expert counts {counts_L} do not add up to the {x_RD.shape[0]} rows received")
+    return list(torch.split(x_RD, counts_L, dim=0))
+
+
+class FFNExperts(nn.Module):
+    """L feed-forward experts D -> F -> D, optionally with their own input LayerNorm (Base Layers).
+
+    Weights are stacked with the local-expert index first (like every expert parameter here), so
+    moving experts between world sizes is slicing and concatenating along dim 0.
+    """
+
+    def __init__(self, num_local_experts: int, d_model: int, d_ffn: int, *, activation: str = "gelu",
+                 norm: bool = False):
+        super().__init__()
+        L, D, Fw = num_local_experts, d_model, d_ffn
+        self.activation = F.gelu if activation == "gelu" else F.relu
+        self.w1 = nn.Parameter(torch.empty(L, D, Fw).uniform_(-D ** -0.5, D ** -0.5))
+        self.b1 = nn.Parameter(torch.empty(L, Fw).uniform_(-D ** -0.5, D ** -0.5))
+        self.w2 = nn.Parameter(torch.empty(L, Fw, D).uniform_(-Fw ** -0.5, Fw ** -0.5))
+        self.b2 = nn.Parameter(torch.empty(L, D).uniform_(-Fw ** -0.5, Fw ** -0.5))
+        if norm:
+            self.norm_weight = nn.Parameter(torch.ones(L, D))
+            self.norm_bias = nn.Parameter(torch.zeros(L, D))
+        else:
+            self.norm_weight = self.norm_bias = None
+        mark_expert(self)
+
+    def forward(self, x_RD: Tensor, counts_L: list[int]) -> Tensor:
+        D = x_RD.shape[-1]
+        outs = []
+        for l, chunk in enumerate(_split_rows(x_RD, counts_L)):
+            if self.norm_weight is not None:
+                chunk = F.layer_norm(chunk, (D,), self.norm_weight[l], self.norm_bias[l])
+            h = self.activation(chunk @ self.w1[l] + self.b1[l])  # (R_l, F)
+            outs.append(h @ self.w2[l] + self.b2[l])
+        return torch.cat(outs, dim=0)
+
+
+class SpatialExperts(nn.Module):
+    """L sMoE experts, each one causal spatial projection over positions (one SGU head).
+
+    A row is one hidden dimension of one sequence: a vector over M <= T positions.
+    """
+
+    def __init__(self, num_local_experts: int, size: int, init_eps: float = 1e-3):
+        super().__init__()
+        self.size = size
+        self.weight = nn.Parameter(torch.empty(num_local_experts, size, size))
+        self.bias = nn.Parameter(torch.empty(num_local_experts, size))
+        init_spatial_(self.weight, self.bias, init_eps)
+        mark_expert(self)
+
+    def forward(self, x_RM: Tensor, counts_L: list[int]) -> Tensor:
+        M = x_RM.shape[-1]
+        check_length(M, self.size, "sMoE row")
+        w_LMM = causal_weight(self.weight, M)
+        outs = [chunk @ w_LMM[l].t() + self.bias[l, :M]
+                for l, chunk in enumerate(_split_rows(x_RM, counts_L))]
+        return torch.cat(outs, dim=0)

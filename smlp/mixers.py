@@ -1,0 +1,96 @@
+"""Token mixers: the causal Spatial Gating Unit and the gMLP block.
+
+gMLP ("Pay Attention to MLPs", Liu et al. 2021), section 2.1: s(Z) = Z1 * (W Z2 + b), with W a
+T x T spatial weight initialized near zero and b at one, so every block starts close to an
+identity-like feed-forward. For language modelling the spatial weight is made causal by
+masking the weight itself (lower triangular), sliced to the actual length n <= T: output
+position t only ever sees positions <= t, in training and in eval mode alike.
+
+Shapes: B batch, N positions (n <= T), D model width, F channel-projection width,
+C gated channels, H heads.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .config import GMLPConfig, SGUConfig
+
+__all__ = ["check_length", "causal_weight", "init_spatial_", "SpatialProjection", "SpatialGatingUnit", "GMLPBlock"]
+
+
+def check_length(n: int, max_len: int, what: str = "sequence") -> None:
+    if n > max_len:
+        raise ValueError(
+            f"{what} length {n} exceeds the spatial weight's size {max_len}: the model was built for at "
+            f"most {max_len} positions; use shorter sequences (e.g. --tokens-per-sample {max_len}) or build "
+            f"the model with a longer seq_len"
+        )
+
+
+def causal_weight(weight_XTT: Tensor, n: int) -> Tensor:
+    """The lower-triangular n x n corner of one or more T x T spatial weights."""
+    return torch.tril(weight_XTT[..., :n, :n])
+
+
+def init_spatial_(weight: Tensor, bias: Tensor, init_eps: float) -> None:
+    """Near-identity init (gMLP 2.1): weight ~ U(-eps/T, eps/T), bias = 1."""
+    size = weight.shape[-1]
+    with torch.no_grad():
+        weight.uniform_(-init_eps / size, init_eps / size)
+        bias.fill_(1.0)
+
+
+class SpatialProjection(nn.Module):
+    """Causal multi-head spatial projection: head h mixes positions of its channel chunk with W_h."""
+
+    def __init__(self, heads: int, seq_len: int, init_eps: float = 1e-3):
+        super().__init__()
+        self.heads, self.seq_len = heads, seq_len
+        self.weight = nn.Parameter(torch.empty(heads, seq_len, seq_len))
+        self.bias = nn.Parameter(torch.empty(heads, seq_len))
+        init_spatial_(self.weight, self.bias, init_eps)
+
+    def forward(self, x_BNC: Tensor) -> Tensor:
+        B, n, C = x_BNC.shape
+        check_length(n, self.seq_len)
+        x_BNHc = x_BNC.view(B, n, self.heads, C // self.heads)
+        w_HNN = causal_weight(self.weight, n)
+        y_BNHc = torch.einsum("hts,bshc->bthc", w_HNN, x_BNHc)
+        y_BNHc = y_BNHc + self.bias[:, :n].t()[None, :, :, None]
+        return y_BNHc.reshape(B, n, C)
+
+
+class SpatialGatingUnit(nn.Module):
+    """(Multi-head) causal SGU: out = z1 * (W LayerNorm(z2) + b)."""
+
+    def __init__(self, cfg: SGUConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.norm = nn.LayerNorm(cfg.gated_dim)
+        self.proj = SpatialProjection(cfg.heads, cfg.seq_len, cfg.init_eps)
+
+    def forward(self, z_BNF: Tensor) -> Tensor:
+        if z_BNF.shape[-1] != self.cfg.dim:
+            raise ValueError(f"SGU expects width {self.cfg.dim}, got input of shape {tuple(z_BNF.shape)}")
+        z1, z2 = z_BNF.chunk(2, dim=-1) if self.cfg.split else (z_BNF, z_BNF)
+        return z1 * self.proj(self.norm(z2))
+
+
+class GMLPBlock(nn.Module):
+    """Dense gMLP block, pre-norm with residual."""
+
+    def __init__(self, cfg: GMLPConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.norm = nn.LayerNorm(cfg.d_model)
+        self.proj_in = nn.Linear(cfg.d_model, cfg.d_ffn)
+        self.sgu = SpatialGatingUnit(cfg.sgu)
+        self.proj_out = nn.Linear(cfg.d_ffn // 2, cfg.d_model)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x_BND: Tensor) -> Tensor:
+        h = F.gelu(self.proj_in(self.norm(x_BND)))  # (B, N, F)
+        h = self.proj_out(self.sgu(h))  # (B, N, D)
+        return x_BND + self.dropout(h)

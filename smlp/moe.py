@@ -1,0 +1,178 @@
+"""MoE layers composed as router -> dispatch -> experts -> combine.
+
+tMoE (token-routed FFN experts, sMLP section 2.2 / 3.1) and sMoE (hidden-dimension-routed
+spatial experts, sections 3.1-3.2), and the sMLP sparse block that stacks them.
+
+Shape legend:
+    B batch, N positions (n <= T), D model width, C gated channels of the sMoE,
+    S rows routed on this rank, E experts (global), P routing-prefix positions (partial prediction).
+
+Auxiliary losses and load figures are kept on the module after each forward
+(`aux_loss`, `load_E`) for the criterion and the logs to read; nothing lives in globals.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .config import SMoEConfig, SparseBlockConfig, TMoEConfig
+from .dispatch import LocalDispatcher
+from .experts import FFNExperts, SpatialExperts
+from .gates import gshard_top2, switch_top1
+from .mixers import check_length
+from .routing import RoutingPlan, base_route, hash_route, smoe_deterministic_experts, smoe_partial_route
+
+__all__ = ["TMoE", "SMoE", "SparseBlock", "hash_table"]
+
+
+def _check_dispatcher(dispatcher, num_experts: int):
+    dispatcher = dispatcher if dispatcher is not None else LocalDispatcher(num_experts)
+    if dispatcher.num_experts != num_experts:
+        raise ValueError(
+            f"the dispatcher was built for {dispatcher.num_experts} experts but the layer has {num_experts}"
+        )
+    return dispatcher
+
+
+def hash_table(vocab_size: int, num_experts: int, seed: int) -> Tensor:
+    """A fixed random token-id -> expert table with (almost) equal ids per expert."""
+    g = torch.Generator().manual_seed(seed)
+    table = torch.empty(vocab_size, dtype=torch.long)
+    table[torch.randperm(vocab_size, generator=g)] = torch.arange(vocab_size) % num_experts
+    return table
+
+
+class TMoE(nn.Module):
+    """Token-routed FFN experts; returns only the expert branch (the caller adds the residual).
+
+    base:   Base Layers: y = sigmoid(x.c_e) * FFN_e(LN_e(x)), balanced assignment in training,
+            greedy at inference. Added to x this is sigmoid*expert_sublayer(x) + (1-sigmoid)*x.
+    switch: y = p_e(x) * FFN_e(x) for the top-1 expert, over-capacity tokens get y = 0.
+    gshard: y = sum over top-2 of normalized p * FFN_e(x), capacity 2S/E.
+    hash:   y = FFN_e(x) with e = table[token id].
+    """
+
+    def __init__(self, cfg: TMoEConfig, dispatcher=None):
+        super().__init__()
+        self.cfg = cfg
+        self.dispatcher = _check_dispatcher(dispatcher, cfg.num_experts)
+        E, D = cfg.num_experts, cfg.d_model
+        if cfg.router == "base":
+            self.centroids = nn.Parameter(torch.empty(E, D))
+            nn.init.orthogonal_(self.centroids, gain=0.1)
+        elif cfg.router in ("switch", "gshard"):
+            self.gate = nn.Linear(D, E, bias=False)
+        else:
+            self.register_buffer("hash_table", hash_table(cfg.vocab_size, E, cfg.hash_seed))
+        self.experts = FFNExperts(self.dispatcher.num_local_experts, D, cfg.d_ffn,
+                                  activation=cfg.activation, norm=cfg.uses_expert_norm)
+        self.aux_loss: Tensor | None = None
+        self.load_E: Tensor | None = None
+
+    def route(self, x_SD: Tensor, token_ids_S: Tensor | None = None) -> RoutingPlan:
+        router = self.cfg.router
+        if router == "base":
+            return base_route(x_SD @ self.centroids.t(), training=self.training)
+        if router == "switch":
+            return switch_top1(self.gate(x_SD), capacity_factor=self.cfg.capacity_factor, training=self.training)
+        if router == "gshard":
+            return gshard_top2(self.gate(x_SD), training=self.training)
+        if token_ids_S is None:
+            raise ValueError("router='hash' needs the token ids of the rows it routes")
+        return hash_route(token_ids_S.reshape(-1), self.hash_table)
+
+    def forward(self, x_SD: Tensor, token_ids_S: Tensor | None = None) -> Tensor:
+        if x_SD.dim() != 2 or x_SD.shape[-1] != self.cfg.d_model:
+            raise ValueError(f"TMoE expects rows of shape (S, {self.cfg.d_model}), got {tuple(x_SD.shape)}")
+        plan = self.route(x_SD, token_ids_S)
+        self.aux_loss = plan.aux_loss
+        self.load_E = plan.counts(self.cfg.num_experts).detach()
+        K = plan.experts_SK.shape[1]
+        kept = (plan.experts_SK >= 0).reshape(-1)
+        row_idx = torch.arange(x_SD.shape[0], device=x_SD.device).repeat_interleave(K)[kept]
+        expert_idx = plan.experts_SK.reshape(-1)[kept]
+        weight = plan.weights_SK.reshape(-1)[kept].to(x_SD.dtype)
+        x_RD, counts_L, state = self.dispatcher.dispatch(x_SD[row_idx], expert_idx)
+        y_rows = self.dispatcher.combine(self.experts(x_RD, counts_L), state)
+        return torch.zeros_like(x_SD).index_add(0, row_idx, y_rows * weight[:, None])
+
+
+class SMoE(nn.Module):
+    """The sparse spatial-gating MoE: hidden-dimension vectors routed to spatial experts.
+
+    out = z1 * gate, gate = expert_e(LayerNorm(z2)[c]) for each hidden dimension c.
+    deterministic: c in chunk i -> expert i; with a LocalDispatcher and the same weights this is
+                   exactly a multi-head SGU with one head per expert (the reference in the tests).
+    partial:       logits_c = LayerNorm(z2)[:P, c] . W_r (P x E); each expert mixes only positions
+                   P..n-1 and its output is scaled by p_e (eq. 5, 7); positions < P are not
+                   predicted (gate = 1) and the LM loss must skip them.
+    Both are causal: output at position t depends on positions <= t only.
+    """
+
+    def __init__(self, cfg: SMoEConfig, dispatcher=None):
+        super().__init__()
+        self.cfg = cfg
+        self.dispatcher = _check_dispatcher(dispatcher, cfg.num_experts)
+        self.norm = nn.LayerNorm(cfg.gated_dim)
+        self.experts = SpatialExperts(self.dispatcher.num_local_experts, cfg.expert_len, cfg.init_eps)
+        if cfg.routing == "partial":
+            P = cfg.prefix_len
+            self.router = nn.Parameter(torch.randn(P, cfg.num_experts) * P ** -0.5)
+        self.register_buffer(
+            "channel_expert_C", smoe_deterministic_experts(cfg.gated_dim, cfg.num_experts)
+            if cfg.routing == "deterministic" else torch.empty(0, dtype=torch.long), persistent=False)
+        self.load_E: Tensor | None = None
+        self.aux_loss = None
+
+    def forward(self, z_BNF: Tensor) -> Tensor:
+        cfg = self.cfg
+        if z_BNF.dim() != 3 or z_BNF.shape[-1] != cfg.dim:
+            raise ValueError(f"SMoE expects (batch, length, {cfg.dim}), got {tuple(z_BNF.shape)}")
+        B, n, _ = z_BNF.shape
+        check_length(n, cfg.seq_len)
+        P = cfg.prefix_len
+        if n <= P:
+            raise ValueError(
+                f"sequence length {n} leaves nothing to predict after the {P}-position routing prefix of "
+                f"partial prediction; sequences must be longer than {P}"
+            )
+        z1, z2 = z_BNF.chunk(2, dim=-1) if cfg.split else (z_BNF, z_BNF)
+        v_BNC = self.norm(z2)
+        C, M = v_BNC.shape[-1], n - P
+        rows_SM = v_BNC[:, P:, :].transpose(1, 2).reshape(B * C, M)  # one row per (sequence, channel)
+        if cfg.routing == "deterministic":
+            expert_S, weight_S = self.channel_expert_C.repeat(B), None
+        else:
+            prefix_SP = v_BNC[:, :P, :].transpose(1, 2).reshape(B * C, P)
+            plan = smoe_partial_route(prefix_SP @ self.router, training=self.training)
+            expert_S, weight_S = plan.experts_SK[:, 0], plan.weights_SK[:, 0].to(z_BNF.dtype)
+        self.load_E = torch.bincount(expert_S, minlength=cfg.num_experts).detach()
+        width = self.dispatcher.common_width(M)  # ranks may hold sequences of different lengths
+        if width > M:  # zero positions appended at the end never reach earlier outputs (causal)
+            rows_SM = F.pad(rows_SM, (0, width - M))
+        x_RM, counts_L, state = self.dispatcher.dispatch(rows_SM, expert_S)
+        y_SM = self.dispatcher.combine(self.experts(x_RM, counts_L), state)[:, :M]
+        if weight_S is not None:
+            y_SM = y_SM * weight_S[:, None]
+        gate_BMC = y_SM.reshape(B, C, M).transpose(1, 2)
+        if P:
+            gate_BMC = torch.cat([gate_BMC.new_ones(B, P, C), gate_BMC], dim=1)
+        return z1 * gate_BMC
+
+
+class SparseBlock(nn.Module):
+    """sMLP sparse block (Fig. 2): sMoE token mixing, then Base Layers tMoE; no dense projections."""
+
+    def __init__(self, cfg: SparseBlockConfig, dispatcher=None):
+        super().__init__()
+        self.cfg = cfg
+        self.norm = nn.LayerNorm(cfg.d_model)
+        self.smoe = SMoE(cfg.smoe, dispatcher)
+        self.tmoe = TMoE(cfg.tmoe, self.smoe.dispatcher)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x_BND: Tensor) -> Tensor:
+        x_BND = x_BND + self.dropout(self.smoe(self.norm(x_BND)))
+        y_SD = self.tmoe(x_BND.reshape(-1, self.cfg.d_model))
+        return x_BND + self.dropout(y_SD.view_as(x_BND))

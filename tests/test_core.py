@@ -1,0 +1,306 @@
+"""Single-process tests of the core: mixers, sMoE, tMoE, routing rules, errors."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from causality import assert_causal, earlier_outputs_unchanged
+from smlp.config import GMLPConfig, SGUConfig, SMoEConfig, SparseBlockConfig, TMoEConfig
+from smlp.dispatch import LocalDispatcher, expert_parallel_layout
+from smlp.mixers import GMLPBlock, SpatialGatingUnit
+from smlp.moe import SMoE, SparseBlock, TMoE, hash_table
+from smlp.routing import base_route, sanitize_scores, smoe_partial_route
+
+torch.set_num_threads(1)
+
+
+def randomize_spatial_(module, seed=0):
+    """Give spatial weights O(1) values so tests are not dominated by the near-zero init."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if "weight" in name and p.dim() == 3 and p.shape[-1] == p.shape[-2]:
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+
+
+# ---------------------------------------------------------------- token mixers
+
+
+@pytest.mark.parametrize("split", [True, False])
+def test_sgu_initial_state_is_identity_gate(split):
+    sgu = SpatialGatingUnit(SGUConfig(dim=16, seq_len=12, split=split))
+    # the near-zero init is small but not zero, and bias starts at one
+    assert 0 < sgu.proj.weight.abs().max() <= 1e-3 / 12
+    assert torch.equal(sgu.proj.bias, torch.ones_like(sgu.proj.bias))
+    with torch.no_grad():
+        sgu.proj.weight.zero_()
+    z = torch.randn(2, 9, 16)
+    expected = z[..., :8] if split else z
+    assert torch.allclose(sgu(z), expected)
+
+
+@pytest.mark.parametrize("heads", [1, 2, 4])
+def test_multihead_sgu_matches_explicit_loops(heads):
+    torch.manual_seed(0)
+    cfg = SGUConfig(dim=16, seq_len=10, heads=heads)
+    sgu = SpatialGatingUnit(cfg)
+    randomize_spatial_(sgu)
+    z = torch.randn(3, 7, 16)
+    z1, z2 = z.chunk(2, -1)
+    v = F.layer_norm(z2, (8,), sgu.norm.weight, sgu.norm.bias)
+    c = 8 // heads
+    out = torch.empty_like(z1)
+    for b in range(3):
+        for h in range(heads):
+            for t in range(7):
+                acc = sgu.proj.bias[h, t].expand(c).clone()
+                for s in range(t + 1):
+                    acc = acc + sgu.proj.weight[h, t, s] * v[b, s, h * c:(h + 1) * c]
+                out[b, t, h * c:(h + 1) * c] = z1[b, t, h * c:(h + 1) * c] * acc
+    assert torch.allclose(sgu(z), out, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+@pytest.mark.parametrize("heads", [1, 4])
+def test_gmlp_block_is_causal(mode, heads):
+    torch.manual_seed(0)
+    block = GMLPBlock(GMLPConfig(d_model=16, d_ffn=32, seq_len=12, heads=heads, dropout=0.1))
+    randomize_spatial_(block)
+    block.train(mode == "train")
+    assert_causal(block, torch.randn(2, 12, 16))
+    assert_causal(block, torch.randn(2, 7, 16))  # shorter than T
+
+
+def test_causality_check_can_fail():
+    """Negative control: an unmasked spatial weight leaks the future and the check sees it."""
+    torch.manual_seed(0)
+    w = torch.randn(8, 8)
+    leaky = lambda x: torch.einsum("ts,bsd->btd", w, x)  # noqa: E731
+    assert not earlier_outputs_unchanged(leaky, torch.randn(2, 8, 4), 3)
+
+
+def test_sequence_longer_than_spatial_weight_is_refused():
+    block = GMLPBlock(GMLPConfig(d_model=8, d_ffn=16, seq_len=6))
+    with pytest.raises(ValueError, match=r"length 7 exceeds the spatial weight's size 6"):
+        block(torch.randn(1, 7, 8))
+
+
+# ---------------------------------------------------------------- sMoE
+
+
+def copy_smoe_into_sgu(smoe: SMoE, sgu: SpatialGatingUnit) -> None:
+    with torch.no_grad():
+        sgu.norm.load_state_dict(smoe.norm.state_dict())
+        sgu.proj.weight.copy_(smoe.experts.weight)
+        sgu.proj.bias.copy_(smoe.experts.bias)
+
+
+@pytest.mark.parametrize("split", [True, False])
+@pytest.mark.parametrize("experts", [1, 2, 4])
+def test_smoe_deterministic_equals_multihead_sgu(split, experts):
+    """Sec. 3.2.1: hidden chunk i -> expert i is a multi-head SGU with one head per expert."""
+    torch.manual_seed(0)
+    smoe = SMoE(SMoEConfig(dim=16, seq_len=10, num_experts=experts, split=split))
+    randomize_spatial_(smoe)
+    sgu = SpatialGatingUnit(SGUConfig(dim=16, seq_len=10, heads=experts, split=split))
+    copy_smoe_into_sgu(smoe, sgu)
+    z = torch.randn(3, 10, 16, requires_grad=True)
+    z_ref = z.detach().clone().requires_grad_(True)
+    y, y_ref = smoe(z), sgu(z_ref)
+    assert torch.allclose(y, y_ref, atol=1e-6)
+    g = torch.randn_like(y)
+    y.backward(g)
+    y_ref.backward(g)
+    assert torch.allclose(z.grad, z_ref.grad, atol=1e-5)
+    assert torch.allclose(smoe.experts.weight.grad, sgu.proj.weight.grad, atol=1e-5)
+    assert torch.allclose(smoe.norm.weight.grad, sgu.norm.weight.grad, atol=1e-5)
+
+
+@pytest.mark.parametrize("routing", ["deterministic", "partial"])
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_smoe_is_causal(routing, mode):
+    torch.manual_seed(0)
+    cfg = SMoEConfig(dim=16, seq_len=20, num_experts=4, routing=routing, split=True)
+    smoe = SMoE(cfg)
+    randomize_spatial_(smoe)
+    smoe.train(mode == "train")
+    P = cfg.prefix_len
+    x = torch.randn(3, 20, 16)
+    # partial prediction: only positions after the routing prefix are predicted
+    assert_causal(smoe, x, first_checked=P, positions=[P, 11, 18])
+
+
+class LeakyRouterSMoE(SMoE):
+    """Appendix B: a router that reads every position of the hidden vector, future ones included."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.full_router = torch.nn.Parameter(torch.randn(cfg.seq_len, cfg.num_experts))
+
+    def forward(self, z):
+        B, n, _ = z.shape
+        v = self.norm(z.chunk(2, -1)[1])
+        rows = v.transpose(1, 2).reshape(-1, n)
+        plan = smoe_partial_route(rows @ self.full_router[:n], training=self.training)
+        gate = (plan.weights_SK[:, 0, None] * rows).reshape(B, -1, n).transpose(1, 2)
+        return z.chunk(2, -1)[0] * gate
+
+
+def test_appendix_b_router_fails_causality():
+    torch.manual_seed(0)
+    leaky = LeakyRouterSMoE(SMoEConfig(dim=16, seq_len=20, num_experts=4, routing="partial")).eval()
+    assert not earlier_outputs_unchanged(leaky, torch.randn(3, 20, 16), 10, first_checked=4)
+
+
+def test_smoe_partial_balances_hidden_dimensions_in_training():
+    torch.manual_seed(0)
+    smoe = SMoE(SMoEConfig(dim=32, seq_len=20, num_experts=4, routing="partial"))
+    smoe.train()
+    smoe(torch.randn(3, 20, 32))
+    assert smoe.load_E.tolist() == [3 * 16 // 4] * 4
+
+
+def test_smoe_partial_router_gets_gradients():
+    torch.manual_seed(0)
+    smoe = SMoE(SMoEConfig(dim=16, seq_len=20, num_experts=4, routing="partial"))
+    smoe(torch.randn(2, 20, 16)).pow(2).sum().backward()
+    assert smoe.router.grad is not None and smoe.router.grad.abs().sum() > 0
+
+
+def test_smoe_partial_needs_positions_after_prefix():
+    smoe = SMoE(SMoEConfig(dim=16, seq_len=20, num_experts=4, routing="partial"))
+    with pytest.raises(ValueError, match="routing prefix"):
+        smoe(torch.randn(2, 4, 16))
+
+
+# ---------------------------------------------------------------- tMoE
+
+
+def dense_ffn(x, w1, b1, w2, b2):
+    return F.gelu(x @ w1 + b1) @ w2 + b2
+
+
+@pytest.mark.parametrize("router", ["switch", "gshard", "hash", "base"])
+def test_one_expert_moe_equals_dense_layer(router):
+    torch.manual_seed(0)
+    moe = TMoE(TMoEConfig(d_model=8, d_ffn=16, num_experts=1, router=router, vocab_size=50,
+                          capacity_factor=2.0))
+    e = moe.experts
+    x = torch.randn(12, 8)
+    ids = torch.randint(0, 50, (12,))
+    y = moe(x, ids)
+    h = F.layer_norm(x, (8,), e.norm_weight[0], e.norm_bias[0]) if router == "base" else x
+    expected = dense_ffn(h, e.w1[0], e.b1[0], e.w2[0], e.b2[0])
+    if router == "base":
+        expected = torch.sigmoid(x @ moe.centroids[0])[:, None] * expected
+    assert torch.allclose(y, expected, atol=1e-6)
+
+
+@pytest.mark.parametrize("tokens", [64, 61, 3])
+def test_base_layer_counts_are_exactly_balanced_in_training(tokens):
+    torch.manual_seed(0)
+    moe = TMoE(TMoEConfig(d_model=8, d_ffn=16, num_experts=4, router="base")).train()
+    moe(torch.randn(tokens, 8))
+    counts = moe.load_E.tolist()
+    assert sum(counts) == tokens
+    assert max(counts) - min(counts) <= (0 if tokens % 4 == 0 else 1)
+
+
+def test_base_layer_output_mixes_expert_and_input_like_base_layers():
+    """x + TMoE(x) == sigmoid(x.c_e) * (x + FFN_e(LN_e x)) + (1 - sigmoid) * x."""
+    torch.manual_seed(0)
+    moe = TMoE(TMoEConfig(d_model=8, d_ffn=16, num_experts=3, router="base")).eval()
+    x = torch.randn(10, 8)
+    e = moe.experts
+    expert = (x @ moe.centroids.t()).argmax(-1)
+    alpha = torch.sigmoid((x * moe.centroids[expert]).sum(-1, keepdim=True))
+    sub = torch.stack([x[i] + dense_ffn(F.layer_norm(x[i], (8,), e.norm_weight[k], e.norm_bias[k]),
+                                        e.w1[k], e.b1[k], e.w2[k], e.b2[k]) for i, k in enumerate(expert.tolist())])
+    assert torch.allclose(x + moe(x), alpha * sub + (1 - alpha) * x, atol=1e-5)
+
+
+@pytest.mark.parametrize("router", ["base", "switch", "gshard", "hash"])
+def test_token_routers_are_causal_in_eval_mode(router):
+    torch.manual_seed(0)
+    moe = TMoE(TMoEConfig(d_model=8, d_ffn=16, num_experts=4, router=router, vocab_size=30)).eval()
+    emb = torch.nn.Embedding(30, 8)
+
+    def lm_layer(ids_BN):
+        x = emb(ids_BN)
+        return moe(x.reshape(-1, 8), ids_BN.reshape(-1)).view_as(x)
+
+    assert_causal(lm_layer, torch.randint(0, 30, (3, 16)))
+
+
+def test_hash_table_is_fixed_balanced_and_saved():
+    t = hash_table(103, 4, seed=7)
+    assert torch.equal(t, hash_table(103, 4, seed=7))
+    assert sorted(torch.bincount(t).tolist()) == [25, 26, 26, 26]
+    moe = TMoE(TMoEConfig(d_model=8, d_ffn=16, num_experts=4, router="hash", vocab_size=103, hash_seed=7))
+    assert torch.equal(moe.state_dict()["hash_table"], t)
+
+
+def test_hash_router_rejects_ids_outside_table():
+    moe = TMoE(TMoEConfig(d_model=8, d_ffn=16, num_experts=4, router="hash", vocab_size=10))
+    with pytest.raises(ValueError, match="hash table covers ids 0..9"):
+        moe(torch.randn(3, 8), torch.tensor([1, 2, 12]))
+
+
+def test_sparse_block_runs_and_is_causal():
+    torch.manual_seed(0)
+    for routing in ("deterministic", "partial"):
+        block = SparseBlock(SparseBlockConfig(d_model=16, d_ffn=32, seq_len=20, num_experts=4,
+                                              smoe_routing=routing)).eval()
+        randomize_spatial_(block)
+        P = block.smoe.cfg.prefix_len
+        assert_causal(block, torch.randn(2, 20, 16), first_checked=P, positions=[P, 12, 18])
+
+
+# ---------------------------------------------------------------- routing and errors
+
+
+def test_non_finite_scores_do_not_break_assignment():
+    scores = torch.randn(32, 4)
+    scores[0, 1] = float("nan")
+    scores[3] = float("inf")
+    scores[5, 2] = float("-inf")
+    plan = base_route(scores, training=True)
+    assert torch.bincount(plan.experts_SK[:, 0], minlength=4).tolist() == [8, 8, 8, 8]
+    assert torch.isfinite(plan.weights_SK).all()
+    assert torch.isfinite(sanitize_scores(scores)).all()
+    all_nan = torch.full((8, 4), float("nan"))
+    assert torch.bincount(base_route(all_nan, training=True).experts_SK[:, 0], minlength=4).tolist() == [2] * 4
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: SMoEConfig(dim=18, seq_len=8, num_experts=4, split=False), "must divide the gated width 18"),
+    (lambda: SGUConfig(dim=12, seq_len=8, heads=4), "heads=4 must divide the gated width 6"),
+    (lambda: TMoEConfig(d_model=8, d_ffn=8, num_experts=2, router="top3"), "router='top3' is unknown"),
+    (lambda: SMoEConfig(dim=8, seq_len=8, num_experts=2, routing="learned"), "routing='learned' is unknown"),
+    (lambda: TMoEConfig(d_model=8, d_ffn=8, num_experts=0), "num_experts=0 is invalid"),
+    (lambda: TMoEConfig(d_model=8, d_ffn=8, num_experts=2, router="hash"), "needs vocab_size"),
+    (lambda: SparseBlockConfig(d_model=10, d_ffn=8, seq_len=8, num_experts=4), "must divide the gated width 10"),
+    (lambda: expert_parallel_layout(6, 4), "num_experts=6 cannot be spread evenly over 4 ranks"),
+    (lambda: expert_parallel_layout(2, 4), "replicating experts across ranks is not supported"),
+    (lambda: TMoE(TMoEConfig(d_model=8, d_ffn=8, num_experts=4), LocalDispatcher(2)), "built for 2 experts"),
+])
+def test_bad_configuration_is_refused_with_a_clear_message(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+def test_wrong_input_width_is_refused():
+    moe = TMoE(TMoEConfig(d_model=8, d_ffn=8, num_experts=2))
+    with pytest.raises(ValueError, match=r"expects rows of shape \(S, 8\)"):
+        moe(torch.randn(4, 6))
+    smoe = SMoE(SMoEConfig(dim=8, seq_len=8, num_experts=2))
+    with pytest.raises(ValueError, match=r"SMoE expects \(batch, length, 8\)"):
+        smoe(torch.randn(1, 4, 6))
+
+
+def test_expert_parameters_are_marked_and_others_are_not():
+    block = SparseBlock(SparseBlockConfig(d_model=8, d_ffn=16, seq_len=10, num_experts=2))
+    marked = {n for n, p in block.named_parameters() if getattr(p, "expert", False)}
+    assert marked == {"smoe.experts.weight", "smoe.experts.bias", "tmoe.experts.w1", "tmoe.experts.b1",
+                      "tmoe.experts.w2", "tmoe.experts.b2", "tmoe.experts.norm_weight", "tmoe.experts.norm_bias"}
