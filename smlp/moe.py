@@ -7,8 +7,9 @@ Shape legend:
     B batch, N positions (n <= T), D model width, C gated channels of the sMoE,
     S rows routed on this rank, E experts (global), P routing-prefix positions (partial prediction).
 
-Auxiliary losses and load figures are kept on the module after each forward
-(`aux_loss`, `load_E`) for the criterion and the logs to read; nothing lives in globals.
+Auxiliary losses, load and all2all time are kept on the module after each forward
+(`aux_loss`, `load_E`, `comm_seconds`) for the criterion and the logs to read; nothing lives
+in globals.
 """
 from __future__ import annotations
 
@@ -69,6 +70,7 @@ class TMoE(nn.Module):
                                   activation=cfg.activation, norm=cfg.uses_expert_norm)
         self.aux_loss: Tensor | None = None
         self.load_E: Tensor | None = None
+        self.comm_seconds = 0.0
 
     def route(self, x_SD: Tensor, token_ids_S: Tensor | None = None) -> RoutingPlan:
         router = self.cfg.router
@@ -93,8 +95,10 @@ class TMoE(nn.Module):
         row_idx = torch.arange(x_SD.shape[0], device=x_SD.device).repeat_interleave(K)[kept]
         expert_idx = plan.experts_SK.reshape(-1)[kept]
         weight = plan.weights_SK.reshape(-1)[kept].to(x_SD.dtype)
+        comm_before = self.dispatcher.comm_seconds
         x_RD, counts_L, state = self.dispatcher.dispatch(x_SD[row_idx], expert_idx)
         y_rows = self.dispatcher.combine(self.experts(x_RD, counts_L), state)
+        self.comm_seconds = self.dispatcher.comm_seconds - comm_before
         return torch.zeros_like(x_SD).index_add(0, row_idx, y_rows * weight[:, None])
 
 
@@ -106,7 +110,8 @@ class SMoE(nn.Module):
                    exactly a multi-head SGU with one head per expert (the reference in the tests).
     partial:       logits_c = LayerNorm(z2)[:P, c] . W_r (P x E); each expert mixes only positions
                    P..n-1 and its output is scaled by p_e (eq. 5, 7); positions < P are not
-                   predicted (gate = 1) and the LM loss must skip them.
+                   predicted (gate = 1) and the LM loss must skip them. A sequence no longer
+                   than P has no predicted position and sends no rows.
     Both are causal: output at position t depends on positions <= t only.
     """
 
@@ -124,6 +129,7 @@ class SMoE(nn.Module):
             if cfg.routing == "deterministic" else torch.empty(0, dtype=torch.long), persistent=False)
         self.load_E: Tensor | None = None
         self.aux_loss = None
+        self.comm_seconds = 0.0
 
     def forward(self, z_BNF: Tensor) -> Tensor:
         cfg = self.cfg
@@ -131,28 +137,28 @@ class SMoE(nn.Module):
             raise ValueError(f"SMoE expects (batch, length, {cfg.dim}), got {tuple(z_BNF.shape)}")
         B, n, _ = z_BNF.shape
         check_length(n, cfg.seq_len)
-        P = cfg.prefix_len
-        if n <= P:
-            raise ValueError(
-                f"sequence length {n} leaves nothing to predict after the {P}-position routing prefix of "
-                f"partial prediction; sequences must be longer than {P}"
-            )
+        P = min(cfg.prefix_len, n)  # a sequence no longer than the routing prefix has nothing to predict
         z1, z2 = z_BNF.chunk(2, dim=-1) if cfg.split else (z_BNF, z_BNF)
         v_BNC = self.norm(z2)
         C, M = v_BNC.shape[-1], n - P
         rows_SM = v_BNC[:, P:, :].transpose(1, 2).reshape(B * C, M)  # one row per (sequence, channel)
         if cfg.routing == "deterministic":
             expert_S, weight_S = self.channel_expert_C.repeat(B), None
+        elif M == 0:  # still take part in the exchange: other ranks may have rows
+            rows_SM = rows_SM[:0]
+            expert_S, weight_S = self.channel_expert_C.new_zeros(0), None
         else:
             prefix_SP = v_BNC[:, :P, :].transpose(1, 2).reshape(B * C, P)
             plan = smoe_partial_route(prefix_SP @ self.router, training=self.training)
             expert_S, weight_S = plan.experts_SK[:, 0], plan.weights_SK[:, 0].to(z_BNF.dtype)
         self.load_E = torch.bincount(expert_S, minlength=cfg.num_experts).detach()
+        comm_before = self.dispatcher.comm_seconds
         width = self.dispatcher.common_width(M)  # ranks may hold sequences of different lengths
         if width > M:  # zero positions appended at the end never reach earlier outputs (causal)
             rows_SM = F.pad(rows_SM, (0, width - M))
         x_RM, counts_L, state = self.dispatcher.dispatch(rows_SM, expert_S)
         y_SM = self.dispatcher.combine(self.experts(x_RM, counts_L), state)[:, :M]
+        self.comm_seconds = self.dispatcher.comm_seconds - comm_before
         if weight_S is not None:
             y_SM = y_SM * weight_S[:, None]
         gate_BMC = y_SM.reshape(B, C, M).transpose(1, 2)

@@ -1,0 +1,155 @@
+"""Checkpoints of expert-parallel models: safe loading, re-sharding and consolidation.
+
+fairseq writes one checkpoint per rank when cfg.model.base_layers > 0 (`checkpoint_best-rank-R.pt`),
+each holding that rank's experts. Here:
+- `allow_fairseq_checkpoints()` lets torch.load (weights_only, the default since torch 2.6) read
+  fairseq checkpoints by allowlisting exactly the classes fairseq pickles, instead of turning the
+  safety off for everything (TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD).
+- `adapt_expert_state` fits a loaded state to the current world size: a shard of the same
+  layout loads as is, a consolidated state (all experts) is sliced for this rank, anything else
+  is refused with the command that fixes it.
+- `smlp-consolidate CHECKPOINT` merges the rank shards of one save into one file holding every
+  expert, written atomically; it loads on any world size that divides the number of experts
+  (fairseq-eval-lm, smlp-zeroshot).
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import re
+import sys
+from collections.abc import Mapping
+
+import torch
+
+from smlp.sharding import merge_expert_shards, slice_expert_shard
+
+EXPERT_KEY = re.compile(r"(^|\.)experts\.")
+
+
+def is_expert_key(key: str) -> bool:
+    """Expert weights live in the core's `experts` modules (FFNExperts, SpatialExperts)."""
+    return bool(EXPERT_KEY.search(key))
+
+
+def allow_fairseq_checkpoints() -> None:
+    """Allowlist the non-tensor objects fairseq stores in checkpoints for weights_only loading."""
+    import argparse as _argparse
+    import collections
+    import typing
+
+    import numpy as np
+    from omegaconf import DictConfig, ListConfig
+    from omegaconf.base import ContainerMetadata, Metadata
+    from omegaconf.nodes import AnyNode, BooleanNode, EnumNode, FloatNode, IntegerNode, StringNode
+
+    safe = [DictConfig, ListConfig, ContainerMetadata, Metadata, AnyNode, BooleanNode, EnumNode, FloatNode,
+            IntegerNode, StringNode, typing.Any, dict, list, int, float, str, bool, tuple, set,
+            collections.defaultdict, collections.OrderedDict, _argparse.Namespace,
+            np.dtype, np.ndarray, np.core.multiarray.scalar if hasattr(np, "core") else np.ndarray]
+    for name in ("Float64DType", "Int64DType", "Float32DType", "Int32DType", "BoolDType"):
+        cls = getattr(np.dtypes, name, None)
+        if cls is not None:
+            safe.append(cls)
+    try:
+        from numpy._core.multiarray import _reconstruct, scalar
+        safe += [_reconstruct, scalar]
+    except ImportError:  # older numpy
+        pass
+    torch.serialization.add_safe_globals(safe)
+
+
+def load_checkpoint(path: str) -> dict:
+    """torch.load a fairseq checkpoint on CPU with a clear error for missing or corrupt files."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"checkpoint {path} does not exist")
+    allow_fairseq_checkpoints()
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # corrupt, truncated or not a checkpoint
+        raise ValueError(f"cannot read checkpoint {path}: {type(exc).__name__}: {str(exc)[:300]}") from exc
+
+
+def adapt_expert_state(model, state: Mapping[str, torch.Tensor], rank: int, world: int) -> Mapping[str, torch.Tensor]:
+    own = model.state_dict()
+    keys = [k for k in own if is_expert_key(k)]
+    mismatched = [k for k in keys if k in state and state[k].shape[0] != own[k].shape[0]]
+    if not mismatched:
+        return state
+    k = mismatched[0]
+    local, saved = own[k].shape[0], state[k].shape[0]
+    total = local * world
+    if saved == total:  # a consolidated checkpoint: take this rank's experts
+        return slice_expert_shard(state, keys, rank, world)
+    raise ValueError(
+        f"the checkpoint holds {saved} of the {total} experts of each sparse layer (one rank's shard of a "
+        f"{total // saved if saved and total % saved == 0 else '?'}-rank run; e.g. {k} has shape "
+        f"{tuple(state[k].shape)}), but this run has {world} rank(s) with {local} expert(s) each. Merge the "
+        f"shards first with `smlp-consolidate <checkpoint.pt>`; the result loads on any number of ranks "
+        f"that divides {total}."
+    )
+
+
+def shard_paths(path: str) -> list[str]:
+    """The rank shards `X-rank-R.pt` of checkpoint `X.pt`, in rank order; ValueError if any is missing."""
+    stem = path[:-3] if path.endswith(".pt") else path
+    found = {}
+    for p in glob.glob(glob.escape(stem) + "-rank-*.pt"):
+        m = re.fullmatch(re.escape(stem) + r"-rank-(\d+)\.pt", p)
+        if m:
+            found[int(m.group(1))] = p
+    if not found:
+        raise FileNotFoundError(f"no rank shards {stem}-rank-<R>.pt found next to {path}")
+    missing = [r for r in range(max(found) + 1) if r not in found]
+    if missing:
+        raise ValueError(f"checkpoint shards of rank(s) {missing} are missing for {stem}: cannot merge the experts")
+    return [found[r] for r in range(len(found))]
+
+
+def consolidate(path: str, out: str | None = None) -> str:
+    """Merge the rank shards of `path` into one checkpoint holding every expert; returns its path."""
+    shards = shard_paths(path)
+    states = [load_checkpoint(p) for p in shards]
+    updates = {_num_updates(s) for s in states}
+    if len(updates) > 1:
+        raise ValueError(
+            f"the shards of {path} come from different saves (updates {sorted(updates)}): a run was interrupted "
+            f"while copying; use the shards of one save (e.g. checkpoint_<epoch>_<update>-rank-*.pt)"
+        )
+    models = [s["model"] for s in states]
+    keys = [k for k in models[0] if is_expert_key(k)]
+    merged = dict(states[0])
+    merged["model"] = merge_expert_shards(models, keys)
+    merged["last_optimizer_state"] = None  # per-rank optimizer states are not mergeable; this is for evaluation
+    merged["smlp_consolidated_from"] = len(shards)
+    if keys and merged.get("cfg") is not None:
+        num_experts = merged["model"][keys[0]].shape[0]
+        merged["cfg"]["model"]["num_experts"] = int(num_experts)
+    out = out or path
+    tmp = out + ".tmp"
+    torch.save(merged, tmp)
+    os.replace(tmp, out)
+    return out
+
+
+def _num_updates(state) -> int | None:
+    hist = state.get("optimizer_history") or []
+    return hist[-1].get("num_updates") if hist else None
+
+
+def consolidate_main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="smlp-consolidate",
+        description="Merge the per-rank expert shards (X-rank-R.pt) of a checkpoint X.pt into X.pt holding all "
+                    "experts, for evaluation on any world size that divides the number of experts.")
+    parser.add_argument("checkpoint", help="checkpoint name without the rank suffix, e.g. checkpoints/checkpoint_best.pt")
+    parser.add_argument("--out", help="where to write (default: the checkpoint name itself)")
+    args = parser.parse_args(argv)
+    try:
+        out = consolidate(args.checkpoint, args.out)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"smlp-consolidate: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {out} ({len(shard_paths(args.checkpoint))} shards merged)")
+    return 0

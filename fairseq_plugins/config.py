@@ -1,0 +1,94 @@
+"""fairseq model configurations and their one translation into the core `LMConfig`.
+
+One FairseqDataclass per model; `to_core_config` is the only place that reads fairseq fields.
+Flags use fairseq's names where fairseq has one (--decoder-embed-dim, --decoder-layers, ...).
+"""
+
+from dataclasses import dataclass, field
+
+from fairseq.dataclass import ChoiceEnum, FairseqDataclass
+from omegaconf import II
+
+from smlp.lm import LMConfig
+
+SMOE_ROUTING_CHOICES = ChoiceEnum(["deterministic", "partial"])
+MOE_ROUTER_CHOICES = ChoiceEnum(["gshard", "switch", "base", "hash"])
+ACTIVATION_CHOICES = ChoiceEnum(["gelu", "relu"])
+
+
+@dataclass
+class _LMBase(FairseqDataclass):
+    decoder_embed_dim: int = field(default=512, metadata={"help": "model width D"})
+    decoder_ffn_embed_dim: int = field(default=2048, metadata={"help": "channel-projection / FFN width F"})
+    decoder_layers: int = field(default=6, metadata={"help": "number of dense blocks N1"})
+    dropout: float = field(default=0.1, metadata={"help": "dropout probability"})
+    activation_fn: ACTIVATION_CHOICES = field(default="gelu", metadata={"help": "activation of FFN experts"})
+    tokens_per_sample: int = II("task.tokens_per_sample")
+    seq_len: int = field(
+        default=0,
+        metadata={"help": "longest sequence the model accepts (size T of the spatial weights); "
+                          "0 means --tokens-per-sample"},
+    )
+    # Read from the trainer's config so the model can refuse a wrong setup before training starts.
+    ddp_backend: str = II("distributed_training.ddp_backend")
+    distributed_world_size: int = II("distributed_training.distributed_world_size")
+
+
+@dataclass
+class _SparseBase(_LMBase):
+    sparse_layers: int = field(default=2, metadata={"help": "number of sparse (expert) layers N2"})
+    num_experts: int = field(
+        default=0, metadata={"help": "experts per sparse layer; 0 means one per rank (the world size)"}
+    )
+    # fairseq writes per-rank checkpoints and loads them on every rank when cfg.model.base_layers > 0
+    # (trainer.py, distributed/utils.py): it must equal the number of sparse layers.
+    base_layers: int = II("model.sparse_layers")
+
+
+@dataclass
+class SMLPConfig(_SparseBase):
+    smoe_routing: SMOE_ROUTING_CHOICES = field(
+        default="deterministic",
+        metadata={"help": "sMoE routing: deterministic (hidden chunk i -> expert i) or partial "
+                          "(router over the first --prefix-fraction positions; loss on the rest)"},
+    )
+    prefix_fraction: float = field(default=0.2, metadata={"help": "routing prefix of partial prediction"})
+
+
+@dataclass
+class GMLPConfig(_LMBase):
+    sgu_heads: int = field(default=1, metadata={"help": "heads of the spatial gating unit (multi-head SGU)"})
+
+
+@dataclass
+class MoETransformerConfig(_SparseBase):
+    decoder_attention_heads: int = field(default=8, metadata={"help": "attention heads"})
+    moe_router: MOE_ROUTER_CHOICES = field(
+        default="switch",
+        metadata={"help": "token router of the sparse FFN layers: gshard (top-2), switch (top-1), "
+                          "base (balanced assignment), hash (fixed token-id table)"},
+    )
+    capacity_factor: float = field(default=1.0, metadata={"help": "Switch capacity factor"})
+    hash_seed: int = field(default=0, metadata={"help": "seed of the HASH layers' token-id table"})
+
+
+def resolve_num_experts(requested: int, world_size: int) -> int:
+    return requested if requested > 0 else max(1, world_size)
+
+
+def to_core_config(cfg, family: str, vocab_size: int, padding_idx: int) -> LMConfig:
+    """Translate a fairseq model config into the core LMConfig (the only such translation)."""
+    seq_len = cfg.seq_len if cfg.seq_len > 0 else cfg.tokens_per_sample
+    common = dict(
+        family=family, vocab_size=vocab_size, padding_idx=padding_idx,
+        d_model=cfg.decoder_embed_dim, d_ffn=cfg.decoder_ffn_embed_dim, seq_len=seq_len,
+        dense_layers=cfg.decoder_layers, dropout=cfg.dropout, activation=str(cfg.activation_fn),
+    )
+    if family == "gmlp":
+        return LMConfig(**common, heads=cfg.sgu_heads)
+    sparse = dict(sparse_layers=cfg.sparse_layers,
+                  num_experts=resolve_num_experts(cfg.num_experts, cfg.distributed_world_size))
+    if family == "smlp":
+        return LMConfig(**common, **sparse, smoe_routing=str(cfg.smoe_routing), prefix_fraction=cfg.prefix_fraction)
+    return LMConfig(**common, **sparse, heads=cfg.decoder_attention_heads, moe_router=str(cfg.moe_router),
+                    capacity_factor=cfg.capacity_factor, hash_seed=cfg.hash_seed)

@@ -1,0 +1,244 @@
+"""fairseq registrations: smlp_lm, gmlp_lm, moe_transformer_lm and their size presets.
+
+The models are thin wrappers around `smlp.lm.LanguageModel`; the fairseq-specific parts are
+the expert-parallel contract (expert parameters marked, legacy_ddp required, gradient scale) and
+checkpoint loading across world sizes.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from fairseq.models import FairseqDecoder, FairseqLanguageModel, register_model, register_model_architecture
+
+from smlp.dispatch import AllToAllDispatcher, LocalDispatcher, expert_parallel_layout
+from smlp.lm import LanguageModel
+
+from .checkpoints import adapt_expert_state
+from .config import GMLPConfig, MoETransformerConfig, SMLPConfig, to_core_config
+
+EXPERT_PARALLEL_DDP_BACKENDS = ("legacy_ddp", "no_c10d")
+
+
+class CoreLMDecoder(FairseqDecoder):
+    """Wraps the framework-free LanguageModel as a fairseq decoder."""
+
+    def __init__(self, dictionary, core: LanguageModel):
+        super().__init__(dictionary)
+        self.core = core
+
+    def forward(self, prev_output_tokens, src_lengths=None, **unused):
+        return self.core(prev_output_tokens), {"attn": [None], "inner_states": None}
+
+    def max_positions(self):
+        return self.core.cfg.seq_len
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def make_dispatcher(core_cfg, cfg):
+    """LocalDispatcher on one process, all2all over the whole world otherwise (experts on every rank)."""
+    if not core_cfg.sparse_layers:
+        return None
+    rank, world = _world()
+    if world == 1:
+        return LocalDispatcher(core_cfg.num_experts)
+    backend = str(getattr(cfg, "ddp_backend", "legacy_ddp"))
+    if backend not in EXPERT_PARALLEL_DDP_BACKENDS:
+        raise ValueError(
+            f"--ddp-backend {backend} would average expert weights across ranks (each rank holds different "
+            f"experts); expert-parallel training needs --ddp-backend legacy_ddp"
+        )
+    expert_parallel_layout(core_cfg.num_experts, world)  # clear error when experts do not fit
+    return AllToAllDispatcher(core_cfg.num_experts, ep_group=None)
+
+
+def scale_expert_gradients(model: torch.nn.Module, world_size: int) -> None:
+    """Make expert gradients follow fairseq's normalization.
+
+    legacy_ddp divides shared gradients by W before summing them over ranks, then the trainer
+    multiplies every gradient by W / sample_size. Expert gradients skip the all-reduce (each
+    already sums over all ranks' tokens through the all2all backward), so without this they would
+    end W times too large.
+    """
+    for p in model.parameters():
+        if getattr(p, "expert", False):
+            p.register_hook(lambda g, w=world_size: g / w)
+
+
+class _CoreLanguageModel(FairseqLanguageModel):
+    family = ""
+
+    @classmethod
+    def build_model(cls, cfg, task):
+        dictionary = task.target_dictionary
+        core_cfg = to_core_config(cfg, cls.family, len(dictionary), dictionary.pad())
+        dispatcher = make_dispatcher(core_cfg, cfg)
+        model = cls(CoreLMDecoder(dictionary, LanguageModel(core_cfg, dispatcher)))
+        rank, world = _world()
+        if world > 1 and core_cfg.sparse_layers:
+            scale_expert_gradients(model, world)
+        model.expert_rank, model.expert_world = (rank, world) if isinstance(dispatcher, AllToAllDispatcher) else (0, 1)
+        return model
+
+    @property
+    def core(self) -> LanguageModel:
+        return self.decoder.core
+
+    def max_positions(self):
+        return self.core.cfg.seq_len
+
+    def load_state_dict(self, state_dict, strict=True, model_cfg=None, args=None):
+        state_dict = adapt_expert_state(self, state_dict, self.expert_rank, self.expert_world)
+        return super().load_state_dict(state_dict, strict=strict, model_cfg=model_cfg, args=args)
+
+
+@register_model("smlp_lm", dataclass=SMLPConfig)
+class SMLPLanguageModel(_CoreLanguageModel):
+    """Sparse all-MLP (Yu et al. 2022): N1 gMLP blocks + N2 sparse blocks (sMoE + tMoE)."""
+
+    family = "smlp"
+
+
+@register_model("gmlp_lm", dataclass=GMLPConfig)
+class GMLPLanguageModel(_CoreLanguageModel):
+    """Dense causal gMLP (Liu et al. 2021), optionally with a multi-head SGU."""
+
+    family = "gmlp"
+
+
+@register_model("moe_transformer_lm", dataclass=MoETransformerConfig)
+class MoETransformerLanguageModel(_CoreLanguageModel):
+    """Transformer decoder with sparse FFN layers: GShard, Switch, Base Layers or HASH routing."""
+
+    family = "transformer"
+
+
+# ---------------------------------------------------------------- size presets
+# Architecture functions only set sizes (as fairseq's transformer_lm_gpt); flags given on the
+# command line win. Paper presets: sMLP Tables 5, 8, 9, 10 (D, F, layer counts, 32 experts).
+
+
+def _preset(args, **values):
+    for name, value in values.items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, value)
+
+
+@register_model_architecture("smlp_lm", "smlp_lm_paper_small")
+def smlp_lm_paper_small(args):
+    """Table 8/9: D=1024, F=4096, 28 dense + 12 sparse blocks, 32 experts, T=1024."""
+    _preset(args, decoder_embed_dim=1024, decoder_ffn_embed_dim=4096, decoder_layers=28, sparse_layers=12,
+            num_experts=32, dropout=0.1)
+
+
+@register_model_architecture("smlp_lm", "smlp_lm_paper_large")
+def smlp_lm_paper_large(args):
+    """Table 10: D=2048, F=8192, 22 dense + 8 sparse blocks (the counts that reproduce its parameters)."""
+    _preset(args, decoder_embed_dim=2048, decoder_ffn_embed_dim=8192, decoder_layers=22, sparse_layers=8,
+            num_experts=32, dropout=0.1)
+
+
+@register_model_architecture("smlp_lm", "smlp_lm_tiny")
+def smlp_lm_tiny(args):
+    """Trains in minutes on 2 CPU ranks."""
+    _preset(args, decoder_embed_dim=64, decoder_ffn_embed_dim=128, decoder_layers=2, sparse_layers=2, dropout=0.0)
+
+
+@register_model_architecture("gmlp_lm", "gmlp_lm_paper_small")
+def gmlp_lm_paper_small(args):
+    """Table 9: 41 gMLP layers, D=1024, F=4096, one head (FLOP-matched to the small sMLP)."""
+    _preset(args, decoder_embed_dim=1024, decoder_ffn_embed_dim=4096, decoder_layers=41, sgu_heads=1, dropout=0.1)
+
+
+@register_model_architecture("gmlp_lm", "gmlp_lm_tiny")
+def gmlp_lm_tiny(args):
+    _preset(args, decoder_embed_dim=64, decoder_ffn_embed_dim=128, decoder_layers=4, dropout=0.0)
+
+
+@register_model_architecture("moe_transformer_lm", "transformer_lm_paper_small")
+def transformer_lm_paper_small(args):
+    """Table 9: dense Transformer, 24 layers, D=1024, F=4096, 16 heads."""
+    _preset(args, decoder_embed_dim=1024, decoder_ffn_embed_dim=4096, decoder_layers=24, sparse_layers=0,
+            decoder_attention_heads=16, dropout=0.1)
+
+
+@register_model_architecture("moe_transformer_lm", "base_layers_lm_paper_small")
+def base_layers_lm_paper_small(args):
+    """Table 8: Base Layers, 12 dense + 12 sparse, D=1024, F=4096, 16 heads, 32 experts."""
+    _preset(args, decoder_embed_dim=1024, decoder_ffn_embed_dim=4096, decoder_layers=12, sparse_layers=12,
+            decoder_attention_heads=16, moe_router="base", num_experts=32, dropout=0.1)
+
+
+def _large_moe(args, router, dense, sparse, experts=32):
+    _preset(args, decoder_embed_dim=2048, decoder_ffn_embed_dim=8192, decoder_layers=dense, sparse_layers=sparse,
+            decoder_attention_heads=16, moe_router=router, num_experts=experts, dropout=0.1)
+
+
+@register_model_architecture("moe_transformer_lm", "gshard_lm_paper_large")
+def gshard_lm_paper_large(args):
+    """Table 5: GShard, 7 sparse + 7 dense, 64 experts."""
+    _large_moe(args, "gshard", 7, 7, experts=64)
+
+
+@register_model_architecture("moe_transformer_lm", "switch_lm_paper_large")
+def switch_lm_paper_large(args):
+    """Table 5: Switch Transformer, 7 sparse + 7 dense, 32 experts."""
+    _large_moe(args, "switch", 7, 7)
+
+
+@register_model_architecture("moe_transformer_lm", "switch_enlarge_lm_paper_large")
+def switch_enlarge_lm_paper_large(args):
+    """Table 5: Switch Transformer - Enlarge, 8 sparse + 8 dense."""
+    _large_moe(args, "switch", 8, 8)
+
+
+@register_model_architecture("moe_transformer_lm", "base_layers_lm_paper_large")
+def base_layers_lm_paper_large(args):
+    """Table 5/10: Base Layers, 8 sparse + 8 dense."""
+    _large_moe(args, "base", 8, 8)
+
+
+@register_model_architecture("moe_transformer_lm", "hash_layers_lm_paper_large")
+def hash_layers_lm_paper_large(args):
+    """Table 5: HASH Layers, 8 sparse + 8 dense."""
+    _large_moe(args, "hash", 8, 8)
+
+
+def _tiny_moe(args, router):
+    _preset(args, decoder_embed_dim=64, decoder_ffn_embed_dim=128, decoder_layers=2, sparse_layers=2,
+            decoder_attention_heads=4, moe_router=router, dropout=0.0)
+
+
+@register_model_architecture("moe_transformer_lm", "moe_transformer_lm_tiny")
+def moe_transformer_lm_tiny(args):
+    _tiny_moe(args, getattr(args, "moe_router", None) or "switch")
+
+
+@register_model_architecture("moe_transformer_lm", "gshard_lm_tiny")
+def gshard_lm_tiny(args):
+    _tiny_moe(args, "gshard")
+
+
+@register_model_architecture("moe_transformer_lm", "switch_lm_tiny")
+def switch_lm_tiny(args):
+    _tiny_moe(args, "switch")
+
+
+@register_model_architecture("moe_transformer_lm", "base_layers_lm_tiny")
+def base_layers_lm_tiny(args):
+    _tiny_moe(args, "base")
+
+
+@register_model_architecture("moe_transformer_lm", "hash_layers_lm_tiny")
+def hash_layers_lm_tiny(args):
+    _tiny_moe(args, "hash")
+
+
+@register_model_architecture("moe_transformer_lm", "transformer_lm_tiny")
+def transformer_lm_tiny(args):
+    _preset(args, decoder_embed_dim=64, decoder_ffn_embed_dim=128, decoder_layers=3, sparse_layers=0,
+            decoder_attention_heads=4, dropout=0.0)

@@ -1,0 +1,275 @@
+"""Capacity-limited softmax gates: Switch Transformer top-1 and GShard top-2.
+
+Shape legend (as in routing.py):
+    S  rows to route (tokens)
+    E  experts (global)
+    K  expert slots per row (1 for Switch, 2 for GShard)
+
+Both gates are pure functions: router logits in, a `RoutingPlan` out. They never call a
+collective and own no parameters; the layer computes the logits with its own weights.
+
+- `switch_top1`: Fedus, Zoph & Shazeer, "Switch Transformers" (arXiv:2101.03961), sec. 2.1-2.2:
+  top-1 of the router softmax (eq. 1), combine weight = that probability (eq. 2), expert
+  capacity = ceil(capacity_factor * S / E) (eq. 3) with a floor `min_capacity` (4, as in
+  flaxformer's Switch `MoeLayer.min_expert_capacity`), load-balancing loss
+  E * sum_e f_e * P_e (eq. 4-6; the caller multiplies by alpha, 1e-2 in the paper).
+  Checked against DeepSpeed's `top1gating(use_rts=False)`, see the notes on the function.
+- `gshard_top2`: Lepikhin et al., "GShard" (arXiv:2006.16668), sec. 2.2 and Algorithm 1:
+  first expert = argmax of the softmax, second expert sampled by Gumbel-max on the logits with
+  the first excluded, capacity 2S/E, first-choice slots filled before second-choice slots,
+  weights renormalized over the kept slots. Equal to fairscale's `top2gating` (see tests).
+
+Capacity dropping keeps rows in order of position (row 0 first). A dropped slot has expert -1
+and weight 0: its row gets nothing from that slot (the layer's residual carries it).
+
+Training vs. eval: capacity couples the rows of a batch (whether row t is kept depends on the
+rows before it, and rows of the *next* sequence come after row t in a flattened batch). In eval
+mode both gates therefore route every row on its own logits with no capacity limit by default,
+which keeps eval causal per position (routing.py). `eval_capacity_factor` (Switch) and
+`drop_in_eval` (GShard) restore capacity-limited eval when wanted.
+
+No host synchronization: capacities are computed from shapes on the host, dropping is a
+cumsum on the device.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from fractions import Fraction
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .routing import RoutingPlan
+
+__all__ = ["switch_top1", "gshard_top2", "switch_capacity", "gshard_capacity"]
+
+
+# ---------------------------------------------------------------- capacities (host ints)
+
+
+def _check_capacity_factor(name: str, value) -> Fraction:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or not value > 0:
+        raise ValueError(f"{name}={value!r} is invalid: it must be a finite number > 0 (e.g. 1.0 or 1.25)")
+    # The decimal the user wrote, not its binary approximation: 1.1 * 100 / 2 must give 55, not
+    # 55.00000000000001 (float64, ceil -> 56), nor a float32 product (DeepSpeed: ceil(1.2 * 25) = 31).
+    return Fraction(repr(float(value)))
+
+
+def _check_min_capacity(value) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise ValueError(f"min_capacity={value!r} is invalid: it must be an integer >= 0 (e.g. 0 or 4)")
+    return value
+
+
+def switch_capacity(num_tokens: int, num_experts: int, capacity_factor: float, min_capacity: int = 4) -> int:
+    """Switch expert capacity (Fedus et al. eq. 3): max(ceil(capacity_factor * S / E), min_capacity).
+
+    The product is exact in the decimal the factor was written in (1.2 * 25 / 1 -> 30). It is
+    not capped at S: a capacity >= S simply never drops.
+    """
+    cf = _check_capacity_factor("capacity_factor", capacity_factor)
+    min_capacity = _check_min_capacity(min_capacity)
+    if num_experts < 1 or num_tokens < 0:
+        raise ValueError(f"switch_capacity needs num_tokens >= 0 and num_experts >= 1, got {num_tokens}, {num_experts}")
+    return max(math.ceil(cf * num_tokens / num_experts), min_capacity)
+
+
+def gshard_capacity(num_tokens: int, num_experts: int) -> int:
+    """GShard expert capacity 2S/E (Lepikhin et al. sec. 2.2), rounded up: ceil(2S / E).
+
+    fairscale computes 2S // E and only accepts S divisible by E, where both agree. Rounding up
+    keeps at least one slot per expert for any S >= 1 (2S // E is 0 when 2S < E).
+    """
+    if num_experts < 1 or num_tokens < 0:
+        raise ValueError(f"gshard_capacity needs num_tokens >= 0 and num_experts >= 1, got {num_tokens}, {num_experts}")
+    return -(-2 * num_tokens // num_experts)
+
+
+# ---------------------------------------------------------------- shared pieces
+
+
+def _check_logits(fn: str, logits_SE: Tensor, noise_SE: Tensor | None) -> None:
+    if not isinstance(logits_SE, Tensor) or logits_SE.dim() != 2:
+        shape = tuple(logits_SE.shape) if isinstance(logits_SE, Tensor) else type(logits_SE).__name__
+        raise ValueError(f"{fn} expects router logits of shape (S, E) (rows, experts), got {shape}")
+    if not logits_SE.is_floating_point():
+        raise ValueError(f"{fn} expects floating-point logits, got dtype {logits_SE.dtype}")
+    if logits_SE.shape[1] < 1:
+        raise ValueError(f"{fn} needs at least one expert: got logits of shape {tuple(logits_SE.shape)} (E = 0)")
+    if noise_SE is not None and (not isinstance(noise_SE, Tensor) or noise_SE.shape != logits_SE.shape):
+        shape = tuple(noise_SE.shape) if isinstance(noise_SE, Tensor) else type(noise_SE).__name__
+        raise ValueError(f"{fn}: noise_SE must have the logits' shape {tuple(logits_SE.shape)}, got {shape}")
+
+
+def _compute_dtype(logits_SE: Tensor) -> torch.dtype:
+    # The router runs in (at least) fp32 (Switch sec. 2.4, "selective precision"); fp64 stays fp64.
+    return torch.promote_types(logits_SE.dtype, torch.float32)
+
+
+def _slot_positions(mask_SE: Tensor) -> Tensor:
+    """0-based rank of each row among the rows sent to the same expert, in row order: (S, E)."""
+    return torch.cumsum(mask_SE, dim=0) - 1
+
+
+def _empty_plan(logits_SE: Tensor, k: int, dtype: torch.dtype) -> RoutingPlan:
+    # S = 0 (e.g. a rank with no tokens): a zero loss that still belongs to the graph.
+    zero = logits_SE.to(dtype).sum() * 0
+    return RoutingPlan(torch.empty(0, k, dtype=torch.long, device=logits_SE.device),
+                       logits_SE.new_zeros(0, k, dtype=dtype), zero)
+
+
+# ---------------------------------------------------------------- Switch
+
+
+def switch_top1(
+    logits_SE: Tensor,
+    *,
+    capacity_factor: float | None = 1.0,
+    min_capacity: int = 4,
+    training: bool = True,
+    eval_capacity_factor: float | None = None,
+    noise_SE: Tensor | None = None,
+) -> RoutingPlan:
+    """Switch Transformer top-1 routing (Fedus et al. 2021, sec. 2.1-2.2).
+
+    p = softmax(logits) in fp32; each row goes to e = argmax p with combine weight p_e (not
+    renormalized). Expert capacity C = max(ceil(capacity_factor * S / E), min_capacity)
+    (`switch_capacity`); rows beyond C for an expert are dropped in order of position (the first
+    C rows that chose e are kept): expert -1, weight 0.
+
+    aux_loss = E * sum_e f_e * P_e (eq. 4 without alpha), f_e the fraction of rows whose choice
+    is e *before* dropping, P_e the mean router probability of e. It is 1.0 for a perfectly
+    balanced router and differentiable through P only.
+
+    capacity_factor:      training capacity factor; None = never drop.
+    min_capacity:         floor on the capacity (>= 0).
+    training:             False routes with `eval_capacity_factor` instead.
+    eval_capacity_factor: eval capacity factor; None (default) = no limit in eval, so each row is
+                          routed on its own logits (causal per position).
+    noise_SE:             optional additive noise on the logits for the *choice* only (DeepSpeed's
+                          noisy_gate_policy='RSample' with Gumbel noise); weights and P_e use the
+                          clean probabilities. Used whenever given. The paper's default is no noise.
+
+    Reference: DeepSpeed `sharded_moe.top1gating(..., drop_tokens=True, use_rts=False)` gives the
+    same choices, weights and l_aux = E * sum(me * ce). It differs in two places (tests pin both):
+    it keeps the rows `torch.topk` happens to return among the tied 0/1 mask entries instead of
+    the first C by position, and its capacity is ceil() of a float32 product, which is one too
+    large when rounding lands just above an integer (S=25, E=1, factor 1.2 gives 31, not 30).
+    """
+    _check_logits("switch_top1", logits_SE, noise_SE)
+    factor = capacity_factor if training else eval_capacity_factor
+    if capacity_factor is not None:
+        _check_capacity_factor("capacity_factor", capacity_factor)
+    if eval_capacity_factor is not None:
+        _check_capacity_factor("eval_capacity_factor", eval_capacity_factor)
+    _check_min_capacity(min_capacity)
+
+    S, E = logits_SE.shape
+    dtype = _compute_dtype(logits_SE)
+    if S == 0:
+        return _empty_plan(logits_SE, 1, dtype)
+
+    logits_SE = logits_SE.to(dtype)
+    probs_SE = torch.softmax(logits_SE, dim=-1)
+    with torch.no_grad():
+        choice_scores = probs_SE if noise_SE is None else logits_SE + noise_SE.to(logits_SE.device)
+        expert_S = choice_scores.argmax(dim=-1)
+        mask_SE = F.one_hot(expert_S, E)
+        if factor is None:
+            kept_S = torch.ones_like(expert_S, dtype=torch.bool)
+        else:
+            capacity = switch_capacity(S, E, factor, min_capacity)
+            kept_S = _slot_positions(mask_SE).gather(1, expert_S[:, None]).squeeze(1) < capacity
+
+    fraction_E = mask_SE.to(dtype).mean(dim=0)                      # f_e, before dropping
+    aux_loss = E * torch.sum(fraction_E * probs_SE.mean(dim=0))     # E * sum f_e P_e
+    weight_S = probs_SE.gather(1, expert_S[:, None]).squeeze(1) * kept_S
+    experts_S = torch.where(kept_S, expert_S, -1)
+    return RoutingPlan(experts_S[:, None], weight_S[:, None], aux_loss)
+
+
+# ---------------------------------------------------------------- GShard
+
+
+def _gumbel_like(logits_SE: Tensor) -> Tensor:
+    # Drawn exactly as fairscale's `gumbel_rsample` does (a float32 Gumbel(0, 1).rsample from the
+    # global generator), so a seeded run picks the same second experts as fairscale.
+    zero = torch.zeros((), device=logits_SE.device)
+    one = torch.ones((), device=logits_SE.device)
+    return torch.distributions.Gumbel(zero, one).rsample(logits_SE.shape)
+
+
+def gshard_top2(
+    logits_SE: Tensor,
+    *,
+    noise_SE: Tensor | None = None,
+    training: bool = True,
+    drop_in_eval: bool = False,
+    normalize_aux_loss: bool = False,
+) -> RoutingPlan:
+    """GShard top-2 gating (Lepikhin et al. 2020, sec. 2.2, Algorithm 1), as fairscale's `top2gating`.
+
+    1. p = softmax(logits) in fp32; first expert e1 = argmax p.
+    2. Second expert e2 = argmax(logits + noise) with e1 excluded (Gumbel-max: a sample from the
+       softmax over the remaining experts). noise_SE is used whenever given; otherwise training
+       draws Gumbel(0, 1) noise as fairscale does and eval uses none (e2 = second-best logit,
+       deterministic).
+    3. Capacity C = ceil(2S / E) (`gshard_capacity`). Slots are ranked per expert: all first
+       choices in row order, then all second choices in row order, so a second choice only gets
+       a slot left over by the first choices (dropped first choices still count). Slots with
+       rank >= C are dropped (expert -1, weight 0).
+    4. Weights: w_k = p_{e_k} / max(p_{e1} + p_{e2}, eps) over the kept slots, so a row whose first
+       choice was dropped puts weight 1 on its second.
+    5. aux_loss = mean_e(m_e * c_e) (fairscale's and Algorithm 1's convention: no E^2 factor),
+       m_e the mean probability and c_e the fraction of first choices before dropping. A
+       perfectly balanced router gives 1/E^2. normalize_aux_loss=True multiplies by E^2
+       (lingvo's scaling), which equals switch_top1's E * sum_e f_e P_e on the first choices.
+
+    Differences from fairscale, all outside its domain or degenerate: any S is accepted (fairscale
+    asserts S % E == 0; where it runs the capacities agree), eval mode has no capacity limit unless
+    drop_in_eval=True (fairscale has no eval mode), and when no second expert exists (E = 1, or every
+    other logit -inf) the second slot is dropped instead of sending the row to e1 twice with half
+    weight each (the layer output is the same). Weights and loss stay fp32 (fairscale casts them
+    back to the logits' dtype).
+    """
+    _check_logits("gshard_top2", logits_SE, noise_SE)
+    S, E = logits_SE.shape
+    dtype = _compute_dtype(logits_SE)
+    if S == 0:
+        return _empty_plan(logits_SE, 2, dtype)
+
+    logits_SE = logits_SE.to(dtype)
+    probs_SE = torch.softmax(logits_SE, dim=-1)
+    with torch.no_grad():
+        first_S = probs_SE.argmax(dim=-1)
+        mask1_SE = F.one_hot(first_S, E)
+        if noise_SE is None and training:
+            noise_SE = _gumbel_like(logits_SE)
+        scores_SE = logits_SE if noise_SE is None else logits_SE + noise_SE.to(logits_SE.device)
+        second_S = scores_SE.masked_fill(mask1_SE.bool(), float("-inf")).argmax(dim=-1)
+        has_second_S = second_S != first_S          # False only when every other score is -inf
+        mask2_SE = F.one_hot(second_S, E) * has_second_S[:, None]
+
+        if training or drop_in_eval:
+            capacity = gshard_capacity(S, E)
+            rank1_S = _slot_positions(mask1_SE).gather(1, first_S[:, None]).squeeze(1)
+            rank2_SE = _slot_positions(mask2_SE) + mask1_SE.sum(dim=0, keepdim=True)
+            rank2_S = rank2_SE.gather(1, second_S[:, None]).squeeze(1)
+            kept1_S = rank1_S < capacity
+            kept2_S = has_second_S & (rank2_S < capacity)
+        else:
+            kept1_S = torch.ones_like(has_second_S)
+            kept2_S = has_second_S
+
+    aux_loss = torch.mean(probs_SE.mean(dim=0) * mask1_SE.to(dtype).mean(dim=0))
+    if normalize_aux_loss:
+        aux_loss = aux_loss * (E * E)
+
+    gate1_S = probs_SE.gather(1, first_S[:, None]).squeeze(1) * kept1_S
+    gate2_S = probs_SE.gather(1, second_S[:, None]).squeeze(1) * kept2_S
+    denom_S = torch.clamp(gate1_S + gate2_S, min=torch.finfo(dtype).eps)
+    weights_SK = torch.stack([gate1_S / denom_S, gate2_S / denom_S], dim=1)
+    experts_SK = torch.stack([torch.where(kept1_S, first_S, -1), torch.where(kept2_S, second_S, -1)], dim=1)
+    return RoutingPlan(experts_SK, weights_SK, aux_loss)

@@ -1,0 +1,190 @@
+"""Language models: sMLP, dense gMLP and (MoE) Transformer, framework-free.
+
+The fairseq plugins wrap `LanguageModel`; the FLOPs calculator counts it with fvcore; the tests
+drive it directly. One configuration describes every family:
+
+    smlp         N1 dense gMLP blocks + N2 sparse blocks (sMoE + tMoE), Base Layers placement
+    gmlp         N1 dense gMLP blocks (optionally multi-head SGU)
+    transformer  N1 dense Transformer blocks + N2 sparse FFN layers:
+                   gshard / switch: every other block has a sparse FFN (2N2 - 1 <= N1 + N2 blocks)
+                   base / hash:     N2 standalone sparse FFN layers, Base Layers placement
+
+Sparse-layer placement (sMLP section 4.1, Base Layers): we use fairseq's own form, so a model
+here and fairseq's Base Layers transformer put sparse layers in the same places:
+    for i in range(N2): layers.insert(((i + 1) * N1) // (N2 + 1), sparse_layer)
+
+Shapes: B batch, N positions, D model width, V vocabulary.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+from torch import Tensor, nn
+
+from .config import ACTIVATIONS, SMOE_ROUTINGS, TOKEN_ROUTERS, GMLPConfig, SparseBlockConfig, TMoEConfig, _choice, _positive, _probability
+from .dispatch import LocalDispatcher
+from .mixers import GMLPBlock, check_length
+from .moe import SMoE, SparseBlock, TMoE
+from .transformer import StandaloneMoELayer, TransformerBlock, sinusoidal_positions
+
+__all__ = ["FAMILIES", "LMConfig", "LanguageModel", "layer_plan"]
+
+FAMILIES = ("smlp", "gmlp", "transformer")
+
+
+def layer_plan(num_dense: int, num_sparse: int, placement: str) -> list[str]:
+    """Order of 'dense' and 'sparse' layers.
+
+    base_rule:   fairseq's Base Layers insertion (see module docstring).
+    every_other: dense, sparse, dense, sparse, ... then the remaining dense layers (GShard, Switch).
+    """
+    if placement == "base_rule":
+        layers = ["dense"] * num_dense
+        for i in range(num_sparse):
+            layers.insert(((i + 1) * num_dense) // (num_sparse + 1), "sparse")
+        return layers
+    if placement == "every_other":
+        if num_sparse > num_dense:
+            raise ValueError(
+                f"every-other placement needs at least as many dense as sparse layers, got "
+                f"{num_dense} dense and {num_sparse} sparse"
+            )
+        return ["dense", "sparse"] * num_sparse + ["dense"] * (num_dense - num_sparse)
+    raise ValueError(f"placement={placement!r} is unknown: valid values are base_rule, every_other")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LMConfig:
+    family: str
+    vocab_size: int
+    d_model: int
+    d_ffn: int
+    seq_len: int
+    dense_layers: int
+    sparse_layers: int = 0
+    heads: int = 1
+    num_experts: int = 1
+    smoe_routing: str = "deterministic"
+    moe_router: str = "base"
+    capacity_factor: float = 1.0
+    dropout: float = 0.0
+    activation: str = "gelu"
+    prefix_fraction: float = 0.2
+    padding_idx: int = 1
+    hash_seed: int = 0
+
+    def __post_init__(self) -> None:
+        _choice("family", self.family, FAMILIES)
+        for name in ("vocab_size", "d_model", "d_ffn", "seq_len", "heads", "num_experts"):
+            _positive(name, getattr(self, name))
+        if self.dense_layers < 0 or self.sparse_layers < 0 or self.dense_layers + self.sparse_layers == 0:
+            raise ValueError(
+                f"dense_layers={self.dense_layers}, sparse_layers={self.sparse_layers}: both must be >= 0 "
+                f"and the model needs at least one layer"
+            )
+        _choice("smoe_routing", self.smoe_routing, SMOE_ROUTINGS)
+        _choice("moe_router", self.moe_router, TOKEN_ROUTERS)
+        _choice("activation", self.activation, ACTIVATIONS)
+        _probability("dropout", self.dropout)
+        if self.family == "gmlp" and self.sparse_layers:
+            raise ValueError(f"sparse_layers={self.sparse_layers}: the dense gMLP family has no sparse layers")
+        if self.family == "transformer" and self.d_model % self.heads:
+            raise ValueError(f"heads={self.heads} must divide d_model={self.d_model}")
+        if self.family in ("smlp", "gmlp"):
+            self.dense_block  # validates widths and heads
+        if self.family == "smlp" and self.sparse_layers:
+            self.sparse_block
+        if self.family == "transformer" and self.sparse_layers:
+            self.tmoe
+        layer_plan(self.dense_layers, self.sparse_layers, self.placement)
+
+    @property
+    def placement(self) -> str:
+        if self.family == "transformer" and self.moe_router in ("gshard", "switch"):
+            return "every_other"
+        return "base_rule"
+
+    @property
+    def dense_block(self) -> GMLPConfig:
+        return GMLPConfig(d_model=self.d_model, d_ffn=self.d_ffn, seq_len=self.seq_len, heads=self.heads,
+                          dropout=self.dropout)
+
+    @property
+    def sparse_block(self) -> SparseBlockConfig:
+        return SparseBlockConfig(d_model=self.d_model, d_ffn=self.d_ffn, seq_len=self.seq_len,
+                                 num_experts=self.num_experts, smoe_routing=self.smoe_routing,
+                                 activation=self.activation, dropout=self.dropout,
+                                 prefix_fraction=self.prefix_fraction)
+
+    @property
+    def tmoe(self) -> TMoEConfig:
+        standalone = self.placement == "base_rule"
+        return TMoEConfig(d_model=self.d_model, d_ffn=self.d_ffn, num_experts=self.num_experts,
+                          router=self.moe_router, activation=self.activation,
+                          capacity_factor=self.capacity_factor, vocab_size=self.vocab_size,
+                          hash_seed=self.hash_seed, expert_norm=True if standalone else None)
+
+    @property
+    def prediction_start(self) -> int:
+        """First position whose prediction is trained and scored (partial prediction skips the prefix)."""
+        if self.family == "smlp" and self.sparse_layers and self.smoe_routing == "partial":
+            return self.sparse_block.smoe.prefix_len
+        return 0
+
+    def with_layers(self, dense: int, sparse: int) -> "LMConfig":
+        return replace(self, dense_layers=dense, sparse_layers=sparse)
+
+
+class LanguageModel(nn.Module):
+    """Token ids (B, N) -> next-token logits (B, N, V); embeddings tied with the output projection."""
+
+    def __init__(self, cfg: LMConfig, dispatcher=None):
+        super().__init__()
+        self.cfg = cfg
+        if cfg.sparse_layers:
+            dispatcher = dispatcher if dispatcher is not None else LocalDispatcher(cfg.num_experts)
+        self.dispatcher = dispatcher
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model, padding_idx=cfg.padding_idx)
+        nn.init.normal_(self.embed.weight, mean=0.0, std=cfg.d_model ** -0.5)
+        with torch.no_grad():
+            self.embed.weight[cfg.padding_idx].zero_()
+        self.embed_scale = math.sqrt(cfg.d_model) if cfg.family == "transformer" else 1.0
+        self.dropout = nn.Dropout(cfg.dropout)
+        self.layers = nn.ModuleList(self._build(kind) for kind in
+                                    layer_plan(cfg.dense_layers, cfg.sparse_layers, cfg.placement))
+        self.final_norm = nn.LayerNorm(cfg.d_model)
+
+    def _build(self, kind: str) -> nn.Module:
+        cfg = self.cfg
+        if cfg.family in ("smlp", "gmlp"):
+            return GMLPBlock(cfg.dense_block) if kind == "dense" else SparseBlock(cfg.sparse_block, self.dispatcher)
+        if kind == "dense":
+            return TransformerBlock(cfg.d_model, cfg.d_ffn, cfg.heads, dropout=cfg.dropout, activation=cfg.activation)
+        if cfg.placement == "every_other":
+            return TransformerBlock(cfg.d_model, cfg.d_ffn, cfg.heads, dropout=cfg.dropout,
+                                    activation=cfg.activation, moe=cfg.tmoe, dispatcher=self.dispatcher)
+        return StandaloneMoELayer(cfg.tmoe, self.dispatcher)
+
+    def features(self, tokens_BN: Tensor) -> Tensor:
+        B, n = tokens_BN.shape
+        check_length(n, self.cfg.seq_len)
+        x = self.embed(tokens_BN) * self.embed_scale
+        if self.cfg.family == "transformer":
+            x = x + sinusoidal_positions(n, self.cfg.d_model, x.device, x.dtype)
+        x = self.dropout(x)
+        for layer in self.layers:
+            x = layer(x, tokens_BN) if isinstance(layer, (TransformerBlock, StandaloneMoELayer)) else layer(x)
+        return self.final_norm(x)
+
+    def forward(self, tokens_BN: Tensor) -> Tensor:
+        return self.features(tokens_BN) @ self.embed.weight.t()
+
+    def moe_modules(self) -> list[tuple[str, nn.Module]]:
+        """(name, module) of every sMoE and tMoE, in layer order."""
+        return [(n, m) for n, m in self.named_modules() if isinstance(m, (SMoE, TMoE))]
+
+    def aux_loss(self) -> Tensor | None:
+        losses = [m.aux_loss for _, m in self.moe_modules() if getattr(m, "aux_loss", None) is not None]
+        return torch.stack([l.float() for l in losses]).sum() if losses else None

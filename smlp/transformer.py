@@ -1,0 +1,97 @@
+"""Transformer decoder blocks for the dense and Transformer-MoE baselines (sMLP Table 1).
+
+Pre-norm decoder block: x = x + Attn(LN(x)); x = x + FFN(LN(x)), where FFN is dense or a tMoE
+(GShard, Switch, Base Layers, HASH). Attention is written as explicit matmuls with a causal
+mask rather than fused SDPA so FLOP counters (fvcore) see it (DESIGN.md, FLOP counters).
+
+Shapes: B batch, N positions, D model width, H heads, d = D / H.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .config import TMoEConfig
+from .moe import TMoE
+
+__all__ = ["CausalSelfAttention", "DenseFFN", "TransformerBlock", "StandaloneMoELayer", "sinusoidal_positions"]
+
+
+def sinusoidal_positions(n: int, dim: int, device=None, dtype=torch.float32) -> Tensor:
+    """Fixed sinusoidal position embeddings (Vaswani et al. 2017), (n, dim)."""
+    half = dim // 2
+    freq = torch.exp(torch.arange(half, device=device, dtype=torch.float32) * -(math.log(10000.0) / max(half - 1, 1)))
+    angles = torch.arange(n, device=device, dtype=torch.float32)[:, None] * freq[None, :]
+    emb = torch.cat([torch.sin(angles), torch.cos(angles)], dim=1)
+    if dim % 2:
+        emb = F.pad(emb, (0, 1))
+    return emb.to(dtype)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, d_model: int, heads: int, dropout: float = 0.0):
+        super().__init__()
+        if d_model % heads:
+            raise ValueError(f"heads={heads} must divide d_model={d_model}")
+        self.heads = heads
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.out = nn.Linear(d_model, d_model)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x_BND: Tensor) -> Tensor:
+        B, n, D = x_BND.shape
+        q, k, v = self.qkv(x_BND).view(B, n, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
+        scores = (q @ k.transpose(-1, -2)) / math.sqrt(D // self.heads)  # (B, H, N, N)
+        future = torch.ones(n, n, dtype=torch.bool, device=x_BND.device).triu(1)
+        attn = self.dropout(scores.masked_fill(future, float("-inf")).softmax(-1))
+        return self.out((attn @ v).transpose(1, 2).reshape(B, n, D))
+
+
+class DenseFFN(nn.Module):
+    def __init__(self, d_model: int, d_ffn: int, activation: str = "gelu"):
+        super().__init__()
+        self.fc1 = nn.Linear(d_model, d_ffn)
+        self.fc2 = nn.Linear(d_ffn, d_model)
+        self.activation = F.gelu if activation == "gelu" else F.relu
+
+    def forward(self, x: Tensor, token_ids=None) -> Tensor:
+        return self.fc2(self.activation(self.fc1(x)))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm decoder block; `moe` replaces the dense FFN with a tMoE."""
+
+    def __init__(self, d_model: int, d_ffn: int, heads: int, *, dropout: float = 0.0, activation: str = "gelu",
+                 moe: TMoEConfig | None = None, dispatcher=None):
+        super().__init__()
+        self.d_model = d_model
+        self.norm1 = nn.LayerNorm(d_model)
+        self.attn = CausalSelfAttention(d_model, heads, dropout)
+        self.norm2 = nn.LayerNorm(d_model)
+        self.ffn = TMoE(moe, dispatcher) if moe is not None else DenseFFN(d_model, d_ffn, activation)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x_BND: Tensor, token_ids_BN: Tensor | None = None) -> Tensor:
+        x_BND = x_BND + self.dropout(self.attn(self.norm1(x_BND)))
+        h = self.norm2(x_BND).reshape(-1, self.d_model)
+        ids = token_ids_BN.reshape(-1) if token_ids_BN is not None else None
+        return x_BND + self.dropout(self.ffn(h, ids).view_as(x_BND))
+
+
+class StandaloneMoELayer(nn.Module):
+    """A sparse FFN layer of its own, as fairseq's BaseLayer: x + tMoE(x), experts normalize their input.
+
+    Base Layers and HASH Layers insert these between dense layers (the Base Layers rule).
+    """
+
+    def __init__(self, cfg: TMoEConfig, dispatcher=None):
+        super().__init__()
+        self.d_model = cfg.d_model
+        self.ffn = TMoE(cfg, dispatcher)
+
+    def forward(self, x_BND: Tensor, token_ids_BN: Tensor | None = None) -> Tensor:
+        ids = token_ids_BN.reshape(-1) if token_ids_BN is not None else None
+        return x_BND + self.ffn(x_BND.reshape(-1, self.d_model), ids).view_as(x_BND)
