@@ -60,15 +60,20 @@ def allow_fairseq_checkpoints() -> None:
     torch.serialization.add_safe_globals(safe)
 
 
-def load_checkpoint(path: str) -> dict:
-    """torch.load a fairseq checkpoint on CPU with a clear error for missing or corrupt files."""
+def load_checkpoint(path: str, arg_overrides: dict | None = None) -> dict:
+    """fairseq's checkpoint reader (config upgraded to omegaconf) with clear errors for bad files."""
+    from fairseq import checkpoint_utils
+
     if not os.path.isfile(path):
         raise FileNotFoundError(f"checkpoint {path} does not exist")
-    allow_fairseq_checkpoints()
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        state = checkpoint_utils.load_checkpoint_to_cpu(path, arg_overrides)
     except Exception as exc:  # corrupt, truncated or not a checkpoint
-        raise ValueError(f"cannot read checkpoint {path}: {type(exc).__name__}: {str(exc)[:300]}") from exc
+        raise ValueError(f"cannot read checkpoint {path} ({type(exc).__name__}: {str(exc)[:300]}); "
+                         f"it is truncated, corrupt or not a fairseq checkpoint") from exc
+    if not isinstance(state, dict) or "model" not in state:
+        raise ValueError(f"{path} is not a fairseq checkpoint (no 'model' entry)")
+    return state
 
 
 def adapt_expert_state(model, state: Mapping[str, torch.Tensor], rank: int, world: int) -> Mapping[str, torch.Tensor]:
@@ -124,8 +129,10 @@ def consolidate(path: str, out: str | None = None) -> str:
     merged["last_optimizer_state"] = None  # per-rank optimizer states are not mergeable; this is for evaluation
     merged["smlp_consolidated_from"] = len(shards)
     if keys and merged.get("cfg") is not None:
-        num_experts = merged["model"][keys[0]].shape[0]
-        merged["cfg"]["model"]["num_experts"] = int(num_experts)
+        from omegaconf import OmegaConf
+        cfg = OmegaConf.to_container(merged["cfg"], resolve=True, enum_to_str=True)
+        cfg["model"]["num_experts"] = int(merged["model"][keys[0]].shape[0])
+        merged["cfg"] = cfg  # stored as plain containers, as fairseq stores it
     out = out or path
     tmp = out + ".tmp"
     torch.save(merged, tmp)
@@ -153,3 +160,37 @@ def consolidate_main(argv=None) -> int:
         return 2
     print(f"wrote {out} ({len(shard_paths(args.checkpoint))} shards merged)")
     return 0
+
+
+def read_checkpoint_any_layout(path: str, arg_overrides: dict | None = None) -> tuple[dict, str]:
+    """The state of checkpoint `path`, merging its rank shards in memory when `path` itself is absent.
+
+    Returns (state, an existing file of this checkpoint).
+    """
+    if os.path.isfile(path):
+        return load_checkpoint(path, arg_overrides), path
+    shards = shard_paths(path)
+    states = [load_checkpoint(p, arg_overrides) for p in shards]
+    merged = dict(states[0])
+    models = [s["model"] for s in states]
+    merged["model"] = merge_expert_shards(models, [k for k in models[0] if is_expert_key(k)])
+    return merged, shards[0]
+
+
+def load_for_eval(path: str, data_dir: str | None = None, overrides: dict | None = None):
+    """Build a model of any of our families from a checkpoint, ready for evaluation.
+
+    Works on one process (every expert local) and on any world size that divides the number of
+    experts (each rank keeps its slice). `data_dir` replaces the training data folder recorded in
+    the checkpoint (the dictionary is read from it). Returns (model in eval mode, task).
+    """
+    from fairseq import checkpoint_utils
+
+    arg_overrides = dict(overrides or {})
+    if data_dir is not None:
+        if not os.path.isfile(os.path.join(data_dir, "dict.txt")):
+            raise FileNotFoundError(f"{data_dir} has no dict.txt: pass the binarized data folder the model was trained on")
+        arg_overrides["data"] = data_dir
+    state, existing = read_checkpoint_any_layout(path, arg_overrides or None)
+    models, _cfg, task = checkpoint_utils.load_model_ensemble_and_task([existing], state=state, strict=True)
+    return models[0].eval(), task

