@@ -70,7 +70,7 @@ from smlp.dispatch import DispatchState, LocalDispatcher, expert_parallel_layout
 from smlp.lm import LanguageModel, LMConfig, layer_plan
 from smlp.mixers import GMLPBlock, SpatialGatingUnit
 from smlp.moe import SMoE, SparseBlock, TMoE
-from smlp.transformer import CausalSelfAttention, DenseFFN, StandaloneMoELayer, TransformerBlock
+from smlp.transformer import CausalSelfAttention, DenseFFN, TransformerBlock
 
 from .paper_tables import PAPER_MODELS, TABLE3_DIMS, TABLE3_ROWS
 
@@ -377,8 +377,6 @@ def _layer_macs_analytic(layer: nn.Module, n: int) -> int:
         else:
             raise TypeError(f"no analytic formula for an FFN of type {type(ffn).__name__}: use method='fvcore'")
         return 2 * _ln(n, D) + _attention_macs(D, n) + ffn_macs
-    if isinstance(layer, StandaloneMoELayer):
-        return _tmoe_macs(layer.ffn, n)
     raise TypeError(f"no analytic formula for layer type {type(layer).__name__}: use method='fvcore'")
 
 

@@ -5,9 +5,14 @@ drive it directly. One configuration describes every family:
 
     smlp         N1 dense gMLP blocks + N2 sparse blocks (sMoE + tMoE), Base Layers placement
     gmlp         N1 dense gMLP blocks (optionally multi-head SGU)
-    transformer  N1 dense Transformer blocks + N2 sparse FFN layers:
-                   gshard / switch: every other block has a sparse FFN (2N2 - 1 <= N1 + N2 blocks)
-                   base / hash:     N2 standalone sparse FFN layers, Base Layers placement
+    transformer  N1 dense Transformer blocks + N2 sparse Transformer blocks (attention + tMoE FFN):
+                   gshard / switch: every other block is sparse (dense, sparse, dense, ...)
+                   base / hash:     sparse blocks spread among the dense ones, Base Layers placement
+
+A sparse Transformer block keeps its attention and replaces only the FFN by the experts, for
+every router. That is the reading that reproduces the paper's Base Layers figures: Table 10's
+642.6M non-expert parameters are 8 dense + 8 sparse blocks that all hold attention (without
+attention in the sparse ones: 508M), and Table 5's 2.0T FLOPs likewise (1.66T without).
 
 Sparse-layer placement (sMLP section 4.1, Base Layers): we use fairseq's own form, so a model
 here and fairseq's Base Layers transformer put sparse layers in the same places:
@@ -27,7 +32,7 @@ from .config import ACTIVATIONS, SMOE_ROUTINGS, TOKEN_ROUTERS, GMLPConfig, Spars
 from .dispatch import LocalDispatcher
 from .mixers import GMLPBlock, check_length
 from .moe import SMoE, SparseBlock, TMoE
-from .transformer import StandaloneMoELayer, TransformerBlock, sinusoidal_positions
+from .transformer import TransformerBlock, sinusoidal_positions
 
 __all__ = ["FAMILIES", "LMConfig", "LanguageModel", "layer_plan"]
 
@@ -120,11 +125,10 @@ class LMConfig:
 
     @property
     def tmoe(self) -> TMoEConfig:
-        standalone = self.placement == "base_rule"
         return TMoEConfig(d_model=self.d_model, d_ffn=self.d_ffn, num_experts=self.num_experts,
                           router=self.moe_router, activation=self.activation,
                           capacity_factor=self.capacity_factor, vocab_size=self.vocab_size,
-                          hash_seed=self.hash_seed, expert_norm=True if standalone else None)
+                          hash_seed=self.hash_seed)
 
     @property
     def prediction_start(self) -> int:
@@ -160,12 +164,9 @@ class LanguageModel(nn.Module):
         cfg = self.cfg
         if cfg.family in ("smlp", "gmlp"):
             return GMLPBlock(cfg.dense_block) if kind == "dense" else SparseBlock(cfg.sparse_block, self.dispatcher)
-        if kind == "dense":
-            return TransformerBlock(cfg.d_model, cfg.d_ffn, cfg.heads, dropout=cfg.dropout, activation=cfg.activation)
-        if cfg.placement == "every_other":
-            return TransformerBlock(cfg.d_model, cfg.d_ffn, cfg.heads, dropout=cfg.dropout,
-                                    activation=cfg.activation, moe=cfg.tmoe, dispatcher=self.dispatcher)
-        return StandaloneMoELayer(cfg.tmoe, self.dispatcher)
+        moe = cfg.tmoe if kind == "sparse" else None
+        return TransformerBlock(cfg.d_model, cfg.d_ffn, cfg.heads, dropout=cfg.dropout, activation=cfg.activation,
+                                moe=moe, dispatcher=self.dispatcher if moe else None)
 
     def features(self, tokens_BN: Tensor) -> Tensor:
         B, n = tokens_BN.shape
@@ -175,7 +176,7 @@ class LanguageModel(nn.Module):
             x = x + sinusoidal_positions(n, self.cfg.d_model, x.device, x.dtype)
         x = self.dropout(x)
         for layer in self.layers:
-            x = layer(x, tokens_BN) if isinstance(layer, (TransformerBlock, StandaloneMoELayer)) else layer(x)
+            x = layer(x, tokens_BN) if isinstance(layer, TransformerBlock) else layer(x)
         return self.final_norm(x)
 
     def forward(self, tokens_BN: Tensor) -> Tensor:

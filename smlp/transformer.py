@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from .config import TMoEConfig
 from .moe import TMoE
 
-__all__ = ["CausalSelfAttention", "DenseFFN", "TransformerBlock", "StandaloneMoELayer", "sinusoidal_positions"]
+__all__ = ["CausalSelfAttention", "DenseFFN", "TransformerBlock", "sinusoidal_positions"]
 
 
 def sinusoidal_positions(n: int, dim: int, device=None, dtype=torch.float32) -> Tensor:
@@ -79,19 +79,3 @@ class TransformerBlock(nn.Module):
         h = self.norm2(x_BND).reshape(-1, self.d_model)
         ids = token_ids_BN.reshape(-1) if token_ids_BN is not None else None
         return x_BND + self.dropout(self.ffn(h, ids).view_as(x_BND))
-
-
-class StandaloneMoELayer(nn.Module):
-    """A sparse FFN layer of its own, as fairseq's BaseLayer: x + tMoE(x), experts normalize their input.
-
-    Base Layers and HASH Layers insert these between dense layers (the Base Layers rule).
-    """
-
-    def __init__(self, cfg: TMoEConfig, dispatcher=None):
-        super().__init__()
-        self.d_model = cfg.d_model
-        self.ffn = TMoE(cfg, dispatcher)
-
-    def forward(self, x_BND: Tensor, token_ids_BN: Tensor | None = None) -> Tensor:
-        ids = token_ids_BN.reshape(-1) if token_ids_BN is not None else None
-        return x_BND + self.ffn(x_BND.reshape(-1, self.d_model), ids).view_as(x_BND)
