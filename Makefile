@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: install test test-fast bench clean
+.PHONY: install demo test test-fast bench clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,6 +18,11 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# The main job: demo corpus -> sMLP tiny on 2 expert-parallel CPU workers -> zero-shot COPA/PIQA.
+DEMO_ARGS ?=
+demo: install
+	$(VENV)/bin/smlp-demo $(DEMO_ARGS)
 
 test: install
 	$(PY) -m pytest -q $(PYTEST_ARGS)

@@ -52,6 +52,9 @@ def allow_fairseq_checkpoints() -> None:
         cls = getattr(np.dtypes, name, None)
         if cls is not None:
             safe.append(cls)
+    # trainer.load_checkpoint broadcasts the state from rank 0 with tensors swapped for placeholders
+    from fairseq.distributed.utils import _TensorPlaceholder
+    safe.append(_TensorPlaceholder)
     try:
         from numpy._core.multiarray import _reconstruct, scalar
         safe += [_reconstruct, scalar]

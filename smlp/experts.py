@@ -3,6 +3,12 @@
 Shape legend: R rows received (grouped by local expert), L local experts, D model width,
 F FFN width, M row length of an sMoE row (positions), T expert spatial size.
 
+Initialization does not depend on the world size: expert e of a layer gets the same initial
+weights whether it lives in a single process holding all experts or on any rank of an
+expert-parallel group, and building a layer advances the global RNG by the same single draw
+either way, so every later parameter is the same too. That makes a seeded W-rank run start from
+exactly the model a seeded single-process run starts from (tests compare the two).
+
 Every expert parameter carries `param.expert = True`: fairseq's legacy_ddp then skips it in the
 gradient all-reduce and clip_grad_norm_ treats it per rank (DESIGN.md, fairseq facts).
 """
@@ -12,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .mixers import causal_weight, check_length, init_spatial_
+from .mixers import causal_weight, check_length
 
 __all__ = ["mark_expert", "FFNExperts", "SpatialExperts"]
 
@@ -21,6 +27,22 @@ def mark_expert(module: nn.Module) -> nn.Module:
     for p in module.parameters():
         p.expert = True
     return module
+
+
+def _expert_generators(num_local_experts: int, first_expert: int) -> list[torch.Generator]:
+    """One CPU generator per local expert, seeded from one draw of the global RNG plus the expert's
+    global index."""
+    base = int(torch.randint(0, 2 ** 62, (1,)))
+    return [torch.Generator().manual_seed(base + first_expert + l) for l in range(num_local_experts)]
+
+
+@torch.no_grad()
+def _init_uniform_(param: Tensor, bound: float, generators: list[torch.Generator]) -> None:
+    """param[l] ~ U(-bound, bound) drawn from generators[l] (on the CPU, then copied to param's device)."""
+    if param.is_meta:  # shapes only (the FLOPs counter): nothing to draw
+        return
+    for l, g in enumerate(generators):
+        param[l].copy_(torch.empty(param.shape[1:]).uniform_(-bound, bound, generator=g))
 
 
 def _split_rows(x_RD: Tensor, counts_L: list[int]) -> list[Tensor]:
@@ -37,14 +59,17 @@ class FFNExperts(nn.Module):
     """
 
     def __init__(self, num_local_experts: int, d_model: int, d_ffn: int, *, activation: str = "gelu",
-                 norm: bool = False):
+                 norm: bool = False, first_expert: int = 0):
         super().__init__()
         L, D, Fw = num_local_experts, d_model, d_ffn
         self.activation = F.gelu if activation == "gelu" else F.relu
-        self.w1 = nn.Parameter(torch.empty(L, D, Fw).uniform_(-D ** -0.5, D ** -0.5))
-        self.b1 = nn.Parameter(torch.empty(L, Fw).uniform_(-D ** -0.5, D ** -0.5))
-        self.w2 = nn.Parameter(torch.empty(L, Fw, D).uniform_(-Fw ** -0.5, Fw ** -0.5))
-        self.b2 = nn.Parameter(torch.empty(L, D).uniform_(-Fw ** -0.5, Fw ** -0.5))
+        self.w1 = nn.Parameter(torch.empty(L, D, Fw))
+        self.b1 = nn.Parameter(torch.empty(L, Fw))
+        self.w2 = nn.Parameter(torch.empty(L, Fw, D))
+        self.b2 = nn.Parameter(torch.empty(L, D))
+        gens = _expert_generators(L, first_expert)
+        for param, bound in ((self.w1, D ** -0.5), (self.b1, D ** -0.5), (self.w2, Fw ** -0.5), (self.b2, Fw ** -0.5)):
+            _init_uniform_(param, bound, gens)
         if norm:
             self.norm_weight = nn.Parameter(torch.ones(L, D))
             self.norm_bias = nn.Parameter(torch.zeros(L, D))
@@ -69,12 +94,15 @@ class SpatialExperts(nn.Module):
     A row is one hidden dimension of one sequence: a vector over M <= T positions.
     """
 
-    def __init__(self, num_local_experts: int, size: int, init_eps: float = 1e-3):
+    def __init__(self, num_local_experts: int, size: int, init_eps: float = 1e-3, first_expert: int = 0):
         super().__init__()
         self.size = size
         self.weight = nn.Parameter(torch.empty(num_local_experts, size, size))
         self.bias = nn.Parameter(torch.empty(num_local_experts, size))
-        init_spatial_(self.weight, self.bias, init_eps)
+        # gMLP's near-identity init (mixers.init_spatial_), drawn per expert
+        _init_uniform_(self.weight, init_eps / size, _expert_generators(num_local_experts, first_expert))
+        with torch.no_grad():
+            self.bias.fill_(1.0)
         mark_expert(self)
 
     def forward(self, x_RM: Tensor, counts_L: list[int]) -> Tensor:

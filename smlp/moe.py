@@ -66,8 +66,8 @@ class TMoE(nn.Module):
             self.gate = nn.Linear(D, E, bias=False)
         else:
             self.register_buffer("hash_table", hash_table(cfg.vocab_size, E, cfg.hash_seed))
-        self.experts = FFNExperts(self.dispatcher.num_local_experts, D, cfg.d_ffn,
-                                  activation=cfg.activation, norm=cfg.uses_expert_norm)
+        self.experts = FFNExperts(self.dispatcher.num_local_experts, D, cfg.d_ffn, activation=cfg.activation,
+                                  norm=cfg.uses_expert_norm, first_expert=self.dispatcher.first_expert)
         self.aux_loss: Tensor | None = None
         self.load_E: Tensor | None = None
         self.comm_seconds = 0.0
@@ -120,7 +120,8 @@ class SMoE(nn.Module):
         self.cfg = cfg
         self.dispatcher = _check_dispatcher(dispatcher, cfg.num_experts)
         self.norm = nn.LayerNorm(cfg.gated_dim)
-        self.experts = SpatialExperts(self.dispatcher.num_local_experts, cfg.expert_len, cfg.init_eps)
+        self.experts = SpatialExperts(self.dispatcher.num_local_experts, cfg.expert_len, cfg.init_eps,
+                                      first_expert=self.dispatcher.first_expert)
         if cfg.routing == "partial":
             P = cfg.prefix_len
             self.router = nn.Parameter(torch.randn(P, cfg.num_experts) * P ** -0.5)

@@ -306,3 +306,37 @@ def test_expert_parameters_are_marked_and_others_are_not():
     marked = {n for n, p in block.named_parameters() if getattr(p, "expert", False)}
     assert marked == {"smoe.experts.weight", "smoe.experts.bias", "tmoe.experts.w1", "tmoe.experts.b1",
                       "tmoe.experts.w2", "tmoe.experts.b2", "tmoe.experts.norm_weight", "tmoe.experts.norm_bias"}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_expert_init_does_not_depend_on_the_world_size(world):
+    """Seeded layers built as the ranks of a W-rank group hold exactly the slices of the single-process
+    layer, and every parameter built after them is the same too (the RNG advanced equally)."""
+    class RankDispatcher(LocalDispatcher):  # the layout of rank r of W, without a process group
+        def __init__(self, num_experts, rank, world):
+            super().__init__(num_experts)
+            self.num_local_experts = num_experts // world
+            self.first_expert = rank * self.num_local_experts
+
+    E = 4
+    cfg = SparseBlockConfig(d_model=16, d_ffn=32, seq_len=8, num_experts=E)
+
+    def build(dispatcher):
+        torch.manual_seed(7)
+        block = SparseBlock(cfg, dispatcher)
+        after = torch.nn.Linear(4, 4)  # built after the experts: needs the same RNG state
+        return block, after
+
+    full, full_after = build(LocalDispatcher(E))
+    for rank in range(world):
+        part, part_after = build(RankDispatcher(E, rank, world))
+        L = E // world
+        for (name, p_full), (_, p_part) in zip(full.named_parameters(), part.named_parameters()):
+            if getattr(p_full, "expert", False):
+                assert torch.equal(p_full[rank * L:(rank + 1) * L], p_part), name
+            else:
+                assert torch.equal(p_full, p_part), name
+        assert torch.equal(full_after.weight, part_after.weight)
+    # experts differ from one another (one generator each)
+    w = full.tmoe.experts.w1
+    assert not torch.equal(w[0], w[1])
