@@ -32,7 +32,7 @@ def mark_expert(module: nn.Module) -> nn.Module:
 def _expert_generators(num_local_experts: int, first_expert: int) -> list[torch.Generator]:
     """One CPU generator per local expert, seeded from one draw of the global RNG plus the expert's
     global index."""
-    base = int(torch.randint(0, 2 ** 62, (1,)))
+    base = int(torch.randint(0, 2 ** 62, (1,), device="cpu"))  # the CPU RNG even under a default-device context
     return [torch.Generator().manual_seed(base + first_expert + l) for l in range(num_local_experts)]
 
 
@@ -42,7 +42,7 @@ def _init_uniform_(param: Tensor, bound: float, generators: list[torch.Generator
     if param.is_meta:  # shapes only (the FLOPs counter): nothing to draw
         return
     for l, g in enumerate(generators):
-        param[l].copy_(torch.empty(param.shape[1:]).uniform_(-bound, bound, generator=g))
+        param[l].copy_(torch.empty(param.shape[1:], device="cpu").uniform_(-bound, bound, generator=g))
 
 
 def _split_rows(x_RD: Tensor, counts_L: list[int]) -> list[Tensor]:

@@ -340,3 +340,11 @@ def test_expert_init_does_not_depend_on_the_world_size(world):
     # experts differ from one another (one generator each)
     w = full.tmoe.experts.w1
     assert not torch.equal(w[0], w[1])
+
+
+def test_layers_build_under_a_default_device_context():
+    """Building on the meta device (the FLOPs calculator) or any default device must not fail."""
+    cfg = SparseBlockConfig(d_model=16, d_ffn=32, seq_len=8, num_experts=4)
+    with torch.device("meta"):
+        block = SparseBlock(cfg)
+    assert block.tmoe.experts.w1.is_meta and block.smoe.experts.weight.is_meta
