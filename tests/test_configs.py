@@ -5,6 +5,7 @@ valid core config, with the paper's sizes, on the world size the paper trained o
 """
 from __future__ import annotations
 
+import ast
 from pathlib import Path
 
 import pytest
@@ -50,7 +51,7 @@ def test_recipe_parses_and_builds_a_core_config(path, tiny_lm_data):
     assert cfg.distributed_training.ddp_backend == "legacy_ddp" or tiny
     if not tiny:  # the paper's context length and optimizer (Tables 8-10)
         assert core.seq_len == cfg.task.tokens_per_sample == 1024
-        assert tuple(eval(cfg.optimizer.adam_betas)) == (0.9, 0.98)
+        assert ast.literal_eval(cfg.optimizer.adam_betas) == (0.9, 0.98)
         assert cfg.optimizer.weight_decay == 0.1 and cfg.model.dropout == 0.1
         assert cfg.lr_scheduler.warmup_updates == 4000
         if core.sparse_layers:
