@@ -86,7 +86,7 @@ def train_command(args, data: Path, save: Path) -> list[str]:
     settings, then the user's extra flags (fairseq keeps the last value of a repeated flag)."""
     return [
         str(BIN / "smlp-launch"), "--nproc", str(args.nproc), "--cpu", "--log-dir", str(args.out / "logs"), "--",
-        str(data), "--user-dir", str(plugins_dir()), *read_config(args.config),
+        str(data), "--user-dir", str(plugins_dir()), *args.config_flags,
         "--max-update", str(args.max_update), "--stop-time-hours", f"{args.minutes / 60:.4f}",
         "--validate-interval-updates", str(args.validate_every), "--save-interval-updates", str(args.validate_every),
         "--keep-interval-updates", "1", "--no-epoch-checkpoints", "--max-valid-steps", "40",
@@ -96,7 +96,9 @@ def train_command(args, data: Path, save: Path) -> list[str]:
 
 
 def arch_of(flags: Sequence[str]) -> str:
-    return flags[len(flags) - 1 - flags[::-1].index("--arch") + 1]
+    """The value of the last --arch in flags (fairseq keeps the last one)."""
+    last = max(i for i, flag in enumerate(flags) if flag == "--arch")
+    return flags[last + 1]
 
 
 def run_logged(cmd: list[str], log: Path, on_line=None) -> int:
@@ -140,7 +142,6 @@ def step_train(args, data: Path) -> tuple[Path, Curves, float]:
 
     save = args.out / "checkpoints"
     cmd = train_command(args, data, save)
-    args.arch = arch_of(cmd)
     print(f"\n== 2/4 train: {args.arch} on {args.nproc} expert-parallel CPU workers (gloo), at most "
           f"{args.max_update} updates or {args.minutes:g} min", flush=True)
     log = args.out / "logs" / "train.log"
@@ -275,13 +276,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{PROG}: error: --minutes {args.minutes} must be > 0", file=sys.stderr)
         return 2
     args.out = args.out.expanduser().absolute()
-    args.out.mkdir(parents=True, exist_ok=True)
-    if not args.resume and (args.out / "checkpoints").exists():
-        import shutil
-        shutil.rmtree(args.out / "checkpoints")
     t0 = time.time()
     try:
-        read_config(args.config)  # a bad recipe fails now, not after the data step
+        # read the recipe before anything is built or removed: a bad one costs nothing
+        args.config_flags = read_config(args.config)
+        args.arch = arch_of([*args.config_flags, *args.fairseq_args])
+        args.out.mkdir(parents=True, exist_ok=True)
+        if not args.resume and (args.out / "checkpoints").exists():
+            import shutil
+            shutil.rmtree(args.out / "checkpoints")
         data = step_data(args)
         save, curves, seconds = step_train(args, data)
         update, loss, ppl = curves.valid[-1]

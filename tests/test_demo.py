@@ -20,6 +20,12 @@ VALID = ("2026-11-23 01:25:49 | INFO | valid | epoch 001 | valid on 'valid' subs
          "a2a_ms_0_smoe 3.249 | load_0_tmoe 1.169 | ppl 374.2 | wps 33081.7 | wpb 2047.9 | bsz 32 | num_updates 100")
 
 
+def test_arch_is_the_last_one_given():
+    from smlp_launch.demo import arch_of
+
+    assert arch_of(["--arch", "smlp_lm_tiny", "--lr", "1", "--arch", "gmlp_lm_tiny"]) == "gmlp_lm_tiny"
+
+
 def test_log_lines_are_read():
     c = Curves()
     assert c.feed(TRAIN) == "train" and c.feed(VALID) == "valid" and c.feed("| INFO | fairseq.trainer | x") is None
@@ -29,9 +35,13 @@ def test_log_lines_are_read():
 def test_bad_options_fail_before_any_work(tmp_path, capsys):
     assert main(["--out", str(tmp_path / "a"), "--max-update", "0"]) == 2
     assert "--max-update 0 must be >= 1" in capsys.readouterr().err
+    kept = tmp_path / "b" / "checkpoints" / "checkpoint_last-rank-0.pt"  # an earlier run's work
+    kept.parent.mkdir(parents=True)
+    kept.write_bytes(b"earlier run")
     assert main(["--out", str(tmp_path / "b"), "--config", str(tmp_path / "nope.args")]) == 1
     err = capsys.readouterr().err
     assert "nope.args does not exist" in err and not (tmp_path / "b" / "data-bin").exists()
+    assert kept.read_bytes() == b"earlier run"  # a bad option loses nothing
 
 
 @pytest.mark.slow
