@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .mixers import causal_weight, check_length
+from .mixers import causal_weight, check_length, init_spatial_, uniform_per_slice_
 
 __all__ = ["mark_expert", "FFNExperts", "SpatialExperts"]
 
@@ -34,15 +34,6 @@ def _expert_generators(num_local_experts: int, first_expert: int) -> list[torch.
     global index."""
     base = int(torch.randint(0, 2 ** 62, (1,), device="cpu"))  # the CPU RNG even under a default-device context
     return [torch.Generator().manual_seed(base + first_expert + l) for l in range(num_local_experts)]
-
-
-@torch.no_grad()
-def _init_uniform_(param: Tensor, bound: float, generators: list[torch.Generator]) -> None:
-    """param[l] ~ U(-bound, bound) drawn from generators[l] (on the CPU, then copied to param's device)."""
-    if param.is_meta:  # shapes only (the FLOPs counter): nothing to draw
-        return
-    for l, g in enumerate(generators):
-        param[l].copy_(torch.empty(param.shape[1:], device="cpu").uniform_(-bound, bound, generator=g))
 
 
 def _split_rows(x_RD: Tensor, counts_L: list[int]) -> list[Tensor]:
@@ -69,7 +60,7 @@ class FFNExperts(nn.Module):
         self.b2 = nn.Parameter(torch.empty(L, D))
         gens = _expert_generators(L, first_expert)
         for param, bound in ((self.w1, D ** -0.5), (self.b1, D ** -0.5), (self.w2, Fw ** -0.5), (self.b2, Fw ** -0.5)):
-            _init_uniform_(param, bound, gens)
+            uniform_per_slice_(param, bound, gens)
         if norm:
             self.norm_weight = nn.Parameter(torch.ones(L, D))
             self.norm_bias = nn.Parameter(torch.zeros(L, D))
@@ -99,10 +90,7 @@ class SpatialExperts(nn.Module):
         self.size = size
         self.weight = nn.Parameter(torch.empty(num_local_experts, size, size))
         self.bias = nn.Parameter(torch.empty(num_local_experts, size))
-        # gMLP's near-identity init (mixers.init_spatial_), drawn per expert
-        _init_uniform_(self.weight, init_eps / size, _expert_generators(num_local_experts, first_expert))
-        with torch.no_grad():
-            self.bias.fill_(1.0)
+        init_spatial_(self.weight, self.bias, init_eps, _expert_generators(num_local_experts, first_expert))
         mark_expert(self)
 
     def forward(self, x_RM: Tensor, counts_L: list[int]) -> Tensor:

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from .config import GMLPConfig, SGUConfig
 
-__all__ = ["check_length", "causal_weight", "init_spatial_", "SpatialProjection", "SpatialGatingUnit", "GMLPBlock"]
+__all__ = ["check_length", "causal_weight", "init_spatial_", "uniform_per_slice_", "SpatialProjection", "SpatialGatingUnit", "GMLPBlock"]
 
 
 def check_length(n: int, max_len: int, what: str = "sequence") -> None:
@@ -34,12 +34,32 @@ def causal_weight(weight_XTT: Tensor, n: int) -> Tensor:
     return torch.tril(weight_XTT[..., :n, :n])
 
 
-def init_spatial_(weight: Tensor, bias: Tensor, init_eps: float) -> None:
-    """Near-identity init (gMLP 2.1): weight ~ U(-eps/T, eps/T), bias = 1."""
-    size = weight.shape[-1]
-    with torch.no_grad():
-        weight.uniform_(-init_eps / size, init_eps / size)
-        bias.fill_(1.0)
+@torch.no_grad()
+def uniform_per_slice_(param: Tensor, bound: float, generators: list[torch.Generator]) -> None:
+    """param[l] ~ U(-bound, bound) drawn from generators[l] (on the CPU, then copied to param's device).
+
+    Used for expert weights, whose initial values must not depend on how the experts are spread
+    over ranks (experts.py). Meta tensors (shapes only) are left as they are.
+    """
+    if param.is_meta:
+        return
+    for l, g in enumerate(generators):
+        param[l].copy_(torch.empty(param.shape[1:], device="cpu").uniform_(-bound, bound, generator=g))
+
+
+@torch.no_grad()
+def init_spatial_(weight: Tensor, bias: Tensor, init_eps: float,
+                  generators: list[torch.Generator] | None = None) -> None:
+    """Near-identity init (gMLP 2.1): weight ~ U(-eps/T, eps/T), bias = 1.
+
+    With `generators`, slice l of the weight (one expert) is drawn from generators[l].
+    """
+    bound = init_eps / weight.shape[-1]
+    if generators is None:
+        weight.uniform_(-bound, bound)
+    else:
+        uniform_per_slice_(weight, bound, generators)
+    bias.fill_(1.0)
 
 
 class SpatialProjection(nn.Module):
