@@ -4,17 +4,23 @@ One FairseqDataclass per model; `to_core_config` is the only place that reads fa
 Flags use fairseq's names where fairseq has one (--decoder-embed-dim, --decoder-layers, ...).
 """
 
+import logging
 from dataclasses import dataclass, field
 
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 from omegaconf import II
 
+from smlp.config import GSHARD_AUX_LOSSES
 from smlp.dispatch import expert_parallel_layout
-from smlp.lm import LMConfig
+from smlp.lm import PLACEMENTS, LMConfig
+
+logger = logging.getLogger(__name__)
 
 SMOE_ROUTING_CHOICES = ChoiceEnum(["deterministic", "partial"])
 MOE_ROUTER_CHOICES = ChoiceEnum(["gshard", "switch", "base", "hash"])
 ACTIVATION_CHOICES = ChoiceEnum(["gelu", "relu"])
+PLACEMENT_CHOICES = ChoiceEnum(["auto", *PLACEMENTS])
+GSHARD_AUX_LOSS_CHOICES = ChoiceEnum(list(GSHARD_AUX_LOSSES))
 
 
 @dataclass
@@ -41,9 +47,22 @@ class _SparseBase(_LMBase):
     num_experts: int = field(
         default=0, metadata={"help": "experts per sparse layer; 0 means one per rank (the world size)"}
     )
+    sparse_placement: PLACEMENT_CHOICES = field(
+        default="auto",
+        metadata={"help": "where the sparse blocks sit: paper (sec. 4.1, spread evenly over the depth), "
+                          "every_other (GShard, Switch), fairseq (fairseq's --base-layers insertion); "
+                          "auto = every_other for gshard/switch, paper otherwise"},
+    )
+    base_shuffle: int = field(
+        default=1,
+        metadata={"help": "Base Layers tMoE: in training, shuffle tokens to random ranks before the balanced "
+                          "assignment (fairseq's --base-shuffle); 0 turns it off"},
+    )
     # fairseq writes per-rank checkpoints and loads them on every rank when cfg.model.base_layers > 0
     # (trainer.py, distributed/utils.py): it must equal the number of sparse layers.
     base_layers: int = II("model.sparse_layers")
+    # Read so the model can warn when the criterion would ignore its auxiliary loss or prefix.
+    criterion_name: str = II("criterion._name")
 
 
 @dataclass
@@ -70,6 +89,11 @@ class MoETransformerConfig(_SparseBase):
                           "base (balanced assignment), hash (fixed token-id table)"},
     )
     capacity_factor: float = field(default=1.0, metadata={"help": "Switch capacity factor"})
+    gshard_aux_loss: GSHARD_AUX_LOSS_CHOICES = field(
+        default="normalized",
+        metadata={"help": "GShard load-balancing loss: normalized = E^2 * mean(m_e c_e), 1 when balanced like "
+                          "Switch's (fairseq MoE branch, DeepSpeed); fairscale = mean(m_e c_e)"},
+    )
     hash_seed: int = field(default=0, metadata={"help": "seed of the HASH layers' token-id table"})
 
 
@@ -95,8 +119,37 @@ def to_core_config(cfg, family: str, vocab_size: int, padding_idx: int) -> LMCon
     num_experts = resolve_num_experts(cfg.num_experts, cfg.distributed_world_size)
     if cfg.sparse_layers and cfg.distributed_world_size > 1:
         expert_parallel_layout(num_experts, cfg.distributed_world_size)  # experts must fit the ranks
-    sparse = dict(sparse_layers=cfg.sparse_layers, num_experts=num_experts)
+    if cfg.base_shuffle not in (0, 1):
+        raise ValueError(f"--base-shuffle {cfg.base_shuffle} is invalid: use 1 (shuffle, the default) or 0")
+    sparse = dict(sparse_layers=cfg.sparse_layers, num_experts=num_experts,
+                  sparse_placement=str(cfg.sparse_placement), base_shuffle=bool(cfg.base_shuffle))
     if family == "smlp":
-        return LMConfig(**common, **sparse, smoe_routing=str(cfg.smoe_routing), prefix_fraction=cfg.prefix_fraction)
+        core = LMConfig(**common, **sparse, smoe_routing=str(cfg.smoe_routing), prefix_fraction=cfg.prefix_fraction)
+        _explain_prefix(core, cfg.tokens_per_sample)
+        return core
     return LMConfig(**common, **sparse, heads=cfg.decoder_attention_heads, moe_router=str(cfg.moe_router),
-                    capacity_factor=cfg.capacity_factor, hash_seed=cfg.hash_seed)
+                    capacity_factor=cfg.capacity_factor, hash_seed=cfg.hash_seed,
+                    gshard_aux_loss=str(cfg.gshard_aux_loss))
+
+
+def _explain_prefix(core: LMConfig, tokens_per_sample: int) -> None:
+    """Partial prediction routes on the first P = round(prefix_fraction * T) positions, T = --seq-len.
+
+    The prefix is a fixed number of positions because the router W_r is a P x E weight. When the
+    training sequences are shorter than T, P is a larger share of each of them than
+    --prefix-fraction says; say so, with the flags that restore the paper's 20%.
+    """
+    P = core.prediction_start
+    if P and P >= tokens_per_sample:
+        raise ValueError(
+            f"partial prediction routes on the first {P} positions (--prefix-fraction {core.prefix_fraction} of "
+            f"--seq-len {core.seq_len}) but the sequences have only --tokens-per-sample {tokens_per_sample} tokens: "
+            f"no position would be predicted; use --seq-len {tokens_per_sample}")
+    if not P or tokens_per_sample == core.seq_len:
+        return
+    logger.warning(
+        "partial prediction routes on the first %d positions (--prefix-fraction %g of --seq-len %d), which is "
+        "%.0f%% of the %d-token training sequences (--tokens-per-sample); only positions >= %d are predicted. "
+        "For a %g share of the training sequences, use --seq-len %d or --prefix-fraction %.4g.",
+        P, core.prefix_fraction, core.seq_len, 100.0 * P / tokens_per_sample, tokens_per_sample, P,
+        core.prefix_fraction, tokens_per_sample, core.prefix_fraction * tokens_per_sample / core.seq_len)

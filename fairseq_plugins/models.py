@@ -6,6 +6,9 @@ checkpoint loading across world sizes.
 """
 from __future__ import annotations
 
+import logging
+import sys
+
 import torch
 import torch.distributed as dist
 from fairseq.models import FairseqDecoder, FairseqLanguageModel, register_model, register_model_architecture
@@ -16,7 +19,10 @@ from smlp.lm import LanguageModel
 from .checkpoints import adapt_expert_state
 from .config import GMLPConfig, MoETransformerConfig, SMLPConfig, to_core_config
 
+logger = logging.getLogger(__name__)
+
 EXPERT_PARALLEL_DDP_BACKENDS = ("legacy_ddp", "no_c10d")
+OUR_CRITERION = "smlp_lm_loss"
 
 
 class CoreLMDecoder(FairseqDecoder):
@@ -69,6 +75,59 @@ def scale_expert_gradients(model: torch.nn.Module, world_size: int) -> None:
             p.register_hook(lambda g, w=world_size: g / w)
 
 
+def _config_value(cfg, name: str):
+    """cfg.name, or None when it is missing or its interpolation has nothing to resolve against."""
+    try:
+        return getattr(cfg, name, None)
+    except Exception:  # omegaconf: the interpolated node (e.g. criterion) is absent in this config
+        return None
+
+
+def criterion_needs(core_cfg) -> list[str]:
+    """What only smlp_lm_loss does for this model: the reasons another criterion would train it wrong."""
+    needs = []
+    if core_cfg.family == "transformer" and core_cfg.sparse_layers and core_cfg.moe_router in ("switch", "gshard"):
+        needs.append(f"adds the {core_cfg.moe_router} routers' load-balancing loss (without it they train unbalanced)")
+    if core_cfg.prediction_start:
+        needs.append(f"skips the {core_cfg.prediction_start} routing-prefix positions that partial prediction "
+                     f"does not predict")
+    return needs
+
+
+def warn_if_criterion_ignores_routing(core_cfg, criterion_name) -> str | None:
+    """A clear warning when the configured criterion cannot train this model as the paper does."""
+    needs = criterion_needs(core_cfg)
+    if criterion_name is None or str(criterion_name) == OUR_CRITERION or not needs:
+        return None
+    message = (f"--criterion {criterion_name} ignores what this model needs: {OUR_CRITERION} "
+               f"{'; it also '.join(needs)}. Train with --criterion {OUR_CRITERION}.")
+    logger.warning(message)
+    return message
+
+
+def _inside_fairseq_eval_lm() -> bool:
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_globals.get("__name__") == "fairseq_cli.eval_lm":
+            return True
+        frame = frame.f_back
+    return False
+
+
+def refuse_eval_lm_on_partial_prediction(core_cfg) -> None:
+    """fairseq-eval-lm scores every position; partial prediction predicts only those after the prefix."""
+    P = core_cfg.prediction_start
+    if not P or not _inside_fairseq_eval_lm():
+        return
+    raise ValueError(
+        f"fairseq-eval-lm scores every position, but this partial-prediction sMLP routes on the first {P} positions "
+        f"of each sequence and predicts only positions >= {P} (sMLP sec. 3.2.2); its figure would include "
+        f"{P} positions per sequence that training never predicts. Report the loss over predicted positions with "
+        f"the training criterion instead: fairseq-validate DATA --user-dir fairseq_plugins --path CHECKPOINT "
+        f"--task language_modeling --tokens-per-sample {core_cfg.seq_len} --valid-subset test --batch-size 8"
+    )
+
+
 class _CoreLanguageModel(FairseqLanguageModel):
     family = ""
 
@@ -76,6 +135,9 @@ class _CoreLanguageModel(FairseqLanguageModel):
     def build_model(cls, cfg, task):
         dictionary = task.target_dictionary
         core_cfg = to_core_config(cfg, cls.family, len(dictionary), dictionary.pad())
+        refuse_eval_lm_on_partial_prediction(core_cfg)
+        if _world()[0] == 0:
+            warn_if_criterion_ignores_routing(core_cfg, _config_value(cfg, "criterion_name"))
         dispatcher = make_dispatcher(core_cfg, cfg)
         model = cls(CoreLMDecoder(dictionary, LanguageModel(core_cfg, dispatcher)))
         rank, world = _world()

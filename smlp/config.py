@@ -8,6 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 TOKEN_ROUTERS = ("base", "switch", "gshard", "hash")
+# GShard's load-balancing loss: "normalized" = E^2 * mean_e(m_e c_e) (fairseq's MoE branch, DeepSpeed,
+# lingvo; 1.0 for a balanced router, like Switch's E * sum_e f_e P_e), "fairscale" = mean_e(m_e c_e).
+GSHARD_AUX_LOSSES = ("normalized", "fairscale")
 SMOE_ROUTINGS = ("deterministic", "partial")
 ACTIVATIONS = ("gelu", "relu")
 
@@ -90,6 +93,12 @@ class TMoEConfig:
             load-balancing loss), gshard (top-2, capacity 2S/E), hash (fixed token-id table).
     expert_norm: each expert normalizes its own input (Base Layers' expert sublayer); the
             default is True for base, False otherwise (the caller normalizes before routing).
+    zero_init_output: the experts' second projection starts at zero, so each expert starts as
+            the identity branch (fairseq's `BaseSublayer`: `ff2.weight.data.zero_()`); the
+            default is True for base, False otherwise.
+    shuffle: base only: in training, send the tokens to random ranks before the balanced
+            assignment (fairseq's `--base-shuffle`, on by default there) and back afterwards.
+    gshard_aux_loss: the scale of GShard's load-balancing loss (GSHARD_AUX_LOSSES).
     """
 
     d_model: int
@@ -101,6 +110,9 @@ class TMoEConfig:
     vocab_size: int | None = None
     hash_seed: int = 0
     expert_norm: bool | None = None
+    zero_init_output: bool | None = None
+    shuffle: bool = True
+    gshard_aux_loss: str = "normalized"
 
     def __post_init__(self) -> None:
         _positive("d_model", self.d_model)
@@ -108,6 +120,7 @@ class TMoEConfig:
         _positive("num_experts", self.num_experts)
         _choice("router", self.router, TOKEN_ROUTERS)
         _choice("activation", self.activation, ACTIVATIONS)
+        _choice("gshard_aux_loss", self.gshard_aux_loss, GSHARD_AUX_LOSSES)
         if not self.capacity_factor > 0:
             raise ValueError(f"capacity_factor={self.capacity_factor!r} is invalid: it must be > 0")
         if self.router == "hash":
@@ -118,6 +131,14 @@ class TMoEConfig:
     @property
     def uses_expert_norm(self) -> bool:
         return self.router == "base" if self.expert_norm is None else self.expert_norm
+
+    @property
+    def uses_zero_init_output(self) -> bool:
+        return self.router == "base" if self.zero_init_output is None else self.zero_init_output
+
+    @property
+    def uses_shuffle(self) -> bool:
+        return self.router == "base" and self.shuffle
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -193,6 +214,7 @@ class SparseBlockConfig:
     activation: str = "gelu"
     dropout: float = 0.0
     prefix_fraction: float = 0.2
+    base_shuffle: bool = True
 
     def __post_init__(self) -> None:
         _probability("dropout", self.dropout)
@@ -207,4 +229,4 @@ class SparseBlockConfig:
     @property
     def tmoe(self) -> TMoEConfig:
         return TMoEConfig(d_model=self.d_model, d_ffn=self.d_ffn, num_experts=self.num_experts,
-                          router="base", activation=self.activation)
+                          router="base", activation=self.activation, shuffle=self.base_shuffle)

@@ -13,6 +13,16 @@ twin (LocalDispatcher holding all experts) to test against:
     y_RD = experts(x_RD, counts_L)
     y_SD = dispatcher.combine(y_RD, state)
 
+and, for Base Layers' training-time token shuffle (fairseq `BaseLayer`, `base_shuffle`):
+
+    x_SD, shuffle = dispatcher.shuffle(x_SD)      # rows sent to random ranks
+    ...route, dispatch, experts, combine on the shuffled rows...
+    y_SD = dispatcher.unshuffle(y_SD, shuffle)    # rows back home, in their original order
+
+Communication time is accumulated in `comm_seconds`. On an accelerator the collectives are
+asynchronous, so the clock is read only after synchronising the device (`CommTimer`); otherwise
+the figure would be the launch time of the kernels, not the time the exchange takes.
+
 Dispatchers hold no parameters and take their process group as an argument; they are the only
 place that calls a collective.
 """
@@ -25,7 +35,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["LocalDispatcher", "AllToAllDispatcher", "all_to_all", "expert_parallel_layout"]
+__all__ = ["LocalDispatcher", "AllToAllDispatcher", "CommTimer", "ShuffleState", "all_to_all",
+           "expert_parallel_layout", "synchronize"]
 
 
 def expert_parallel_layout(num_experts: int, world_size: int) -> int:
@@ -44,6 +55,63 @@ def expert_parallel_layout(num_experts: int, world_size: int) -> int:
             f"multiple of the world size (e.g. {world_size} or {2 * world_size})"
         )
     return num_experts // world_size
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on `device` (no-op on the CPU, where collectives are synchronous)."""
+    if device.type == "cpu" or device.type == "meta":
+        return
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif hasattr(torch, "accelerator") and torch.accelerator.is_available():
+        torch.accelerator.synchronize()
+
+
+class CommTimer:
+    """Wall time of communication on one device, synchronised so asynchronous collectives count fully.
+
+        with timer(device):   # synchronise, read the clock
+            ...collectives... # synchronise, read the clock again, add the difference
+    """
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
+        self.seconds = 0.0
+
+    def __call__(self, device: torch.device) -> "_TimedSection":
+        return _TimedSection(self, device)
+
+
+class _TimedSection:
+    def __init__(self, timer: CommTimer, device: torch.device):
+        self.timer, self.device = timer, device
+
+    def __enter__(self):
+        if self.timer.enabled:
+            synchronize(self.device)
+            self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        if self.timer.enabled:
+            synchronize(self.device)
+            self.timer.seconds += time.perf_counter() - self.start
+        return False
+
+
+@dataclass
+class ShuffleState:
+    order_S: Tensor  # the random permutation applied to the local rows before sending
+    send_splits: list[int] = field(default_factory=list)
+    recv_splits: list[int] = field(default_factory=list)
+
+
+def shuffle_splits(num_rows: int, world_size: int) -> list[int]:
+    """Rows sent to each rank by the shuffle: equal shares, the first num_rows % W ranks one more.
+
+    fairseq's BaseLayer sends S / W rows to every rank and needs W to divide S; this is the same
+    split whenever it does, and any S works."""
+    return [num_rows // world_size + (1 if w < num_rows % world_size else 0) for w in range(world_size)]
 
 
 class _AllToAll(torch.autograd.Function):
@@ -87,10 +155,25 @@ class LocalDispatcher:
         self.num_local_experts = num_experts
         self.first_expert = 0
         self.world_size = 1
-        self.comm_seconds = 0.0
+        self.timer = CommTimer()
+
+    @property
+    def comm_seconds(self) -> float:
+        return self.timer.seconds
 
     def common_width(self, width: int) -> int:
         return width
+
+    def shuffle(self, x_SD: Tensor) -> tuple[Tensor, ShuffleState | None]:
+        """One process: every row stays here, so the shuffle is the identity.
+
+        The shuffle exists to decide *which* tokens are balanced together (fairseq: "to break
+        correlations within the batch"); with one process they are all the rows of the batch
+        either way, and balanced assignment does not depend on the order of its rows."""
+        return x_SD, None
+
+    def unshuffle(self, y_SD: Tensor, state: ShuffleState | None) -> Tensor:
+        return y_SD
 
     def dispatch(self, x_SD: Tensor, expert_S: Tensor) -> tuple[Tensor, list[int], DispatchState]:
         order_S = torch.argsort(expert_S, stable=True)
@@ -125,6 +208,34 @@ class AllToAllDispatcher(LocalDispatcher):
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.ep_group)
         return int(t.item())
 
+    def _exchange_counts(self, counts_W: Tensor) -> Tensor:
+        """counts_W[w] rows go to rank w; returns how many arrive from each rank (on the host)."""
+        counts_W = counts_W.to(self._device)
+        recv_W = torch.empty_like(counts_W)
+        dist.all_to_all_single(recv_W, counts_W, group=self.ep_group)
+        return recv_W.cpu()
+
+    def shuffle(self, x_SD: Tensor) -> tuple[Tensor, ShuffleState]:
+        """Send the local rows to random ranks (fairseq BaseLayer's `base_shuffle`).
+
+        1. Draw a random permutation of the local rows from the global RNG, exactly as fairseq
+           does (`torch.randperm(S, device=...)`), so a seeded run shuffles like fairseq's.
+        2. Cut the permuted rows into W near-equal consecutive pieces; piece w goes to rank w.
+        3. Rows arrive ordered by source rank; `unshuffle` reverses both steps.
+        """
+        S = x_SD.shape[0]
+        order_S = torch.randperm(S, device=x_SD.device)
+        send_splits = shuffle_splits(S, self.world_size)
+        with self.timer(x_SD.device):
+            recv_splits = self._exchange_counts(torch.tensor(send_splits, dtype=torch.long)).tolist()
+            x_recv = all_to_all(x_SD[order_S], recv_splits, send_splits, self.ep_group)
+        return x_recv, ShuffleState(order_S, send_splits, recv_splits)
+
+    def unshuffle(self, y_SD: Tensor, state: ShuffleState) -> Tensor:
+        with self.timer(y_SD.device):
+            y_home = all_to_all(y_SD, state.send_splits, state.recv_splits, self.ep_group)
+        return y_home[torch.argsort(state.order_S)]
+
     @property
     def _device(self) -> torch.device:
         # NCCL needs device tensors, gloo host tensors; follow the backend of the group.
@@ -139,18 +250,14 @@ class AllToAllDispatcher(LocalDispatcher):
         order_S = torch.argsort(expert_S, stable=True)
         x_sorted = x_SD[order_S]
         counts_E = torch.bincount(expert_S, minlength=self.num_experts)
-        # 2. Tell every rank how many rows it will get for each of its local experts.
-        start = time.perf_counter()
-        counts_E = counts_E.to(self._device)
-        recv_WL = torch.empty_like(counts_E)
-        dist.all_to_all_single(recv_WL, counts_E, group=self.ep_group)
-        # 3. Split sizes are needed on the host (one sync per layer, as in every uneven all2all).
-        send_splits = counts_E.view(W, L).sum(1).tolist()
-        recv_WL = recv_WL.view(W, L).cpu()
-        recv_splits = recv_WL.sum(1).tolist()
-        # 4. Exchange the rows; they arrive grouped by (source rank, local expert).
-        x_recv = all_to_all(x_sorted, recv_splits, send_splits, self.ep_group)
-        self.comm_seconds += time.perf_counter() - start
+        with self.timer(x_SD.device):
+            # 2. Tell every rank how many rows it will get for each of its local experts.
+            # 3. Split sizes are needed on the host (one sync per layer, as in every uneven all2all).
+            recv_WL = self._exchange_counts(counts_E).view(W, L)
+            send_splits = counts_E.view(W, L).sum(1).tolist()
+            recv_splits = recv_WL.sum(1).tolist()
+            # 4. Exchange the rows; they arrive grouped by (source rank, local expert).
+            x_recv = all_to_all(x_sorted, recv_splits, send_splits, self.ep_group)
         # 5. Regroup by (local expert, source rank) so each local expert sees one contiguous block.
         by_expert_R = _block_transpose(recv_WL).to(x_SD.device)
         counts_L = recv_WL.sum(0).tolist()
@@ -160,9 +267,8 @@ class AllToAllDispatcher(LocalDispatcher):
     def combine(self, y_RD: Tensor, state: DispatchState) -> Tensor:
         # Reverse of dispatch: undo the regrouping, send rows home, undo the sort.
         y_recv = y_RD[torch.argsort(state.by_expert_R)]
-        start = time.perf_counter()
-        y_sorted = all_to_all(y_recv, state.send_splits, state.recv_splits, self.ep_group)
-        self.comm_seconds += time.perf_counter() - start
+        with self.timer(y_RD.device):
+            y_sorted = all_to_all(y_recv, state.send_splits, state.recv_splits, self.ep_group)
         return y_sorted[torch.argsort(state.order_S)]
 
 

@@ -45,12 +45,16 @@ def _split_rows(x_RD: Tensor, counts_L: list[int]) -> list[Tensor]:
 class FFNExperts(nn.Module):
     """L feed-forward experts D -> F -> D, optionally with their own input LayerNorm (Base Layers).
 
+    zero_output: the second projection's weight starts at zero (fairseq's Base Layers expert,
+    `BaseSublayer.ff2.weight.data.zero_()`), so each expert starts as a constant (its bias) and
+    the layer close to the identity. The RNG draws are the same either way.
+
     Weights are stacked with the local-expert index first (like every expert parameter here), so
     moving experts between world sizes is slicing and concatenating along dim 0.
     """
 
     def __init__(self, num_local_experts: int, d_model: int, d_ffn: int, *, activation: str = "gelu",
-                 norm: bool = False, first_expert: int = 0):
+                 norm: bool = False, zero_output: bool = False, first_expert: int = 0):
         super().__init__()
         L, D, Fw = num_local_experts, d_model, d_ffn
         self.activation = F.gelu if activation == "gelu" else F.relu
@@ -61,6 +65,9 @@ class FFNExperts(nn.Module):
         gens = _expert_generators(L, first_expert)
         for param, bound in ((self.w1, D ** -0.5), (self.b1, D ** -0.5), (self.w2, Fw ** -0.5), (self.b2, Fw ** -0.5)):
             uniform_per_slice_(param, bound, gens)
+        if zero_output:
+            with torch.no_grad():
+                self.w2.zero_()
         if norm:
             self.norm_weight = nn.Parameter(torch.ones(L, D))
             self.norm_bias = nn.Parameter(torch.zeros(L, D))

@@ -17,7 +17,8 @@ collective and own no parameters; the layer computes the logits with its own wei
 - `gshard_top2`: Lepikhin et al., "GShard" (arXiv:2006.16668), sec. 2.2 and Algorithm 1:
   first expert = argmax of the softmax, second expert sampled by Gumbel-max on the logits with
   the first excluded, capacity 2S/E, first-choice slots filled before second-choice slots,
-  weights renormalized over the kept slots. Equal to fairscale's `top2gating` (see tests).
+  weights renormalized over the kept slots. Equal to fairscale's `top2gating` (see tests); its
+  load-balancing loss is scaled by E^2 as fairseq's MoE branch and DeepSpeed scale it.
 
 Capacity dropping keeps rows in order of position (row 0 first). A dropped slot has expert -1
 and weight 0: its row gets nothing from that slot (the layer's residual carries it).
@@ -41,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .config import GSHARD_AUX_LOSSES
 from .routing import RoutingPlan
 
 __all__ = ["switch_top1", "gshard_top2", "switch_capacity", "gshard_capacity"]
@@ -207,7 +209,7 @@ def gshard_top2(
     noise_SE: Tensor | None = None,
     training: bool = True,
     drop_in_eval: bool = False,
-    normalize_aux_loss: bool = False,
+    aux_loss: str = "normalized",
 ) -> RoutingPlan:
     """GShard top-2 gating (Lepikhin et al. 2020, sec. 2.2, Algorithm 1), as fairscale's `top2gating`.
 
@@ -222,10 +224,14 @@ def gshard_top2(
        rank >= C are dropped (expert -1, weight 0).
     4. Weights: w_k = p_{e_k} / max(p_{e1} + p_{e2}, eps) over the kept slots, so a row whose first
        choice was dropped puts weight 1 on its second.
-    5. aux_loss = mean_e(m_e * c_e) (fairscale's and Algorithm 1's convention: no E^2 factor),
-       m_e the mean probability and c_e the fraction of first choices before dropping. A
-       perfectly balanced router gives 1/E^2. normalize_aux_loss=True multiplies by E^2
-       (lingvo's scaling), which equals switch_top1's E * sum_e f_e P_e on the first choices.
+    5. The load-balancing loss, m_e the mean router probability of expert e and c_e the fraction
+       of first choices that went to e before dropping:
+       aux_loss="normalized" (default): E^2 * mean_e(m_e * c_e), as fairseq's MoE branch
+           (`top2gating`), DeepSpeed (`sharded_moe.top2gating`) and lingvo compute it. It is 1 for
+           a perfectly balanced router and equals switch_top1's E * sum_e f_e P_e on the first
+           choices, so one weight (0.01) balances GShard and Switch equally hard.
+       aux_loss="fairscale": mean_e(m_e * c_e) (fairscale's `top2gating`, Algorithm 1 as
+           printed), 1/E^2 when balanced: with the same weight, E^2 times weaker.
 
     Differences from fairscale, all outside its domain or degenerate: any S is accepted (fairscale
     asserts S % E == 0; where it runs the capacities agree), eval mode has no capacity limit unless
@@ -235,6 +241,8 @@ def gshard_top2(
     back to the logits' dtype).
     """
     _check_logits("gshard_top2", logits_SE, noise_SE)
+    if aux_loss not in GSHARD_AUX_LOSSES:
+        raise ValueError(f"aux_loss={aux_loss!r} is unknown: valid values are {', '.join(GSHARD_AUX_LOSSES)}")
     S, E = logits_SE.shape
     dtype = _compute_dtype(logits_SE)
     if S == 0:
@@ -263,13 +271,13 @@ def gshard_top2(
             kept1_S = torch.ones_like(has_second_S)
             kept2_S = has_second_S
 
-    aux_loss = torch.mean(probs_SE.mean(dim=0) * mask1_SE.to(dtype).mean(dim=0))
-    if normalize_aux_loss:
-        aux_loss = aux_loss * (E * E)
+    loss = torch.mean(probs_SE.mean(dim=0) * mask1_SE.to(dtype).mean(dim=0))
+    if aux_loss == "normalized":
+        loss = loss * (E * E)
 
     gate1_S = probs_SE.gather(1, first_S[:, None]).squeeze(1) * kept1_S
     gate2_S = probs_SE.gather(1, second_S[:, None]).squeeze(1) * kept2_S
     denom_S = torch.clamp(gate1_S + gate2_S, min=torch.finfo(dtype).eps)
     weights_SK = torch.stack([gate1_S / denom_S, gate2_S / denom_S], dim=1)
     experts_SK = torch.stack([torch.where(kept1_S, first_S, -1), torch.where(kept2_S, second_S, -1)], dim=1)
-    return RoutingPlan(experts_SK, weights_SK, aux_loss)
+    return RoutingPlan(experts_SK, weights_SK, loss)

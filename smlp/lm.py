@@ -3,20 +3,29 @@
 The fairseq plugins wrap `LanguageModel`; the FLOPs calculator counts it with fvcore; the tests
 drive it directly. One configuration describes every family:
 
-    smlp         N1 dense gMLP blocks + N2 sparse blocks (sMoE + tMoE), Base Layers placement
+    smlp         N1 dense gMLP blocks + N2 sparse blocks (sMoE + tMoE), the paper's placement
     gmlp         N1 dense gMLP blocks (optionally multi-head SGU)
     transformer  N1 dense Transformer blocks + N2 sparse Transformer blocks (attention + tMoE FFN):
                    gshard / switch: every other block is sparse (dense, sparse, dense, ...)
-                   base / hash:     sparse blocks spread among the dense ones, Base Layers placement
+                   base / hash:     sparse blocks spread evenly over the depth (the paper's placement)
 
 A sparse Transformer block keeps its attention and replaces only the FFN by the experts, for
 every router. That is the reading that reproduces the paper's Base Layers figures: Table 10's
 642.6M non-expert parameters are 8 dense + 8 sparse blocks that all hold attention (without
 attention in the sparse ones: 508M), and Table 5's 2.0T FLOPs likewise (1.66T without).
 
-Sparse-layer placement (sMLP section 4.1, Base Layers): we use fairseq's own form, so a model
-here and fairseq's Base Layers transformer put sparse layers in the same places:
-    for i in range(N2): layers.insert(((i + 1) * N1) // (N2 + 1), sparse_layer)
+Sparse-layer placement (`layer_plan`, `LMConfig.sparse_placement`):
+    paper        sMLP section 4.1 (the Base Layers setting): the k-th of N2 sparse blocks sits
+                 after the floor(k (N1 + N2) / (N2 + 1))-th layer, i.e. at 0-based index
+                 floor(k (N1 + N2) / (N2 + 1)) of the N1 + N2 stack: spread evenly over the
+                 depth. Default for sMLP, Base Layers and HASH.
+    every_other  GShard and Switch (section 4.1): dense, sparse, dense, sparse, ...; the default
+                 for those two routers.
+    fairseq      fairseq's transformer_lm `--base-layers` code, inserting into a growing list:
+                 `layers.insert(((i + 1) * N1) // (N2 + 1), sparse)`. It matches the paper's
+                 rule only while N2 is small against N1: 12 + 12 gives 12 sparse blocks and then
+                 12 dense ones, 28 + 12 leaves the last 14 layers dense. Kept as a named option
+                 to reproduce fairseq runs.
 
 Shapes: B batch, N positions, D model width, V vocabulary.
 """
@@ -34,18 +43,23 @@ from .mixers import GMLPBlock, check_length
 from .moe import SMoE, SparseBlock, TMoE
 from .transformer import TransformerBlock, sinusoidal_positions
 
-__all__ = ["FAMILIES", "LMConfig", "LanguageModel", "layer_plan"]
+__all__ = ["FAMILIES", "PLACEMENTS", "LMConfig", "LanguageModel", "layer_plan"]
 
 FAMILIES = ("smlp", "gmlp", "transformer")
 
 
-def layer_plan(num_dense: int, num_sparse: int, placement: str) -> list[str]:
-    """Order of 'dense' and 'sparse' layers.
+PLACEMENTS = ("paper", "every_other", "fairseq")
 
-    base_rule:   fairseq's Base Layers insertion (see module docstring).
-    every_other: dense, sparse, dense, sparse, ... then the remaining dense layers (GShard, Switch).
-    """
-    if placement == "base_rule":
+
+def layer_plan(num_dense: int, num_sparse: int, placement: str) -> list[str]:
+    """Order of 'dense' and 'sparse' layers in the stack (see the module docstring)."""
+    if num_dense < 0 or num_sparse < 0:
+        raise ValueError(f"layer counts must be >= 0, got {num_dense} dense and {num_sparse} sparse")
+    if placement == "paper":
+        total = num_dense + num_sparse
+        sparse_at = {(k * total) // (num_sparse + 1) for k in range(1, num_sparse + 1)}
+        return ["sparse" if i in sparse_at else "dense" for i in range(total)]
+    if placement == "fairseq":
         layers = ["dense"] * num_dense
         for i in range(num_sparse):
             layers.insert(((i + 1) * num_dense) // (num_sparse + 1), "sparse")
@@ -57,7 +71,7 @@ def layer_plan(num_dense: int, num_sparse: int, placement: str) -> list[str]:
                 f"{num_dense} dense and {num_sparse} sparse"
             )
         return ["dense", "sparse"] * num_sparse + ["dense"] * (num_dense - num_sparse)
-    raise ValueError(f"placement={placement!r} is unknown: valid values are base_rule, every_other")
+    raise ValueError(f"placement={placement!r} is unknown: valid values are {', '.join(PLACEMENTS)}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,6 +93,9 @@ class LMConfig:
     prefix_fraction: float = 0.2
     padding_idx: int = 1
     hash_seed: int = 0
+    sparse_placement: str = "auto"   # "auto" = every_other for gshard/switch, paper otherwise
+    gshard_aux_loss: str = "normalized"
+    base_shuffle: bool = True
 
     def __post_init__(self) -> None:
         _choice("family", self.family, FAMILIES)
@@ -93,6 +110,7 @@ class LMConfig:
         _choice("moe_router", self.moe_router, TOKEN_ROUTERS)
         _choice("activation", self.activation, ACTIVATIONS)
         _probability("dropout", self.dropout)
+        _choice("sparse_placement", self.sparse_placement, ("auto",) + PLACEMENTS)
         if self.family == "gmlp" and self.sparse_layers:
             raise ValueError(f"sparse_layers={self.sparse_layers}: the dense gMLP family has no sparse layers")
         if self.family == "transformer" and self.d_model % self.heads:
@@ -103,13 +121,21 @@ class LMConfig:
             self.sparse_block
         if self.family == "transformer" and self.sparse_layers:
             self.tmoe
-        layer_plan(self.dense_layers, self.sparse_layers, self.placement)
+        self.plan  # validates the placement against the layer counts
 
     @property
     def placement(self) -> str:
+        """The placement in effect: `sparse_placement`, or the family's default for "auto"."""
+        if self.sparse_placement != "auto":
+            return self.sparse_placement
         if self.family == "transformer" and self.moe_router in ("gshard", "switch"):
             return "every_other"
-        return "base_rule"
+        return "paper"
+
+    @property
+    def plan(self) -> list[str]:
+        """'dense' / 'sparse' per layer, in stack order."""
+        return layer_plan(self.dense_layers, self.sparse_layers, self.placement)
 
     @property
     def dense_block(self) -> GMLPConfig:
@@ -121,14 +147,15 @@ class LMConfig:
         return SparseBlockConfig(d_model=self.d_model, d_ffn=self.d_ffn, seq_len=self.seq_len,
                                  num_experts=self.num_experts, smoe_routing=self.smoe_routing,
                                  activation=self.activation, dropout=self.dropout,
-                                 prefix_fraction=self.prefix_fraction)
+                                 prefix_fraction=self.prefix_fraction, base_shuffle=self.base_shuffle)
 
     @property
     def tmoe(self) -> TMoEConfig:
         return TMoEConfig(d_model=self.d_model, d_ffn=self.d_ffn, num_experts=self.num_experts,
                           router=self.moe_router, activation=self.activation,
                           capacity_factor=self.capacity_factor, vocab_size=self.vocab_size,
-                          hash_seed=self.hash_seed)
+                          hash_seed=self.hash_seed, gshard_aux_loss=self.gshard_aux_loss,
+                          shuffle=self.base_shuffle)
 
     @property
     def prediction_start(self) -> int:
@@ -156,8 +183,7 @@ class LanguageModel(nn.Module):
             self.embed.weight[cfg.padding_idx].zero_()
         self.embed_scale = math.sqrt(cfg.d_model) if cfg.family == "transformer" else 1.0
         self.dropout = nn.Dropout(cfg.dropout)
-        self.layers = nn.ModuleList(self._build(kind) for kind in
-                                    layer_plan(cfg.dense_layers, cfg.sparse_layers, cfg.placement))
+        self.layers = nn.ModuleList(self._build(kind) for kind in cfg.plan)
         self.final_norm = nn.LayerNorm(cfg.d_model)
 
     def _build(self, kind: str) -> nn.Module:

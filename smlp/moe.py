@@ -47,10 +47,19 @@ def hash_table(vocab_size: int, num_experts: int, seed: int) -> Tensor:
 class TMoE(nn.Module):
     """Token-routed FFN experts; returns only the expert branch (the caller adds the residual).
 
-    base:   Base Layers: y = sigmoid(x.c_e) * FFN_e(LN_e(x)), balanced assignment in training,
-            greedy at inference. Added to x this is sigmoid*expert_sublayer(x) + (1-sigmoid)*x.
+    base:   Base Layers (Lewis et al. 2021) as fairseq's `BaseLayer` runs it:
+            y = sigmoid(x.c_e) * FFN_e(LN_e(x)). Added to x this is
+            sigmoid * expert_sublayer(x) + (1 - sigmoid) * x, fairseq's form. In training the
+            tokens are first shuffled to random ranks (`shuffle`, fairseq's --base-shuffle) and
+            then assigned with exact balance (every expert gets the same number of tokens);
+            at inference each token goes to its best expert (greedy top-1). Why both: balance
+            is what makes Base Layers train without an auxiliary loss, but a balanced
+            assignment couples the tokens of a batch (the expert of token t depends on later
+            tokens), which a causal LM cannot do when generating; greedy routing is per token.
+            The expert's second projection starts at zero (fairseq's `BaseSublayer`).
     switch: y = p_e(x) * FFN_e(x) for the top-1 expert, over-capacity tokens get y = 0.
-    gshard: y = sum over top-2 of normalized p * FFN_e(x), capacity 2S/E.
+    gshard: y = sum over top-2 of normalized p * FFN_e(x), capacity 2S/E; the load-balancing
+            loss is E^2 * mean_e(m_e c_e) by default (1 when balanced, as Switch's).
     hash:   y = FFN_e(x) with e = table[token id].
     """
 
@@ -67,7 +76,8 @@ class TMoE(nn.Module):
         else:
             self.register_buffer("hash_table", hash_table(cfg.vocab_size, E, cfg.hash_seed))
         self.experts = FFNExperts(self.dispatcher.num_local_experts, D, cfg.d_ffn, activation=cfg.activation,
-                                  norm=cfg.uses_expert_norm, first_expert=self.dispatcher.first_expert)
+                                  norm=cfg.uses_expert_norm, zero_output=cfg.uses_zero_init_output,
+                                  first_expert=self.dispatcher.first_expert)
         self.aux_loss: Tensor | None = None
         self.load_E: Tensor | None = None
         self.comm_seconds = 0.0
@@ -79,7 +89,8 @@ class TMoE(nn.Module):
         if router == "switch":
             return switch_top1(self.gate(x_SD), capacity_factor=self.cfg.capacity_factor, training=self.training)
         if router == "gshard":
-            return gshard_top2(self.gate(x_SD), training=self.training)
+            return gshard_top2(self.gate(x_SD), training=self.training,
+                               aux_loss=self.cfg.gshard_aux_loss)
         if token_ids_S is None:
             raise ValueError("router='hash' needs the token ids of the rows it routes")
         return hash_route(token_ids_S.reshape(-1), self.hash_table)
@@ -87,6 +98,17 @@ class TMoE(nn.Module):
     def forward(self, x_SD: Tensor, token_ids_S: Tensor | None = None) -> Tensor:
         if x_SD.dim() != 2 or x_SD.shape[-1] != self.cfg.d_model:
             raise ValueError(f"TMoE expects rows of shape (S, {self.cfg.d_model}), got {tuple(x_SD.shape)}")
+        comm_before = self.dispatcher.comm_seconds
+        if self.training and self.cfg.uses_shuffle:
+            x_SD, shuffle = self.dispatcher.shuffle(x_SD)
+            y_SD = self._route_and_compute(x_SD, token_ids_S)
+            y_SD = self.dispatcher.unshuffle(y_SD, shuffle)
+        else:
+            y_SD = self._route_and_compute(x_SD, token_ids_S)
+        self.comm_seconds = self.dispatcher.comm_seconds - comm_before
+        return y_SD
+
+    def _route_and_compute(self, x_SD: Tensor, token_ids_S: Tensor | None) -> Tensor:
         plan = self.route(x_SD, token_ids_S)
         self.aux_loss = plan.aux_loss
         self.load_E = plan.counts(self.cfg.num_experts).detach()
@@ -95,10 +117,8 @@ class TMoE(nn.Module):
         row_idx = torch.arange(x_SD.shape[0], device=x_SD.device).repeat_interleave(K)[kept]
         expert_idx = plan.experts_SK.reshape(-1)[kept]
         weight = plan.weights_SK.reshape(-1)[kept].to(x_SD.dtype)
-        comm_before = self.dispatcher.comm_seconds
         x_RD, counts_L, state = self.dispatcher.dispatch(x_SD[row_idx], expert_idx)
         y_rows = self.dispatcher.combine(self.experts(x_RD, counts_L), state)
-        self.comm_seconds = self.dispatcher.comm_seconds - comm_before
         return torch.zeros_like(x_SD).index_add(0, row_idx, y_rows * weight[:, None])
 
 

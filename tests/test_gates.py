@@ -66,7 +66,7 @@ GSHARD_CASES = [  # (S, E, skew, seed): skew > 0 overflows expert 0
 def test_gshard_equals_fairscale_top2gating(monkeypatch, S, E, skew, seed):
     logits, noise = _logits(S, E, seed, skew), _gumbel(S, E, seed)
     l_aux, combine_SEC = _fairscale_top2(monkeypatch, logits, noise)
-    plan = gshard_top2(logits, noise_SE=noise, training=True)
+    plan = gshard_top2(logits, noise_SE=noise, training=True, aux_loss="fairscale")
 
     first_S = torch.softmax(logits, 1).argmax(1)
     experts, weights = _fairscale_per_slot(combine_SEC, first_S)
@@ -85,7 +85,7 @@ def test_gshard_default_noise_is_drawn_like_fairscale():
     torch.manual_seed(123)
     l_aux, combine_SEC, _ = top2gating(logits)
     torch.manual_seed(123)
-    plan = gshard_top2(logits, training=True)
+    plan = gshard_top2(logits, training=True, aux_loss="fairscale")
     experts, weights = _fairscale_per_slot(combine_SEC, torch.softmax(logits, 1).argmax(1))
     assert torch.equal(plan.experts_SK, experts)
     torch.testing.assert_close(plan.weights_SK, weights, rtol=0, atol=1e-7)
@@ -170,11 +170,29 @@ def test_gshard_eval_is_deterministic_undropped_and_rowwise():
 
 def test_gshard_aux_loss_conventions():
     logits = _logits(16, 4, 0)
-    plain = gshard_top2(logits, noise_SE=torch.zeros(16, 4))
-    scaled = gshard_top2(logits, noise_SE=torch.zeros(16, 4), normalize_aux_loss=True)
+    plain = gshard_top2(logits, noise_SE=torch.zeros(16, 4), aux_loss="fairscale")
+    scaled = gshard_top2(logits, noise_SE=torch.zeros(16, 4))  # the default: E^2-normalized
     torch.testing.assert_close(scaled.aux_loss, plain.aux_loss * 16)
     # the normalized GShard loss is the Switch loss of the first choices
     torch.testing.assert_close(scaled.aux_loss, switch_top1(logits).aux_loss)
+    # a perfectly balanced router (uniform probabilities, first choices spread evenly) gives 1
+    balanced = torch.zeros(16, 4)
+    balanced[torch.arange(16), torch.arange(16) % 4] = 1e-3
+    torch.testing.assert_close(gshard_top2(balanced, noise_SE=torch.zeros(16, 4)).aux_loss,
+                               torch.tensor(1.0), rtol=1e-3, atol=0)
+    with pytest.raises(ValueError, match="aux_loss='lingvo' is unknown: valid values are normalized, fairscale"):
+        gshard_top2(logits, aux_loss="lingvo")
+
+
+@pytest.mark.parametrize("S,E,seed", [(16, 4, 0), (32, 8, 1), (12, 3, 2)])
+def test_gshard_default_aux_loss_equals_deepspeed_top2gating(S, E, seed):
+    """DeepSpeed's top2gating scales mean(m_e c_e) by E^2, as our default does (fairseq's MoE branch too)."""
+    from deepspeed.moe import sharded_moe
+
+    logits = _logits(S, E, seed)
+    l_aux, *_ = sharded_moe.top2gating(logits.clone(), capacity_factor=1.0, min_capacity=0,
+                                       top2_2nd_expert_sampling=False)
+    torch.testing.assert_close(gshard_top2(logits, training=True).aux_loss, l_aux, rtol=1e-6, atol=0)
 
 
 def test_gshard_one_expert_keeps_one_slot_with_weight_one():
