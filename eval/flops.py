@@ -72,7 +72,7 @@ from smlp.mixers import GMLPBlock, SpatialGatingUnit
 from smlp.moe import SMoE, SparseBlock, TMoE
 from smlp.transformer import CausalSelfAttention, DenseFFN, TransformerBlock
 
-from .paper_tables import PAPER_MODELS, TABLE3_DIMS, TABLE3_ROWS
+from .paper_tables import MATCH_TOLERANCE, PAPER_MODELS, TABLE3_DIMS, TABLE3_ROWS, TABLE5
 
 __all__ = [
     "CONVENTION", "METHODS", "OneGPUDispatcher", "LayerCost", "CostModel", "Count", "ModelSpec", "MatchRow",
@@ -180,6 +180,7 @@ class Count:
             layers["sparse"] = asdict(self.sparse)
         return {
             "family": family_key(c), "dense_layers": c.dense_layers, "sparse_layers": c.sparse_layers,
+            "placement": c.placement if c.sparse_layers else None, "layer_plan": c.plan,
             "d_model": c.d_model, "d_ffn": c.d_ffn, "seq_len": c.seq_len, "vocab_size": c.vocab_size,
             "heads": c.heads, "num_experts": c.num_experts if c.sparse_layers else 0,
             "experts_per_gpu": self.experts_per_gpu, "world_size": self.world_size, "tokens": self.tokens,
@@ -695,7 +696,25 @@ def paper_tables(method: str = "fvcore") -> dict:
             cache[key] = cost_model(spec.cfg, spec.tokens, experts_per_gpu=max(spec.experts_per_gpu, 1), method=method)
         c = cache[key].count(spec.cfg.dense_layers, spec.cfg.sparse_layers)
         models.append({"table": pm.table, "name": pm.name, "arch": pm.arch, **c.as_dict()})
-    return {"table3": table3(), "models": models}
+    return {"table3": table3(), "models": models, "table5": table5_comparison(models)}
+
+
+def table5_comparison(models: list[dict]) -> list[dict]:
+    """Table 5 as printed beside our count of the architecture it prints, with the difference and its cause."""
+    ours = {m["arch"]: m for m in models if m["table"] in ("5", "10")}
+    rows = []
+    for row in TABLE5:
+        m = ours[row.arch]
+        flops_diff = m["flops"] / (row.flops_T * 1e12) - 1
+        size_diff = m["params_total"] / (row.size_B * 1e9) - 1
+        rows.append({
+            "name": row.name, "arch": row.arch, "dense_layers": m["dense_layers"],
+            "sparse_layers": m["sparse_layers"], "paper_flops": row.flops_T * 1e12, "flops": m["flops"],
+            "flops_diff": flops_diff, "flops_match": abs(flops_diff) <= MATCH_TOLERANCE,
+            "paper_params_total": row.size_B * 1e9, "params_total": m["params_total"], "params_diff": size_diff,
+            "params_match": abs(size_diff) <= MATCH_TOLERANCE, "cause": row.cause,
+        })
+    return rows
 
 
 def format_paper_tables(tables: dict, markdown: bool = False) -> str:
@@ -708,6 +727,13 @@ def format_paper_tables(tables: dict, markdown: bool = False) -> str:
         for m in tables["models"]:
             out.append(f"| {m['table']} | {m['name']} | {m['dense_layers']} + {m['sparse_layers']} "
                        f"| {_m(m['params_expert_per_gpu'])} | {_m(m['params_non_expert'])} | {_fl(m['flops'])} |")
+        out += ["", "Table 5 as printed against our count of the printed architecture:", "",
+                "| model | layers (dense + sparse) | FLOPs: ours (paper) | diff | params total: ours (paper) | diff "
+                "| cause of a difference |", "|---|---|---:|---:|---:|---:|---|"]
+        for r in tables["table5"]:
+            out.append(f"| {r['name']} | {r['dense_layers']} + {r['sparse_layers']} | {_fl(r['flops'])} "
+                       f"({r['paper_flops'] / 1e12:.1f}T) | {r['flops_diff']:+.1%} | {r['params_total'] / 1e9:.2f}B "
+                       f"({r['paper_params_total'] / 1e9:.2f}B) | {r['params_diff']:+.1%} | {r['cause']} |")
         out += ["", f"_{CONVENTION.format(T=1024)}._"]
         return "\n".join(out)
     out = [f"Table 3 (T={TABLE3_DIMS['seq_len']}, D={TABLE3_DIMS['d_model']}, F={TABLE3_DIMS['d_ffn']}):",
@@ -718,6 +744,15 @@ def format_paper_tables(tables: dict, markdown: bool = False) -> str:
     for m in tables["models"]:
         out.append(f"  {m['table']:<6}{m['name']:<30}{m['dense_layers']:>4}+{m['sparse_layers']:<3}"
                    f"{_m(m['params_expert_per_gpu']):>13}{_m(m['params_non_expert']):>13}{_fl(m['flops']):>10}")
+    out += ["", f"Table 5 as printed vs our count of the printed architecture (match: within {MATCH_TOLERANCE:.0%}):",
+            f"  {'model':<30}{'layers':>8}{'FLOPs ours':>12}{'paper':>8}{'diff':>8}{'params ours':>13}{'paper':>8}"
+            f"{'diff':>8}"]
+    for r in tables["table5"]:
+        out.append(f"  {r['name']:<30}{r['dense_layers']:>4}+{r['sparse_layers']:<3}{_fl(r['flops']):>12}"
+                   f"{r['paper_flops'] / 1e12:>7.1f}T{r['flops_diff']:>+8.1%}{r['params_total'] / 1e9:>12.2f}B"
+                   f"{r['paper_params_total'] / 1e9:>7.2f}B{r['params_diff']:>+8.1%}")
+        if r["cause"]:
+            out.append(f"      {r['cause']}")
     out.append(f"  {CONVENTION.format(T=1024)}")
     return "\n".join(out)
 

@@ -189,6 +189,8 @@ def test_one_expert_moe_equals_dense_layer(router):
     moe = TMoE(TMoEConfig(d_model=8, d_ffn=16, num_experts=1, router=router, vocab_size=50,
                           capacity_factor=2.0))
     e = moe.experts
+    with torch.no_grad():  # Base Layers' zero-initialised second projection would hide w2 from the check
+        e.w2.normal_(0, 0.3)
     x = torch.randn(12, 8)
     ids = torch.randint(0, 50, (12,))
     y = moe(x, ids)
@@ -215,6 +217,8 @@ def test_base_layer_output_mixes_expert_and_input_like_base_layers():
     moe = TMoE(TMoEConfig(d_model=8, d_ffn=16, num_experts=3, router="base")).eval()
     x = torch.randn(10, 8)
     e = moe.experts
+    with torch.no_grad():
+        e.w2.normal_(0, 0.3)
     expert = (x @ moe.centroids.t()).argmax(-1)
     alpha = torch.sigmoid((x * moe.centroids[expert]).sum(-1, keepdim=True))
     sub = torch.stack([x[i] + dense_ffn(F.layer_norm(x[i], (8,), e.norm_weight[k], e.norm_bias[k]),
