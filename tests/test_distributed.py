@@ -139,7 +139,8 @@ def _tmoe_worker(rank, world, init_file, router, experts_per_rank, tokens):
     _init(rank, world, init_file)
     try:
         E = world * experts_per_rank
-        cfg = TMoEConfig(d_model=8, d_ffn=16, num_experts=E, router=router, vocab_size=40, capacity_factor=1.5)
+        cfg = TMoEConfig(d_model=8, d_ffn=16, num_experts=E, router=router, vocab_size=40, capacity_factor=1.5,
+                         shuffle=False, zero_init_output=False)
         torch.manual_seed(0)
         ref = TMoE(cfg).train()
         model = TMoE(cfg, AllToAllDispatcher(E)).train()
@@ -180,17 +181,20 @@ def test_token_counts_not_divisible_by_experts_do_not_hang():
 # ---------------------------------------------------------------- the sparse block
 
 
-def _block_worker(rank, world, init_file, routing):
+def _block_worker(rank, world, init_file, routing, lengths=None, training=True):
     _init(rank, world, init_file)
     try:
-        cfg = SparseBlockConfig(d_model=16, d_ffn=24, seq_len=20, num_experts=2 * world, smoe_routing=routing)
+        cfg = SparseBlockConfig(d_model=16, d_ffn=24, seq_len=20, num_experts=2 * world, smoe_routing=routing,
+                                base_shuffle=False)
+        lengths = lengths or [20] * world
         torch.manual_seed(0)
-        ref = SparseBlock(cfg).train()
+        ref = SparseBlock(cfg).train(training)
         _randomize_spatial(ref)
-        model = SparseBlock(cfg, AllToAllDispatcher(2 * world)).train()
+        _randomize_expert_output(ref)
+        model = SparseBlock(cfg, AllToAllDispatcher(2 * world)).train(training)
         model.load_state_dict(slice_expert_shard(ref.state_dict(), expert_keys(ref), rank, world))
-        xs = _inputs(world, lambda r: (2, 20, 16))
-        gs = _inputs(world, lambda r: (2, 20, 16), seed=200)
+        xs = _inputs(world, lambda r: (2, lengths[r], 16))
+        gs = _inputs(world, lambda r: (2, lengths[r], 16), seed=200)
         _run_pair(model, ref, xs, gs, rank, world)
         _check_expert_grads(model, ref, rank, world)
         _check_shared_grads(model, ref)
@@ -198,6 +202,180 @@ def _block_worker(rank, world, init_file, routing):
         _finish()
 
 
+def _randomize_expert_output(module, seed=1):
+    """Base Layers' zero-initialised second projection would leave the first projection without gradient."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if name.endswith("experts.w2"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+
+
 @pytest.mark.parametrize("routing", ["deterministic", "partial"])
 def test_sparse_block_matches_single_process(routing):
     run_workers(_block_worker, 2, routing)
+
+
+@pytest.mark.parametrize("lengths", [[20, 9], [20, 3]], ids=["different-lengths", "one-rank-within-prefix"])
+def test_partial_routing_with_uneven_sequences_matches_single_process(lengths):
+    """Partial prediction (prefix 4 of T=20) where ranks hold sequences of different lengths, and where one
+    rank's sequences are no longer than the routing prefix (it predicts nothing but joins every exchange)."""
+    run_workers(_block_worker, 2, "partial", lengths)
+
+
+@pytest.mark.parametrize("routing", ["deterministic", "partial"])
+def test_sparse_block_eval_outputs_equal_one_process(routing):
+    """Inference routing is per row (argmax), so 2 ranks give what one process gives on each rank's input."""
+    run_workers(_block_worker, 2, routing, [20, 11], False)
+
+
+# ---------------------------------------------------------------- Base Layers' token shuffle
+
+
+def _shuffle_worker(rank, world, init_file, tokens):
+    """Shuffle on: each rank's rows are balanced together with the rows the shuffle sends it.
+
+    The reference rebuilds every rank's permutation (the same seeded global-RNG draw as fairseq's
+    torch.randperm), runs the single-process layer on each receiving rank's group of rows and
+    scatters the results back: outputs, input gradients and every parameter gradient agree.
+    """
+    _init(rank, world, init_file)
+    try:
+        E = 2 * world
+        cfg = TMoEConfig(d_model=8, d_ffn=16, num_experts=E, router="base")
+        assert cfg.uses_shuffle
+        torch.manual_seed(0)
+        ref = TMoE(cfg).train()
+        _randomize_expert_output(ref)
+        model = TMoE(cfg, AllToAllDispatcher(E)).train()
+        model.load_state_dict(slice_expert_shard(ref.state_dict(), expert_keys(ref), rank, world))
+        xs = _inputs(world, lambda r: (tokens[r], 8))
+        gs = _inputs(world, lambda r: (tokens[r], 8), seed=200)
+        x = xs[rank].clone().requires_grad_(True)
+        torch.manual_seed(1000 + rank)
+        y = model(x)
+        y.backward(gs[rank])
+
+        from smlp.dispatch import shuffle_splits
+        xs_ref = [xr.clone().requires_grad_(True) for xr in xs]
+        pieces = {}  # (source rank, destination rank) -> row indices of the source's input
+        for r in range(world):
+            torch.manual_seed(1000 + r)
+            order = torch.randperm(tokens[r])
+            for w, rows in enumerate(torch.split(order, shuffle_splits(tokens[r], world))):
+                pieces[r, w] = rows
+        ys_ref = [torch.zeros_like(xr) for xr in xs]
+        for w in range(world):
+            group = torch.cat([xs_ref[r][pieces[r, w]] for r in range(world)])
+            out = ref.eval().train()(group)  # train mode, one process: no shuffle, balanced over this group
+            start = 0
+            for r in range(world):
+                n = len(pieces[r, w])
+                ys_ref[r] = ys_ref[r].index_add(0, pieces[r, w], out[start:start + n])
+                start += n
+        sum((yr * gr).sum() for yr, gr in zip(ys_ref, gs)).backward()
+        assert torch.allclose(y, ys_ref[rank], atol=ATOL), "forward differs from the regrouped single-process layer"
+        assert torch.allclose(x.grad, xs_ref[rank].grad, atol=ATOL), "input gradient differs"
+        _check_expert_grads(model, ref, rank, world)
+        _check_shared_grads(model, ref)
+        assert sum(model.load_E.tolist()) == sum(len(pieces[r, rank]) for r in range(world))
+    finally:
+        _finish()
+
+
+@pytest.mark.parametrize("tokens", [[16, 16], [7, 13]], ids=["even", "uneven"])
+def test_base_shuffle_equals_single_process_on_the_shuffled_groups(tokens):
+    run_workers(_shuffle_worker, 2, tokens)
+
+
+# ---------------------------------------------------------------- fairseq's own BaseLayer
+
+
+class _SameAssignment:
+    """fairseq's libbase interface over our auction: tokens ordered by expert, equal counts."""
+
+    @staticmethod
+    def balanced_assignment(scores):
+        from smlp.assignment import balanced_assignment
+
+        return torch.argsort(balanced_assignment(scores), stable=True)
+
+
+def _fairseq_base_worker(rank, world, init_file, shuffle, assignment):
+    """Our Base Layers tMoE == fairseq.modules.base_layer.BaseLayer with the same weights (2 gloo ranks).
+
+    fairseq's layer returns x + alpha * FFN(LN x) (its residual is inside); ours returns the branch.
+    assignment: "ours" runs fairseq's layer with our auction (any scores); "libbase" keeps fairseq's
+    C++ auction and uses scores whose balanced optimum is unique, so both auctions must find it.
+    """
+    _init(rank, world, init_file)
+    try:
+        from argparse import Namespace
+
+        from fairseq.distributed import utils as fairseq_dist
+        from fairseq.modules.base_layer import BaseLayer
+
+        D, Fw, S = 8, 16, 16
+        torch.manual_seed(0)
+        theirs = BaseLayer(Namespace(decoder_embed_dim=D, decoder_ffn_embed_dim=Fw, base_sublayers=1,
+                                     base_shuffle=shuffle, activation_fn="gelu"))
+        if assignment == "ours":
+            theirs.cpp = _SameAssignment()
+        cfg = TMoEConfig(d_model=D, d_ffn=Fw, num_experts=world, router="base", shuffle=bool(shuffle))
+        ours = TMoE(cfg, AllToAllDispatcher(world)).train()
+        assert torch.count_nonzero(ours.experts.w2) == 0 and torch.count_nonzero(theirs.expert_network[0].ff2.weight) == 0
+        # the same weights everywhere (the centroids are shared, each rank's expert is its own)
+        g = torch.Generator().manual_seed(7)
+        centroids = torch.linalg.qr(torch.randn(D, world, generator=g))[0].t() * 3.0
+        experts = [dict(w1=torch.randn(Fw, D, generator=g) * 0.3, b1=torch.randn(Fw, generator=g) * 0.1,
+                        w2=torch.randn(D, Fw, generator=g) * 0.3, b2=torch.randn(D, generator=g) * 0.1,
+                        nw=1 + 0.1 * torch.randn(D, generator=g), nb=0.1 * torch.randn(D, generator=g))
+                   for _ in range(world)]
+        mine = experts[rank]
+        sub = theirs.expert_network[0]
+        with torch.no_grad():
+            theirs.expert_centroids.copy_(centroids)
+            ours.centroids.copy_(centroids)
+            sub.ff1.weight.copy_(mine["w1"]), sub.ff1.bias.copy_(mine["b1"])
+            sub.ff2.weight.copy_(mine["w2"]), sub.ff2.bias.copy_(mine["b2"])
+            sub.norm.weight.copy_(mine["nw"]), sub.norm.bias.copy_(mine["nb"])
+            ours.experts.w1.copy_(mine["w1"].t()[None]), ours.experts.b1.copy_(mine["b1"][None])
+            ours.experts.w2.copy_(mine["w2"].t()[None]), ours.experts.b2.copy_(mine["b2"][None])
+            ours.experts.norm_weight.copy_(mine["nw"][None]), ours.experts.norm_bias.copy_(mine["nb"][None])
+        gx = torch.Generator().manual_seed(100 + rank)
+        if assignment == "libbase":
+            # half the tokens close to each centroid: the balanced optimum is unique and far from ties
+            want = torch.arange(S) % world
+            x = centroids[want] / 3.0 * 2.0 + 0.05 * torch.randn(S, D, generator=gx)
+        else:
+            x = torch.randn(S, D, generator=gx)
+        grad = torch.randn(S, D, generator=gx)
+        x1, x2 = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+        torch.manual_seed(55 + rank)  # the same shuffle permutation for both layers
+        y_theirs, _, _ = theirs(x1)
+        torch.manual_seed(55 + rank)
+        y_ours = x2 + ours(x2)
+        y_theirs.backward(grad)
+        y_ours.backward(grad)
+        torch.testing.assert_close(y_ours, y_theirs, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(x2.grad, x1.grad, rtol=1e-5, atol=1e-5)
+        pairs = [(ours.experts.w1.grad[0], sub.ff1.weight.grad.t()), (ours.experts.b1.grad[0], sub.ff1.bias.grad),
+                 (ours.experts.w2.grad[0], sub.ff2.weight.grad.t()), (ours.experts.b2.grad[0], sub.ff2.bias.grad),
+                 (ours.experts.norm_weight.grad[0], sub.norm.weight.grad),
+                 (ours.experts.norm_bias.grad[0], sub.norm.bias.grad)]
+        for a, b in pairs:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        # centroids are shared parameters: their gradients agree once summed over the ranks
+        c_ours, c_theirs = ours.centroids.grad.clone(), theirs.expert_centroids.grad.clone()
+        dist.all_reduce(c_ours), dist.all_reduce(c_theirs)
+        torch.testing.assert_close(c_ours, c_theirs, rtol=1e-5, atol=1e-5)
+        if hasattr(fairseq_dist.get_global_group, "_global_group"):
+            del fairseq_dist.get_global_group._global_group
+    finally:
+        _finish()
+
+
+@pytest.mark.parametrize("shuffle, assignment", [(0, "ours"), (1, "ours"), (0, "libbase")],
+                         ids=["no-shuffle", "same-shuffle", "libbase-unique-optimum"])
+def test_base_layer_equals_fairseq_base_layer(shuffle, assignment):
+    run_workers(_fairseq_base_worker, 2, shuffle, assignment)
