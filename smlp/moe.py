@@ -131,7 +131,10 @@ class SMoE(nn.Module):
     partial:       logits_c = LayerNorm(z2)[:P, c] . W_r (P x E); each expert mixes only positions
                    P..n-1 and its output is scaled by p_e (eq. 5, 7); positions < P are not
                    predicted (gate = 1) and the LM loss must skip them. A sequence no longer
-                   than P has no predicted position and sends no rows.
+                   than P has no predicted position and sends no rows. Training assigns the
+                   hidden dimensions with exact balance (every expert gets as many); inference
+                   sends each to its most probable expert, per row, so nothing depends on the
+                   rest of the batch.
     Both are causal: output at position t depends on positions <= t only.
     """
 

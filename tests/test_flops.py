@@ -303,3 +303,51 @@ def test_console_script():
     bad = subprocess.run([str(exe), "--arch", "gmlp_lm_tiny", "--decoder-layers", "-1"],
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "smlp-flops: error:" in bad.stderr
+
+
+# ---------------------------------------------------------------- README and Table 5 stay true
+
+
+def _readme_commands(program: str) -> list[list[str]]:
+    import re
+    import shlex
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", readme, flags=re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = line.split("#", 1)[0].strip()
+            if line.startswith(program + " "):
+                commands.append(shlex.split(line)[1:])
+    return commands
+
+
+def test_every_smlp_flops_command_in_the_readme_runs(capsys):
+    """Each README command exits 0 (counted with the closed form to keep this fast; the fvcore path
+    is the default and is checked against the paper above)."""
+    commands = _readme_commands("smlp-flops")
+    assert len(commands) >= 4
+    for argv in commands:
+        assert F.main([*argv, "--method", "analytic"]) == 0, (argv, capsys.readouterr().err[-2000:])
+        out = capsys.readouterr().out
+        if "--json" in argv:
+            json.loads(out)
+
+
+def test_table5_rows_the_readme_claims_match_and_the_others_do_not():
+    """README claims Base Layers and HASH Layers only; a change that made another row match (or broke
+    these) would make its Table 5 section untrue."""
+    tables = F.paper_tables("analytic")
+    rows = {r["name"]: r for r in tables["table5"]}
+    assert set(rows) == {"GShard", "Switch Transformer", "Switch Transformer - Enlarge", "Base Layers",
+                         "HASH Layers", "sMLP-deterministic"}
+    matching = {name for name, r in rows.items() if r["flops_match"]}
+    assert matching == {"Base Layers", "HASH Layers"}
+    for name, r in rows.items():
+        assert r["cause"], name  # every row explains itself, matches included (their sizes differ)
+    assert rows["GShard"]["flops"] == pytest.approx(2.26e12, rel=0.005)
+    assert rows["Switch Transformer"]["flops"] == pytest.approx(1.78e12, rel=0.005)
+    assert rows["sMLP-deterministic"]["flops"] == pytest.approx(2.125e12, rel=0.005)  # Table 10's figure
+    assert abs(rows["sMLP-deterministic"]["params_diff"]) < 0.03
+    text = F.format_paper_tables(tables)
+    assert "Table 5 as printed" in text and "+13.1%" in text
