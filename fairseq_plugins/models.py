@@ -16,6 +16,7 @@ from fairseq.models import FairseqDecoder, FairseqLanguageModel, register_model,
 from smlp.dispatch import AllToAllDispatcher, LocalDispatcher, expert_parallel_layout
 from smlp.lm import LanguageModel
 
+from . import step_profiler
 from .checkpoints import adapt_expert_state
 from .config import GMLPConfig, MoETransformerConfig, SMLPConfig, to_core_config
 
@@ -140,6 +141,7 @@ class _CoreLanguageModel(FairseqLanguageModel):
             warn_if_criterion_ignores_routing(core_cfg, _config_value(cfg, "criterion_name"))
         dispatcher = make_dispatcher(core_cfg, cfg)
         model = cls(CoreLMDecoder(dictionary, LanguageModel(core_cfg, dispatcher)))
+        step_profiler.install(model.decoder)  # only when SMLP_PROFILE_STEPS is set (smlp-bench)
         rank, world = _world()
         if world > 1 and core_cfg.sparse_layers:
             scale_expert_gradients(model, world)

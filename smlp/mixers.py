@@ -14,8 +14,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.profiler import record_function
 
 from .config import GMLPConfig, SGUConfig
+from .profiling import RANGES
 
 __all__ = ["check_length", "causal_weight", "init_spatial_", "uniform_per_slice_", "SpatialProjection", "SpatialGatingUnit", "GMLPBlock"]
 
@@ -94,8 +96,9 @@ class SpatialGatingUnit(nn.Module):
     def forward(self, z_BNF: Tensor) -> Tensor:
         if z_BNF.shape[-1] != self.cfg.dim:
             raise ValueError(f"SGU expects width {self.cfg.dim}, got input of shape {tuple(z_BNF.shape)}")
-        z1, z2 = z_BNF.chunk(2, dim=-1) if self.cfg.split else (z_BNF, z_BNF)
-        return z1 * self.proj(self.norm(z2))
+        with record_function(RANGES["token_mixing"]):
+            z1, z2 = z_BNF.chunk(2, dim=-1) if self.cfg.split else (z_BNF, z_BNF)
+            return z1 * self.proj(self.norm(z2))
 
 
 class GMLPBlock(nn.Module):

@@ -13,9 +13,11 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.profiler import record_function
 
 from .config import TMoEConfig
 from .moe import TMoE
+from .profiling import RANGES
 
 __all__ = ["CausalSelfAttention", "DenseFFN", "TransformerBlock", "sinusoidal_positions"]
 
@@ -75,7 +77,8 @@ class TransformerBlock(nn.Module):
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x_BND: Tensor, token_ids_BN: Tensor | None = None) -> Tensor:
-        x_BND = x_BND + self.dropout(self.attn(self.norm1(x_BND)))
+        with record_function(RANGES["token_mixing"]):
+            x_BND = x_BND + self.dropout(self.attn(self.norm1(x_BND)))
         h = self.norm2(x_BND).reshape(-1, self.d_model)
         ids = token_ids_BN.reshape(-1) if token_ids_BN is not None else None
         return x_BND + self.dropout(self.ffn(h, ids).view_as(x_BND))
