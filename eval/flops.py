@@ -70,7 +70,7 @@ from smlp.dispatch import DispatchState, LocalDispatcher, expert_parallel_layout
 from smlp.lm import LanguageModel, LMConfig, layer_plan
 from smlp.mixers import GMLPBlock, SpatialGatingUnit
 from smlp.moe import SMoE, SparseBlock, TMoE
-from smlp.transformer import CausalSelfAttention, DenseFFN, TransformerBlock
+from smlp.transformer import CausalSelfAttention, DenseFFN, TransformerBlock, explicit_attention
 
 from .paper_tables import MATCH_TOLERANCE, PAPER_MODELS, TABLE3_DIMS, TABLE3_ROWS, TABLE5
 
@@ -252,7 +252,7 @@ def fvcore_by_module(module: nn.Module, *inputs) -> dict[str, int]:
     """fvcore's multiply-add count of one forward call, by submodule name ('' = the whole)."""
     from fvcore.nn import FlopCountAnalysis
 
-    with torch.no_grad(), warnings_off():
+    with torch.no_grad(), warnings_off(), explicit_attention(module):  # fvcore cannot see fused SDPA
         analysis = FlopCountAnalysis(module, inputs)
         analysis.unsupported_ops_warnings(False)
         analysis.uncalled_modules_warnings(False)
