@@ -591,7 +591,8 @@ def train_all(models: list[Model], data: Path, args) -> dict[str, list[Run]]:
                     bar.n = base + int(f.get("num_updates", 0))
                     bar.refresh()
 
-            run = run_model(m, data, args, seed, profile=(seed == seeds[0]), on_line=on_line)
+            # fairseq's own models carry none of our profiler ranges: only ours are profiled
+            run = run_model(m, data, args, seed, profile=(seed == seeds[0] and m.ours), on_line=on_line)
             runs[m.key].append(run)
             done += args.preset["updates"]
             bar.n = done
