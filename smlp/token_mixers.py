@@ -174,7 +174,8 @@ def _causal_forward(u_BNR: Tensor, v_BNC: Tensor, w_BNR: Tensor, chunk_size: int
     """y_t = w_t . GELU(S_t / (t+1)) chunk by chunk; returns y and the final carry S_{n-1}."""
     B, n, R = u_BNR.shape
     C = v_BNC.shape[-1]
-    L = _chunk_len(chunk_size, B, R, C, n)
+    # meta tensors (the FLOPs calculator's trace) hold no memory: one chunk, a short trace, the same count
+    L = n if v_BNC.is_meta else _chunk_len(chunk_size, B, R, C, n)
     carry_BRC = torch.zeros(B, R, C, device=v_BNC.device, dtype=_carry_dtype(v_BNC))
     ys = []
     for a in range(0, n, L):

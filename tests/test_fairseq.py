@@ -16,8 +16,14 @@ TINY_ARCHS = [
     ("switch_lm_tiny", []),
     ("base_layers_lm_tiny", []),
     ("hash_layers_lm_tiny", []),
+    ("hypermixer_lm_tiny", []),
+    ("hypermixer_lm_tiny", ["--hypermixer-untied"]),
+    ("ninformer_lm_tiny", []),
+    ("smlp_lm_tiny", ["--token-mixer", "hypermixer"]),
 ]
-IDS = ["smlp-det", "smlp-partial", "gmlp", "transformer", "gshard", "switch", "base", "hash"]
+IDS = ["smlp-det", "smlp-partial", "gmlp", "transformer", "gshard", "switch", "base", "hash",
+       "hypermixer", "hypermixer-untied", "ninformer", "smlp-hypermixer"]
+DENSE_ARCHS = ("gmlp_lm_tiny", "transformer_lm_tiny", "hypermixer_lm_tiny", "ninformer_lm_tiny")
 
 
 def build_model(data, arch, extra=(), world=1):
@@ -44,7 +50,8 @@ def test_models_architectures_and_criterion_are_registered():
     assert {"smlp_lm", "gmlp_lm", "moe_transformer_lm"} <= set(MODEL_REGISTRY)
     for arch in ["smlp_lm_paper_small", "smlp_lm_paper_large", "gmlp_lm_paper_small", "transformer_lm_paper_small",
                  "base_layers_lm_paper_small", "gshard_lm_paper_large", "switch_lm_paper_large",
-                 "base_layers_lm_paper_large", "hash_layers_lm_paper_large", *[a for a, _ in TINY_ARCHS]]:
+                 "base_layers_lm_paper_large", "hash_layers_lm_paper_large", "hypermixer_lm_paper_small",
+                 "hypermixer_untied_lm_paper_small", "ninformer_lm_paper_small", *[a for a, _ in TINY_ARCHS]]:
         assert arch in ARCH_MODEL_REGISTRY, arch
     assert "smlp_lm_loss" in CRITERION_REGISTRY
 
@@ -85,7 +92,7 @@ def test_every_model_trains_on_two_ranks(tiny_lm_data, tmp_path, arch, extra):
                                         "--max-update", "3", "--save-dir", str(tmp_path)], world=2)
     log = assert_ok(res)
     assert sorted(train_losses(res[0].stdout)) == [1, 2, 3], log[-2000:]
-    sparse = arch != "gmlp_lm_tiny" and arch != "transformer_lm_tiny"
+    sparse = arch not in DENSE_ARCHS
     expected = ["checkpoint_last-rank-0.pt", "checkpoint_last-rank-1.pt"] if sparse else ["checkpoint_last.pt"]
     for name in expected:
         assert (tmp_path / name).is_file(), sorted(p.name for p in tmp_path.iterdir())
@@ -170,7 +177,8 @@ def test_expert_gradients_follow_fairseq_normalization(tiny_lm_data, tmp_path):
     (["--arch", "smlp_lm_tiny", "--smoe-routing", "learned"], 1, "invalid choice: 'learned'"),
     (["--arch", "switch_lm_tiny", "--moe-router", "top3"], 1, "invalid choice: 'top3'"),
     (["--arch", "smlp_lm_tiny", "--seq-len", "16"], 1, "--tokens-per-sample 32 exceeds the model's sequence length 16"),
-], ids=["experts-vs-world", "c10d", "dims", "routing-name", "router-name", "too-long"])
+    (["--arch", "hypermixer_lm_tiny", "--sgu-heads", "2"], 1, "token_mixer='hypermixer' needs heads=1"),
+], ids=["experts-vs-world", "c10d", "dims", "routing-name", "router-name", "too-long", "mixer-heads"])
 def test_bad_flags_fail_with_a_clear_message_before_training(tiny_lm_data, tmp_path, flags, world, message):
     res = run_fairseq("fairseq-train", [str(tiny_lm_data), "--user-dir", PLUGINS, *TINY_TRAIN, *flags,
                                         "--max-update", "2", "--save-dir", str(tmp_path)], world=world, timeout=120)
