@@ -29,7 +29,8 @@ its inputs and the final carry; the backward pass walks the chunks in reverse, r
 chunk's carry by subtracting the chunk's sum from the next carry, and accumulates the suffix sum
 of state gradients (dL/dS_s = sum_{t>=s} dL/dS_t, restricted to t's term) as it goes. The carry
 is kept in float64, so that subtraction undoes the forward additions (sums of float32 chunk
-sums are exact in float64) instead of cancelling catastrophically.
+sums are exact in float64) instead of cancelling catastrophically; HyperMixing runs in one dtype
+with autocast off, so the backward rebuilds bitwise the states the forward used.
 
 Cost per sequence of n positions (d' = R hidden units, C channels, hypernetwork hidden width Hh):
     multiply-adds  n (C Hh + Hh R) per hypernetwork (1 tied, 2 untied)
@@ -57,6 +58,7 @@ units, E channel-MLP hidden width.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -161,13 +163,34 @@ def _carry_dtype(x: Tensor) -> torch.dtype:
     return torch.float32 if x.device.type == "mps" else torch.float64
 
 
-def _chunk_states(u_BLR: Tensor, v_BLC: Tensor, carry_BRC: Tensor, start: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Outer products A_s = u_s v_s^T, normalised prefix states Z_t = S_t / (t+1), and 1/(t+1)."""
-    l = u_BLR.shape[1]
-    A_BLRC = torch.matmul(u_BLR.unsqueeze(-1), v_BLC.unsqueeze(-2))  # W1[s]^T x_s, one per position
-    S_BLRC = torch.cumsum(A_BLRC, dim=1) + carry_BRC.to(A_BLRC.dtype).unsqueeze(1)
-    inv_L11 = 1.0 / torch.arange(start + 1, start + l + 1, device=u_BLR.device, dtype=u_BLR.dtype)[:, None, None]
-    return A_BLRC, S_BLRC * inv_L11, inv_L11
+def _no_autocast(device: torch.device):
+    try:
+        return torch.autocast(device_type=device.type, enabled=False)
+    except RuntimeError:  # a device type without autocast (meta): nothing to turn off
+        return contextlib.nullcontext()
+
+
+def _outer(u_BLR: Tensor, v_BLC: Tensor) -> Tensor:
+    """A_s = W1[s]^T x_s for every position of a chunk, (B, l, R, C).
+
+    A matmul (not a broadcast multiply) so that fvcore counts these multiply-adds; forward and
+    backward both build A here, so they see bitwise the same numbers.
+    """
+    return torch.matmul(u_BLR.unsqueeze(-1), v_BLC.unsqueeze(-2))
+
+
+def _states_(A_BLRC: Tensor, carry_BRC: Tensor, start: int) -> tuple[Tensor, Tensor]:
+    """In place: A_s -> Z_t = (carry + sum_{a<=s<=t} A_s) / (t+1); returns Z and 1/(t+1), (l, 1, 1).
+
+    A loop of in-place adds over contiguous (B, R, C) slices: torch.cumsum along dim 1 is about 15x
+    slower on CPU here. Forward and backward both use this, so their states agree bitwise.
+    """
+    l = A_BLRC.shape[1]
+    A_BLRC[:, 0].add_(carry_BRC.to(A_BLRC.dtype))
+    for i in range(1, l):
+        A_BLRC[:, i].add_(A_BLRC[:, i - 1])
+    inv_L11 = 1.0 / torch.arange(start + 1, start + l + 1, device=A_BLRC.device, dtype=A_BLRC.dtype)[:, None, None]
+    return A_BLRC.mul_(inv_L11), inv_L11
 
 
 def _causal_forward(u_BNR: Tensor, v_BNC: Tensor, w_BNR: Tensor, chunk_size: int) -> tuple[Tensor, Tensor]:
@@ -180,9 +203,11 @@ def _causal_forward(u_BNR: Tensor, v_BNC: Tensor, w_BNR: Tensor, chunk_size: int
     ys = []
     for a in range(0, n, L):
         b = min(a + L, n)
-        A_BLRC, Z_BLRC, _ = _chunk_states(u_BNR[:, a:b], v_BNC[:, a:b], carry_BRC, a)
+        A_BLRC = _outer(u_BNR[:, a:b], v_BNC[:, a:b])
+        chunk_BRC = A_BLRC.sum(dim=1).to(carry_BRC.dtype)
+        Z_BLRC, _ = _states_(A_BLRC, carry_BRC, a)
         ys.append(torch.matmul(w_BNR[:, a:b].unsqueeze(-2), F.gelu(Z_BLRC)).squeeze(-2))  # (B, l, C)
-        carry_BRC = carry_BRC + A_BLRC.sum(dim=1).to(carry_BRC.dtype)
+        carry_BRC = carry_BRC + chunk_BRC
     return torch.cat(ys, dim=1), carry_BRC
 
 
@@ -191,8 +216,7 @@ class _CausalHyperMixing(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, u_BNR, v_BNC, w_BNR, chunk_size):
-        with torch.no_grad():
-            y_BNC, carry_BRC = _causal_forward(u_BNR, v_BNC, w_BNR, chunk_size)
+        y_BNC, carry_BRC = _causal_forward(u_BNR, v_BNC, w_BNR, chunk_size)
         ctx.save_for_backward(u_BNR, v_BNC, w_BNR, carry_BRC)
         ctx.chunk_size = chunk_size
         return y_BNC
@@ -206,23 +230,26 @@ class _CausalHyperMixing(torch.autograd.Function):
         L = _chunk_len(ctx.chunk_size, B, R, C, n)
         du, dv, dw = torch.empty_like(u_BNR), torch.empty_like(v_BNC), torch.empty_like(w_BNR)
         later_BRC = torch.zeros_like(carry_BRC)  # sum of dL/dS_t over the positions after this chunk
-        for a in reversed(range(0, n, L)):
-            b = min(a + L, n)
-            u, v, w, dy = u_BNR[:, a:b], v_BNC[:, a:b], w_BNR[:, a:b], dy_BNC[:, a:b]
-            A_BLRC = torch.matmul(u.unsqueeze(-1), v.unsqueeze(-2))
-            carry_BRC = carry_BRC - A_BLRC.sum(dim=1).to(carry_BRC.dtype)  # the carry before this chunk
-            _, Z_BLRC, inv_L11 = _chunk_states(u, v, carry_BRC, a)
-            del A_BLRC
-            dw[:, a:b] = torch.matmul(F.gelu(Z_BLRC), dy.unsqueeze(-1)).squeeze(-1)
-            dH_BLRC = w.unsqueeze(-1) * dy.unsqueeze(-2)
-            dS_BLRC = torch.ops.aten.gelu_backward(dH_BLRC, Z_BLRC) * inv_L11
-            del dH_BLRC, Z_BLRC
-            # S_t sums A_s over s <= t, so dL/dA_s = sum over t >= s of dL/dS_t
-            dA_BLRC = torch.flip(torch.cumsum(torch.flip(dS_BLRC, [1]), dim=1), [1])
-            dA_BLRC = dA_BLRC + later_BRC.to(dA_BLRC.dtype).unsqueeze(1)
-            later_BRC = later_BRC + dS_BLRC.sum(dim=1).to(later_BRC.dtype)
-            du[:, a:b] = torch.matmul(dA_BLRC, v.unsqueeze(-1)).squeeze(-1)
-            dv[:, a:b] = torch.matmul(u.unsqueeze(-2), dA_BLRC).squeeze(-2)
+        with _no_autocast(u_BNR.device):
+            for a in reversed(range(0, n, L)):
+                b = min(a + L, n)
+                u, v, w, dy = u_BNR[:, a:b], v_BNC[:, a:b], w_BNR[:, a:b], dy_BNC[:, a:b]
+                A_BLRC = _outer(u, v)
+                carry_BRC = carry_BRC - A_BLRC.sum(dim=1).to(carry_BRC.dtype)  # the carry before this chunk
+                Z_BLRC, inv_L11 = _states_(A_BLRC, carry_BRC, a)
+                H_BLRC = F.gelu(Z_BLRC)
+                dw[:, a:b] = torch.matmul(H_BLRC, dy.unsqueeze(-1)).squeeze(-1)
+                dH_BLRC = torch.mul(w.unsqueeze(-1), dy.unsqueeze(-2), out=H_BLRC)
+                dS_BLRC = torch.ops.aten.gelu_backward(dH_BLRC, Z_BLRC).mul_(inv_L11)
+                del A_BLRC, Z_BLRC, H_BLRC, dH_BLRC
+                # S_t sums A_s over s <= t, so dL/dA_s = sum over t >= s of dL/dS_t: suffix sums in place
+                for i in range(b - a - 2, -1, -1):
+                    dS_BLRC[:, i].add_(dS_BLRC[:, i + 1])
+                chunk_BRC = dS_BLRC[:, 0].to(later_BRC.dtype, copy=True)  # this chunk's sum
+                dA_BLRC = dS_BLRC.add_(later_BRC.to(dS_BLRC.dtype).unsqueeze(1))
+                later_BRC = later_BRC + chunk_BRC
+                du[:, a:b] = torch.matmul(dA_BLRC, v.unsqueeze(-1)).squeeze(-1)
+                dv[:, a:b] = torch.matmul(u.unsqueeze(-2), dA_BLRC).squeeze(-2)
         return du, dv, dw, None
 
 
@@ -239,9 +266,13 @@ def hypermixing(u_BNR: Tensor, v_BNC: Tensor, w_BNR: Tensor, *, causal: bool = T
         n = v_BNC.shape[1]
         H_BRC = F.gelu(torch.matmul(u_BNR.transpose(1, 2), v_BNC) / n)
         return torch.matmul(w_BNR, H_BRC)
-    if torch.is_grad_enabled() and (u_BNR.requires_grad or v_BNC.requires_grad or w_BNR.requires_grad):
-        return _CausalHyperMixing.apply(u_BNR, v_BNC, w_BNR, chunk_size)
-    return _causal_forward(u_BNR, v_BNC, w_BNR, chunk_size)[0]
+    # One dtype, no autocast: the backward must rebuild exactly the forward's states.
+    dtype = torch.promote_types(torch.promote_types(u_BNR.dtype, v_BNC.dtype), w_BNR.dtype)
+    u_BNR, v_BNC, w_BNR = u_BNR.to(dtype), v_BNC.to(dtype), w_BNR.to(dtype)
+    with _no_autocast(v_BNC.device):
+        if torch.is_grad_enabled() and (u_BNR.requires_grad or v_BNC.requires_grad or w_BNR.requires_grad):
+            return _CausalHyperMixing.apply(u_BNR, v_BNC, w_BNR, chunk_size)
+        return _causal_forward(u_BNR, v_BNC, w_BNR, chunk_size)[0]
 
 
 class _MLP(nn.Sequential):
