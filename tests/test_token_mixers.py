@@ -19,7 +19,7 @@ from smlp.mixers import GMLPBlock
 from smlp.config import GMLPConfig
 from smlp.token_mixers import (
     CHUNK_ELEMENTS, CausalTokenMLP, HyperMixerConfig, HyperMixingUnit, NiNformerConfig, NiNformerGatingUnit,
-    _chunk_len, hypermixing,
+    _chunk_len, _outer, hypermixing,
 )
 from smlp.transformer import sinusoidal_positions
 
@@ -125,6 +125,14 @@ def test_training_saves_no_per_position_state():
         with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
             hypermixing(u, v, w, chunk_size=3)
         assert sum(saved) == u.numel() + v.numel() + w.numel() + B * R * C, (n, saved)
+
+
+def test_traced_outer_products_equal_the_eager_ones():
+    """fvcore traces a matmul form of the outer products; eager runs a broadcast multiply: same numbers."""
+    u, v = rand(3, 5, 4, dtype=torch.float32, grad=False), rand(3, 5, 6, seed=1, dtype=torch.float32, grad=False)
+    traced = torch.jit.trace(_outer, (u, v))
+    assert "aten::matmul" in str(traced.graph)
+    assert torch.equal(traced(u, v), _outer(u, v))
 
 
 def test_automatic_chunk_bounds_working_memory():
