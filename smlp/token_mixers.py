@@ -13,8 +13,8 @@ p is a position embedding (here fixed sinusoids) and MLP_i: C -> C -> d' with GE
 The paper's output LayerNorm (Appendix F) is kept; its bias starts at one so the gate starts
 near one, as the SGU's does (gMLP 2.1).
 
-    paper (encoder):  y_t = W2[t] . GELU( (1/N) sum_{s<=N} W1[s]^T x_s )      (length-normalised, App. F)
-    causal (ours):    y_t = W2[t] . GELU( (1/(t+1)) sum_{s<=t} W1[s]^T x_s )
+    paper (encoder):  y_t = W2[t] . GELU( (1/N) sum_{s<N} W1[s]^T x_s )      (length-normalised, App. F)
+    causal (ours):    y_t = W2[t] . GELU( (1/(t+1)) sum_{s<=t} W1[s]^T x_s )   (positions 0..N-1)
 
 The hidden layer of the token-mixing MLP is accumulated over the prefix and normalised by the
 number of positions it holds (Appendix F's length normalisation, with the length each position
@@ -26,11 +26,11 @@ Instead positions go in chunks of L (`chunk_size`; 0 picks L so a chunk's (B, L,
 under CHUNK_ELEMENTS): a running d' x C carry plus an in-chunk cumulative sum gives the L states
 of a chunk, which are used and dropped. Training uses a custom autograd function that saves only
 its inputs and the final carry; the backward pass walks the chunks in reverse, rebuilding each
-chunk's carry by subtracting the chunk's sum from the next carry, and accumulates the suffix sum
-of state gradients (dL/dS_s = sum_{t>=s} dL/dS_t, restricted to t's term) as it goes. The carry
-is kept in float64, so that subtraction undoes the forward additions (sums of float32 chunk
-sums are exact in float64) instead of cancelling catastrophically; HyperMixing runs in one dtype
-with autocast off, so the backward rebuilds bitwise the states the forward used.
+chunk's carry by subtracting the chunk's sum from the next carry, and accumulates from the end
+the suffix sums the outer products need (dL/dA_s = sum_{t>=s} dL/dS_t). The carry is kept in
+float64, so the subtraction recovers the earlier carry to float64 precision instead of cancelling
+catastrophically (a float32 carry would lose ~n/t ulps at position t); HyperMixing runs in one
+dtype with autocast off, so the backward rebuilds the states the forward used.
 
 Cost per sequence of n positions (d' = R hidden units, C channels, hypernetwork hidden width Hh):
     multiply-adds  n (C Hh + Hh R) per hypernetwork (1 tied, 2 untied)
@@ -40,6 +40,10 @@ Cost per sequence of n positions (d' = R hidden units, C channels, hypernetwork 
                    needs only R C times: the price of causality;
     memory         O(n (C + R)) for inputs and outputs + O(B L R C) working memory per chunk
                    + O(B R C) carry, whatever n is. Compute is linear in n.
+The n R C elementwise work (prefix sums, GELU, and about 15 passes over (B, L, R, C) tensors in
+training), not the multiply-adds, sets the wall-clock time: per FLOP this mixer is much slower than
+the SGU or attention (3-4x per step for the tiny preset on CPU; memory-bandwidth bound on GPUs).
+A fused kernel that keeps each state tile in registers would remove the passes; not written here.
 
 NiNformer (Abdullah and Aydin 2024, section 3.2, eq. 8): Gating(I) = MLPMixer(I) * Linear(I), the
 gate being one MLP-Mixer layer (token-mixing MLP over positions, then channel-mixing MLP, each
