@@ -102,18 +102,30 @@ class SpatialGatingUnit(nn.Module):
 
 
 class GMLPBlock(nn.Module):
-    """Dense gMLP block, pre-norm with residual."""
+    """Dense gMLP block, pre-norm with residual.
 
-    def __init__(self, cfg: GMLPConfig):
+    `mixer` replaces the SGU by another token mixer that maps the F channels to F/2 (the causal
+    HyperMixer and NiNformer units of token_mixers.py); the SGU keeps its attribute name `sgu`,
+    so existing checkpoints load unchanged.
+    """
+
+    def __init__(self, cfg: GMLPConfig, mixer: nn.Module | None = None):
         super().__init__()
         self.cfg = cfg
         self.norm = nn.LayerNorm(cfg.d_model)
         self.proj_in = nn.Linear(cfg.d_model, cfg.d_ffn)
-        self.sgu = SpatialGatingUnit(cfg.sgu)
+        if mixer is None:
+            self.sgu = SpatialGatingUnit(cfg.sgu)
+        else:
+            self.mixer = mixer
         self.proj_out = nn.Linear(cfg.d_ffn // 2, cfg.d_model)
         self.dropout = nn.Dropout(cfg.dropout)
 
+    @property
+    def token_mixer(self) -> nn.Module:
+        return self.sgu if "sgu" in self._modules else self.mixer
+
     def forward(self, x_BND: Tensor) -> Tensor:
         h = F.gelu(self.proj_in(self.norm(x_BND)))  # (B, N, F)
-        h = self.proj_out(self.sgu(h))  # (B, N, D)
+        h = self.proj_out(self.token_mixer(h))  # (B, N, D)
         return x_BND + self.dropout(h)
