@@ -54,11 +54,12 @@ FIELD = re.compile(r"(\w+)[= ]([-\d.eE+]+)")
 # The target and its width (CPU scale that still means something: d_model >= 256, sequence >= 256).
 TARGET = dict(d_model=256, d_ffn=1024, seq_len=256, dense=9, sparse=3)
 MATCH_TOLERANCE = 0.03
-OUR_FAMILIES = ("transformer", "gmlp", "gshard", "switch", "base", "hash")
-MODEL_ORDER = ("smlp_det", "smlp_partial", "gmlp", "transformer", "gshard", "switch", "base", "hash",
-               "fairseq_transformer_lm", "fairseq_base_layers")
+OUR_FAMILIES = ("transformer", "gmlp", "hypermixer", "ninformer", "gshard", "switch", "base", "hash")
+MODEL_ORDER = ("smlp_det", "smlp_partial", "gmlp", "hypermixer", "ninformer", "transformer", "gshard", "switch",
+               "base", "hash", "fairseq_transformer_lm", "fairseq_base_layers")
 NAMES = {"smlp_det": "sMLP-deterministic", "smlp_partial": "sMLP-partial", "gmlp": "gMLP",
-         "transformer": "Transformer", "gshard": "GShard", "switch": "Switch", "base": "Base Layers",
+         "transformer": "Transformer", "hypermixer": "HyperMixer (causal)",
+         "ninformer": "NiNformer (causal)", "gshard": "GShard", "switch": "Switch", "base": "Base Layers",
          "hash": "HASH Layers", "fairseq_transformer_lm": "fairseq transformer_lm",
          "fairseq_base_layers": "fairseq transformer_lm --base-layers"}
 MOE_BASELINES = ("gshard", "switch", "base", "hash")
