@@ -84,8 +84,9 @@ class SMLPLM(LM):
         elif encoder is None:
             raise ValueError("SMLPLM(model=...) also needs encoder=Encoder(...)")
         self.encoder = encoder
-        self.scorer, self.routing_prefix = build_scorer(model, encoder, device=device or next(model.parameters()).device,
-                                                        batch_size=bs, progress=progress, prefix_fill=prefix_fill)
+        device = device or next(model.parameters()).device
+        self.scorer, self.routing_prefix = build_scorer(model, encoder, device=device, batch_size=bs, progress=progress,
+                                                        prefix_fill=prefix_fill)
 
     # -- checks
     def _check_unk(self, id_lists, what: str) -> None:

@@ -328,7 +328,8 @@ class Encoder:
         self.spm_model = Path(spm_model) if spm_model is not None else None
         self.sp = _spm().SentencePieceProcessor(model_file=str(spm_model)) if spm_model is not None else None
         if dictionary is not None:
-            self.eos, self.unk, self.pad, self.bos = dictionary.eos(), dictionary.unk(), dictionary.pad(), dictionary.bos()
+            d = dictionary
+            self.eos, self.unk, self.pad, self.bos = d.eos(), d.unk(), d.pad(), d.bos()
             self.eos_piece = dictionary[self.eos]
         else:
             self.eos, self.unk, self.pad, self.bos = EOS_ID, UNK_ID, PAD_ID, BOS_ID

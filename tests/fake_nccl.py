@@ -139,7 +139,8 @@ def pretend_nccl():
                mock.patch.object(torch.cuda, "current_device", lambda: 0),
                mock.patch.object(torch.cuda, "device_count", lambda: 1),
                mock.patch.object(torch.cuda, "set_device", lambda device: None)]
-    patches += [mock.patch.object(dist, n, checked(n, getattr(dist, n))) for n in TENSOR_COLLECTIVES if hasattr(dist, n)]
+    patches += [mock.patch.object(dist, n, checked(n, getattr(dist, n)))
+                for n in TENSOR_COLLECTIVES if hasattr(dist, n)]
     patches += [mock.patch.object(dist, n, refused(n)) for n in OBJECT_COLLECTIVES if hasattr(dist, n)]
     with contextlib.ExitStack() as stack:
         for p in patches:

@@ -329,6 +329,25 @@ def test_raw_release_formats_read_like_the_arrow_sets(real_data, tmp_path):
     assert len(load_examples("hellaswag", real_data["hellaswag"])) == 10042
 
 
+def test_hugging_face_folders_and_arrow_files_are_read_with_datasets(real_data, tmp_path):
+    import datasets
+
+    rows = _arrow_rows(real_data["copa"])[:7]
+    dd = datasets.DatasetDict({"train": datasets.Dataset.from_list(rows[:2]),
+                               "validation": datasets.Dataset.from_list(rows)})
+    dd.save_to_disk(str(tmp_path / "copa_dict"))
+    want = [(e.doc, e.label) for e in load_examples("copa", real_data["copa"])[:7]]
+    assert [(e.doc, e.label) for e in load_examples("copa", str(tmp_path / "copa_dict"))] == want
+    one = sorted((tmp_path / "copa_dict" / "validation").glob("*.arrow"))[0]  # a bare save_to_disk shard
+    assert [(e.doc, e.label) for e in load_examples("copa", str(one))] == want
+    datasets.DatasetDict({"test": datasets.Dataset.from_list(rows)}).save_to_disk(str(tmp_path / "no_val"))
+    with pytest.raises(DataFormatError, match="DatasetDict without a 'validation' split .* test"):
+        load_examples("copa", str(tmp_path / "no_val"))
+    (tmp_path / "junk.arrow").write_bytes(b"not arrow")
+    with pytest.raises(DataFormatError, match="junk.arrow is not an Arrow file written by Hugging Face datasets"):
+        load_examples("copa", str(tmp_path / "junk.arrow"))
+
+
 def test_storycloze_csv_and_record_jsonl_readers(tmp_path):
     story = load_examples("storycloze", str(STORYCLOZE))
     assert len(story) == 4 and [e.label for e in story] == [0, 1, 0, 1]
@@ -521,8 +540,9 @@ HAND = {  # task -> (doc, label)
                     "endings": ["Ann felt relieved.", "Ann bought a boat."]}, 0),
     "winogrande": ({"sentence": "The trophy did not fit in the suitcase because _ was too big.",
                     "option1": "the trophy", "option2": "the suitcase"}, 0),
-    "record": ({"passage": "Porto opened a bridge.\n@highlight\nThe bridge is long", "query":
-                "@placeholder praised the bridge.", "entities": ["Porto", "Rui Costa"], "answers": ["Rui Costa"]}, None),
+    "record": ({"passage": "Porto opened a bridge.\n@highlight\nThe bridge is long",
+                "query": "@placeholder praised the bridge.", "entities": ["Porto", "Rui Costa"],
+                "answers": ["Rui Costa"]}, None),
 }
 # task -> per candidate (the token before the scored ones, the scored tokens); paper template, auto scoring
 HAND_SCORED = {
@@ -694,7 +714,8 @@ def test_the_encoder_cuts_pairs_from_the_joint_encoding_and_counts_unknown_token
     c2, x2 = encode_pair(enc, "count: one two ", "three")  # the trailing space moves to the continuation
     assert c2 == enc.encode_ids("count: one two") and x2 == encode_pair(enc, "count: one two", " three")[1]
     assert encode_pair(enc, "", "one two") == ([], enc.encode_ids("one two"))
-    assert enc.unk_rate(enc.encode_ids("Café naïve 東京")) == (0, len(enc.encode_ids("Café naïve 東京")))  # byte fallback
+    odd = enc.encode_ids("Café naïve 東京")
+    assert enc.unk_rate(odd) == (0, len(odd))  # byte fallback
     words = Encoder(d)  # the same dictionary without its tokenizer: whole words are <unk>
     assert words.description == "whitespace tokens"
     unk, n = words.unk_rate(words.encode_ids("count: one two three"))
@@ -1048,25 +1069,31 @@ def test_lm_eval_adapter_under_torchrun_is_expert_parallel_and_equals_one_proces
     """`torchrun --nproc_per_node 2 -m smlp_eval.lm_eval_adapter run ...` (lm-eval's own command line and
     simple_evaluate; one expert per gloo rank, as trained) gives the results of one process holding every
     expert, and only rank 0 writes them."""
-    _lm_eval_tasks(tmp_path, {t: (LM_EVAL_CONFIGS[t], "arrow", {"validation": _arrow_file(real_data[t])})
-                              for t in ("copa", "piqa")})
-    args = ["-m", "smlp_eval.lm_eval_adapter", "run", "--model", "smlp", "--model_args",
-            f"path={ckpt_expert_parallel}", "--batch_size", "3", "--tasks", "local_copa,local_piqa", "--include_path",
-            str(tmp_path), "--limit", "10", "--log_samples", "--output_path"]
+    import lm_eval
+
+    from smlp_eval.lm_eval_adapter import SMLPLM
+
+    tm = _lm_eval_tasks(tmp_path, {t: (LM_EVAL_CONFIGS[t], "arrow", {"validation": _arrow_file(real_data[t])})
+                                   for t in ("copa", "piqa")})
     env = {**_env(1), "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
-    one = subprocess.run([sys.executable, *args, str(tmp_path / "one")], capture_output=True, text=True, env=env,
-                         timeout=300)
-    assert one.returncode == 0, one.stderr[-3000:]
     two = subprocess.run([str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(_free_port()),
-                          *args, str(tmp_path / "two")], capture_output=True, text=True, env=env, timeout=300)
+                          "-m", "smlp_eval.lm_eval_adapter", "run", "--model", "smlp", "--model_args",
+                          f"path={ckpt_expert_parallel}", "--batch_size", "3", "--tasks", "local_copa,local_piqa",
+                          "--include_path", str(tmp_path), "--limit", "10", "--log_samples", "--output_path",
+                          str(tmp_path / "two")], capture_output=True, text=True, env=env, timeout=300)
     assert two.returncode == 0, two.stderr[-3000:]
-    assert "expert_parallel" not in two.stderr  # no complaint about the shards: each rank loaded its own
-    acc1, samples1 = _lm_eval_cli_results(tmp_path / "one")
     acc2, samples2 = _lm_eval_cli_results(tmp_path / "two")  # exactly one results file: rank 0's
-    assert acc2 == acc1 and set(acc1) == {"local_copa", "local_piqa"}
-    for t in acc1:
-        assert len(samples2[t]) == 10
-        for (doc_a, lls_a, acc_a), (doc_b, lls_b, acc_b) in zip(samples2[t], samples1[t]):
+    # one process holding every expert (the shards merged in memory), lm-eval's simple_evaluate in this process
+    model, _, encoder = zeroshot.load_model(str(ckpt_expert_parallel))
+    assert model.expert_world == 1
+    res = lm_eval.simple_evaluate(model=SMLPLM(model=model, encoder=encoder, batch_size=3, progress=False),
+                                  tasks=["local_copa", "local_piqa"], task_manager=tm, limit=10, log_samples=True,
+                                  bootstrap_iters=0)
+    assert acc2 == {t: r["acc,none"] for t, r in res["results"].items()} and set(acc2) == {"local_copa", "local_piqa"}
+    for t in acc2:
+        one = sorted((s["doc_id"], [r[0] for r in s["filtered_resps"]], s["acc"]) for s in res["samples"][t])
+        assert len(samples2[t]) == len(one) == 10
+        for (doc_a, lls_a, acc_a), (doc_b, lls_b, acc_b) in zip(samples2[t], one):
             assert doc_a == doc_b and acc_a == acc_b
             assert lls_a == pytest.approx(lls_b, abs=1e-4)  # experts computed on the other rank: float noise only
 
