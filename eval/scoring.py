@@ -140,7 +140,11 @@ class _NoProgress:
 
 
 class _LogProgress:
-    """One line per ~10% of the work, for logs that are not terminals (SLURM output files)."""
+    """One line per ~10% of the work, for logs that are not terminals (SLURM output files).
+
+    By hand because tqdm has no such mode: its mininterval/miniters only thin out the updates of a
+    bar, which in a file are still carriage-return redraws without line ends.
+    """
 
     def __init__(self, total: int, desc: str, stream: TextIO):
         self.total, self.desc, self.stream = total, desc, stream
