@@ -138,7 +138,9 @@ def pretend_nccl():
                mock.patch.object(torch.cuda, "is_available", lambda: True),
                mock.patch.object(torch.cuda, "current_device", lambda: 0),
                mock.patch.object(torch.cuda, "device_count", lambda: 1),
-               mock.patch.object(torch.cuda, "set_device", lambda device: None)]
+               mock.patch.object(torch.cuda, "set_device", lambda device: None),
+               # the dispatcher's timer waits for the device before reading the clock: nothing to wait for
+               mock.patch.object(torch.cuda, "synchronize", lambda device=None: None)]
     patches += [mock.patch.object(dist, n, checked(n, getattr(dist, n)))
                 for n in TENSOR_COLLECTIVES if hasattr(dist, n)]
     patches += [mock.patch.object(dist, n, refused(n)) for n in OBJECT_COLLECTIVES if hasattr(dist, n)]
