@@ -17,8 +17,10 @@ and quality reference it is benchmarked against (`benchmarks/balanced_assignment
 """
 from __future__ import annotations
 
+import functools
 import math
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -39,6 +41,7 @@ _NEG_KEY = -(1 << 30)  # key of padding experts and experts with capacity 0: nev
 # 0.03 for 65536. Beyond that the step would approach eps.
 _MAX_EXPERTS = 1 << 16
 _MIN_WORKING_ROWS = 1024  # below this, step 4's smaller rounds cost as much as full ones
+_MIN_TAIL_KEYS = 1 << 16  # below this many keys (S * P) a full round costs less than step 4's set-up
 
 
 def expert_capacities(num_rows: int, num_experts: int, device=None) -> Tensor:
@@ -148,50 +151,61 @@ def balanced_assignment(
         raise ValueError(f"need max_rounds >= 0 and check_every >= 1, got {max_rounds} and {check_every}")
 
     cap_E = expert_capacities(S, E, device)
+    if E == 2:
+        return _two_experts(scores_SE, S - S // 2)
     sh = max(1, (E - 1).bit_length())
     levels = (1 << _KEY_BITS) >> sh
     eps_q = max(1, round(eps * levels / _CLIP_GAINS))  # eps in quantisation steps
-    key_PS = _integer_keys(scores_SE, sh, levels)
-    if S < E:
-        key_PS = _disable_empty_experts(key_PS, cap_E)
-    # Step 4 pays off only when the working set is a small part of the rows.
+    key_PS = _integer_keys(_finite_scores(scores_SE), sh, levels)
+    # Step 4 pays off only when the working set is a small part of the rows and a full round
+    # costs much more than setting it up.
     work_rows = max(int(working_fraction * S), _MIN_WORKING_ROWS)
-    tail_rows = int(tail_fraction * S) if 2 * work_rows <= S else 0
-    expert_S, price_P, margin_S, rounds = _auction(
-        key_PS, cap_E, sh, levels, eps_q, max_rounds, check_every, tail_rows)
-    if tail_rows and rounds < max_rounds and int((expert_S < 0).sum()):
-        # Step 4: continue on a working set: the unassigned rows and the held rows with the
-        # smallest margins; the others keep their expert (one sync, for the gather).
-        W = min(S, max(work_rows, 4 * tail_rows))
-        rank_key_S = torch.where(expert_S < 0, -(1 << 40), margin_S.long())
-        work_W = torch.sort(rank_key_S, stable=True).indices[:W]
-        frozen_S = torch.ones(S, dtype=torch.bool, device=device).index_fill_(0, work_W, False)
-        held_E = torch.zeros_like(cap_E).scatter_add_(0, expert_S.clamp(min=0), (frozen_S & (expert_S >= 0)).long())
-        cap_W_E = cap_E - held_E
-        key_PW = _disable_empty_experts(key_PS[:, work_W], cap_W_E)
-        expert_W, _, _, _ = _auction(key_PW, cap_W_E, sh, levels, eps_q, max_rounds - rounds, check_every, 0,
-                                     row_S=work_W, expert_S=expert_S[work_W], price_P=price_P)
-        expert_S[work_W] = expert_W
-    return _fill_free_capacity(expert_S, cap_E)
+    tail_rows = int(tail_fraction * S) if 2 * work_rows <= S and key_PS.numel() >= _MIN_TAIL_KEYS else 0
+    expert_S, unassigned = _solve(key_PS, cap_E, sh, levels, eps_q, max_rounds, check_every, tail_rows, work_rows)
+    # unassigned is 0 if the last completion check found every row assigned, None if the
+    # round budget ran out first: then fill the free capacity.
+    return expert_S if unassigned == 0 else _fill_free_capacity(expert_S, cap_E)
 
 
-def _integer_keys(scores_SE: Tensor, sh: int, levels: int) -> Tensor:
-    """Step 0: (P, S) int32 keys value * P + priority, value in [-levels, 0] quantised gain units.
-
-    Padding experts (E <= e < P) get _NEG_KEY. Works in the (E, S) layout throughout, so every
-    pass is contiguous.
-    """
-    S, E = scores_SE.shape
-    P = 1 << sh
+def _finite_scores(scores_SE: Tensor) -> Tensor:
+    """(E, S) float32 (float64 for float64 input) copy of the scores, contiguous, every entry
+    finite (see _sanitize) and of a magnitude whose row shifts cannot overflow."""
     x_ES = scores_SE.detach().t()
     x_ES = (x_ES.double() if x_ES.dtype == torch.float64 else x_ES.float()).contiguous()
-    hi, lo = torch.stack([x_ES.amax(), x_ES.amin()]).tolist()  # one sync; NaN propagates through both
-    if not (math.isfinite(hi) and math.isfinite(lo)):
+    mag = float(x_ES.abs().amax())  # one sync; NaN propagates
+    if not math.isfinite(mag):
         x_ES = _sanitize(x_ES)
-        hi, lo = torch.stack([x_ES.amax(), x_ES.amin()]).tolist()
-    mag = max(abs(hi), abs(lo))
+        mag = float(x_ES.abs().amax())
     if mag > 1e30 or 0 < mag < 1e-30:  # rescale so the row shift cannot overflow (1e38 - -1e38)
         x_ES = x_ES / mag
+    return x_ES
+
+
+def _two_experts(scores_SE: Tensor, cap0: int) -> Tensor:
+    """E = 2, solved exactly: the total is sum_s score[s, 1] + sum over expert 0's rows of
+    (score[s, 0] - score[s, 1]), so expert 0 takes the cap0 rows with the largest difference.
+
+    One stable sort (ties: the earlier row goes to expert 0). The difference of two float32
+    scores is exact in float64; non-finite or overflowing differences are redone on the
+    sanitised, rescaled scores.
+    """
+    x_S2 = scores_SE.detach().double()
+    d_S = x_S2[:, 0] - x_S2[:, 1]
+    if not bool(torch.isfinite(d_S).all()):
+        x_2S = _finite_scores(scores_SE).double()
+        d_S = x_2S[0] - x_2S[1]
+    order_S = torch.argsort(d_S, descending=True, stable=True)
+    return torch.ones(d_S.shape[0], dtype=torch.long, device=d_S.device).index_fill_(0, order_S[:cap0], 0)
+
+
+def _integer_keys(x_ES: Tensor, sh: int, levels: int) -> Tensor:
+    """Step 0: (P, S) int32 keys value * P + priority, value in [-levels, 0] quantised gain units.
+
+    x_ES are the finite scores from _finite_scores. Padding experts (E <= e < P) get _NEG_KEY.
+    Works in the (E, S) layout throughout, so every pass is contiguous.
+    """
+    E, S = x_ES.shape
+    P = 1 << sh
     # Row and column offsets add the same amount to every balanced assignment (each row is used
     # once, each expert exactly capacity times), so both are removed: rows first (best = 0), then
     # scores far below a row's best are clipped so an outlier row cannot move a column mean,
@@ -206,24 +220,24 @@ def _integer_keys(scores_SE: Tensor, sh: int, levels: int) -> Tensor:
     y_ES.mul_(scale).floor_().clamp_(min=-levels)
     key_PS = torch.empty((P, S), dtype=torch.int32, device=y_ES.device)
     key_PS[:E] = y_ES
-    # Tie priority of expert e for row s: (s - 1 - e) mod E, so that rows that are indifferent
-    # start out spread evenly over the experts instead of all bidding for expert 0.
-    e_E = torch.arange(E, device=y_ES.device, dtype=torch.int32)
-    rotation_S = _rotation(torch.arange(S, device=y_ES.device, dtype=torch.int32), E)
-    priority_ES = _wrap(rotation_S - e_E[:, None], E)
-    torch.add(priority_ES, key_PS[:E], alpha=P, out=key_PS[:E])
+    torch.add(_priorities(E, S, y_ES.device), key_PS[:E], alpha=P, out=key_PS[:E])
     key_PS[E:] = _NEG_KEY
     return key_PS
 
 
-def _rotation(row_S: Tensor, E: int) -> Tensor:
-    """(row - 1) mod E: the expert of priority 0 for each row, see _integer_keys."""
-    return torch.remainder(row_S - 1, E)
+@functools.lru_cache(maxsize=8)
+def _priorities(E: int, S: int, device: torch.device) -> Tensor:
+    """(E, S) int32 tie priority of expert e for row s: (s - 1 - e) mod E, so that rows that are
+    indifferent start out spread evenly over the experts instead of all bidding for expert 0.
+    Cached: the routers call with the same shape every step. Never modified in place."""
+    e_E = torch.arange(E, device=device, dtype=torch.int32)
+    rotation_S = torch.remainder(torch.arange(S, device=device, dtype=torch.int32) - 1, E)
+    return _wrap(rotation_S - e_E[:, None], E)
 
 
-def _wrap(d: Tensor, E: int) -> Tensor:
-    """d mod E for d in (-E, E), without an integer division over a large tensor."""
-    return d + ((d >> (8 * d.element_size() - 1)) & E)
+def _wrap(d, E: int):
+    """d mod E for d in (-E, E), without an integer division over a large array (torch or numpy)."""
+    return d + ((d >> (8 * d.itemsize - 1)) & E)
 
 
 def _gain_unit(y_ES: Tensor) -> Tensor:
@@ -233,14 +247,6 @@ def _gain_unit(y_ES: Tensor) -> Tensor:
     gain = row_gain_S.median()
     gain = torch.where(gain > 0, gain, row_gain_S.mean())
     return torch.where(gain > 0, gain, torch.ones_like(gain))
-
-
-def _disable_empty_experts(key_PS: Tensor, cap_E: Tensor) -> Tensor:
-    """Experts with no capacity get the padding key, so no row ever bids for them."""
-    P, E = key_PS.shape[0], cap_E.shape[0]
-    off_P = torch.zeros(P, dtype=torch.bool, device=key_PS.device)
-    off_P[:E] = cap_E == 0
-    return torch.where(off_P[:, None], _NEG_KEY, key_PS)
 
 
 def _sanitize(x: Tensor) -> Tensor:
@@ -254,74 +260,250 @@ def _sanitize(x: Tensor) -> Tensor:
     return torch.where(finite, x, torch.where(torch.isposinf(x), hi, lo))
 
 
-def _top2(key_PS: Tensor) -> tuple[Tensor, Tensor]:
-    """Largest and second largest key of every column, by a max/min tournament (P a power of 2)."""
+def _top2(key_PS, ops=torch):
+    """Largest and second largest key of every column, by a max/min tournament (P a power of 2).
+    ops is the array namespace: torch, or numpy for numpy arrays."""
     n = key_PS.shape[0] // 2
-    first = torch.maximum(key_PS[:n], key_PS[n:])
-    second = torch.minimum(key_PS[:n], key_PS[n:])
+    first = ops.maximum(key_PS[:n], key_PS[n:])
+    second = ops.minimum(key_PS[:n], key_PS[n:])
     while first.shape[0] > 1:
         n = first.shape[0] // 2
         a1, b1, a2, b2 = first[:n], first[n:], second[:n], second[n:]
-        second = torch.maximum(torch.minimum(a1, b1), torch.maximum(a2, b2))
-        first = torch.maximum(a1, b1)
+        second = ops.maximum(ops.minimum(a1, b1), ops.maximum(a2, b2))
+        first = ops.maximum(a1, b1)
     return first[0], second[0]
 
 
-def _auction(key_PS: Tensor, cap_E: Tensor, sh: int, levels: int, eps_q: int, max_rounds: int,
-             check_every: int, stop_at: int, row_S: Tensor | None = None, expert_S: Tensor | None = None,
-             price_P: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, int]:
-    """Steps 1-3 on keys (P, S), from an empty assignment at price 0 unless a state is given.
+class _TorchOps:
+    """The auction's array operations on torch tensors, on any device. Constants are 0-d tensors
+    of the operand's dtype: a Python scalar operand is converted to a tensor on every call."""
 
-    row_S are the rows' indices in the full problem (they set the tie priorities of step 0).
-    Stops at a check that finds at most `stop_at` rows unassigned, or after max_rounds rounds.
-    Returns the (S,) int64 expert per row (-1: unassigned), the prices, the margins of the last
-    round (bid - price, in quantisation steps) and the number of rounds run.
-    """
+    maximum, minimum, where, searchsorted = map(staticmethod, (torch.maximum, torch.minimum, torch.where, torch.searchsorted))
+    int32, int64 = torch.int32, torch.int64
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def array(self, t: Tensor) -> Tensor:
+        return t
+
+    def tensor(self, a: Tensor) -> Tensor:
+        return a
+
+    def arange(self, n: int, dtype):
+        return torch.arange(n, dtype=dtype, device=self.device)
+
+    def full(self, n: int, value: int, dtype):
+        return torch.full((n,), value, dtype=dtype, device=self.device)
+
+    def const(self, value: int, dtype):
+        return torch.tensor(value, dtype=dtype, device=self.device)
+
+    @staticmethod
+    def clip(x: Tensor, lo, hi) -> Tensor:
+        return x.clamp_(lo, hi)
+
+    @staticmethod
+    def take(table_N: Tensor, index_S: Tensor) -> Tensor:
+        return table_N.index_select(0, index_S)
+
+    @staticmethod
+    def take_columns(x_PS: Tensor, index_W: Tensor) -> Tensor:
+        return x_PS.index_select(1, index_W)
+
+    @staticmethod
+    def bincount(x_S: Tensor, n: int) -> Tensor:
+        return torch.bincount(x_S, minlength=n)
+
+    @staticmethod
+    def pick(x_PS: Tensor, index_S: Tensor, column_S: Tensor) -> Tensor:
+        """x[index[s], s] for every column s."""
+        return x_PS.gather(0, index_S[None])[0]
+
+    @staticmethod
+    def sort(x_S: Tensor) -> tuple[Tensor, Tensor]:
+        return torch.sort(x_S, stable=True)
+
+    @staticmethod
+    def put(out_S: Tensor, index_S: Tensor, value_S: Tensor) -> None:
+        out_S.scatter_(0, index_S, value_S)
+
+    @staticmethod
+    def sub_out(a: Tensor, b: Tensor, out: Tensor) -> None:
+        torch.sub(a, b, out=out)
+
+
+class _NumpyOps:
+    """The same operations on numpy arrays (CPU only), for small auctions where the dispatch cost
+    of each operation is the cost of the round. Integer arithmetic throughout, so the result is
+    bitwise the torch one (tests/test_assignment.py checks it). Python scalars keep the array's
+    dtype (numpy >= 2 promotion rules)."""
+
+    maximum, minimum, where, searchsorted = map(staticmethod, (np.maximum, np.minimum, np.where, np.searchsorted))
+    int32, int64 = np.int32, np.int64
+
+    @staticmethod
+    def array(t: Tensor) -> np.ndarray:
+        return t.numpy()
+
+    @staticmethod
+    def tensor(a: np.ndarray) -> Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a))
+
+    @staticmethod
+    def arange(n: int, dtype):
+        return np.arange(n, dtype=dtype)
+
+    @staticmethod
+    def full(n: int, value: int, dtype):
+        return np.full(n, value, dtype=dtype)
+
+    @staticmethod
+    def const(value: int, dtype):
+        return value
+
+    @staticmethod
+    def clip(x: np.ndarray, lo, hi) -> np.ndarray:
+        # np.clip costs several times np.maximum on small arrays
+        if lo is not None:
+            np.maximum(x, lo, out=x)
+        return x if hi is None else np.minimum(x, hi, out=x)
+
+    @staticmethod
+    def take(table_N: np.ndarray, index_S: np.ndarray) -> np.ndarray:
+        return table_N.take(index_S)
+
+    @staticmethod
+    def take_columns(x_PS: np.ndarray, index_W: np.ndarray) -> np.ndarray:
+        return x_PS.take(index_W, axis=1)
+
+    @staticmethod
+    def bincount(x_S: np.ndarray, n: int) -> np.ndarray:
+        return np.bincount(x_S, minlength=n)
+
+    @staticmethod
+    def pick(x_PS: np.ndarray, index_S: np.ndarray, column_S: np.ndarray) -> np.ndarray:
+        return x_PS.ravel().take(index_S * x_PS.shape[1] + column_S)
+
+    @staticmethod
+    def sort(x_S: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        # Stable sort of int32 keys as an unstable sort of the unique int64 keys (key, position):
+        # numpy's vectorised int64 sort is several times faster than its stable argsort.
+        bits = max(1, (x_S.shape[0] - 1).bit_length())
+        keyed_S = np.sort((x_S.astype(np.int64) << bits) | np.arange(x_S.shape[0]))
+        return (keyed_S >> bits).astype(np.int32), keyed_S & ((1 << bits) - 1)
+
+    @staticmethod
+    def put(out_S: np.ndarray, index_S: np.ndarray, value_S: np.ndarray) -> None:
+        out_S[index_S] = value_S
+
+    @staticmethod
+    def sub_out(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+        np.subtract(a, b, out=out)
+
+
+def _array_ops(device: torch.device):
+    """numpy on the CPU, torch on accelerators (see _NumpyOps)."""
+    return _NumpyOps() if device.type == "cpu" else _TorchOps(device)
+
+
+def _solve(key_PS: Tensor, cap_E: Tensor, sh: int, levels: int, eps_q: int, max_rounds: int, check_every: int,
+           tail_rows: int, work_rows: int) -> tuple[Tensor, int | None]:
+    """Steps 1-4 on the keys. Returns the (S,) int64 expert per row on the keys' device (-1:
+    unassigned) and the number of unassigned rows if the last completion check saw it (None if
+    the round budget ran out first)."""
     P, S = key_PS.shape
     E = cap_E.shape[0]
-    device = key_PS.device
-    cap_P = torch.zeros(P, dtype=torch.long, device=device)
-    cap_P[:E] = cap_E
-    # Sort key of a candidate: (expert, descending margin) packed in one int32; the margin lives
-    # in [-levels, levels] and is stored as levels - margin.
+    ops = _array_ops(key_PS.device)
+    key_PS = ops.array(key_PS)
+    cap_P = ops.full(P, 0, ops.int64)
+    cap_P[:E] = ops.array(cap_E)
+    neg_key = ops.const(_NEG_KEY, ops.int32)
+    if S < E:  # experts with capacity 0: no row may bid for them
+        key_PS = ops.where((cap_P == 0)[:, None], neg_key, key_PS)
+    row_S = ops.arange(S, ops.int64)
+    expert_S = ops.full(S, -1, ops.int64)
+    price_P = ops.full(P, 0, ops.int32)
+    expert_S, price_P, margin_S, rounds, unassigned = _auction(
+        ops, key_PS, cap_P, row_S, expert_S, price_P, E, sh, levels, eps_q, max_rounds, check_every, tail_rows)
+    if unassigned:
+        # Step 4: continue on a working set: the unassigned rows and the held rows with the
+        # smallest margins; the others keep their expert and their slots.
+        W = min(S, max(work_rows, 4 * tail_rows))
+        _, order_S = ops.sort(ops.where(expert_S < 0, ops.const(-levels - 1, ops.int32), margin_S))
+        work_W = order_S[:W]
+        expert_W = ops.take(expert_S, work_W)
+        # Free slots of each expert for the working set (bin 0 counts the unassigned rows).
+        cap_W_P = cap_P - ops.bincount(expert_S + 1, P + 1)[1:] + ops.bincount(expert_W + 1, P + 1)[1:]
+        key_PW = ops.where((cap_W_P == 0)[:, None], neg_key, ops.take_columns(key_PS, work_W))
+        expert_W, _, _, _, unassigned = _auction(
+            ops, key_PW, cap_W_P, work_W, expert_W, price_P, E, sh, levels, eps_q, max_rounds - rounds,
+            check_every, 0)
+        ops.put(expert_S, work_W, expert_W)
+    return ops.tensor(expert_S), unassigned
+
+
+def _auction(ops, key_PS, cap_P, row_S, expert_S, price_P, E: int, sh: int, levels: int, eps_q: int,
+             max_rounds: int, check_every: int, stop_at: int):
+    """Steps 1-3 on keys (P, S) from the given state: expert per row (-1: unassigned), prices.
+
+    Arrays of the `ops` backend. row_S are the rows' indices in the full problem (they set the
+    tie priorities of step 0); cap_P the capacities (0 for padding experts). Stops at a check
+    that finds at most `stop_at` rows unassigned, or after max_rounds rounds. Returns the expert
+    per row, the prices, the margins of the last round (bid - price, in quantisation steps), the
+    number of rounds run and the number of rows left unassigned if the last check saw it (None
+    if the round budget ran out first).
+    """
+    P, S = key_PS.shape
+    i32, i64 = ops.int32, ops.int64
+    # Best expert of a row = (rotation - priority) mod E with rotation = (row - 1) mod E (see
+    # _priorities), looked up in a table at rotation * P + priority.
+    rotation_S = ((row_S - 1) % E) * P
+    expert_of_EP = ((ops.arange(E, i64)[:, None] - ops.arange(P, i64)) % E).reshape(-1)
+    # Sort key of a bid for expert e with margin m: band_P[e] - m. The bands [e << margin_bits,
+    # (e + 1) << margin_bits) hold the margins in [-levels, levels] in descending order, so one
+    # sort groups the bids by expert, highest first, and a search for the band edges finds the
+    # groups.
     margin_bits = (2 * levels).bit_length()
-    low_mask = (1 << margin_bits) - 1
-    if price_P is None:
-        price_P = torch.zeros(P, dtype=torch.int32, device=device)  # in quantisation steps
-    if expert_S is None:
-        expert_S = torch.full((S,), -1, dtype=torch.long, device=device)
-    margin_S = torch.zeros(S, dtype=torch.int32, device=device)
-    if row_S is None:
-        row_S = torch.arange(S, device=device)
-    rotation_S = _rotation(row_S, E)  # best expert = (rotation - priority) mod E
-    e_P = torch.arange(P, device=device)
-    pos_S = torch.arange(S, device=device)
-    net_PS = torch.empty_like(key_PS)
+    edge_P1 = ops.arange(P + 1, i32) << ops.const(margin_bits, i32)
+    band_P = edge_P1[:P] + ops.const(levels, i32)
+    shift, eps_t, low_t = ops.const(sh, i32), ops.const(eps_q, i32), ops.const(P - 1, i32)
+    zero_t, one_t, none_t = ops.const(0, i64), ops.const(1, i64), ops.const(-1, i64)
+    price_sh_P = price_P << shift  # the price in key units
+    margin_S = ops.full(S, 0, i32)
+    pos_S = ops.arange(S, i64)
+    rank_S = ops.full(S, 0, i64)
+    net_PS = key_PS * 1
+    count_P = cap_P
     rounds = 0
+    unassigned = None
     while rounds < max_rounds:
-        if rounds and rounds % check_every == 0 and int((expert_S < 0).sum()) <= stop_at:
-            break
+        if rounds and rounds % check_every == 0:
+            # Rows not kept by the last round (each row bid for exactly one expert).
+            unassigned = int(ops.clip(count_P - cap_P, 0, None).sum())
+            if unassigned <= stop_at:
+                break
+            unassigned = None
         rounds += 1
-        torch.sub(key_PS, (price_P << sh)[:, None], out=net_PS)
-        best_S, second_S = _top2(net_PS)
-        best_expert_S = _wrap(rotation_S - (best_S & (P - 1)), E)
-        target_S = torch.where(expert_S >= 0, expert_S, best_expert_S)
-        own_S = net_PS.gather(0, target_S[None])[0] >> sh
-        alternative_S = torch.where(target_S == best_expert_S, second_S, best_S) >> sh
+        ops.sub_out(key_PS, price_sh_P[:, None], net_PS)
+        best_S, second_S = _top2(net_PS, ops)
+        best_expert_S = ops.take(expert_of_EP, rotation_S + (best_S & low_t))
+        target_S = ops.where(expert_S >= zero_t, expert_S, best_expert_S)
+        own_S = ops.pick(net_PS, target_S, pos_S)
+        alternative_S = ops.where(target_S == best_expert_S, second_S, best_S)
         # A row bids price[target] + margin: the price at which it would be indifferent.
-        margin_S = (own_S - alternative_S).clamp_(-levels, levels)
-        sort_key_S = (target_S.to(torch.int32) << margin_bits) + (levels - margin_S)
-        sorted_S, order_S = torch.sort(sort_key_S, stable=True)  # stable: ties keep the earlier row
-        sorted_expert_S = (sorted_S >> margin_bits).long()
-        start_P = torch.searchsorted(sorted_expert_S, e_P)
-        count_P = torch.searchsorted(sorted_expert_S, e_P, right=True) - start_P
-        kept_sorted_S = (pos_S - start_P[sorted_expert_S]) < cap_P[sorted_expert_S]
-        expert_S = torch.empty_like(expert_S).scatter_(0, order_S, torch.where(kept_sorted_S, sorted_expert_S, -1))
+        margin_S = ops.clip((own_S >> shift) - (alternative_S >> shift), -levels, levels)
+        sorted_S, order_S = ops.sort(ops.take(band_P, target_S) - margin_S)  # stable: ties keep the earlier row
+        bound_P1 = ops.searchsorted(sorted_S, edge_P1)
+        count_P = bound_P1[1:] - bound_P1[:-1]
+        limit_P = bound_P1[:-1] + cap_P  # an expert keeps its bids sorted before its limit
+        ops.put(rank_S, order_S, pos_S)
+        expert_S = ops.where(rank_S < ops.take(limit_P, target_S), target_S, none_t)
         # Over-subscribed experts: new price = max(old price, lowest kept bid) + eps.
-        last_kept_P = sorted_S[(start_P + cap_P - 1).clamp_(0, S - 1)]
-        raise_P = (levels - (last_kept_P & low_mask)).clamp_(min=0) + eps_q
-        price_P = torch.where(count_P > cap_P, price_P + raise_P, price_P).to(torch.int32)
-    return expert_S, price_P, margin_S, rounds
+        last_kept_P = ops.take(sorted_S, ops.clip(limit_P - one_t, 0, S - 1))
+        raise_P = ops.clip(band_P - last_kept_P, 0, None) + eps_t
+        price_sh_P = ops.where(count_P > cap_P, price_sh_P + (raise_P << shift), price_sh_P)
+    return expert_S, price_sh_P >> shift, margin_S, rounds, unassigned
 
 
 def _fill_free_capacity(expert_S: Tensor, cap_E: Tensor) -> Tensor:
