@@ -150,59 +150,66 @@ def balanced_assignment(
     if max_rounds < 0 or check_every < 1:
         raise ValueError(f"need max_rounds >= 0 and check_every >= 1, got {max_rounds} and {check_every}")
 
-    cap_E = expert_capacities(S, E, device)
+    ops = _array_ops(device)
     if E == 2:
-        return _two_experts(scores_SE, S - S // 2)
+        return _two_experts(scores_SE, S - S // 2, ops)
     sh = max(1, (E - 1).bit_length())
     levels = (1 << _KEY_BITS) >> sh
     eps_q = max(1, round(eps * levels / _CLIP_GAINS))  # eps in quantisation steps
-    key_PS = _integer_keys(_finite_scores(scores_SE), sh, levels)
+    key_PS = _integer_keys(_finite_scores(scores_SE, ops), sh, levels, ops)
     # Step 4 pays off only when the working set is a small part of the rows and a full round
     # costs much more than setting it up.
     work_rows = max(int(working_fraction * S), _MIN_WORKING_ROWS)
-    tail_rows = int(tail_fraction * S) if 2 * work_rows <= S and key_PS.numel() >= _MIN_TAIL_KEYS else 0
-    expert_S, unassigned = _solve(key_PS, cap_E, sh, levels, eps_q, max_rounds, check_every, tail_rows, work_rows)
+    tail_rows = int(tail_fraction * S) if 2 * work_rows <= S and S << sh >= _MIN_TAIL_KEYS else 0
+    expert_S, unassigned = _solve(ops, key_PS, E, sh, levels, eps_q, max_rounds, check_every, tail_rows, work_rows)
     # unassigned is 0 if the last completion check found every row assigned, None if the
     # round budget ran out first: then fill the free capacity.
-    return expert_S if unassigned == 0 else _fill_free_capacity(expert_S, cap_E)
+    return expert_S if unassigned == 0 else _fill_free_capacity(expert_S, expert_capacities(S, E, device))
 
 
-def _finite_scores(scores_SE: Tensor) -> Tensor:
-    """(E, S) float32 (float64 for float64 input) copy of the scores, contiguous, every entry
-    finite (see _sanitize) and of a magnitude whose row shifts cannot overflow."""
-    x_ES = scores_SE.detach().t()
-    x_ES = (x_ES.double() if x_ES.dtype == torch.float64 else x_ES.float()).contiguous()
-    mag = float(x_ES.abs().amax())  # one sync; NaN propagates
+def _finite_scores(scores_SE: Tensor, ops):
+    """(E, S) float32 (float64 for float64 input) copy of the scores as an array of the `ops`
+    backend, contiguous, every entry finite (see _sanitize) and of a magnitude whose row shifts
+    cannot overflow."""
+    x_SE = scores_SE.detach()
+    if x_SE.dtype not in (torch.float32, torch.float64):
+        x_SE = x_SE.float()
+    x_ES = ops.transposed_copy(ops.array(x_SE))
+    mag = ops.floats(ops.amax(abs(x_ES), None))[0]  # one sync; NaN propagates
     if not math.isfinite(mag):
-        x_ES = _sanitize(x_ES)
-        mag = float(x_ES.abs().amax())
+        x_ES = ops.array(_sanitize(ops.tensor(x_ES)))
+        mag = ops.floats(ops.amax(abs(x_ES), None))[0]
     if mag > 1e30 or 0 < mag < 1e-30:  # rescale so the row shift cannot overflow (1e38 - -1e38)
         x_ES = x_ES / mag
     return x_ES
 
 
-def _two_experts(scores_SE: Tensor, cap0: int) -> Tensor:
+def _two_experts(scores_SE: Tensor, cap0: int, ops) -> Tensor:
     """E = 2, solved exactly: the total is sum_s score[s, 1] + sum over expert 0's rows of
-    (score[s, 0] - score[s, 1]), so expert 0 takes the cap0 rows with the largest difference.
+    (score[s, 0] - score[s, 1]), so expert 0 takes the cap0 rows with the largest difference;
+    among rows tied at the threshold, the earliest.
 
-    One stable sort (ties: the earlier row goes to expert 0). The difference of two float32
-    scores is exact in float64; non-finite or overflowing differences are redone on the
-    sanitised, rescaled scores.
+    The difference of two float32 scores is exact in float64; non-finite or overflowing
+    differences are redone on the sanitised, rescaled scores (see _finite_scores).
     """
-    x_S2 = scores_SE.detach().double()
+    x_S2 = ops.array(scores_SE.detach().double())
     d_S = x_S2[:, 0] - x_S2[:, 1]
-    if not bool(torch.isfinite(d_S).all()):
-        x_2S = _finite_scores(scores_SE).double()
-        d_S = x_2S[0] - x_2S[1]
-    order_S = torch.argsort(d_S, descending=True, stable=True)
-    return torch.ones(d_S.shape[0], dtype=torch.long, device=d_S.device).index_fill_(0, order_S[:cap0], 0)
+    if not ops.all_finite(d_S):
+        x_2S = _finite_scores(scores_SE, ops)
+        d_S = ops.cast(x_2S[0], d_S) - ops.cast(x_2S[1], d_S)
+    threshold = ops.kth_largest(d_S, cap0)
+    above_S = d_S > threshold
+    tied_S = d_S == threshold
+    expert0_S = above_S | (tied_S & (ops.cumsum(tied_S) <= cap0 - above_S.sum()))
+    return ops.tensor(ops.as_int64(~expert0_S))
 
 
-def _integer_keys(x_ES: Tensor, sh: int, levels: int) -> Tensor:
+def _integer_keys(x_ES, sh: int, levels: int, ops):
     """Step 0: (P, S) int32 keys value * P + priority, value in [-levels, 0] quantised gain units.
 
-    x_ES are the finite scores from _finite_scores. Padding experts (E <= e < P) get _NEG_KEY.
-    Works in the (E, S) layout throughout, so every pass is contiguous.
+    x_ES are the finite scores from _finite_scores, as an array of the `ops` backend. Padding
+    experts (E <= e < P) get _NEG_KEY. Works in the (E, S) layout throughout, so every pass is
+    contiguous.
     """
     E, S = x_ES.shape
     P = 1 << sh
@@ -210,17 +217,19 @@ def _integer_keys(x_ES: Tensor, sh: int, levels: int) -> Tensor:
     # once, each expert exactly capacity times), so both are removed: rows first (best = 0), then
     # scores far below a row's best are clipped so an outlier row cannot move a column mean,
     # then columns (mean accumulated in float64, so identical rows cancel exactly), rows again.
-    y_ES = x_ES - x_ES.amax(dim=0, keepdim=True)
-    y_ES.clamp_(min=-_CLIP_GAINS * _gain_unit(y_ES))
-    y_ES -= y_ES.mean(dim=1, keepdim=True, dtype=torch.float64).to(y_ES.dtype)
-    y_ES -= y_ES.amax(dim=0, keepdim=True)
+    y_ES = x_ES - ops.amax(x_ES, 0, keepdims=True)
+    ops.clip(y_ES, -_CLIP_GAINS * _gain_unit(y_ES, ops), None)
+    y_ES -= ops.cast(ops.mean(y_ES, 1, keepdims=True, dtype=ops.float64), y_ES)
+    y_ES -= ops.amax(y_ES, 0, keepdims=True)
     # One gain unit becomes levels / _CLIP_GAINS steps (the scale is capped so that a tiny gain
     # cannot make 0 * inf); anything below -levels is clipped there.
-    scale = ((levels / _CLIP_GAINS) / _gain_unit(y_ES)).clamp_(max=torch.finfo(y_ES.dtype).max)
-    y_ES.mul_(scale).floor_().clamp_(min=-levels)
-    key_PS = torch.empty((P, S), dtype=torch.int32, device=y_ES.device)
-    key_PS[:E] = y_ES
-    torch.add(_priorities(E, S, y_ES.device), key_PS[:E], alpha=P, out=key_PS[:E])
+    y_ES *= min((levels / _CLIP_GAINS) / _gain_unit(y_ES, ops), ops.float_max(y_ES))
+    ops.clip(ops.floor_(y_ES), -levels, None)
+    key_PS = ops.empty((P, S), ops.int32)
+    key_ES = key_PS[:E]
+    key_ES[...] = y_ES
+    key_ES *= P
+    key_ES += ops.array(_priorities(E, S, ops.device))
     key_PS[E:] = _NEG_KEY
     return key_PS
 
@@ -240,13 +249,14 @@ def _wrap(d, E: int):
     return d + ((d >> (8 * d.itemsize - 1)) & E)
 
 
-def _gain_unit(y_ES: Tensor) -> Tensor:
+def _gain_unit(y_ES, ops) -> float:
     """Median over rows of (best - mean score) for rows shifted to best 0: a few outlier rows
     cannot flatten all the others. The mean if most rows are constant, 1 if all are."""
-    row_gain_S = -y_ES.mean(dim=0)
-    gain = row_gain_S.median()
-    gain = torch.where(gain > 0, gain, row_gain_S.mean())
-    return torch.where(gain > 0, gain, torch.ones_like(gain))
+    # float64 sums of float32 scores are exact in practice, so every backend and device rounds
+    # the same way (the median is exact, the mean only a fallback)
+    row_gain_S = -ops.mean(y_ES, 0, dtype=ops.float64)
+    median, mean = ops.floats(ops.lower_median(row_gain_S), ops.mean(row_gain_S, 0))  # one sync
+    return median if median > 0 else mean if mean > 0 else 1.0
 
 
 def _sanitize(x: Tensor) -> Tensor:
@@ -260,29 +270,62 @@ def _sanitize(x: Tensor) -> Tensor:
     return torch.where(finite, x, torch.where(torch.isposinf(x), hi, lo))
 
 
-def _top2(key_PS, ops=torch):
-    """Largest and second largest key of every column, by a max/min tournament (P a power of 2).
-    ops is the array namespace: torch, or numpy for numpy arrays."""
-    n = key_PS.shape[0] // 2
-    first = ops.maximum(key_PS[:n], key_PS[n:])
-    second = ops.minimum(key_PS[:n], key_PS[n:])
-    while first.shape[0] > 1:
-        n = first.shape[0] // 2
-        a1, b1, a2, b2 = first[:n], first[n:], second[:n], second[n:]
-        second = ops.maximum(ops.minimum(a1, b1), ops.maximum(a2, b2))
-        first = ops.maximum(a1, b1)
-    return first[0], second[0]
-
-
 class _TorchOps:
     """The auction's array operations on torch tensors, on any device. Constants are 0-d tensors
     of the operand's dtype: a Python scalar operand is converted to a tensor on every call."""
 
-    maximum, minimum, where, searchsorted = map(staticmethod, (torch.maximum, torch.minimum, torch.where, torch.searchsorted))
-    int32, int64 = torch.int32, torch.int64
+    minimum, where, searchsorted = map(staticmethod, (torch.minimum, torch.where, torch.searchsorted))
+    int32, int64, float64 = torch.int32, torch.int64, torch.float64
 
     def __init__(self, device: torch.device):
         self.device = device
+
+    def empty(self, shape: tuple[int, ...], dtype):
+        return torch.empty(shape, dtype=dtype, device=self.device)
+
+    @staticmethod
+    def amax(x: Tensor, axis: int | None, keepdims: bool = False) -> Tensor:
+        return x.amax() if axis is None else x.amax(dim=axis, keepdim=keepdims)
+
+    @staticmethod
+    def transposed_copy(x: Tensor) -> Tensor:
+        return x.t().contiguous()
+
+    @staticmethod
+    def all_finite(x: Tensor) -> bool:
+        return bool(torch.isfinite(x).all())
+
+    @staticmethod
+    def kth_largest(x_S: Tensor, k: int) -> Tensor:
+        return torch.kthvalue(x_S, x_S.shape[0] - k + 1).values
+
+    @staticmethod
+    def cumsum(x_S: Tensor) -> Tensor:
+        return x_S.cumsum(0)
+
+    @staticmethod
+    def mean(x: Tensor, axis: int, keepdims: bool = False, dtype=None) -> Tensor:
+        return x.mean(dim=axis, keepdim=keepdims, dtype=dtype)
+
+    @staticmethod
+    def lower_median(x_S: Tensor) -> Tensor:
+        return x_S.median()
+
+    @staticmethod
+    def floats(*scalars: Tensor) -> list[float]:
+        return torch.stack(scalars).tolist()
+
+    @staticmethod
+    def cast(x: Tensor, like: Tensor) -> Tensor:
+        return x.to(like.dtype)
+
+    @staticmethod
+    def float_max(x: Tensor) -> float:
+        return torch.finfo(x.dtype).max
+
+    @staticmethod
+    def floor_(x: Tensor) -> Tensor:
+        return x.floor_()
 
     def array(self, t: Tensor) -> Tensor:
         return t
@@ -308,6 +351,10 @@ class _TorchOps:
         return table_N.index_select(0, index_S)
 
     @staticmethod
+    def take_clipped(table_N: Tensor, index_P: Tensor) -> Tensor:
+        return table_N.index_select(0, index_P.clamp(0, table_N.shape[0] - 1))
+
+    @staticmethod
     def take_columns(x_PS: Tensor, index_W: Tensor) -> Tensor:
         return x_PS.index_select(1, index_W)
 
@@ -316,17 +363,28 @@ class _TorchOps:
         return torch.bincount(x_S, minlength=n)
 
     @staticmethod
-    def pick(x_PS: Tensor, index_S: Tensor, column_S: Tensor) -> Tensor:
-        """x[index[s], s] for every column s."""
-        return x_PS.gather(0, index_S[None])[0]
+    def amax0(x_PS: Tensor) -> Tensor:
+        return x_PS.amax(dim=0)
 
     @staticmethod
-    def sort(x_S: Tensor) -> tuple[Tensor, Tensor]:
-        return torch.sort(x_S, stable=True)
+    def sort(x_S: Tensor) -> Tensor:
+        return torch.sort(x_S).values
 
     @staticmethod
-    def put(out_S: Tensor, index_S: Tensor, value_S: Tensor) -> None:
-        out_S.scatter_(0, index_S, value_S)
+    def as_int32(x: Tensor) -> Tensor:
+        return x.int()
+
+    @staticmethod
+    def as_int64(x: Tensor) -> Tensor:
+        return x.long()
+
+    @staticmethod
+    def put(out_N: Tensor, index_S: Tensor, value_S: Tensor) -> None:
+        """out[index] = value (a tensor of index's shape, or a 0-d tensor)."""
+        if value_S.dim():
+            out_N.scatter_(0, index_S, value_S)
+        else:
+            out_N.index_fill_(0, index_S, value_S)
 
     @staticmethod
     def sub_out(a: Tensor, b: Tensor, out: Tensor) -> None:
@@ -339,8 +397,59 @@ class _NumpyOps:
     bitwise the torch one (tests/test_assignment.py checks it). Python scalars keep the array's
     dtype (numpy >= 2 promotion rules)."""
 
-    maximum, minimum, where, searchsorted = map(staticmethod, (np.maximum, np.minimum, np.where, np.searchsorted))
-    int32, int64 = np.int32, np.int64
+    minimum, where, searchsorted = map(staticmethod, (np.minimum, np.where, np.searchsorted))
+    int32, int64, float64 = np.int32, np.int64, np.float64
+    device = torch.device("cpu")
+
+    @staticmethod
+    def empty(shape: tuple[int, ...], dtype):
+        return np.empty(shape, dtype=dtype)
+
+    @staticmethod
+    def amax(x: np.ndarray, axis: int | None, keepdims: bool = False) -> np.ndarray:
+        return np.maximum.reduce(x, axis=axis, keepdims=keepdims)
+
+    @staticmethod
+    def mean(x: np.ndarray, axis: int, keepdims: bool = False, dtype=None) -> np.ndarray:
+        # what ndarray.mean computes, without its Python-level argument handling
+        return np.add.reduce(x, axis=axis, keepdims=keepdims, dtype=dtype) / x.shape[axis]
+
+    @staticmethod
+    def transposed_copy(x: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(x.T)
+
+    @staticmethod
+    def all_finite(x: np.ndarray) -> bool:
+        return bool(np.isfinite(x).all())
+
+    @staticmethod
+    def kth_largest(x_S: np.ndarray, k: int):
+        return np.partition(x_S, x_S.shape[0] - k)[x_S.shape[0] - k]
+
+    @staticmethod
+    def cumsum(x_S: np.ndarray) -> np.ndarray:
+        return np.cumsum(x_S)
+
+    @staticmethod
+    def lower_median(x_S: np.ndarray):
+        k = (x_S.shape[0] - 1) // 2  # torch.median's convention
+        return np.partition(x_S, k)[k]
+
+    @staticmethod
+    def floats(*scalars) -> list[float]:
+        return [float(x) for x in scalars]
+
+    @staticmethod
+    def cast(x: np.ndarray, like: np.ndarray) -> np.ndarray:
+        return x.astype(like.dtype)
+
+    @staticmethod
+    def float_max(x: np.ndarray) -> float:
+        return float(np.finfo(x.dtype).max)
+
+    @staticmethod
+    def floor_(x: np.ndarray) -> np.ndarray:
+        return np.floor(x, out=x)
 
     @staticmethod
     def array(t: Tensor) -> np.ndarray:
@@ -374,6 +483,10 @@ class _NumpyOps:
         return table_N.take(index_S)
 
     @staticmethod
+    def take_clipped(table_N: np.ndarray, index_P: np.ndarray) -> np.ndarray:
+        return table_N.take(index_P, mode="clip")
+
+    @staticmethod
     def take_columns(x_PS: np.ndarray, index_W: np.ndarray) -> np.ndarray:
         return x_PS.take(index_W, axis=1)
 
@@ -382,20 +495,25 @@ class _NumpyOps:
         return np.bincount(x_S, minlength=n)
 
     @staticmethod
-    def pick(x_PS: np.ndarray, index_S: np.ndarray, column_S: np.ndarray) -> np.ndarray:
-        return x_PS.ravel().take(index_S * x_PS.shape[1] + column_S)
+    def amax0(x_PS: np.ndarray) -> np.ndarray:
+        return x_PS.max(axis=0)
 
     @staticmethod
-    def sort(x_S: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        # Stable sort of int32 keys as an unstable sort of the unique int64 keys (key, position):
-        # numpy's vectorised int64 sort is several times faster than its stable argsort.
-        bits = max(1, (x_S.shape[0] - 1).bit_length())
-        keyed_S = np.sort((x_S.astype(np.int64) << bits) | np.arange(x_S.shape[0]))
-        return (keyed_S >> bits).astype(np.int32), keyed_S & ((1 << bits) - 1)
+    def sort(x_S: np.ndarray) -> np.ndarray:
+        x_S.sort()  # in place: the callers pass a temporary
+        return x_S
 
     @staticmethod
-    def put(out_S: np.ndarray, index_S: np.ndarray, value_S: np.ndarray) -> None:
-        out_S[index_S] = value_S
+    def as_int32(x: np.ndarray) -> np.ndarray:
+        return x.astype(np.int32)
+
+    @staticmethod
+    def as_int64(x: np.ndarray) -> np.ndarray:
+        return x.astype(np.int64)
+
+    @staticmethod
+    def put(out_N: np.ndarray, index_S: np.ndarray, value_S) -> None:
+        out_N[index_S] = value_S
 
     @staticmethod
     def sub_out(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
@@ -407,17 +525,15 @@ def _array_ops(device: torch.device):
     return _NumpyOps() if device.type == "cpu" else _TorchOps(device)
 
 
-def _solve(key_PS: Tensor, cap_E: Tensor, sh: int, levels: int, eps_q: int, max_rounds: int, check_every: int,
+def _solve(ops, key_PS, E: int, sh: int, levels: int, eps_q: int, max_rounds: int, check_every: int,
            tail_rows: int, work_rows: int) -> tuple[Tensor, int | None]:
-    """Steps 1-4 on the keys. Returns the (S,) int64 expert per row on the keys' device (-1:
-    unassigned) and the number of unassigned rows if the last completion check saw it (None if
-    the round budget ran out first)."""
+    """Steps 1-4 on the keys (an array of the `ops` backend). Returns the (S,) int64 expert per
+    row as a tensor on the keys' device (-1: unassigned) and the number of unassigned rows if the
+    last completion check saw it (None if the round budget ran out first)."""
     P, S = key_PS.shape
-    E = cap_E.shape[0]
-    ops = _array_ops(key_PS.device)
-    key_PS = ops.array(key_PS)
-    cap_P = ops.full(P, 0, ops.int64)
-    cap_P[:E] = ops.array(cap_E)
+    cap_P = ops.full(P, 0, ops.int64)  # see expert_capacities; 0 for padding experts
+    cap_P[:E] = S // E
+    cap_P[:S % E] += 1
     neg_key = ops.const(_NEG_KEY, ops.int32)
     if S < E:  # experts with capacity 0: no row may bid for them
         key_PS = ops.where((cap_P == 0)[:, None], neg_key, key_PS)
@@ -430,8 +546,11 @@ def _solve(key_PS: Tensor, cap_E: Tensor, sh: int, levels: int, eps_q: int, max_
         # Step 4: continue on a working set: the unassigned rows and the held rows with the
         # smallest margins; the others keep their expert and their slots.
         W = min(S, max(work_rows, 4 * tail_rows))
-        _, order_S = ops.sort(ops.where(expert_S < 0, ops.const(-levels - 1, ops.int32), margin_S))
-        work_W = order_S[:W]
+        # (smallest margin first, unassigned rows before all, ties by row) as unique int64 keys
+        pos_bits = max(1, (S - 1).bit_length())
+        rank_S = ops.where(expert_S < 0, ops.const(-levels - 1, ops.int32), margin_S)
+        work_W = ops.sort((ops.as_int64(rank_S) << ops.const(pos_bits, ops.int64)) | row_S)[:W]
+        work_W = work_W & ops.const((1 << pos_bits) - 1, ops.int64)
         expert_W = ops.take(expert_S, work_W)
         # Free slots of each expert for the working set (bin 0 counts the unassigned rows).
         cap_W_P = cap_P - ops.bincount(expert_S + 1, P + 1)[1:] + ops.bincount(expert_W + 1, P + 1)[1:]
@@ -464,45 +583,61 @@ def _auction(ops, key_PS, cap_P, row_S, expert_S, price_P, E: int, sh: int, leve
     # (e + 1) << margin_bits) hold the margins in [-levels, levels] in descending order, so one
     # sort groups the bids by expert, highest first, and a search for the band edges finds the
     # groups.
+    # The sort itself runs on the int64 keys (sort key << pos_bits) | position: unique, so any
+    # sort orders them as a stable sort of the sort keys would (numpy's and torch's plain int64
+    # sorts are several times faster than their stable ones).
     margin_bits = (2 * levels).bit_length()
+    pos_bits = max(1, (S - 1).bit_length())
     edge_P1 = ops.arange(P + 1, i32) << ops.const(margin_bits, i32)
     band_P = edge_P1[:P] + ops.const(levels, i32)
-    shift, eps_t, low_t = ops.const(sh, i32), ops.const(eps_q, i32), ops.const(P - 1, i32)
+    band_eps_P = band_P + ops.const(eps_q, i32)
+    edge_P1 = ops.as_int64(edge_P1) << ops.const(pos_bits, i64)
+    shift, low_t = ops.const(sh, i32), ops.const(P - 1, i32)
     zero_t, one_t, none_t = ops.const(0, i64), ops.const(1, i64), ops.const(-1, i64)
+    pos_shift, pos_mask = ops.const(pos_bits, i64), ops.const((1 << pos_bits) - 1, i64)
     price_sh_P = price_P << shift  # the price in key units
     margin_S = ops.full(S, 0, i32)
     pos_S = ops.arange(S, i64)
     rank_S = ops.full(S, 0, i64)
     net_PS = key_PS * 1
-    count_P = cap_P
+    net_flat = net_PS.reshape(-1)  # a view
+    S_t, min_t = ops.const(S, i64), ops.const(-(1 << 31), i32)
+    over_P = cap_P
     rounds = 0
     unassigned = None
     while rounds < max_rounds:
         if rounds and rounds % check_every == 0:
-            # Rows not kept by the last round (each row bid for exactly one expert).
-            unassigned = int(ops.clip(count_P - cap_P, 0, None).sum())
-            if unassigned <= stop_at:
+            # Rows not kept by the last round (each row bid for exactly one expert): none if
+            # no expert was over-subscribed.
+            if stop_at == 0:
+                unassigned = None if bool(over_P.any()) else 0
+            else:
+                unassigned = int(ops.clip(bound_P1[1:] - limit_P, 0, None).sum())
+                unassigned = unassigned if unassigned <= stop_at else None
+            if unassigned is not None:
                 break
-            unassigned = None
         rounds += 1
         ops.sub_out(key_PS, price_sh_P[:, None], net_PS)
-        best_S, second_S = _top2(net_PS, ops)
-        best_expert_S = ops.take(expert_of_EP, rotation_S + (best_S & low_t))
+        best_expert_S = ops.take(expert_of_EP, rotation_S + (ops.amax0(net_PS) & low_t))
         target_S = ops.where(expert_S >= zero_t, expert_S, best_expert_S)
-        own_S = ops.pick(net_PS, target_S, pos_S)
-        alternative_S = ops.where(target_S == best_expert_S, second_S, best_S)
-        # A row bids price[target] + margin: the price at which it would be indifferent.
-        margin_S = ops.clip((own_S >> shift) - (alternative_S >> shift), -levels, levels)
-        sorted_S, order_S = ops.sort(ops.take(band_P, target_S) - margin_S)  # stable: ties keep the earlier row
-        bound_P1 = ops.searchsorted(sorted_S, edge_P1)
-        count_P = bound_P1[1:] - bound_P1[:-1]
-        limit_P = bound_P1[:-1] + cap_P  # an expert keeps its bids sorted before its limit
-        ops.put(rank_S, order_S, pos_S)
+        # A row bids price[target] + margin: the price at which it would be indifferent, with
+        # margin = net value at the target - the best net value elsewhere.
+        at_S = target_S * S_t + pos_S  # flat index of (target, row) in net_PS
+        own_S = ops.take(net_flat, at_S)
+        ops.put(net_flat, at_S, min_t)
+        margin_S = ops.clip((own_S >> shift) - (ops.amax0(net_PS) >> shift), -levels, levels)
+        # ties keep the earlier row
+        sorted_S = ops.sort((ops.as_int64(ops.take(band_P, target_S) - margin_S) << pos_shift) | pos_S)
+        bound_P1 = ops.searchsorted(sorted_S, edge_P1)  # expert e's bids are sorted_S[bound[e]:bound[e + 1]]
+        limit_P = bound_P1[:-1] + cap_P  # and it keeps those before its limit
+        ops.put(rank_S, sorted_S & pos_mask, pos_S)
         expert_S = ops.where(rank_S < ops.take(limit_P, target_S), target_S, none_t)
-        # Over-subscribed experts: new price = max(old price, lowest kept bid) + eps.
-        last_kept_P = ops.take(sorted_S, ops.clip(limit_P - one_t, 0, S - 1))
-        raise_P = ops.clip(band_P - last_kept_P, 0, None) + eps_t
-        price_sh_P = ops.where(count_P > cap_P, price_sh_P + (raise_P << shift), price_sh_P)
+        # Over-subscribed experts: new price = max(old price, lowest kept bid) + eps, i.e. the
+        # price plus max(0, margin of the lowest kept bid) + eps.
+        last_kept_P = ops.as_int32(ops.take_clipped(sorted_S, limit_P - one_t) >> pos_shift)
+        over_P = bound_P1[1:] > limit_P
+        price_sh_P = ops.where(over_P, price_sh_P + ((band_eps_P - ops.minimum(last_kept_P, band_P)) << shift),
+                               price_sh_P)
     return expert_S, price_sh_P >> shift, margin_S, rounds, unassigned
 
 
