@@ -192,16 +192,21 @@ def _two_experts(scores_SE: Tensor, cap0: int, ops) -> Tensor:
     The difference of two float32 scores is exact in float64; non-finite or overflowing
     differences are redone on the sanitised, rescaled scores (see _finite_scores).
     """
-    x_S2 = ops.array(scores_SE.detach().double())
-    d_S = x_S2[:, 0] - x_S2[:, 1]
+    x_SE = scores_SE.detach()
+    if x_SE.dtype not in (torch.float32, torch.float64):
+        x_SE = x_SE.float()
+    x_SE = ops.array(x_SE)
+    d_S = ops.difference64(x_SE[:, 0], x_SE[:, 1])
     if not ops.all_finite(d_S):
-        x_2S = _finite_scores(scores_SE, ops)
-        d_S = ops.cast(x_2S[0], d_S) - ops.cast(x_2S[1], d_S)
+        x_ES = _finite_scores(scores_SE, ops)
+        d_S = ops.difference64(x_ES[0], x_ES[1])
     threshold = ops.kth_largest(d_S, cap0)
-    above_S = d_S > threshold
-    tied_S = d_S == threshold
-    expert0_S = above_S | (tied_S & (ops.cumsum(tied_S) <= cap0 - above_S.sum()))
-    return ops.tensor(ops.as_int64(~expert0_S))
+    expert1_S = d_S < threshold
+    surplus = d_S.shape[0] - ops.count(expert1_S) - cap0  # rows tied at the threshold beyond capacity
+    if surplus:
+        tied_S = d_S == threshold
+        expert1_S |= tied_S & (ops.cumsum(tied_S) > ops.count(tied_S) - surplus)
+    return ops.tensor(ops.as_int64(expert1_S))
 
 
 def _integer_keys(x_ES, sh: int, levels: int, ops):
@@ -302,6 +307,14 @@ class _TorchOps:
     @staticmethod
     def cumsum(x_S: Tensor) -> Tensor:
         return x_S.cumsum(0)
+
+    @staticmethod
+    def count(x_S: Tensor) -> int:
+        return int(x_S.sum())
+
+    @staticmethod
+    def difference64(a_S: Tensor, b_S: Tensor) -> Tensor:
+        return a_S.double() - b_S.double()
 
     @staticmethod
     def mean(x: Tensor, axis: int, keepdims: bool = False, dtype=None) -> Tensor:
@@ -429,6 +442,14 @@ class _NumpyOps:
     @staticmethod
     def cumsum(x_S: np.ndarray) -> np.ndarray:
         return np.cumsum(x_S)
+
+    @staticmethod
+    def count(x_S: np.ndarray) -> int:
+        return int(np.count_nonzero(x_S))
+
+    @staticmethod
+    def difference64(a_S: np.ndarray, b_S: np.ndarray) -> np.ndarray:
+        return np.subtract(a_S, b_S, dtype=np.float64)
 
     @staticmethod
     def lower_median(x_S: np.ndarray):
