@@ -11,9 +11,11 @@ The problem is a linear assignment with capacities: maximise sum_s scores[s, exp
 to expert e receiving exactly capacity[e] rows. Base Layers solves it with an auction
 (Bertsekas 1988, "The auction algorithm: a distributed relaxation method for the assignment
 problem"; the variant for objects with several identical slots is Bertsekas & Castanon 1989,
-"The auction algorithm for the transportation problem"). This file is the pure-torch auction
-used by the routers in `routing.py`; fairseq's C++ `libbase.balanced_assignment` is the speed
-and quality reference it is benchmarked against (`benchmarks/balanced_assignment.py`).
+"The auction algorithm for the transportation problem"). This file is the auction used by the
+routers in `routing.py`: vectorised array code that runs on torch tensors on the input's device,
+and on numpy arrays on the CPU (the same integer rounds, bitwise the same result). fairseq's C++
+`libbase.balanced_assignment` is the speed and quality reference it is benchmarked against
+(`benchmarks/balanced_assignment.py`).
 """
 from __future__ import annotations
 
@@ -70,19 +72,25 @@ def balanced_assignment(
     E, S < E, S = 0 and E = 1 are all valid.
 
     Algorithm: Bertsekas' auction in Jacobi form (all rows bid at once), with experts as objects
-    that hold several identical slots (Bertsekas & Castanon 1989). Vectorised torch only, on the
-    input's device.
+    that hold several identical slots (Bertsekas & Castanon 1989). Vectorised: torch tensors on
+    the input's device, numpy arrays on the CPU. A round is about 30 array operations whatever
+    the size, and at router sizes (thousands of rows, a few experts) their dispatch is the whole
+    cost of a round; numpy dispatches one in about a third of torch's time (see _NumpyOps).
+    E = 2 is solved exactly instead, by one threshold selection (_two_experts); eps,
+    tail_fraction, working_fraction and max_rounds do not apply there.
       0. Normalise: remove row and column offsets (each adds the same amount to every balanced
          assignment) so that each row's best score is 0, measure scores in gain units (1 =
          median over rows of best minus mean score), clip at -64 units and quantise to int32
          keys value * P + priority. One int32 max then yields both the best value and the best
          expert; the priority breaks ties in a per-row rotated order, so indifferent rows spread
-         over the experts at once instead of queueing for expert 0. Everything after this step
-         is exact integer arithmetic: bitwise deterministic on any device.
-      1. Each round every row finds its best and second best expert at the current prices (a
-         max/min tournament over the experts). Unassigned rows bid for their best expert,
-         assigned rows re-bid for the expert they hold. A bid is the price at which the row would
-         be indifferent: price + (its value there - the value of its best alternative).
+         over the experts at once instead of queueing for expert 0. Its sums are float64
+         (exact in practice for float32 scores), so numpy and torch make the same keys.
+         Everything after this step is exact integer arithmetic: bitwise deterministic on any
+         device and backend.
+      1. Each round every row finds its best expert at the current prices (a max over the
+         experts). Unassigned rows bid for their best expert, assigned rows re-bid for the expert
+         they hold. A bid is the price at which the row would be indifferent: price + (its value
+         there - the best value elsewhere, a max over the experts with the target masked).
       2. An over-subscribed expert keeps the highest bids up to its capacity and raises its price
          to max(price, lowest kept bid) + eps, pricing the others out: they bid elsewhere next
          round. An expert loses a row only when it is over-subscribed and refills at once, so the
@@ -94,7 +102,8 @@ def balanced_assignment(
          evicts another, one step per round). So continue the same auction, with its prices and
          assignments, on a working set only: the unassigned rows plus the working_fraction * S
          held rows with the smallest margins, the only ones those chains are likely to move;
-         the other rows keep their expert. Skipped when the working set would not be small.
+         the other rows keep their expert. Skipped when the working set would not be small, or
+         below 65536 keys (S * P), where a full round costs less than setting the step up.
     With one eps (no eps-scaling), eps = 0.03 gain units, 4096 x 32 and 8192 x 64 random score
     matrices take about 5-10 full rounds and end within about 0.05% of the optimal gain over a
     random assignment (benchmarks/balanced_assignment.py measures it against scipy's exact
@@ -120,7 +129,8 @@ def balanced_assignment(
         tail_fraction: step 4 starts when at most this fraction of rows is unassigned; 0 runs
             the full auction to the end (slower, slightly closer to the optimum).
         working_fraction: held rows in step 4's working set, as a fraction of S (at least
-            1024 rows; step 4 is skipped if that is more than half of the rows).
+            1024 rows; step 4 is skipped if that is more than half of the rows, or if S * P is
+            below 65536).
         max_rounds: auction round budget, steps 1-4 together, before the fill; default
             max(64, 4 * E, 4 / eps) (random scores take 5-20 rounds at the default eps).
         check_every: rounds between completion checks (each check is a host sync); default 1 on
@@ -256,12 +266,18 @@ def _wrap(d, E: int):
 
 def _gain_unit(y_ES, ops) -> float:
     """Median over rows of (best - mean score) for rows shifted to best 0: a few outlier rows
-    cannot flatten all the others. The mean if most rows are constant, 1 if all are."""
-    # float64 sums of float32 scores are exact in practice, so every backend and device rounds
-    # the same way (the median is exact, the mean only a fallback)
-    row_gain_S = -ops.mean(y_ES, 0, dtype=ops.float64)
-    median, mean = ops.floats(ops.lower_median(row_gain_S), ops.mean(row_gain_S, 0))  # one sync
-    return median if median > 0 else mean if mean > 0 else 1.0
+    cannot flatten all the others. The mean if most rows are constant, 1 if all are.
+
+    Row sums in float64 (exact in practice for float32 scores, so every backend and device
+    rounds alike); the median of -sum / E is -(upper median of the sums) / E, the same number.
+    """
+    E = y_ES.shape[0]
+    sum_S = ops.sum(y_ES, 0, dtype=ops.float64)
+    gain = -ops.floats(ops.upper_median(sum_S))[0] / E  # one sync
+    if gain > 0:
+        return gain
+    gain = -ops.floats(ops.mean(sum_S, 0))[0] / E
+    return gain if gain > 0 else 1.0
 
 
 def _sanitize(x: Tensor) -> Tensor:
@@ -276,8 +292,9 @@ def _sanitize(x: Tensor) -> Tensor:
 
 
 class _TorchOps:
-    """The auction's array operations on torch tensors, on any device. Constants are 0-d tensors
-    of the operand's dtype: a Python scalar operand is converted to a tensor on every call."""
+    """The operations of steps 0-4 on torch tensors, on any device (see _NumpyOps for the CPU).
+    Constants are 0-d tensors of the operand's dtype: a Python scalar operand would be converted
+    to a tensor on every call."""
 
     minimum, where, searchsorted = map(staticmethod, (torch.minimum, torch.where, torch.searchsorted))
     int32, int64, float64 = torch.int32, torch.int64, torch.float64
@@ -321,8 +338,12 @@ class _TorchOps:
         return x.mean(dim=axis, keepdim=keepdims, dtype=dtype)
 
     @staticmethod
-    def lower_median(x_S: Tensor) -> Tensor:
-        return x_S.median()
+    def sum(x: Tensor, axis: int, dtype=None) -> Tensor:
+        return x.sum(dim=axis, dtype=dtype)
+
+    @staticmethod
+    def upper_median(x_S: Tensor) -> Tensor:
+        return -(-x_S).median()  # torch.median is the lower median
 
     @staticmethod
     def floats(*scalars: Tensor) -> list[float]:
@@ -405,10 +426,12 @@ class _TorchOps:
 
 
 class _NumpyOps:
-    """The same operations on numpy arrays (CPU only), for small auctions where the dispatch cost
-    of each operation is the cost of the round. Integer arithmetic throughout, so the result is
-    bitwise the torch one (tests/test_assignment.py checks it). Python scalars keep the array's
-    dtype (numpy >= 2 promotion rules)."""
+    """The same operations on numpy arrays, for the CPU. A round is about 30 operations; on the
+    arrays of a router-sized problem (1024 x 8 keys) numpy dispatches one in about 0.6-1 us and
+    torch in 2-3 us, which is most of the round's cost, and numpy's int64 sort is several times
+    faster than torch's CPU sort from a few thousand rows on. Integer arithmetic after step 0,
+    so the result is bitwise the torch one (tests/test_assignment.py checks it). Python scalars
+    keep the array's dtype (numpy >= 2 promotion rules)."""
 
     minimum, where, searchsorted = map(staticmethod, (np.minimum, np.where, np.searchsorted))
     int32, int64, float64 = np.int32, np.int64, np.float64
@@ -449,11 +472,16 @@ class _NumpyOps:
 
     @staticmethod
     def difference64(a_S: np.ndarray, b_S: np.ndarray) -> np.ndarray:
-        return np.subtract(a_S, b_S, dtype=np.float64)
+        with np.errstate(invalid="ignore", over="ignore"):  # non-finite results are handled
+            return np.subtract(a_S, b_S, dtype=np.float64)
 
     @staticmethod
-    def lower_median(x_S: np.ndarray):
-        k = (x_S.shape[0] - 1) // 2  # torch.median's convention
+    def sum(x: np.ndarray, axis: int, dtype=None) -> np.ndarray:
+        return np.add.reduce(x, axis=axis, dtype=dtype)
+
+    @staticmethod
+    def upper_median(x_S: np.ndarray):
+        k = x_S.shape[0] // 2
         return np.partition(x_S, k)[k]
 
     @staticmethod
@@ -623,7 +651,7 @@ def _auction(ops, key_PS, cap_P, row_S, expert_S, price_P, E: int, sh: int, leve
     net_PS = key_PS * 1
     net_flat = net_PS.reshape(-1)  # a view
     S_t, min_t = ops.const(S, i64), ops.const(-(1 << 31), i32)
-    over_P = cap_P
+    bound_P1 = limit_P = over_P = None  # of the last round, read by the completion check
     rounds = 0
     unassigned = None
     while rounds < max_rounds:
