@@ -93,6 +93,11 @@ def timed(fn) -> tuple[float, float]:
     return time.perf_counter() - w0, time.thread_time() - c0
 
 
+def spent(times: list[tuple[float, float]]) -> float:
+    """Total wall seconds of timed() results."""
+    return sum(w for w, _ in times)
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="results/bench_balanced_assignment.json")
@@ -117,7 +122,7 @@ def main(argv=None) -> dict:
             # the calls above were the warm-up; alternate so background load hits both alike
             t_ours, t_libbase = [], []
             while len(t_ours) < args.repeats or (
-                    len(t_ours) < 1000 and min(sum(w for w, _ in t_ours), sum(w for w, _ in t_libbase)) < args.min_time):
+                    len(t_ours) < 1000 and min(spent(t_ours), spent(t_libbase)) < args.min_time):
                 t_ours.append(timed(lambda: balanced_assignment(scores)))
                 t_libbase.append(timed(lambda: libbase.balanced_assignment(scores)))
             t0 = time.perf_counter()
@@ -169,6 +174,7 @@ def main(argv=None) -> dict:
         "machine": {
             "platform": platform.platform(), "processor": platform.processor(), "cpu_count": os.cpu_count(),
             "load_average": os.getloadavg(), "python": platform.python_version(), "torch": torch.__version__,
+            "numpy": np.__version__,
             "threads": args.threads, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         },
         "ours_settings": {k: v.default for k, v in inspect.signature(balanced_assignment).parameters.items()
