@@ -176,7 +176,10 @@ def plan_models(vocab_size: int, nproc: int, keys: Sequence[str]) -> tuple[list[
                             note="" if r.within_tolerance else f"nearest FLOPs match: {r.rel:+.1%}"))
     # fairseq's own transformer_lm at the sizes of our Transformer and Base Layers
     tr, base = rows["transformer"].count.cfg, rows["base"].count.cfg
+    # transformer_lm's --decoder-input-dim / --decoder-output-dim default to 512 whatever the model width
+    # (a 512-wide embedding with projections in and out): set them to D for the same model as ours.
     fairseq_common = ["--arch", "transformer_lm", *width, "--decoder-attention-heads", str(tr.heads),
+                      "--decoder-input-dim", str(t["d_model"]), "--decoder-output-dim", str(t["d_model"]),
                       "--decoder-normalize-before", "--share-decoder-input-output-embed", "--activation-fn", "gelu",
                       "--attention-dropout", "0"]
     models.append(Model("fairseq_transformer_lm", [*fairseq_common, "--decoder-layers", str(tr.dense_layers)],
@@ -590,9 +593,10 @@ def prepare(args) -> Path:
 
 
 def vocab_size(data: Path) -> int:
-    """fairseq's dictionary size for this data-bin: 4 specials + the entries of dict.txt (padded to 8)."""
-    n = 4 + sum(1 for line in (data / "dict.txt").read_text().splitlines() if line.strip())
-    return n + (-n % 8)
+    """The size of the dictionary fairseq builds for this data-bin (its specials included)."""
+    from fairseq.data import Dictionary
+
+    return len(Dictionary.load(str(data / "dict.txt")))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
