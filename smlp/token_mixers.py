@@ -70,8 +70,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
+from torch.profiler import record_function
 
 from .config import _positive
+from .profiling import RANGES
 from .mixers import check_length
 from .transformer import sinusoidal_positions
 
@@ -304,6 +306,10 @@ class HyperMixingUnit(nn.Module):
             self.out_norm.bias.fill_(1.0)  # gate near one at the start, as the SGU's bias (gMLP 2.1)
 
     def forward(self, z_BNF: Tensor) -> Tensor:
+        with record_function(RANGES["token_mixing"]):
+            return self._forward(z_BNF)
+
+    def _forward(self, z_BNF: Tensor) -> Tensor:
         if z_BNF.dim() != 3 or z_BNF.shape[-1] != self.cfg.dim:
             raise ValueError(f"HyperMixingUnit expects (batch, length, {self.cfg.dim}), got {tuple(z_BNF.shape)}")
         z1_BNC, z2_BNC = z_BNF.chunk(2, dim=-1)
@@ -389,7 +395,8 @@ class NiNformerGatingUnit(nn.Module):
         if z_BNF.dim() != 3 or z_BNF.shape[-1] != self.cfg.dim:
             raise ValueError(f"NiNformerGatingUnit expects (batch, length, {self.cfg.dim}), got {tuple(z_BNF.shape)}")
         z1_BNC, z2_BNC = z_BNF.chunk(2, dim=-1)
-        return z1_BNC * self.mixer(z2_BNC)
+        with record_function(RANGES["token_mixing"]):
+            return z1_BNC * self.mixer(z2_BNC)
 
 
 def make_token_mixer(cfg: HyperMixerConfig | NiNformerConfig) -> nn.Module:
