@@ -575,7 +575,11 @@ def run(args) -> dict:
     return report
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, *, hard_exit: bool = False) -> int:
+    """Run the evaluator; returns the exit status. With ``hard_exit`` (the console script) a rank
+    of a multi-process run leaves with ``os._exit`` once every rank has passed the closing barrier,
+    skipping the process group's C++ teardown: on a loaded machine a gloo rank was seen to abort
+    there ("terminate called without an active exception") after its work was complete."""
     args = build_parser().parse_args(argv)
     code = 0
     try:
@@ -587,9 +591,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if dist.is_available() and dist.is_initialized():
         if code == 0:  # a rank that failed must not wait for the others
             barrier()
+        if hard_exit:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
         dist.destroy_process_group()
     return code
 
 
+def cli() -> None:
+    """Console entry point of ``smlp-zeroshot``."""
+    sys.exit(main(hard_exit=True))
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    cli()

@@ -149,7 +149,7 @@ def all_to_all(x: Tensor, out_splits: list[int], in_splits: list[int], group=Non
 
 @dataclass
 class DispatchState:
-    order_S: Tensor  # permutation that sorted the rows by expert
+    order_S: Tensor | None  # permutation that sorted the rows by expert (None: they came sorted)
     send_splits: list[int] = field(default_factory=list)
     recv_splits: list[int] = field(default_factory=list)
     by_expert_R: Tensor | None = None  # permutation from (source rank, local expert) to (local expert, source rank)
@@ -183,13 +183,15 @@ class LocalDispatcher:
     def unshuffle(self, y_SD: Tensor, state: ShuffleState | None) -> Tensor:
         return y_SD
 
-    def dispatch(self, x_SD: Tensor, expert_S: Tensor) -> tuple[Tensor, list[int], DispatchState]:
-        order_S = torch.argsort(expert_S, stable=True)
+    def dispatch(self, x_SD: Tensor, expert_S: Tensor, *, presorted: bool = False
+                 ) -> tuple[Tensor, list[int], DispatchState]:
+        """presorted: the caller guarantees expert_S is non-decreasing (no sort, no gather)."""
+        order_S, x_sorted = _sort_rows(x_SD, expert_S, presorted)
         counts_L = torch.bincount(expert_S, minlength=self.num_experts).tolist()
-        return x_SD[order_S], counts_L, DispatchState(order_S)
+        return x_sorted, counts_L, DispatchState(order_S)
 
     def combine(self, y_RD: Tensor, state: DispatchState) -> Tensor:
-        return y_RD[torch.argsort(state.order_S)]
+        return _unsort_rows(y_RD, state.order_S)
 
 
 class AllToAllDispatcher(LocalDispatcher):
@@ -252,11 +254,12 @@ class AllToAllDispatcher(LocalDispatcher):
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
-    def dispatch(self, x_SD: Tensor, expert_S: Tensor) -> tuple[Tensor, list[int], DispatchState]:
+    def dispatch(self, x_SD: Tensor, expert_S: Tensor, *, presorted: bool = False
+                 ) -> tuple[Tensor, list[int], DispatchState]:
         W, L = self.world_size, self.num_local_experts
-        # 1. Sort rows by global expert: rows for rank w are then contiguous, ordered by local expert.
-        order_S = torch.argsort(expert_S, stable=True)
-        x_sorted = x_SD[order_S]
+        # 1. Sort rows by global expert: rows for rank w are then contiguous, ordered by local expert
+        #    (already so when the caller says expert_S is non-decreasing, e.g. deterministic sMoE).
+        order_S, x_sorted = _sort_rows(x_SD, expert_S, presorted)
         counts_E = torch.bincount(expert_S, minlength=self.num_experts)
         with self.timer(x_SD.device):
             # 2. Tell every rank how many rows it will get for each of its local experts.
@@ -266,18 +269,37 @@ class AllToAllDispatcher(LocalDispatcher):
             recv_splits = recv_WL.sum(1).tolist()
             # 4. Exchange the rows; they arrive grouped by (source rank, local expert).
             x_recv = all_to_all(x_sorted, recv_splits, send_splits, self.ep_group)
-        # 5. Regroup by (local expert, source rank) so each local expert sees one contiguous block.
-        by_expert_R = _block_transpose(recv_WL).to(x_SD.device)
+        # 5. Regroup by (local expert, source rank) so each local expert sees one contiguous block
+        #    (nothing to do with one local expert per rank, the paper's layout).
         counts_L = recv_WL.sum(0).tolist()
+        if L == 1:
+            return x_recv, counts_L, DispatchState(order_S, send_splits, recv_splits, None)
+        by_expert_R = _block_transpose(recv_WL).to(x_SD.device)
         state = DispatchState(order_S, send_splits, recv_splits, by_expert_R)
         return x_recv[by_expert_R], counts_L, state
 
     def combine(self, y_RD: Tensor, state: DispatchState) -> Tensor:
         # Reverse of dispatch: undo the regrouping, send rows home, undo the sort.
-        y_recv = y_RD[torch.argsort(state.by_expert_R)]
+        y_recv = y_RD if state.by_expert_R is None else _unsort_rows(y_RD, state.by_expert_R)
         with self.timer(y_RD.device):
             y_sorted = all_to_all(y_recv, state.send_splits, state.recv_splits, self.ep_group)
-        return y_sorted[torch.argsort(state.order_S)]
+        return _unsort_rows(y_sorted, state.order_S)
+
+
+def _sort_rows(x_SD: Tensor, expert_S: Tensor, presorted: bool) -> tuple[Tensor | None, Tensor]:
+    if presorted:
+        return None, x_SD
+    order_S = torch.argsort(expert_S, stable=True)
+    return order_S, x_SD[order_S]
+
+
+def _unsort_rows(y_SD: Tensor, order_S: Tensor | None) -> Tensor:
+    """y rows in `order_S`'s order back to the original order (the inverse permutation, O(S))."""
+    if order_S is None:
+        return y_SD
+    inverse = torch.empty_like(order_S)
+    inverse[order_S] = torch.arange(order_S.numel(), device=order_S.device)
+    return y_SD[inverse]
 
 
 def _block_transpose(counts_WL: Tensor) -> Tensor:

@@ -170,13 +170,17 @@ class SMoE(nn.Module):
         z1, z2 = z_BNF.chunk(2, dim=-1) if cfg.split else (z_BNF, z_BNF)
         v_BNC = self.norm(z2)
         C, M = v_BNC.shape[-1], n - P
-        rows_SM = v_BNC[:, P:, :].transpose(1, 2).reshape(B * C, M)  # one row per (sequence, channel)
-        if cfg.routing == "deterministic":
-            expert_S, weight_S = self.channel_expert_C.repeat(B), None
-        elif M == 0:  # still take part in the exchange: other ranks may have rows
-            rows_SM = rows_SM[:0]
+        deterministic = cfg.routing == "deterministic"
+        if deterministic:
+            # rows ordered (channel, sequence): channel chunk i -> expert i, so the rows come sorted
+            # by expert and the dispatcher neither sorts nor gathers them
+            rows_SM = v_BNC.permute(2, 0, 1).reshape(C * B, M)
+            expert_S, weight_S = self.channel_expert_C.repeat_interleave(B), None
+        elif M == 0:  # still take part in the exchange (other ranks may have rows), inside the graph:
+            rows_SM = v_BNC[:, P:, :].reshape(B * C, 0)[:0]  # backward runs the matching exchange
             expert_S, weight_S = self.channel_expert_C.new_zeros(0), None
         else:
+            rows_SM = v_BNC[:, P:, :].transpose(1, 2).reshape(B * C, M)  # one row per (sequence, channel)
             with record_function(RANGES["routing"]):
                 prefix_SP = v_BNC[:, :P, :].transpose(1, 2).reshape(B * C, P)
                 plan = smoe_partial_route(prefix_SP @ self.router, training=self.training)
@@ -186,14 +190,17 @@ class SMoE(nn.Module):
         width = self.dispatcher.common_width(M)  # ranks may hold sequences of different lengths
         if width > M:  # zero positions appended at the end never reach earlier outputs (causal)
             rows_SM = F.pad(rows_SM, (0, width - M))
-        x_RM, counts_L, state = self.dispatcher.dispatch(rows_SM, expert_S)
+        x_RM, counts_L, state = self.dispatcher.dispatch(rows_SM, expert_S, presorted=deterministic)
         with record_function(RANGES["token_mixing"]):  # the sMoE's experts mix positions
             y_RM = self.experts(x_RM, counts_L)
         y_SM = self.dispatcher.combine(y_RM, state)[:, :M]
         self.comm_seconds = self.dispatcher.comm_seconds - comm_before
         if weight_S is not None:
             y_SM = y_SM * weight_S[:, None]
-        gate_BMC = y_SM.reshape(B, C, M).transpose(1, 2)
+        if deterministic:
+            gate_BMC = y_SM.reshape(C, B, M).permute(1, 2, 0)
+        else:
+            gate_BMC = y_SM.reshape(B, C, M).transpose(1, 2)
         if P:
             gate_BMC = torch.cat([gate_BMC.new_ones(B, P, C), gate_BMC], dim=1)
         return z1 * gate_BMC
