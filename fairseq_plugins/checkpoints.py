@@ -115,16 +115,24 @@ def shard_paths(path: str) -> list[str]:
     return [found[r] for r in range(len(found))]
 
 
+def check_one_save(path: str, shards: list[str]) -> None:
+    """ValueError naming every shard and its update unless the shards are one save (shard_sets tags)."""
+    from .shard_sets import read_shard, set_problem
+
+    infos = [read_shard(p) for p in shards]
+    problem = set_problem(infos, len(shards), sharded=True)
+    if problem:
+        raise ValueError(
+            f"the shards of {path} are not one save ({problem}): {'; '.join(i.describe(len(shards)) for i in infos)}. "
+            f"A run was interrupted while its ranks saved; use the shards of one save "
+            f"(e.g. checkpoint_<epoch>_<update>-rank-*.pt)")
+
+
 def consolidate(path: str, out: str | None = None) -> str:
     """Merge the rank shards of `path` into one checkpoint holding every expert; returns its path."""
     shards = shard_paths(path)
+    check_one_save(path, shards)
     states = [load_checkpoint(p) for p in shards]
-    updates = {_num_updates(s) for s in states}
-    if len(updates) > 1:
-        raise ValueError(
-            f"the shards of {path} come from different saves (updates {sorted(updates)}): a run was interrupted "
-            f"while copying; use the shards of one save (e.g. checkpoint_<epoch>_<update>-rank-*.pt)"
-        )
     models = [s["model"] for s in states]
     keys = [k for k in models[0] if is_expert_key(k)]
     merged = dict(states[0])
@@ -137,15 +145,10 @@ def consolidate(path: str, out: str | None = None) -> str:
         cfg["model"]["num_experts"] = int(merged["model"][keys[0]].shape[0])
         merged["cfg"] = cfg  # stored as plain containers, as fairseq stores it
     out = out or path
-    tmp = out + ".tmp"
-    torch.save(merged, tmp)
-    os.replace(tmp, out)
+    from .shard_sets import atomic_torch_save
+
+    atomic_torch_save(merged, out)
     return out
-
-
-def _num_updates(state) -> int | None:
-    hist = state.get("optimizer_history") or []
-    return hist[-1].get("num_updates") if hist else None
 
 
 def consolidate_main(argv=None) -> int:
@@ -173,6 +176,7 @@ def read_checkpoint_any_layout(path: str, arg_overrides: dict | None = None) -> 
     if os.path.isfile(path):
         return load_checkpoint(path, arg_overrides), path
     shards = shard_paths(path)
+    check_one_save(path, shards)
     states = [load_checkpoint(p, arg_overrides) for p in shards]
     merged = dict(states[0])
     models = [s["model"] for s in states]
