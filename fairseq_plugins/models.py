@@ -105,13 +105,37 @@ def warn_if_criterion_ignores_routing(core_cfg, criterion_name) -> str | None:
     return message
 
 
-def _inside_fairseq_eval_lm() -> bool:
+def _fairseq_eval_lm_frame():
     frame = sys._getframe(1)
     while frame is not None:
         if frame.f_globals.get("__name__") == "fairseq_cli.eval_lm":
-            return True
+            return frame
         frame = frame.f_back
-    return False
+    return None
+
+
+def _inside_fairseq_eval_lm() -> bool:
+    return _fairseq_eval_lm_frame() is not None
+
+
+def refuse_eval_lm_longer_than_model(core_cfg, task) -> None:
+    """fairseq-eval-lm drops (ignore_invalid_inputs=True) every block longer than the model accepts and
+    reports the loss over the rest, with only a warning: a figure over part of the data. Refuse it."""
+    frame = _fairseq_eval_lm_frame()
+    if frame is None:
+        return
+    task_cfg = getattr(task, "cfg", None) or getattr(task, "args", None)
+    block = getattr(task_cfg, "tokens_per_sample", None)
+    eval_cfg = frame.f_locals.get("cfg")
+    context = getattr(getattr(eval_cfg, "eval_lm", None), "context_window", 0) or 0
+    if block is None or block + context <= core_cfg.seq_len:
+        return
+    raise ValueError(
+        f"fairseq-eval-lm would feed blocks of {block + context} tokens (--tokens-per-sample"
+        f"{' + --context-window' if context else ''}) to a model whose spatial weights cover {core_cfg.seq_len} "
+        f"positions; it would skip every longer block and report the loss over the rest. Use --tokens-per-sample "
+        f"{core_cfg.seq_len} or less (with --context-window N, --tokens-per-sample {core_cfg.seq_len} at most)"
+    )
 
 
 def refuse_eval_lm_on_partial_prediction(core_cfg) -> None:
@@ -136,6 +160,7 @@ class _CoreLanguageModel(FairseqLanguageModel):
         dictionary = task.target_dictionary
         core_cfg = to_core_config(cfg, cls.family, len(dictionary), dictionary.pad())
         refuse_eval_lm_on_partial_prediction(core_cfg)
+        refuse_eval_lm_longer_than_model(core_cfg, task)
         if _world()[0] == 0:
             warn_if_criterion_ignores_routing(core_cfg, _config_value(cfg, "criterion_name"))
         dispatcher = make_dispatcher(core_cfg, cfg)

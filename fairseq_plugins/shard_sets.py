@@ -22,8 +22,9 @@ scratch, with no error. Here:
   in the save directory (e.g. `checkpoint_1_800-rank-*.pt`) is loaded instead, with a warning.
 - Also refused before any work: `--restore-file` naming one rank's shard or a file that does not
   exist (fairseq would start from scratch and overwrite checkpoint_last), a save directory holding
-  another layout's checkpoint (rank shards on one process, or the reverse), and a checkpoint whose
-  tensors do not fit the model being trained (another architecture, expert count or dictionary).
+  another layout's checkpoint (rank shards on one process, or the reverse), a checkpoint whose
+  tensors do not fit the model being trained (another architecture, expert count or dictionary),
+  and a --save-dir that cannot be created or written (said in those words).
 
 fairseq's own files are not changed: `install()` wraps three functions of `fairseq.checkpoint_utils`
 (looked up as module attributes by fairseq_cli.train and the trainer) when the plugins are imported.
@@ -186,7 +187,7 @@ def read_shard(path: str, with_shapes: bool = False) -> ShardInfo:
     except Exception as exc:  # truncated, corrupt, not a checkpoint
         info.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}".rstrip(": ")
         if "zip archive" in str(exc) or "central directory" in str(exc) or isinstance(exc, EOFError):
-            info.error = "truncated or corrupt file (cut short while it was written?)"
+            info.error = "truncated or corrupt file, cut short while it was written?"
         return info
     if not isinstance(state, dict) or "model" not in state:
         info.error = "not a fairseq checkpoint (no 'model' entry)"
@@ -260,10 +261,14 @@ def decide_resume(requested: list[ShardInfo], candidates: dict[str, list[ShardIn
     problem = set_problem(requested, world, sharded)
     if problem is None:
         return ResumePlan(None)
-    what = f"{restore_name} is not one consistent save ({problem}): {_listing(requested, world)}"
+    what = (f"{restore_name} is not one consistent save ({problem}): {_listing(requested, world)}" if sharded
+            else f"{restore_name} cannot be resumed from: {_listing(requested, world)}")
     hint = ("A crash or requeue while the ranks were saving leaves shards of different updates; resume from "
             "a save whose shards all exist (checkpoint_<epoch>_<update>-rank-*.pt, written with "
             "--save-interval-updates N --keep-interval-updates 2 or more)")
+    if not sharded:
+        hint = ("The file is damaged; resume from another checkpoint of the save directory "
+                "(checkpoint_<epoch>_<update>.pt, written with --save-interval-updates N)")
     if "-rank run" in problem:
         hint = (f"Resume on the world size that wrote them, or merge them with `smlp-consolidate` and start "
                 f"from the result with --finetune-from-model (it loads on any world size dividing the expert count)")
@@ -427,8 +432,10 @@ def _check_fits_model(plan: ResumePlan, restore_base: str, suffix: str, trainer,
             own = {k: tuple(v.shape) for k, v in model.state_dict().items()}
             diff = shape_mismatch(info.shapes, own) if info.readable else []
             if diff:
+                model_cfg = getattr(getattr(trainer, "cfg", None), "model", None)
+                arch = getattr(model_cfg, "arch", None) or getattr(model_cfg, "_name", None) or "?"
                 problem = (f"{path} does not fit the model of this run: {explain_mismatch(diff, info.shapes, own)} "
-                           f"(checkpoint arch: {info.arch or 'unknown'}; {'; '.join(diff)})")
+                           f"(checkpoint: --arch {info.arch or '?'}, this run: --arch {arch}; {'; '.join(diff)})")
     problems = [p for p in _gather(problem) if p]
     if problems:
         raise CheckpointSetError(problems[0])
@@ -456,7 +463,7 @@ class _AtomicCopies:
 
 
 def install() -> bool:
-    """Wrap fairseq.checkpoint_utils' save, copy and load entry points (once per process)."""
+    """Wrap fairseq.checkpoint_utils' save, copy, load and save-dir check entry points (once per process)."""
     from fairseq import checkpoint_utils
 
     if getattr(checkpoint_utils, "_smlp_shard_sets", False):
@@ -495,6 +502,18 @@ def install() -> bool:
                               (torch_persistent_save, original_persist)):
         wrapper.__wrapped__ = original
         wrapper.__doc__ = original.__doc__
+    original_verify = checkpoint_utils.verify_checkpoint_directory
+
+    def verify_checkpoint_directory(save_dir: str) -> None:
+        try:
+            original_verify(save_dir)
+        except OSError as exc:
+            raise OSError(exc.errno, f"--save-dir {save_dir} cannot be created or written ({exc.strerror}: "
+                                     f"{exc.filename}); training would fail at its first save. Choose a "
+                                     f"writable directory") from exc
+
+    verify_checkpoint_directory.__wrapped__ = original_verify
+    checkpoint_utils.verify_checkpoint_directory = verify_checkpoint_directory
     checkpoint_utils.torch_persistent_save = torch_persistent_save
     checkpoint_utils.save_checkpoint = save_checkpoint
     checkpoint_utils.load_checkpoint = load_checkpoint
