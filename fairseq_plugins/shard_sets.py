@@ -245,13 +245,20 @@ class ResumePlan:
 
 
 def decide_resume(requested: list[ShardInfo], candidates: dict[str, list[ShardInfo]], *, world: int,
-                  sharded: bool, default_restore: bool, restore_name: str) -> ResumePlan:
+                  sharded: bool, default_restore: bool, restore_name: str, single_file_exists: bool = False
+                  ) -> ResumePlan:
     """What to load, from what every rank found. Raises CheckpointSetError when nothing consistent is.
 
     requested:  the file each rank would load (one entry when the checkpoint is not sharded).
     candidates: checkpoint base path -> the files of that save, one per rank (for the fallback).
+    single_file_exists: `restore_name` itself exists as one file (consolidated, or from one process).
     """
     if not any(i.exists for i in requested):
+        if not default_restore and sharded and single_file_exists:
+            raise CheckpointSetError(
+                f"--restore-file {restore_name} is one file (a consolidated or one-process checkpoint) but this "
+                f"{world}-rank expert-parallel run resumes from rank shards ({_listing(requested)}); to start "
+                f"from it, pass --finetune-from-model {restore_name} instead (each rank takes its experts)")
         if not default_restore:
             raise CheckpointSetError(
                 f"--restore-file {restore_name}: {_listing(requested)}. fairseq would silently start from "
@@ -411,8 +418,10 @@ def plan_and_check_resume(cfg, trainer) -> ResumePlan:
                 continue
             if all(base in c for c in per_rank):
                 candidates[base] = [c[base] for c in per_rank]
+    single = _broadcast(os.path.isfile(restore_base) if rank == 0 else None)
     plan = decide_resume(requested, candidates, world=world, sharded=sharded, default_restore=default_restore,
-                         restore_name=os.path.basename(restore_base) if default_restore else cfg.restore_file)
+                         restore_name=os.path.basename(restore_base) if default_restore else cfg.restore_file,
+                         single_file_exists=single)
     _check_fits_model(plan, restore_base, suffix, trainer, reads_file)
     if plan.message and rank == 0:
         logger.warning(plan.message)

@@ -200,6 +200,15 @@ def test_a_restore_file_that_does_not_exist_is_refused(tmp_path):
     assert decide(tmp_path).restore_file is None  # no checkpoint_last at all: a fresh start
 
 
+def test_a_consolidated_file_as_restore_file_of_a_sharded_run_points_to_finetuning(tmp_path):
+    torch.save(fake_state(7, experts=2, sharded=False), tmp_path / "merged.pt")
+    requested = [read_shard(str(tmp_path / f"merged-rank-{r}.pt")) for r in range(2)]
+    with pytest.raises(CheckpointSetError, match=r"is one file \(a consolidated or one-process checkpoint\).*"
+                                                 r"--finetune-from-model"):
+        decide_resume(requested, {}, world=2, sharded=True, default_restore=False,
+                      restore_name=str(tmp_path / "merged.pt"), single_file_exists=True)
+
+
 def test_consolidate_refuses_a_mixed_set(tmp_path):
     write_set(tmp_path, "checkpoint_last", [12, 11])
     with pytest.raises(ValueError, match=r"not one save \(the shards come from different saves\): "

@@ -39,7 +39,8 @@ def baseline(tiny_lm_data, tmp_path_factory) -> dict[int, float]:
     """Per-update losses of one uninterrupted 2-rank run."""
     save = tmp_path_factory.mktemp("baseline")
     res = run_fairseq("fairseq-train", [str(tiny_lm_data), "--user-dir", PLUGINS, *TRAIN,
-                                        "--max-update", str(BASELINE_UPDATES), "--save-dir", str(save)], world=2)
+                                        "--max-update", str(BASELINE_UPDATES), "--save-dir", str(save), "--no-save"],
+                      world=2)
     assert_ok(res)
     losses = train_losses(res[0].stdout)
     assert sorted(losses) == list(range(1, BASELINE_UPDATES + 1)), losses
