@@ -173,11 +173,13 @@ def test_slurm_time_limit_requeue_during_save_and_sigkill(slurm, tiny_lm_data, t
     2. (time limit raised with scontrol) `scontrol requeue` while rank 1 is still writing a checkpoint
        that rank 0 has finished: the tasks die of SIGTERM, leaving a mixed set; the restart names it
        and resumes from the newest complete save.
-    3. A task SIGKILLed mid-step: srun ends the other task, the job FAILS within 60 s, nothing is left.
+    3. A task SIGKILLed inside the all2all: srun ends the other task, the job FAILS within 60 s, nothing
+       is left.
     Every logged loss equals the uninterrupted run's at the same update.
     """
     env = {**slurm, "SMLP_FAULT_STEP_SLEEP": "3,restart=0",
-           "SMLP_FAULT_SLOW_SAVE": "rank=1,nth=3,sleep=120,restart=1"}
+           "SMLP_FAULT_SLOW_SAVE": "rank=1,nth=3,sleep=120,restart=1",
+           "SMLP_FAULT_A2A": "victim=1,call=60,sleep=5,restart=2"}
     out = tmp_path / "job-%j.out"
     proc = subprocess.run(
         ["sbatch", "--parsable", "--job-name=smlp-faults", "--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=0",
@@ -202,9 +204,10 @@ def test_slurm_time_limit_requeue_during_save_and_sigkill(slurm, tiny_lm_data, t
     time.sleep(1.0)
     subprocess.run(["scontrol", "requeue", job], env=env, check=True)
 
-    # 3. the third run resumes from a complete set; then a task is killed
-    wait_log(env, job, log, lambda t: len(train_losses(t.split("(restart 2)")[-1])) >= 2 and "(restart 2)" in t, 240,
-             "2 updates of the third run")
+    # 3. the third run resumes from a complete set; then a task is killed inside the all2all
+    wait_log(env, job, log, lambda t: "(restart 2)" in t and "rank 1 inside all2all call 60" in t.split("(restart 2)")[-1],
+             240, "rank 1 to enter the all2all in the third run")
+    time.sleep(1.0)  # rank 0 sleeps 5 s before entering: rank 1 is blocked inside
     victim = worker_pid(str(tmp_path), 1)
     os.kill(victim, signal.SIGKILL)
     t0 = time.monotonic()

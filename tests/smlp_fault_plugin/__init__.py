@@ -2,8 +2,8 @@
 
 Importing it registers everything fairseq_plugins registers, then reads these variables:
 
-  SMLP_FAULT_A2A="victim=1,call=N,sleep=S"
-      On the N-th row exchange (all_to_all_single) of a run, the victim rank prints
+  SMLP_FAULT_A2A="victim=1,call=N,sleep=S[,restart=C]"
+      On the N-th row exchange (all_to_all_single) of a run (on SLURM restart C only, when given), the victim rank prints
       "[fault] rank R inside all2all call N" and enters the collective, while every other rank
       sleeps S seconds before entering it: the victim is blocked inside the all2all, waiting.
   SMLP_FAULT_SLOW_SAVE="rank=1,nth=K,sleep=S[,restart=C]"
@@ -44,7 +44,7 @@ def _say(msg):
 
 
 a2a = _spec("SMLP_FAULT_A2A")
-if a2a:
+if a2a and _this_restart(a2a):
     import smlp.dispatch as dispatch
 
     _exchange = dispatch._exchange
