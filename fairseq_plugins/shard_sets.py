@@ -305,7 +305,7 @@ def shape_mismatch(ckpt: dict[str, tuple[int, ...]], model: dict[str, tuple[int,
     return out
 
 
-def explain_mismatch(differences: list[str], ckpt: dict, model: dict) -> str:
+def explain_mismatch(ckpt: dict, model: dict) -> str:
     """Say what most likely differs: the dictionary, the experts per rank, or the architecture."""
     for k in ckpt:
         if k.endswith("embed.weight") and k in model and ckpt[k][0] != model[k][0] and ckpt[k][1:] == model[k][1:]:
@@ -443,7 +443,7 @@ def _check_fits_model(plan: ResumePlan, restore_base: str, suffix: str, trainer,
             if diff:
                 model_cfg = getattr(getattr(trainer, "cfg", None), "model", None)
                 arch = getattr(model_cfg, "arch", None) or getattr(model_cfg, "_name", None) or "?"
-                problem = (f"{path} does not fit the model of this run: {explain_mismatch(diff, info.shapes, own)} "
+                problem = (f"{path} does not fit the model of this run: {explain_mismatch(info.shapes, own)} "
                            f"(checkpoint: --arch {info.arch or '?'}, this run: --arch {arch}; {'; '.join(diff)})")
     problems = [p for p in _gather(problem) if p]
     if problems:
