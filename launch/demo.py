@@ -230,8 +230,8 @@ def report(args, data: Path, save: Path, curves: Curves, seconds: float, zerosho
             ("training", f"{update} updates in {seconds / 60:.1f} min"),
             ("valid perplexity", f"{ppl:.1f} (loss {loss:.3f} bits/token; {first[2]:.1f} at update {first[0]})")]
     for task, m in summary["zeroshot"].items():
-        rows.append((f"zero-shot {task}", f"acc {100 * m['acc']:.1f}%  acc_norm {100 * m['acc_norm']:.1f}%  "
-                                          f"(chance 50%)"))
+        norm = f"  acc_norm {100 * m['acc_norm']:.1f}%" if "acc_norm" in m else ""  # lm-eval template only
+        rows.append((f"zero-shot {task}", f"acc {100 * m['acc']:.1f}%{norm}  (chance 50%)"))
     rows += [("data", str(data)), ("checkpoints", str(save)), ("loss plot", summary["paths"]["plot"]),
              ("logs", summary["paths"]["logs"]), ("summary", str(args.out / "summary.json"))]
     width = max(len(k) for k, _ in rows)

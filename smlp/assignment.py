@@ -11,14 +11,18 @@ The problem is a linear assignment with capacities: maximise sum_s scores[s, exp
 to expert e receiving exactly capacity[e] rows. Base Layers solves it with an auction
 (Bertsekas 1988, "The auction algorithm: a distributed relaxation method for the assignment
 problem"; the variant for objects with several identical slots is Bertsekas & Castanon 1989,
-"The auction algorithm for the transportation problem"). This file is the pure-torch auction
-used by the routers in `routing.py`; fairseq's C++ `libbase.balanced_assignment` is the speed
-and quality reference it is benchmarked against (`benchmarks/balanced_assignment.py`).
+"The auction algorithm for the transportation problem"). This file is the auction used by the
+routers in `routing.py`: vectorised array code that runs on torch tensors on the input's device,
+and on numpy arrays on the CPU (the same integer rounds, bitwise the same result). fairseq's C++
+`libbase.balanced_assignment` is the speed and quality reference it is benchmarked against
+(`benchmarks/balanced_assignment.py`).
 """
 from __future__ import annotations
 
+import functools
 import math
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -39,6 +43,7 @@ _NEG_KEY = -(1 << 30)  # key of padding experts and experts with capacity 0: nev
 # 0.03 for 65536. Beyond that the step would approach eps.
 _MAX_EXPERTS = 1 << 16
 _MIN_WORKING_ROWS = 1024  # below this, step 4's smaller rounds cost as much as full ones
+_MIN_TAIL_KEYS = 1 << 16  # below this many keys (S * P) a full round costs less than step 4's set-up
 
 
 def expert_capacities(num_rows: int, num_experts: int, device=None) -> Tensor:
@@ -67,19 +72,25 @@ def balanced_assignment(
     E, S < E, S = 0 and E = 1 are all valid.
 
     Algorithm: Bertsekas' auction in Jacobi form (all rows bid at once), with experts as objects
-    that hold several identical slots (Bertsekas & Castanon 1989). Vectorised torch only, on the
-    input's device.
+    that hold several identical slots (Bertsekas & Castanon 1989). Vectorised: torch tensors on
+    the input's device, numpy arrays on the CPU. A round is about 30 array operations whatever
+    the size, and at router sizes (thousands of rows, a few experts) their dispatch is the whole
+    cost of a round; numpy dispatches one in about a third of torch's time (see _NumpyOps).
+    E = 2 is solved exactly instead, by one threshold selection (_two_experts); eps,
+    tail_fraction, working_fraction and max_rounds do not apply there.
       0. Normalise: remove row and column offsets (each adds the same amount to every balanced
          assignment) so that each row's best score is 0, measure scores in gain units (1 =
          median over rows of best minus mean score), clip at -64 units and quantise to int32
          keys value * P + priority. One int32 max then yields both the best value and the best
          expert; the priority breaks ties in a per-row rotated order, so indifferent rows spread
-         over the experts at once instead of queueing for expert 0. Everything after this step
-         is exact integer arithmetic: bitwise deterministic on any device.
-      1. Each round every row finds its best and second best expert at the current prices (a
-         max/min tournament over the experts). Unassigned rows bid for their best expert,
-         assigned rows re-bid for the expert they hold. A bid is the price at which the row would
-         be indifferent: price + (its value there - the value of its best alternative).
+         over the experts at once instead of queueing for expert 0. Its sums are float64
+         (exact in practice for float32 scores), so numpy and torch make the same keys.
+         Everything after this step is exact integer arithmetic: bitwise deterministic on any
+         device and backend.
+      1. Each round every row finds its best expert at the current prices (a max over the
+         experts). Unassigned rows bid for their best expert, assigned rows re-bid for the expert
+         they hold. A bid is the price at which the row would be indifferent: price + (its value
+         there - the best value elsewhere, a max over the experts with the target masked).
       2. An over-subscribed expert keeps the highest bids up to its capacity and raises its price
          to max(price, lowest kept bid) + eps, pricing the others out: they bid elsewhere next
          round. An expert loses a row only when it is over-subscribed and refills at once, so the
@@ -91,7 +102,8 @@ def balanced_assignment(
          evicts another, one step per round). So continue the same auction, with its prices and
          assignments, on a working set only: the unassigned rows plus the working_fraction * S
          held rows with the smallest margins, the only ones those chains are likely to move;
-         the other rows keep their expert. Skipped when the working set would not be small.
+         the other rows keep their expert. Skipped when the working set would not be small, or
+         below 65536 keys (S * P), where a full round costs less than setting the step up.
     With one eps (no eps-scaling), eps = 0.03 gain units, 4096 x 32 and 8192 x 64 random score
     matrices take about 5-10 full rounds and end within about 0.05% of the optimal gain over a
     random assignment (benchmarks/balanced_assignment.py measures it against scipy's exact
@@ -117,7 +129,8 @@ def balanced_assignment(
         tail_fraction: step 4 starts when at most this fraction of rows is unassigned; 0 runs
             the full auction to the end (slower, slightly closer to the optimum).
         working_fraction: held rows in step 4's working set, as a fraction of S (at least
-            1024 rows; step 4 is skipped if that is more than half of the rows).
+            1024 rows; step 4 is skipped if that is more than half of the rows, or if S * P is
+            below 65536).
         max_rounds: auction round budget, steps 1-4 together, before the fill; default
             max(64, 4 * E, 4 / eps) (random scores take 5-20 rounds at the default eps).
         check_every: rounds between completion checks (each check is a host sync); default 1 on
@@ -147,100 +160,124 @@ def balanced_assignment(
     if max_rounds < 0 or check_every < 1:
         raise ValueError(f"need max_rounds >= 0 and check_every >= 1, got {max_rounds} and {check_every}")
 
-    cap_E = expert_capacities(S, E, device)
+    ops = _array_ops(device)
+    if E == 2:
+        return _two_experts(scores_SE, S - S // 2, ops)
     sh = max(1, (E - 1).bit_length())
     levels = (1 << _KEY_BITS) >> sh
     eps_q = max(1, round(eps * levels / _CLIP_GAINS))  # eps in quantisation steps
-    key_PS = _integer_keys(scores_SE, sh, levels)
-    if S < E:
-        key_PS = _disable_empty_experts(key_PS, cap_E)
-    # Step 4 pays off only when the working set is a small part of the rows.
+    key_PS = _integer_keys(_finite_scores(scores_SE, ops), sh, levels, ops)
+    # Step 4 pays off only when the working set is a small part of the rows and a full round
+    # costs much more than setting it up.
     work_rows = max(int(working_fraction * S), _MIN_WORKING_ROWS)
-    tail_rows = int(tail_fraction * S) if 2 * work_rows <= S else 0
-    expert_S, price_P, margin_S, rounds = _auction(
-        key_PS, cap_E, sh, levels, eps_q, max_rounds, check_every, tail_rows)
-    if tail_rows and rounds < max_rounds and int((expert_S < 0).sum()):
-        # Step 4: continue on a working set: the unassigned rows and the held rows with the
-        # smallest margins; the others keep their expert (one sync, for the gather).
-        W = min(S, max(work_rows, 4 * tail_rows))
-        rank_key_S = torch.where(expert_S < 0, -(1 << 40), margin_S.long())
-        work_W = torch.sort(rank_key_S, stable=True).indices[:W]
-        frozen_S = torch.ones(S, dtype=torch.bool, device=device).index_fill_(0, work_W, False)
-        held_E = torch.zeros_like(cap_E).scatter_add_(0, expert_S.clamp(min=0), (frozen_S & (expert_S >= 0)).long())
-        cap_W_E = cap_E - held_E
-        key_PW = _disable_empty_experts(key_PS[:, work_W], cap_W_E)
-        expert_W, _, _, _ = _auction(key_PW, cap_W_E, sh, levels, eps_q, max_rounds - rounds, check_every, 0,
-                                     row_S=work_W, expert_S=expert_S[work_W], price_P=price_P)
-        expert_S[work_W] = expert_W
-    return _fill_free_capacity(expert_S, cap_E)
+    tail_rows = int(tail_fraction * S) if 2 * work_rows <= S and S << sh >= _MIN_TAIL_KEYS else 0
+    expert_S, unassigned = _solve(ops, key_PS, E, sh, levels, eps_q, max_rounds, check_every, tail_rows, work_rows)
+    # unassigned is 0 if the last completion check found every row assigned, None if the
+    # round budget ran out first: then fill the free capacity.
+    return expert_S if unassigned == 0 else _fill_free_capacity(expert_S, expert_capacities(S, E, device))
 
 
-def _integer_keys(scores_SE: Tensor, sh: int, levels: int) -> Tensor:
-    """Step 0: (P, S) int32 keys value * P + priority, value in [-levels, 0] quantised gain units.
-
-    Padding experts (E <= e < P) get _NEG_KEY. Works in the (E, S) layout throughout, so every
-    pass is contiguous.
-    """
-    S, E = scores_SE.shape
-    P = 1 << sh
-    x_ES = scores_SE.detach().t()
-    x_ES = (x_ES.double() if x_ES.dtype == torch.float64 else x_ES.float()).contiguous()
-    hi, lo = torch.stack([x_ES.amax(), x_ES.amin()]).tolist()  # one sync; NaN propagates through both
-    if not (math.isfinite(hi) and math.isfinite(lo)):
-        x_ES = _sanitize(x_ES)
-        hi, lo = torch.stack([x_ES.amax(), x_ES.amin()]).tolist()
-    mag = max(abs(hi), abs(lo))
+def _finite_scores(scores_SE: Tensor, ops):
+    """(E, S) float32 (float64 for float64 input) copy of the scores as an array of the `ops`
+    backend, contiguous, every entry finite (see _sanitize) and of a magnitude whose row shifts
+    cannot overflow."""
+    x_SE = scores_SE.detach()
+    if x_SE.dtype not in (torch.float32, torch.float64):
+        x_SE = x_SE.float()
+    x_ES = ops.transposed_copy(ops.array(x_SE))
+    mag = ops.floats(ops.amax(abs(x_ES), None))[0]  # one sync; NaN propagates
+    if not math.isfinite(mag):
+        x_ES = ops.array(_sanitize(ops.tensor(x_ES)))
+        mag = ops.floats(ops.amax(abs(x_ES), None))[0]
     if mag > 1e30 or 0 < mag < 1e-30:  # rescale so the row shift cannot overflow (1e38 - -1e38)
         x_ES = x_ES / mag
+    return x_ES
+
+
+def _two_experts(scores_SE: Tensor, cap0: int, ops) -> Tensor:
+    """E = 2, solved exactly: the total is sum_s score[s, 1] + sum over expert 0's rows of
+    (score[s, 0] - score[s, 1]), so expert 0 takes the cap0 rows with the largest difference;
+    among rows tied at the threshold, the earliest.
+
+    The difference of two float32 scores is exact in float64; non-finite or overflowing
+    differences are redone on the sanitised, rescaled scores (see _finite_scores).
+    """
+    x_SE = scores_SE.detach()
+    if x_SE.dtype not in (torch.float32, torch.float64):
+        x_SE = x_SE.float()
+    x_SE = ops.array(x_SE)
+    d_S = ops.difference64(x_SE[:, 0], x_SE[:, 1])
+    if not ops.all_finite(d_S):
+        x_ES = _finite_scores(scores_SE, ops)
+        d_S = ops.difference64(x_ES[0], x_ES[1])
+    threshold = ops.kth_largest(d_S, cap0)
+    expert1_S = d_S < threshold
+    surplus = d_S.shape[0] - ops.count(expert1_S) - cap0  # rows tied at the threshold beyond capacity
+    if surplus:
+        tied_S = d_S == threshold
+        expert1_S |= tied_S & (ops.cumsum(tied_S) > ops.count(tied_S) - surplus)
+    return ops.tensor(ops.as_int64(expert1_S))
+
+
+def _integer_keys(x_ES, sh: int, levels: int, ops):
+    """Step 0: (P, S) int32 keys value * P + priority, value in [-levels, 0] quantised gain units.
+
+    x_ES are the finite scores from _finite_scores, as an array of the `ops` backend. Padding
+    experts (E <= e < P) get _NEG_KEY. Works in the (E, S) layout throughout, so every pass is
+    contiguous.
+    """
+    E, S = x_ES.shape
+    P = 1 << sh
     # Row and column offsets add the same amount to every balanced assignment (each row is used
     # once, each expert exactly capacity times), so both are removed: rows first (best = 0), then
     # scores far below a row's best are clipped so an outlier row cannot move a column mean,
     # then columns (mean accumulated in float64, so identical rows cancel exactly), rows again.
-    y_ES = x_ES - x_ES.amax(dim=0, keepdim=True)
-    y_ES.clamp_(min=-_CLIP_GAINS * _gain_unit(y_ES))
-    y_ES -= y_ES.mean(dim=1, keepdim=True, dtype=torch.float64).to(y_ES.dtype)
-    y_ES -= y_ES.amax(dim=0, keepdim=True)
+    y_ES = x_ES - ops.amax(x_ES, 0, keepdims=True)
+    ops.clip(y_ES, -_CLIP_GAINS * _gain_unit(y_ES, ops), None)
+    y_ES -= ops.cast(ops.mean(y_ES, 1, keepdims=True, dtype=ops.float64), y_ES)
+    y_ES -= ops.amax(y_ES, 0, keepdims=True)
     # One gain unit becomes levels / _CLIP_GAINS steps (the scale is capped so that a tiny gain
     # cannot make 0 * inf); anything below -levels is clipped there.
-    scale = ((levels / _CLIP_GAINS) / _gain_unit(y_ES)).clamp_(max=torch.finfo(y_ES.dtype).max)
-    y_ES.mul_(scale).floor_().clamp_(min=-levels)
-    key_PS = torch.empty((P, S), dtype=torch.int32, device=y_ES.device)
-    key_PS[:E] = y_ES
-    # Tie priority of expert e for row s: (s - 1 - e) mod E, so that rows that are indifferent
-    # start out spread evenly over the experts instead of all bidding for expert 0.
-    e_E = torch.arange(E, device=y_ES.device, dtype=torch.int32)
-    rotation_S = _rotation(torch.arange(S, device=y_ES.device, dtype=torch.int32), E)
-    priority_ES = _wrap(rotation_S - e_E[:, None], E)
-    torch.add(priority_ES, key_PS[:E], alpha=P, out=key_PS[:E])
+    y_ES *= min((levels / _CLIP_GAINS) / _gain_unit(y_ES, ops), ops.float_max(y_ES))
+    ops.clip(ops.floor_(y_ES), -levels, None)
+    key_PS = ops.empty((P, S), ops.int32)
+    key_ES = key_PS[:E]
+    key_ES[...] = y_ES
+    key_ES *= P
+    key_ES += ops.array(_priorities(E, S, ops.device))
     key_PS[E:] = _NEG_KEY
     return key_PS
 
 
-def _rotation(row_S: Tensor, E: int) -> Tensor:
-    """(row - 1) mod E: the expert of priority 0 for each row, see _integer_keys."""
-    return torch.remainder(row_S - 1, E)
+@functools.lru_cache(maxsize=8)
+def _priorities(E: int, S: int, device: torch.device) -> Tensor:
+    """(E, S) int32 tie priority of expert e for row s: (s - 1 - e) mod E, so that rows that are
+    indifferent start out spread evenly over the experts instead of all bidding for expert 0.
+    Cached: the routers call with the same shape every step. Never modified in place."""
+    e_E = torch.arange(E, device=device, dtype=torch.int32)
+    rotation_S = torch.remainder(torch.arange(S, device=device, dtype=torch.int32) - 1, E)
+    return _wrap(rotation_S - e_E[:, None], E)
 
 
-def _wrap(d: Tensor, E: int) -> Tensor:
-    """d mod E for d in (-E, E), without an integer division over a large tensor."""
-    return d + ((d >> (8 * d.element_size() - 1)) & E)
+def _wrap(d, E: int):
+    """d mod E for d in (-E, E), without an integer division over a large array (torch or numpy)."""
+    return d + ((d >> (8 * d.itemsize - 1)) & E)
 
 
-def _gain_unit(y_ES: Tensor) -> Tensor:
+def _gain_unit(y_ES, ops) -> float:
     """Median over rows of (best - mean score) for rows shifted to best 0: a few outlier rows
-    cannot flatten all the others. The mean if most rows are constant, 1 if all are."""
-    row_gain_S = -y_ES.mean(dim=0)
-    gain = row_gain_S.median()
-    gain = torch.where(gain > 0, gain, row_gain_S.mean())
-    return torch.where(gain > 0, gain, torch.ones_like(gain))
+    cannot flatten all the others. The mean if most rows are constant, 1 if all are.
 
-
-def _disable_empty_experts(key_PS: Tensor, cap_E: Tensor) -> Tensor:
-    """Experts with no capacity get the padding key, so no row ever bids for them."""
-    P, E = key_PS.shape[0], cap_E.shape[0]
-    off_P = torch.zeros(P, dtype=torch.bool, device=key_PS.device)
-    off_P[:E] = cap_E == 0
-    return torch.where(off_P[:, None], _NEG_KEY, key_PS)
+    Row sums in float64 (exact in practice for float32 scores, so every backend and device
+    rounds alike); the median of -sum / E is -(upper median of the sums) / E, the same number.
+    """
+    E = y_ES.shape[0]
+    sum_S = ops.sum(y_ES, 0, dtype=ops.float64)
+    gain = -ops.floats(ops.upper_median(sum_S))[0] / E  # one sync
+    if gain > 0:
+        return gain
+    gain = -ops.floats(ops.mean(sum_S, 0))[0] / E
+    return gain if gain > 0 else 1.0
 
 
 def _sanitize(x: Tensor) -> Tensor:
@@ -254,74 +291,403 @@ def _sanitize(x: Tensor) -> Tensor:
     return torch.where(finite, x, torch.where(torch.isposinf(x), hi, lo))
 
 
-def _top2(key_PS: Tensor) -> tuple[Tensor, Tensor]:
-    """Largest and second largest key of every column, by a max/min tournament (P a power of 2)."""
-    n = key_PS.shape[0] // 2
-    first = torch.maximum(key_PS[:n], key_PS[n:])
-    second = torch.minimum(key_PS[:n], key_PS[n:])
-    while first.shape[0] > 1:
-        n = first.shape[0] // 2
-        a1, b1, a2, b2 = first[:n], first[n:], second[:n], second[n:]
-        second = torch.maximum(torch.minimum(a1, b1), torch.maximum(a2, b2))
-        first = torch.maximum(a1, b1)
-    return first[0], second[0]
+class _TorchOps:
+    """The operations of steps 0-4 on torch tensors, on any device (see _NumpyOps for the CPU).
+    Constants are 0-d tensors of the operand's dtype: a Python scalar operand would be converted
+    to a tensor on every call."""
+
+    minimum, where, searchsorted = map(staticmethod, (torch.minimum, torch.where, torch.searchsorted))
+    int32, int64, float64 = torch.int32, torch.int64, torch.float64
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def empty(self, shape: tuple[int, ...], dtype):
+        return torch.empty(shape, dtype=dtype, device=self.device)
+
+    @staticmethod
+    def amax(x: Tensor, axis: int | None, keepdims: bool = False) -> Tensor:
+        return x.amax() if axis is None else x.amax(dim=axis, keepdim=keepdims)
+
+    @staticmethod
+    def transposed_copy(x: Tensor) -> Tensor:
+        return x.t().contiguous()
+
+    @staticmethod
+    def all_finite(x: Tensor) -> bool:
+        return bool(torch.isfinite(x).all())
+
+    @staticmethod
+    def kth_largest(x_S: Tensor, k: int) -> Tensor:
+        return torch.kthvalue(x_S, x_S.shape[0] - k + 1).values
+
+    @staticmethod
+    def cumsum(x_S: Tensor) -> Tensor:
+        return x_S.cumsum(0)
+
+    @staticmethod
+    def count(x_S: Tensor) -> int:
+        return int(x_S.sum())
+
+    @staticmethod
+    def difference64(a_S: Tensor, b_S: Tensor) -> Tensor:
+        return a_S.double() - b_S.double()
+
+    @staticmethod
+    def mean(x: Tensor, axis: int, keepdims: bool = False, dtype=None) -> Tensor:
+        return x.mean(dim=axis, keepdim=keepdims, dtype=dtype)
+
+    @staticmethod
+    def sum(x: Tensor, axis: int, dtype=None) -> Tensor:
+        return x.sum(dim=axis, dtype=dtype)
+
+    @staticmethod
+    def upper_median(x_S: Tensor) -> Tensor:
+        return -(-x_S).median()  # torch.median is the lower median
+
+    @staticmethod
+    def floats(*scalars: Tensor) -> list[float]:
+        return torch.stack(scalars).tolist()
+
+    @staticmethod
+    def cast(x: Tensor, like: Tensor) -> Tensor:
+        return x.to(like.dtype)
+
+    @staticmethod
+    def float_max(x: Tensor) -> float:
+        return torch.finfo(x.dtype).max
+
+    @staticmethod
+    def floor_(x: Tensor) -> Tensor:
+        return x.floor_()
+
+    def array(self, t: Tensor) -> Tensor:
+        return t
+
+    def tensor(self, a: Tensor) -> Tensor:
+        return a
+
+    def arange(self, n: int, dtype):
+        return torch.arange(n, dtype=dtype, device=self.device)
+
+    def full(self, n: int, value: int, dtype):
+        return torch.full((n,), value, dtype=dtype, device=self.device)
+
+    def const(self, value: int, dtype):
+        return torch.tensor(value, dtype=dtype, device=self.device)
+
+    @staticmethod
+    def clip(x: Tensor, lo, hi) -> Tensor:
+        return x.clamp_(lo, hi)
+
+    @staticmethod
+    def take(table_N: Tensor, index_S: Tensor) -> Tensor:
+        return table_N.index_select(0, index_S)
+
+    @staticmethod
+    def take_clipped(table_N: Tensor, index_P: Tensor) -> Tensor:
+        return table_N.index_select(0, index_P.clamp(0, table_N.shape[0] - 1))
+
+    @staticmethod
+    def take_columns(x_PS: Tensor, index_W: Tensor) -> Tensor:
+        return x_PS.index_select(1, index_W)
+
+    @staticmethod
+    def bincount(x_S: Tensor, n: int) -> Tensor:
+        return torch.bincount(x_S, minlength=n)
+
+    @staticmethod
+    def amax0(x_PS: Tensor) -> Tensor:
+        return x_PS.amax(dim=0)
+
+    @staticmethod
+    def sort(x_S: Tensor) -> Tensor:
+        return torch.sort(x_S).values
+
+    @staticmethod
+    def as_int32(x: Tensor) -> Tensor:
+        return x.int()
+
+    @staticmethod
+    def as_int64(x: Tensor) -> Tensor:
+        return x.long()
+
+    @staticmethod
+    def put(out_N: Tensor, index_S: Tensor, value_S: Tensor) -> None:
+        """out[index] = value (a tensor of index's shape, or a 0-d tensor)."""
+        if value_S.dim():
+            out_N.scatter_(0, index_S, value_S)
+        else:
+            out_N.index_fill_(0, index_S, value_S)
+
+    @staticmethod
+    def sub_out(a: Tensor, b: Tensor, out: Tensor) -> None:
+        torch.sub(a, b, out=out)
 
 
-def _auction(key_PS: Tensor, cap_E: Tensor, sh: int, levels: int, eps_q: int, max_rounds: int,
-             check_every: int, stop_at: int, row_S: Tensor | None = None, expert_S: Tensor | None = None,
-             price_P: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, int]:
-    """Steps 1-3 on keys (P, S), from an empty assignment at price 0 unless a state is given.
+class _NumpyOps:
+    """The same operations on numpy arrays, for the CPU. A round is about 30 operations; on the
+    arrays of a router-sized problem (1024 x 8 keys) numpy dispatches one in about 0.6-1 us and
+    torch in 2-3 us, which is most of the round's cost, and numpy's int64 sort is several times
+    faster than torch's CPU sort from a few thousand rows on. Integer arithmetic after step 0,
+    so the result is bitwise the torch one (tests/test_assignment.py checks it). Python scalars
+    keep the array's dtype (numpy >= 2 promotion rules)."""
 
-    row_S are the rows' indices in the full problem (they set the tie priorities of step 0).
-    Stops at a check that finds at most `stop_at` rows unassigned, or after max_rounds rounds.
-    Returns the (S,) int64 expert per row (-1: unassigned), the prices, the margins of the last
-    round (bid - price, in quantisation steps) and the number of rounds run.
+    minimum, where, searchsorted = map(staticmethod, (np.minimum, np.where, np.searchsorted))
+    int32, int64, float64 = np.int32, np.int64, np.float64
+    device = torch.device("cpu")
+
+    @staticmethod
+    def empty(shape: tuple[int, ...], dtype):
+        return np.empty(shape, dtype=dtype)
+
+    @staticmethod
+    def amax(x: np.ndarray, axis: int | None, keepdims: bool = False) -> np.ndarray:
+        return np.maximum.reduce(x, axis=axis, keepdims=keepdims)
+
+    @staticmethod
+    def mean(x: np.ndarray, axis: int, keepdims: bool = False, dtype=None) -> np.ndarray:
+        # what ndarray.mean computes, without its Python-level argument handling
+        return np.add.reduce(x, axis=axis, keepdims=keepdims, dtype=dtype) / x.shape[axis]
+
+    @staticmethod
+    def transposed_copy(x: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(x.T)
+
+    @staticmethod
+    def all_finite(x: np.ndarray) -> bool:
+        return bool(np.isfinite(x).all())
+
+    @staticmethod
+    def kth_largest(x_S: np.ndarray, k: int):
+        return np.partition(x_S, x_S.shape[0] - k)[x_S.shape[0] - k]
+
+    @staticmethod
+    def cumsum(x_S: np.ndarray) -> np.ndarray:
+        return np.cumsum(x_S)
+
+    @staticmethod
+    def count(x_S: np.ndarray) -> int:
+        return int(np.count_nonzero(x_S))
+
+    @staticmethod
+    def difference64(a_S: np.ndarray, b_S: np.ndarray) -> np.ndarray:
+        with np.errstate(invalid="ignore", over="ignore"):  # non-finite results are handled
+            return np.subtract(a_S, b_S, dtype=np.float64)
+
+    @staticmethod
+    def sum(x: np.ndarray, axis: int, dtype=None) -> np.ndarray:
+        return np.add.reduce(x, axis=axis, dtype=dtype)
+
+    @staticmethod
+    def upper_median(x_S: np.ndarray):
+        k = x_S.shape[0] // 2
+        return np.partition(x_S, k)[k]
+
+    @staticmethod
+    def floats(*scalars) -> list[float]:
+        return [float(x) for x in scalars]
+
+    @staticmethod
+    def cast(x: np.ndarray, like: np.ndarray) -> np.ndarray:
+        return x.astype(like.dtype)
+
+    @staticmethod
+    def float_max(x: np.ndarray) -> float:
+        return float(np.finfo(x.dtype).max)
+
+    @staticmethod
+    def floor_(x: np.ndarray) -> np.ndarray:
+        return np.floor(x, out=x)
+
+    @staticmethod
+    def array(t: Tensor) -> np.ndarray:
+        return t.numpy()
+
+    @staticmethod
+    def tensor(a: np.ndarray) -> Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a))
+
+    @staticmethod
+    def arange(n: int, dtype):
+        return np.arange(n, dtype=dtype)
+
+    @staticmethod
+    def full(n: int, value: int, dtype):
+        return np.full(n, value, dtype=dtype)
+
+    @staticmethod
+    def const(value: int, dtype):
+        return value
+
+    @staticmethod
+    def clip(x: np.ndarray, lo, hi) -> np.ndarray:
+        # np.clip costs several times np.maximum on small arrays
+        if lo is not None:
+            np.maximum(x, lo, out=x)
+        return x if hi is None else np.minimum(x, hi, out=x)
+
+    @staticmethod
+    def take(table_N: np.ndarray, index_S: np.ndarray) -> np.ndarray:
+        return table_N.take(index_S)
+
+    @staticmethod
+    def take_clipped(table_N: np.ndarray, index_P: np.ndarray) -> np.ndarray:
+        return table_N.take(index_P, mode="clip")
+
+    @staticmethod
+    def take_columns(x_PS: np.ndarray, index_W: np.ndarray) -> np.ndarray:
+        return x_PS.take(index_W, axis=1)
+
+    @staticmethod
+    def bincount(x_S: np.ndarray, n: int) -> np.ndarray:
+        return np.bincount(x_S, minlength=n)
+
+    @staticmethod
+    def amax0(x_PS: np.ndarray) -> np.ndarray:
+        return x_PS.max(axis=0)
+
+    @staticmethod
+    def sort(x_S: np.ndarray) -> np.ndarray:
+        x_S.sort()  # in place: the callers pass a temporary
+        return x_S
+
+    @staticmethod
+    def as_int32(x: np.ndarray) -> np.ndarray:
+        return x.astype(np.int32)
+
+    @staticmethod
+    def as_int64(x: np.ndarray) -> np.ndarray:
+        return x.astype(np.int64)
+
+    @staticmethod
+    def put(out_N: np.ndarray, index_S: np.ndarray, value_S) -> None:
+        out_N[index_S] = value_S
+
+    @staticmethod
+    def sub_out(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+        np.subtract(a, b, out=out)
+
+
+def _array_ops(device: torch.device):
+    """numpy on the CPU, torch on accelerators (see _NumpyOps)."""
+    return _NumpyOps() if device.type == "cpu" else _TorchOps(device)
+
+
+def _solve(ops, key_PS, E: int, sh: int, levels: int, eps_q: int, max_rounds: int, check_every: int,
+           tail_rows: int, work_rows: int) -> tuple[Tensor, int | None]:
+    """Steps 1-4 on the keys (an array of the `ops` backend). Returns the (S,) int64 expert per
+    row as a tensor on the keys' device (-1: unassigned) and the number of unassigned rows if the
+    last completion check saw it (None if the round budget ran out first)."""
+    P, S = key_PS.shape
+    cap_P = ops.full(P, 0, ops.int64)  # see expert_capacities; 0 for padding experts
+    cap_P[:E] = S // E
+    cap_P[:S % E] += 1
+    neg_key = ops.const(_NEG_KEY, ops.int32)
+    if S < E:  # experts with capacity 0: no row may bid for them
+        key_PS = ops.where((cap_P == 0)[:, None], neg_key, key_PS)
+    row_S = ops.arange(S, ops.int64)
+    expert_S = ops.full(S, -1, ops.int64)
+    price_P = ops.full(P, 0, ops.int32)
+    expert_S, price_P, margin_S, rounds, unassigned = _auction(
+        ops, key_PS, cap_P, row_S, expert_S, price_P, E, sh, levels, eps_q, max_rounds, check_every, tail_rows)
+    if unassigned:
+        # Step 4: continue on a working set: the unassigned rows and the held rows with the
+        # smallest margins; the others keep their expert and their slots.
+        W = min(S, max(work_rows, 4 * tail_rows))
+        # (smallest margin first, unassigned rows before all, ties by row) as unique int64 keys
+        pos_bits = max(1, (S - 1).bit_length())
+        rank_S = ops.where(expert_S < 0, ops.const(-levels - 1, ops.int32), margin_S)
+        work_W = ops.sort((ops.as_int64(rank_S) << ops.const(pos_bits, ops.int64)) | row_S)[:W]
+        work_W = work_W & ops.const((1 << pos_bits) - 1, ops.int64)
+        expert_W = ops.take(expert_S, work_W)
+        # Free slots of each expert for the working set (bin 0 counts the unassigned rows).
+        cap_W_P = cap_P - ops.bincount(expert_S + 1, P + 1)[1:] + ops.bincount(expert_W + 1, P + 1)[1:]
+        key_PW = ops.where((cap_W_P == 0)[:, None], neg_key, ops.take_columns(key_PS, work_W))
+        expert_W, _, _, _, unassigned = _auction(
+            ops, key_PW, cap_W_P, work_W, expert_W, price_P, E, sh, levels, eps_q, max_rounds - rounds,
+            check_every, 0)
+        ops.put(expert_S, work_W, expert_W)
+    return ops.tensor(expert_S), unassigned
+
+
+def _auction(ops, key_PS, cap_P, row_S, expert_S, price_P, E: int, sh: int, levels: int, eps_q: int,
+             max_rounds: int, check_every: int, stop_at: int):
+    """Steps 1-3 on keys (P, S) from the given state: expert per row (-1: unassigned), prices.
+
+    Arrays of the `ops` backend. row_S are the rows' indices in the full problem (they set the
+    tie priorities of step 0); cap_P the capacities (0 for padding experts). Stops at a check
+    that finds at most `stop_at` rows unassigned, or after max_rounds rounds. Returns the expert
+    per row, the prices, the margins of the last round (bid - price, in quantisation steps), the
+    number of rounds run and the number of rows left unassigned if the last check saw it (None
+    if the round budget ran out first).
     """
     P, S = key_PS.shape
-    E = cap_E.shape[0]
-    device = key_PS.device
-    cap_P = torch.zeros(P, dtype=torch.long, device=device)
-    cap_P[:E] = cap_E
-    # Sort key of a candidate: (expert, descending margin) packed in one int32; the margin lives
-    # in [-levels, levels] and is stored as levels - margin.
+    i32, i64 = ops.int32, ops.int64
+    # Best expert of a row = (rotation - priority) mod E with rotation = (row - 1) mod E (see
+    # _priorities), looked up in a table at rotation * P + priority.
+    rotation_S = ((row_S - 1) % E) * P
+    expert_of_EP = ((ops.arange(E, i64)[:, None] - ops.arange(P, i64)) % E).reshape(-1)
+    # Sort key of a bid for expert e with margin m: band_P[e] - m. The bands [e << margin_bits,
+    # (e + 1) << margin_bits) hold the margins in [-levels, levels] in descending order, so one
+    # sort groups the bids by expert, highest first, and a search for the band edges finds the
+    # groups.
+    # The sort itself runs on the int64 keys (sort key << pos_bits) | position: unique, so any
+    # sort orders them as a stable sort of the sort keys would (numpy's and torch's plain int64
+    # sorts are several times faster than their stable ones).
     margin_bits = (2 * levels).bit_length()
-    low_mask = (1 << margin_bits) - 1
-    if price_P is None:
-        price_P = torch.zeros(P, dtype=torch.int32, device=device)  # in quantisation steps
-    if expert_S is None:
-        expert_S = torch.full((S,), -1, dtype=torch.long, device=device)
-    margin_S = torch.zeros(S, dtype=torch.int32, device=device)
-    if row_S is None:
-        row_S = torch.arange(S, device=device)
-    rotation_S = _rotation(row_S, E)  # best expert = (rotation - priority) mod E
-    e_P = torch.arange(P, device=device)
-    pos_S = torch.arange(S, device=device)
-    net_PS = torch.empty_like(key_PS)
+    pos_bits = max(1, (S - 1).bit_length())
+    edge_P1 = ops.arange(P + 1, i32) << ops.const(margin_bits, i32)
+    band_P = edge_P1[:P] + ops.const(levels, i32)
+    band_eps_P = band_P + ops.const(eps_q, i32)
+    edge_P1 = ops.as_int64(edge_P1) << ops.const(pos_bits, i64)
+    shift, low_t = ops.const(sh, i32), ops.const(P - 1, i32)
+    zero_t, one_t, none_t = ops.const(0, i64), ops.const(1, i64), ops.const(-1, i64)
+    pos_shift, pos_mask = ops.const(pos_bits, i64), ops.const((1 << pos_bits) - 1, i64)
+    price_sh_P = price_P << shift  # the price in key units
+    margin_S = ops.full(S, 0, i32)
+    pos_S = ops.arange(S, i64)
+    rank_S = ops.full(S, 0, i64)
+    net_PS = key_PS * 1
+    net_flat = net_PS.reshape(-1)  # a view
+    S_t, min_t = ops.const(S, i64), ops.const(-(1 << 31), i32)
+    bound_P1 = limit_P = over_P = None  # of the last round, read by the completion check
     rounds = 0
+    unassigned = None
     while rounds < max_rounds:
-        if rounds and rounds % check_every == 0 and int((expert_S < 0).sum()) <= stop_at:
-            break
+        if rounds and rounds % check_every == 0:
+            # Rows not kept by the last round (each row bid for exactly one expert): none if
+            # no expert was over-subscribed.
+            if stop_at == 0:
+                unassigned = None if bool(over_P.any()) else 0
+            else:
+                unassigned = int(ops.clip(bound_P1[1:] - limit_P, 0, None).sum())
+                unassigned = unassigned if unassigned <= stop_at else None
+            if unassigned is not None:
+                break
         rounds += 1
-        torch.sub(key_PS, (price_P << sh)[:, None], out=net_PS)
-        best_S, second_S = _top2(net_PS)
-        best_expert_S = _wrap(rotation_S - (best_S & (P - 1)), E)
-        target_S = torch.where(expert_S >= 0, expert_S, best_expert_S)
-        own_S = net_PS.gather(0, target_S[None])[0] >> sh
-        alternative_S = torch.where(target_S == best_expert_S, second_S, best_S) >> sh
-        # A row bids price[target] + margin: the price at which it would be indifferent.
-        margin_S = (own_S - alternative_S).clamp_(-levels, levels)
-        sort_key_S = (target_S.to(torch.int32) << margin_bits) + (levels - margin_S)
-        sorted_S, order_S = torch.sort(sort_key_S, stable=True)  # stable: ties keep the earlier row
-        sorted_expert_S = (sorted_S >> margin_bits).long()
-        start_P = torch.searchsorted(sorted_expert_S, e_P)
-        count_P = torch.searchsorted(sorted_expert_S, e_P, right=True) - start_P
-        kept_sorted_S = (pos_S - start_P[sorted_expert_S]) < cap_P[sorted_expert_S]
-        expert_S = torch.empty_like(expert_S).scatter_(0, order_S, torch.where(kept_sorted_S, sorted_expert_S, -1))
-        # Over-subscribed experts: new price = max(old price, lowest kept bid) + eps.
-        last_kept_P = sorted_S[(start_P + cap_P - 1).clamp_(0, S - 1)]
-        raise_P = (levels - (last_kept_P & low_mask)).clamp_(min=0) + eps_q
-        price_P = torch.where(count_P > cap_P, price_P + raise_P, price_P).to(torch.int32)
-    return expert_S, price_P, margin_S, rounds
+        ops.sub_out(key_PS, price_sh_P[:, None], net_PS)
+        best_expert_S = ops.take(expert_of_EP, rotation_S + (ops.amax0(net_PS) & low_t))
+        target_S = ops.where(expert_S >= zero_t, expert_S, best_expert_S)
+        # A row bids price[target] + margin: the price at which it would be indifferent, with
+        # margin = net value at the target - the best net value elsewhere.
+        at_S = target_S * S_t + pos_S  # flat index of (target, row) in net_PS
+        own_S = ops.take(net_flat, at_S)
+        ops.put(net_flat, at_S, min_t)
+        margin_S = ops.clip((own_S >> shift) - (ops.amax0(net_PS) >> shift), -levels, levels)
+        # ties keep the earlier row
+        sorted_S = ops.sort((ops.as_int64(ops.take(band_P, target_S) - margin_S) << pos_shift) | pos_S)
+        bound_P1 = ops.searchsorted(sorted_S, edge_P1)  # expert e's bids are sorted_S[bound[e]:bound[e + 1]]
+        limit_P = bound_P1[:-1] + cap_P  # and it keeps those before its limit
+        ops.put(rank_S, sorted_S & pos_mask, pos_S)
+        expert_S = ops.where(rank_S < ops.take(limit_P, target_S), target_S, none_t)
+        # Over-subscribed experts: new price = max(old price, lowest kept bid) + eps, i.e. the
+        # price plus max(0, margin of the lowest kept bid) + eps.
+        last_kept_P = ops.as_int32(ops.take_clipped(sorted_S, limit_P - one_t) >> pos_shift)
+        over_P = bound_P1[1:] > limit_P
+        price_sh_P = ops.where(over_P, price_sh_P + ((band_eps_P - ops.minimum(last_kept_P, band_P)) << shift),
+                               price_sh_P)
+    return expert_S, price_sh_P >> shift, margin_S, rounds, unassigned
 
 
 def _fill_free_capacity(expert_S: Tensor, cap_E: Tensor) -> Tensor:

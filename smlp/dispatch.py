@@ -34,6 +34,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.profiler import record_function
+
+from .profiling import RANGES
 
 __all__ = ["LocalDispatcher", "AllToAllDispatcher", "CommTimer", "ShuffleState", "all_to_all",
            "expert_parallel_layout", "synchronize"]
@@ -83,10 +86,14 @@ class CommTimer:
 
 
 class _TimedSection:
+    """One timed communication section, also a torch.profiler range (smlp/profiling.py)."""
+
     def __init__(self, timer: CommTimer, device: torch.device):
         self.timer, self.device = timer, device
+        self.range = record_function(RANGES["all2all"])
 
     def __enter__(self):
+        self.range.__enter__()
         if self.timer.enabled:
             synchronize(self.device)
             self.start = time.perf_counter()
@@ -96,6 +103,7 @@ class _TimedSection:
         if self.timer.enabled:
             synchronize(self.device)
             self.timer.seconds += time.perf_counter() - self.start
+        self.range.__exit__(*exc)
         return False
 
 

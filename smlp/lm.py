@@ -41,6 +41,7 @@ from .config import ACTIVATIONS, SMOE_ROUTINGS, TOKEN_ROUTERS, GMLPConfig, Spars
 from .dispatch import LocalDispatcher
 from .mixers import GMLPBlock, check_length
 from .moe import SMoE, SparseBlock, TMoE
+from .token_mixers import TOKEN_MIXERS, HyperMixerConfig, NiNformerConfig, make_token_mixer
 from .transformer import TransformerBlock, sinusoidal_positions
 
 __all__ = ["FAMILIES", "PLACEMENTS", "LMConfig", "LanguageModel", "layer_plan"]
@@ -96,6 +97,10 @@ class LMConfig:
     sparse_placement: str = "auto"   # "auto" = every_other for gshard/switch, paper otherwise
     gshard_aux_loss: str = "normalized"
     base_shuffle: bool = True
+    # token mixer of the dense gMLP blocks (smlp, gmlp): sgu, or hypermixer / ninformer (token_mixers.py)
+    token_mixer: str = "sgu"
+    mixer_dim: int = 0  # HyperMixer d' / NiNformer channel-MLP hidden width; 0 = the gated width F/2
+    hypermixer_tied: bool = True
 
     def __post_init__(self) -> None:
         _choice("family", self.family, FAMILIES)
@@ -122,6 +127,7 @@ class LMConfig:
         if self.family == "transformer" and self.sparse_layers:
             self.tmoe
         self.plan  # validates the placement against the layer counts
+        self._check_token_mixer()
 
     @property
     def placement(self) -> str:
@@ -141,6 +147,31 @@ class LMConfig:
     def dense_block(self) -> GMLPConfig:
         return GMLPConfig(d_model=self.d_model, d_ffn=self.d_ffn, seq_len=self.seq_len, heads=self.heads,
                           dropout=self.dropout)
+
+    def _check_token_mixer(self) -> None:
+        _choice("token_mixer", self.token_mixer, TOKEN_MIXERS)
+        if self.token_mixer == "sgu":
+            return
+        if self.family not in ("smlp", "gmlp"):
+            raise ValueError(f"token_mixer={self.token_mixer!r} replaces the SGU of gMLP blocks: the "
+                             f"{self.family} family has none (valid: smlp, gmlp)")
+        if self.heads != 1:
+            raise ValueError(f"heads={self.heads}: heads split the SGU; token_mixer={self.token_mixer!r} needs heads=1")
+        if not isinstance(self.mixer_dim, int) or self.mixer_dim < 0:
+            raise ValueError(f"mixer_dim={self.mixer_dim!r} is invalid: it must be 0 (the gated width) or positive")
+        self.dense_mixer  # validates
+
+    @property
+    def dense_mixer(self) -> HyperMixerConfig | NiNformerConfig | None:
+        """The token mixer of the dense blocks in the SGU's place (None: the SGU itself)."""
+        C = self.d_ffn // 2
+        if self.token_mixer == "hypermixer":
+            # hypernetworks MLP([C, C, d']) as HyperMixer's Algorithm 1 (d = the mixer's input width)
+            return HyperMixerConfig(dim=self.d_ffn, hidden_dim=self.mixer_dim or C, hyper_hidden=C,
+                                    tied=self.hypermixer_tied)
+        if self.token_mixer == "ninformer":
+            return NiNformerConfig(dim=self.d_ffn, seq_len=self.seq_len, channel_hidden=self.mixer_dim or C)
+        return None
 
     @property
     def sparse_block(self) -> SparseBlockConfig:
@@ -191,7 +222,10 @@ class LanguageModel(nn.Module):
     def _build(self, kind: str) -> nn.Module:
         cfg = self.cfg
         if cfg.family in ("smlp", "gmlp"):
-            return GMLPBlock(cfg.dense_block) if kind == "dense" else SparseBlock(cfg.sparse_block, self.dispatcher)
+            if kind == "dense":
+                mixer = cfg.dense_mixer
+                return GMLPBlock(cfg.dense_block, None if mixer is None else make_token_mixer(mixer))
+            return SparseBlock(cfg.sparse_block, self.dispatcher)
         moe = cfg.tmoe if kind == "sparse" else None
         return TransformerBlock(cfg.d_model, cfg.d_ffn, cfg.heads, dropout=cfg.dropout, activation=cfg.activation,
                                 moe=moe, dispatcher=self.dispatcher if moe else None)

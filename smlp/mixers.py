@@ -14,8 +14,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.profiler import record_function
 
 from .config import GMLPConfig, SGUConfig
+from .profiling import RANGES
 
 __all__ = ["check_length", "causal_weight", "init_spatial_", "uniform_per_slice_", "SpatialProjection", "SpatialGatingUnit", "GMLPBlock"]
 
@@ -94,23 +96,36 @@ class SpatialGatingUnit(nn.Module):
     def forward(self, z_BNF: Tensor) -> Tensor:
         if z_BNF.shape[-1] != self.cfg.dim:
             raise ValueError(f"SGU expects width {self.cfg.dim}, got input of shape {tuple(z_BNF.shape)}")
-        z1, z2 = z_BNF.chunk(2, dim=-1) if self.cfg.split else (z_BNF, z_BNF)
-        return z1 * self.proj(self.norm(z2))
+        with record_function(RANGES["token_mixing"]):
+            z1, z2 = z_BNF.chunk(2, dim=-1) if self.cfg.split else (z_BNF, z_BNF)
+            return z1 * self.proj(self.norm(z2))
 
 
 class GMLPBlock(nn.Module):
-    """Dense gMLP block, pre-norm with residual."""
+    """Dense gMLP block, pre-norm with residual.
 
-    def __init__(self, cfg: GMLPConfig):
+    `mixer` replaces the SGU by another token mixer that maps the F channels to F/2 (the causal
+    HyperMixer and NiNformer units of token_mixers.py); the SGU keeps its attribute name `sgu`,
+    so existing checkpoints load unchanged.
+    """
+
+    def __init__(self, cfg: GMLPConfig, mixer: nn.Module | None = None):
         super().__init__()
         self.cfg = cfg
         self.norm = nn.LayerNorm(cfg.d_model)
         self.proj_in = nn.Linear(cfg.d_model, cfg.d_ffn)
-        self.sgu = SpatialGatingUnit(cfg.sgu)
+        if mixer is None:
+            self.sgu = SpatialGatingUnit(cfg.sgu)
+        else:
+            self.mixer = mixer
         self.proj_out = nn.Linear(cfg.d_ffn // 2, cfg.d_model)
         self.dropout = nn.Dropout(cfg.dropout)
 
+    @property
+    def token_mixer(self) -> nn.Module:
+        return self.sgu if "sgu" in self._modules else self.mixer
+
     def forward(self, x_BND: Tensor) -> Tensor:
         h = F.gelu(self.proj_in(self.norm(x_BND)))  # (B, N, F)
-        h = self.proj_out(self.sgu(h))  # (B, N, D)
+        h = self.proj_out(self.token_mixer(h))  # (B, N, D)
         return x_BND + self.dropout(h)

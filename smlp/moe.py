@@ -16,7 +16,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.profiler import record_function
 
+from .profiling import RANGES
 from .config import SMoEConfig, SparseBlockConfig, TMoEConfig
 from .dispatch import LocalDispatcher
 from .experts import FFNExperts, SpatialExperts
@@ -111,7 +113,8 @@ class TMoE(nn.Module):
         return y_SD
 
     def _route_and_compute(self, x_SD: Tensor, token_ids_S: Tensor | None) -> Tensor:
-        plan = self.route(x_SD, token_ids_S)
+        with record_function(RANGES["routing"]):
+            plan = self.route(x_SD, token_ids_S)
         self.aux_loss = plan.aux_loss
         self.load_E = plan.counts(self.cfg.num_experts).detach()
         K = plan.experts_SK.shape[1]
@@ -120,7 +123,9 @@ class TMoE(nn.Module):
         expert_idx = plan.experts_SK.reshape(-1)[kept]
         weight = plan.weights_SK.reshape(-1)[kept].to(x_SD.dtype)
         x_RD, counts_L, state = self.dispatcher.dispatch(x_SD[row_idx], expert_idx)
-        y_rows = self.dispatcher.combine(self.experts(x_RD, counts_L), state)
+        with record_function(RANGES["experts"]):
+            y_RD = self.experts(x_RD, counts_L)
+        y_rows = self.dispatcher.combine(y_RD, state)
         return torch.zeros_like(x_SD).index_add(0, row_idx, y_rows * weight[:, None])
 
 
@@ -175,8 +180,9 @@ class SMoE(nn.Module):
             rows_SM = rows_SM[:0]
             expert_S, weight_S = self.channel_expert_C.new_zeros(0), None
         else:
-            prefix_SP = v_BNC[:, :P, :].transpose(1, 2).reshape(B * C, P)
-            plan = smoe_partial_route(prefix_SP @ self.router, training=self.training, layer=self.layer_name)
+            with record_function(RANGES["routing"]):
+                prefix_SP = v_BNC[:, :P, :].transpose(1, 2).reshape(B * C, P)
+                plan = smoe_partial_route(prefix_SP @ self.router, training=self.training, layer=self.layer_name)
             expert_S, weight_S = plan.experts_SK[:, 0], plan.weights_SK[:, 0].to(z_BNF.dtype)
         self.load_E = torch.bincount(expert_S, minlength=cfg.num_experts).detach()
         comm_before = self.dispatcher.comm_seconds
@@ -184,7 +190,9 @@ class SMoE(nn.Module):
         if width > M:  # zero positions appended at the end never reach earlier outputs (causal)
             rows_SM = F.pad(rows_SM, (0, width - M))
         x_RM, counts_L, state = self.dispatcher.dispatch(rows_SM, expert_S)
-        y_SM = self.dispatcher.combine(self.experts(x_RM, counts_L), state)[:, :M]
+        with record_function(RANGES["token_mixing"]):  # the sMoE's experts mix positions
+            y_RM = self.experts(x_RM, counts_L)
+        y_SM = self.dispatcher.combine(y_RM, state)[:, :M]
         self.comm_seconds = self.dispatcher.comm_seconds - comm_before
         if weight_S is not None:
             y_SM = y_SM * weight_S[:, None]

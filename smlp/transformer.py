@@ -1,23 +1,29 @@
 """Transformer decoder blocks for the dense and Transformer-MoE baselines (sMLP Table 1).
 
 Pre-norm decoder block: x = x + Attn(LN(x)); x = x + FFN(LN(x)), where FFN is dense or a tMoE
-(GShard, Switch, Base Layers, HASH). Attention is written as explicit matmuls with a causal
-mask rather than fused SDPA so FLOP counters (fvcore) see it (DESIGN.md, FLOP counters).
+(GShard, Switch, Base Layers, HASH). Attention runs as torch's fused scaled_dot_product_attention
+(is_causal) in training and inference, as fairseq's own transformer_lm does, so the baseline is not
+slowed by a hand-written mask; fvcore cannot see fused SDPA (DESIGN.md, FLOP counters), so
+`explicit_attention()` switches every attention module to the same maths written as matmuls for
+FLOP counting (the FLOPs calculator uses it, and a test checks both forms agree).
 
 Shapes: B batch, N positions, D model width, H heads, d = D / H.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.profiler import record_function
 
 from .config import TMoEConfig
 from .moe import TMoE
+from .profiling import RANGES
 
-__all__ = ["CausalSelfAttention", "DenseFFN", "TransformerBlock", "sinusoidal_positions"]
+__all__ = ["CausalSelfAttention", "DenseFFN", "TransformerBlock", "explicit_attention", "sinusoidal_positions"]
 
 
 def sinusoidal_positions(n: int, dim: int, device=None, dtype=torch.float32) -> Tensor:
@@ -32,6 +38,8 @@ def sinusoidal_positions(n: int, dim: int, device=None, dtype=torch.float32) -> 
 
 
 class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention; `explicit` selects the matmul form (FLOP counting)."""
+
     def __init__(self, d_model: int, heads: int, dropout: float = 0.0):
         super().__init__()
         if d_model % heads:
@@ -40,14 +48,34 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(d_model, 3 * d_model)
         self.out = nn.Linear(d_model, d_model)
         self.dropout = nn.Dropout(dropout)
+        self.explicit = False
 
     def forward(self, x_BND: Tensor) -> Tensor:
         B, n, D = x_BND.shape
         q, k, v = self.qkv(x_BND).view(B, n, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
-        scores = (q @ k.transpose(-1, -2)) / math.sqrt(D // self.heads)  # (B, H, N, N)
-        future = torch.ones(n, n, dtype=torch.bool, device=x_BND.device).triu(1)
-        attn = self.dropout(scores.masked_fill(future, float("-inf")).softmax(-1))
-        return self.out((attn @ v).transpose(1, 2).reshape(B, n, D))
+        if self.explicit:
+            scores = (q @ k.transpose(-1, -2)) / math.sqrt(D // self.heads)  # (B, H, N, N)
+            future = torch.ones(n, n, dtype=torch.bool, device=x_BND.device).triu(1)
+            attn = self.dropout(scores.masked_fill(future, float("-inf")).softmax(-1))
+            y_BHNd = attn @ v
+        else:
+            p = self.dropout.p if self.training else 0.0
+            y_BHNd = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        return self.out(y_BHNd.transpose(1, 2).reshape(B, n, D))
+
+
+@contextlib.contextmanager
+def explicit_attention(module: nn.Module):
+    """Within the block, every CausalSelfAttention in `module` runs as explicit matmuls (FLOP counters)."""
+    attn = [m for m in module.modules() if isinstance(m, CausalSelfAttention)]
+    before = [m.explicit for m in attn]
+    for m in attn:
+        m.explicit = True
+    try:
+        yield module
+    finally:
+        for m, b in zip(attn, before):
+            m.explicit = b
 
 
 class DenseFFN(nn.Module):
@@ -75,7 +103,8 @@ class TransformerBlock(nn.Module):
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x_BND: Tensor, token_ids_BN: Tensor | None = None) -> Tensor:
-        x_BND = x_BND + self.dropout(self.attn(self.norm1(x_BND)))
+        with record_function(RANGES["token_mixing"]):
+            x_BND = x_BND + self.dropout(self.attn(self.norm1(x_BND)))
         h = self.norm2(x_BND).reshape(-1, self.d_model)
         ids = token_ids_BN.reshape(-1) if token_ids_BN is not None else None
         return x_BND + self.dropout(self.ffn(h, ids).view_as(x_BND))

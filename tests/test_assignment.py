@@ -1,6 +1,8 @@
 """Balanced assignment (Base Layers): exact balance, validity, determinism, quality against the
 exact optimum (scipy's linear_sum_assignment on capacity-replicated columns) and against fairseq's
-C++ auction, degenerate and non-finite inputs, and the round-budget fallback.
+C++ auction, degenerate and non-finite inputs, and the round-budget fallback; the exact two-expert
+path against the exact solver; one auction round against a direct computation; the CPU's numpy
+rounds against the torch rounds that accelerators run (bitwise).
 
 Quality is measured as the fraction of the optimal gain over a random balanced assignment:
 (ours - random) / (optimum - random), 1 = optimal, 0 = chance. For nonnegative scores the plain
@@ -13,6 +15,7 @@ import pytest
 import torch
 from scipy.optimize import linear_sum_assignment
 
+import smlp.assignment as assignment
 from smlp.assignment import balanced_assignment, expert_capacities
 
 
@@ -42,6 +45,16 @@ def _optimum(scores_SE):
 def _random_total(scores_SE):
     S, E = scores_SE.shape
     return float((scores_SE.double() * expert_capacities(S, E).double()).sum() / S)
+
+
+def _optimal_experts(scores_SE):
+    """The exact solver's assignment, as an expert per row."""
+    S, E = scores_SE.shape
+    cols = np.repeat(np.arange(E), expert_capacities(S, E).tolist())
+    rows, slots = linear_sum_assignment(scores_SE.double().numpy()[:, cols], maximize=True)
+    expert_S = torch.empty(S, dtype=torch.long)
+    expert_S[torch.from_numpy(rows)] = torch.from_numpy(cols[slots])
+    return expert_S
 
 
 def _gap_fraction(scores_SE, expert_S):
@@ -123,15 +136,126 @@ def test_row_and_column_offsets_do_not_change_the_assignment():
     assert torch.equal(balanced_assignment(scores + rows + cols), expected)
 
 
-def test_tournament_finds_the_two_largest_keys():
-    from smlp.assignment import _top2
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+def test_one_round_bids_and_capacity_cut_against_a_direct_computation(backend):
+    # From the empty assignment every row bids for its best key with margin (best value -
+    # second best value); each expert keeps its `capacity` highest margins (ties: earlier row)
+    # and, if over-subscribed, raises its price to max(0, lowest kept margin) + eps.
+    S, E, sh, eps_q = 500, 12, 4, 7
+    P, levels = 1 << sh, (1 << 27) >> sh
+    ops = assignment._NumpyOps() if backend == "numpy" else assignment._TorchOps(torch.device("cpu"))
+    scores = (_scores(S, E, "uniform", seed=20) * 6).round()  # many tied values: the priorities decide
+    key_PS = assignment._integer_keys(assignment._finite_scores(scores, ops), sh, levels, ops)
+    cap_E = expert_capacities(S, E)
+    cap_P = ops.full(P, 0, ops.int64)
+    cap_P[:E] = ops.array(cap_E)
+    expert_S, price_P, margin_S, rounds, _ = assignment._auction(
+        ops, key_PS, cap_P, ops.arange(S, ops.int64), ops.full(S, -1, ops.int64), ops.full(P, 0, ops.int32),
+        E, sh, levels, eps_q, 1, 1, 0)
+    assert rounds == 1
+    keys = torch.as_tensor(key_PS).long()
+    top = torch.topk(keys, 2, dim=0)
+    assert all(len(set(row)) == E for row in keys[:E].t().tolist())  # distinct keys within a row
+    best_S = top.indices[0]
+    expected_margin_S = (top.values[0] >> sh) - (top.values[1] >> sh)
+    assert torch.equal(torch.as_tensor(margin_S).long(), expected_margin_S)
+    expected_S = torch.full((S,), -1)
+    expected_price_P = torch.zeros(P, dtype=torch.long)
+    for e in range(E):
+        rows = [s for s in range(S) if best_S[s] == e]
+        rows.sort(key=lambda s: (-int(expected_margin_S[s]), s))
+        kept = rows[:int(cap_E[e])]
+        expected_S[kept] = e
+        if len(rows) > cap_E[e]:
+            expected_price_P[e] = max(0, int(expected_margin_S[kept[-1]])) + eps_q
+    assert torch.equal(torch.as_tensor(expert_S), expected_S)
+    assert torch.equal(torch.as_tensor(price_P).long(), expected_price_P)
 
-    g = torch.Generator().manual_seed(20)
-    for P in (2, 4, 64):
-        keys_PS = torch.randint(-50, 50, (P, 500), generator=g, dtype=torch.int32)  # many ties
-        first, second = _top2(keys_PS)
-        expected = torch.topk(keys_PS.long(), 2, dim=0).values
-        assert torch.equal(first.long(), expected[0]) and torch.equal(second.long(), expected[1])
+
+def _torch_rounds(monkeypatch):
+    """Make balanced_assignment run steps 0-4 on torch tensors on the CPU, as on an accelerator."""
+    monkeypatch.setattr(assignment, "_array_ops", lambda device: assignment._TorchOps(device))
+
+
+@pytest.mark.parametrize("S, E, kind, kwargs", [
+    (1024, 8, "softmax", {}), (1000, 7, "randn", {"max_rounds": 3}), (37, 12, "uniform", {"check_every": 3}),
+    (3, 5, "randn", {}), (513, 16, "coarse", {}), (256, 8, "nonfinite", {}), (4096, 16, "randn", {}),
+    (2048, 2, "randn", {}), (7, 2, "coarse", {}), (64, 2, "nonfinite", {}),
+])
+def test_numpy_rounds_equal_torch_rounds(monkeypatch, S, E, kind, kwargs):
+    # The CPU runs the auction on numpy arrays, accelerators on torch tensors: same integer
+    # algorithm, so the same experts bit for bit (and the same step 0 keys).
+    if kind == "coarse":
+        scores = (_scores(S, E, "uniform", seed=S) * 4).round()
+    elif kind == "nonfinite":
+        scores = _scores(S, E, "randn", seed=S)
+        scores[0, 1], scores[3], scores[5, 0] = float("nan"), float("inf"), float("-inf")
+    else:
+        scores = _scores(S, E, kind, seed=S)
+    on_numpy = balanced_assignment(scores, **kwargs)
+    if E > 2:
+        sh = max(1, (E - 1).bit_length())
+        keys = [assignment._integer_keys(assignment._finite_scores(scores, ops), sh, (1 << 27) >> sh, ops)
+                for ops in (assignment._NumpyOps(), assignment._TorchOps(torch.device("cpu")))]
+        assert torch.equal(torch.from_numpy(keys[0]), keys[1])
+    _torch_rounds(monkeypatch)
+    on_torch = balanced_assignment(scores, **kwargs)
+    _assert_balanced(on_numpy, S, E)
+    assert torch.equal(on_numpy, on_torch)
+
+
+def test_working_set_step_runs_and_stays_close(monkeypatch):
+    # Step 4 (the auction continued on the unassigned rows and the 1024 held rows of smallest
+    # margin) runs only from S * P >= 65536 keys by default; force it at 2048 x 16.
+    sizes = []
+    auction = assignment._auction
+    monkeypatch.setattr(assignment, "_auction", lambda ops, key_PS, *a: sizes.append(key_PS.shape[1]) or auction(
+        ops, key_PS, *a))
+    monkeypatch.setattr(assignment, "_MIN_TAIL_KEYS", 0)
+    scores = _scores(2048, 16, "randn", seed=19)
+    for k in (1, 4):  # the switch point moves with the checks
+        sizes.clear()
+        expert_S = balanced_assignment(scores, check_every=k)
+        assert sizes == [2048, 1024]
+        _assert_balanced(expert_S, 2048, 16)
+        assert _gap_fraction(scores, expert_S) >= 0.995
+
+
+# ---------------------------------------------------------------- two experts
+
+
+@pytest.mark.parametrize("S", [1, 2, 3, 64, 1001])
+def test_two_experts_equal_the_exact_solver(S):
+    for kind in ("uniform", "softmax", "randn"):
+        scores = _scores(S, 2, kind, seed=S)
+        expert_S = balanced_assignment(scores)
+        _assert_balanced(expert_S, S, 2)
+        assert torch.equal(expert_S, _optimal_experts(scores))  # continuous scores: a unique optimum
+
+
+def test_two_experts_ties_go_to_the_earliest_rows():
+    scores = torch.tensor([[1.0, 0], [0, 0], [0, 0], [0, 0], [1, 0], [0, 0]])
+    assert balanced_assignment(scores).tolist() == [0, 0, 1, 1, 0, 1]
+    assert balanced_assignment(torch.zeros(9, 2)).tolist() == [0] * 5 + [1] * 4
+    coarse = (_scores(500, 2, "uniform", seed=3) * 4).round()
+    expert_S = balanced_assignment(coarse)
+    _assert_balanced(expert_S, 500, 2)
+    assert _total(coarse, expert_S) == pytest.approx(_optimum(coarse), abs=1e-9)
+
+
+def test_two_experts_non_finite_and_overflowing_scores():
+    scores = _scores(64, 2, "randn", seed=4)
+    scores[0, 0] = float("inf")  # the highest score: expert 0
+    scores[1, 0] = float("nan")  # the lowest: expert 1
+    scores[2, 1] = float("-inf")  # the lowest: expert 0
+    expert_S = balanced_assignment(scores)
+    _assert_balanced(expert_S, 64, 2)
+    assert expert_S[:3].tolist() == [0, 1, 0]
+    for bad in (float("nan"), float("inf")):
+        _assert_balanced(balanced_assignment(torch.full((9, 2), bad)), 9, 2)
+    # float64 scores whose differences overflow (up to 2 * 1.3e308): redone on rescaled scores
+    base = _scores(256, 2, "randn", seed=5).double().clamp(-3, 3)
+    assert torch.equal(balanced_assignment(base * 2.0 ** 1022), _optimal_experts(base))
 
 
 # ---------------------------------------------------------------- quality
@@ -274,18 +398,17 @@ def test_round_budget_still_gives_exact_balance(max_rounds):
         _assert_balanced(expert_S, S, E)
 
 
-def test_rounds_after_completion_change_nothing():
-    # An accelerator checks for completion only every few rounds; the extra rounds must be no-ops.
+def test_rounds_after_completion_change_nothing(monkeypatch):
+    # An accelerator checks for completion only every few rounds; the extra rounds must be no-ops
+    # (with step 4, where the switch point moves with the checks, see
+    # test_working_set_step_runs_and_stays_close).
     scores = _scores(1024, 16, "softmax", seed=18)
     every_round = balanced_assignment(scores, tail_fraction=0.0, check_every=1)
     for k in (3, 4, 7):
         assert torch.equal(balanced_assignment(scores, tail_fraction=0.0, check_every=k), every_round)
-    # with step 4 the switch point moves with the checks; the result stays balanced and close
-    big = _scores(2048, 16, "randn", seed=19)
+    _torch_rounds(monkeypatch)
     for k in (1, 4):
-        expert_S = balanced_assignment(big, check_every=k)
-        _assert_balanced(expert_S, 2048, 16)
-        assert _gap_fraction(big, expert_S) >= 0.995
+        assert torch.equal(balanced_assignment(scores, tail_fraction=0.0, check_every=k), every_round)
 
 
 def test_bad_arguments_are_refused():

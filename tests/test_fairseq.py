@@ -26,8 +26,14 @@ TINY_ARCHS = [
     ("switch_lm_tiny", []),
     ("base_layers_lm_tiny", []),
     ("hash_layers_lm_tiny", []),
+    ("hypermixer_lm_tiny", []),
+    ("hypermixer_lm_tiny", ["--hypermixer-untied"]),
+    ("ninformer_lm_tiny", []),
+    ("smlp_lm_tiny", ["--token-mixer", "hypermixer"]),
 ]
-IDS = ["smlp-det", "smlp-partial", "gmlp", "transformer", "gshard", "switch", "base", "hash"]
+IDS = ["smlp-det", "smlp-partial", "gmlp", "transformer", "gshard", "switch", "base", "hash",
+       "hypermixer", "hypermixer-untied", "ninformer", "smlp-hypermixer"]
+DENSE_ARCHS = ("gmlp_lm_tiny", "transformer_lm_tiny", "hypermixer_lm_tiny", "ninformer_lm_tiny")
 
 
 def build_model(data, arch, extra=(), world=1):
@@ -54,7 +60,8 @@ def test_models_architectures_and_criterion_are_registered():
     assert {"smlp_lm", "gmlp_lm", "moe_transformer_lm"} <= set(MODEL_REGISTRY)
     for arch in ["smlp_lm_paper_small", "smlp_lm_paper_large", "gmlp_lm_paper_small", "transformer_lm_paper_small",
                  "base_layers_lm_paper_small", "gshard_lm_paper_large", "switch_lm_paper_large",
-                 "base_layers_lm_paper_large", "hash_layers_lm_paper_large", *[a for a, _ in TINY_ARCHS]]:
+                 "base_layers_lm_paper_large", "hash_layers_lm_paper_large", "hypermixer_lm_paper_small",
+                 "hypermixer_untied_lm_paper_small", "ninformer_lm_paper_small", *[a for a, _ in TINY_ARCHS]]:
         assert arch in ARCH_MODEL_REGISTRY, arch
     assert "smlp_lm_loss" in CRITERION_REGISTRY
 
@@ -102,7 +109,7 @@ def test_every_model_trains_on_two_ranks_like_one_process(tiny_lm_data, tmp_path
 
     Plain SGD is sensitive to the scale of every gradient (Adam's first steps are not), so this also
     pins the normalisation of expert gradients, which skip legacy_ddp's all-reduce."""
-    sparse = arch != "gmlp_lm_tiny" and arch != "transformer_lm_tiny"
+    sparse = arch not in DENSE_ARCHS
     if sparse and arch != "gshard_lm_tiny" and arch != "switch_lm_tiny" and arch != "hash_layers_lm_tiny":
         extra = [*extra, "--base-shuffle", "0"]  # the shuffle regroups tokens across ranks (tested on its own)
     common = [str(tiny_lm_data), "--user-dir", PLUGINS, "--arch", arch, *TINY_TRAIN, *extra, "--max-update", "3",
@@ -195,7 +202,8 @@ def test_two_rank_checkpoint_evaluates_on_one_process(tiny_lm_data, tmp_path):
     (["--arch", "smlp_lm_tiny", "--smoe-routing", "learned"], 1, "invalid choice: 'learned'"),
     (["--arch", "switch_lm_tiny", "--moe-router", "top3"], 1, "invalid choice: 'top3'"),
     (["--arch", "smlp_lm_tiny", "--seq-len", "16"], 1, "--tokens-per-sample 32 exceeds the model's sequence length 16"),
-], ids=["experts-vs-world", "c10d", "dims", "routing-name", "router-name", "too-long"])
+    (["--arch", "hypermixer_lm_tiny", "--sgu-heads", "2"], 1, "token_mixer='hypermixer' needs heads=1"),
+], ids=["experts-vs-world", "c10d", "dims", "routing-name", "router-name", "too-long", "mixer-heads"])
 def test_bad_flags_fail_with_a_clear_message_before_training(tiny_lm_data, tmp_path, flags, world, message):
     res = run_fairseq("fairseq-train", [str(tiny_lm_data), "--user-dir", PLUGINS, *TINY_TRAIN, *flags,
                                         "--max-update", "2", "--save-dir", str(tmp_path)], world=world, timeout=120)

@@ -326,3 +326,27 @@ def test_new_flags_reach_the_core_config(tiny_lm_data):
     assert model.core.cfg.tmoe.uses_shuffle is True and model.core.cfg.placement == "paper"
     with pytest.raises(ValueError, match="--base-shuffle 2 is invalid"):
         _build(tiny_lm_data, "base_layers_lm_tiny", ["--base-shuffle", "2"])
+
+
+def test_fused_attention_equals_the_explicit_form_the_flops_calculator_counts():
+    """Training uses fused SDPA (as fairseq); the FLOP counter sees the same maths as matmuls."""
+    from smlp.transformer import CausalSelfAttention, explicit_attention
+
+    torch.manual_seed(0)
+    attn = CausalSelfAttention(32, 4).eval()
+    x = torch.randn(3, 17, 32, requires_grad=True)
+    fused = attn(x)
+    (g_fused,) = torch.autograd.grad(fused.square().sum(), x)
+    with explicit_attention(attn):
+        assert attn.explicit
+        explicit = attn(x)
+        (g_explicit,) = torch.autograd.grad(explicit.square().sum(), x)
+    assert not attn.explicit
+    torch.testing.assert_close(fused, explicit, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(g_fused, g_explicit, rtol=1e-4, atol=1e-5)
+    # both are causal: a change after position 8 leaves positions <= 8 unchanged
+    x2 = x.detach().clone()
+    x2[:, 9:] += 1.0
+    for form in (False, True):
+        attn.explicit = form
+        torch.testing.assert_close(attn(x2)[:, :9], attn(x.detach())[:, :9], rtol=0, atol=1e-6)

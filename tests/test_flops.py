@@ -144,7 +144,8 @@ def test_small_models_are_flop_matched(counts, method):
     assert rows["gmlp"].layers == 41
     assert rows["smlp"].count.cfg.dense_layers == 28  # the target matches itself
     for r in rows.values():
-        assert r.within_tolerance and abs(r.rel) <= FLOPS_TOL
+        if r.family not in F.MIXER_FAMILIES:  # not in the paper; per-layer steps of ~4-7% (test_token_mixers.py)
+            assert r.within_tolerance and abs(r.rel) <= FLOPS_TOL
 
 
 def test_base_layers_small_is_the_flop_match(counts):
@@ -179,6 +180,10 @@ REDUCED = {
     "transformer": tiny("transformer", heads=4),
     **{router: tiny("transformer", heads=4, **MOE, moe_router=router)
        for router in ("gshard", "switch", "base", "hash")},
+    "hypermixer": tiny("gmlp", token_mixer="hypermixer", mixer_dim=24),
+    "hypermixer-untied": tiny("gmlp", token_mixer="hypermixer", hypermixer_tied=False),
+    "ninformer": tiny("gmlp", token_mixer="ninformer"),
+    "smlp-ninformer": tiny("smlp", **MOE, token_mixer="ninformer"),
 }
 
 
@@ -269,7 +274,8 @@ def test_cli_match_json(capsys):
     assert F.main([*TINY, "--match", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     families = [m["family"] for m in out["matches"]]
-    assert families == ["Transformer", "gMLP", "GShard", "Switch", "Base Layers", "HASH Layers", "sMLP"]
+    assert families == ["Transformer", "gMLP", "GShard", "Switch", "Base Layers", "HASH Layers", "sMLP",
+                        "HyperMixer", "HyperMixer (untied)", "NiNformer"]
     for m in out["matches"]:
         assert {"family", "layers", "flops", "params"} <= set(m) and m["layers"] >= 1
     assert F.main([*TINY, "--match", "--markdown"]) == 0

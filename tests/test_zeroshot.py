@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import random
 import socket
@@ -21,8 +22,8 @@ import pytest
 import torch
 
 from smlp_eval import zeroshot
-from smlp_eval.scoring import LMScorer, TextEncoder
-from smlp_eval.tasks import DataFormatError, default_data_path, load_examples, render
+from smlp_eval.scoring import Encoder, LMScorer
+from smlp_eval.tasks import DataFormatError, Example, default_data_path, load_examples, render
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # lm-eval must never reach the hub
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -209,11 +210,8 @@ def test_paper_templates_render_real_examples_as_documented(real_data):
     wg = load_examples("winogrande", real_data["winogrande"])
     w = render(wg[0], "paper")  # 'Sarah was a much better surgeon than Maria so _ always got the easier cases.'
     assert [(x.context, x.continuation) for x in w] == [
-        ("Sarah was a much better surgeon than Maria so Sarah", " always got the easier cases."),
-        ("Sarah was a much better surgeon than Maria so Maria", " always got the easier cases.")]
-    full = render(wg[0], "paper", suffix=False)
-    assert full[1] .context == "" and full[1].continuation == \
-        "Sarah was a much better surgeon than Maria so Maria always got the easier cases."
+        ("Sarah was a much better surgeon than Maria so ", "Sarah always got the easier cases."),
+        ("Sarah was a much better surgeon than Maria so ", "Maria always got the easier cases.")]
     assert wg[0].label == 1
 
     story = load_examples("storycloze", str(STORYCLOZE))
@@ -225,12 +223,21 @@ def test_paper_templates_render_real_examples_as_documented(real_data):
     assert story[1].label == 1
 
     rec = load_examples("record", str(RECORD))
-    r = render(rec[0], "paper")
+    r = render(rec[0], "paper")  # entities sorted: Douro, Lisbon, Porto, Rui Costa
     assert r[1].context == (
         "The city of Porto opened a new bridge on Monday. Mayor Rui Costa said the bridge would cut travel times "
         "across the Douro river. Engineers from Lisbon worked on the project for four years.\n"
-        "- Porto opens a new bridge over the Douro\n- Mayor Rui Costa praises the engineers\nEngineers from ")
+        "Porto opens a new bridge over the Douro\nMayor Rui Costa praises the engineers Engineers from ")
     assert r[1].continuation == "Lisbon spent four years building the bridge."
+    # the pronoun "I" keeps its capital; any other first word is lower-cased whole (the harness's rule)
+    i_copa = copa[3]  # 'I wanted to conserve energy.' -> 'I swept the floor ...' / 'I shut off the light ...'
+    assert [x.continuation for x in render(i_copa, "paper")] == [" I swept the floor in the unoccupied room.",
+                                                                " I shut off the light in the unoccupied room."]
+    assert render(i_copa, "paper")[0].context == "I wanted to conserve energy so"
+    odd = Example("copa", 0, {"premise": "It rained!", "choice1": "NASA stayed home.", "choice2": "I'm wet.",
+                              "question": "effect"}, 0, "x")
+    assert [x.context + x.continuation for x in render(odd, "paper")] == ["It rained! so nasa stayed home.",
+                                                                          "It rained! so i'm wet."]
     assert render(copa[0], "lm-eval")[0].context == "The man turned on the faucet therefore"  # the two sets differ
 
 
@@ -320,6 +327,25 @@ def test_raw_release_formats_read_like_the_arrow_sets(real_data, tmp_path):
     assert len(load_examples("copa", real_data["copa"])) == 100
     assert len(load_examples("piqa", real_data["piqa"])) == 1838
     assert len(load_examples("hellaswag", real_data["hellaswag"])) == 10042
+
+
+def test_hugging_face_folders_and_arrow_files_are_read_with_datasets(real_data, tmp_path):
+    import datasets
+
+    rows = _arrow_rows(real_data["copa"])[:7]
+    dd = datasets.DatasetDict({"train": datasets.Dataset.from_list(rows[:2]),
+                               "validation": datasets.Dataset.from_list(rows)})
+    dd.save_to_disk(str(tmp_path / "copa_dict"))
+    want = [(e.doc, e.label) for e in load_examples("copa", real_data["copa"])[:7]]
+    assert [(e.doc, e.label) for e in load_examples("copa", str(tmp_path / "copa_dict"))] == want
+    one = sorted((tmp_path / "copa_dict" / "validation").glob("*.arrow"))[0]  # a bare save_to_disk shard
+    assert [(e.doc, e.label) for e in load_examples("copa", str(one))] == want
+    datasets.DatasetDict({"test": datasets.Dataset.from_list(rows)}).save_to_disk(str(tmp_path / "no_val"))
+    with pytest.raises(DataFormatError, match="DatasetDict without a 'validation' split .* test"):
+        load_examples("copa", str(tmp_path / "no_val"))
+    (tmp_path / "junk.arrow").write_bytes(b"not arrow")
+    with pytest.raises(DataFormatError, match="junk.arrow is not an Arrow file written by Hugging Face datasets"):
+        load_examples("copa", str(tmp_path / "junk.arrow"))
 
 
 def test_storycloze_csv_and_record_jsonl_readers(tmp_path):
@@ -426,7 +452,7 @@ class BigramLM(torch.nn.Module):
         assert tokens.shape[1] <= self.T, "a row longer than the model's positions"
         self.calls += 1
         if self.collective:  # stands in for the experts' all2all: every rank must be here
-            torch.distributed.all_reduce(torch.ones(1))
+            torch.distributed.all_reduce(torch.ones(1, device=tokens.device))
         logits = self.table[tokens].clone()
         logits[:, :self.core.cfg.prediction_start] = float("nan")
         return logits, None
@@ -448,6 +474,10 @@ def test_scorer_scores_every_token_once_with_truncation_windows_and_prefix_fill(
     for (ctx, cont), s in zip(reqs, scores):
         assert s.num_tokens == len(cont)
         assert s.logprob == pytest.approx(model.expected(ctx, cont), abs=1e-9)  # finite: no prefix position scored
+    shuffled = list(range(len(reqs)))
+    random.Random(1).shuffle(shuffled)
+    again = LMScorer(model, eos=2, pad=1, batch_size=batch_size, progress=False).score([reqs[i] for i in shuffled])
+    assert [again[j].logprob for j in range(len(reqs))] == [scores[i].logprob for i in shuffled]
 
 
 def test_scorer_rows_follow_the_documented_layout():
@@ -459,6 +489,12 @@ def test_scorer_rows_follow_the_documented_layout():
     assert all(r.first >= 5 for r in rows)
     (row,) = LMScorer(BigramLM(30, 16), eos=2, pad=1, progress=False).rows(0, list(range(4, 24)), [9])
     assert len(row.tokens) == 16 and row.tokens[-1] == 23 and row.first == 15  # context cut from the left
+    # real text before a short prompt: the fill's last tokens (it ends at a line end, </s>), then the row's </s>
+    text = LMScorer(BigramLM(30, 16, start=5), eos=2, pad=1, progress=False, prefix_fill=[20, 21, 22, 23, 24, 25, 2])
+    (row,) = text.rows(0, [7, 8], [9, 10])
+    assert row.tokens == [24, 25, 2, 2, 7, 8, 9] and row.first == 5
+    with pytest.raises(ValueError, match="prefix_fill has 3 tokens but the model's routing prefix is 5 positions"):
+        LMScorer(BigramLM(30, 16, start=5), eos=2, pad=1, prefix_fill=[4, 5, 2])
 
 
 def _lockstep_worker(rank, world, init, out):
@@ -486,78 +522,325 @@ def test_scorer_on_two_ranks_runs_the_same_forward_calls_and_returns_every_score
     assert [s for s, _ in r0["scores"]] == pytest.approx(r0["expected"], abs=1e-9)
 
 
+# ---------------------------------------------------------------------------- the scoring rules, by hand
+#
+# A word-level toy: whitespace tokens of a dictionary holding exactly the words used, and the
+# bigram LM above, so every expected score below is a sum of table entries over token pairs
+# written out by hand: which tokens each rule scores is spelled out, not recomputed.
+
+HAND = {  # task -> (doc, label)
+    "copa": ({"premise": "The man broke his toe.", "question": "cause", "choice1": "I dropped a hammer on my foot.",
+              "choice2": "He got a hole in his sock."}, 0),
+    "piqa": ({"goal": " Clean a pan. ", "sol1": "Scrub it with soap and water.", "sol2": "Scrub it with sand and oil."},
+             0),
+    "hellaswag": ({"activity_label": "Baking cookies", "ctx_a": "She mixes the  dough.", "ctx_b": "then she",
+                   "endings": ["puts the tray in the oven.", "puts the dough on her head.", "puts the bowl away.",
+                               "puts on a hat."]}, 0),
+    "storycloze": ({"sentences": ["Ann lost her key.", "She looked everywhere.", "It was in her bag.", "She laughed."],
+                    "endings": ["Ann felt relieved.", "Ann bought a boat."]}, 0),
+    "winogrande": ({"sentence": "The trophy did not fit in the suitcase because _ was too big.",
+                    "option1": "the trophy", "option2": "the suitcase"}, 0),
+    "record": ({"passage": "Porto opened a bridge.\n@highlight\nThe bridge is long",
+                "query": "@placeholder praised the bridge.", "entities": ["Porto", "Rui Costa"],
+                "answers": ["Rui Costa"]}, None),
+}
+# task -> per candidate (the token before the scored ones, the scored tokens); paper template, auto scoring
+HAND_SCORED = {
+    "copa": [("because", "I dropped a hammer on my foot."), ("because", "he got a hole in his sock.")],
+    "piqa": [("with", "soap and water."), ("with", "sand and oil.")],  # "Scrub it with" is shared: not scored
+    "hellaswag": [("puts", "the tray in the oven."), ("puts", "the dough on her head."), ("puts", "the bowl away."),
+                  ("puts", "on a hat.")],  # every ending starts with "puts": not scored
+    "storycloze": [("Ann", "felt relieved."), ("Ann", "bought a boat.")],
+    "winogrande": [("trophy", "was too big."), ("suitcase", "was too big.")],  # the common suffix, summed
+    "record": [("long", "Porto praised the bridge."), ("long", "Rui Costa praised the bridge.")],
+}
+
+
+def _toy_setup(docs, T=64):
+    from fairseq.data import Dictionary
+
+    d = Dictionary()
+    for text in docs:
+        for w in text.split():
+            d.add_symbol(w)
+    encoder = Encoder(d)  # no sentencepiece model: whitespace tokens
+    model = BigramLM(len(d), T)
+    return encoder, model, LMScorer(model, eos=d.eos(), pad=d.pad(), progress=False)
+
+
+def _hand_lp(model, d, before: str, scored: str) -> float:
+    lp = model.table.log_softmax(-1)
+    words = [before, *scored.split()]
+    return sum(float(lp[d.index(a), d.index(b)]) for a, b in zip(words, words[1:]))
+
+
+def _hand_examples():
+    out = {}
+    for task, (doc, label) in HAND.items():
+        if task == "record":
+            doc = {**doc, "entities": sorted(doc["entities"]), "answers": sorted(doc["answers"])}
+        out[task] = [Example(task, 0, doc, label, "hand")]
+    return out
+
+
+def _all_words(examples):
+    texts = ["</s>"]
+    for (ex,) in examples.values():
+        for template in ("paper", "lm-eval"):
+            texts += [c.context + " " + c.continuation for c in render(ex, template)]
+    return texts
+
+
+def test_paper_scoring_rules_match_hand_computed_scores():
+    examples = _hand_examples()
+    encoder, model, scorer = _toy_setup(_all_words(examples))
+    d = encoder.dictionary
+    for task, (ex,) in examples.items():
+        res = zeroshot.evaluate_task(scorer, encoder, task, [ex], per_example=True)
+        assert res["scoring"] == ("suffix" if task == "winogrande" else "mean") and res["unk"]["unk"] == 0
+        cands = res["examples"][0]["candidates"]
+        for c, (before, scored) in zip(cands, HAND_SCORED[task]):
+            assert c["scored"] == scored, (task, c)
+            n = len(scored.split())
+            expected = _hand_lp(model, d, before, scored) / (1 if task == "winogrande" else n)
+            assert c["tokens"] == n and c["score"] == pytest.approx(expected, abs=1e-6), (task, c)
+        best = max(range(len(cands)), key=lambda i: cands[i]["score"])
+        assert res["examples"][0]["pred"] == best
+        if task == "record":
+            assert res["metrics"] == {"em": float(best == 1), "f1": float(best == 1)}
+        else:
+            assert res["metrics"] == {"acc": float(best == ex.label)}
+
+
+def test_paper_scoring_edge_cases_follow_the_harness():
+    cases = {  # a candidate that is a token prefix of the other has nothing left to score under mean
+        "piqa": Example("piqa", 0, {"goal": "Clean a pan.", "sol1": "Scrub it", "sol2": "Scrub it well."}, 0, "x"),
+        # no common suffix: the harness's scores[-0:] is the whole sequence, scored from the leading </s>
+        "winogrande": Example("winogrande", 0, {"sentence": "Ann gave the ball to _", "option1": "Bob",
+                                                "option2": "Sue"}, 0, "x")}
+    encoder, model, scorer = _toy_setup(["</s> Clean a pan. Scrub it well. Ann gave the ball to Bob Sue"])
+    piqa = zeroshot.evaluate_task(scorer, encoder, "piqa", [cases["piqa"]], per_example=True)["examples"][0]
+    assert piqa["candidates"][0]["tokens"] == 0 and piqa["candidates"][0]["score"] == -math.inf
+    assert piqa["pred"] == 1
+    wg = zeroshot.evaluate_task(scorer, encoder, "winogrande", [cases["winogrande"]], per_example=True)
+    for c, name in zip(wg["examples"][0]["candidates"], ("Bob", "Sue")):
+        assert c["tokens"] == 6
+        assert c["score"] == pytest.approx(_hand_lp(model, encoder.dictionary, "</s>", f"Ann gave the ball to {name}"),
+                                           abs=1e-6)
+    sums = zeroshot.evaluate_task(scorer, encoder, "piqa", [cases["piqa"]], scoring="sum", per_example=True)
+    assert sums["examples"][0]["candidates"][1]["score"] == pytest.approx(
+        _hand_lp(model, encoder.dictionary, "it", "well."), abs=1e-6)
+
+
+def test_lm_eval_template_scores_the_continuation_and_normalizes_by_characters():
+    examples = _hand_examples()
+    encoder, model, scorer = _toy_setup(_all_words(examples))
+    d = encoder.dictionary
+    res = zeroshot.evaluate_task(scorer, encoder, "copa", examples["copa"], template="lm-eval", per_example=True)
+    ex = res["examples"][0]
+    assert res["scoring"] == "sum" and set(res["metrics"]) == {"acc", "acc_norm"}
+    lps = [_hand_lp(model, d, "because", "i dropped a hammer on my foot."),  # lm-eval lower-cases "I" too
+           _hand_lp(model, d, "because", "he got a hole in his sock.")]
+    assert [c["logprob"] for c in ex["candidates"]] == pytest.approx(lps, abs=1e-6)
+    assert [c["chars"] for c in ex["candidates"]] == [len(" i dropped a hammer on my foot."),
+                                                      len(" he got a hole in his sock.")]
+    assert ex["pred"] == lps.index(max(lps))
+    norm = [lp / n for lp, n in zip(lps, (31, 27))]
+    assert ex["pred_norm"] == norm.index(max(norm)) and res["metrics"]["acc_norm"] == float(ex["pred_norm"] == 0)
+
+
+def test_generation_stops_at_end_of_text_and_at_stop_strings():
+    from smlp_eval.lm_eval_adapter import SMLPLM
+    from lm_eval.api.instance import Instance
+
+    encoder, model, scorer = _toy_setup(["</s> a b c d"])
+    d = encoder.dictionary
+    with torch.no_grad():  # a -> b -> c -> </s> -> d: greedy decoding reads "b c" and must stop at </s>
+        model.table.zero_()
+        for x, y in (("a", "b"), ("b", "c"), ("c", "</s>"), ("</s>", "d")):
+            model.table[d.index(x), d.index(y)] = 10.0
+    lm = SMLPLM(scorer=scorer, encoder=encoder, progress=False)
+
+    def gen(until, n=20):
+        return lm.generate_until([Instance("generate_until", {}, ("a", {"until": until, "max_gen_toks": n}), 0)])[0]
+
+    calls = model.calls
+    assert gen([]) == "b c" and model.calls - calls == 3  # b, c, then </s>: no more forward calls
+    assert gen(["c"]) == "b " and gen(["b"]) == "" and gen([], n=1) == "b"
+
+
+def test_progress_is_a_bar_on_a_terminal_and_a_line_per_tenth_in_a_log():
+    from smlp_eval.scoring import progress
+
+    log = io.StringIO()
+    bar = progress(200, "copa", stream=log)
+    for _ in range(200):
+        bar.update(1)
+    bar.close()
+    lines = log.getvalue().splitlines()
+    assert len(lines) == 10 and "\r" not in log.getvalue()
+    assert lines[0].startswith("copa: 10% (20/200, ") and lines[-1].startswith("copa: 100% (200/200, ")
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    tty = Terminal()
+    bar = progress(200, "copa", stream=tty)
+    for _ in range(200):
+        bar.update(1)
+    bar.close()
+    assert "\r" in tty.getvalue() and "copa" in tty.getvalue() and "10% (20/200" not in tty.getvalue()
+    quiet = io.StringIO()
+    bar = progress(200, "copa", enabled=False, stream=quiet)
+    bar.update(200)
+    assert quiet.getvalue() == ""
+
+
 # ============================================================================ text encoding
 
 
-def test_text_encoder_cuts_pairs_from_the_joint_encoding(lm_data):
+def test_the_encoder_cuts_pairs_from_the_joint_encoding_and_counts_unknown_tokens(lm_data):
     from fairseq.data import Dictionary
 
+    from smlp_eval.scoring import encode_pair
+
     d = Dictionary.load(str(lm_data / "dict.txt"))
-    enc = TextEncoder.from_data_dir(lm_data, d)
-    ctx, cont = enc.encode_pair("Question: count: one two\nAnswer:", " three four")
-    assert ctx + cont == enc.encode("Question: count: one two\nAnswer: three four")
+    enc = Encoder.from_data_dir(lm_data, d)
+    ctx, cont = encode_pair(enc, "Question: count: one two\nAnswer:", " three four")
+    assert ctx + cont == enc.encode_ids("Question: count: one two\nAnswer: three four")
     assert d.eos() in ctx and d.eos() not in cont and d.unk() not in ctx + cont
-    assert enc.decode(cont) == "three four"
-    c2, x2 = enc.encode_pair("count: one two ", "three")  # the trailing space moves to the continuation
-    assert c2 == enc.encode("count: one two") and x2 == enc.encode_pair("count: one two", " three")[1]
-    assert enc.encode_pair("", "one two") == ([], enc.encode("one two"))
+    assert enc.decode_ids(cont) == "three four"
+    c2, x2 = encode_pair(enc, "count: one two ", "three")  # the trailing space moves to the continuation
+    assert c2 == enc.encode_ids("count: one two") and x2 == encode_pair(enc, "count: one two", " three")[1]
+    assert encode_pair(enc, "", "one two") == ([], enc.encode_ids("one two"))
+    odd = enc.encode_ids("Café naïve 東京")
+    assert enc.unk_rate(odd) == (0, len(odd))  # byte fallback
+    words = Encoder(d)  # the same dictionary without its tokenizer: whole words are <unk>
+    assert words.description == "whitespace tokens"
+    unk, n = words.unk_rate(words.encode_ids("count: one two three"))
+    assert n == 4 and unk >= 3
 
 
 # ============================================================================ with trained models
 
 
-def _reference(model, sp, d, context: str, continuation: str) -> tuple[float, int, bool]:
-    """(log P(continuation | context), its tokens, context truncated?) from one direct forward, tokenized
-    independently; the context is cut from the left to the model's length."""
-    def ids(text):
-        out = []
-        for i, line in enumerate(text.split("\n")):
-            out += ([d.eos()] if i else []) + [d.index(p) for p in sp.encode(" ".join(line.split()), out_type=str)]
-        return out
+def _ids(sp, d, text: str) -> list[int]:
+    """Token ids tokenized independently of smlp_eval: sentencepiece per line, </s> between lines."""
+    out = []
+    for i, line in enumerate(text.split("\n")):
+        out += ([d.eos()] if i else []) + [d.index(p) for p in sp.encode(" ".join(line.split()), out_type=str)]
+    return out
 
-    whole = ids(context + continuation)
-    stripped = context.rstrip(" ")
-    tokens = len(whole) - (len(ids(stripped)) if stripped else 0)
+
+def _valid_tail(data: Path, n: int) -> list[int]:
+    """The last n tokens of the binarized valid split, read with fairseq's reader."""
+    from fairseq.data.indexed_dataset import MMapIndexedDataset
+
+    ds = MMapIndexedDataset(str(data / "valid"))
+    return torch.cat([ds[i] for i in range(len(ds) - 40, len(ds))]).tolist()[-n:]
+
+
+def _reference(model, eos: int, whole: list[int], k: int, fill: list[int] | None = None) -> tuple[float, bool]:
+    """(log P of the last k tokens of `whole` given </s> and the tokens before them, context truncated?)
+    from one direct forward of the model; a partial-prediction model's routing prefix is filled with
+    the last tokens of `fill` until the first scored token is predicted from position P."""
     T, P = model.max_positions(), model.core.cfg.prediction_start
-    inp, tgt = ([d.eos()] + whole)[:-1][-T:], whole[-T:]
-    first = len(inp) - tokens
-    fill = max(0, P - first)  # partial prediction: scored positions start at P
-    inp = [d.eos()] * fill + inp
+    inp, tgt = ([eos] + whole)[:-1][-T:], whole[-T:]
+    first = len(inp) - k
+    n_fill = max(0, P - first)
+    inp = (fill[len(fill) - n_fill:] if n_fill else []) + inp
     with torch.no_grad():
         lp = model(torch.tensor([inp]))[0][0].float().log_softmax(-1)
-    pos = torch.arange(fill + first, fill + first + tokens)
-    return float(lp[pos, torch.tensor(tgt[-tokens:])].sum()), tokens, len(whole) > T
+    pos = torch.arange(n_fill + first, n_fill + first + k)
+    return float(lp[pos, torch.tensor(tgt[-k:])].sum()), len(whole) > T
+
+
+def _rule_tokens(wholes: list[list[int]], mode: str) -> list[int]:
+    """How many trailing tokens each candidate scores: after the common prefix, or the common suffix."""
+    if mode == "suffix":
+        n = 0
+        while n < min(map(len, wholes)) and len({w[len(w) - 1 - n] for w in wholes}) == 1:
+            n += 1
+        return [n or len(w) for w in wholes]
+    n = 0
+    while n < min(map(len, wholes)) and len({w[n] for w in wholes}) == 1:
+        n += 1
+    return [len(w) - n for w in wholes]
+
+
+def _rule_score(mode: str, lp: float, k: int, uncond: float | None = None) -> float:
+    if mode == "mean":
+        return lp / k if k else -math.inf
+    return lp - uncond if mode == "unconditional" else lp
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("which", list(MODELS))
-def test_candidate_scores_equal_a_direct_forward_of_the_model(which, request, real_data, lm_data, tmp_path, capsys):
+def test_candidate_scores_and_accuracy_equal_a_direct_forward_of_the_model(which, request, lm_data, tmp_path, capsys):
     import sentencepiece as spm
     from fairseq_plugins.checkpoints import load_for_eval
 
     ckpt = request.getfixturevalue(MODELS[which])
     out = tmp_path / "r.json"
-    code, _ = run_cli(["--path", str(ckpt), "--task", "copa,piqa,hellaswag,winogrande,storycloze,record",
-                       "--data", f"storycloze={STORYCLOZE}", "--data", f"record={RECORD}", "--limit", "6",
-                       "--per-example", "--output-json", str(out), "--batch-size", "5"], capsys)
-    assert code == 0
+    code, text = run_cli(["--path", str(ckpt), "--task", "copa,piqa,hellaswag,winogrande,storycloze,record",
+                          "--data", f"storycloze={STORYCLOZE}", "--data", f"record={RECORD}", "--limit", "6",
+                          "--per-example", "--output-json", str(out), "--batch-size", "5"], capsys)
+    assert code == 0, text
     report = json.loads(out.read_text())
     model, task = load_for_eval(str(ckpt))
+    d, eos = task.target_dictionary, task.target_dictionary.eos()
     sp = spm.SentencePieceProcessor(model_file=str(lm_data / "spm.model"))
     T, P = model.max_positions(), model.core.cfg.prediction_start
     assert report["model"]["prediction_start"] == P and (P > 0) == (which == "smlp-partial")
+    assert report["tokenizer"]["unk"] == 0 and report["tokenizer"]["description"].startswith("sentencepiece")
+    fill = _valid_tail(lm_data, P) if P else None
+    if P:  # partial prediction: real text precedes short prompts, and the results say so
+        assert report["routing_prefix"] == {"positions": P, "of": T, "fill": "text", "source": str(lm_data / "valid")}
+        assert f"the first {P} of {T} positions route" in text and "real text" in text
     checked = truncated = 0
     for name, res in report["tasks"].items():
+        mode = res["scoring"]
+        assert mode == ("suffix" if name == "winogrande" else "mean")
+        correct, complete = 0, True
         for ex in res["examples"]:
-            for c in ex["candidates"]:
-                if c["tokens"] > T - P:
-                    continue  # rolling windows: covered with the toy model
-                ref, tokens, cut = _reference(model, sp, task.target_dictionary, c["context"], c["continuation"])
-                assert c["tokens"] == tokens, (name, ex["index"], c)
+            wholes = [_ids(sp, d, c["context"] + c["continuation"]) for c in ex["candidates"]]
+            ks = _rule_tokens(wholes, mode)
+            assert [c["tokens"] for c in ex["candidates"]] == ks, (name, ex["index"])
+            if max(ks) > T - P:
+                complete = False
+                continue  # scored in several windows: covered with the toy model
+            scores = []
+            for c, whole, k in zip(ex["candidates"], wholes, ks):
+                ref, cut = _reference(model, eos, whole, k, fill)
                 assert c["logprob"] == pytest.approx(ref, abs=2e-4), (name, ex["index"], c)
+                scores.append(_rule_score(mode, ref, k))
                 checked += 1
                 truncated += cut
+            pred = scores.index(max(scores))  # the prediction and accuracy follow from the direct forward
+            assert ex["pred"] == pred, (name, ex["index"], scores)
+            if name == "record":
+                assert ex["candidates"][pred]["continuation"].startswith(ex["pred_entity"])
+            else:
+                correct += pred == ex["label"]
+        if name != "record" and complete:
+            assert res["metrics"] == {"acc": correct / len(res["examples"])}
     assert checked >= 60 and truncated >= 5  # long contexts (HellaSwag, ReCoRD) were cut from the left
+
+
+@pytest.mark.slow
+def test_partial_prediction_fill_needs_real_text_or_an_explicit_choice(ckpt_partial, lm_data, tmp_path, capsys):
+    bare = tmp_path / "bare"  # the tokenizer and dictionary, but no binarized text
+    bare.mkdir()
+    for f in ("dict.txt", "spm.model"):
+        (bare / f).write_bytes((lm_data / f).read_bytes())
+    args = ["--path", str(ckpt_partial), "--task", "copa", "--limit", "3", "--data-dir", str(bare)]
+    code, text = run_cli(args, capsys)
+    assert code == 2 and "has no binarized valid/test/train split" in text and "--prefix-fill eos" in text
+    out = tmp_path / "eos.json"
+    code, text = run_cli([*args, "--prefix-fill", "eos", "--output-json", str(out)], capsys)
+    assert code == 0 and "preceded by </s> tokens (--prefix-fill eos)" in text
+    assert json.loads(out.read_text())["routing_prefix"]["fill"] == "eos"
 
 
 @pytest.mark.slow
@@ -575,50 +858,47 @@ def test_scores_do_not_depend_on_batching(ckpt_switch, tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_scoring_modes_and_normalizations(ckpt_smlp, lm_data, tmp_path, capsys):
+def test_scoring_modes_equal_their_definitions_on_a_direct_forward(ckpt_smlp, lm_data, tmp_path, capsys):
     import sentencepiece as spm
     from fairseq_plugins.checkpoints import load_for_eval
 
     res = {}
     for mode in ("sum", "mean", "unconditional", "suffix"):
         out = tmp_path / f"{mode}.json"
-        assert run_cli(["--path", str(ckpt_smlp), "--task", "piqa,winogrande", "--limit", "10", "--scoring", mode,
+        assert run_cli(["--path", str(ckpt_smlp), "--task", "piqa,winogrande", "--limit", "8", "--scoring", mode,
                         "--per-example", "--output-json", str(out)], capsys)[0] == 0
         res[mode] = json.loads(out.read_text())["tasks"]
     model, task = load_for_eval(str(ckpt_smlp))
+    d, eos = task.target_dictionary, task.target_dictionary.eos()
     sp = spm.SentencePieceProcessor(model_file=str(lm_data / "spm.model"))
+    neutral = _ids(sp, d, "Answer:")
     checked = 0
     for mode, tasks in res.items():
         for name, r in tasks.items():
             assert r["scoring"] == mode
-            correct = norm = 0
+            correct = 0
             for ex in r["examples"]:
-                cands = ex["candidates"]
-                for c in cands:
-                    expected = {"sum": c["logprob"], "suffix": c["logprob"],
-                                "mean": c["logprob"] / max(c["tokens"], 1)}.get(mode)
-                    if mode == "unconditional":
-                        expected = c["logprob"] - c["unconditional_logprob"]
-                        if c["tokens"] + 3 <= model.max_positions():  # longer: rolling windows (toy model)
-                            ref, _, _ = _reference(model, sp, task.target_dictionary, "Answer:", c["continuation"])
-                            assert c["unconditional_logprob"] == pytest.approx(ref, abs=2e-4)
-                            checked += 1
-                    assert c["score"] == pytest.approx(expected)
-                scores = [c["score"] for c in cands]
+                wholes = [_ids(sp, d, c["context"] + c["continuation"]) for c in ex["candidates"]]
+                scores = []
+                for c, whole, k in zip(ex["candidates"], wholes, _rule_tokens(wholes, mode)):
+                    assert c["tokens"] == k
+                    uncond = None
+                    if mode == "unconditional":  # the same tokens after the neutral prompt
+                        uncond, _ = _reference(model, eos, neutral + whole[len(whole) - k:], k)
+                        assert c["unconditional_logprob"] == pytest.approx(uncond, abs=2e-4)
+                        checked += 1
+                    scores.append(_rule_score(mode, c["logprob"], k, uncond))
+                    assert c["score"] == pytest.approx(scores[-1], abs=2e-4)
                 assert ex["pred"] == scores.index(max(scores))
-                per_char = [c["logprob"] / c["chars"] for c in cands]
-                assert ex["pred_norm"] == per_char.index(max(per_char))
                 correct += ex["pred"] == ex["label"]
-                norm += ex["pred_norm"] == ex["label"]
-            assert r["metrics"]["acc"] == correct / len(r["examples"])
-            assert r["metrics"]["acc_norm"] == norm / len(r["examples"])
-    assert checked >= 20
-    # Winogrande: suffix scoring puts the option in the context; the other modes score the whole sentence
-    wg_suffix, wg_sum = res["suffix"]["winogrande"]["examples"][0], res["sum"]["winogrande"]["examples"][0]
-    assert wg_suffix["candidates"][0]["continuation"] == wg_suffix["candidates"][1]["continuation"]
-    assert wg_sum["candidates"][0]["context"] == "" and wg_sum["candidates"][0]["continuation"].startswith("Sarah")
-    for a, b in zip(res["suffix"]["piqa"]["examples"], res["sum"]["piqa"]["examples"]):  # suffix is sum elsewhere
-        assert a["pred"] == b["pred"] and a["candidates"][0]["score"] == pytest.approx(b["candidates"][0]["score"])
+            assert r["metrics"] == {"acc": correct / len(r["examples"])}
+    assert checked >= 16
+    # Winogrande: suffix scores the words after the blank (the same tokens for both options); sum and
+    # mean score everything after the common prefix (the option and the rest)
+    suffix, summed = res["suffix"]["winogrande"]["examples"][0], res["sum"]["winogrande"]["examples"][0]
+    assert suffix["candidates"][0]["scored"] == suffix["candidates"][1]["scored"] == "always got the easier cases."
+    assert [c["scored"] for c in summed["candidates"]] == ["Sarah always got the easier cases.",
+                                                           "Maria always got the easier cases."]
 
 
 def _counting_task(folder: Path, n: int = 40, flip: bool = False) -> Path:
@@ -657,57 +937,71 @@ def test_cli_on_the_real_validation_sets_and_the_sample_files(ckpt_smlp, tmp_pat
     out = tmp_path / "all.json"
     code, text = run_cli(["--path", str(ckpt_smlp), "--task", "copa,piqa", "--task", "hellaswag,winogrande",
                           "--task", "storycloze,record", "--data", f"storycloze={STORYCLOZE}", "--data",
-                          f"record={RECORD}", "--limit", "40", "--seed", "3", "--output-json", str(out)], capsys)
+                          f"record={RECORD}", "--limit", "40", "--seed", "3", "--output-json", str(out),
+                          "--per-example"], capsys)
     assert code == 0
     report = json.loads(out.read_text())
     assert list(report["tasks"]) == ["copa", "piqa", "hellaswag", "winogrande", "storycloze", "record"]
     assert report["template"] == "paper" and report["world_size"] == 1
+    assert report["tokenizer"]["unk_rate"] == 0.0 and "<unk> 0 of" in text  # byte-fallback BPE
+    assert report["routing_prefix"]["positions"] == 0 and "routing prefix: none" in text
+    chosen = {t: [e.index for e in zeroshot.select_examples(load_examples(t, default_data_path(t)), 40, 3)]
+              for t in REAL_TASKS}
     for name, r in report["tasks"].items():
         assert r["n"] == {"storycloze": 4, "record": 4}.get(name, 40)
-        assert "examples" not in r  # only with --per-example
-        for v in r["metrics"].values():
-            assert 0.0 <= v <= 1.0
+        if name in chosen:  # the --seed draw, in dataset order
+            assert [e["index"] for e in r["examples"]] == chosen[name]
+        if name == "record":
+            f1 = [zeroshot.record_f1(e["pred_entity"], e["answers"]) for e in r["examples"]]
+            assert r["metrics"]["f1"] == pytest.approx(sum(f1) / len(f1))
+        else:
+            assert r["metrics"]["acc"] == sum(e["pred"] == e["label"] for e in r["examples"]) / r["n"]
+        assert r["unk"]["unk"] == 0 and r["unk"]["tokens"] > 0
         assert name in text  # the results table
-    assert set(report["tasks"]["record"]["metrics"]) == {"em", "f1"}
     assert report["tasks"]["winogrande"]["scoring"] == "suffix" and report["tasks"]["copa"]["scoring"] == "mean"
     print("\n" + zeroshot.format_table(report["tasks"]), file=sys.__stderr__)  # figures for the record
 
 
 @pytest.mark.slow
-def test_lm_eval_harness_and_our_evaluator_choose_the_same_answers(ckpt_smlp, real_data, tmp_path):
-    """lm-eval (its own COPA/PIQA configs, local Arrow files, offline) with our adapter vs smlp-zeroshot."""
+def test_lm_eval_template_equals_lm_eval_through_our_adapter_exactly(ckpt_smlp, real_data, tmp_path, capsys):
+    """smlp-zeroshot --template lm-eval and lm-eval 0.4.13 (its own task configs over the shipped
+    files, offline) with our adapter give equal per-example log-likelihoods and accuracies."""
     import lm_eval
 
     from smlp_eval.lm_eval_adapter import SMLPLM
 
-    model, fs_task, encoder = zeroshot.load_model(str(ckpt_smlp))
+    n = 12
+    out = tmp_path / "ours.json"
+    code, text = run_cli(["--path", str(ckpt_smlp), "--task", ",".join(REAL_TASKS), "--template", "lm-eval",
+                          "--limit", str(n), "--per-example", "--output-json", str(out)], capsys)
+    assert code == 0, text
+    ours = json.loads(out.read_text())["tasks"]
+    model, _, encoder = zeroshot.load_model(str(ckpt_smlp))
     lm = SMLPLM(model=model, encoder=encoder, progress=False)
     tm = _lm_eval_tasks(tmp_path, {t: (LM_EVAL_CONFIGS[t], "arrow", {"validation": _arrow_file(real_data[t])})
-                                   for t in ("copa", "piqa")})
-    n = 40
-    res = lm_eval.simple_evaluate(model=lm, tasks=["local_copa", "local_piqa"], task_manager=tm, limit=n,
-                                  log_samples=True, bootstrap_iters=0)
-    scorer = LMScorer(model, eos=encoder.eos, pad=fs_task.target_dictionary.pad(), progress=False)
-    for t in ("copa", "piqa"):
-        ours = zeroshot.evaluate_task(scorer, encoder, t, load_examples(t, real_data[t])[:n], template="lm-eval",
-                                      per_example=True)
-        assert ours["scoring"] == "sum"
+                                   for t in REAL_TASKS})
+    for t in REAL_TASKS:  # one task per call, as the CLI scores one task per call
+        res = lm_eval.simple_evaluate(model=lm, tasks=[f"local_{t}"], task_manager=tm, limit=n, log_samples=True,
+                                      bootstrap_iters=0)
         samples = sorted(res["samples"][f"local_{t}"], key=lambda s: s["doc_id"])
-        assert len(samples) == n
-        for s, ex in zip(samples, ours["examples"]):
-            lls = [r[0] for r in s["filtered_resps"]]
-            assert [c["logprob"] for c in ex["candidates"]] == pytest.approx(lls, abs=1e-4)
-            assert ex["pred"] == lls.index(max(lls)), (t, s["doc_id"])
-            if t == "piqa":  # acc_norm divides by the characters of lm-eval's choice strings
-                assert [c["chars"] for c in ex["candidates"]] == [len(s["doc"]["sol1"]), len(s["doc"]["sol2"])]
-        assert ours["metrics"]["acc"] == pytest.approx(res["results"][f"local_{t}"]["acc,none"])
-        if t == "piqa":
-            assert ours["metrics"]["acc_norm"] == pytest.approx(res["results"]["local_piqa"]["acc_norm,none"])
+        assert [s["doc_id"] for s in samples] == [e["index"] for e in ours[t]["examples"]] == list(range(n))
+        for s, ex in zip(samples, ours[t]["examples"]):
+            assert [c["logprob"] for c in ex["candidates"]] == [r[0] for r in s["filtered_resps"]], (t, s["doc_id"])
+            assert [c["greedy"] for c in ex["candidates"]] == [r[1] for r in s["filtered_resps"]]
+            assert float(ex["correct"]) == s["acc"]
+            if "acc_norm" in s:
+                assert float(ex["pred_norm"] == ex["label"]) == s["acc_norm"]
+        metrics = res["results"][f"local_{t}"]
+        assert ours[t]["metrics"]["acc"] == metrics["acc,none"]
+        if "acc_norm,none" in metrics:
+            assert ours[t]["metrics"]["acc_norm"] == metrics["acc_norm,none"]
+        print(f"lm-eval parity {t}: {n} examples, acc {metrics['acc,none']:.4f}", file=sys.__stderr__)
 
 
 @pytest.mark.slow
-def test_lm_eval_adapter_rolling_loglikelihood_and_generation(ckpt_smlp):
+def test_lm_eval_adapter_rolling_loglikelihood_equals_a_direct_forward_and_generation_counts(ckpt_smlp):
     from lm_eval.api.instance import Instance
+    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
     from smlp_eval.lm_eval_adapter import SMLPLM
 
@@ -715,12 +1009,23 @@ def test_lm_eval_adapter_rolling_loglikelihood_and_generation(ckpt_smlp):
     lm = SMLPLM(model=model, encoder=encoder, progress=False, batch_size="auto")
     text = "count: one two three four five six\n" * 20  # longer than the model's 64 positions
     (rolling,) = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (text,), 0)])
-    (whole,) = lm.loglikelihood([Instance("loglikelihood", {}, ("", text), 0)])
-    assert rolling == pytest.approx(whole[0]) and rolling < 0
-    assert len(encoder.encode(text)) > model.max_positions()
+    ids, T, eos = encoder.encode_ids(text), model.max_positions(), encoder.eos
+    assert len(ids) > 2 * T  # three windows
+    # reference: lm-eval's own rolling windows (as its HF model uses them), each one direct forward
+    expected = 0.0
+    for inp, pred in map(make_disjoint_window, get_rolling_token_windows(ids, eos, T, 1)):
+        window = (inp + pred)[:-1]
+        with torch.no_grad():
+            lp = model(torch.tensor([window]))[0][0].float().log_softmax(-1)
+        k = len(pred)
+        expected += float(lp[torch.arange(len(window) - k, len(window)), torch.tensor(pred)].sum())
+    assert rolling == pytest.approx(expected, abs=1e-3) and rolling < 0
     (gen,) = lm.generate_until([Instance("generate_until", {}, ("count: three four five",
-                                                                {"until": ["\n"], "max_gen_toks": 12}), 0)])
-    assert gen.split()[:1] == ["six"] and "\n" not in gen  # the model learned to count
+                                                                {"until": [], "max_gen_toks": 12}), 0)])
+    assert gen.split()[:2] == ["six", "seven"] and "\n" not in gen  # the model learned to count, then ends the line
+    (cut,) = lm.generate_until([Instance("generate_until", {}, ("count: three four five",
+                                                                {"until": ["seven"], "max_gen_toks": 12}), 0)])
+    assert cut.strip() == "six"
 
 
 @pytest.mark.slow
@@ -746,6 +1051,53 @@ def test_expert_parallel_checkpoint_on_one_process_and_on_its_training_world_siz
     assert "copa" in logs[0] and "copa" not in logs[1]  # rank 0 prints the table
 
 
+def _lm_eval_cli_results(folder: Path) -> tuple[dict, dict]:
+    """(acc per task, {task: [(doc_id, log-likelihoods, acc)]}) from lm-eval's --output_path files."""
+    (results,) = folder.rglob("results_*.json")
+    accs = {t: r["acc,none"] for t, r in json.loads(results.read_text())["results"].items()}
+    samples = {}
+    for t in accs:
+        (f,) = folder.rglob(f"samples_{t}_*.jsonl")
+        rows = [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+        samples[t] = sorted((r["doc_id"], [float(x[0]) for x in r["filtered_resps"]], r["acc"]) for r in rows)
+    return accs, samples
+
+
+@pytest.mark.slow
+def test_lm_eval_adapter_under_torchrun_is_expert_parallel_and_equals_one_process(ckpt_expert_parallel, real_data,
+                                                                                 tmp_path):
+    """`torchrun --nproc_per_node 2 -m smlp_eval.lm_eval_adapter run ...` (lm-eval's own command line and
+    simple_evaluate; one expert per gloo rank, as trained) gives the results of one process holding every
+    expert, and only rank 0 writes them."""
+    import lm_eval
+
+    from smlp_eval.lm_eval_adapter import SMLPLM
+
+    tm = _lm_eval_tasks(tmp_path, {t: (LM_EVAL_CONFIGS[t], "arrow", {"validation": _arrow_file(real_data[t])})
+                                   for t in ("copa", "piqa")})
+    env = {**_env(1), "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    two = subprocess.run([str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(_free_port()),
+                          "-m", "smlp_eval.lm_eval_adapter", "run", "--model", "smlp", "--model_args",
+                          f"path={ckpt_expert_parallel}", "--batch_size", "3", "--tasks", "local_copa,local_piqa",
+                          "--include_path", str(tmp_path), "--limit", "10", "--log_samples", "--output_path",
+                          str(tmp_path / "two")], capture_output=True, text=True, env=env, timeout=300)
+    assert two.returncode == 0, two.stderr[-3000:]
+    acc2, samples2 = _lm_eval_cli_results(tmp_path / "two")  # exactly one results file: rank 0's
+    # one process holding every expert (the shards merged in memory), lm-eval's simple_evaluate in this process
+    model, _, encoder = zeroshot.load_model(str(ckpt_expert_parallel))
+    assert model.expert_world == 1
+    res = lm_eval.simple_evaluate(model=SMLPLM(model=model, encoder=encoder, batch_size=3, progress=False),
+                                  tasks=["local_copa", "local_piqa"], task_manager=tm, limit=10, log_samples=True,
+                                  bootstrap_iters=0)
+    assert acc2 == {t: r["acc,none"] for t, r in res["results"].items()} and set(acc2) == {"local_copa", "local_piqa"}
+    for t in acc2:
+        one = sorted((s["doc_id"], [r[0] for r in s["filtered_resps"]], s["acc"]) for s in res["samples"][t])
+        assert len(samples2[t]) == len(one) == 10
+        for (doc_a, lls_a, acc_a), (doc_b, lls_b, acc_b) in zip(samples2[t], one):
+            assert doc_a == doc_b and acc_a == acc_b
+            assert lls_a == pytest.approx(lls_b, abs=1e-4)  # experts computed on the other rank: float noise only
+
+
 @pytest.mark.slow
 def test_cli_errors_are_clear(ckpt_smlp, lm_data, other_data, tmp_path, capsys):
     code, text = run_cli(["--path", str(ckpt_smlp), "--task", "copa", "--data-dir", str(other_data)], capsys)
@@ -756,6 +1108,14 @@ def test_cli_errors_are_clear(ckpt_smlp, lm_data, other_data, tmp_path, capsys):
     (mixed / "spm.model").write_bytes((other_data / "spm.model").read_bytes())
     code, text = run_cli(["--path", str(ckpt_smlp), "--task", "copa", "--data-dir", str(mixed)], capsys)
     assert code == 2 and "does not match the dictionary" in text
+    # the dictionary without its tokenizer: whitespace tokens, nearly all <unk>; refused before scoring
+    words = tmp_path / "words"
+    words.mkdir()
+    (words / "dict.txt").write_bytes((lm_data / "dict.txt").read_bytes())
+    code, text = run_cli(["--path", str(ckpt_smlp), "--task", "piqa,copa", "--limit", "5", "--data-dir", str(words)],
+                         capsys)
+    assert code == 2 and "piqa: " in text and "are <unk> with whitespace tokens" in text
+    assert "has no spm.model" in text and "--max-unk-rate" in text and "acc_norm" not in text  # nothing scored
     code, text = run_cli(["--path", str(tmp_path / "nope.pt"), "--task", "copa"], capsys)
     assert code == 2 and "nope.pt does not exist" in text
     code, text = run_cli(["--path", str(ckpt_smlp), "--task", "storycloze"], capsys)

@@ -1,0 +1,76 @@
+"""The benchmark's own arithmetic (smlp-bench is not run here: benchmarks are not tests).
+
+- the profiler breakdown attributes forward ops to their innermost range and backward autograd
+  nodes to the range of the forward op that created them;
+- words/s come only from log intervals free of warm-up, validation and the profiled window;
+- the FLOP-matched plan is the calculator's.
+"""
+from __future__ import annotations
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from smlp.profiling import RANGES, breakdown
+from smlp_bench import suite
+
+
+def test_breakdown_attributes_backward_to_the_forward_range():
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    w_big = torch.randn(512, 512, requires_grad=True)
+    w_small = torch.randn(512, 8, requires_grad=True)
+    x = torch.randn(256, 512)
+
+    def step():
+        with record_function(RANGES["experts"]):
+            h = x @ w_big @ w_big               # heavy, forward and backward
+            with record_function(RANGES["routing"]):
+                r = (h @ w_small).softmax(-1)   # nested: counts for routing only
+        loss = (h.sum() + r.sum()) * 1.0        # outside every range: rest
+        loss.backward()
+
+    step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    events = prof.events()
+    total = sum(e.cpu_time_total for e in events if e.cpu_parent is None) / 1e6
+    parts = breakdown(events, total)
+    mm_forward = sum(e.cpu_time_total for e in events if e.name == "aten::mm" and
+                     any(p.name == RANGES["experts"] for p in _ancestors(e))) / 1e6
+    mm_backward = sum(e.cpu_time_total for e in events if e.name.startswith("autograd::engine::evaluate_function: MmBackward")) / 1e6
+    # the heavy matmuls' forward and backward both land in "experts"; routing is small but present
+    assert parts["experts"] >= 0.9 * (mm_forward + mm_backward) - 0.9 * parts["routing"]
+    assert 0 < parts["routing"] < parts["experts"]
+    assert parts["all2all"] == 0.0 and parts["token_mixing"] == 0.0
+    assert abs(sum(parts.values()) - total) < 1e-6 and parts["rest"] >= 0.0
+    assert mm_backward > 0.3 * mm_forward, "the backward pass must have been profiled"
+
+
+def _ancestors(event):
+    p = event.cpu_parent
+    while p is not None:
+        yield p
+        p = p.cpu_parent
+
+
+def test_words_per_second_skip_warmup_validation_and_the_profiled_window():
+    preset = dict(suite.PRESETS["quick"], updates=24, log_interval=2, validate_every=8, profile_steps=2)
+    run = suite.Run("x", 1, intervals=[{"num_updates": u, "wps": float(u)} for u in range(2, 25, 2)])
+    start, count = suite.profile_window(preset)
+    assert (start, count) == (20, 2)  # 0-based steps 20, 21 = updates 21, 22; update 23 writes the profile
+    # dropped: 2 (warm-up), 10 and 18 (after validations at 8 and 16), 22 and 24 (profiled / writing)
+    assert suite.clean_wps(run, preset) == [4.0, 6.0, 8.0, 12.0, 14.0, 16.0, 20.0]
+
+
+def test_plan_is_flop_matched_by_the_calculator():
+    models, matching = suite.plan_models(vocab_size=4000, nproc=2, keys=list(suite.MODEL_ORDER))
+    by = {m.key: m for m in models}
+    assert [m.key for m in models] == list(suite.MODEL_ORDER)
+    target = by["smlp_det"].fwd_flops_per_seq
+    for key in ("transformer", "gmlp", "switch", "base", "hash"):
+        assert abs(by[key].fwd_flops_per_seq / target - 1) <= suite.MATCH_TOLERANCE, key
+    assert by["transformer"].layers == by["fairseq_transformer_lm"].layers
+    assert by["base"].layers == by["fairseq_base_layers"].layers
+    assert by["fairseq_base_layers"].fwd_flops_per_seq < by["base"].fwd_flops_per_seq  # no attention in BaseLayer
+    assert by["smlp_det"].train_flops_per_token == 3 * target / suite.TARGET["seq_len"]
+    assert "--base-layers" in by["fairseq_base_layers"].flags and not by["fairseq_base_layers"].ours

@@ -1,0 +1,128 @@
+"""Every torch.distributed collective of the project gets tensors on the backend's device.
+
+NCCL rejects CPU tensors; a CPU-only machine runs gloo, which accepts them. The collectives of the
+project (audited: smlp/dispatch.py's all2all and its split/width exchanges, the zero-shot scorer's
+batch-count max and score sum, the generation token broadcast, the end-of-run barrier, and
+smlp-launch's graceful-stop vote; fairseq_plugins calls none itself) run here on 2 gloo ranks under
+`tests/fake_nccl.pretend_nccl()`, which reports an NCCL backend and fails on any CPU tensor that
+reaches a collective. A negative control shows the check fails on the mistake it exists for.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fake_nccl import CpuTensorToNccl, pretend_nccl
+
+
+class TinyLM(torch.nn.Module):
+    """A causal bigram LM whose forward joins a collective, as the experts' all2all does."""
+
+    def __init__(self, vocab: int = 12, start: int = 0):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.table = torch.nn.Parameter(torch.randn(vocab, vocab, generator=g), requires_grad=False)
+        self.core = SimpleNamespace(cfg=SimpleNamespace(prediction_start=start))
+
+    def max_positions(self) -> int:
+        return 16
+
+    def forward(self, tokens):
+        dist.all_reduce(torch.ones(1, device=tokens.device))
+        return self.table[tokens], None
+
+    def expected(self, context, continuation, eos=2):
+        seq = [eos, *context, *continuation]
+        lp = self.table.log_softmax(-1)
+        return sum(float(lp[seq[i - 1], seq[i]]) for i in range(1 + len(context), len(seq)))
+
+
+def _worker(rank: int, world: int, init: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    report: dict = {}
+    try:
+        from smlp.dispatch import AllToAllDispatcher
+        from smlp_eval.scoring import LMScorer
+        from smlp_eval.zeroshot import barrier
+        from smlp_launch.local import _StopFlag
+
+        with pretend_nccl() as (mode, calls):
+            # negative control: the mistake the check exists for
+            try:
+                dist.all_reduce(torch.ones(1))
+                report["negative_control"] = "not caught"
+            except CpuTensorToNccl as exc:
+                report["negative_control"] = str(exc)
+            try:
+                _StopFlag().agreed(SimpleNamespace(device=torch.device("cpu")))  # a CPU trainer under NCCL
+                report["cpu_trainer"] = "not caught"
+            except CpuTensorToNccl:
+                report["cpu_trainer"] = "caught"
+
+            # the zero-shot scorer: batch-count max, every forward's collective, the score sum
+            model = TinyLM(start=3).to("cuda")
+            assert model.table.device.type == "cuda"
+            reqs = [([4, 5, 6][:k], [7, 8, 9, 10][:m]) for k in range(4) for m in range(1, 5)]
+            scorer = LMScorer(model, eos=2, pad=1, batch_size=2, progress=False)
+            assert scorer.device.type == "cuda"
+            n0 = len(calls)
+            scores = scorer.score(reqs)
+            report["scorer"] = {"max": [c for c, _ in calls[n0:]].count("all_reduce"),
+                                "ok": all(abs(s.logprob - model.expected(c, x)) < 1e-9
+                                          for s, (c, x) in zip(scores, reqs))}
+
+            # generation (lm-eval's generate_until): the token broadcast
+            n0 = len(calls)
+            scorer.greedy_continuation([4, 5], 3)
+            report["broadcasts"] = [c for c, _ in calls[n0:]].count("broadcast")
+
+            # the expert-parallel dispatcher: split sizes, row width, rows there and back
+            disp = AllToAllDispatcher(num_experts=4)
+            x_SD = torch.randn(10, 3, generator=torch.Generator().manual_seed(rank)).to("cuda")
+            expert_S = torch.tensor([(3 * i + rank) % 4 for i in range(10)]).to("cuda")
+            n0 = len(calls)
+            width = disp.common_width(5 + rank)
+            x_RD, counts_L, state = disp.dispatch(x_SD, expert_S)
+            y_SD = disp.combine(x_RD * 2, state)
+            report["dispatch"] = {"width": width, "collectives": len(calls) - n0,
+                                  "round_trip": bool(torch.equal(y_SD.cpu(), 2 * x_SD.cpu()))}
+
+            # smlp-launch's graceful-stop vote on the trainer's device, and the end-of-run barrier
+            report["stop_vote"] = _StopFlag().agreed(SimpleNamespace(device=torch.device("cuda", 0)))
+            barrier()
+            report["checked"] = sum(n for _, n in calls)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    with open(f"{out}/{rank}.json", "w") as f:
+        json.dump(report, f)
+
+
+@pytest.mark.slow
+def test_no_cpu_tensor_reaches_a_collective_when_the_backend_is_nccl(tmp_path):
+    torch.multiprocessing.spawn(_worker, args=(2, f"file://{tmp_path}/rdzv", str(tmp_path)), nprocs=2)
+    for rank in range(2):
+        r = json.loads((tmp_path / f"{rank}.json").read_text())
+        assert "got a CPU tensor" in r["negative_control"] and r["cpu_trainer"] == "caught"
+        assert r["scorer"]["ok"] and r["scorer"]["max"] >= 3  # batch-count max + forwards + score sum
+        assert r["broadcasts"] == 3
+        assert r["dispatch"] == {"width": 6, "collectives": 4, "round_trip": True}
+        assert r["stop_vote"] is False
+        assert r["checked"] > 10
+
+
+def test_collective_device_follows_the_backend(monkeypatch):
+    from smlp_eval.scoring import collective_device
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    for backend, device in (("nccl", torch.device("cuda", 3)), ("gloo", torch.device("cpu")),
+                            ("cpu:gloo,cuda:nccl", torch.device("cpu")), ("mpi", torch.device("cpu"))):
+        monkeypatch.setattr(dist, "get_backend", lambda group=None, b=backend: b)
+        assert collective_device() == device, backend
