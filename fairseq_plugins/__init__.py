@@ -1,14 +1,15 @@
 """fairseq plugins for sMLP: `fairseq-train --user-dir fairseq_plugins --arch smlp_lm_tiny ...`.
 
 Registers the models smlp_lm, gmlp_lm, moe_transformer_lm with their presets, and the criterion
-smlp_lm_loss; allows torch's safe checkpoint loader to read fairseq checkpoints; restores the
+smlp_lm_loss; allows torch's safe checkpoint loader to read fairseq checkpoints; reshards a training
+checkpoint when it resumes on another number of ranks (`elastic`); restores the
 logging of fairseq's evaluation programs (see `restore_fairseq_cli_logging`).
 """
 import logging
 import os
 import sys
 
-from . import criterion, models  # noqa: F401  (registration)
+from . import criterion, elastic, models  # noqa: F401  (registration)
 from .checkpoints import allow_fairseq_checkpoints
 
 # fairseq's command-line programs that configure logging only after importing fairseq
@@ -37,4 +38,5 @@ def restore_fairseq_cli_logging() -> bool:
 
 
 allow_fairseq_checkpoints()
+elastic.install()  # install after any other wrapper of checkpoint_utils.load_checkpoint: resharding goes first
 restore_fairseq_cli_logging()
