@@ -2,14 +2,15 @@
 
 Registers the models smlp_lm, gmlp_lm, moe_transformer_lm with their presets, and the criterion
 smlp_lm_loss; allows torch's safe checkpoint loader to read fairseq checkpoints; reshards a training
-checkpoint when it resumes on another number of ranks (`elastic`); restores the
+checkpoint when it resumes on another number of ranks (`elastic`); keeps expert parameters out of
+--zero-sharding os (`sharded_optim`); restores the
 logging of fairseq's evaluation programs (see `restore_fairseq_cli_logging`).
 """
 import logging
 import os
 import sys
 
-from . import criterion, elastic, models  # noqa: F401  (registration)
+from . import criterion, elastic, models, sharded_optim  # noqa: F401  (registration)
 from .checkpoints import allow_fairseq_checkpoints
 
 # fairseq's command-line programs that configure logging only after importing fairseq
@@ -39,4 +40,5 @@ def restore_fairseq_cli_logging() -> bool:
 
 allow_fairseq_checkpoints()
 elastic.install()  # install after any other wrapper of checkpoint_utils.load_checkpoint: resharding goes first
+sharded_optim.install()  # --zero-sharding os keeps expert parameters and their Adam state rank-local
 restore_fairseq_cli_logging()

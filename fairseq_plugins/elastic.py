@@ -287,6 +287,14 @@ def _broadcast(obj):
     return box[0]
 
 
+def _gather(obj) -> list:
+    if _rank_world()[1] == 1:
+        return [obj]
+    out = [None] * _rank_world()[1]
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def _barrier() -> None:
     if _rank_world()[1] > 1:
         dist.barrier()
@@ -294,11 +302,21 @@ def _barrier() -> None:
 
 def reshard_checkpoint(plan: Plan, rank: int, expert_params: list[bool]) -> None:
     """Every rank of the new run calls this with the same plan (see the module docstring)."""
+    error = None
     if rank < len(plan.targets):  # one file per rank, or one file written by rank 0
-        sources = {i: _load(p) for i, p in sources_for(plan, rank).items()}
-        _atomic_save(resharded_state(plan, rank, sources, expert_params), plan.targets[rank] + ".resharded")
-        del sources
-    _barrier()  # every rank read its sources and staged its file
+        try:
+            sources = {i: _load(p) for i, p in sources_for(plan, rank).items()}
+            _atomic_save(resharded_state(plan, rank, sources, expert_params), plan.targets[rank] + ".resharded")
+            del sources
+        except Exception as exc:  # every rank must hear of it, or the others would wait forever
+            error = f"rank {rank}: {type(exc).__name__}: {exc}"
+    errors = [e for e in _gather(error) if e]  # also the barrier: every rank read its sources and staged its file
+    if errors:
+        for target in plan.targets:
+            if rank == 0 and os.path.exists(target + ".resharded"):
+                os.remove(target + ".resharded")
+        raise ReshardError(f"resharding {plan.saved.describe()} for {plan.world_size} rank(s) failed, the checkpoint "
+                           f"is unchanged: {'; '.join(errors)}")
     if rank == 0:
         saved = plan.saved
         backup = os.path.join(os.path.dirname(saved.base) or ".",

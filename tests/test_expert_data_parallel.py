@@ -8,6 +8,8 @@ parameters after one Adam step.
 """
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -230,3 +232,147 @@ def test_four_ranks_in_groups_of_two_equal_one_process():
     from test_distributed import run_workers
 
     run_workers(_edp_worker, 4, 2)
+
+
+# ---------------------------------------------------------------- optimizer-state sharding (ZeRO-1) with experts
+
+
+def _oss_worker(rank, world, init_file):
+    """ExpertLocalOSS (shared parameters' Adam state split over the ranks, experts' local) steps like plain
+    Adam on every rank, and its checkpoint state is plain Adam's: it round-trips into a fresh one."""
+    from test_distributed import _finish, _init
+
+    from fairseq_plugins.sharded_optim import ExpertLocalOSS
+
+    _init(rank, world, init_file)
+    try:
+        g = torch.Generator().manual_seed(0)
+        shared = [torch.nn.Parameter(torch.randn(n, generator=g)) for n in (5, 300, 7, 64)]  # same on every rank
+        gr = torch.Generator().manual_seed(10 + rank)
+        experts = [torch.nn.Parameter(torch.randn(2, 3, generator=gr)) for _ in range(2)]  # this rank's own
+        for p in experts:
+            p.expert = True
+        params = [shared[0], experts[0], shared[1], shared[2], experts[1], shared[3]]
+        twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+        ours = ExpertLocalOSS([{"params": params, "lr": 0.1}], torch.optim.Adam, group=None, lr=0.1, eps=1e-6)
+        plain = torch.optim.Adam([{"params": twins, "lr": 0.1}], lr=0.1, eps=1e-6)
+        owned = {id(p) for p in ours.oss.optim.param_groups[0]["params"]}
+        assert 0 < len(owned & {id(p) for p in shared}) < len(shared)  # the shared state really is split
+        for step in range(3):
+            gs = torch.Generator().manual_seed(100 + step)  # shared gradients: already all-reduced, equal
+            ge = torch.Generator().manual_seed(200 + 10 * step + rank)
+            for p, t in zip(params, twins):
+                grad = torch.randn(p.shape, generator=ge if getattr(p, "expert", False) else gs)
+                p.grad, t.grad = grad.clone(), grad.clone()
+            for group in ours.param_groups:  # fairseq's set_lr writes through param_groups
+                group["lr"] = 0.1 / (step + 1)
+            for group in plain.param_groups:
+                group["lr"] = 0.1 / (step + 1)
+            ours.step()
+            plain.step()
+            for p, t in zip(params, twins):
+                torch.testing.assert_close(p.detach(), t.detach(), atol=1e-6, rtol=1e-6)
+        ours.consolidate_state_dict()
+        saved, want = ours.state_dict(), plain.state_dict()
+        assert sorted(saved["state"]) == sorted(want["state"]) == list(range(len(params)))
+        for i in want["state"]:
+            for k, v in want["state"][i].items():
+                torch.testing.assert_close(torch.as_tensor(saved["state"][i][k]), torch.as_tensor(v))
+        assert [g["params"] for g in saved["param_groups"]] == [list(range(len(params)))]
+        fresh = [torch.nn.Parameter(p.detach().clone()) for p in params]
+        for f, p in zip(fresh, params):
+            if getattr(p, "expert", False):
+                f.expert = True
+        again = ExpertLocalOSS([{"params": fresh, "lr": 0.1}], torch.optim.Adam, group=None, lr=0.1, eps=1e-6)
+        again.load_state_dict(copy.deepcopy(want))  # plain Adam's state (as read from a file): runs switch
+        # --zero-sharding on and off
+        gs, ge = torch.Generator().manual_seed(7), torch.Generator().manual_seed(8 + rank)
+        for f, p, t in zip(fresh, params, twins):
+            grad = torch.randn(p.shape, generator=ge if getattr(p, "expert", False) else gs)
+            f.grad, t.grad = grad.clone(), grad.clone()
+        again.step()
+        plain.step()
+        for f, t in zip(fresh, twins):
+            torch.testing.assert_close(f.detach(), t.detach(), atol=1e-6, rtol=1e-6)
+    finally:
+        _finish()
+
+
+@pytest.mark.slow
+def test_optimizer_state_sharding_keeps_experts_local_and_equals_plain_adam():
+    from test_distributed import run_workers
+
+    run_workers(_oss_worker, 2)
+
+
+# ---------------------------------------------------------------- elastic resume on synthetic checkpoint files
+
+
+def _write_set(directory, world, ep_size, E=4, updates=3, iters=3):
+    """A fake fairseq checkpoint set: expert weight + shared weight, Adam moments, iterator, config."""
+    g = torch.Generator().manual_seed(0)
+    full_w, full_m = torch.randn(E, 3, generator=g), torch.randn(E, 3, generator=g)
+    shared, shared_m = torch.randn(5, generator=g), torch.randn(5, generator=g)
+    L = E // ep_size
+    for r in range(world):
+        j = r % ep_size
+        state = {
+            "cfg": {"model": {"_name": "moe_transformer_lm", "num_experts": E, "expert_parallel_size": ep_size,
+                              "distributed_world_size": world},
+                    "distributed_training": {"distributed_world_size": world, "distributed_rank": r}},
+            "model": {"decoder.core.embed.weight": shared.clone(),
+                      "decoder.core.layers.0.ffn.experts.w1": full_w[j * L:(j + 1) * L].clone()},
+            "last_optimizer_state": {"state": {0: {"step": 3, "exp_avg": shared_m.clone()},
+                                               1: {"step": 3, "exp_avg": full_m[j * L:(j + 1) * L].clone()}},
+                                     "param_groups": [{"lr": 0.1, "params": [0, 1]}]},
+            "extra_state": {"train_iterator": {"epoch": 1, "iterations_in_epoch": iters, "version": 2}},
+            "optimizer_history": [{"num_updates": updates}],
+        }
+        name = f"checkpoint_last-rank-{r}.pt" if world > 1 else "checkpoint_last.pt"
+        torch.save(state, directory / name)
+    return full_w, full_m
+
+
+def test_elastic_reshards_model_optimizer_and_data_position(tmp_path):
+    from fairseq_plugins.elastic import ReshardError, plan_resume, reshard_checkpoint
+
+    full_w, full_m = _write_set(tmp_path, world=4, ep_size=2)
+    base = str(tmp_path / "checkpoint_last.pt")
+    one = ExpertDataLayout(world_size=1, ep_size=1, num_experts=4)
+    with pytest.raises(ReshardError, match="holds 4 experts per sparse layer but this run builds 8"):
+        plan_resume(base, world_size=1, sharded=False, layout=ExpertDataLayout(world_size=1, ep_size=1, num_experts=8),
+                    num_experts=8)
+    plan = plan_resume(base, world_size=1, sharded=False, layout=one, num_experts=4)
+    assert (plan.saved.world_size, plan.saved.ep_size, plan.saved.local_experts) == (4, 2, 2)
+    reshard_checkpoint(plan, 0, [False, True])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint_last.pt", "resharded-from-4-ranks-update-3"]
+    assert len(list((tmp_path / "resharded-from-4-ranks-update-3").iterdir())) == 4
+    st = torch.load(base, weights_only=False)
+    assert torch.equal(st["model"]["decoder.core.layers.0.ffn.experts.w1"], full_w)
+    assert torch.equal(st["last_optimizer_state"]["state"][1]["exp_avg"], full_m)
+    assert st["extra_state"]["train_iterator"]["iterations_in_epoch"] == 12  # 4 ranks x 3 batches, now one rank
+    assert st["cfg"]["model"]["expert_parallel_size"] == 1 and st["cfg"]["distributed_training"]["distributed_world_size"] == 1
+    assert plan_resume(base, world_size=1, sharded=False, layout=one, num_experts=4) is None  # nothing left to do
+
+    # one file -> 8 ranks in groups of 4 (two replicas): ranks stage in any order, rank 0 puts them in place
+    eight = ExpertDataLayout(world_size=8, ep_size=4, num_experts=4)
+    plan = plan_resume(base, world_size=8, sharded=True, layout=eight, num_experts=4)
+    for r in [7, 3, 5, 1, 2, 6, 4, 0]:
+        reshard_checkpoint(plan, r, [False, True])
+    for r in range(8):
+        st = torch.load(tmp_path / f"checkpoint_last-rank-{r}.pt", weights_only=False)
+        j = r % 4
+        assert torch.equal(st["model"]["decoder.core.layers.0.ffn.experts.w1"], full_w[j:j + 1])
+        assert torch.equal(st["last_optimizer_state"]["state"][1]["exp_avg"], full_m[j:j + 1])
+        assert st["last_optimizer_state"]["state"][0]["step"] == 3
+        # 12 batches over 8 ranks: each skips 1, 4 batches are seen twice (a warning says so)
+        assert st["extra_state"]["train_iterator"]["iterations_in_epoch"] == 1
+    assert not (tmp_path / "checkpoint_last.pt").exists()
+    # consolidation reads the group size from the rewritten config and merges the first 4 of the 8 shards
+    from fairseq_plugins.checkpoints import saved_ep_size
+
+    states = [torch.load(tmp_path / f"checkpoint_last-rank-{r}.pt", weights_only=False) for r in range(8)]
+    keys = ["decoder.core.layers.0.ffn.experts.w1"]
+    G = saved_ep_size(states[0], 8, keys)
+    assert G == 4
+    assert torch.equal(merge_expert_shards([s["model"] for s in states], keys, G)[keys[0]], full_w)

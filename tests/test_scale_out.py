@@ -6,15 +6,15 @@ one global batch of 4 x 8 sequences throughout (W ranks x --update-freq 4/W):
     reference    4 ranks, --expert-parallel-size 4 (one expert per rank), updates 1-7
     replicated   4 ranks, --expert-parallel-size 2 (2 replicas of 2 experts per rank), updates 1-3
     shrunk       resumed from `replicated` on 1 process, --update-freq 4, updates 4-5
-    regrown      resumed from `shrunk` on 2 ranks, --update-freq 2, updates 6-7
+    regrown      resumed from `shrunk` on 2 ranks, --update-freq 2, --zero-sharding os, updates 6-7
+    again        resumed from `regrown` on 1 process, --update-freq 4, update 8
 
 Every run must log the reference's per-update losses (Adam: the moments of the expert weights
-are resharded with them), and the 4-rank checkpoints with replicated experts consolidate into the
-model the reference holds at the same update.
+are resharded with them; with --zero-sharding os the non-expert moments are split over the ranks
+and gathered into every rank's checkpoint), and the 4-rank checkpoints with replicated experts
+consolidate into the model the reference holds at the same update.
 """
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
@@ -37,13 +37,16 @@ def _train(data, save_dir, world, *extra):
 def runs(tiny_lm_data, tmp_path_factory):
     root = tmp_path_factory.mktemp("scale_out")
     out = {"root": root}
-    out["reference"] = _train(tiny_lm_data, root / "ref", 4, "--expert-parallel-size", "4", "--max-update", "7",
+    out["reference"] = _train(tiny_lm_data, root / "ref", 4, "--expert-parallel-size", "4", "--max-update", "8",
                               "--save-interval-updates", "3")
     out["replicated"] = _train(tiny_lm_data, root / "elastic", 4, "--expert-parallel-size", "2",
                                "--max-update", "3")
     out["shrunk"] = _train(tiny_lm_data, root / "elastic", 1, "--update-freq", "4", "--max-update", "5")
     out["shrunk_files"] = sorted(p.name for p in (root / "elastic").iterdir())
-    out["regrown"] = _train(tiny_lm_data, root / "elastic", 2, "--update-freq", "2", "--max-update", "7")
+    out["regrown"] = _train(tiny_lm_data, root / "elastic", 2, "--update-freq", "2", "--max-update", "7",
+                            "--zero-sharding", "os")
+    out["regrown_files"] = sorted(p.name for p in (root / "elastic").iterdir())
+    out["again"] = _train(tiny_lm_data, root / "elastic", 1, "--update-freq", "4", "--max-update", "8")
     return out
 
 
@@ -84,15 +87,25 @@ def test_resume_on_one_process_continues_the_losses(runs):
     assert not any(n.startswith("checkpoint_last-rank-") for n in runs["shrunk_files"]), runs["shrunk_files"]
 
 
-def test_resume_on_two_ranks_continues_the_losses(runs):
+def test_resume_on_two_ranks_with_sharded_optimizer_state_continues_the_losses(runs):
     ref, _ = runs["reference"]
     got, text = runs["regrown"]
     assert "resharded checkpoint_last.pt (one file from a 1-rank run" in text, text[-3000:]
+    assert "--zero-sharding os: the optimizer state of" in text, text[-3000:]
     assert sorted(got) == [6, 7], text[-3000:]
     assert got == pytest.approx({u: ref[u] for u in got}, abs=2e-3), (got, ref)
-    files = sorted(os.listdir(runs["root"] / "elastic"))
+    files = runs["regrown_files"]
     assert [f for f in files if f.startswith("checkpoint_last")] == ["checkpoint_last-rank-0.pt",
                                                                       "checkpoint_last-rank-1.pt"], files
+
+
+def test_sharded_optimizer_state_checkpoint_resumes_on_one_process(runs):
+    """Every rank's shard holds the whole Adam state (the non-expert share gathered from all ranks)."""
+    ref, _ = runs["reference"]
+    got, text = runs["again"]
+    assert "resharded checkpoint_last.pt (2 rank shards from a 2-rank run, 4 experts in groups of 2" in text
+    assert sorted(got) == [8], text[-3000:]
+    assert got == pytest.approx({8: ref[8]}, abs=2e-3), (got, ref)
 
 
 def test_resume_that_would_change_the_number_of_experts_is_refused(runs):
@@ -104,8 +117,10 @@ def test_resume_that_would_change_the_number_of_experts_is_refused(runs):
     with pytest.raises(ReshardError, match="holds 4 experts per sparse layer but this run builds 2.*Pass --num-experts 4"):
         plan_resume(base, world_size=2, sharded=True, layout=ExpertDataLayout(world_size=2, ep_size=2, num_experts=2),
                     num_experts=2)
-    # the layout it was saved in needs nothing; another group size on the same ranks does
-    same = dict(world_size=2, sharded=True, num_experts=4)
-    assert plan_resume(base, layout=ExpertDataLayout(world_size=2, ep_size=2, num_experts=4), **same) is None
-    plan = plan_resume(base, layout=ExpertDataLayout(world_size=2, ep_size=1, num_experts=4), **same)
-    assert plan is not None and (plan.saved.ep_size, plan.target.ep_size) == (2, 1)
+    # the layout it was saved in (one process) needs nothing; 2 ranks in groups of 2 or of 1 do
+    assert plan_resume(base, world_size=1, sharded=False, num_experts=4,
+                       layout=ExpertDataLayout(world_size=1, ep_size=1, num_experts=4)) is None
+    for G in (2, 1):
+        plan = plan_resume(base, world_size=2, sharded=True, num_experts=4,
+                           layout=ExpertDataLayout(world_size=2, ep_size=G, num_experts=4))
+        assert (plan.saved.world_size, plan.target.ep_size, len(plan.targets)) == (1, G, 2)
