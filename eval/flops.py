@@ -19,7 +19,8 @@ saves nothing); a LayerNorm counts 5 per element; elementwise ops, softmax, GELU
 lookups and bias adds count 0. The output projection onto the vocabulary is included.
 
 Expert parallelism: "per GPU" is the paper's setting, one expert per sparse layer per GPU (world
-size = number of experts, unless --distributed-world-size says otherwise). The model counted
+size = number of experts, unless --distributed-world-size says otherwise; with
+--expert-parallel-size G the experts are spread over G GPUs and replicated W / G times). The model counted
 holds one GPU's experts; its dispatcher (`OneGPUDispatcher`) computes every routed row on them.
 Since all experts of a layer have the same shapes, that spends the same multiply-adds as the whole
 expert-parallel group spends on one sequence: each token goes through one expert per sparse layer

@@ -1,8 +1,9 @@
 """fairseq registrations: smlp_lm, gmlp_lm, moe_transformer_lm and their size presets.
 
 The models are thin wrappers around `smlp.lm.LanguageModel`; the fairseq-specific parts are
-the expert-parallel contract (expert parameters marked, legacy_ddp required, gradient scale) and
-checkpoint loading across world sizes.
+the expert-parallel contract (expert parameters marked, legacy_ddp required, gradient scale), the
+expert-data-parallel process groups (--expert-parallel-size, smlp/parallel.py) and checkpoint
+loading across world sizes.
 """
 from __future__ import annotations
 
