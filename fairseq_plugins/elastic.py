@@ -322,7 +322,8 @@ def reshard_checkpoint(plan: Plan, rank: int, expert_params: list[bool]) -> None
         backup = os.path.join(os.path.dirname(saved.base) or ".",
                               BACKUP_DIR.format(world=saved.world_size, updates=saved.num_updates))
         os.makedirs(backup, exist_ok=True)
-        for f in saved.files:
+        overwritten = [t for t in plan.targets if os.path.exists(t) and t not in saved.files]  # e.g. a consolidated file
+        for f in [*saved.files, *overwritten]:
             _link_or_copy(f, os.path.join(backup, os.path.basename(f)))
         for target in plan.targets:
             os.replace(target + ".resharded", target)
