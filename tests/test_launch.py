@@ -545,7 +545,8 @@ def test_sbatch_two_nodes_rank_mapping(slurm2, data_bin, tmp_path):
         text = read(log)
         assert info["JobState"] == "COMPLETED", (case, info, text[-3000:])
         assert info["NodeList"] == "n[1-2]" and info["NumNodes"] == "2", info
-        assert "4 task(s) on 2 node(s) (n[1-2])" in text and "all 2 nodes see" in text, text
+        assert "4 task(s) on 2 node(s)" in text and "nodes n[1-2], rendezvous tcp://127.0.0.1:" in text, text
+        assert "all 2 nodes see" in text, text
         records = fake_task_records(out)
         assert sorted(records) == [0, 1, 2, 3], (case, text)
         lines = sorted(task_lines(text))
@@ -605,7 +606,8 @@ def test_sbatch_two_nodes_train_like_one_node_and_requeue(slurm2, data_bin, tmp_
     assert int(re.search(r"Loaded checkpoint .*?@ (\d+) updates", runs[1]).group(1)) == stopped
     assert logged_updates(runs[0])[-1] == stopped and logged_updates(runs[1])[0] == stopped + 1
     for run in runs:
-        assert "2 task(s) on 2 node(s) (n[1-2]), cpu/gloo" in run and "all 2 nodes see" in run
+        assert "2 task(s) on 2 node(s), cpu/gloo" in run and "all 2 nodes see" in run
+        assert "nodes n[1-2], rendezvous tcp://127.0.0.1:" in run and "(on n1)" in run
         lines = sorted(task_lines(run))
         port = lines[0][-1]
         assert lines == [(0, 2, 0, 0, "n1", "cpu", "127.0.0.1", port),
