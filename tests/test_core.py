@@ -290,7 +290,7 @@ def test_non_finite_scores_are_refused_by_the_routers():
     (lambda: TMoEConfig(d_model=8, d_ffn=8, num_experts=2, router="hash"), "needs vocab_size"),
     (lambda: SparseBlockConfig(d_model=10, d_ffn=8, seq_len=8, num_experts=4), "must divide the gated width 10"),
     (lambda: expert_parallel_layout(6, 4), "num_experts=6 cannot be spread evenly over 4 ranks"),
-    (lambda: expert_parallel_layout(2, 4), "replicating experts across ranks is not supported"),
+    (lambda: expert_parallel_layout(2, 4), "an expert-parallel group holds at most one rank per expert"),
     (lambda: TMoE(TMoEConfig(d_model=8, d_ffn=8, num_experts=4), LocalDispatcher(2)), "built for 2 experts"),
 ])
 def test_bad_configuration_is_refused_with_a_clear_message(make, message):
