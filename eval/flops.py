@@ -5,6 +5,8 @@ Tables 3, 5, 8-10).
                [--distributed-world-size W] [--method fvcore|fvcore-full|analytic] [--json | --markdown]
     smlp-flops --match --arch TARGET [flags] [--match-tolerance 0.015] [--smlp-sparse-layers N] [--json | --markdown]
     smlp-flops --paper-tables [--json | --markdown]
+    smlp-flops --step-time --arch NAME [model and training flags] [--cluster v100-dgx1 ...] [--json]
+    smlp-flops --table4 top|bottom|both [--cluster ...] [--json | --markdown]   (eval/steptime.py)
 
 `--arch` and the model flags go through fairseq's own parser and our registered presets, then
 `fairseq_plugins.config.to_core_config`, so they mean exactly what they mean in training.
@@ -17,7 +19,8 @@ saves nothing); a LayerNorm counts 5 per element; elementwise ops, softmax, GELU
 lookups and bias adds count 0. The output projection onto the vocabulary is included.
 
 Expert parallelism: "per GPU" is the paper's setting, one expert per sparse layer per GPU (world
-size = number of experts, unless --distributed-world-size says otherwise). The model counted
+size = number of experts, unless --distributed-world-size says otherwise; with
+--expert-parallel-size G the experts are spread over G GPUs and replicated W / G times). The model counted
 holds one GPU's experts; its dispatcher (`OneGPUDispatcher`) computes every routed row on them.
 Since all experts of a layer have the same shapes, that spends the same multiply-adds as the whole
 expert-parallel group spends on one sequence: each token goes through one expert per sparse layer
@@ -69,7 +72,7 @@ import torch
 from torch import nn
 
 from smlp.config import SGUConfig, SMoEConfig
-from smlp.dispatch import DispatchState, LocalDispatcher, expert_parallel_layout
+from smlp.dispatch import DispatchState, LocalDispatcher
 from smlp.lm import LanguageModel, LMConfig, layer_plan
 from smlp.mixers import GMLPBlock, SpatialGatingUnit
 from smlp.moe import SMoE, SparseBlock, TMoE
@@ -456,13 +459,19 @@ def table3(dims: dict | None = None) -> list[dict]:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A model given as fairseq flags, translated to the core config."""
+    """A model given as fairseq flags, translated to the core config (plus the training flags the
+    step-time model reads: --batch-size, --update-freq, --fp16, --zero-sharding)."""
 
     arch: str
     cfg: LMConfig
     tokens: int
     experts_per_gpu: int
     world_size: int
+    ep_size: int = 1
+    batch_size: int | None = None
+    update_freq: int = 1
+    fp16: bool = False
+    zero_sharding: bool = False
 
 
 def _flag_given(flags: Sequence[str], name: str) -> bool:
@@ -523,9 +532,20 @@ def parse_model(arch: str, flags: Sequence[str] = (), *, vocab_size: int = DEFAU
     tokens = int(cfg.task.tokens_per_sample)
     if tokens > core.seq_len:
         raise ValueError(f"--tokens-per-sample {tokens} exceeds the model's sequence length {core.seq_len}")
-    world = int(cfg.distributed_training.distributed_world_size) if core.sparse_layers else 1
-    experts_per_gpu = expert_parallel_layout(core.num_experts, world) if core.sparse_layers else 0
-    return ModelSpec(arch, core, tokens, experts_per_gpu, world)
+    world = int(cfg.distributed_training.distributed_world_size)
+    if core.sparse_layers:
+        from fairseq_plugins.config import configured_ep_size, expert_layout
+
+        layout = expert_layout(core.num_experts, world, configured_ep_size(cfg.model))
+        ep_size, experts_per_gpu = layout.ep_size, layout.num_local_experts
+    else:
+        world = world if world_given else 1
+        ep_size, experts_per_gpu = 1, 0
+    batch = cfg.dataset.batch_size
+    return ModelSpec(arch, core, tokens, experts_per_gpu, world, ep_size=ep_size,
+                     batch_size=int(batch) if batch else None, update_freq=int(cfg.optimization.update_freq[0]),
+                     fp16=bool(cfg.common.fp16 or cfg.common.memory_efficient_fp16 or cfg.common.bf16),
+                     zero_sharding=str(cfg.distributed_training.zero_sharding) == "os")
 
 
 def count_spec(spec: ModelSpec, method: str = "fvcore") -> Count:
@@ -804,6 +824,109 @@ def format_paper_tables(tables: dict, markdown: bool = False) -> str:
     return "\n".join(out)
 
 
+# ---------------------------------------------------------------- step time (eval/steptime.py)
+
+
+def step_time_for(spec: ModelSpec, cluster, *, name: str | None = None, padding: bool = False,
+                  method: str = "fvcore"):
+    """The step-time model of a model given as fairseq flags (with --batch-size etc.) on `cluster`."""
+    from . import steptime
+
+    if not spec.batch_size:
+        raise ValueError("the step-time model needs --batch-size (sequences per GPU per micro-batch), e.g. "
+                         "--batch-size 4 --update-freq 4 --distributed-world-size 32 --fp16")
+    c = count_spec(spec, method)
+    train = steptime.Training(world_size=spec.world_size, ep_size=spec.ep_size if spec.cfg.sparse_layers else 1,
+                              batch_size=spec.batch_size, update_freq=spec.update_freq, tokens=spec.tokens,
+                              fp16=spec.fp16, optimizer_sharding=spec.zero_sharding, padding=padding)
+    acts = steptime.activation_bytes(spec.cfg, spec.tokens, max(spec.experts_per_gpu, 1))
+    return steptime.step_time(name or spec.arch, spec.cfg, flops_per_sequence=c.flops,
+                              params_non_expert=c.params_non_expert, params_expert_per_gpu=c.params_expert_per_gpu,
+                              train=train, cluster=cluster, activations=acts)
+
+
+def table4(which: str, cluster, method: str = "fvcore") -> list[dict]:
+    """Predicted words/s of the paper's 32-GPU Table 4 configurations beside the paper's, ranked."""
+    from .steptime import TABLE4
+
+    rows = []
+    for part in (("top", "bottom") if which == "both" else (which,)):
+        for row in TABLE4[part]:
+            spec = parse_model(row.arch, list(row.flags))
+            st = step_time_for(spec, cluster, name=row.name, padding=True, method=method)
+            rows.append({"part": part, "name": row.name, "arch": row.arch, "flags": " ".join(row.flags),
+                         "paper_wps": row.paper_wps, "note": row.note, **st.as_dict()})
+    for part in {r["part"] for r in rows}:
+        mine = [r for r in rows if r["part"] == part]
+        for key, rank_key in (("words_per_second", "rank"), ("paper_wps", "paper_rank")):
+            for i, r in enumerate(sorted(mine, key=lambda r: -r[key])):
+                r[rank_key] = i + 1
+        ref = next(r for r in mine if r["name"].startswith("sMLP"))
+        for r in mine:
+            r["vs_smlp"] = r["words_per_second"] / ref["words_per_second"]
+            r["paper_vs_smlp"] = r["paper_wps"] / ref["paper_wps"]
+    return rows
+
+
+def _gb(n: float) -> str:
+    return f"{n / 2 ** 30:.1f}G"
+
+
+def format_step_time(st) -> str:
+    t, c = st.train, st.cluster
+    lines = [f"{st.name}: {t.world_size} GPUs ({c.name}), expert-parallel groups of {t.ep_size} ({t.replicas} "
+             f"replica(s)), {t.batch_size} x {t.tokens} tokens x {t.update_freq} micro-batches per GPU, "
+             f"{'fp16' if t.fp16 else 'fp32'}{', optimizer state sharded' if t.optimizer_sharding else ''}",
+             "  all2all per sparse layer per micro-batch (bytes leaving one GPU; x4 per step: fwd + bwd):"]
+    for e in st.exchanges:
+        lines.append(f"    {e.name:<14} {e.rows:>9,} rows x {e.row_bytes:>6,} B  {e.bytes_sent / 2 ** 20:>9.2f} MiB")
+    ar = st.allreduce
+    lines.append(f"  all-reduce per update: non-expert {ar['non_expert_bytes'] / 2 ** 20:,.1f} MiB over {ar['non_expert_ranks']} "
+                 f"ranks; expert {ar['expert_bytes'] / 2 ** 20:,.1f} MiB over {ar['expert_ranks']} replica(s) "
+                 f"x {ar['expert_reductions']}")
+    m = st.memory
+    lines.append(f"  memory per GPU: weights+grads {_gb(m['weights_and_grads'])}, Adam {_gb(m['adam_moments'])} "
+                 f"(unsharded {_gb(m['adam_moments_unsharded'])}), activations {_gb(m['activations'])}: total "
+                 f"{_gb(m['total'])} of {_gb(c.gpu_memory)}")
+    parts = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in st.seconds.items())
+    lines.append(f"  step {st.step_seconds:.3f} s ({parts}); {st.words_per_second / 1e3:,.0f}k words/s")
+    return "\n".join(lines)
+
+
+def format_table4(rows: list[dict], markdown: bool = False) -> str:
+    out = []
+    for part in ("top", "bottom"):
+        mine = [r for r in rows if r["part"] == part]
+        if not mine:
+            continue
+        title = ("Table 4 (top): small models, 0.8T FLOPs" if part == "top"
+                 else "Table 4 (bottom): scaled-up models, 2.0T FLOPs")
+        c = mine[0]["cluster"]
+        out.append(f"{title}; predicted on 32 x {c['name']} (capacity-padded GShard / Switch, as the paper's "
+                   f"implementations):")
+        if markdown:
+            out += ["", "| model | predicted words/s | vs sMLP | paper words/s | vs sMLP | rank: ours (paper) "
+                        "| compute | memory-bound | all2all | all-reduce | memory / GPU |",
+                    "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
+        for r in sorted(mine, key=lambda r: r["rank"]):
+            s = r["seconds"]
+            ar = s["allreduce_non_expert"] + s["allreduce_expert"]
+            if markdown:
+                out.append(f"| {r['name']} | {r['words_per_second'] / 1e3:.0f}k | {r['vs_smlp']:.2f} "
+                           f"| {r['paper_wps'] / 1e3:.0f}k | {r['paper_vs_smlp']:.2f} | {r['rank']} ({r['paper_rank']}) "
+                           f"| {s['compute']:.2f} s | {s['memory_bound']:.2f} s | {s['all2all']:.2f} s | {ar:.3f} s "
+                           f"| {_gb(r['memory_bytes']['total'])} |")
+            else:
+                out.append(f"  {r['rank']}. {r['name']:<30} {r['words_per_second'] / 1e3:>6.0f}k ({r['vs_smlp']:.2f} of "
+                           f"sMLP)   paper {r['paper_wps'] / 1e3:>4.0f}k ({r['paper_vs_smlp']:.2f}, rank "
+                           f"{r['paper_rank']})   compute {s['compute']:.2f} s, memory-bound {s['memory_bound']:.2f} s, "
+                           f"all2all {s['all2all']:.2f} s, all-reduce {ar:.3f} s, {_gb(r['memory_bytes']['total'])}/GPU")
+                if r["note"]:
+                    out.append(f"       {r['note']}")
+        out.append("")
+    return "\n".join(out).rstrip()
+
+
 # ---------------------------------------------------------------- CLI
 
 
@@ -822,6 +945,26 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sparse blocks of the sMLP row of --match (default: the target's; "
                         "without it a dense target gets no sMLP row)")
     p.add_argument("--paper-tables", action="store_true", help="our figures for the paper's Tables 3, 5, 8-10")
+    st = p.add_argument_group("step-time model (eval/steptime.py)")
+    st.add_argument("--step-time", action="store_true",
+                    help="all2all / all-reduce bytes, memory per GPU and the time of one update of --arch on "
+                         "--cluster; training flags as in fairseq-train (--distributed-world-size, "
+                         "--expert-parallel-size, --batch-size, --update-freq, --fp16, --zero-sharding os)")
+    st.add_argument("--table4", choices=("top", "bottom", "both"),
+                    help="predicted ranking and words/s of the paper's 32-GPU Table 4 configurations beside the paper's")
+    st.add_argument("--cluster", default="v100-dgx1", help="cluster preset: v100-dgx1 (the paper's 32 V100s; default), a100-dgx")
+    st.add_argument("--capacity-padding", choices=("auto", "on", "off"), default="auto",
+                    help="GShard / Switch send E x capacity buffers (their implementations: on) or the routed rows "
+                         "only (ours: off); auto = on for --table4, off for --step-time")
+    st.add_argument("--gpu-tflops", type=float, help="peak dense TFLOP/s per GPU at the training precision")
+    st.add_argument("--matmul-efficiency", type=float, help="fraction of the peak the matmuls reach")
+    st.add_argument("--hbm-gbps", type=float, help="HBM bandwidth per GPU, GB/s")
+    st.add_argument("--gpu-memory-gib", type=float, help="memory per GPU, GiB")
+    st.add_argument("--gpus-per-node", type=int, help="GPUs per node (consecutive ranks share a node)")
+    st.add_argument("--nvlink-gbps", type=float, help="all2all bandwidth per GPU inside a node, GB/s")
+    st.add_argument("--nvlink-latency-us", type=float, help="latency of a collective inside a node, microseconds")
+    st.add_argument("--ib-gbps", type=float, help="InfiniBand bandwidth per node (all NICs), GB/s")
+    st.add_argument("--ib-latency-us", type=float, help="latency of a collective across nodes, microseconds")
     out = p.add_mutually_exclusive_group()
     out.add_argument("--json", action="store_true", help="print JSON")
     out.add_argument("--markdown", action="store_true", help="print a markdown table")
@@ -831,6 +974,8 @@ def build_parser() -> argparse.ArgumentParser:
 def run(argv: Sequence[str] | None = None) -> str:
     parser = build_parser()
     args, flags = parser.parse_known_args(argv)
+    if args.table4 or args.step_time:
+        return _run_step_time(args, flags)
     if args.paper_tables:
         if args.arch or args.match or flags:
             raise ValueError("--paper-tables takes no --arch, --match or model flags")
@@ -852,6 +997,39 @@ def run(argv: Sequence[str] | None = None) -> str:
         return json.dumps({"target": {"arch": args.arch, **target.as_dict()}, "tolerance": args.match_tolerance,
                            "matches": [r.as_dict() for r in rows]}, indent=2)
     return format_match(args.arch, target, rows, args.match_tolerance, args.markdown)
+
+
+def cluster_from_args(args):
+    from .steptime import CLUSTERS, with_cluster_overrides
+
+    if args.cluster not in CLUSTERS:
+        raise ValueError(f"--cluster {args.cluster!r} is unknown: valid presets are {', '.join(CLUSTERS)}")
+    scale = lambda v, k: None if v is None else v * k  # noqa: E731
+    return with_cluster_overrides(
+        CLUSTERS[args.cluster], peak_flops=scale(args.gpu_tflops, 1e12), matmul_efficiency=args.matmul_efficiency,
+        hbm_bandwidth=scale(args.hbm_gbps, 1e9), gpu_memory=scale(args.gpu_memory_gib, 2 ** 30),
+        gpus_per_node=args.gpus_per_node, nvlink_bandwidth=scale(args.nvlink_gbps, 1e9),
+        nvlink_latency=scale(args.nvlink_latency_us, 1e-6), ib_bandwidth=scale(args.ib_gbps, 1e9),
+        ib_latency=scale(args.ib_latency_us, 1e-6))
+
+
+def _run_step_time(args, flags) -> str:
+    cluster = cluster_from_args(args)
+    if args.table4:
+        if args.arch or args.step_time or args.match or args.paper_tables or flags:
+            raise ValueError("--table4 takes no --arch, --step-time, --match, --paper-tables or model flags")
+        if args.capacity_padding == "off":
+            raise ValueError("--table4 predicts the paper's runs, whose GShard / Switch pad to capacity; "
+                             "use --step-time --capacity-padding off for our dispatcher")
+        rows = table4(args.table4, cluster, "analytic" if args.method == "analytic" else "fvcore")
+        return json.dumps(rows, indent=2) if args.json else format_table4(rows, args.markdown)
+    if not args.arch:
+        raise ValueError("--step-time needs --arch (and --batch-size); e.g. --arch smlp_lm_paper_small "
+                         "--distributed-world-size 32 --batch-size 4 --update-freq 4 --fp16")
+    spec = parse_model(args.arch, flags, vocab_size=args.vocab_size)
+    st = step_time_for(spec, cluster, padding=args.capacity_padding == "on",
+                       method="analytic" if args.method == "analytic" else "fvcore")
+    return json.dumps(st.as_dict(), indent=2) if args.json else format_step_time(st)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -229,8 +229,28 @@ def _read_arrow_folder(folder: str) -> list[dict]:
     return ds.to_list()
 
 
+def _check_utf8(path: str) -> None:
+    """DataFormatError naming the file, line and byte when a text file is not UTF-8."""
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[:exc.start].count(b"\n") + 1
+        if data.startswith((b"\xff\xfe", b"\xfe\xff")):
+            guess, source = "UTF-16 (it starts with a UTF-16 byte-order mark)", "utf-16"
+        else:
+            guess, source = "a legacy 8-bit encoding such as Latin-1 or cp1252", "latin1"
+        raise DataFormatError(
+            f"{path}, line {line}: not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start}); it is "
+            f"probably {guess}. Convert it: iconv -f {source} -t utf-8 {path} > converted{os.path.splitext(path)[1]}"
+        ) from None
+
+
 def _read_file(task: str, path: str) -> list[Example]:
     lower = path.lower()
+    if lower.endswith((".jsonl", ".json", ".csv", ".tsv")):
+        _check_utf8(path)
     if lower.endswith(".arrow"):
         rows = _read_arrow_file(path)
         return [_normalize(task, row, f"{path}, row {i}", i) for i, row in enumerate(rows)]
@@ -287,6 +307,7 @@ def _attach_piqa_labels(path: str, rows: list[tuple[str, dict]]) -> list[tuple[s
     if not os.path.isfile(labels_path):
         raise DataFormatError(f"piqa: {path} has no 'label' field and its labels file {labels_path} does not "
                               f"exist (PIQA ships X.jsonl with X-labels.lst, one 0 or 1 per line)")
+    _check_utf8(labels_path)
     with open(labels_path, encoding="utf-8") as f:
         labels = [line.strip() for line in f if line.strip()]
     if len(labels) != len(rows):

@@ -10,7 +10,9 @@ each holding that rank's experts. Here:
   is refused with the command that fixes it.
 - `smlp-consolidate CHECKPOINT` merges the rank shards of one save into one file holding every
   expert, written atomically; it loads on any world size that divides the number of experts
-  (fairseq-eval-lm, smlp-zeroshot).
+  (fairseq-eval-lm, smlp-zeroshot). With expert-data parallelism (--expert-parallel-size G < W)
+  ranks r and r + G write identical expert shards: the first G are merged and the replicas are
+  checked to agree (`saved_ep_size`, `smlp.sharding.check_replicas`).
 """
 from __future__ import annotations
 
@@ -99,6 +101,38 @@ def adapt_expert_state(model, state: Mapping[str, torch.Tensor], rank: int, worl
     )
 
 
+def _model_cfg(state):
+    cfg = state.get("cfg") if isinstance(state, Mapping) else None
+    if cfg is None:
+        return None
+    model = cfg.get("model") if hasattr(cfg, "get") else None
+    return model if hasattr(model, "get") else None
+
+
+def saved_ep_size(state, num_shards: int, keys=()) -> int:
+    """G, the expert-parallel group size of the run that wrote `num_shards` rank shards (shard 0's
+    `state`): ranks r and r + G hold the same experts. From the saved config (--num-experts,
+    --expert-parallel-size; checkpoints written before that flag used G = W), checked against the
+    experts each shard holds."""
+    from .config import expert_layout, resolve_num_experts
+
+    model_cfg = _model_cfg(state)
+    local = int(state["model"][keys[0]].shape[0]) if keys else None
+    if model_cfg is None:
+        return num_shards
+    ep_cfg = int(model_cfg.get("expert_parallel_size", 0) or 0)
+    num_experts = resolve_num_experts(int(model_cfg.get("num_experts", 0) or 0), num_shards, ep_cfg)
+    try:
+        G = expert_layout(num_experts, num_shards, ep_cfg).ep_size
+    except ValueError as exc:
+        raise ValueError(f"{num_shards} rank shards do not fit the saved configuration ({exc})") from None
+    if local is not None and local * G != num_experts:
+        raise ValueError(
+            f"the shards hold {local} expert(s) each, but the saved configuration ({num_experts} experts, expert-"
+            f"parallel groups of {G} on {num_shards} ranks) gives {num_experts // G}: the files are not one save")
+    return G
+
+
 def shard_paths(path: str) -> list[str]:
     """The rank shards `X-rank-R.pt` of checkpoint `X.pt`, in rank order; ValueError if any is missing."""
     stem = path[:-3] if path.endswith(".pt") else path
@@ -115,20 +149,28 @@ def shard_paths(path: str) -> list[str]:
     return [found[r] for r in range(len(found))]
 
 
+def check_one_save(path: str, shards: list[str]) -> None:
+    """ValueError naming every shard and its update unless the shards are one save (shard_sets tags)."""
+    from .shard_sets import read_shard, set_problem
+
+    infos = [read_shard(p) for p in shards]
+    problem = set_problem(infos, len(shards), sharded=True)
+    if problem:
+        raise ValueError(
+            f"the shards of {path} are not one save ({problem}): {'; '.join(i.describe(len(shards)) for i in infos)}. "
+            f"A run was interrupted while its ranks saved; use the shards of one save "
+            f"(e.g. checkpoint_<epoch>_<update>-rank-*.pt)")
+
+
 def consolidate(path: str, out: str | None = None) -> str:
     """Merge the rank shards of `path` into one checkpoint holding every expert; returns its path."""
     shards = shard_paths(path)
+    check_one_save(path, shards)
     states = [load_checkpoint(p) for p in shards]
-    updates = {_num_updates(s) for s in states}
-    if len(updates) > 1:
-        raise ValueError(
-            f"the shards of {path} come from different saves (updates {sorted(updates)}): a run was interrupted "
-            f"while copying; use the shards of one save (e.g. checkpoint_<epoch>_<update>-rank-*.pt)"
-        )
     models = [s["model"] for s in states]
     keys = [k for k in models[0] if is_expert_key(k)]
     merged = dict(states[0])
-    merged["model"] = merge_expert_shards(models, keys)
+    merged["model"] = merge_expert_shards(models, keys, saved_ep_size(states[0], len(states), keys))
     merged["last_optimizer_state"] = None  # per-rank optimizer states are not mergeable; this is for evaluation
     merged["smlp_consolidated_from"] = len(shards)
     if keys and merged.get("cfg") is not None:
@@ -137,15 +179,10 @@ def consolidate(path: str, out: str | None = None) -> str:
         cfg["model"]["num_experts"] = int(merged["model"][keys[0]].shape[0])
         merged["cfg"] = cfg  # stored as plain containers, as fairseq stores it
     out = out or path
-    tmp = out + ".tmp"
-    torch.save(merged, tmp)
-    os.replace(tmp, out)
+    from .shard_sets import atomic_torch_save
+
+    atomic_torch_save(merged, out)
     return out
-
-
-def _num_updates(state) -> int | None:
-    hist = state.get("optimizer_history") or []
-    return hist[-1].get("num_updates") if hist else None
 
 
 def consolidate_main(argv=None) -> int:
@@ -173,10 +210,12 @@ def read_checkpoint_any_layout(path: str, arg_overrides: dict | None = None) -> 
     if os.path.isfile(path):
         return load_checkpoint(path, arg_overrides), path
     shards = shard_paths(path)
+    check_one_save(path, shards)
     states = [load_checkpoint(p, arg_overrides) for p in shards]
     merged = dict(states[0])
     models = [s["model"] for s in states]
-    merged["model"] = merge_expert_shards(models, [k for k in models[0] if is_expert_key(k)])
+    keys = [k for k in models[0] if is_expert_key(k)]
+    merged["model"] = merge_expert_shards(models, keys, saved_ep_size(states[0], len(states), keys))
     return merged, shards[0]
 
 

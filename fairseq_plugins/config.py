@@ -13,6 +13,7 @@ from omegaconf import II
 from smlp.config import GSHARD_AUX_LOSSES
 from smlp.dispatch import expert_parallel_layout
 from smlp.lm import PLACEMENTS, LMConfig
+from smlp.parallel import ExpertDataLayout, valid_ep_sizes
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +63,15 @@ class _TokenMixerFlags(FairseqDataclass):
 class _SparseBase(_LMBase):
     sparse_layers: int = field(default=2, metadata={"help": "number of sparse (expert) layers N2"})
     num_experts: int = field(
-        default=0, metadata={"help": "experts per sparse layer; 0 means one per rank (the world size)"}
+        default=0, metadata={"help": "experts per sparse layer; 0 means one per rank of an expert-parallel group "
+                                     "(--expert-parallel-size, else the world size)"}
+    )
+    expert_parallel_size: int = field(
+        default=0,
+        metadata={"help": "G, ranks of one expert-parallel group: the experts are spread over G ranks (all2all "
+                          "inside the group) and replicated W/G times, the replicas' expert gradients averaged "
+                          "(expert-data parallelism, as DeepSpeed's ep_size); must divide the world size and "
+                          "--num-experts; 0 means min(world size, --num-experts)"},
     )
     sparse_placement: PLACEMENT_CHOICES = field(
         default="auto",
@@ -114,8 +123,45 @@ class MoETransformerConfig(_SparseBase):
     hash_seed: int = field(default=0, metadata={"help": "seed of the HASH layers' token-id table"})
 
 
-def resolve_num_experts(requested: int, world_size: int) -> int:
-    return requested if requested > 0 else max(1, world_size)
+def resolve_num_experts(requested: int, world_size: int, ep_size: int = 0) -> int:
+    """--num-experts 0: one expert per rank of an expert-parallel group (G if given, else W)."""
+    if requested < 0:
+        raise ValueError(f"--num-experts {requested} is invalid: give a positive number, or 0 for one per rank")
+    return requested if requested > 0 else max(1, ep_size or world_size)
+
+
+def configured_ep_size(cfg) -> int:
+    """--expert-parallel-size of a model config (0 in configs written before the flag existed)."""
+    return int(getattr(cfg, "expert_parallel_size", 0) or 0)
+
+
+def expert_layout(num_experts: int, world_size: int, ep_size: int = 0) -> ExpertDataLayout:
+    """The expert-data-parallel layout of E experts on W ranks with --expert-parallel-size (0: min(W, E));
+    ValueError naming the valid group sizes when it does not fit."""
+    world = max(int(world_size), 1)
+    ep_size = int(ep_size or 0)
+    if ep_size < 0:
+        raise ValueError(f"--expert-parallel-size {ep_size} is invalid: give a positive group size or 0 for "
+                         f"min(world size, --num-experts)")
+    valid = ", ".join(map(str, valid_ep_sizes(world, num_experts))) or "none: change --num-experts"
+    if ep_size > num_experts:
+        raise ValueError(f"--expert-parallel-size {ep_size} exceeds --num-experts {num_experts}: a group holds at "
+                         f"most one rank per expert; valid sizes for {num_experts} experts on {world} ranks: {valid}")
+    if ep_size and world % ep_size:
+        raise ValueError(f"--expert-parallel-size {ep_size} does not divide the world size {world}: the expert-"
+                         f"parallel groups must tile the ranks; valid sizes for {num_experts} experts on {world} "
+                         f"ranks: {valid}")
+    G = ep_size or min(world, num_experts)
+    try:
+        expert_parallel_layout(num_experts, G)
+    except ValueError as exc:  # e.g. "num_experts=3 cannot be spread evenly over 2 ranks"
+        raise ValueError(f"{exc}; --expert-parallel-size values that fit {num_experts} experts on {world} ranks: "
+                         f"{valid}") from None
+    if world % G:
+        raise ValueError(f"the default expert-parallel group size min(world size {world}, --num-experts "
+                         f"{num_experts}) = {G} does not divide the world size; set --expert-parallel-size to one "
+                         f"of: {valid}")
+    return ExpertDataLayout(world_size=world, ep_size=G, num_experts=num_experts)
 
 
 def to_core_config(cfg, family: str, vocab_size: int, padding_idx: int) -> LMConfig:
@@ -136,9 +182,9 @@ def to_core_config(cfg, family: str, vocab_size: int, padding_idx: int) -> LMCon
                       hypermixer_tied=not getattr(cfg, "hypermixer_untied", False))
     if family == "gmlp":
         return LMConfig(**common, heads=cfg.sgu_heads)
-    num_experts = resolve_num_experts(cfg.num_experts, cfg.distributed_world_size)
-    if cfg.sparse_layers and cfg.distributed_world_size > 1:
-        expert_parallel_layout(num_experts, cfg.distributed_world_size)  # experts must fit the ranks
+    num_experts = resolve_num_experts(cfg.num_experts, cfg.distributed_world_size, configured_ep_size(cfg))
+    if cfg.sparse_layers:  # experts must fit the ranks: refuse a bad layout before any weight is built
+        expert_layout(num_experts, cfg.distributed_world_size, configured_ep_size(cfg))
     if cfg.base_shuffle not in (0, 1):
         raise ValueError(f"--base-shuffle {cfg.base_shuffle} is invalid: use 1 (shuffle, the default) or 0")
     sparse = dict(sparse_layers=cfg.sparse_layers, num_experts=num_experts,

@@ -1,8 +1,9 @@
 """fairseq registrations: smlp_lm, gmlp_lm, moe_transformer_lm and their size presets.
 
 The models are thin wrappers around `smlp.lm.LanguageModel`; the fairseq-specific parts are
-the expert-parallel contract (expert parameters marked, legacy_ddp required, gradient scale) and
-checkpoint loading across world sizes.
+the expert-parallel contract (expert parameters marked, legacy_ddp required, gradient scale), the
+expert-data-parallel process groups (--expert-parallel-size, smlp/parallel.py) and checkpoint
+loading across world sizes.
 """
 from __future__ import annotations
 
@@ -13,12 +14,13 @@ import torch
 import torch.distributed as dist
 from fairseq.models import FairseqDecoder, FairseqLanguageModel, register_model, register_model_architecture
 
-from smlp.dispatch import AllToAllDispatcher, LocalDispatcher, expert_parallel_layout
+from smlp.dispatch import AllToAllDispatcher, LocalDispatcher
 from smlp.lm import LanguageModel
+from smlp.parallel import ExpertDataLayout, average_expert_gradients
 
 from . import step_profiler
 from .checkpoints import adapt_expert_state
-from .config import GMLPConfig, MoETransformerConfig, SMLPConfig, to_core_config
+from .config import GMLPConfig, MoETransformerConfig, SMLPConfig, configured_ep_size, expert_layout, to_core_config
 
 logger = logging.getLogger(__name__)
 
@@ -46,34 +48,66 @@ def _world() -> tuple[int, int]:
     return 0, 1
 
 
+def expert_data_groups(layout: ExpertDataLayout, rank: int):
+    """(expert-parallel group, replica group) of `rank`, creating every group of the layout.
+
+    torch.distributed.new_group must be entered by every rank for every group, in the same order,
+    so each rank creates all of them and keeps its own two. A group spanning the whole world is the
+    default group (None) and a one-rank replica group is not needed (no replicas): neither is created.
+    """
+    ep_group = replica_group = None
+    if layout.ep_size < layout.world_size:
+        for ranks in layout.ep_group_ranks():
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                ep_group = group
+    if layout.replicas > 1:
+        for ranks in layout.replica_group_ranks():
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                replica_group = group
+    return ep_group, replica_group
+
+
+def runtime_layout(core_cfg, cfg, world: int) -> ExpertDataLayout:
+    """The layout on the ranks actually running. --expert-parallel-size binds the world it was set for;
+    a checkpoint evaluated on another number of ranks gets the default group size min(W, E)."""
+    ep_size = configured_ep_size(cfg) if world == int(getattr(cfg, "distributed_world_size", world)) else 0
+    return expert_layout(core_cfg.num_experts, world, ep_size)
+
+
 def make_dispatcher(core_cfg, cfg):
-    """LocalDispatcher on one process, all2all over the whole world otherwise (experts on every rank)."""
+    """(dispatcher, layout, replica group): LocalDispatcher on one process (or when each group is one
+    rank holding every expert), otherwise all2all inside this rank's expert-parallel group."""
     if not core_cfg.sparse_layers:
-        return None
+        return None, None, None
     rank, world = _world()
     if world == 1:
-        return LocalDispatcher(core_cfg.num_experts)
+        return LocalDispatcher(core_cfg.num_experts), None, None
     backend = str(getattr(cfg, "ddp_backend", "legacy_ddp"))
     if backend not in EXPERT_PARALLEL_DDP_BACKENDS:
         raise ValueError(
             f"--ddp-backend {backend} would average expert weights across ranks (each rank holds different "
             f"experts); expert-parallel training needs --ddp-backend legacy_ddp"
         )
-    expert_parallel_layout(core_cfg.num_experts, world)  # clear error when experts do not fit
-    return AllToAllDispatcher(core_cfg.num_experts, ep_group=None)
+    layout = runtime_layout(core_cfg, cfg, world)  # clear error when experts do not fit
+    ep_group, replica_group = expert_data_groups(layout, rank)
+    if layout.ep_size == 1:
+        return LocalDispatcher(core_cfg.num_experts), layout, replica_group
+    return AllToAllDispatcher(core_cfg.num_experts, ep_group=ep_group), layout, replica_group
 
 
-def scale_expert_gradients(model: torch.nn.Module, world_size: int) -> None:
+def scale_expert_gradients(model: torch.nn.Module, layout: ExpertDataLayout, replica_group=None) -> None:
     """Make expert gradients follow fairseq's normalization.
 
     legacy_ddp divides shared gradients by W before summing them over ranks, then the trainer
-    multiplies every gradient by W / sample_size. Expert gradients skip the all-reduce (each
-    already sums over all ranks' tokens through the all2all backward), so without this they would
-    end W times too large.
+    multiplies every gradient by W / sample_size. Expert gradients skip that all-reduce: each already
+    sums the tokens of its expert-parallel group through the all2all backward, and
+    `average_expert_gradients` sums them over the W / G replicas and divides by W, as legacy_ddp
+    does for the shared ones.
     """
-    for p in model.parameters():
-        if getattr(p, "expert", False):
-            p.register_hook(lambda g, w=world_size: g / w)
+    average_expert_gradients(model, world_size=layout.world_size, replica_group=replica_group,
+                             replicas=layout.replicas)
 
 
 def _config_value(cfg, name: str):
@@ -106,13 +140,37 @@ def warn_if_criterion_ignores_routing(core_cfg, criterion_name) -> str | None:
     return message
 
 
-def _inside_fairseq_eval_lm() -> bool:
+def _fairseq_eval_lm_frame():
     frame = sys._getframe(1)
     while frame is not None:
         if frame.f_globals.get("__name__") == "fairseq_cli.eval_lm":
-            return True
+            return frame
         frame = frame.f_back
-    return False
+    return None
+
+
+def _inside_fairseq_eval_lm() -> bool:
+    return _fairseq_eval_lm_frame() is not None
+
+
+def refuse_eval_lm_longer_than_model(core_cfg, task) -> None:
+    """fairseq-eval-lm drops (ignore_invalid_inputs=True) every block longer than the model accepts and
+    reports the loss over the rest, with only a warning: a figure over part of the data. Refuse it."""
+    frame = _fairseq_eval_lm_frame()
+    if frame is None:
+        return
+    task_cfg = getattr(task, "cfg", None) or getattr(task, "args", None)
+    block = getattr(task_cfg, "tokens_per_sample", None)
+    eval_cfg = frame.f_locals.get("cfg")
+    context = getattr(getattr(eval_cfg, "eval_lm", None), "context_window", 0) or 0
+    if block is None or block + context <= core_cfg.seq_len:
+        return
+    raise ValueError(
+        f"fairseq-eval-lm would feed blocks of {block + context} tokens (--tokens-per-sample"
+        f"{' + --context-window' if context else ''}) to a model whose spatial weights cover {core_cfg.seq_len} "
+        f"positions; it would skip every longer block and report the loss over the rest. Use --tokens-per-sample "
+        f"{core_cfg.seq_len} or less (with --context-window N, --tokens-per-sample {core_cfg.seq_len} at most)"
+    )
 
 
 def refuse_eval_lm_on_partial_prediction(core_cfg) -> None:
@@ -137,15 +195,18 @@ class _CoreLanguageModel(FairseqLanguageModel):
         dictionary = task.target_dictionary
         core_cfg = to_core_config(cfg, cls.family, len(dictionary), dictionary.pad())
         refuse_eval_lm_on_partial_prediction(core_cfg)
+        refuse_eval_lm_longer_than_model(core_cfg, task)
         if _world()[0] == 0:
             warn_if_criterion_ignores_routing(core_cfg, _config_value(cfg, "criterion_name"))
-        dispatcher = make_dispatcher(core_cfg, cfg)
+        dispatcher, layout, replica_group = make_dispatcher(core_cfg, cfg)
         model = cls(CoreLMDecoder(dictionary, LanguageModel(core_cfg, dispatcher)))
         step_profiler.install(model.decoder)  # only when SMLP_PROFILE_STEPS is set (smlp-bench)
         rank, world = _world()
-        if world > 1 and core_cfg.sparse_layers:
-            scale_expert_gradients(model, world)
-        model.expert_rank, model.expert_world = (rank, world) if isinstance(dispatcher, AllToAllDispatcher) else (0, 1)
+        if layout is not None:
+            scale_expert_gradients(model, layout, replica_group)
+        # which experts this rank holds: position expert_rank of an expert-parallel group of expert_world
+        model.expert_rank, model.expert_world = (layout.ep_rank(rank), layout.ep_size) if layout else (0, 1)
+        model.expert_layout = layout
         return model
 
     @property

@@ -25,7 +25,18 @@ process group, SIGKILL after --grace seconds, prints the tail of the failed rank
 non-zero naming the rank. Ctrl-C / SIGTERM / SIGHUP to the launcher stop all workers the same way
 (a second Ctrl-C kills at once). SIGUSR1 to the launcher is forwarded: the workers save a checkpoint
 after the current update and stop (see "worker mode"), and the launcher exits 0.
-Rank 0 writes to the console; rank R > 0 writes to LOG_DIR/rankR.log.
+Rank 0 writes to the console; rank R > 0 writes to LOG_DIR/rankR.log. At the end the launcher
+prints each rank's peak resident memory (the kernel's ru_maxrss of the reaped worker; while they
+run, `smlp_launch.memory` reads VmHWM), and --peak-rss-json FILE writes it as JSON.
+
+Timeouts, on purpose: a rank waits at most --timeout seconds (default $SMLP_DIST_TIMEOUT, else 600)
+in one collective or in the rendezvous before it fails with an error, so a peer that hangs (stopped,
+deadlocked, its node gone without closing its sockets) ends the job instead of blocking it; a peer
+that dies is noticed at once (gloo: "Connection closed by peer"; the launcher: its exit status).
+The value is passed to torch.distributed.init_process_group (gloo and NCCL) in worker mode, and
+TORCH_NCCL_ASYNC_ERROR_HANDLING=1 (unless set) makes a timed-out NCCL collective abort the process
+rather than hang. It must exceed the longest time one rank can legitimately run ahead of the
+others: a checkpoint save, a validation pass, the first step's warm-up.
 
 Worker mode (`smlp-launch --worker -- FAIRSEQ_ARGS`) runs one fairseq-train in this process, as
 the launcher's workers and launch/slurm/train.sbatch's tasks do, adding one thing fairseq-fixed
@@ -73,6 +84,8 @@ CONTROLLED_FLAGS = {
 }
 GRACEFUL_DEFAULT = "USR1"
 TAIL_LINES = 40
+DEFAULT_TIMEOUT_S = 600.0  # a collective or the rendezvous waits at most this long for a peer
+TIMEOUT_ENV = "SMLP_DIST_TIMEOUT"
 
 
 class LaunchError(Exception):
@@ -91,6 +104,8 @@ class Plan:
     log_dir: Path
     grace: float
     fairseq_args: list[str]
+    timeout: float = DEFAULT_TIMEOUT_S
+    peak_rss_json: Path | None = None
     commands: list[list[str]] = field(default_factory=list)
     envs: list[dict[str, str]] = field(default_factory=list)
 
@@ -139,6 +154,11 @@ A worker that fails stops all others; the launcher exits with its code and shows
                    "from fairseq's --save-dir, else checkpoints/launch-logs)")
     p.add_argument("--grace", type=float, default=10.0,
                    help="seconds between SIGTERM and SIGKILL when stopping workers (default 10)")
+    p.add_argument("--timeout", type=float, default=None,
+                   help=f"seconds a rank waits in one collective (or the rendezvous) for its peers before it "
+                   f"fails (default ${TIMEOUT_ENV}, else {DEFAULT_TIMEOUT_S:g}); gloo and NCCL")
+    p.add_argument("--peak-rss-json", type=Path, default=None,
+                   help="write each rank's peak resident memory (bytes) to this JSON file at the end")
     p.add_argument("--dry-run", action="store_true", help="print the worker commands and exit")
     p.add_argument("--worker", action="store_true",
                    help="run ONE fairseq-train in this process with the graceful-stop hook "
@@ -228,6 +248,9 @@ def plan_launch(opts: argparse.Namespace, fairseq_args: list[str]) -> Plan:
         raise LaunchError(f"--threads must be >= 1, got {opts.threads}")
     if opts.grace < 0:
         raise LaunchError(f"--grace must be >= 0, got {opts.grace}")
+    timeout = opts.timeout if opts.timeout is not None else collective_timeout()
+    if not timeout > 0:
+        raise LaunchError(f"--timeout must be > 0 seconds, got {timeout:g}")
     threads = opts.threads or max(1, usable_cores() // nproc)
     port = opts.master_port if opts.master_port is not None else free_port(opts.master_addr)
     if not 0 < port < 65536:
@@ -236,7 +259,8 @@ def plan_launch(opts: argparse.Namespace, fairseq_args: list[str]) -> Plan:
     log_dir = opts.log_dir or Path(save_dir) / "launch-logs"
 
     plan = Plan(nproc=nproc, device=device, master_addr=opts.master_addr, master_port=port,
-                threads=threads, log_dir=Path(log_dir), grace=opts.grace, fairseq_args=fairseq_args)
+                threads=threads, log_dir=Path(log_dir), grace=opts.grace, fairseq_args=fairseq_args,
+                timeout=timeout, peak_rss_json=opts.peak_rss_json)
     common = [
         "--distributed-init-method", f"tcp://{opts.master_addr}:{port}",
         "--distributed-world-size", str(nproc),
@@ -255,6 +279,7 @@ def plan_launch(opts: argparse.Namespace, fairseq_args: list[str]) -> Plan:
             "OMP_NUM_THREADS": str(threads),
             "MKL_NUM_THREADS": str(threads),
             "PYTHONUNBUFFERED": "1",  # fairseq logs to stdout: keep the rank logs live
+            TIMEOUT_ENV: f"{timeout:g}",
             "RANK": str(rank), "LOCAL_RANK": str(rank),
             "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
         })
@@ -288,10 +313,36 @@ class Worker:
     proc: subprocess.Popen
     log_path: Path | None
     log_file: IO | None
+    peak_rss: int | None = None  # bytes: ru_maxrss once reaped, the highest VmHWM sampled before
 
     @property
     def pgid(self) -> int:
         return self.proc.pid  # start_new_session: the worker leads its own process group
+
+    def poll(self) -> int | None:
+        """Popen.poll(), but reaping with wait4 so the worker's peak RSS (ru_maxrss) is kept."""
+        if self.proc.returncode is not None:
+            return self.proc.returncode
+        from .memory import vmhwm_bytes
+
+        live = vmhwm_bytes(self.proc.pid)
+        if live is not None:
+            self.peak_rss = max(self.peak_rss or 0, live)
+        try:
+            pid, status, usage = os.wait4(self.proc.pid, os.WNOHANG)
+        except ChildProcessError:  # reaped elsewhere
+            return self.proc.poll()
+        if pid == 0:
+            return None
+        self.proc.returncode = os.waitstatus_to_exitcode(status)
+        self.peak_rss = max(self.peak_rss or 0, usage.ru_maxrss * 1024)  # Linux reports KiB
+        return self.proc.returncode
+
+    def wait(self, timeout: float) -> int | None:
+        deadline = time.monotonic() + timeout
+        while (code := self.poll()) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return code
 
 
 def _describe(code: int) -> str:
@@ -357,7 +408,7 @@ class Launcher:
 
     def _on_usr1(self, _signum, _frame) -> None:
         for w in self.workers:
-            if w.proc.poll() is None:
+            if w.proc.returncode is None:
                 try:
                     os.kill(w.proc.pid, signal.SIGUSR1)
                 except ProcessLookupError:
@@ -389,7 +440,7 @@ class Launcher:
         deadline = time.monotonic() + self.plan.grace
         while time.monotonic() < deadline and not self.kill_now:
             for w in live:
-                w.proc.poll()
+                w.poll()
             if not any(_group_alive(w.pgid) for w in live):
                 break
             time.sleep(0.05)
@@ -397,9 +448,7 @@ class Launcher:
             if _group_alive(w.pgid):
                 _signal_group(w.pgid, signal.SIGKILL)
         for w in self.workers:
-            try:
-                w.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:  # unkillable (D state); report, never hang
+            if w.wait(timeout=30) is None:  # unkillable (D state); report, never hang
                 self.say(f"rank {w.rank} (pid {w.proc.pid}) did not die after SIGKILL")
 
     def run(self) -> int:
@@ -423,6 +472,20 @@ class Launcher:
                     w.log_file.close()
             for s, h in previous.items():
                 signal.signal(s, h)
+            self.report_memory()
+
+    def report_memory(self) -> None:
+        from .memory import format_bytes
+
+        peaks = {w.rank: w.peak_rss for w in self.workers if w.peak_rss}
+        if not peaks:
+            return
+        self.say("peak RSS per rank: " + ", ".join(f"rank {r} {format_bytes(b)}" for r, b in sorted(peaks.items())))
+        if self.plan.peak_rss_json is not None:
+            import json
+
+            self.plan.peak_rss_json.write_text(json.dumps(
+                {"peak_rss_bytes": {str(r): b for r, b in sorted(peaks.items())}, "source": "ru_maxrss / VmHWM"}) + "\n")
 
     def _watch(self) -> int:
         while True:
@@ -431,7 +494,7 @@ class Launcher:
                 self.stop_all(f"got {name}")
                 self.say(f"stopped by {name}")
                 return 128 + self.stop_signal
-            codes = [w.proc.poll() for w in self.workers]
+            codes = [w.poll() for w in self.workers]
             failed = [w for w, c in zip(self.workers, codes) if c not in (None, 0)]
             if failed:
                 return self._fail(failed[0])
@@ -451,6 +514,10 @@ class Launcher:
         code = w.proc.returncode
         what = f"rank {w.rank} {_describe(code)}"
         self.stop_all(what)
+        others = [f"rank {o.rank} {_describe(o.proc.returncode)}" for o in self.workers
+                  if o is not w and o.proc.returncode is not None]
+        if others:
+            self.say("then: " + ", ".join(others))
         if w.log_path is not None:
             self.say(f"last lines of {w.log_path}:")
             print(_tail(w.log_path), file=self.out, flush=True)
@@ -535,17 +602,67 @@ def _install_stop_hook(stop: _StopFlag) -> bool:
     return True
 
 
+def collective_timeout() -> float:
+    """Seconds a rank waits for its peers in one collective: $SMLP_DIST_TIMEOUT, else the default."""
+    value = os.environ.get(TIMEOUT_ENV, "")
+    if not value:
+        return DEFAULT_TIMEOUT_S
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise LaunchError(f"{TIMEOUT_ENV}={value!r} is not a number of seconds (e.g. 600)") from None
+    if not seconds > 0:
+        raise LaunchError(f"{TIMEOUT_ENV}={value!r} must be > 0 seconds")
+    return seconds
+
+
+def install_collective_timeout(seconds: float) -> None:
+    """Give every process group this process creates a timeout of `seconds` unless one is passed.
+
+    fairseq calls torch.distributed.init_process_group without a timeout (torch's defaults: 30 min
+    for gloo, 10 min for NCCL, and NCCL only honours it with async error handling). The wrapper
+    is installed in worker mode only; fairseq's files are not changed.
+    """
+    import datetime
+
+    import torch.distributed as dist
+
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")  # a timed-out NCCL op aborts, not hangs
+    original = dist.init_process_group
+    if getattr(original, "_smlp_timeout", None) is not None:
+        return
+
+    def init_process_group(*args, **kwargs):
+        if kwargs.get("timeout") is None:
+            kwargs["timeout"] = datetime.timedelta(seconds=seconds)
+        return original(*args, **kwargs)
+
+    init_process_group._smlp_timeout = seconds
+    init_process_group.__wrapped__ = original
+    dist.init_process_group = init_process_group
+
+
+def _report_own_peak_rss() -> None:
+    import resource
+
+    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "?"))
+    print(f"[smlp worker rank {rank}] peak RSS {kib / 1024:.1f} MiB", file=sys.stderr, flush=True)
+
+
 def run_worker(fairseq_args: list[str]) -> int:
     """One fairseq-train in this process; graceful stop on the SMLP_STOP_SIGNALS (default USR1)."""
     stop = _StopFlag()
     # handlers first: a signal that arrives while fairseq imports must not kill the worker
     for sig in _stop_signals():
         signal.signal(sig, stop.handler)
+    install_collective_timeout(collective_timeout())
     _install_stop_hook(stop)
     from fairseq_cli.train import cli_main
 
     sys.argv = ["fairseq-train", *fairseq_args]
     cli_main()
+    _report_own_peak_rss()
     status_file = os.environ.get("SMLP_STATUS_FILE")
     if stop.stopped_at is not None and status_file:
         import torch.distributed as dist

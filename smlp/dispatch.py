@@ -49,9 +49,10 @@ def expert_parallel_layout(num_experts: int, world_size: int) -> int:
     if num_experts % world_size:
         if world_size % num_experts == 0:
             raise ValueError(
-                f"num_experts={num_experts} is smaller than the expert-parallel world size {world_size}: "
-                f"replicating experts across ranks is not supported; use num_experts equal to a multiple of "
-                f"{world_size} (e.g. {world_size} or {2 * world_size})"
+                f"num_experts={num_experts} is smaller than the expert-parallel world size {world_size}: an "
+                f"expert-parallel group holds at most one rank per expert; on more ranks, replicate the experts "
+                f"over groups of {num_experts} (expert-data parallelism, smlp.parallel.ExpertDataLayout) or use "
+                f"num_experts equal to a multiple of {world_size}"
             )
         raise ValueError(
             f"num_experts={num_experts} cannot be spread evenly over {world_size} ranks: it must be a "
@@ -195,7 +196,7 @@ class LocalDispatcher:
 
 
 class AllToAllDispatcher(LocalDispatcher):
-    """Expert parallelism over a process group: rank r owns experts [r*L, (r+1)*L)."""
+    """Expert parallelism over a process group: rank r of `ep_group` owns experts [r*L, (r+1)*L)."""
 
     def __init__(self, num_experts: int, ep_group=None):
         if not dist.is_available() or not dist.is_initialized():

@@ -29,8 +29,10 @@ mode both gates therefore route every row on its own logits with no capacity lim
 which keeps eval causal per position (routing.py). `eval_capacity_factor` (Switch) and
 `drop_in_eval` (GShard) restore capacity-limited eval when wanted.
 
-No host synchronization: capacities are computed from shapes on the host, dropping is a
-cumsum on the device.
+Host synchronization: capacities are computed from shapes on the host and dropping is a cumsum
+on the device; the one host read is the check that the logits are usable (no NaN or +inf, and at
+least one logit above -inf per row; -inf masks an expert), which raises NonFiniteScoresError
+naming the layer. The dispatcher reads its split sizes right after, so it costs no extra stall.
 """
 from __future__ import annotations
 
@@ -43,7 +45,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .config import GSHARD_AUX_LOSSES
-from .routing import RoutingPlan
+from .routing import RoutingPlan, check_finite_scores
 
 __all__ = ["switch_top1", "gshard_top2", "switch_capacity", "gshard_capacity"]
 
@@ -133,6 +135,7 @@ def switch_top1(
     training: bool = True,
     eval_capacity_factor: float | None = None,
     noise_SE: Tensor | None = None,
+    layer: str = "switch router",
 ) -> RoutingPlan:
     """Switch Transformer top-1 routing (Fedus et al. 2021, sec. 2.1-2.2).
 
@@ -153,6 +156,7 @@ def switch_top1(
     noise_SE:             optional additive noise on the logits for the *choice* only (DeepSpeed's
                           noisy_gate_policy='RSample' with Gumbel noise); weights and P_e use the
                           clean probabilities. Used whenever given. The paper's default is no noise.
+    layer:                the layer's name, for the error on non-finite logits.
 
     Reference: DeepSpeed `sharded_moe.top1gating(..., drop_tokens=True, use_rts=False)` gives the
     same choices, weights and l_aux = E * sum(me * ce). It differs in two places (tests pin both):
@@ -167,6 +171,7 @@ def switch_top1(
     if eval_capacity_factor is not None:
         _check_capacity_factor("eval_capacity_factor", eval_capacity_factor)
     _check_min_capacity(min_capacity)
+    check_finite_scores(logits_SE.detach(), layer, allow_neg_inf=True)
 
     S, E = logits_SE.shape
     dtype = _compute_dtype(logits_SE)
@@ -210,6 +215,7 @@ def gshard_top2(
     training: bool = True,
     drop_in_eval: bool = False,
     aux_loss: str = "normalized",
+    layer: str = "gshard router",
 ) -> RoutingPlan:
     """GShard top-2 gating (Lepikhin et al. 2020, sec. 2.2, Algorithm 1), as fairscale's `top2gating`.
 
@@ -232,6 +238,7 @@ def gshard_top2(
            choices, so one weight (0.01) balances GShard and Switch equally hard.
        aux_loss="fairscale": mean_e(m_e * c_e) (fairscale's `top2gating`, Algorithm 1 as
            printed), 1/E^2 when balanced: with the same weight, E^2 times weaker.
+    `layer` names the layer in the error raised for non-finite logits.
 
     Differences from fairscale, all outside its domain or degenerate: any S is accepted (fairscale
     asserts S % E == 0; where it runs the capacities agree), eval mode has no capacity limit unless
@@ -241,6 +248,7 @@ def gshard_top2(
     back to the logits' dtype).
     """
     _check_logits("gshard_top2", logits_SE, noise_SE)
+    check_finite_scores(logits_SE.detach(), layer, allow_neg_inf=True)
     if aux_loss not in GSHARD_AUX_LOSSES:
         raise ValueError(f"aux_loss={aux_loss!r} is unknown: valid values are {', '.join(GSHARD_AUX_LOSSES)}")
     S, E = logits_SE.shape

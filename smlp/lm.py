@@ -216,6 +216,8 @@ class LanguageModel(nn.Module):
         self.dropout = nn.Dropout(cfg.dropout)
         self.layers = nn.ModuleList(self._build(kind) for kind in cfg.plan)
         self.final_norm = nn.LayerNorm(cfg.d_model)
+        for name, module in self.moe_modules():  # errors (e.g. non-finite router scores) name the layer
+            module.layer_name = f"{name} ({type(module).__name__})"
 
     def _build(self, kind: str) -> nn.Module:
         cfg = self.cfg

@@ -83,16 +83,18 @@ class TMoE(nn.Module):
         self.aux_loss: Tensor | None = None
         self.load_E: Tensor | None = None
         self.comm_seconds = 0.0
+        self.layer_name = f"TMoE ({cfg.router} router)"  # LanguageModel sets the module path, for errors
 
     def route(self, x_SD: Tensor, token_ids_S: Tensor | None = None) -> RoutingPlan:
         router = self.cfg.router
         if router == "base":
-            return base_route(x_SD @ self.centroids.t(), training=self.training)
+            return base_route(x_SD @ self.centroids.t(), training=self.training, layer=self.layer_name)
         if router == "switch":
-            return switch_top1(self.gate(x_SD), capacity_factor=self.cfg.capacity_factor, training=self.training)
+            return switch_top1(self.gate(x_SD), capacity_factor=self.cfg.capacity_factor, training=self.training,
+                               layer=self.layer_name)
         if router == "gshard":
             return gshard_top2(self.gate(x_SD), training=self.training,
-                               aux_loss=self.cfg.gshard_aux_loss)
+                               aux_loss=self.cfg.gshard_aux_loss, layer=self.layer_name)
         if token_ids_S is None:
             raise ValueError("router='hash' needs the token ids of the rows it routes")
         return hash_route(token_ids_S.reshape(-1), self.hash_table)
@@ -159,6 +161,7 @@ class SMoE(nn.Module):
         self.load_E: Tensor | None = None
         self.aux_loss = None
         self.comm_seconds = 0.0
+        self.layer_name = f"SMoE ({cfg.routing} routing)"  # LanguageModel sets the module path, for errors
 
     def forward(self, z_BNF: Tensor) -> Tensor:
         cfg = self.cfg
@@ -183,7 +186,7 @@ class SMoE(nn.Module):
             rows_SM = v_BNC[:, P:, :].transpose(1, 2).reshape(B * C, M)  # one row per (sequence, channel)
             with record_function(RANGES["routing"]):
                 prefix_SP = v_BNC[:, :P, :].transpose(1, 2).reshape(B * C, P)
-                plan = smoe_partial_route(prefix_SP @ self.router, training=self.training)
+                plan = smoe_partial_route(prefix_SP @ self.router, training=self.training, layer=self.layer_name)
             expert_S, weight_S = plan.experts_SK[:, 0], plan.weights_SK[:, 0].to(z_BNF.dtype)
         self.load_E = torch.bincount(expert_S, minlength=cfg.num_experts).detach()
         comm_before = self.dispatcher.comm_seconds

@@ -266,17 +266,19 @@ def test_sparse_block_runs_and_is_causal():
 # ---------------------------------------------------------------- routing and errors
 
 
-def test_non_finite_scores_do_not_break_assignment():
+def test_non_finite_scores_are_refused_by_the_routers():
+    """The auction itself tolerates NaN/inf (tests/test_assignment.py); a router refuses them, naming the layer."""
+    from smlp.routing import NonFiniteScoresError
+
     scores = torch.randn(32, 4)
     scores[0, 1] = float("nan")
     scores[3] = float("inf")
     scores[5, 2] = float("-inf")
-    plan = base_route(scores, training=True)
-    assert torch.bincount(plan.experts_SK[:, 0], minlength=4).tolist() == [8, 8, 8, 8]
-    assert torch.isfinite(plan.weights_SK).all()
+    with pytest.raises(NonFiniteScoresError, match=r"layers\.7 \(test\): .* 3 of 32 rows \(first: row 0; 1 NaN, 4 \+inf, 1 -inf"):
+        base_route(scores, training=True, layer="layers.7 (test)")
     assert torch.isfinite(sanitize_scores(scores)).all()
-    all_nan = torch.full((8, 4), float("nan"))
-    assert torch.bincount(base_route(all_nan, training=True).experts_SK[:, 0], minlength=4).tolist() == [2] * 4
+    with pytest.raises(NonFiniteScoresError, match="sMoE router"):
+        smoe_partial_route(torch.full((8, 4), float("nan")), training=False)
 
 
 @pytest.mark.parametrize("make, message", [
@@ -288,7 +290,7 @@ def test_non_finite_scores_do_not_break_assignment():
     (lambda: TMoEConfig(d_model=8, d_ffn=8, num_experts=2, router="hash"), "needs vocab_size"),
     (lambda: SparseBlockConfig(d_model=10, d_ffn=8, seq_len=8, num_experts=4), "must divide the gated width 10"),
     (lambda: expert_parallel_layout(6, 4), "num_experts=6 cannot be spread evenly over 4 ranks"),
-    (lambda: expert_parallel_layout(2, 4), "replicating experts across ranks is not supported"),
+    (lambda: expert_parallel_layout(2, 4), "an expert-parallel group holds at most one rank per expert"),
     (lambda: TMoE(TMoEConfig(d_model=8, d_ffn=8, num_experts=4), LocalDispatcher(2)), "built for 2 experts"),
 ])
 def test_bad_configuration_is_refused_with_a_clear_message(make, message):

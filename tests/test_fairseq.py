@@ -186,10 +186,11 @@ def test_two_rank_checkpoint_evaluates_on_one_process(tiny_lm_data, tmp_path):
     assert (tokens_r0, loss_r0) == (shards[0][0], pytest.approx(shards[0][1], abs=2e-4))
     assert shards[0][0] + shards[1][0] == tokens_one
     assert sum(t * l for t, l in shards) / tokens_one == pytest.approx(loss_one, abs=2e-4)
-    # 4 ranks cannot hold 2 experts each evenly: clear error, no hang
-    four = run_fairseq("fairseq-eval-lm", eval_flags + ["--gen-subset", "valid"], world=4, timeout=120)
-    assert any(r.returncode != 0 for r in four)
-    assert "num_experts=2 is smaller than the expert-parallel world size 4" in output(four)
+    # 4 ranks for 2 experts: two expert-parallel groups of 2 (each expert replicated), rank 0 scores shard 0 of 4
+    (tokens_4, loss_4), = eval_lm_figures(assert_ok(run_fairseq("fairseq-eval-lm", eval_valid, world=4)))
+    (tokens_s, loss_s), = eval_lm_figures(assert_ok(run_fairseq("fairseq-eval-lm", [*eval_valid, "--num-shards", "4",
+                                                                                   "--shard-id", "0"])))
+    assert (tokens_4, loss_4) == (tokens_s, pytest.approx(loss_s, abs=2e-4))
 
 
 # ---------------------------------------------------------------- bad flags fail before training
@@ -197,13 +198,16 @@ def test_two_rank_checkpoint_evaluates_on_one_process(tiny_lm_data, tmp_path):
 
 @pytest.mark.parametrize("flags, world, message", [
     (["--arch", "smlp_lm_tiny", "--num-experts", "3"], 2, "num_experts=3 cannot be spread evenly over 2 ranks"),
+    (["--arch", "smlp_lm_tiny", "--num-experts", "4", "--expert-parallel-size", "3"], 2,
+     "--expert-parallel-size 3 does not divide the world size 2"),
     (["--arch", "smlp_lm_tiny", "--ddp-backend", "c10d"], 2, "needs --ddp-backend legacy_ddp"),
     (["--arch", "smlp_lm_tiny", "--decoder-embed-dim", "66", "--num-experts", "4"], 1, "must divide the gated width 66"),
     (["--arch", "smlp_lm_tiny", "--smoe-routing", "learned"], 1, "invalid choice: 'learned'"),
     (["--arch", "switch_lm_tiny", "--moe-router", "top3"], 1, "invalid choice: 'top3'"),
     (["--arch", "smlp_lm_tiny", "--seq-len", "16"], 1, "--tokens-per-sample 32 exceeds the model's sequence length 16"),
     (["--arch", "hypermixer_lm_tiny", "--sgu-heads", "2"], 1, "token_mixer='hypermixer' needs heads=1"),
-], ids=["experts-vs-world", "c10d", "dims", "routing-name", "router-name", "too-long", "mixer-heads"])
+], ids=["experts-vs-world", "ep-size-vs-world", "c10d", "dims", "routing-name", "router-name", "too-long",
+        "mixer-heads"])
 def test_bad_flags_fail_with_a_clear_message_before_training(tiny_lm_data, tmp_path, flags, world, message):
     res = run_fairseq("fairseq-train", [str(tiny_lm_data), "--user-dir", PLUGINS, *TINY_TRAIN, *flags,
                                         "--max-update", "2", "--save-dir", str(tmp_path)], world=world, timeout=120)

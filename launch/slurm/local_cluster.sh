@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# A real single-node SLURM cluster on this machine, for tests and CI: munged + slurmctld + slurmd
-# (Debian's slurm-wlm, SLURM 22.05), started without systemd in a private state directory.
+# A real SLURM cluster on this machine, for tests and CI: munged + slurmctld + one slurmd per node
+# (Debian's slurm-wlm, SLURM 22.05), started without systemd in a private state directory. One node by
+# default; SMLP_SLURM_NODES=N runs N slurmd on this host (`slurmd -N NAME`, one port each): a real
+# N-node cluster to SLURM (sbatch --nodes=N, srun, SLURM_NODEID, ...) whose nodes share this machine.
 #
 #   launch/slurm/local_cluster.sh start    # idempotent; installs slurm-wlm + munge if missing (root)
 #   launch/slurm/local_cluster.sh status   # exit 0 if up and the node is usable, 1 otherwise
@@ -12,10 +14,12 @@
 #
 # Environment (all optional):
 #   SMLP_SLURM_DIR          state directory (default /tmp/smlp-slurm); one cluster per directory
-#   SMLP_SLURM_CPUS         CPUs of the node (default: the CPUs this process may run on)
+#   SMLP_SLURM_NODES        number of nodes (default 1)
+#   SMLP_SLURM_CPUS         CPUs of each node (default: the CPUs this process may run on)
 #   SMLP_SLURM_CTLD_PORT    slurmctld port (default 6817)
-#   SMLP_SLURMD_PORT        slurmd port (default 6818)
-#   SMLP_SLURM_NODE         node name (default: short host name if it resolves, else localhost)
+#   SMLP_SLURMD_PORT        slurmd port (default 6818); node i of N listens on SMLP_SLURMD_PORT + i - 1
+#   SMLP_SLURM_NODE         node name (default: short host name if it resolves, else localhost); with
+#                           N > 1 nodes the names are n1..nN (they need not resolve: NodeAddr=127.0.0.1)
 #   SMLP_SLURM_WAIT         seconds to wait for the node to become idle (default 60)
 #   SMLP_SLURM_NO_INSTALL=1 never call apt-get
 #
@@ -27,7 +31,10 @@
 #   - a requeued job may only restart once its credential expired (default 120 s): cred_expire=10.
 #   - the node's CPUs must not exceed what slurmd detects, or the node goes to INVAL: CPUs = affinity
 #     count, and config_overrides makes slurmd trust the config.
-#   - the node name must resolve: jobs take MASTER_ADDR from `scontrol show hostnames`.
+#   - jobs must reach the first node: train.sbatch takes MASTER_ADDR from the NodeAddr (127.0.0.1 here)
+#     of the first host of `scontrol show hostnames`, so the n1..nN names need not resolve.
+#   - several slurmd on one host (Debian's build allows it): each needs `-N NAME`, its own Port= on its
+#     NodeName line, and its own spool dir, pid and log file (%n in those paths).
 set -euo pipefail
 export PATH=$PATH:/usr/sbin:/sbin   # the daemons live in sbin, often not on a user's PATH
 
@@ -35,6 +42,7 @@ D=${SMLP_SLURM_DIR:-/tmp/smlp-slurm}
 CTLD_PORT=${SMLP_SLURM_CTLD_PORT:-6817}
 SLURMD_PORT=${SMLP_SLURMD_PORT:-6818}
 WAIT_S=${SMLP_SLURM_WAIT:-60}
+NNODES=${SMLP_SLURM_NODES:-1}
 CONF=$D/slurm.conf
 PIDS=$D/run/daemons.pids   # lines "<name> <pid>", written in start order
 export SLURM_CONF=$CONF
@@ -48,6 +56,9 @@ node_name() {
   echo "$n"
 }
 NODE=$(node_name)
+[[ "$NNODES" =~ ^[1-9][0-9]?$ ]] || die "SMLP_SLURM_NODES must be an integer from 1 to 99, got '$NNODES'"
+NODES=("$NODE")
+if [ "$NNODES" -gt 1 ]; then NODES=(); for ((i = 1; i <= NNODES; i++)); do NODES+=("n$i"); done; fi
 
 # alive NAME PID: PID runs, is not a zombie, and is the daemon we recorded (same command name).
 alive() {
@@ -55,11 +66,21 @@ alive() {
   [ "$(cat "/proc/$2/comm" 2>/dev/null)" = "$1" ] || return 1
   [ "$(awk '{print $3}' "/proc/$2/stat" 2>/dev/null)" != Z ]
 }
-recorded() { [ -f "$PIDS" ] && awk -v n="$1" '$1 == n {p = $2} END {print p}' "$PIDS" || true; }
-node_state() { timeout 10 sinfo -h -N -n "$NODE" -o %t 2>/dev/null | head -1 || true; }
+# recorded NAME [NODE]: the pid recorded for a daemon (slurmd lines also name their node)
+recorded() {
+  [ -f "$PIDS" ] && awk -v n="$1" -v h="${2:-}" '$1 == n && (h == "" || $3 == h || $3 == "") {p = $2} END {print p}' "$PIDS" || true
+}
+# node_state: the state of the nodes, the first one that is not usable if any ("" if one is missing)
+node_state() {
+  local states
+  states=$(timeout 10 sinfo -h -N -n "$(IFS=,; echo "${NODES[*]}")" -o %t 2>/dev/null || true)
+  [ "$(echo "$states" | grep -c .)" -eq "$NNODES" ] || return 0
+  echo "$states" | grep -Ev '^(idle|mix|alloc|comp)' | head -1 | grep . || echo "$states" | head -1
+}
 daemons_alive() {
-  alive munged "$(recorded munged)" && alive slurmctld "$(recorded slurmctld)" \
-    && alive slurmd "$(recorded slurmd)"
+  local n
+  alive munged "$(recorded munged)" && alive slurmctld "$(recorded slurmctld)" || return 1
+  for n in "${NODES[@]}"; do alive slurmd "$(recorded slurmd "$n")" || return 1; done
 }
 usable() { [[ "$(node_state)" =~ ^(idle|mix|alloc|comp) ]]; }
 
@@ -104,11 +125,11 @@ AuthInfo=socket=$D/munge/munge.socket.2,cred_expire=10
 SlurmctldPort=$CTLD_PORT
 SlurmdPort=$SLURMD_PORT
 StateSaveLocation=$D/state
-SlurmdSpoolDir=$D/spool
+SlurmdSpoolDir=$D/spool/%n
 SlurmctldPidFile=$D/run/slurmctld.pid
-SlurmdPidFile=$D/run/slurmd.pid
+SlurmdPidFile=$D/run/slurmd-%n.pid
 SlurmctldLogFile=$D/log/slurmctld.log
-SlurmdLogFile=$D/log/slurmd.log
+SlurmdLogFile=$D/log/slurmd-%n.log
 SlurmctldDebug=info
 SlurmdDebug=info
 ProctrackType=proctrack/linuxproc
@@ -127,9 +148,13 @@ KillWait=10
 MinJobAge=600
 InactiveLimit=0
 JobRequeue=1
-NodeName=$NODE NodeAddr=127.0.0.1 CPUs=$cpus RealMemory=$mem_mb State=UNKNOWN
-PartitionName=local Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 EOF
+  local i host=""
+  [ "$NNODES" -gt 1 ] && host="NodeHostname=localhost "   # n1..nN all live on this host
+  for ((i = 0; i < NNODES; i++)); do
+    echo "NodeName=${NODES[$i]} ${host}NodeAddr=127.0.0.1 Port=$((SLURMD_PORT + i)) CPUs=$cpus RealMemory=$mem_mb State=UNKNOWN"
+  done >> "$CONF"
+  echo "PartitionName=local Nodes=ALL Default=YES MaxTime=INFINITE State=UP" >> "$CONF"
 }
 
 # wait_file FILE SECONDS: until FILE is non-empty
@@ -145,7 +170,7 @@ start() {
     stop || true
   fi
   ensure_packages
-  for p in "$CTLD_PORT" "$SLURMD_PORT"; do
+  for p in "$CTLD_PORT" $(seq "$SLURMD_PORT" $((SLURMD_PORT + NNODES - 1))); do
     port_busy "$p" && die "TCP port $p is in use (another SLURM?); pick others with SMLP_SLURM_CTLD_PORT/SMLP_SLURMD_PORT"
   done
 
@@ -174,26 +199,29 @@ start() {
     || die "munge round trip failed (see $D/munge/munged.log)"
 
   write_conf
-  rm -f "$D/run/slurmctld.pid" "$D/run/slurmd.pid"
+  rm -f "$D/run/slurmctld.pid" "$D/run/slurmd"*.pid
   slurmctld -c -f "$CONF" || die "slurmctld failed to start: $(tail -5 "$D/log/slurmctld.log" 2>/dev/null)"
   wait_file "$D/run/slurmctld.pid" 10 || die "slurmctld wrote no pid file: $(tail -5 "$D/log/slurmctld.log")"
   echo "slurmctld $(cat "$D/run/slurmctld.pid")" >> "$PIDS"
-  slurmd -N "$NODE" -f "$CONF" || die "slurmd failed to start: $(tail -5 "$D/log/slurmd.log" 2>/dev/null)"
-  wait_file "$D/run/slurmd.pid" 10 || die "slurmd wrote no pid file: $(tail -5 "$D/log/slurmd.log")"
-  echo "slurmd $(cat "$D/run/slurmd.pid")" >> "$PIDS"
+  local n
+  for n in "${NODES[@]}"; do
+    slurmd -N "$n" -f "$CONF" || die "slurmd $n failed to start: $(tail -5 "$D/log/slurmd-$n.log" 2>/dev/null)"
+    wait_file "$D/run/slurmd-$n.pid" 10 || die "slurmd $n wrote no pid file: $(tail -5 "$D/log/slurmd-$n.log")"
+    echo "slurmd $(cat "$D/run/slurmd-$n.pid") $n" >> "$PIDS"
+  done
 
   local end=$(($(date +%s) + WAIT_S))
   until [[ "$(node_state)" == idle* ]]; do
     if [ "$(date +%s)" -ge "$end" ]; then
-      say "node $NODE is not idle after ${WAIT_S}s (state: '$(node_state)'); last log lines:"
-      tail -n 15 "$D/log/slurmctld.log" "$D/log/slurmd.log" >&2 || true
+      say "node(s) ${NODES[*]} not idle after ${WAIT_S}s (state: '$(node_state)'); last log lines:"
+      tail -n 15 "$D/log/slurmctld.log" "$D/log/slurmd-"*.log >&2 || true
       stop || true
       exit 1
     fi
     sleep 0.2
   done
   local ms=$((($(date +%s%N) - t0) / 1000000))
-  say "up in ${ms} ms: node $NODE idle, $(awk -F'CPUs=' '/^NodeName/ {split($2, a, " "); print a[1]}' "$CONF") CPUs, state in $D"
+  say "up in ${ms} ms: node(s) ${NODES[*]} idle, $(awk -F'CPUs=' '/^NodeName/ {split($2, a, " "); print a[1]; exit}' "$CONF") CPUs each, state in $D"
   echo "export SLURM_CONF=$CONF"
 }
 
@@ -213,25 +241,29 @@ stop() {
     fi
   fi
   local name pid i
-  for name in slurmd slurmctld munged; do   # reverse start order
-    pid=$(recorded "$name")
+  # every recorded daemon (whatever SMLP_SLURM_NODES says now), in reverse start order
+  while read -r name pid; do
     alive "$name" "$pid" || continue
     kill -TERM "$pid" 2>/dev/null || true
     for ((i = 0; i < 50; i++)); do alive "$name" "$pid" || break; sleep 0.2; done
     if alive "$name" "$pid"; then say "$name ($pid) ignored SIGTERM: SIGKILL"; kill -KILL "$pid" 2>/dev/null || true; fi
     say "stopped $name ($pid)"
-  done
+  done < <(awk '{print $1, $2}' "$PIDS" | tac)
   rm -f "$PIDS"
 }
 
 status() {
-  local ok=0 name
-  for name in munged slurmctld slurmd; do
+  local ok=0 name n
+  for name in munged slurmctld; do
     if alive "$name" "$(recorded "$name")"; then say "$name: running (pid $(recorded "$name"))"
     else say "$name: not running"; ok=1; fi
   done
+  for n in "${NODES[@]}"; do
+    if alive slurmd "$(recorded slurmd "$n")"; then say "slurmd $n: running (pid $(recorded slurmd "$n"))"
+    else say "slurmd $n: not running"; ok=1; fi
+  done
   if [ $ok -eq 0 ]; then
-    say "node $NODE: $(node_state)"
+    say "node(s) ${NODES[*]}: $(node_state)"
     usable || ok=1
   fi
   [ $ok -eq 0 ] && echo "export SLURM_CONF=$CONF"

@@ -1,0 +1,369 @@
+"""Elastic resume: a training checkpoint written by W ranks resumes on W' ranks.
+
+A cluster that hands back fewer (or more) nodes after a requeue must not end the run. fairseq
+resumes each rank from its own `checkpoint_last-rank-R.pt` (or one `checkpoint_last.pt` on one
+process), so on another world size it would start from scratch, load the wrong experts, or drop
+the optimizer state. Before fairseq loads anything, `reshard_for_resume` rewrites the checkpoint
+into the layout of this run:
+
+- model: the experts of every sparse layer are re-sliced for each rank's position in its
+  expert-parallel group (smlp.sharding; replicas of expert-data parallelism get identical files);
+- optimizer: the per-parameter state of expert parameters (Adam's exp_avg and exp_avg_sq) moves
+  with its experts; the state of shared parameters is the same on every rank and is kept;
+- data position: fairseq counts the batches each rank consumed (`iterations_in_epoch`), and rank r
+  of W reads batches r, r + W, ... of the epoch's shuffled list, so W x that count batches are
+  done; the new ranks skip (W x count) / W' each. With the same global batch (W x --update-freq x
+  --batch-size unchanged) the resumed run sees the batches an uninterrupted run would have seen,
+  and logs its losses.
+
+The resharding runs on all ranks: rank 0 inspects the saved set and broadcasts the plan; every
+rank reads the source shards holding its experts and writes its own file to a temporary name;
+then rank 0 hard-links the old set into `<save_dir>/resharded-from-<W>-ranks-update-<N>/` (a
+complete copy stays on disk whatever happens next), renames the new files into place and
+removes old shards no rank of this run owns. It applies to the checkpoint fairseq will load
+(--restore-file, default checkpoint_last.pt); other saves keep their layout (smlp-consolidate
+merges any of them).
+
+Refused with a clear error: a run whose model holds another number of experts than the
+checkpoint (e.g. --num-experts 0, one per rank, on another world size), an optimizer state that
+is not kept per parameter (--fp16 with flattened parameters: use --fp16-no-flatten-grads), and
+a save set that is not complete.
+
+`install()` wraps `fairseq.checkpoint_utils.load_checkpoint` (looked up as a module attribute by
+fairseq_cli.train when it resumes); evaluation programs never call it.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+
+from smlp.parallel import ExpertDataLayout
+from smlp.sharding import reshard_model_state, reshard_optimizer_state, source_positions
+
+from .checkpoints import is_expert_key
+from .shard_sets import DEFAULT_RESTORE, SHARD_KEY, atomic_torch_save, read_shard, set_problem, shard_path
+from .shard_sets import _broadcast, _dist_rank_world as _rank_world, _gather
+
+logger = logging.getLogger(__name__)
+
+BACKUP_DIR = "resharded-from-{world}-ranks-update-{updates}"
+
+
+class ReshardError(ValueError):
+    """The checkpoint cannot be moved to this run's layout; the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class SavedSet:
+    """A checkpoint as saved: one file (one process, or consolidated) or one shard per rank."""
+
+    base: str                 # the name without rank suffix, e.g. <save_dir>/checkpoint_last.pt
+    files: tuple[str, ...]    # rank order; one file when not sharded
+    sharded: bool
+    world_size: int           # ranks of the run that wrote it
+    ep_size: int              # its expert-parallel group size (1 when one file holds every expert)
+    num_experts: int          # experts per sparse layer (0 for a dense model)
+    local_experts: int        # experts per file
+    num_updates: int | None
+    problem: str | None = None  # why the shards are not one save (then the other fields are not read)
+
+    def describe(self) -> str:
+        what = (f"{len(self.files)} rank shards" if self.sharded else "one file")
+        experts = (f", {self.num_experts} experts in groups of {self.ep_size}" if self.num_experts else "")
+        return f"{os.path.basename(self.base)} ({what} from a {self.world_size}-rank run{experts}, update {self.num_updates})"
+
+
+def shard_name(base: str, rank: int) -> str:
+    """fairseq's name of rank `rank`'s file of checkpoint `base` (it inserts the suffix before .pt)."""
+    return shard_path(base, f"-rank-{rank}")
+
+
+def _load(path: str) -> dict:
+    try:
+        return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except Exception as exc:
+        raise ReshardError(f"cannot read checkpoint {path} ({type(exc).__name__}: {str(exc)[:200]})") from exc
+
+
+def _shards_of(base: str) -> dict[int, str]:
+    stem = base[:-3] if base.endswith(".pt") else base
+    directory = os.path.dirname(stem) or "."
+    prefix = os.path.basename(stem) + "-rank-"
+    found = {}
+    if os.path.isdir(directory):
+        for name in os.listdir(directory):
+            m = re.fullmatch(re.escape(prefix) + r"(\d+)\.pt", name)
+            if m:
+                found[int(m.group(1))] = os.path.join(directory, name)
+    return found
+
+
+def _cfg_section(state: dict, name: str) -> dict:
+    cfg = state.get("cfg") or {}
+    section = cfg.get(name) if hasattr(cfg, "get") else None
+    return section if hasattr(section, "get") else {}
+
+
+def _updates(state: dict) -> int | None:
+    history = state.get("optimizer_history") or [{}]
+    return history[-1].get("num_updates")
+
+
+def inspect_saved(base: str) -> SavedSet | None:
+    """The saved set of checkpoint `base` (its rank shards, else the file itself), or None if absent."""
+    from .checkpoints import saved_ep_size
+
+    shards = _shards_of(base)
+    problem = None
+    if shards:
+        files = tuple(shards[r] for r in sorted(shards))
+        infos = [read_shard(f) for f in files]
+        recorded = [i.world_size for i in infos if i.world_size]
+        writer = max(recorded) if recorded else None  # the world size the shards say wrote them
+        missing = [r for r in range(max(max(shards) + 1, writer or 0)) if r not in shards]
+        problem = (f"rank(s) {missing} are missing ({len(shards)} found)" if missing
+                   else set_problem(infos, len(files), sharded=True))
+        if problem:  # raised only if this set must be resharded: on its own world size shard_sets falls back
+            problem = (f"the rank shards of {base} are not one save ({problem}): "
+                       f"{'; '.join(i.describe(len(files)) for i in infos)}; resume from a complete save "
+                       f"(--restore-file checkpoint_<epoch>_<update>.pt) or on the world size that wrote it")
+            return SavedSet(base, files, True, writer or len(files), 1, -1, 0, None, problem)
+    elif os.path.isfile(base):
+        files = (base,)
+    else:
+        return None
+    first = _load(files[0])
+    keys = [k for k in first["model"] if is_expert_key(k)]
+    W = len(files)
+    saved_world = int(_cfg_section(first, "distributed_training").get("distributed_world_size", W) or W)
+    if shards and saved_world != W:
+        raise ReshardError(f"{base}: {W} rank shards on disk but they were written by a {saved_world}-rank run: "
+                           f"the save set is mixed or incomplete (a crash while resharding or saving?). If a "
+                           f"{BACKUP_DIR.split('-{')[0]}-* folder in the save directory holds the previous set, "
+                           f"move its files back")
+    if not keys:
+        return SavedSet(base, files, bool(shards), saved_world if not shards else W, 1, 0, 0, _updates(first))
+    local = int(first["model"][keys[0]].shape[0])
+    G = saved_ep_size(first, W, keys) if shards else 1
+    return SavedSet(base, files, bool(shards), W if shards else saved_world, G, local * G, local, _updates(first))
+
+
+@dataclass(frozen=True)
+class Plan:
+    saved: SavedSet
+    target: ExpertDataLayout | None   # None for a dense model
+    world_size: int
+    sharded: bool                     # this run writes / reads one file per rank
+    targets: tuple[str, ...]          # the file of each rank of this run
+
+
+def plan_resume(base: str, *, world_size: int, sharded: bool, layout: ExpertDataLayout | None,
+                num_experts: int) -> Plan | None:
+    """What must change for a run of `world_size` ranks (expert layout `layout`) to resume `base`;
+    None when fairseq can load it as it is (or there is nothing to load)."""
+    saved = inspect_saved(base)
+    if saved is None:
+        return None
+    targets = tuple(shard_name(base, r) for r in range(world_size)) if sharded else (base,)
+    if saved.problem:
+        if sharded and saved.world_size == world_size:
+            return None  # written by this world size: shard_sets refuses it or falls back to a complete save
+        raise ReshardError(saved.problem)
+    if saved.num_experts != num_experts:
+        raise ReshardError(
+            f"{saved.describe()} holds {saved.num_experts} experts per sparse layer but this run builds "
+            f"{num_experts}; resuming cannot change the number of experts. Pass --num-experts {saved.num_experts}"
+            + (" (--num-experts 0 means one per rank)" if saved.num_experts else ""))
+    same = saved.files == targets and saved.world_size == world_size
+    if num_experts:
+        same = same and saved.ep_size == (layout.ep_size if layout is not None else 1)
+    if same:
+        return None
+    return Plan(saved, layout, world_size, sharded, targets)
+
+
+def resharded_state(plan: Plan, rank: int, sources: dict[int, dict], expert_params: list[bool]) -> dict:
+    """Rank `rank`'s checkpoint in the new layout, from the source files {source position: state}.
+
+    expert_params: for each parameter in the optimizer's order, whether it is an expert parameter."""
+    saved = plan.saved
+    base = sources[min(sources)]
+    state = dict(base)
+    if saved.num_experts:
+        L = plan.target.num_local_experts if plan.target is not None else saved.num_experts
+        first = (plan.target.first_expert(rank) if plan.target is not None else 0)
+        keys = [k for k in base["model"] if is_expert_key(k)]
+        state["model"] = reshard_model_state({i: s["model"] for i, s in sources.items()}, keys,
+                                             saved.local_experts, first, L)
+        optim = base.get("last_optimizer_state")
+        if isinstance(optim, dict) and "state" in optim:
+            indices = [i for g in optim["param_groups"] for i in g["params"]]
+            if len(indices) != len(expert_params):
+                raise ReshardError(
+                    f"the optimizer state of {saved.base} covers {len(indices)} parameter tensor(s) but the model has "
+                    f"{len(expert_params)}: it is not kept per parameter (--fp16 flattens the parameters into one; "
+                    f"train with --fp16-no-flatten-grads or --memory-efficient-fp16 to resume on another world size, "
+                    f"or resume with --reset-optimizer)")
+            experts = {idx for idx, is_expert in zip(indices, expert_params) if is_expert}
+            state["last_optimizer_state"] = reshard_optimizer_state(
+                {i: s["last_optimizer_state"] for i, s in sources.items()}, experts, saved.local_experts, first, L)
+    state["extra_state"] = _moved_iterator(base.get("extra_state"), saved.world_size, plan.world_size)
+    state["cfg"] = _retagged_cfg(base.get("cfg"), plan, rank)
+    if isinstance(base.get(SHARD_KEY), dict):
+        tag = dict(base[SHARD_KEY])
+        tag.update(rank=rank, world_size=plan.world_size if plan.sharded else 1, sharded=plan.sharded)
+        state[SHARD_KEY] = tag
+    return state
+
+
+def _moved_iterator(extra_state, old_world: int, new_world: int):
+    """Each new rank skips the batches the old ranks consumed together (see the module docstring)."""
+    if not isinstance(extra_state, dict) or "train_iterator" not in extra_state:
+        return extra_state
+    itr = dict(extra_state["train_iterator"])
+    done = int(itr.get("iterations_in_epoch", 0) or 0) * old_world
+    per_rank, extra = divmod(done, new_world)
+    if extra:
+        logger.warning("%d batches of epoch %s were consumed by %d ranks; %d ranks cannot split them evenly, so "
+                       "each resumes after %d of its batches and %d batch(es) are seen twice this epoch", done,
+                       itr.get("epoch"), old_world, new_world, per_rank, new_world - extra)
+    itr["iterations_in_epoch"] = per_rank
+    out = dict(extra_state)
+    out["train_iterator"] = itr
+    return out
+
+
+def _retagged_cfg(cfg, plan: Plan, rank: int):
+    """The saved config describes the layout of the file (smlp-consolidate and later resumes read it)."""
+    if not isinstance(cfg, dict):
+        return cfg
+    cfg = {k: (dict(v) if isinstance(v, dict) else v) for k, v in cfg.items()}
+    if isinstance(cfg.get("distributed_training"), dict):
+        cfg["distributed_training"].update(distributed_world_size=plan.world_size, distributed_rank=rank)
+    if isinstance(cfg.get("model"), dict):
+        cfg["model"]["distributed_world_size"] = plan.world_size
+        if plan.saved.num_experts:
+            cfg["model"]["num_experts"] = plan.saved.num_experts
+            cfg["model"]["expert_parallel_size"] = plan.target.ep_size if plan.target is not None else 0
+    return cfg
+
+
+def sources_for(plan: Plan, rank: int) -> dict[int, str]:
+    """{source position: file} that rank `rank` of the new layout reads."""
+    saved = plan.saved
+    if not saved.num_experts:
+        return {0: saved.files[0]}
+    L = plan.target.num_local_experts if plan.target is not None else saved.num_experts
+    first = plan.target.first_expert(rank) if plan.target is not None else 0
+    return {i: saved.files[i] for i in source_positions(first, L, saved.local_experts)}
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        import shutil
+        shutil.copy2(src, dst)
+
+
+def _barrier() -> None:
+    if _rank_world()[1] > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+def reshard_checkpoint(plan: Plan, rank: int, expert_params: list[bool]) -> None:
+    """Every rank of the new run calls this with the same plan (see the module docstring)."""
+    error = None
+    if rank < len(plan.targets):  # one file per rank, or one file written by rank 0
+        try:
+            sources = {i: _load(p) for i, p in sources_for(plan, rank).items()}
+            atomic_torch_save(resharded_state(plan, rank, sources, expert_params), plan.targets[rank] + ".resharded")
+            del sources
+        except Exception as exc:  # every rank must hear of it, or the others would wait forever
+            error = f"rank {rank}: {type(exc).__name__}: {exc}"
+    errors = [e for e in _gather(error) if e]  # also the barrier: every rank read its sources and staged its file
+    if errors:
+        for target in plan.targets:
+            if rank == 0 and os.path.exists(target + ".resharded"):
+                os.remove(target + ".resharded")
+        raise ReshardError(f"resharding {plan.saved.describe()} for {plan.world_size} rank(s) failed, the checkpoint "
+                           f"is unchanged: {'; '.join(errors)}")
+    if rank == 0:
+        saved = plan.saved
+        backup = os.path.join(os.path.dirname(saved.base) or ".",
+                              BACKUP_DIR.format(world=saved.world_size, updates=saved.num_updates))
+        os.makedirs(backup, exist_ok=True)
+        overwritten = [t for t in plan.targets if os.path.exists(t) and t not in saved.files]  # e.g. a consolidated file
+        for f in [*saved.files, *overwritten]:
+            _link_or_copy(f, os.path.join(backup, os.path.basename(f)))
+        for target in plan.targets:
+            os.replace(target + ".resharded", target)
+        for f in set(saved.files) - set(plan.targets):
+            os.remove(f)
+        logger.info("resharded %s for %d rank(s)%s; the previous files are kept in %s", saved.describe(),
+                    plan.world_size, f" in expert-parallel groups of {plan.target.ep_size}" if plan.target else "",
+                    backup)
+    _barrier()
+
+
+def _restore_base(cfg) -> str:
+    if cfg.restore_file == DEFAULT_RESTORE:
+        return os.path.join(cfg.save_dir, DEFAULT_RESTORE)
+    return cfg.restore_file
+
+
+def reshard_for_resume(cfg, trainer) -> Plan | None:
+    """Called on every rank before fairseq loads the checkpoint to resume (cfg: the checkpoint config)."""
+    model = trainer.get_model() if hasattr(trainer, "get_model") else trainer.model
+    if not hasattr(model, "core"):
+        return None  # not one of our models
+    rank, world = _rank_world()
+    layout = getattr(model, "expert_layout", None)
+    core = model.core.cfg
+    num_experts = core.num_experts if core.sparse_layers else 0
+    if num_experts and layout is None:  # one process, every expert local
+        layout = ExpertDataLayout(world_size=1, ep_size=1, num_experts=num_experts)
+    sharded = bool(trainer.checkpoint_suffix)
+    plan, error = None, None
+    if rank == 0:
+        try:
+            plan = plan_resume(_restore_base(cfg), world_size=world, sharded=sharded, layout=layout,
+                               num_experts=num_experts)
+        except ReshardError as exc:
+            error = str(exc)
+    plan, error = _broadcast((plan, error))
+    if error:
+        raise ReshardError(error)
+    if plan is None:
+        return None
+    criterion = trainer.get_criterion()
+    params = [p for p in list(model.parameters()) + list(criterion.parameters()) if p.requires_grad]
+    reshard_checkpoint(plan, rank, [bool(getattr(p, "expert", False)) for p in params])
+    return plan
+
+
+_installed = False
+
+
+def install() -> None:
+    """Reshard before fairseq_cli.train resumes (idempotent)."""
+    global _installed
+    if _installed:
+        return
+    from fairseq import checkpoint_utils
+
+    inner = checkpoint_utils.load_checkpoint
+
+    def load_checkpoint(cfg, trainer, **passthrough_args):
+        reshard_for_resume(cfg, trainer)
+        return inner(cfg, trainer, **passthrough_args)
+
+    load_checkpoint.__wrapped__ = inner
+    checkpoint_utils.load_checkpoint = load_checkpoint
+    _installed = True

@@ -1,0 +1,91 @@
+"""A fairseq --user-dir for the fault tests: our plugins plus faults injected on cue (tests only).
+
+Importing it registers everything fairseq_plugins registers, then reads these variables:
+
+  SMLP_FAULT_A2A="victim=1,call=N,sleep=S[,restart=C]"
+      On the N-th row exchange (all_to_all_single) of a run (on SLURM restart C only, when given), the victim rank prints
+      "[fault] rank R inside all2all call N" and enters the collective, while every other rank
+      sleeps S seconds before entering it: the victim is blocked inside the all2all, waiting.
+  SMLP_FAULT_SLOW_SAVE="rank=1,nth=K,sleep=S[,restart=C]"
+      The K-th checkpoint write of the rank (on SLURM restart C only, when given) prints
+      "[fault] rank R slow save of update U" and sleeps S seconds before writing: a save in progress
+      on that rank while the others have finished theirs.
+  SMLP_FAULT_STEP_SLEEP="S[,restart=C]"
+      Every training step sleeps S seconds (a bigger model, so a time limit arrives mid-run).
+"""
+import os
+import sys
+import time
+
+import fairseq_plugins  # noqa: F401  (registers the models, installs the checkpoint hooks)
+
+
+def _spec(name):
+    raw = os.environ.get(name, "")
+    out = {}
+    for i, part in enumerate(p for p in raw.split(",") if p):
+        key, _, value = part.partition("=")
+        out[key if value else str(i)] = float(value if value else key)
+    return out
+
+
+def _rank():
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _this_restart(spec):
+    return "restart" not in spec or int(spec["restart"]) == int(os.environ.get("SLURM_RESTART_COUNT", "0"))
+
+
+def _say(msg):
+    print(f"[fault] {msg}", file=sys.stderr, flush=True)
+
+
+a2a = _spec("SMLP_FAULT_A2A")
+if a2a and _this_restart(a2a):
+    import smlp.dispatch as dispatch
+
+    _exchange = dispatch._exchange
+    calls = [0]
+
+    def exchange(x, out_splits, in_splits, group):
+        calls[0] += 1
+        if calls[0] == int(a2a["call"]):
+            if _rank() == int(a2a["victim"]):
+                _say(f"rank {_rank()} inside all2all call {calls[0]}")
+            else:
+                time.sleep(a2a["sleep"])
+        return _exchange(x, out_splits, in_splits, group)
+
+    dispatch._exchange = exchange
+
+slow = _spec("SMLP_FAULT_SLOW_SAVE")
+if slow and _this_restart(slow):
+    from fairseq import checkpoint_utils
+
+    _persist = checkpoint_utils.torch_persistent_save
+    saves = [0]
+
+    def torch_persistent_save(obj, filename, async_write=False):
+        if _rank() == int(slow["rank"]):
+            saves[0] += 1
+            if saves[0] == int(slow["nth"]):
+                _say(f"rank {_rank()} slow save of update {obj['optimizer_history'][-1]['num_updates']}")
+                time.sleep(slow["sleep"])
+        return _persist(obj, filename, async_write=async_write)
+
+    checkpoint_utils.torch_persistent_save = torch_persistent_save
+
+step = _spec("SMLP_FAULT_STEP_SLEEP")
+if step and _this_restart(step):
+    from fairseq.trainer import Trainer
+
+    _train_step = Trainer.train_step
+
+    def train_step(self, *args, **kwargs):
+        time.sleep(step["0"])
+        return _train_step(self, *args, **kwargs)
+
+    Trainer.train_step = train_step

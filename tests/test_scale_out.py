@@ -1,0 +1,126 @@
+"""Scale out through the real fairseq-train: expert-data parallelism and elastic resume.
+
+One 4-expert HASH model (its routing depends only on the token ids, not on where tokens are) and
+one global batch of 4 x 8 sequences throughout (W ranks x --update-freq 4/W):
+
+    reference    4 ranks, --expert-parallel-size 4 (one expert per rank), updates 1-7
+    replicated   4 ranks, --expert-parallel-size 2 (2 replicas of 2 experts per rank), updates 1-3
+    shrunk       resumed from `replicated` on 1 process, --update-freq 4, updates 4-5
+    regrown      resumed from `shrunk` on 2 ranks, --update-freq 2, --zero-sharding os, updates 6-7
+    again        resumed from `regrown` on 1 process, --update-freq 4, update 8
+
+Every run must log the reference's per-update losses (Adam: the moments of the expert weights
+are resharded with them; with --zero-sharding os the non-expert moments are split over the ranks
+and gathered into every rank's checkpoint), and the 4-rank checkpoints with replicated experts
+consolidate into the model the reference holds at the same update.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fairseq_helpers import PLUGINS, TINY_TRAIN, assert_ok, run_fairseq, train_losses
+
+pytestmark = pytest.mark.slow
+
+HASH = ["--arch", "hash_layers_lm_tiny", "--num-experts", "4", "--disable-validation"]
+
+
+def _train(data, save_dir, world, *extra):
+    res = run_fairseq("fairseq-train", [str(data), "--user-dir", PLUGINS, *TINY_TRAIN, *HASH, *extra,
+                                        "--save-dir", str(save_dir)], world=world, timeout=600)
+    text = assert_ok(res)
+    return train_losses(res[0].stdout), text
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_lm_data, tmp_path_factory):
+    root = tmp_path_factory.mktemp("scale_out")
+    out = {"root": root}
+    out["reference"] = _train(tiny_lm_data, root / "ref", 4, "--expert-parallel-size", "4", "--max-update", "8",
+                              "--save-interval-updates", "3")
+    out["replicated"] = _train(tiny_lm_data, root / "elastic", 4, "--expert-parallel-size", "2",
+                               "--max-update", "3")
+    out["shrunk"] = _train(tiny_lm_data, root / "elastic", 1, "--update-freq", "4", "--max-update", "5")
+    out["shrunk_files"] = sorted(p.name for p in (root / "elastic").iterdir())
+    out["regrown"] = _train(tiny_lm_data, root / "elastic", 2, "--update-freq", "2", "--max-update", "7",
+                            "--zero-sharding", "os")
+    out["regrown_files"] = sorted(p.name for p in (root / "elastic").iterdir())
+    out["again"] = _train(tiny_lm_data, root / "elastic", 1, "--update-freq", "4", "--max-update", "8")
+    return out
+
+
+def test_expert_parallel_size_2_logs_the_losses_of_size_4(runs):
+    ref, _ = runs["reference"]
+    got, text = runs["replicated"]
+    assert sorted(got) == [1, 2, 3], text[-3000:]
+    assert got == pytest.approx({u: ref[u] for u in got}, abs=2e-3), (got, ref)
+    assert 9.0 < got[1] < 12.0, got
+
+
+def test_replicated_shards_consolidate_into_the_reference_model(runs, tmp_path):
+    """Ranks 2, 3 hold replicas of ranks 0, 1: consolidation merges 2 of the 4 shards (and checks the
+    replicas agree); the result equals the reference's 4 one-expert shards merged, at update 3."""
+    from fairseq_plugins.checkpoints import consolidate, load_checkpoint
+
+    root = runs["root"]
+    backup = root / "elastic" / "resharded-from-4-ranks-update-3"  # the 4-rank set, kept when resharded
+    assert sorted(p.name for p in backup.iterdir()) == [f"checkpoint_last-rank-{r}.pt" for r in range(4)]
+    mine = load_checkpoint(consolidate(str(backup / "checkpoint_last.pt"), str(tmp_path / "mine.pt")))
+    theirs = load_checkpoint(consolidate(str(root / "ref" / "checkpoint_1_3.pt"), str(tmp_path / "ref.pt")))
+    assert mine["model"].keys() == theirs["model"].keys()
+    experts = [k for k in mine["model"] if ".experts." in k]
+    assert experts and all(mine["model"][k].shape[0] == 4 for k in experts)
+    for k, v in theirs["model"].items():
+        torch.testing.assert_close(mine["model"][k], v, atol=2e-5, rtol=1e-4, msg=k)
+
+
+def test_resume_on_one_process_continues_the_losses(runs):
+    ref, _ = runs["reference"]
+    got, text = runs["shrunk"]
+    assert "resharded checkpoint_last.pt (4 rank shards from a 4-rank run, 4 experts in groups of 2" in text, \
+        text[-3000:]
+    assert sorted(got) == [4, 5], text[-3000:]
+    assert got == pytest.approx({u: ref[u] for u in got}, abs=2e-3), (got, ref)
+    # one process reads one file: the old shards left the save directory (kept in the backup)
+    assert "checkpoint_last.pt" in runs["shrunk_files"]
+    assert not any(n.startswith("checkpoint_last-rank-") for n in runs["shrunk_files"]), runs["shrunk_files"]
+
+
+def test_resume_on_two_ranks_with_sharded_optimizer_state_continues_the_losses(runs):
+    ref, _ = runs["reference"]
+    got, text = runs["regrown"]
+    assert "resharded checkpoint_last.pt (one file from a 1-rank run" in text, text[-3000:]
+    assert "--zero-sharding os: the optimizer state of" in text, text[-3000:]
+    assert sorted(got) == [6, 7], text[-3000:]
+    assert got == pytest.approx({u: ref[u] for u in got}, abs=2e-3), (got, ref)
+    files = runs["regrown_files"]
+    assert [f for f in files if f.startswith("checkpoint_last")] == ["checkpoint_last-rank-0.pt",
+                                                                      "checkpoint_last-rank-1.pt"], files
+
+
+def test_sharded_optimizer_state_checkpoint_resumes_on_one_process(runs):
+    """Every rank's shard holds the whole Adam state (the non-expert share gathered from all ranks)."""
+    ref, _ = runs["reference"]
+    got, text = runs["again"]
+    assert "resharded checkpoint_last.pt (2 rank shards from a 2-rank run, 4 experts in groups of 2" in text
+    assert sorted(got) == [8], text[-3000:]
+    assert got == pytest.approx({8: ref[8]}, abs=2e-3), (got, ref)
+
+
+def test_resume_that_would_change_the_number_of_experts_is_refused(runs):
+    """--num-experts 0 means one per rank: on 2 ranks that is 2 experts, not the checkpoint's 4."""
+    from fairseq_plugins.elastic import ReshardError, plan_resume
+    from smlp.parallel import ExpertDataLayout
+
+    base = str(runs["root"] / "elastic" / "checkpoint_last.pt")
+    with pytest.raises(ReshardError, match="holds 4 experts per sparse layer but this run builds 2.*Pass --num-experts 4"):
+        plan_resume(base, world_size=2, sharded=True, layout=ExpertDataLayout(world_size=2, ep_size=2, num_experts=2),
+                    num_experts=2)
+    # the layout it was saved in (one process) needs nothing; 2 ranks in groups of 2 or of 1 do
+    assert plan_resume(base, world_size=1, sharded=False, num_experts=4,
+                       layout=ExpertDataLayout(world_size=1, ep_size=1, num_experts=4)) is None
+    for G in (2, 1):
+        plan = plan_resume(base, world_size=2, sharded=True, num_experts=4,
+                           layout=ExpertDataLayout(world_size=2, ep_size=G, num_experts=4))
+        assert (plan.saved.world_size, plan.target.ep_size, len(plan.targets)) == (1, G, 2)
