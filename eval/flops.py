@@ -123,7 +123,7 @@ class OneGPUDispatcher(LocalDispatcher):
         self.num_local_experts = experts_per_gpu
         self.world_size = num_experts // experts_per_gpu
 
-    def dispatch(self, x_SD, expert_S):
+    def dispatch(self, x_SD, expert_S, *, presorted: bool = False):
         S, L = x_SD.shape[0], self.num_local_experts
         counts_L = [S // L + (i < S % L) for i in range(L)]
         return x_SD, counts_L, DispatchState(expert_S)

@@ -134,6 +134,8 @@ def inspect_saved(base: str) -> SavedSet | None:
             return SavedSet(base, files, True, writer or len(files), 1, -1, 0, None, problem)
     elif os.path.isfile(base):
         files = (base,)
+        if not read_shard(base).readable:
+            return None  # damaged: shard_sets refuses it (naming the file) or falls back to an older save
     else:
         return None
     first = _load(files[0])
@@ -173,12 +175,15 @@ def plan_resume(base: str, *, world_size: int, sharded: bool, layout: ExpertData
         if sharded and saved.world_size == world_size:
             return None  # written by this world size: shard_sets refuses it or falls back to a complete save
         raise ReshardError(saved.problem)
+    same_files = saved.files == targets and saved.world_size == world_size
     if saved.num_experts != num_experts:
+        if same_files:
+            return None  # nothing to reshard: shard_sets says how the checkpoint does not fit this model
         raise ReshardError(
             f"{saved.describe()} holds {saved.num_experts} experts per sparse layer but this run builds "
             f"{num_experts}; resuming cannot change the number of experts. Pass --num-experts {saved.num_experts}"
             + (" (--num-experts 0 means one per rank)" if saved.num_experts else ""))
-    same = saved.files == targets and saved.world_size == world_size
+    same = same_files
     if num_experts:
         same = same and saved.ep_size == (layout.ep_size if layout is not None else 1)
     if same:

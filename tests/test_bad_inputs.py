@@ -159,8 +159,9 @@ CASES = [
     # experts vs world size (rank 0 of 2)
     ("experts-not-a-multiple-of-the-world", smlp("--num-experts", "3", "--distributed-world-size", "2"), 2, ValueError,
      ["num_experts=3 cannot be spread evenly over 2 ranks", "multiple of the world size (e.g. 2 or 4)"]),
-    ("fewer-experts-than-ranks", smlp("--num-experts", "1", "--distributed-world-size", "2"), 2, ValueError,
-     ["num_experts=1 is smaller than the expert-parallel world size 2"]),
+    ("expert-group-does-not-tile-the-ranks", smlp("--num-experts", "4", "--expert-parallel-size", "3",
+                                                  "--distributed-world-size", "2"), 2, ValueError,
+     ["--expert-parallel-size 3 does not divide the world size 2"]),
     ("c10d-would-average-experts", smlp("--num-experts", "2", "--distributed-world-size", "2", "--ddp-backend", "c10d"),
      2, ValueError, ["--ddp-backend c10d would average expert weights", "needs --ddp-backend legacy_ddp"]),
     # data directory
@@ -184,9 +185,10 @@ CASES = [
     ("restore-file-truncated", lambda c: resume("--num-experts", "2", "--restore-file", str(c.save / "cut.pt"),
                                                 prepare=truncate_copy)(c), 1, ValueError,
      ["cut.pt: unreadable (truncated or corrupt file", "The file is damaged"]),
-    ("rank-shards-resumed-on-one-process", resume("--num-experts", "2", prepare=as_rank_shards), 1, ValueError,
-     ["holds the expert-parallel checkpoint checkpoint_last-rank-0.pt, checkpoint_last-rank-1.pt",
-      "this run is one process"]),
+    # (a real 2-rank set resumes on one process: fairseq_plugins.elastic reshards it, tests/test_scale_out.py)
+    ("rank-shards-copied-from-a-one-process-run", resume("--num-experts", "2", prepare=as_rank_shards), 1, ValueError,
+     ["checkpoint_last.pt: 2 rank shards on disk but they were written by a 1-rank run",
+      "the save set is mixed or incomplete"]),
     ("finetune-from-a-missing-model", smlp("--finetune-from-model", "/nonexistent/pretrained.pt"), 1, ValueError,
      ["--finetune-from-model /nonexistent/pretrained.pt does not exist"]),
     # save directory
