@@ -21,7 +21,9 @@ and how low does its validation perplexity go (against updates and against wall 
 6. report:   results.json, Figure 5 (perplexity against updates and wall time), a Table 4 style
              table (table.md), and a summary on the console.
 
-Words/s are fairseq's `wps` (target tokens per second over all ranks) from log intervals that
+Words/s are tokens read per second over all ranks: fairseq's `wps` (tokens scored) times
+bsz x seq_len / wpb, which only differs for partial prediction (its routing prefix is read, not
+scored; see `input_tokens_per_target`), from log intervals that
 contain neither a validation, the warm-up, nor the profiled window; the figure per model is the
 median over those intervals, then the mean over seeds (spread: standard deviation).
 MFU = words/s x training FLOPs per token / peak, with training FLOPs = 3 x the calculator's
@@ -365,8 +367,18 @@ def clean_wps(run: Run, preset: dict) -> list[float]:
         if first <= L or (first - 1) % V == 0 or profiled & set(range(first, end + 1)):
             continue
         if "wps" in f:
-            out.append(f["wps"])
+            out.append(f["wps"] * input_tokens_per_target(f))
     return out
+
+
+def input_tokens_per_target(interval: dict) -> float:
+    """Tokens the model read per token it was scored on. fairseq's wps counts targets (the
+    criterion's ntokens); a partial-prediction model reads its routing prefix without scoring it, so
+    its wps alone would understate its speed by the prefix share (20%). With bsz sequences of
+    seq_len tokens per update and wpb targets: bsz x seq_len / wpb (1 for every other model)."""
+    if "bsz" in interval and interval.get("wpb"):
+        return interval["bsz"] * TARGET["seq_len"] / interval["wpb"]
+    return 1.0
 
 
 # ---------------------------------------------------------------- summary

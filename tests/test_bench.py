@@ -7,6 +7,7 @@
 """
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -60,6 +61,16 @@ def test_words_per_second_skip_warmup_validation_and_the_profiled_window():
     assert (start, count) == (20, 2)  # 0-based steps 20, 21 = updates 21, 22; update 23 writes the profile
     # dropped: 2 (warm-up), 10 and 18 (after validations at 8 and 16), 22 and 24 (profiled / writing)
     assert suite.clean_wps(run, preset) == [4.0, 6.0, 8.0, 12.0, 14.0, 16.0, 20.0]
+
+
+def test_words_per_second_count_the_tokens_read_also_under_partial_prediction():
+    T = suite.TARGET["seq_len"]
+    full = {"num_updates": 4, "wps": 1000.0, "bsz": 16.0, "wpb": 16.0 * T}
+    scored = T - T // 5  # the 20% routing prefix is read, not scored
+    partial = {"num_updates": 4, "wps": 1000.0 * scored / T, "bsz": 16.0, "wpb": 16.0 * scored}  # same speed
+    assert suite.input_tokens_per_target(full) == 1.0
+    assert partial["wps"] * suite.input_tokens_per_target(partial) == pytest.approx(1000.0)
+    assert suite.input_tokens_per_target({"num_updates": 4, "wps": 5.0}) == 1.0
 
 
 def test_plan_is_flop_matched_by_the_calculator():
