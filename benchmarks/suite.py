@@ -470,9 +470,15 @@ def targets(record: dict) -> list[dict]:
     d = rat.get("smlp_det_ppl_minus_best_moe")
     add(f"sMLP-det valid ppl minus the best MoE baseline's ({rat.get('best_moe_baseline_ppl')}), equal updates",
         d, "<= 0", d is not None and d <= 0)
-    for key, anchor in (("transformer_over_fairseq", "Transformer"), ("base_over_fairseq_base_layers", "Base Layers")):
-        v = rat.get(key)
-        add(f"our {anchor} words/s / fairseq's", v, ">= 0.95x", v is not None and v >= 0.95)
+    v = rat.get("transformer_over_fairseq")
+    add("our Transformer words/s / fairseq's transformer_lm (same layers, same FLOPs)", v, ">= 0.95x",
+        v is not None and v >= 0.95)
+    # fairseq's --base-layers inserts attention-free base sublayers, ours (the paper's FLOP count,
+    # Table 5) keep attention in the sparse layers: the same layer counts are not the same work, so
+    # the like-for-like figure is the training FLOP rate (words/s x training FLOPs per token)
+    v = rat.get("base_over_fairseq_base_layers_flop_rate")
+    add("our Base Layers FLOP/s / fairseq's --base-layers (its base sublayers skip attention)", v, ">= 0.95x",
+        v is not None and v >= 0.95)
     for key in ("smlp_det", "smlp_partial"):
         if key in results and results[key]["mfu"] is not None:
             v = results[key]["mfu"]
