@@ -38,6 +38,7 @@ the results of one process.
 """
 from __future__ import annotations
 
+import os
 import sys
 
 from lm_eval.api.model import LM
@@ -145,8 +146,10 @@ class SMLPLM(LM):
         return out
 
 
-def main(argv=None) -> None:
-    """lm-eval's command line with the "smlp" model registered."""
+def main(argv=None, *, hard_exit: bool = False) -> None:
+    """lm-eval's command line with the "smlp" model registered. With ``hard_exit`` (``python -m``)
+    a rank of a multi-process run leaves with ``os._exit`` after the closing barrier, as
+    smlp-zeroshot does (see ``zeroshot.main``)."""
     from lm_eval.__main__ import cli_evaluate
 
     if argv is not None:
@@ -158,8 +161,12 @@ def main(argv=None) -> None:
         from .zeroshot import barrier
 
         barrier()
+        if hard_exit:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
         dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    main(hard_exit=True)
