@@ -16,7 +16,7 @@ from fairseq.models import FairseqDecoder, FairseqLanguageModel, register_model,
 
 from smlp.dispatch import AllToAllDispatcher, LocalDispatcher
 from smlp.lm import LanguageModel
-from smlp.parallel import ExpertDataLayout, average_expert_gradients
+from smlp.parallel import ExpertDataLayout, average_expert_gradients, expert_data_groups
 
 from . import step_profiler
 from .checkpoints import adapt_expert_state
@@ -46,27 +46,6 @@ def _world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
-
-
-def expert_data_groups(layout: ExpertDataLayout, rank: int):
-    """(expert-parallel group, replica group) of `rank`, creating every group of the layout.
-
-    torch.distributed.new_group must be entered by every rank for every group, in the same order,
-    so each rank creates all of them and keeps its own two. A group spanning the whole world is the
-    default group (None) and a one-rank replica group is not needed (no replicas): neither is created.
-    """
-    ep_group = replica_group = None
-    if layout.ep_size < layout.world_size:
-        for ranks in layout.ep_group_ranks():
-            group = dist.new_group(ranks)
-            if rank in ranks:
-                ep_group = group
-    if layout.replicas > 1:
-        for ranks in layout.replica_group_ranks():
-            group = dist.new_group(ranks)
-            if rank in ranks:
-                replica_group = group
-    return ep_group, replica_group
 
 
 def runtime_layout(core_cfg, cfg, world: int) -> ExpertDataLayout:

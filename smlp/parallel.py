@@ -31,7 +31,7 @@ from torch import nn
 from .config import _positive
 from .dispatch import expert_parallel_layout
 
-__all__ = ["ExpertDataLayout", "average_expert_gradients", "valid_ep_sizes"]
+__all__ = ["ExpertDataLayout", "average_expert_gradients", "expert_data_groups", "valid_ep_sizes"]
 
 
 def valid_ep_sizes(world_size: int, num_experts: int) -> list[int]:
@@ -131,3 +131,24 @@ def average_expert_gradients(module: nn.Module, *, world_size: int, replica_grou
         return grad
 
     return [p.register_hook(hook) for p in module.parameters() if getattr(p, "expert", False) and p.requires_grad]
+
+
+def expert_data_groups(layout: ExpertDataLayout, rank: int):
+    """(expert-parallel group, replica group) of `rank`, creating every group of the layout.
+
+    torch.distributed.new_group must be entered by every rank for every group, in the same order,
+    so each rank creates all of them and keeps its own two. A group spanning the whole world is the
+    default group (None) and a one-rank replica group is not needed (no replicas): neither is created.
+    """
+    ep_group = replica_group = None
+    if layout.ep_size < layout.world_size:
+        for ranks in layout.ep_group_ranks():
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                ep_group = group
+    if layout.replicas > 1:
+        for ranks in layout.replica_group_ranks():
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                replica_group = group
+    return ep_group, replica_group

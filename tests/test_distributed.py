@@ -135,23 +135,30 @@ def test_smoe_ranks_with_different_sequence_lengths():
 # ---------------------------------------------------------------- tMoE
 
 
+def check_tmoe_against_one_process(rank, world, router, E, tokens):
+    """The expert-parallel tMoE (E experts over `world` ranks, tokens[r] rows on rank r) equals its
+    single-process twin with the same weights: outputs and every gradient. Returns the parallel layer."""
+    cfg = TMoEConfig(d_model=8, d_ffn=16, num_experts=E, router=router, vocab_size=40, capacity_factor=1.5,
+                     shuffle=False, zero_init_output=False)
+    torch.manual_seed(0)
+    ref = TMoE(cfg).train()
+    model = TMoE(cfg, AllToAllDispatcher(E)).train()
+    model.load_state_dict(slice_expert_shard(ref.state_dict(), expert_keys(ref), rank, world))
+    xs = _inputs(world, lambda r: (tokens[r], 8))
+    gs = _inputs(world, lambda r: (tokens[r], 8), seed=200)
+    g = torch.Generator().manual_seed(300)
+    ids = [torch.randint(0, 40, (tokens[r],), generator=g) for r in range(world)]
+    _run_pair(model, ref, xs, gs, rank, world, extra=ids)
+    _check_expert_grads(model, ref, rank, world)
+    _check_shared_grads(model, ref)
+    return model
+
+
 def _tmoe_worker(rank, world, init_file, router, experts_per_rank, tokens):
     _init(rank, world, init_file)
     try:
         E = world * experts_per_rank
-        cfg = TMoEConfig(d_model=8, d_ffn=16, num_experts=E, router=router, vocab_size=40, capacity_factor=1.5,
-                         shuffle=False, zero_init_output=False)
-        torch.manual_seed(0)
-        ref = TMoE(cfg).train()
-        model = TMoE(cfg, AllToAllDispatcher(E)).train()
-        model.load_state_dict(slice_expert_shard(ref.state_dict(), expert_keys(ref), rank, world))
-        xs = _inputs(world, lambda r: (tokens[r], 8))
-        gs = _inputs(world, lambda r: (tokens[r], 8), seed=200)
-        g = torch.Generator().manual_seed(300)
-        ids = [torch.randint(0, 40, (tokens[r],), generator=g) for r in range(world)]
-        _run_pair(model, ref, xs, gs, rank, world, extra=ids)
-        _check_expert_grads(model, ref, rank, world)
-        _check_shared_grads(model, ref)
+        model = check_tmoe_against_one_process(rank, world, router, E, tokens)
         if router == "base":
             counts = model.load_E.tolist()
             assert sum(counts) == tokens[rank]

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from smlp.dispatch import AllToAllDispatcher, LocalDispatcher
 from smlp.lm import LanguageModel, LMConfig
-from smlp.parallel import ExpertDataLayout, average_expert_gradients, valid_ep_sizes
+from smlp.parallel import ExpertDataLayout, average_expert_gradients, expert_data_groups, valid_ep_sizes
 from smlp.sharding import (check_replicas, expert_keys, expert_slice, merge_expert_shards, reshard_model_state,
                            reshard_optimizer_state, slice_expert_shard, source_positions)
 
@@ -141,16 +141,6 @@ def test_merge_checks_that_replicas_agree():
 # ---------------------------------------------------------------- 4 gloo ranks, groups of 2 == one process
 
 
-def _groups(layout: ExpertDataLayout, rank: int):
-    """The construction of fairseq_plugins.models.expert_data_groups (every rank creates every group)."""
-    ep = rep = None
-    for ranks in layout.ep_group_ranks():
-        g = dist.new_group(ranks)
-        ep = g if rank in ranks else ep
-    for ranks in layout.replica_group_ranks():
-        g = dist.new_group(ranks)
-        rep = g if rank in ranks else rep
-    return ep, rep
 
 
 MODELS = {
@@ -168,7 +158,7 @@ def _edp_worker(rank, world, init_file, ep_size):
     try:
         E = 4
         layout = ExpertDataLayout(world_size=world, ep_size=ep_size, num_experts=E)
-        ep_group, replica_group = _groups(layout, rank)
+        ep_group, replica_group = expert_data_groups(layout, rank)
         for name, extra in MODELS.items():
             cfg = LMConfig(vocab_size=40, d_model=16, d_ffn=32, seq_len=12, num_experts=E, base_shuffle=False,
                            **extra)

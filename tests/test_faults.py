@@ -97,6 +97,18 @@ def assert_same_losses(text: str, baseline: dict[int, float]) -> dict[int, float
 # ----------------------------------------------------------------------------- smlp-launch
 
 
+def kill_rank_1_and_check_every_worker_ends(proc, out, tmp_path) -> str:
+    """SIGKILL rank 1: the launcher must fail within 60 s, name the killed rank and how rank 0 ended,
+    and leave no process behind. Returns the launcher's output."""
+    os.kill(worker_pid(str(tmp_path), 1), signal.SIGKILL)
+    rc, text, took = finish(proc, out, 60)
+    assert rc == 128 + signal.SIGKILL and took < 60, (rc, took, text[-3000:])
+    assert "FAILED: rank 1 was killed by SIGKILL" in text
+    assert re.search(r"then: rank 0 (was killed by SIGTERM|exited with code [1-9])", text), text[-2000:]
+    assert_no_processes(str(tmp_path), within=10)
+    return text
+
+
 def test_sigkill_while_saving_ends_all_workers_and_the_resume_is_consistent(tiny_lm_data, tmp_path, baseline):
     """Rank 1 is SIGKILLed while it writes update 5; rank 0 has already written (and copied) it.
 
@@ -109,12 +121,7 @@ def test_sigkill_while_saving_ends_all_workers_and_the_resume_is_consistent(tiny
     wait_for(lambda: proc.poll() is not None or "rank 1 slow save of update 5" in rank_log(tmp_path, 1), 240,
              "rank 1 to start saving update 5")
     assert proc.poll() is None, read(out)[-3000:]
-    os.kill(worker_pid(str(tmp_path), 1), signal.SIGKILL)
-    rc, text, took = finish(proc, out, 60)
-    assert rc == 128 + signal.SIGKILL and took < 60, (rc, took, text[-3000:])
-    assert "FAILED: rank 1 was killed by SIGKILL" in text
-    assert re.search(r"then: rank 0 (was killed by SIGTERM|exited with code [1-9])", text), text[-2000:]
-    assert_no_processes(str(tmp_path), within=10)
+    text = kill_rank_1_and_check_every_worker_ends(proc, out, tmp_path)
     assert_same_losses(text, baseline)
 
     proc, out = launch(tmp_path, tiny_lm_data, "--user-dir", PLUGINS, name="resume")
@@ -136,12 +143,7 @@ def test_sigkill_inside_the_all2all_ends_all_workers(tiny_lm_data, tmp_path):
              "rank 1 to enter the all2all")
     time.sleep(1.0)  # rank 0 sleeps 5 s before entering: rank 1 is blocked inside
     assert proc.poll() is None, read(out)[-3000:]
-    os.kill(worker_pid(str(tmp_path), 1), signal.SIGKILL)
-    rc, text, took = finish(proc, out, 60)
-    assert rc == 128 + signal.SIGKILL and took < 60, (rc, took, text[-3000:])
-    assert "FAILED: rank 1 was killed by SIGKILL" in text
-    assert re.search(r"then: rank 0 (was killed by SIGTERM|exited with code [1-9])", text), text[-2000:]
-    assert_no_processes(str(tmp_path), within=10)
+    kill_rank_1_and_check_every_worker_ends(proc, out, tmp_path)
 
 
 def test_a_hung_worker_ends_the_run_after_the_collective_timeout(tiny_lm_data, tmp_path):

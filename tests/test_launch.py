@@ -283,24 +283,29 @@ def test_ctrl_c_stops_all_workers(data_bin, tmp_path):
 # ----------------------------------------------------------------------------- SLURM
 
 
-@pytest.fixture(scope="module")
-def slurm():
-    """Environment for SLURM clients; starts launch/slurm/local_cluster.sh if it is not up."""
-    env = dict(os.environ)
-    status = subprocess.run([str(CLUSTER), "status"], capture_output=True, text=True)
+def local_cluster(cluster_env: dict, what: str):
+    """Start launch/slurm/local_cluster.sh (with `cluster_env`) if it is not up: the client environment
+    and whether this call started it. Skipped when it cannot start, failed under SMLP_REQUIRE_SLURM=1 (CI)."""
+    status = subprocess.run([str(CLUSTER), "status"], capture_output=True, text=True, env=cluster_env)
     started = False
     if status.returncode != 0:
-        start = subprocess.run([str(CLUSTER), "start"], capture_output=True, text=True, timeout=600)
+        start = subprocess.run([str(CLUSTER), "start"], capture_output=True, text=True, timeout=600, env=cluster_env)
         if start.returncode != 0:
-            reason = f"local SLURM cluster could not be started: {start.stderr.strip()[-600:]}"
+            reason = f"{what} could not be started: {start.stderr.strip()[-600:]}"
             if os.environ.get("SMLP_REQUIRE_SLURM") == "1":
                 pytest.fail(reason)
             pytest.skip(reason)
         started, status = True, start
     m = re.search(r"export SLURM_CONF=(\S+)", status.stdout)
     assert m, status.stdout + status.stderr
-    env["SLURM_CONF"] = m.group(1)
-    env.update(SMLP_DEVICE="cpu", SMLP_PYTHON=PY, SMLP_THREADS="1")
+    env = dict(os.environ, SLURM_CONF=m.group(1), SMLP_DEVICE="cpu", SMLP_PYTHON=PY, SMLP_THREADS="1")
+    return env, started
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    """Environment for SLURM clients; starts launch/slurm/local_cluster.sh if it is not up."""
+    env, started = local_cluster(dict(os.environ), "local SLURM cluster")
     yield env
     if started:
         subprocess.run([str(CLUSTER), "stop"], capture_output=True, timeout=120)
@@ -465,19 +470,7 @@ TASK_LINE = re.compile(r"\[train\.sbatch\] task rank (\d+)/(\d+) local rank (\d+
 def slurm2():
     """Environment for the clients of a local 2-node cluster (nodes n1, n2); starts it if it is not up."""
     cluster_env = {**os.environ, **TWO_NODE_CLUSTER}
-    status = subprocess.run([str(CLUSTER), "status"], capture_output=True, text=True, env=cluster_env)
-    started = False
-    if status.returncode != 0:
-        start = subprocess.run([str(CLUSTER), "start"], capture_output=True, text=True, timeout=600, env=cluster_env)
-        if start.returncode != 0:
-            reason = f"local 2-node SLURM cluster could not be started: {start.stderr.strip()[-600:]}"
-            if os.environ.get("SMLP_REQUIRE_SLURM") == "1":
-                pytest.fail(reason)
-            pytest.skip(reason)
-        started, status = True, start
-    m = re.search(r"export SLURM_CONF=(\S+)", status.stdout)
-    assert m, status.stdout + status.stderr
-    env = dict(os.environ, SLURM_CONF=m.group(1), SMLP_DEVICE="cpu", SMLP_PYTHON=PY, SMLP_THREADS="1")
+    env, started = local_cluster(cluster_env, "local 2-node SLURM cluster")
     nodes = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %t"], env=env, capture_output=True, text=True)
     assert sorted(nodes.stdout.split()[0::2]) == ["n1", "n2"], nodes.stdout
     yield env

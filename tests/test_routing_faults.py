@@ -187,25 +187,13 @@ def test_auction_ends_within_its_round_budget_on_adversarial_scores(kind):
 def _zero_token_cases(rank, world, init_file):
     """Every case in one process group (spawning ranks costs far more than the cases)."""
     from test_distributed import (_check_expert_grads, _check_shared_grads, _finish, _init, _inputs,
-                                  _randomize_spatial, _run_pair, _shuffle_worker)
+                                  _randomize_spatial, _run_pair, _shuffle_worker, check_tmoe_against_one_process)
 
     _init(rank, world, init_file)
     try:
         tokens = [0, 13]  # rank 0 holds no token; 13 is divisible by neither 2 ranks nor 4 experts
         for router in ("base", "switch", "gshard", "hash"):
-            cfg = TMoEConfig(d_model=8, d_ffn=16, num_experts=4, router=router, vocab_size=40, capacity_factor=1.5,
-                             shuffle=False, zero_init_output=False)
-            torch.manual_seed(0)
-            ref = TMoE(cfg).train()
-            model = TMoE(cfg, AllToAllDispatcher(4)).train()
-            model.load_state_dict(slice_expert_shard(ref.state_dict(), expert_keys(ref), rank, world))
-            xs = _inputs(world, lambda r: (tokens[r], 8))
-            gs = _inputs(world, lambda r: (tokens[r], 8), seed=200)
-            g = torch.Generator().manual_seed(300)
-            ids = [torch.randint(0, 40, (tokens[r],), generator=g) for r in range(world)]
-            _run_pair(model, ref, xs, gs, rank, world, extra=ids)
-            _check_expert_grads(model, ref, rank, world)
-            _check_shared_grads(model, ref)
+            model = check_tmoe_against_one_process(rank, world, router, 4, tokens)
             if router in ("base", "hash"):  # no capacity: every token is routed
                 assert sum(model.load_E.tolist()) == tokens[rank]
         for routing in ("deterministic", "partial"):

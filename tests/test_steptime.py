@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from smlp.dispatch import AllToAllDispatcher
 from smlp.lm import LanguageModel, LMConfig
-from smlp.parallel import ExpertDataLayout
+from smlp.parallel import ExpertDataLayout, expert_data_groups
 from smlp_eval import flops as FL
 from smlp_eval import steptime as S
 
@@ -44,15 +44,6 @@ def test_capacity_padding_of_gshard_and_switch():
     assert S.padding_macs_per_sequence(switch, 64, False) == 0
 
 
-def _groups(layout, rank):
-    ep = rep = None
-    for ranks in layout.ep_group_ranks():
-        g = dist.new_group(ranks)
-        ep = g if rank in ranks else ep
-    for ranks in layout.replica_group_ranks():
-        g = dist.new_group(ranks)
-        rep = g if rank in ranks else rep
-    return ep, rep
 
 
 CASES = [  # (name, model flags, expert-parallel group size)
@@ -90,7 +81,7 @@ def _count_worker(rank, world, init_file):
         B, T = 2, 12
         for name, flags, G in CASES:
             layout = ExpertDataLayout(world_size=world, ep_size=G, num_experts=4)
-            ep_group, _ = _groups(layout, rank)
+            ep_group, _ = expert_data_groups(layout, rank)
             cfg = LMConfig(**TINY, **flags)
             torch.manual_seed(0)
             model = LanguageModel(cfg, AllToAllDispatcher(4, ep_group=ep_group)).train()
