@@ -38,7 +38,6 @@ the results of one process.
 """
 from __future__ import annotations
 
-import os
 import sys
 
 from lm_eval.api.model import LM
@@ -155,17 +154,9 @@ def main(argv=None, *, hard_exit: bool = False) -> None:
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]
     cli_evaluate()
-    import torch.distributed as dist
+    from .zeroshot import leave_process_group
 
-    if dist.is_available() and dist.is_initialized():  # under torchrun: leave together
-        from .zeroshot import barrier
-
-        barrier()
-        if hard_exit:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(0)
-        dist.destroy_process_group()
+    leave_process_group(0, hard_exit=hard_exit)  # under torchrun: leave together
 
 
 if __name__ == "__main__":

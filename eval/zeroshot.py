@@ -588,15 +588,23 @@ def main(argv: Sequence[str] | None = None, *, hard_exit: bool = False) -> int:
             ValueError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         code = 2
-    if dist.is_available() and dist.is_initialized():
-        if code == 0:  # a rank that failed must not wait for the others
-            barrier()
-        if hard_exit:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
-        dist.destroy_process_group()
+    leave_process_group(code, hard_exit=hard_exit)
     return code
+
+
+def leave_process_group(code: int, *, hard_exit: bool) -> None:
+    """Under torchrun, leave together: a rank that succeeded waits for the others at a barrier (a
+    rank that failed must not), then the group is destroyed, or with ``hard_exit`` the process ends
+    here with ``os._exit(code)`` (see ``main``). Nothing to do on one process."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if code == 0:
+        barrier()
+    if hard_exit:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    dist.destroy_process_group()
 
 
 def cli() -> None:

@@ -245,7 +245,7 @@ class AllToAllDispatcher(LocalDispatcher):
     def unshuffle(self, y_SD: Tensor, state: ShuffleState) -> Tensor:
         with self.timer(y_SD.device):
             y_home = all_to_all(y_SD, state.send_splits, state.recv_splits, self.ep_group)
-        return y_home[torch.argsort(state.order_S)]
+        return _unsort_rows(y_home, state.order_S)
 
     @property
     def _device(self) -> torch.device:
