@@ -92,8 +92,12 @@ class SpatialProjection(nn.Module):
         """
         B, t, C = x_BtC.shape
         check_length(t, self.seq_len)
+        w_HkT = self.weight[:, start:t, :t]
+        if t - start > 1:  # one new position reads every cached one: nothing to mask
+            w_HkT = torch.tril(w_HkT, diagonal=start)
+        if self.heads == 1:  # a plain matmul: einsum's planning costs more than the product at one position
+            return torch.matmul(w_HkT[0], x_BtC) + self.bias[0, start:t, None]
         x_BtHc = x_BtC.reshape(B, t, self.heads, C // self.heads)
-        w_HkT = torch.tril(self.weight[:, start:t, :t], diagonal=start)
         y_BkHc = torch.einsum("hts,bshc->bthc", w_HkT, x_BtHc)
         y_BkHc = y_BkHc + self.bias[:, start:t].t()[None, :, :, None]
         return y_BkHc.reshape(B, t - start, C)

@@ -252,7 +252,8 @@ class SMoE(nn.Module):
         comm_before = self.dispatcher.comm_seconds
         spans_W = self.dispatcher.gather_spans(lo, hi)
         width = max(h for _, h in spans_W)
-        rows_SM = F.pad(rows_SM[:, :hi], (0, width - hi))
+        if rows_SM.shape[1] != width:  # another rank is further on: zeros after hi never reach outputs <= hi
+            rows_SM = F.pad(rows_SM[:, :hi], (0, width - hi))
         x_RM, counts_L, dstate = self.dispatcher.dispatch(rows_SM, expert_S, presorted=deterministic)
         with record_function(RANGES["token_mixing"]):
             y_RK = self.experts.step(x_RM, self.dispatcher.received_counts(dstate, counts_L), spans_W)
