@@ -113,32 +113,31 @@ def bench_model(key: str, cfg: LMConfig, args, device) -> dict:
     with torch.inference_mode():
         for use_cache in (True, False):  # warm-up (allocator, kernels)
             generate(model, prompts, min(8, new_tokens), use_cache=use_cache, prefix_fill=fill)
-        runs = {}
+        modes = (("cached", True), ("full", False))
+        per_pos = {name: {} for name, _ in modes}  # position -> [(wall s, cpu s)] over repeats
+        totals = {name: [] for name, _ in modes}
         tokens = {}
-        for name, use_cache in (("cached", True), ("full", False)):
-            per_pos_wall: dict[int, list[float]] = {}
-            per_pos_cpu: dict[int, list[float]] = {}
-            totals = []
-            for _ in range(args.repeats):
+        for _ in range(args.repeats):  # the two modes alternate, so a change in machine load hits both
+            for name, use_cache in modes:
                 clock = StepClock(device)
                 clock.start()
-                out = generate(model, prompts, new_tokens, use_cache=use_cache, prefix_fill=fill, on_step=clock)
+                tokens[name] = generate(model, prompts, new_tokens, use_cache=use_cache, prefix_fill=fill,
+                                        on_step=clock)
                 prefill, steps = clock.intervals()
-                totals.append((clock.marks[-1][1] - clock.marks[0][1], clock.marks[-1][2] - clock.marks[0][2],
-                               prefill))
+                totals[name].append((clock.marks[-1][1] - clock.marks[0][1],
+                                     clock.marks[-1][2] - clock.marks[0][2], prefill["wall_s"]))
                 for p, w, c in steps:
-                    per_pos_wall.setdefault(p, []).append(w)
-                    per_pos_cpu.setdefault(p, []).append(c)
-            tokens[name] = out
-            wall = [statistics.median(per_pos_wall[p]) for p in sorted(per_pos_wall)]
-            cpu = [statistics.median(per_pos_cpu[p]) for p in sorted(per_pos_cpu)]
+                    per_pos[name].setdefault(p, []).append((w, c))
+        runs = {}
+        for name, _ in modes:
+            positions = sorted(per_pos[name])
             runs[name] = {
-                "total_wall_s": statistics.median(t[0] for t in totals),
-                "total_cpu_s": statistics.median(t[1] for t in totals),
-                "prefill_wall_s": statistics.median(t[2]["wall_s"] for t in totals),
-                "positions": sorted(per_pos_wall),  # positions fed when the token's interval ended
-                "per_token_wall_ms": [1e3 * w for w in wall],
-                "per_token_cpu_ms": [1e3 * c for c in cpu],
+                "total_wall_s": statistics.median(t[0] for t in totals[name]),
+                "total_cpu_s": statistics.median(t[1] for t in totals[name]),
+                "prefill_wall_s": statistics.median(t[2] for t in totals[name]),
+                "positions": positions,  # positions fed when the token's interval ended
+                "per_token_wall_ms": [1e3 * statistics.median(w for w, _ in per_pos[name][p]) for p in positions],
+                "per_token_cpu_ms": [1e3 * statistics.median(c for _, c in per_pos[name][p]) for p in positions],
             }
             runs[name]["tokens_per_s"] = new_tokens * args.batch_size / runs[name]["total_wall_s"]
     result.update(runs)
