@@ -191,7 +191,7 @@ def plot(results: list[dict], path: Path) -> None:
     ax.legend(fontsize=6, ncol=2)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=90)
 
 
 def main(argv=None) -> int:
