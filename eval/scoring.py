@@ -47,6 +47,7 @@ from typing import Sequence, TextIO
 import torch
 import torch.distributed as dist
 
+from smlp.generation import fill_prefix
 from smlp_launch.data import Encoder, TokenizerMismatchError
 
 __all__ = ["Score", "LMScorer", "Encoder", "EncoderMismatchError", "encode_pair", "common_prefix_suffix",
@@ -212,9 +213,10 @@ class LMScorer:
         self.forward_calls = 0
 
     # -- layout
-    def fill(self, n: int) -> list[int]:
-        """The `n` tokens that precede a row whose first scored position would be below P."""
-        return self.prefix_fill[len(self.prefix_fill) - n:] if n > 0 else []
+    def fill(self, first: int) -> list[int]:
+        """The tokens that precede a row whose first scored token is predicted from position `first`
+        (none when first >= P; smlp.generation.fill_prefix, the rule generation uses too)."""
+        return fill_prefix(self.prefix_fill, first, self.prediction_start)
 
     def rows(self, request: int, context: Sequence[int], continuation: Sequence[int]) -> list[_Row]:
         """Model inputs scoring every continuation token (see the module docstring)."""
@@ -227,8 +229,8 @@ class LMScorer:
             lo = max(0, e - 1 - T)             # input seq[lo:e-1] predicts seq[lo+1:e]
             tokens = seq[lo:e - 1]
             first = j - 1 - lo
-            fill = max(0, P - first)           # partial prediction: push scored positions past the prefix
-            out.append(_Row(request, self.fill(fill) + tokens, first + fill, seq[j:e]))
+            fill = self.fill(first)            # partial prediction: push scored positions past the prefix
+            out.append(_Row(request, fill + tokens, first + len(fill), seq[j:e]))
             j = e
         return out
 
@@ -255,7 +257,7 @@ class LMScorer:
                     for k, lp, greedy in zip(batches[b], *self._forward(batch)):
                         result_R2[k, 0], result_R2[k, 1] = lp, float(greedy)
                 else:
-                    self._forward([_Row(-1, self.fill(self.prediction_start) + [self.eos], self.prediction_start,
+                    self._forward([_Row(-1, self.fill(0) + [self.eos], self.prediction_start,
                                         [self.eos])])
                 bar.update(1)
         bar.close()
@@ -303,13 +305,13 @@ class LMScorer:
         arguments: rank 0's choice of each token is broadcast, so all ranks run the same forward
         calls even if their logits differ in the last bit.
         """
-        T, P = self.max_positions, self.prediction_start
+        T = self.max_positions
         _, world_size = world()
         new: list[int] = []
         with torch.inference_mode():
             for _ in range(max_tokens):
                 seq = [self.eos, *context, *new][-T:]  # left truncation
-                tokens = self.fill(max(0, P + 1 - len(seq))) + seq  # predict from position >= P
+                tokens = self.fill(len(seq) - 1) + seq  # predict from position >= P
                 out = self.model(torch.tensor([tokens], device=self.device))
                 self.forward_calls += 1
                 logits = out[0] if isinstance(out, (tuple, list)) else out

@@ -194,6 +194,16 @@ class LocalDispatcher:
     def combine(self, y_RD: Tensor, state: DispatchState) -> Tensor:
         return _unsort_rows(y_RD, state.order_S)
 
+    # -- cached decoding (smlp/decoding.py): the sMoE experts compute only the positions asked for
+
+    def gather_spans(self, lo: int, hi: int) -> list[tuple[int, int]]:
+        """Every rank's span [lo, hi) of positions its sMoE rows want computed, by rank."""
+        return [(lo, hi)]
+
+    def received_counts(self, state: DispatchState, counts_L: list[int]) -> list[list[int]]:
+        """Rows received per (local expert, source rank), in the order the experts see them."""
+        return [[c] for c in counts_L]
+
 
 class AllToAllDispatcher(LocalDispatcher):
     """Expert parallelism over a process group: rank r of `ep_group` owns experts [r*L, (r+1)*L)."""
@@ -285,6 +295,27 @@ class AllToAllDispatcher(LocalDispatcher):
         with self.timer(y_RD.device):
             y_sorted = all_to_all(y_recv, state.send_splits, state.recv_splits, self.ep_group)
         return _unsort_rows(y_sorted, state.order_S)
+
+    def gather_spans(self, lo: int, hi: int) -> list[tuple[int, int]]:
+        with self.timer(self._device):
+            span = torch.tensor([lo, hi], dtype=torch.long, device=self._device)
+            spans = [torch.empty_like(span) for _ in range(self.world_size)]
+            dist.all_gather(spans, span, group=self.ep_group)
+        return [(int(s[0]), int(s[1])) for s in torch.stack(spans).cpu()]
+
+    def received_counts(self, state: DispatchState, counts_L: list[int]) -> list[list[int]]:
+        # With one local expert the rows arrive grouped by source rank; otherwise the regrouping
+        # permutation tells where each (source rank, local expert) block went.
+        if state.by_expert_R is None:
+            return [list(state.recv_splits)]
+        W = self.world_size
+        source_R = torch.repeat_interleave(torch.arange(W), torch.tensor(state.recv_splits))
+        source_R = source_R[state.by_expert_R.cpu()]
+        out, first = [], 0
+        for c in counts_L:
+            out.append(torch.bincount(source_R[first:first + c], minlength=W).tolist())
+            first += c
+        return out
 
 
 def _sort_rows(x_SD: Tensor, expert_S: Tensor, presorted: bool) -> tuple[Tensor | None, Tensor]:

@@ -107,3 +107,25 @@ class SpatialExperts(nn.Module):
         outs = [chunk @ w_LMM[l].t() + self.bias[l, :M]
                 for l, chunk in enumerate(_split_rows(x_RM, counts_L))]
         return torch.cat(outs, dim=0)
+
+    def step(self, x_RM: Tensor, counts_LW: list[list[int]], spans_W: list[tuple[int, int]]) -> Tensor:
+        """Cached decoding: only the positions each row's source rank asked for, (R, K).
+
+        Rows arrive grouped by local expert, then by source rank (counts_LW[l][w] rows); the rows
+        of source rank w hold its positions 0..hi_w-1 (zero-padded to the common width) and want
+        outputs at positions lo_w..hi_w-1: W[lo:hi, :hi] (diagonal shifted by lo) times the row,
+        O(hi) per output position. K = the widest span; narrower spans are zero-padded on the right.
+        """
+        K = max((hi - lo for lo, hi in spans_W), default=0)
+        if sum(map(sum, counts_LW)) != x_RM.shape[0]:
+            raise ValueError(f"expert counts {counts_LW} do not add up to the {x_RM.shape[0]} rows received")
+        y_RK = x_RM.new_zeros(x_RM.shape[0], K)
+        r = 0
+        for l, counts_W in enumerate(counts_LW):
+            for (lo, hi), c in zip(spans_W, counts_W):
+                if c and hi > lo:
+                    check_length(hi, self.size, "sMoE row")
+                    w_kM = torch.tril(self.weight[l, lo:hi, :hi], diagonal=lo)
+                    y_RK[r:r + c, :hi - lo] = x_RM[r:r + c, :hi] @ w_kM.t() + self.bias[l, lo:hi]
+                r += c
+        return y_RK

@@ -27,7 +27,11 @@ Sparse-layer placement (`layer_plan`, `LMConfig.sparse_placement`):
                  12 dense ones, 28 + 12 leaves the last 14 layers dense. Kept as a named option
                  to reproduce fairseq runs.
 
-Shapes: B batch, N positions, D model width, V vocabulary.
+Generation: `model(tokens_Bk, cache=model.new_cache())` decodes incrementally, processing only the
+new positions with per-layer caches (smlp/decoding.py has the API and what each layer keeps;
+smlp/generation.py the decoding loops).
+
+Shapes: B batch, N positions, k new positions, D model width, V vocabulary.
 """
 from __future__ import annotations
 
@@ -38,6 +42,7 @@ import torch
 from torch import Tensor, nn
 
 from .config import ACTIVATIONS, SMOE_ROUTINGS, TOKEN_ROUTERS, GMLPConfig, SparseBlockConfig, TMoEConfig, _choice, _positive, _probability
+from .decoding import DecodingCache
 from .dispatch import LocalDispatcher
 from .mixers import GMLPBlock, check_length
 from .moe import SMoE, SparseBlock, TMoE
@@ -241,8 +246,51 @@ class LanguageModel(nn.Module):
             x = layer(x, tokens_BN) if isinstance(layer, TransformerBlock) else layer(x)
         return self.final_norm(x)
 
-    def forward(self, tokens_BN: Tensor) -> Tensor:
+    def forward(self, tokens_BN: Tensor, cache: DecodingCache | None = None) -> Tensor:
+        """Logits (B, N, V); with `cache`, of the N new positions that follow the cached ones (`step`)."""
+        if cache is not None:
+            return self.step(tokens_BN, cache)
         return self.features(tokens_BN) @ self.embed.weight.t()
+
+    def new_cache(self) -> DecodingCache:
+        """An empty decoding cache for this model (smlp/decoding.py)."""
+        return DecodingCache(len(self.layers))
+
+    def step(self, tokens_Bk: Tensor, cache: DecodingCache) -> Tensor:
+        """Cached decoding: the logits of positions cache.length..cache.length+k-1, (B, k, V).
+
+        Equal to the full forward's logits at those positions (eval mode). A batch of B = 0 rows
+        only joins the expert exchanges (expert-parallel lockstep): it neither reads nor advances
+        the cache's position.
+        """
+        if self.training:
+            raise RuntimeError("cached decoding needs eval mode (model.eval()): training-time routing (balanced "
+                               "assignment, capacities, token shuffle) and dropout couple the rows of a batch")
+        if tokens_Bk.dim() != 2 or tokens_Bk.shape[1] < 1:
+            raise ValueError(f"cached decoding expects token ids of shape (batch, k >= 1), got {tuple(tokens_Bk.shape)}")
+        if len(cache.layers) != len(self.layers):
+            raise ValueError(f"the cache has {len(cache.layers)} layers but the model {len(self.layers)}: "
+                             f"make it with this model's new_cache()")
+        B, k = tokens_Bk.shape
+        if cache.batch_size is not None and B != cache.batch_size:
+            raise ValueError(f"the cache holds {cache.batch_size} sequences but {B} were given; "
+                             f"use cache.reorder(new_order) to change the batch")
+        T = self.cfg.seq_len
+        start = cache.length if B else 0
+        if B and start + k > T:
+            raise ValueError(
+                f"cached decoding: {start} cached + {k} new positions = {start + k} exceeds the model's "
+                f"{T} positions (seq_len, the size of its spatial weights): at most {T - start} more tokens "
+                f"fit; shorten the prompt or the number of tokens to generate")
+        x = self.embed(tokens_Bk) * self.embed_scale
+        if self.cfg.family == "transformer":
+            x = x + sinusoidal_positions(k, self.cfg.d_model, x.device, x.dtype, start=start)
+        for layer, state in zip(self.layers, cache.layers):
+            x = layer.step(x, state, start, tokens_Bk) if isinstance(layer, TransformerBlock) else layer.step(x, state, start)
+        if B:
+            cache.length = start + k
+        cache.batch_size = B
+        return self.final_norm(x) @ self.embed.weight.t()
 
     def moe_modules(self) -> list[tuple[str, nn.Module]]:
         """(name, module) of every sMoE and tMoE, in layer order."""

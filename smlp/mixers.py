@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from torch.profiler import record_function
 
 from .config import GMLPConfig, SGUConfig
+from .decoding import cache_append
 from .profiling import RANGES
 
 __all__ = ["check_length", "causal_weight", "init_spatial_", "uniform_per_slice_", "SpatialProjection", "SpatialGatingUnit", "GMLPBlock"]
@@ -83,6 +84,24 @@ class SpatialProjection(nn.Module):
         y_BNHc = y_BNHc + self.bias[:, :n].t()[None, :, :, None]
         return y_BNHc.reshape(B, n, C)
 
+    def step(self, x_BtC: Tensor, start: int) -> Tensor:
+        """Cached decoding: outputs at positions start..t-1 only, from all t positions of x, (B, k, C).
+
+        Row s of the causal weight reads positions <= s: W[start:t, :t] with the diagonal shifted
+        by `start` is the slice of the full product these positions need (O(t) per position).
+        """
+        B, t, C = x_BtC.shape
+        check_length(t, self.seq_len)
+        w_HkT = self.weight[:, start:t, :t]
+        if t - start > 1:  # one new position reads every cached one: nothing to mask
+            w_HkT = torch.tril(w_HkT, diagonal=start)
+        if self.heads == 1:  # a plain matmul: einsum's planning costs more than the product at one position
+            return torch.matmul(w_HkT[0], x_BtC) + self.bias[0, start:t, None]
+        x_BtHc = x_BtC.reshape(B, t, self.heads, C // self.heads)
+        y_BkHc = torch.einsum("hts,bshc->bthc", w_HkT, x_BtHc)
+        y_BkHc = y_BkHc + self.bias[:, start:t].t()[None, :, :, None]
+        return y_BkHc.reshape(B, t - start, C)
+
 
 class SpatialGatingUnit(nn.Module):
     """(Multi-head) causal SGU: out = z1 * (W LayerNorm(z2) + b)."""
@@ -99,6 +118,13 @@ class SpatialGatingUnit(nn.Module):
         with record_function(RANGES["token_mixing"]):
             z1, z2 = z_BNF.chunk(2, dim=-1) if self.cfg.split else (z_BNF, z_BNF)
             return z1 * self.proj(self.norm(z2))
+
+    def step(self, z_BkF: Tensor, state: dict, start: int) -> Tensor:
+        """Cached decoding (smlp/decoding.py): the normalized gated half of past positions is kept."""
+        with record_function(RANGES["token_mixing"]):
+            z1, z2 = z_BkF.chunk(2, dim=-1) if self.cfg.split else (z_BkF, z_BkF)
+            v_BtC = cache_append(state, "v", self.norm(z2), start, limit=self.cfg.seq_len)
+            return z1 * self.proj.step(v_BtC, start)
 
 
 class GMLPBlock(nn.Module):
@@ -129,3 +155,8 @@ class GMLPBlock(nn.Module):
         h = F.gelu(self.proj_in(self.norm(x_BND)))  # (B, N, F)
         h = self.proj_out(self.token_mixer(h))  # (B, N, D)
         return x_BND + self.dropout(h)
+
+    def step(self, x_BkD: Tensor, state: dict, start: int) -> Tensor:
+        """Cached decoding of positions start..start+k-1 (eval mode; smlp/decoding.py)."""
+        h = F.gelu(self.proj_in(self.norm(x_BkD)))
+        return x_BkD + self.proj_out(self.token_mixer.step(h, state, start))

@@ -20,6 +20,7 @@ from torch.profiler import record_function
 
 from .profiling import RANGES
 from .config import SMoEConfig, SparseBlockConfig, TMoEConfig
+from .decoding import cache_append
 from .dispatch import LocalDispatcher
 from .experts import FFNExperts, SpatialExperts
 from .gates import gshard_top2, switch_top1
@@ -208,6 +209,66 @@ class SMoE(nn.Module):
             gate_BMC = torch.cat([gate_BMC.new_ones(B, P, C), gate_BMC], dim=1)
         return z1 * gate_BMC
 
+    def step(self, z_BkF: Tensor, state: dict, start: int) -> Tensor:
+        """Cached decoding of positions start..t-1 (eval routing; smlp/decoding.py), (B, k, F or C).
+
+        The normalized rows stay here, at the source rank; every step sends each row's prefix to
+        its expert, which computes only the new positions (O(t) per row, like the compute).
+        1. Append the new positions' LayerNorm(z2) to the cache.
+        2. Rows: deterministic, one per (channel, sequence), positions 0..t-1; partial, one per
+           (sequence, channel), positions P..t-1, routed once when the prefix is complete (the
+           decision is cached); before that the rank sends no rows (positions < P: gate 1).
+        3. All-gather every rank's span [lo, hi) of wanted row positions (ranks may be at
+           different positions); pad the rows to the widest hi.
+        4. Dispatch, run the experts on their spans, combine; every rank joins every exchange.
+        """
+        cfg = self.cfg
+        B, k, _ = z_BkF.shape
+        t = start + k
+        P = cfg.prefix_len
+        z1, z2 = z_BkF.chunk(2, dim=-1) if cfg.split else (z_BkF, z_BkF)
+        v_BtC = cache_append(state, "v", self.norm(z2), start, limit=cfg.seq_len)
+        C = v_BtC.shape[-1]
+        deterministic = cfg.routing == "deterministic"
+        weight_S = None
+        if deterministic:
+            rows_SM = v_BtC.permute(2, 0, 1).reshape(C * B, t)
+            expert_S, lo, hi = self.channel_expert_C.repeat_interleave(B), start, t
+        elif t <= P:
+            rows_SM = v_BtC.new_zeros(0, 0)
+            expert_S, lo, hi = self.channel_expert_C.new_zeros(0), 0, 0
+        else:
+            if "expert_BC" not in state:  # the routing prefix is complete: route once, per row
+                prefix_SP = v_BtC[:, :P, :].transpose(1, 2).reshape(B * C, P)
+                with record_function(RANGES["routing"]):
+                    plan = smoe_partial_route(prefix_SP @ self.router, training=False, layer=self.layer_name)
+                state["expert_BC"] = plan.experts_SK[:, 0].reshape(B, C)
+                state["weight_BC"] = plan.weights_SK[:, 0].to(z_BkF.dtype).reshape(B, C)
+            rows_SM = v_BtC[:, P:, :].transpose(1, 2).reshape(B * C, t - P)
+            expert_S, weight_S = state["expert_BC"].reshape(-1), state["weight_BC"].reshape(-1)
+            lo, hi = max(start - P, 0), t - P
+        if rows_SM.shape[0] == 0:  # nothing wanted from here (an empty batch): no span
+            lo = hi = 0
+        comm_before = self.dispatcher.comm_seconds
+        spans_W = self.dispatcher.gather_spans(lo, hi)
+        width = max(h for _, h in spans_W)
+        if rows_SM.shape[1] != width:  # another rank is further on: zeros after hi never reach outputs <= hi
+            rows_SM = F.pad(rows_SM[:, :hi], (0, width - hi))
+        x_RM, counts_L, dstate = self.dispatcher.dispatch(rows_SM, expert_S, presorted=deterministic)
+        with record_function(RANGES["token_mixing"]):
+            y_RK = self.experts.step(x_RM, self.dispatcher.received_counts(dstate, counts_L), spans_W)
+        y_Sk = self.dispatcher.combine(y_RK, dstate)[:, :hi - lo]
+        self.comm_seconds = self.dispatcher.comm_seconds - comm_before
+        if weight_S is not None:
+            y_Sk = y_Sk * weight_S[:, None]
+        m = hi - lo
+        if deterministic:
+            gate_BkC = y_Sk.reshape(C, B, m).permute(1, 2, 0)
+        else:
+            gate_BkC = y_Sk.reshape(B, C, m).transpose(1, 2)
+            gate_BkC = torch.cat([gate_BkC.new_ones(B, k - m, C), gate_BkC], dim=1)  # positions < P
+        return z1 * gate_BkC
+
 
 class SparseBlock(nn.Module):
     """sMLP sparse block (Fig. 2): sMoE token mixing, then Base Layers tMoE; no dense projections."""
@@ -224,3 +285,8 @@ class SparseBlock(nn.Module):
         x_BND = x_BND + self.dropout(self.smoe(self.norm(x_BND)))
         y_SD = self.tmoe(x_BND.reshape(-1, self.cfg.d_model))
         return x_BND + self.dropout(y_SD.view_as(x_BND))
+
+    def step(self, x_BkD: Tensor, state: dict, start: int) -> Tensor:
+        """Cached decoding of positions start..start+k-1 (eval mode): the tMoE routes the new tokens alone."""
+        x_BkD = x_BkD + self.smoe.step(self.norm(x_BkD), state, start)
+        return x_BkD + self.tmoe(x_BkD.reshape(-1, self.cfg.d_model)).view_as(x_BkD)

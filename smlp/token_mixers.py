@@ -73,12 +73,14 @@ from torch.autograd.function import once_differentiable
 from torch.profiler import record_function
 
 from .config import _positive
+from .decoding import cache_append
 from .profiling import RANGES
 from .mixers import check_length
 from .transformer import sinusoidal_positions
 
 __all__ = [
-    "TOKEN_MIXERS", "CHUNK_ELEMENTS", "HyperMixerConfig", "NiNformerConfig", "hypermixing", "HyperMixingUnit",
+    "TOKEN_MIXERS", "CHUNK_ELEMENTS", "HyperMixerConfig", "NiNformerConfig", "hypermixing", "hypermixing_step",
+    "HyperMixingUnit",
     "CausalTokenMLP", "MixerSubUnit", "NiNformerGatingUnit", "make_token_mixer",
 ]
 
@@ -284,6 +286,39 @@ def hypermixing(u_BNR: Tensor, v_BNC: Tensor, w_BNR: Tensor, *, causal: bool = T
         return _causal_forward(u_BNR, v_BNC, w_BNR, chunk_size)[0]
 
 
+def hypermixing_step(u_BkR: Tensor, v_BkC: Tensor, w_BkR: Tensor, carry_BRC: Tensor | None, start: int, *,
+                     chunk_size: int = 0) -> tuple[Tensor, Tensor]:
+    """Causal HyperMixing of positions start..start+k-1 given the prefix sum of the earlier ones.
+
+    carry_BRC = S_{start-1} = sum_{s<start} u_s v_s^T (None: start = 0), kept in float64 as the
+    full forward keeps its carry. Returns y (B, k, C) and the new carry S_{start+k-1}: O(k R C)
+    per call whatever `start` is (cached decoding, smlp/decoding.py).
+    """
+    dtype = torch.promote_types(torch.promote_types(u_BkR.dtype, v_BkC.dtype), w_BkR.dtype)
+    u_BkR, v_BkC, w_BkR = u_BkR.to(dtype), v_BkC.to(dtype), w_BkR.to(dtype)
+    B, k, R = u_BkR.shape
+    C = v_BkC.shape[-1]
+    if carry_BRC is None:
+        carry_BRC = torch.zeros(B, R, C, device=v_BkC.device, dtype=_carry_dtype(v_BkC))
+    L = _chunk_len(chunk_size, B, R, C, k)
+    ys = []
+    with _no_autocast(v_BkC.device):
+        for a in range(0, k, L):
+            b = min(a + L, k)
+            A_BLRC = _outer(u_BkR[:, a:b], v_BkC[:, a:b])
+            chunk_BRC = A_BLRC.sum(dim=1).to(carry_BRC.dtype)
+            Z_BLRC, _ = _states_(A_BLRC, carry_BRC, start + a)
+            ys.append(torch.matmul(w_BkR[:, a:b].unsqueeze(-2), F.gelu(Z_BLRC)).squeeze(-2))
+            carry_BRC = carry_BRC + chunk_BRC
+    return torch.cat(ys, dim=1), carry_BRC
+
+
+def _check_decodable(module: nn.Module, causal: bool) -> None:
+    if not causal:
+        raise ValueError(f"{type(module).__name__} was built with causal=False (every position sees every "
+                         f"position): it cannot decode incrementally; only causal token mixers generate")
+
+
 class _MLP(nn.Sequential):
     """Linear -> GELU -> Linear (the paper's MLP([d_in, d_hidden, d_out]))."""
 
@@ -320,6 +355,20 @@ class HyperMixingUnit(nn.Module):
         w_BNR = u_BNR if self.hyper_out is None else self.hyper_out(h_BNC)
         m_BNC = hypermixing(u_BNR, v_BNC, w_BNR, causal=self.cfg.causal, chunk_size=self.cfg.chunk_size)
         return z1_BNC * self.out_norm(m_BNC)
+
+    def step(self, z_BkF: Tensor, state: dict, start: int) -> Tensor:
+        """Cached decoding (smlp/decoding.py): the running prefix sum S is kept, (B, R, C) float64."""
+        _check_decodable(self, self.cfg.causal)
+        with record_function(RANGES["token_mixing"]):
+            z1_BkC, z2_BkC = z_BkF.chunk(2, dim=-1)
+            v_BkC = self.norm(z2_BkC)
+            k, C = v_BkC.shape[1:]
+            h_BkC = v_BkC + sinusoidal_positions(k, C, v_BkC.device, v_BkC.dtype, start=start)
+            u_BkR = self.hyper_in(h_BkC)
+            w_BkR = u_BkR if self.hyper_out is None else self.hyper_out(h_BkC)
+            m_BkC, state["carry"] = hypermixing_step(u_BkR, v_BkC, w_BkR, state.get("carry"), start,
+                                                     chunk_size=self.cfg.chunk_size)
+            return z1_BkC * self.out_norm(m_BkC)
 
 
 # ---------------------------------------------------------------- NiNformer
@@ -366,6 +415,27 @@ class CausalTokenMLP(nn.Module):
         h_BCM = F.gelu(torch.matmul(x_BCN, w1_MN.t()) + self.b1[:self.expansion * n])
         return (torch.matmul(h_BCM, w2_NM.t()) + self.b2[:n]).transpose(1, 2)
 
+    def step(self, x_BkC: Tensor, state: dict, start: int) -> Tensor:
+        """Cached decoding of positions start..t-1 (smlp/decoding.py), (B, k, C).
+
+        A hidden unit of position p reads positions <= p only, so once computed it never changes:
+        the inputs and hidden units of past positions are kept, and a step computes the r k new
+        units (reading t positions) and its k outputs (reading r t units): O(t) per position.
+        """
+        _check_decodable(self, self.causal)
+        k = x_BkC.shape[1]
+        t, r = start + k, self.expansion
+        check_length(t, self.seq_len)
+        x_BCt = cache_append(state, "x", x_BkC.transpose(1, 2), start, dim=2, limit=self.seq_len)
+        pos_t = torch.arange(t, device=x_BkC.device)
+        unit_M = torch.arange(r * t, device=x_BkC.device) // r
+        new = slice(r * start, r * t)
+        w1_Mt = self.w1[new, :t] * (pos_t[None, :] <= unit_M[new, None])  # new units read positions <= theirs
+        h_BCm = F.gelu(torch.matmul(x_BCt, w1_Mt.t()) + self.b1[new])
+        h_BCM = cache_append(state, "h", h_BCm, r * start, dim=2, limit=r * self.seq_len)
+        w2_kM = self.w2[start:t, :r * t] * (unit_M[None, :] <= pos_t[start:, None])  # output s reads units <= s
+        return (torch.matmul(h_BCM, w2_kM.t()) + self.b2[start:t]).transpose(1, 2)
+
 
 class MixerSubUnit(nn.Module):
     """One MLP-Mixer layer: x + TokenMLP(LN(x)), then + ChannelMLP(LN(.)) (NiNformer's inner network)."""
@@ -382,6 +452,10 @@ class MixerSubUnit(nn.Module):
         x_BNC = x_BNC + self.token_mlp(self.token_norm(x_BNC))
         return x_BNC + self.channel_mlp(self.channel_norm(x_BNC))
 
+    def step(self, x_BkC: Tensor, state: dict, start: int) -> Tensor:
+        x_BkC = x_BkC + self.token_mlp.step(self.token_norm(x_BkC), state, start)
+        return x_BkC + self.channel_mlp(self.channel_norm(x_BkC))
+
 
 class NiNformerGatingUnit(nn.Module):
     """out = z1 * MixerSubUnit(z2) (NiNformer eq. 8, with z1 as the linear branch); causal."""
@@ -397,6 +471,12 @@ class NiNformerGatingUnit(nn.Module):
         z1_BNC, z2_BNC = z_BNF.chunk(2, dim=-1)
         with record_function(RANGES["token_mixing"]):
             return z1_BNC * self.mixer(z2_BNC)
+
+    def step(self, z_BkF: Tensor, state: dict, start: int) -> Tensor:
+        """Cached decoding (smlp/decoding.py): the causal token MLP keeps its inputs and hidden units."""
+        z1_BkC, z2_BkC = z_BkF.chunk(2, dim=-1)
+        with record_function(RANGES["token_mixing"]):
+            return z1_BkC * self.mixer.step(z2_BkC, state, start)
 
 
 def make_token_mixer(cfg: HyperMixerConfig | NiNformerConfig) -> nn.Module:

@@ -20,17 +20,21 @@ from torch import Tensor, nn
 from torch.profiler import record_function
 
 from .config import TMoEConfig
+from .decoding import cache_append
 from .moe import TMoE
 from .profiling import RANGES
 
 __all__ = ["CausalSelfAttention", "DenseFFN", "TransformerBlock", "explicit_attention", "sinusoidal_positions"]
 
 
-def sinusoidal_positions(n: int, dim: int, device=None, dtype=torch.float32) -> Tensor:
-    """Fixed sinusoidal position embeddings (Vaswani et al. 2017), (n, dim)."""
+def sinusoidal_positions(n: int, dim: int, device=None, dtype=torch.float32, start: int = 0) -> Tensor:
+    """Fixed sinusoidal position embeddings (Vaswani et al. 2017) of positions start..start+n-1, (n, dim).
+
+    Row p is the same whatever n and start are (cached decoding embeds only its new positions).
+    """
     half = dim // 2
     freq = torch.exp(torch.arange(half, device=device, dtype=torch.float32) * -(math.log(10000.0) / max(half - 1, 1)))
-    angles = torch.arange(n, device=device, dtype=torch.float32)[:, None] * freq[None, :]
+    angles = torch.arange(start, start + n, device=device, dtype=torch.float32)[:, None] * freq[None, :]
     emb = torch.cat([torch.sin(angles), torch.cos(angles)], dim=1)
     if dim % 2:
         emb = F.pad(emb, (0, 1))
@@ -62,6 +66,20 @@ class CausalSelfAttention(nn.Module):
             p = self.dropout.p if self.training else 0.0
             y_BHNd = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
         return self.out(y_BHNd.transpose(1, 2).reshape(B, n, D))
+
+    def step(self, x_BkD: Tensor, state: dict, start: int) -> Tensor:
+        """Cached decoding (smlp/decoding.py): keys and values of past positions are kept."""
+        B, k, D = x_BkD.shape
+        q, key, value = self.qkv(x_BkD).view(B, k, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
+        key_BHtd = cache_append(state, "k", key, start, dim=2)
+        value_BHtd = cache_append(state, "v", value, start, dim=2)
+        mask_kt = None  # one new position sees every cached one
+        if k > 1:  # new position start+i sees positions <= start+i
+            t = start + k
+            mask_kt = (torch.arange(t, device=x_BkD.device)[None, :]
+                       <= torch.arange(start, t, device=x_BkD.device)[:, None])
+        y_BHkd = F.scaled_dot_product_attention(q, key_BHtd, value_BHtd, attn_mask=mask_kt)
+        return self.out(y_BHkd.transpose(1, 2).reshape(B, k, D))
 
 
 @contextlib.contextmanager
@@ -108,3 +126,11 @@ class TransformerBlock(nn.Module):
         h = self.norm2(x_BND).reshape(-1, self.d_model)
         ids = token_ids_BN.reshape(-1) if token_ids_BN is not None else None
         return x_BND + self.dropout(self.ffn(h, ids).view_as(x_BND))
+
+    def step(self, x_BkD: Tensor, state: dict, start: int, token_ids_Bk: Tensor | None = None) -> Tensor:
+        """Cached decoding of positions start..start+k-1 (eval mode): the FFN / tMoE sees the new rows only."""
+        with record_function(RANGES["token_mixing"]):
+            x_BkD = x_BkD + self.attn.step(self.norm1(x_BkD), state, start)
+        h = self.norm2(x_BkD).reshape(-1, self.d_model)
+        ids = token_ids_Bk.reshape(-1) if token_ids_Bk is not None else None
+        return x_BkD + self.ffn(h, ids).view_as(x_BkD)

@@ -93,6 +93,9 @@ def _worker(rank: int, world: int, init: str, out: str) -> None:
             y_SD = disp.combine(x_RD * 2, state)
             report["dispatch"] = {"width": width, "collectives": len(calls) - n0,
                                   "round_trip": bool(torch.equal(y_SD.cpu(), 2 * x_SD.cpu()))}
+            # cached decoding's sMoE step: every rank's span of wanted positions
+            n0 = len(calls)
+            report["spans"] = {"spans": disp.gather_spans(rank, 5 + rank), "collectives": len(calls) - n0}
 
             # smlp-launch's graceful-stop vote on the trainer's device, and the end-of-run barrier
             report["stop_vote"] = _StopFlag().agreed(SimpleNamespace(device=torch.device("cuda", 0)))
@@ -114,6 +117,7 @@ def test_no_cpu_tensor_reaches_a_collective_when_the_backend_is_nccl(tmp_path):
         assert r["scorer"]["ok"] and r["scorer"]["max"] >= 3  # batch-count max + forwards + score sum
         assert r["broadcasts"] == 3
         assert r["dispatch"] == {"width": 6, "collectives": 4, "round_trip": True}
+        assert r["spans"] == {"spans": [[0, 5], [1, 6]], "collectives": 1}
         assert r["stop_vote"] is False
         assert r["checked"] > 10
 

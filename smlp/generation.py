@@ -1,0 +1,247 @@
+"""Text generation with the core LanguageModel: greedy, sampling and beam search, cached or not.
+
+    generate(model, prompts, max_new_tokens)                          greedy, cached
+    generate(..., sample=True, temperature=0.8, top_k=40, generator=g)  sampling
+    generate(..., beam_size=4)                                        beam search (best beam)
+    generate(..., use_cache=False)                                    full recompute at every step
+
+`use_cache=True` decodes incrementally (smlp/decoding.py): the prompt is prefilled in one call and
+every later token costs one position per layer; `use_cache=False` runs the whole prefix through
+the model at each step. Both give the same tokens (the logits agree to float rounding).
+
+Prompts of different lengths share one batch: all rows are prefilled with the shortest prompt's
+length, then one position is fed per step and rows still inside their prompt are given their own
+next prompt token instead of a generated one (fairseq's `prefix_tokens` does the same). Each row
+stops after `max_new_tokens` tokens or at `eos`; finished rows leave the batch (`cache.reorder`).
+Beam search keeps `beam_size` rows per prompt, scores them by the sum of their tokens' log
+probabilities and reorders the cache after every step; a beam that produced `eos` is finished and
+carried along unchanged.
+
+Limits. A prompt of n tokens followed by m generated tokens needs n + m - 1 positions (the last
+token is never fed); more than the model's seq_len raises a ValueError naming the limit before
+anything runs. A partial-prediction model (sMLP section 3.2.2) predicts nothing from its first P
+positions (the routing prefix), so the last prompt token must sit at position >= P: shorter
+prompts are left-filled with `prefix_fill`'s last tokens (`fill_prefix`, the same rule the
+zero-shot scorer uses for its rows), or refused with a message when no fill is given.
+
+Expert parallelism: every rank of an expert-parallel group must make the same sequence of model
+calls (each sMoE/tMoE step exchanges rows). This loop stops when this rank's rows are done; the
+lockstep driver (fairseq side) keeps a finished rank stepping with an empty batch
+(`model(tokens[:0], cache=cache)`, see smlp/decoding.py) until every rank is done.
+
+Shapes: B prompts (rows), K beams, V vocabulary.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = ["fill_prefix", "prefix_fill_needed", "generate"]
+
+
+def prefix_fill_needed(first: int, prediction_start: int) -> int:
+    """Tokens to put before a sequence whose first wanted prediction comes from position `first`,
+    so that it comes from position >= prediction_start (partial prediction's routing prefix P)."""
+    return max(0, prediction_start - first)
+
+
+def fill_prefix(fill: Sequence[int], first: int, prediction_start: int) -> list[int]:
+    """The left fill for a sequence whose first wanted prediction is made at position `first`:
+    the last `prefix_fill_needed(first, P)` tokens of `fill` (real text ending at a line end, or
+    </s> repeated). Shared by the zero-shot scorer (smlp_eval.scoring) and `generate`."""
+    n = prefix_fill_needed(first, prediction_start)
+    if n > len(fill):
+        raise ValueError(f"the routing prefix needs {n} fill tokens before this sequence but the fill has only "
+                         f"{len(fill)}; give at least {prediction_start} tokens (the model's routing prefix)")
+    return [int(i) for i in fill[len(fill) - n:]] if n else []
+
+
+def _check_args(model, prompts, max_new_tokens, temperature, top_k, beam_size, sample) -> None:
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("generate needs at least one prompt and every prompt needs at least one token "
+                         "(e.g. </s>, which starts a line)")
+    if not temperature > 0:
+        raise ValueError(f"temperature={temperature} must be > 0")
+    if top_k < 0 or top_k > model.cfg.vocab_size:
+        raise ValueError(f"top_k={top_k} must be in [0, {model.cfg.vocab_size}] (0: no limit)")
+    if beam_size < 1:
+        raise ValueError(f"beam_size={beam_size} must be >= 1")
+    if beam_size > 1 and sample:
+        raise ValueError("beam search is deterministic: give beam_size > 1 or sample=True, not both")
+
+
+def _prepare(model, prompts, max_new_tokens, prefix_fill) -> list[list[int]]:
+    P, T = model.cfg.prediction_start, model.cfg.seq_len
+    out = []
+    for i, prompt in enumerate(prompts):
+        prompt = [int(t) for t in prompt]
+        need = prefix_fill_needed(len(prompt) - 1, P)
+        if need:
+            if prefix_fill is None:
+                raise ValueError(
+                    f"prompt {i} has {len(prompt)} tokens but this partial-prediction model predicts only from "
+                    f"position {P} on (its routing prefix): give prefix_fill (>= {P} tokens of text, or </s> "
+                    f"repeated) to fill the prompt from the left, as the zero-shot evaluator does")
+            prompt = fill_prefix(prefix_fill, len(prompt) - 1, P) + prompt
+        if len(prompt) + max_new_tokens - 1 > T:
+            raise ValueError(
+                f"prompt {i} ({len(prompt)} tokens{' with its routing-prefix fill' if need else ''}) plus "
+                f"{max_new_tokens} generated tokens needs {len(prompt) + max_new_tokens - 1} positions but the "
+                f"model has {T} (seq_len, the size of its spatial weights): generate at most "
+                f"{T + 1 - len(prompt)} tokens after it")
+        out.append(prompt)
+    return out
+
+
+def _choose(logits_BV: Tensor, sample: bool, temperature: float, top_k: int, generator) -> Tensor:
+    logits_BV = logits_BV.float()
+    if not sample:
+        return logits_BV.argmax(dim=-1)
+    logits_BV = logits_BV / temperature
+    if top_k:
+        kth_B1 = logits_BV.topk(top_k, dim=-1).values[:, -1:]
+        logits_BV = logits_BV.masked_fill(logits_BV < kth_B1, float("-inf"))
+    probs_BV = torch.softmax(logits_BV, dim=-1)
+    return torch.multinomial(probs_BV, 1, generator=generator).squeeze(1)
+
+
+class _Runner:
+    """Feeds positions to the model, with a cache or by recomputing the whole prefix."""
+
+    def __init__(self, model, use_cache: bool, on_step: Callable[[int], None] | None):
+        self.model, self.on_step = model, on_step
+        self.cache = model.new_cache() if use_cache else None
+
+    def __call__(self, seq_BN: Tensor, start: int) -> Tensor:
+        """Logits of the last position after feeding positions start..N-1, (B, V)."""
+        if self.cache is not None:
+            logits = self.model(seq_BN[:, start:], cache=self.cache)[:, -1]
+        else:
+            logits = self.model(seq_BN)[:, -1]
+        if self.on_step is not None:
+            self.on_step(seq_BN.shape[1])
+        return logits
+
+    def reorder(self, new_order: Tensor) -> None:
+        if self.cache is not None:
+            self.cache.reorder(new_order)
+
+
+@torch.no_grad()
+def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, use_cache: bool = True,
+             sample: bool = False, temperature: float = 1.0, top_k: int = 0, beam_size: int = 1,
+             eos: int | None = None, generator: torch.Generator | None = None,
+             prefix_fill: Sequence[int] | None = None,
+             on_step: Callable[[int], None] | None = None) -> list[list[int]]:
+    """The tokens generated after each prompt (eos, when produced, ends a row and is not returned).
+
+    model: a core LanguageModel in eval mode (its device is that of its parameters).
+    on_step(n): called after each model call with the number of positions fed so far (timing).
+    Other arguments: see the module docstring.
+    """
+    _check_args(model, prompts, max_new_tokens, temperature, top_k, beam_size, sample)
+    if model.training:
+        raise RuntimeError("generate needs the model in eval mode (model.eval()): training-time routing and "
+                           "dropout couple the rows of a batch")
+    filled = _prepare(model, prompts, max_new_tokens, prefix_fill)
+    device = next(model.parameters()).device
+    run = _Runner(model, use_cache, on_step)
+    if beam_size > 1:
+        return _beam_search(run, filled, max_new_tokens, beam_size, eos, device)
+    B = len(filled)
+    lengths = [len(p) for p in filled]
+    width = max(lengths) + max_new_tokens
+    seq_BN = torch.zeros(B, width, dtype=torch.long, device=device)
+    for b, p in enumerate(filled):
+        seq_BN[b, :len(p)] = torch.tensor(p, dtype=torch.long)
+    rows = list(range(B))  # prompt of each row still in the batch
+    out: list[list[int]] = [[] for _ in range(B)]
+    pos = min(lengths)  # positions fed so far
+    logits_BV = run(seq_BN[:, :pos], 0)
+    while True:
+        chosen_B = _choose(logits_BV, sample, temperature, top_k, generator).tolist()
+        keep = []
+        for i, b in enumerate(rows):
+            if pos < lengths[b]:  # still inside its prompt
+                keep.append(i)
+                continue
+            token = chosen_B[i]
+            seq_BN[i, pos] = token
+            if eos is not None and token == eos:
+                continue
+            out[b].append(token)
+            if len(out[b]) < max_new_tokens:
+                keep.append(i)
+        if not keep:
+            return out
+        if len(keep) < len(rows):  # finished rows leave the batch
+            order = torch.tensor(keep, dtype=torch.long, device=device)
+            seq_BN, rows = seq_BN[order], [rows[i] for i in keep]
+            run.reorder(order)
+        pos += 1
+        logits_BV = run(seq_BN[:, :pos], pos - 1)
+
+
+def _beam_search(run: _Runner, filled: list[list[int]], max_new_tokens: int, K: int, eos: int | None,
+                 device) -> list[list[int]]:
+    """Beam search over a batch of prompts; returns each prompt's best beam (see the module docstring)."""
+    B = len(filled)
+    lengths = [len(p) for p in filled]
+    width = max(lengths) + max_new_tokens
+    seq_BN = torch.zeros(B, width, dtype=torch.long, device=device)
+    for b, p in enumerate(filled):
+        seq_BN[b, :len(p)] = torch.tensor(p, dtype=torch.long)
+    pos = min(lengths)
+    logits_BV = run(seq_BN[:, :pos], 0)
+    # K copies of every prompt (the prefill ran once per prompt); only beam 0 may expand at first
+    expand = torch.arange(B, device=device).repeat_interleave(K)
+    seq_RN, logits_RV = seq_BN[expand], logits_BV[expand]
+    run.reorder(expand)
+    score_BK = torch.full((B, K), float("-inf"), dtype=torch.float64)
+    score_BK[:, 0] = 0.0
+    done_BK = torch.zeros(B, K, dtype=torch.bool)
+    new = [0] * B  # tokens generated for each prompt so far
+    V = logits_RV.shape[-1]
+    while True:
+        logp_BKV = torch.log_softmax(logits_RV.float(), dim=-1).double().cpu().view(B, K, V)
+        order_BK = torch.arange(B * K).view(B, K).clone()
+        token_BK = torch.zeros(B, K, dtype=torch.long)
+        active = False
+        for b in range(B):
+            if pos < lengths[b]:  # inside its prompt: every beam takes the prompt's token
+                token_BK[b] = filled[b][pos]
+                active = True
+                continue
+            if new[b] >= max_new_tokens or bool(done_BK[b].all()):
+                token_BK[b] = eos if eos is not None else 0  # finished prompt: rows ride along
+                continue
+            cand_KV = score_BK[b][:, None] + logp_BKV[b]
+            if done_BK[b].any():  # a finished beam continues only as itself, at no cost
+                cand_KV[done_BK[b]] = float("-inf")
+                cand_KV[done_BK[b], eos] = score_BK[b][done_BK[b]]
+            top = cand_KV.reshape(-1).topk(K)
+            origin_K, token_K = top.indices // V, top.indices % V
+            order_BK[b] = b * K + origin_K
+            token_BK[b] = token_K
+            score_BK[b] = top.values
+            done_BK[b] = done_BK[b][origin_K] | (token_K == eos if eos is not None else False)
+            new[b] += 1
+            active = active or (new[b] < max_new_tokens and not bool(done_BK[b].all()))
+        order_R = order_BK.reshape(-1).to(device)
+        seq_RN = seq_RN[order_R]
+        seq_RN[:, pos] = token_BK.reshape(-1).to(device)
+        run.reorder(order_R)
+        if not active:
+            break
+        pos += 1
+        logits_RV = run(seq_RN[:, :pos], pos - 1)
+    out = []
+    for b in range(B):
+        best = int(score_BK[b].argmax())
+        tokens = seq_RN[b * K + best, lengths[b]:lengths[b] + new[b]].tolist()
+        out.append(tokens[:tokens.index(eos)] if eos is not None and eos in tokens else tokens)
+    return out

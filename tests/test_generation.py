@@ -1,0 +1,358 @@
+"""Cached incremental decoding and generation against full recomputation (smlp/decoding.py, smlp/generation.py).
+
+References: the full forward of the same model on the same token histories (logits at every
+position, fp32, 1e-5), a per-prompt greedy loop that recomputes the whole prefix, and exhaustive
+search over every continuation (beam search with enough beams is exact). Every architecture and
+routing is covered; the weights are perturbed so that the spatial weights, experts and routers
+all matter (at initialization the spatial weights are near zero and Base Layers' expert outputs
+exactly zero, which would hide wrong positions).
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from smlp.decoding import DecodingCache
+from smlp.generation import fill_prefix, generate
+from smlp.lm import LanguageModel, LMConfig
+from smlp.token_mixers import CausalTokenMLP, hypermixing, hypermixing_step
+
+ATOL = 1e-5
+T = 24
+BASE = dict(vocab_size=50, d_model=16, d_ffn=32, seq_len=T)
+ARCHS = {
+    "smlp-deterministic": dict(family="smlp", dense_layers=2, sparse_layers=2, num_experts=2),
+    "smlp-partial": dict(family="smlp", dense_layers=2, sparse_layers=2, num_experts=2, smoe_routing="partial"),
+    "gmlp": dict(family="gmlp", dense_layers=2),
+    "gmlp-multihead": dict(family="gmlp", dense_layers=2, heads=2),
+    "hypermixer-tied": dict(family="gmlp", dense_layers=2, token_mixer="hypermixer"),
+    "hypermixer-untied": dict(family="gmlp", dense_layers=2, token_mixer="hypermixer", hypermixer_tied=False),
+    "ninformer": dict(family="gmlp", dense_layers=2, token_mixer="ninformer"),
+    "transformer": dict(family="transformer", dense_layers=2, heads=4),
+    "gshard": dict(family="transformer", dense_layers=2, sparse_layers=2, num_experts=4, moe_router="gshard", heads=4),
+    "switch": dict(family="transformer", dense_layers=2, sparse_layers=2, num_experts=4, moe_router="switch", heads=4),
+    "base": dict(family="transformer", dense_layers=2, sparse_layers=2, num_experts=4, moe_router="base", heads=4),
+    "hash": dict(family="transformer", dense_layers=2, sparse_layers=2, num_experts=4, moe_router="hash", heads=4),
+}
+FILL = list(range(30, 40))  # routing-prefix fill for partial prediction (P = 5 of T = 24)
+
+
+def _perturb(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name != "embed.weight":
+                p.add_(torch.randn(p.shape, generator=g) * 2 / max(1, p.shape[-1]) ** 0.5)
+    return model
+
+
+def build(arch: str, dispatcher=None, **overrides) -> LanguageModel:
+    torch.manual_seed(0)
+    model = LanguageModel(LMConfig(**{**BASE, **ARCHS[arch], **overrides}), dispatcher)
+    return _perturb(model).eval()
+
+
+def _tokens(shape, seed, vocab=BASE["vocab_size"]):
+    return torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def decode(model, tokens_BN, schedule, cache=None):
+    """Cached logits of tokens_BN fed in chunks of the given sizes."""
+    cache = cache if cache is not None else model.new_cache()
+    outs, pos = [], cache.length
+    for k in schedule:
+        outs.append(model(tokens_BN[:, pos:pos + k], cache=cache))
+        pos += k
+    return torch.cat(outs, dim=1), cache
+
+
+# ---------------------------------------------------------------- logits: cached == full forward
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@torch.no_grad()
+def test_cached_logits_equal_full_forward(arch):
+    """Prefill of k tokens then one at a time, also several positions at once after a prefill; three
+    sequences; partial prediction's routing prefix (5) completed inside a multi-position step, by the
+    prefill, and by a single step."""
+    model = build(arch)
+    tokens = _tokens((3, T), seed=1)
+    full = model(tokens)
+    for schedule in ([3, 1, 2, 1, 5] + [1] * 12, [8] + [1] * 16, [4, 1, 1, 3, 15], [T]):
+        got, cache = decode(model, tokens, schedule)
+        assert cache.length == T and cache.batch_size == 3
+        torch.testing.assert_close(got, full, atol=ATOL, rtol=0, msg=f"{arch}, schedule {schedule}")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@torch.no_grad()
+def test_reorder_in_the_middle_equals_full_forward_on_the_reordered_histories(arch):
+    """Beam-style reorders: rows repeated and permuted (3 -> 4 rows), then dropped (4 -> 2)."""
+    model = build(arch)
+    hist1 = _tokens((3, T), seed=2)
+    order1, order2 = torch.tensor([2, 0, 0, 1]), torch.tensor([3, 1])
+    hist2 = torch.cat([hist1[order1, :10], _tokens((4, T - 10), seed=3)], dim=1)
+    hist3 = torch.cat([hist2[order2, :16], _tokens((2, T - 16), seed=4)], dim=1)
+    first, cache = decode(model, hist1, [6, 1, 3])
+    cache.reorder(order1)
+    second, _ = decode(model, hist2, [1, 2, 1, 1, 1], cache)
+    cache.reorder(order2)
+    third, _ = decode(model, hist3, [1] * 8, cache)
+    torch.testing.assert_close(first, model(hist1)[:, :10], atol=ATOL, rtol=0)
+    torch.testing.assert_close(second, model(hist2)[:, 10:16], atol=ATOL, rtol=0)
+    torch.testing.assert_close(third, model(hist3)[:, 16:], atol=ATOL, rtol=0)
+
+
+@torch.no_grad()
+def test_token_mlp_with_expansion_and_chunked_hypermixing_steps_equal_their_full_forms():
+    """Pieces the LM presets do not reach: NiNformer's token MLP with r = 2 hidden units per position,
+    and HyperMixing steps whose prefill is cut into chunks of 2 positions."""
+    torch.manual_seed(0)
+    mlp = CausalTokenMLP(12, expansion=2)
+    x = torch.randn(2, 12, 5)
+    state, outs, pos = {}, [], 0
+    for k in (4, 1, 3, 1, 1, 2):
+        outs.append(mlp.step(x[:, pos:pos + k], state, pos))
+        pos += k
+    torch.testing.assert_close(torch.cat(outs, 1), mlp(x), atol=ATOL, rtol=0)
+    u, v, w = torch.randn(2, 9, 3), torch.randn(2, 9, 4), torch.randn(2, 9, 3)
+    y1, carry = hypermixing_step(u[:, :5], v[:, :5], w[:, :5], None, 0, chunk_size=2)
+    y2, _ = hypermixing_step(u[:, 5:], v[:, 5:], w[:, 5:], carry, 5, chunk_size=2)
+    torch.testing.assert_close(torch.cat([y1, y2], 1), hypermixing(u, v, w), atol=ATOL, rtol=0)
+
+
+# ---------------------------------------------------------------- limits and bad input
+
+
+@torch.no_grad()
+def test_positions_beyond_seq_len_raise_naming_the_limit():
+    model = build("smlp-partial")
+    cache = model.new_cache()
+    model(_tokens((1, T - 2), seed=5), cache=cache)
+    with pytest.raises(ValueError, match=rf"{T - 2} cached \+ 3 new positions = {T + 1} exceeds the model's {T} "
+                                         rf"positions .*at most 2 more tokens fit"):
+        model(_tokens((1, 3), seed=6), cache=cache)
+    assert cache.length == T - 2  # nothing was written: the cache is still usable
+    model(_tokens((1, 2), seed=6), cache=cache)
+    with pytest.raises(ValueError, match=rf"needs {T + 1} positions but the model has {T} \(seq_len"):
+        generate(model, [list(range(10, 20))], T - 8)
+    generate(model, [list(range(10, 20))], T - 9)  # exactly fits: the last token is never fed
+
+
+@torch.no_grad()
+def test_cached_decoding_refuses_training_mode_other_batches_and_foreign_caches():
+    model = build("switch")
+    with pytest.raises(RuntimeError, match="needs eval mode"):
+        model.train()(_tokens((1, 2), seed=7), cache=model.new_cache())
+    model.eval()
+    cache = model.new_cache()
+    model(_tokens((2, 3), seed=7), cache=cache)
+    with pytest.raises(ValueError, match="the cache holds 2 sequences but 3 were given"):
+        model(_tokens((3, 1), seed=7), cache=cache)
+    with pytest.raises(ValueError, match="holds rows 0..2 but the cache holds 2 rows"):
+        cache.reorder(torch.tensor([0, 2]))
+    with pytest.raises(ValueError, match="the cache has 3 layers but the model 4"):
+        model(_tokens((1, 1), seed=7), cache=DecodingCache(3))
+
+
+@torch.no_grad()
+def test_empty_batch_steps_join_without_reading_or_advancing_positions():
+    """A rank whose rows are all done keeps stepping (expert-parallel lockstep) even at the last position."""
+    model = build("smlp-partial")
+    cache = model.new_cache()
+    model(_tokens((2, T), seed=8), cache=cache)
+    cache.reorder(torch.tensor([], dtype=torch.long))
+    for _ in range(3):
+        assert model(_tokens((0, 1), seed=8), cache=cache).shape == (0, 1, BASE["vocab_size"])
+    assert cache.length == T and cache.batch_size == 0
+
+
+# ---------------------------------------------------------------- generation
+
+
+def reference_greedy(model, prompt, n, eos=None):
+    """One prompt, the whole prefix recomputed at every step."""
+    seq, out = list(prompt), []
+    for _ in range(n):
+        token = int(model(torch.tensor([seq]))[0, -1].argmax())
+        if token == eos:
+            break
+        seq.append(token)
+        out.append(token)
+    return out
+
+
+PROMPTS = [[2, 5, 7, 9, 11, 3, 4], [2, 8], [2, 4, 4, 6, 8, 10, 12, 14, 3, 9]]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@torch.no_grad()
+def test_greedy_generation_with_and_without_cache_equals_a_per_prompt_loop(arch):
+    """Prompts of different lengths in one batch; then an eos that ends rows at different steps."""
+    model = build(arch)
+    P = model.cfg.prediction_start
+    filled = [fill_prefix(FILL, len(p) - 1, P) + p for p in PROMPTS]
+    expected = [reference_greedy(model, p, 10) for p in filled]
+    assert generate(model, PROMPTS, 10, prefix_fill=FILL) == expected
+    assert generate(model, PROMPTS, 10, prefix_fill=FILL, use_cache=False) == expected
+    eos = expected[0][3]
+    expected_eos = [reference_greedy(model, p, 10, eos=eos) for p in filled]
+    assert expected_eos != expected
+    assert generate(model, PROMPTS, 10, prefix_fill=FILL, eos=eos) == expected_eos
+
+
+@pytest.mark.parametrize("arch", ["smlp-partial", "hypermixer-untied", "gshard", "hash"])
+@torch.no_grad()
+def test_sampling_with_and_without_cache_draws_the_same_tokens(arch):
+    model = build(arch)
+
+    def run(**kw):
+        return generate(model, PROMPTS, 10, prefix_fill=FILL, sample=True, eos=3,
+                        generator=torch.Generator().manual_seed(11), **kw)
+
+    cached = run(temperature=0.7, top_k=5)
+    assert cached == run(temperature=0.7, top_k=5, use_cache=False)
+    assert run(temperature=1.3) == run(temperature=1.3, use_cache=False)
+    assert run(top_k=1) == generate(model, PROMPTS, 10, prefix_fill=FILL, eos=3)  # top-1 sampling is greedy
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@torch.no_grad()
+def test_beam_search_with_and_without_cache_agree(arch):
+    model = build(arch)
+    for eos in (None, 3):
+        cached = generate(model, PROMPTS, 8, prefix_fill=FILL, beam_size=3, eos=eos)
+        assert cached == generate(model, PROMPTS, 8, prefix_fill=FILL, beam_size=3, eos=eos, use_cache=False)
+
+
+def most_likely_continuation(model, seq, n, eos):
+    """Exhaustive search: the continuation of at most n tokens with the highest log-probability, a
+    hypothesis ending at its first eos (not returned) or after n tokens."""
+    V = model.cfg.vocab_size
+    conts = torch.tensor(list(itertools.product(range(V), repeat=n)))
+    batch = torch.cat([torch.tensor(seq).expand(len(conts), -1), conts], dim=1)
+    logp_Cn = model(batch).log_softmax(-1)[:, len(seq) - 1:-1].gather(2, conts[:, :, None])[..., 0]
+    hyps = {}
+    for c, lp in zip(conts.tolist(), logp_Cn):
+        j = c.index(eos) + 1 if eos in c else n
+        hyps[tuple(c[:j])] = float(lp[:j].sum())
+    best = list(max(hyps, key=hyps.get))
+    return best[:-1] if best[-1:] == [eos] else best
+
+
+@pytest.mark.parametrize("arch", ["smlp-partial", "switch"])
+@torch.no_grad()
+def test_beam_search_with_enough_beams_finds_the_most_likely_continuation(arch):
+    """V = 6 and 3 new tokens: 36 beams keep every 2-token prefix, so beam search is exhaustive, with
+    and without an eos that ends hypotheses early (the likeliest first token, and another)."""
+    model = build(arch, vocab_size=6)
+    fill = [5, 4, 3, 2, 0, 5, 4]
+    for prompt in ([0, 2, 3, 4, 5, 0, 2], [0, 4]):
+        seq = fill_prefix(fill, len(prompt) - 1, model.cfg.prediction_start) + prompt
+        first = int(model(torch.tensor([seq]))[0, -1].argmax())
+        for eos in (None, first, (first + 1) % 6):
+            expected = most_likely_continuation(model, seq, 3, eos)
+            assert generate(model, [prompt], 3, beam_size=36, eos=eos, prefix_fill=fill) == [expected]
+    prompts = [[0, 2, 3, 4, 5, 0, 2], [0, 4]]
+    assert generate(model, prompts, 3, beam_size=1, prefix_fill=fill) == generate(model, prompts, 3, prefix_fill=fill)
+
+
+def test_partial_prediction_prompts_shorter_than_the_routing_prefix_are_filled_or_refused():
+    model = build("smlp-partial")
+    assert model.cfg.prediction_start == 5
+    assert fill_prefix(FILL, 1, 5) == FILL[-4:]  # position 1 predicts: 4 tokens push it to position 5
+    assert fill_prefix(FILL, 5, 5) == [] and fill_prefix([], 7, 5) == []
+    with pytest.raises(ValueError, match="needs 5 fill tokens before this sequence but the fill has only 3"):
+        fill_prefix([1, 2, 3], 0, 5)
+    with pytest.raises(ValueError, match="prompt 1 has 2 tokens but this partial-prediction model predicts only "
+                                         "from position 5"):
+        generate(model, PROMPTS, 3)
+
+
+# ---------------------------------------------------------------- expert parallelism (2 gloo ranks)
+
+
+EP_ARCHS = [("smlp-deterministic", 2), ("smlp-deterministic", 4), ("smlp-partial", 2), ("smlp-partial", 4),
+            ("gshard", 4), ("switch", 2), ("base", 4), ("hash", 2)]
+
+
+def _ep_worker(rank, world, init_file, failures):
+    from datetime import timedelta
+
+    from smlp.dispatch import AllToAllDispatcher
+    from smlp.sharding import expert_keys, slice_expert_shard
+
+    torch.set_num_threads(1)
+    # an exception on one rank leaves the other waiting in a collective: the timeout ends it
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))
+    for arch, experts in EP_ARCHS:
+        ref = build(arch, num_experts=experts)
+        model = LanguageModel(ref.cfg, AllToAllDispatcher(experts)).eval()
+        model.load_state_dict(slice_expert_shard(ref.state_dict(), expert_keys(ref), rank, world))
+        # rank 0: 2 sequences, a prompt of 3 (inside partial prediction's routing prefix), reordered to 3 rows
+        # at position 12, decoded to the end; rank 1: 1 sequence, a prompt of 9, done at position 16, then
+        # empty steps: both ranks make 1 + 21 calls
+        prompt, end = (3, T) if rank == 0 else (9, 16)
+        hist = _tokens((2 if rank == 0 else 1, T), seed=20 + rank)
+        cache = model.new_cache()
+        with torch.no_grad():
+            got = [model(hist[:, :prompt], cache=cache)]
+            for pos in range(prompt, prompt + T - 3):
+                if rank == 0 and pos == 12:
+                    order = torch.tensor([1, 0, 1])
+                    cache.reorder(order)
+                    hist = torch.cat([hist[order, :12], _tokens((3, T - 12), seed=30)], dim=1)
+                    got = [g[order] for g in got]
+                if pos < end:
+                    got.append(model(hist[:, pos:pos + 1], cache=cache))
+                else:
+                    if cache.batch_size:
+                        cache.reorder(torch.tensor([], dtype=torch.long))
+                    model(hist[:0, :1], cache=cache)
+            expected = ref(hist[:, :end])
+        err = (torch.cat(got, dim=1) - expected).abs().max().item()
+        if not err <= ATOL:
+            failures.append(f"{arch} E={experts} rank {rank}: max |cached - one process| = {err}")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_expert_parallel_cached_decoding_equals_one_process():
+    """2 gloo ranks through AllToAllDispatcher (1 and 2 local experts per rank): ranks with different
+    batch sizes, prompt lengths, positions, a reorder on one rank and empty steps on the other; every
+    rank's cached logits equal the one-process full forward on its own sequences."""
+    with tempfile.TemporaryDirectory() as tmp, mp.Manager() as manager:
+        failures = manager.list()
+        mp.spawn(_ep_worker, args=(2, os.path.join(tmp, "rendezvous"), failures), nprocs=2, join=True)
+        assert not list(failures), "\n".join(failures)
+
+
+# ---------------------------------------------------------------- the benchmark program
+
+
+def test_generation_benchmark_records_both_modes_per_position(tmp_path):
+    """smlp-bench-generation at the benchmark size, cut to 3 tokens: the record has every generated
+    token's interval for both modes, and the cached tokens equal the recomputed ones."""
+    from smlp_bench.generation import run
+
+    out = tmp_path / "gen.json"
+    record = run(["--models", "smlp_partial,transformer", "--max-new-tokens", "3", "--vocab-size", "64",
+                  "--out", str(out)])
+    assert out.exists() and record["all_same_tokens"]
+    partial, transformer = record["results"]
+    assert partial["prompt_positions"] == 52 and transformer["prompt_positions"] == 1  # P = 0.2 x 256 + </s>
+    for r in record["results"]:
+        assert r["new_tokens"] == 3
+        for mode in ("cached", "full"):
+            # the prefill predicts the first token; each later model call (one position) the next
+            assert r[mode]["positions"] == [r["prompt_positions"] + 1, r["prompt_positions"] + 2]
+            assert all(ms > 0 for ms in r[mode]["per_token_wall_ms"])
+        assert r["speedup_wall"] == r["full"]["total_wall_s"] / r["cached"]["total_wall_s"]
