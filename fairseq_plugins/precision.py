@@ -1,11 +1,12 @@
 """Mixed precision (--fp16, --bf16, --amp, --memory-efficient-fp16/-bf16) for expert-parallel models.
 
-fairseq 0.12 (fairseq-fixed 0.12.3.1, the version these patches target; each checks what it
-replaces and raises naming the version if fairseq changed) trains half precision on one device
-or on data-parallel ranks that hold the same parameters. With experts (`param.expert = True`,
-one set per rank) and on CPU it breaks in the ways listed below. `install()` applies the
-patches, in this order; each is idempotent, and none changes an fp32 run (patches 4-6 act only
-when --fp16, --bf16 or --amp is set, patches 2-3 only on code paths fp32 never takes).
+fairseq 0.12 (fairseq-fixed 0.12.3.1, the version these patches target; those that rely on its
+source text check it and raise FairseqChanged naming the version) trains half precision on one
+device or on data-parallel ranks that hold the same parameters. With experts (`param.expert =
+True`, one set per rank) and on CPU it breaks in the ways listed below. `install()` applies the
+patches, in this order; each is idempotent, and none changes an fp32 run: patches 1, 2, 4, 5, 6
+act only when --bf16, --fp16, --amp (or their memory-efficient forms) is set, and patch 3
+changes one expression on the overflow path, which only the fp16 loss scaler reaches.
 
 1. `--bf16` without a TPU (`fairseq.distributed.utils.call_main`). fairseq/options.py turns
    --tpu on whenever --bf16 is given; the trainer then asks torch_xla for a device and fails
@@ -18,8 +19,8 @@ when --fp16, --bf16 or --amp is set, patches 2-3 only on code paths fp32 never t
    between ranks, and fairseq's "gradients are inconsistent between workers" check (CUDA only)
    stops training at the first update. A model with expert parameters gets per-parameter
    master weights instead (as --fp16-no-flatten-grads, one log line): the same memory, and the
-   optimizer state stays per parameter, so --fp16 runs resume on another world size and work
-   with --zero-sharding os. A flat buffer on a non-CUDA device (a dense model with --fp16 on
+   optimizer state stays per parameter, which resuming on another world size (elastic.py) and
+   --zero-sharding os need. A flat buffer on a non-CUDA device (a dense model with --fp16 on
    CPU) is built on the parameters' device instead of `torch.cuda.current_device()`; CUDA
    keeps fairseq's code.
 3. Gradient overflow off CUDA (`Trainer.train_step`): the overflow handler creates the logged
@@ -42,8 +43,8 @@ when --fp16, --bf16 or --amp is set, patches 2-3 only on code paths fp32 never t
    unscales the gradients of `self.optimizer` and then steps `self.fp32_optimizer`, another
    object to the scaler, which therefore unscales the same gradients a second time; here the
    step's object is unscaled, once. (c) The scaler's skip decision (found_inf) is set from the
-   whole-model norm of patch 4, so ranks do not decide on their own experts (an inf on one
-   rank used to skip the step there only, and the shared weights drifted apart). (d)
+   whole-model norm of patch 4, so ranks do not decide on their own experts (on GPUs an inf on
+   one rank skipped the step there only, and the shared weights drifted apart). (d)
    --amp-scale-window sets the growth interval (fairseq passed --amp-init-scale).
 6. Autocast for --amp off CUDA (`FairseqTask.train_step`): fairseq enters
    `torch.cuda.amp.autocast`, a no-op on CPU; on another device the forward runs under
@@ -119,8 +120,9 @@ def bf16_without_tpu(cfg, argv: list[str] | None = None) -> bool:
                 group.tpu = False
     with open_dict(common):
         common.tpu = False
+    device = "CPU" if common.cpu or not torch.cuda.is_available() else "GPU"
     logger.info("--bf16: training in bfloat16 on %s; fairseq 0.12 sets --tpu with --bf16, which this run did not "
-                "ask for (pass --tpu to train on TPUs)", "CPU" if common.cpu or not torch.cuda.is_available() else "GPU")
+                "ask for (pass --tpu to train on TPUs)", device)
     return True
 
 
@@ -244,14 +246,18 @@ class WholeModelGradNorm:
 
 
 def whole_model_norm_for(trainer) -> WholeModelGradNorm | None:
-    """The norm aggregator a mixed-precision trainer of an expert model uses; None: fairseq's norm."""
-    if not _mixed_precision(trainer.cfg.common) or trainer.is_fsdp:
-        return None
-    model = trainer.get_model()
-    if not any(_is_expert(p) for p in model.parameters()):
-        return None
-    layout = getattr(model, "expert_layout", None)
-    return WholeModelGradNorm(replicas=layout.replicas if layout is not None else 1, group=None)
+    """The norm aggregator a mixed-precision trainer of an expert model uses; None: fairseq's norm.
+
+    Decided once per trainer (the model's parameters do not change). The group is the default one:
+    the experts are spread over all W ranks (smlp.parallel.ExpertDataLayout)."""
+    if "_smlp_whole_model_norm" not in trainer.__dict__:
+        aggregate = None
+        model = trainer.get_model()
+        if _mixed_precision(trainer.cfg.common) and not trainer.is_fsdp and any(map(_is_expert, model.parameters())):
+            layout = getattr(model, "expert_layout", None)
+            aggregate = WholeModelGradNorm(replicas=layout.replicas if layout is not None else 1, group=None)
+        trainer._smlp_whole_model_norm = aggregate
+    return trainer._smlp_whole_model_norm
 
 
 def _install_grad_norm() -> None:
@@ -300,7 +306,7 @@ def agree_on_overflow(scaler, optimizer, grad_norm: torch.Tensor) -> None:
     """
     state = scaler._per_optimizer_states.get(id(optimizer))
     found = state.get("found_inf_per_device") if state else None
-    if not found:
+    if found is None:
         raise FairseqChanged("torch's GradScaler keeps no found_inf for the optimizer after unscale_(): the "
                              f"overflow agreement of fairseq_plugins.precision was written for torch 2.13")
     overflow = (~torch.isfinite(grad_norm.detach())).float()
@@ -355,13 +361,13 @@ def _install_amp_autocast() -> None:
         return
     original = FairseqTask.train_step
 
-    def train_step(self, sample, model, criterion, optimizer, update_num, ignore_grad=False):
+    def train_step(self, sample, model, criterion, optimizer, update_num, ignore_grad=False, **kwargs):
         if isinstance(optimizer, AMPOptimizer):
             device = next(model.parameters()).device
             if device.type != "cuda":  # fairseq's torch.cuda.amp.autocast covers CUDA only
                 with torch.autocast(device_type=device.type, dtype=torch.float16):
-                    return original(self, sample, model, criterion, optimizer, update_num, ignore_grad)
-        return original(self, sample, model, criterion, optimizer, update_num, ignore_grad)
+                    return original(self, sample, model, criterion, optimizer, update_num, ignore_grad, **kwargs)
+        return original(self, sample, model, criterion, optimizer, update_num, ignore_grad, **kwargs)
 
     FairseqTask.train_step = _mark(train_step, original)
 

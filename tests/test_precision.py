@@ -227,7 +227,8 @@ def _cfg(*flags: str, arch: str = "smlp_lm_tiny"):
 
     args = ["unused-data", "--user-dir", PLUGINS, "--arch", arch, "--task", "language_modeling", "--cpu",
             "--optimizer", "adam", "--lr", "1e-3", *flags]
-    return convert_namespace_to_omegaconf(options.parse_args_and_arch(options.get_training_parser(), input_args=args)), args
+    namespace = options.parse_args_and_arch(options.get_training_parser(), input_args=args)
+    return convert_namespace_to_omegaconf(namespace), args
 
 
 def test_bf16_no_longer_implies_a_tpu_unless_asked_for():
@@ -297,8 +298,10 @@ def test_precision_patches_install_once():
 
     from fairseq_plugins import precision
 
-    targets = lambda: (distributed_utils.call_main, FP16Optimizer.__dict__["build_optimizer"], Trainer.train_step,  # noqa: E731
-                       Trainer.clip_grad_norm, utils.clip_grad_norm_, AMPOptimizer.__init__, FairseqTask.train_step)
+    def targets():
+        return (distributed_utils.call_main, FP16Optimizer.__dict__["build_optimizer"], Trainer.train_step,
+                Trainer.clip_grad_norm, utils.clip_grad_norm_, AMPOptimizer.__init__, FairseqTask.train_step)
+
     before = targets()
     precision.install()
     assert targets() == before

@@ -142,7 +142,8 @@ def _run_variant(name, data, save_dir, world, rank, port, inject_rank) -> dict:
             handle.remove()
         after = _weights(trainer)
         out.update(unchanged=sorted(k for k in before if torch.equal(before[k], after[k])), weights=sorted(before),
-                   scale=(scale, _loss_scale(trainer)), finite=all(bool(torch.isfinite(v).all()) for v in after.values()))
+                   scale=(scale, _loss_scale(trainer)),
+                   finite=all(bool(torch.isfinite(v).all()) for v in after.values()))
         out["updates"].append(trainer.get_num_updates())
         before = after
     trainer.train_step(next(batches))
