@@ -201,6 +201,12 @@ def _norm_worker(rank: int, world: int, init_file: str, out: str) -> None:
     inf = [torch.tensor([float("inf") if rank == 1 else 1.0])]
     results = [float(grad_norm_with_experts(shared, own)), float(grad_norm_with_experts(shared, replica, replicas=2)),
                float(grad_norm_with_experts(shared, inf))]
+    from fake_nccl import pretend_nccl  # NCCL takes CUDA tensors only: the scalar must move to the device
+
+    with pretend_nccl() as (_, calls):
+        results.append(float(grad_norm_with_experts(shared.to("cuda"), [g.to("cuda") for g in own])))
+        results.append(float(grad_norm_with_experts(shared, own)))  # host gradients (a --cpu trainer) too
+    results.append(calls)
     torch.save(results, os.path.join(out, f"{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
@@ -212,8 +218,9 @@ def test_grad_norm_with_experts_counts_each_expert_once_on_every_rank():
         mp.spawn(_norm_worker, args=(2, os.path.join(tmp, "rendezvous"), tmp), nprocs=2, join=True)
         results = [torch.load(os.path.join(tmp, f"{r}.pt")) for r in range(2)]
     assert results[0] == results[1]
-    own, replicated, overflow = results[0]
+    own, replicated, overflow, own_nccl, own_nccl_host, calls = results[0]
     assert own == pytest.approx((25 + 144 + 576) ** 0.5)  # shared once, each rank's expert once
+    assert own_nccl == own_nccl_host == own and calls == [("all_reduce", 1)] * 2  # one collective, on the device
     assert replicated == pytest.approx(13.0)  # sqrt(25 + 144): the replicated expert counted once
     assert overflow == float("inf")  # rank 1's inf is seen by rank 0 too
 

@@ -218,8 +218,9 @@ RUNS = {  # name -> flags, each trained for UPDATES updates on 2 ranks
     "bf16": ["--bf16"],
 }
 UPDATES = 4
-# |loss - fp32 loss| / fp32 loss at the same update: fp16 keeps 11 bits of mantissa, bf16 8
-LOSS_BOUND = {"fp16": 2e-3, "fp16_no_flatten": 2e-3, "memory_efficient_fp16": 2e-3, "bf16": 1e-2}
+# |loss - fp32 loss| / fp32 loss at the same update, about 4 units of roundoff (fp16 2^-11, bf16 2^-8).
+# Measured here over updates 1-4: fp16 8.6e-5, memory-efficient fp16 9.3e-5, bf16 4.6e-4.
+LOSS_BOUND = {"fp16": 2e-3, "fp16_no_flatten": 2e-3, "memory_efficient_fp16": 2e-3, "bf16": 1.5e-2}
 
 
 def _train(data, save_dir, *extra, updates=UPDATES):
