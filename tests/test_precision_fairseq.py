@@ -1,8 +1,9 @@
 """Mixed precision through fairseq with experts on 2 gloo ranks (fairseq_plugins/precision.py).
 
 1. fairseq's own Trainer, in-process on 2 ranks (plus a single-process twin with --update-freq 2,
-   which sees the same global batch), for --fp16, --memory-efficient-fp16, --amp and --bf16 on
-   `smlp_lm_tiny` (one expert per rank and sparse layer). Per flag, three updates:
+   which sees the same global batch), for --fp16, --memory-efficient-fp16, --amp, --bf16 and
+   --memory-efficient-bf16 on a HASH-layers model (one expert per rank and sparse layer; see
+   TRAINER_ARCH). Per flag, three updates:
      a clean step:  the gradient norm is identical on both ranks (fairseq's "gradients are
                     inconsistent between workers" check, CUDA-only in fairseq, is switched on here)
                     and equals the twin's whole-model norm (shared and expert gradients);
@@ -16,9 +17,9 @@
    AMPOptimizer with a real GradScaler (scaling, unscale, skip, backoff) and its agreement across
    ranks. Not covered: CUDA kernels and NCCL (the code paths are device-generic; NCCL collectives
    get CUDA tensors by construction, smlp.parallel.collective_device).
-2. `fairseq-train` on 2 gloo ranks, one training per flag (module-scoped fixture), checked several
-   ways: losses near the fp32 run's, the log lines, and a resume that logs the uninterrupted run's
-   losses.
+2. `fairseq-train` on 2 gloo ranks with `smlp_lm_tiny` (sMoE and Base Layers experts), one training
+   per flag (module-scoped fixture), checked several ways: losses near the fp32 run's, the log
+   lines, and a resume that logs the uninterrupted run's losses.
 """
 from __future__ import annotations
 
@@ -35,6 +36,10 @@ pytestmark = pytest.mark.slow
 
 WORLD = 2
 ARCH = ["--arch", "smlp_lm_tiny", "--clip-norm", "1.0", "--disable-validation"]
+# the in-process trainers: HASH routing depends on the token ids only, so the single-process twin routes every
+# token as the 2 ranks do and its gradient norm is the same up to rounding (a balanced assignment, as sMLP's
+# Base Layers tMoE makes, balances each rank's tokens on 2 ranks and all of them in one process)
+TRAINER_ARCH = ["--arch", "hash_layers_lm_tiny", "--num-experts", "2", "--clip-norm", "1.0", "--disable-validation"]
 VARIANTS = {
     "fp16": ["--fp16"],  # flattened master weights asked for: per parameter with experts
     "memory_efficient_fp16": ["--memory-efficient-fp16"],
@@ -61,7 +66,7 @@ def _trainer(data: str, save_dir: str, flags: list[str], world: int, rank: int, 
     from fairseq_plugins.precision import bf16_without_tpu
 
     os.makedirs(save_dir, exist_ok=True)
-    args = [data, "--user-dir", PLUGINS, *TINY_TRAIN, *ARCH, "--save-dir", save_dir, *flags, "--cpu"]
+    args = [data, "--user-dir", PLUGINS, *TINY_TRAIN, *TRAINER_ARCH, "--save-dir", save_dir, *flags, "--cpu"]
     if world > 1:
         args += ["--distributed-backend", "gloo", "--ddp-backend", "legacy_ddp", "--distributed-init-method",
                  f"tcp://127.0.0.1:{port}", "--distributed-world-size", str(world), "--distributed-rank", str(rank),
@@ -179,13 +184,14 @@ def trainers(tiny_lm_data):
 
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_gradient_norm_is_the_whole_models_and_the_same_on_every_rank(trainers, name):
-    """Bitwise equal on the ranks (fairseq's consistency check ran too), and the single process's norm of
-    all shared and expert gradients; without the experts it would be smaller (the twin holds them)."""
+    """Bitwise equal on the ranks (fairseq's consistency check ran too) and equal to the single process's norm
+    of all its gradients (measured: within 6e-7 in fp16, 3e-6 in bf16). In this model at init the experts hold ~13% of
+    the squared norm: leaving them out would give 0.93x, counting one expert twice 1.03x."""
     ranks = [r[name] for r in trainers["ranks"]]
     twin = trainers["twin"][name]
     for step in range(len(ranks[0]["norms"])):
         assert ranks[0]["norms"][step] == ranks[1]["norms"][step], (name, step, ranks[0]["norms"], ranks[1]["norms"])
-    assert ranks[0]["norms"][0] == pytest.approx(twin["norms"][0], rel=2e-2), (name, ranks[0]["norms"], twin["norms"])
+    assert ranks[0]["norms"][0] == pytest.approx(twin["norms"][0], rel=1e-4), (name, ranks[0]["norms"], twin["norms"])
 
 
 @pytest.mark.parametrize("name", LOSS_SCALED)
