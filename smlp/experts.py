@@ -89,7 +89,10 @@ class FFNExperts(nn.Module):
 class SpatialExperts(nn.Module):
     """L sMoE experts, each one causal spatial projection over positions (one SGU head).
 
-    A row is one hidden dimension of one sequence: a vector over M <= T positions.
+    A row is one hidden dimension of one sequence: a vector over M <= T positions. An expert
+    returns its gate minus one, W x + (b - 1), as the SGU's projection does (mixers.py): at the
+    near-identity init W x is ~1e-5 and 1 + W x would round to exactly 1 in bf16 and fp16, in
+    the expert and in the all2all that carries the rows back. The sMoE adds the one.
     """
 
     def __init__(self, num_local_experts: int, size: int, init_eps: float = 1e-3, first_expert: int = 0):
@@ -104,7 +107,7 @@ class SpatialExperts(nn.Module):
         M = x_RM.shape[-1]
         check_length(M, self.size, "sMoE row")
         w_LMM = causal_weight(self.weight, M)
-        outs = [chunk @ w_LMM[l].t() + self.bias[l, :M]
+        outs = [chunk @ w_LMM[l].t() + (self.bias[l, :M] - 1)
                 for l, chunk in enumerate(_split_rows(x_RM, counts_L))]
         return torch.cat(outs, dim=0)
 

@@ -6,6 +6,14 @@ identity-like feed-forward. For language modelling the spatial weight is made ca
 masking the weight itself (lower triangular), sliced to the actual length n <= T: output
 position t only ever sees positions <= t, in training and in eval mode alike.
 
+Half precision: at that init (W ~ U(+-1e-3/T), b = 1) W Z2 is ~1e-5, and W Z2 + b rounds to
+exactly 1 in bf16 (8 bits of mantissa) and fp16 (11): the spatial term would vanish from the
+gate. The projection therefore returns the gate minus one, W Z2 + (b - 1) (b - 1 is exact), and
+the unit computes Z1 + Z1 * (W Z2 + (b - 1)): the spatial term keeps its own relative precision
+(tests/test_precision.py). Added to Z1 it is still below the output's rounding at init, as any
+half-precision activation would hold it, but it is no longer lost inside the gate; dL/dW never
+depended on it. In fp32 the two forms agree to rounding.
+
 Shapes: B batch, N positions (n <= T), D model width, F channel-projection width,
 C gated channels, H heads.
 """
@@ -66,7 +74,10 @@ def init_spatial_(weight: Tensor, bias: Tensor, init_eps: float,
 
 
 class SpatialProjection(nn.Module):
-    """Causal multi-head spatial projection: head h mixes positions of its channel chunk with W_h."""
+    """Causal multi-head spatial projection: head h mixes positions of its channel chunk with W_h.
+
+    Returns W_h x + (b_h - 1), the gate minus one (see the module docstring on half precision).
+    """
 
     def __init__(self, heads: int, seq_len: int, init_eps: float = 1e-3):
         super().__init__()
@@ -81,7 +92,7 @@ class SpatialProjection(nn.Module):
         x_BNHc = x_BNC.view(B, n, self.heads, C // self.heads)
         w_HNN = causal_weight(self.weight, n)
         y_BNHc = torch.einsum("hts,bshc->bthc", w_HNN, x_BNHc)
-        y_BNHc = y_BNHc + self.bias[:, :n].t()[None, :, :, None]
+        y_BNHc = y_BNHc + (self.bias[:, :n] - 1).t()[None, :, :, None]
         return y_BNHc.reshape(B, n, C)
 
     def step(self, x_BtC: Tensor, start: int) -> Tensor:
@@ -104,7 +115,7 @@ class SpatialProjection(nn.Module):
 
 
 class SpatialGatingUnit(nn.Module):
-    """(Multi-head) causal SGU: out = z1 * (W LayerNorm(z2) + b)."""
+    """(Multi-head) causal SGU: out = z1 * (W LayerNorm(z2) + b), computed as z1 + z1 * (W LN(z2) + (b - 1))."""
 
     def __init__(self, cfg: SGUConfig):
         super().__init__()
@@ -117,7 +128,7 @@ class SpatialGatingUnit(nn.Module):
             raise ValueError(f"SGU expects width {self.cfg.dim}, got input of shape {tuple(z_BNF.shape)}")
         with record_function(RANGES["token_mixing"]):
             z1, z2 = z_BNF.chunk(2, dim=-1) if self.cfg.split else (z_BNF, z_BNF)
-            return z1 * self.proj(self.norm(z2))
+            return z1 + z1 * self.proj(self.norm(z2))
 
     def step(self, z_BkF: Tensor, state: dict, start: int) -> Tensor:
         """Cached decoding (smlp/decoding.py): the normalized gated half of past positions is kept."""

@@ -25,6 +25,7 @@ from .dispatch import LocalDispatcher
 from .experts import FFNExperts, SpatialExperts
 from .gates import gshard_top2, switch_top1
 from .mixers import check_length
+from .numerics import router_logits
 from .routing import RoutingPlan, base_route, hash_route, smoe_deterministic_experts, smoe_partial_route
 
 __all__ = ["TMoE", "SMoE", "SparseBlock", "hash_table"]
@@ -88,13 +89,14 @@ class TMoE(nn.Module):
 
     def route(self, x_SD: Tensor, token_ids_S: Tensor | None = None) -> RoutingPlan:
         router = self.cfg.router
+        # router_logits: the gate projection itself in fp32, whatever the model dtype (numerics.py)
         if router == "base":
-            return base_route(x_SD @ self.centroids.t(), training=self.training, layer=self.layer_name)
+            return base_route(router_logits(x_SD, self.centroids.t()), training=self.training, layer=self.layer_name)
         if router == "switch":
-            return switch_top1(self.gate(x_SD), capacity_factor=self.cfg.capacity_factor, training=self.training,
-                               layer=self.layer_name)
+            return switch_top1(router_logits(x_SD, self.gate.weight.t()), capacity_factor=self.cfg.capacity_factor,
+                               training=self.training, layer=self.layer_name)
         if router == "gshard":
-            return gshard_top2(self.gate(x_SD), training=self.training,
+            return gshard_top2(router_logits(x_SD, self.gate.weight.t()), training=self.training,
                                aux_loss=self.cfg.gshard_aux_loss, layer=self.layer_name)
         if token_ids_S is None:
             raise ValueError("router='hash' needs the token ids of the rows it routes")
@@ -187,7 +189,8 @@ class SMoE(nn.Module):
             rows_SM = v_BNC[:, P:, :].transpose(1, 2).reshape(B * C, M)  # one row per (sequence, channel)
             with record_function(RANGES["routing"]):
                 prefix_SP = v_BNC[:, :P, :].transpose(1, 2).reshape(B * C, P)
-                plan = smoe_partial_route(prefix_SP @ self.router, training=self.training, layer=self.layer_name)
+                plan = smoe_partial_route(router_logits(prefix_SP, self.router), training=self.training,
+                                          layer=self.layer_name)
             expert_S, weight_S = plan.experts_SK[:, 0], plan.weights_SK[:, 0].to(z_BNF.dtype)
         self.load_E = torch.bincount(expert_S, minlength=cfg.num_experts).detach()
         comm_before = self.dispatcher.comm_seconds
@@ -197,17 +200,18 @@ class SMoE(nn.Module):
         x_RM, counts_L, state = self.dispatcher.dispatch(rows_SM, expert_S, presorted=deterministic)
         with record_function(RANGES["token_mixing"]):  # the sMoE's experts mix positions
             y_RM = self.experts(x_RM, counts_L)
-        y_SM = self.dispatcher.combine(y_RM, state)[:, :M]
+        y_SM = self.dispatcher.combine(y_RM, state)[:, :M]  # rows: gate minus one, W x + (b - 1) (SpatialExperts)
         self.comm_seconds = self.dispatcher.comm_seconds - comm_before
         if weight_S is not None:
             y_SM = y_SM * weight_S[:, None]
         if deterministic:
-            gate_BMC = y_SM.reshape(C, B, M).permute(1, 2, 0)
+            dev_BMC = y_SM.reshape(C, B, M).permute(1, 2, 0)
         else:
-            gate_BMC = y_SM.reshape(B, C, M).transpose(1, 2)
-        if P:
-            gate_BMC = torch.cat([gate_BMC.new_ones(B, P, C), gate_BMC], dim=1)
-        return z1 * gate_BMC
+            dev_BMC = y_SM.reshape(B, C, M).transpose(1, 2)
+        # gate = p (1 + dev): z1 p + z1 (p dev), the spatial term kept apart from the one (half precision)
+        z1_BMC = z1[:, P:] if weight_S is None else z1[:, P:] * weight_S.reshape(B, 1, C)
+        out_BMC = z1_BMC + z1[:, P:] * dev_BMC
+        return torch.cat([z1[:, :P], out_BMC], dim=1) if P else out_BMC
 
     def step(self, z_BkF: Tensor, state: dict, start: int) -> Tensor:
         """Cached decoding of positions start..t-1 (eval routing; smlp/decoding.py), (B, k, F or C).

@@ -17,6 +17,11 @@ gradient is the average over the W ranks of the gradients of each rank's loss.
   the G ranks of its group. `average_expert_gradients` adds the sum over the R replicas (an
   all-reduce in the replica group) and divides by W.
 
+The gradient norm that clipping and the fp16 loss scaler read (`grad_norm_with_experts`) is the
+whole model's: shared gradients once, every expert once (its R replicas hold the same averaged
+gradient and count once), the same number on every rank. An inf or NaN in any rank's expert
+gradient makes it non-finite on every rank, so all ranks skip the step together.
+
 Nothing here reads a global process group: the layout is arithmetic on ranks, and the groups are
 created by the caller (fairseq_plugins.models) and passed in.
 """
@@ -31,7 +36,8 @@ from torch import nn
 from .config import _positive
 from .dispatch import expert_parallel_layout
 
-__all__ = ["ExpertDataLayout", "average_expert_gradients", "expert_data_groups", "valid_ep_sizes"]
+__all__ = ["ExpertDataLayout", "average_expert_gradients", "collective_device", "expert_data_groups",
+           "grad_norm_with_experts", "valid_ep_sizes"]
 
 
 def valid_ep_sizes(world_size: int, num_experts: int) -> list[int]:
@@ -152,3 +158,44 @@ def expert_data_groups(layout: ExpertDataLayout, rank: int):
             if rank in ranks:
                 replica_group = group
     return ep_group, replica_group
+
+
+def collective_device(group=None) -> torch.device:
+    """The device of the tensors the group's collectives accept: CUDA for NCCL, the host for gloo/MPI."""
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend and "gloo" not in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def grad_norm_with_experts(shared_norm: torch.Tensor, expert_grads: list[torch.Tensor], *, replicas: int = 1,
+                           group=None) -> torch.Tensor:
+    """The 2-norm of the whole model's gradient, identical on every rank (one all-reduce of a scalar).
+
+    shared_norm:  the norm of the gradients every rank holds the same copy of (after the data-parallel
+                  all-reduce), computed locally on each rank.
+    expert_grads: this rank's expert gradients (after `average_expert_gradients`).
+    replicas:     R, copies of every expert (expert-data parallelism); 1 without replicas.
+    group:        the ranks that hold the experts between them (the default group: all W ranks).
+
+    1. s = sum of squares of this rank's expert gradients, in fp32, divided by R: summed over the W
+       ranks, each expert then counts once (its R replicas hold the same gradient).
+    2. All-reduce s (sum) over the group, on the backend's device (NCCL: a CUDA tensor).
+    3. sqrt(shared_norm^2 + s).
+    An inf or NaN gradient on any rank makes the result non-finite on every rank. Without a process
+    group (or on one rank) step 2 is skipped: the norm of this process's whole model.
+    """
+    _positive("replicas", replicas)
+    if expert_grads:
+        sq = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in expert_grads]).square().sum()
+    else:
+        sq = torch.zeros((), dtype=torch.float32, device=shared_norm.device)
+    if replicas > 1:
+        sq = sq / replicas
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        device = collective_device(group)
+        sq_dev = sq.to(device)
+        dist.all_reduce(sq_dev, group=group)
+        sq = sq_dev
+    shared_sq = shared_norm.to(device=sq.device, dtype=torch.float32).square()
+    return (shared_sq + sq).sqrt().to(shared_norm.device)

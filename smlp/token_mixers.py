@@ -30,7 +30,10 @@ chunk's carry by subtracting the chunk's sum from the next carry, and accumulate
 the suffix sums the outer products need (dL/dA_s = sum_{t>=s} dL/dS_t). The carry is kept in
 float64, so the subtraction recovers the earlier carry to float64 precision instead of cancelling
 catastrophically (a float32 carry would lose ~n/t ulps at position t); HyperMixing runs in one
-dtype with autocast off, so the backward rebuilds the states the forward used.
+dtype with autocast off, so the backward rebuilds the states the forward used. Half-precision
+inputs (fairseq --fp16 / --bf16, autocast) are mixed in fp32: each chunk is upcast, its prefix sums,
+1/(t+1) (an arange in bf16 is wrong past 256) and GELU run in fp32, and only the outputs and input
+gradients are stored in the input dtype (in bf16 the prefix sums alone cost 7% relative error).
 
 Cost per sequence of n positions (d' = R hidden units, C channels, hypernetwork hidden width Hh):
     multiply-adds  n (C Hh + Hh R) per hypernetwork (1 tied, 2 untied)
@@ -166,6 +169,11 @@ def _chunk_len(chunk_size: int, B: int, R: int, C: int, n: int) -> int:
     return max(1, min(n, CHUNK_ELEMENTS // max(1, B * R * C)))
 
 
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a chunk is mixed in: at least fp32 (half-precision inputs are upcast per chunk)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def _carry_dtype(x: Tensor) -> torch.dtype:
     # float64 makes the backward's carry reconstruction exact (module docstring); MPS has none.
     return torch.float32 if x.device.type == "mps" else torch.float64
@@ -211,13 +219,15 @@ def _causal_forward(u_BNR: Tensor, v_BNC: Tensor, w_BNR: Tensor, chunk_size: int
     # meta tensors (the FLOPs calculator's trace) hold no memory: one chunk, a short trace, the same count
     L = n if v_BNC.is_meta else _chunk_len(chunk_size, B, R, C, n)
     carry_BRC = torch.zeros(B, R, C, device=v_BNC.device, dtype=_carry_dtype(v_BNC))
+    acc = _acc_dtype(v_BNC.dtype)
     ys = []
     for a in range(0, n, L):
         b = min(a + L, n)
-        A_BLRC = _outer(u_BNR[:, a:b], v_BNC[:, a:b])
+        A_BLRC = _outer(u_BNR[:, a:b].to(acc), v_BNC[:, a:b].to(acc))
         chunk_BRC = A_BLRC.sum(dim=1).to(carry_BRC.dtype)
         Z_BLRC, _ = _states_(A_BLRC, carry_BRC, a)
-        ys.append(torch.matmul(w_BNR[:, a:b].unsqueeze(-2), F.gelu(Z_BLRC)).squeeze(-2))  # (B, l, C)
+        y_BLC = torch.matmul(w_BNR[:, a:b].to(acc).unsqueeze(-2), F.gelu(Z_BLRC)).squeeze(-2)
+        ys.append(y_BLC.to(v_BNC.dtype))  # (B, l, C)
         carry_BRC = carry_BRC + chunk_BRC
     return torch.cat(ys, dim=1), carry_BRC
 
@@ -241,10 +251,11 @@ class _CausalHyperMixing(torch.autograd.Function):
         L = _chunk_len(ctx.chunk_size, B, R, C, n)
         du, dv, dw = torch.empty_like(u_BNR), torch.empty_like(v_BNC), torch.empty_like(w_BNR)
         later_BRC = torch.zeros_like(carry_BRC)  # sum of dL/dS_t over the positions after this chunk
+        acc = _acc_dtype(v_BNC.dtype)
         with _no_autocast(u_BNR.device):
             for a in reversed(range(0, n, L)):
                 b = min(a + L, n)
-                u, v, w, dy = u_BNR[:, a:b], v_BNC[:, a:b], w_BNR[:, a:b], dy_BNC[:, a:b]
+                u, v, w, dy = (t[:, a:b].to(acc) for t in (u_BNR, v_BNC, w_BNR, dy_BNC))
                 A_BLRC = _outer(u, v)
                 carry_BRC = carry_BRC - A_BLRC.sum(dim=1).to(carry_BRC.dtype)  # the carry before this chunk
                 Z_BLRC, inv_L11 = _states_(A_BLRC, carry_BRC, a)

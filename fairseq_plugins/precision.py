@@ -1,0 +1,382 @@
+"""Mixed precision (--fp16, --bf16, --amp, --memory-efficient-fp16/-bf16) for expert-parallel models.
+
+fairseq 0.12 (fairseq-fixed 0.12.3.1, the version these patches target; those that rely on its
+source text check it and raise FairseqChanged naming the version) trains half precision on one
+device or on data-parallel ranks that hold the same parameters. With experts (`param.expert =
+True`, one set per rank) and on CPU it breaks in the ways listed below. `install()` applies the
+patches, in this order; each is idempotent, and none changes an fp32 run: patches 1, 2, 4, 5, 6
+act only when --bf16, --fp16, --amp (or their memory-efficient forms) is set, and patch 3
+changes one expression on the overflow path, which only the fp16 loss scaler reaches.
+
+1. `--bf16` without a TPU (`fairseq.distributed.utils.call_main`). fairseq/options.py turns
+   --tpu on whenever --bf16 is given; the trainer then asks torch_xla for a device and fails
+   ("'NoneType' object has no attribute 'xrt_world_size'"), on CPU and on a GPU without
+   torch_xla alike. Unless --tpu is on the command line, the run is put back on its real
+   device (one log line). --amp with --bf16 is refused here, before any work.
+2. Flattened fp32 master weights (`FP16Optimizer.build_optimizer`, `build_fp32_params`).
+   --fp16 copies every parameter into one flat fp32 tensor, which drops `param.expert`: the
+   gradient norm then mixes each rank's own expert gradients into the "shared" norm, differs
+   between ranks, and fairseq's "gradients are inconsistent between workers" check (CUDA only)
+   stops training at the first update. A model with expert parameters gets per-parameter
+   master weights instead (as --fp16-no-flatten-grads, one log line): the same memory, and the
+   optimizer state stays per parameter, which resuming on another world size (elastic.py) and
+   --zero-sharding os need. A flat buffer on a non-CUDA device (a dense model with --fp16 on
+   CPU) is built on the parameters' device instead of `torch.cuda.current_device()`; CUDA
+   keeps fairseq's code.
+3. Gradient overflow off CUDA (`Trainer.train_step`): the overflow handler creates the logged
+   norm with `torch.tensor(0.0).cuda()`, which raises on CPU. The method is recompiled from
+   fairseq's own source with that one expression replaced by `torch.tensor(0.0,
+   device=self.device)` (the same tensor on CUDA); line numbers and the module's globals are
+   fairseq's.
+4. The whole model's gradient norm (`Trainer.clip_grad_norm`, `fairseq.utils.clip_grad_norm_`).
+   fairseq leaves expert gradients out of the norm, which is also the fp16 loss scaler's only
+   overflow test: an inf in one expert's gradient was applied as an update (the weight became
+   NaN). Under mixed precision, for models with experts, the norm that is clipped, logged and
+   tested for overflow is `smlp.parallel.grad_norm_with_experts`: shared gradients once, every
+   expert once (replicas of expert-data parallelism once), one all-reduce of a scalar on the
+   backend's device, the same on every rank. An overflow anywhere (any rank, any expert) is then
+   seen by every rank: all skip the step and lower the loss scale together. (fp32 keeps
+   fairseq's norm; with --bf16 a non-finite norm stops every rank, as fairseq does.)
+5. AMP's GradScaler (`AMPOptimizer`). (a) It is built as `torch.amp.GradScaler(device)` on the
+   parameters' device type: on CUDA the same scaler as fairseq's `torch.cuda.amp.GradScaler`;
+   on CPU an enabled one (fairseq's is disabled there, so --amp was plain fp32). (b) fairseq
+   unscales the gradients of `self.optimizer` and then steps `self.fp32_optimizer`, another
+   object to the scaler, which therefore unscales the same gradients a second time; here the
+   step's object is unscaled, once. (c) The scaler's skip decision (found_inf) is set from the
+   whole-model norm of patch 4, so ranks do not decide on their own experts (on GPUs an inf on
+   one rank skipped the step there only, and the shared weights drifted apart). (d)
+   --amp-scale-window sets the growth interval (fairseq passed --amp-init-scale).
+6. Autocast for --amp off CUDA (`FairseqTask.train_step`): fairseq enters
+   `torch.cuda.amp.autocast`, a no-op on CPU; on another device the forward runs under
+   `torch.autocast(device, float16)`, so a CPU run exercises what --amp does on GPUs (fp16
+   matmuls, fp32 routers and reductions, dynamic loss scaling). On CUDA nothing changes.
+"""
+from __future__ import annotations
+
+import ast
+import inspect
+import logging
+import sys
+import textwrap
+
+import torch
+
+from smlp.parallel import grad_norm_with_experts
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["WholeModelGradNorm", "install"]
+
+FAIRSEQ_TARGET = "fairseq-fixed 0.12.3.1"
+_MARK = "_smlp_precision"
+
+
+def _is_expert(p) -> bool:
+    return bool(getattr(p, "expert", False))
+
+
+def _mixed_precision(common) -> bool:
+    return bool(getattr(common, "fp16", False) or getattr(common, "bf16", False) or getattr(common, "amp", False))
+
+
+def _patched(obj) -> bool:
+    return bool(getattr(obj, _MARK, False))
+
+
+def _mark(fn, original):
+    setattr(fn, _MARK, True)
+    fn.__wrapped__ = original
+    return fn
+
+
+class FairseqChanged(RuntimeError):
+    """The fairseq code a patch replaces is not the code it was written for."""
+
+
+# ------------------------------------------------------------------ 1. --bf16 without --tpu
+
+
+def _tpu_on_command_line(argv: list[str]) -> bool:
+    return any(a == "--tpu" for a in argv)
+
+
+def bf16_without_tpu(cfg, argv: list[str] | None = None) -> bool:
+    """Undo fairseq's --bf16 => --tpu unless --tpu was asked for; refuse --amp with --bf16. True if changed."""
+    common = cfg.common
+    if getattr(common, "amp", False) and getattr(common, "bf16", False):
+        raise ValueError("--amp with --bf16 (or --memory-efficient-bf16) mixes two precisions: --amp trains fp32 "
+                         "weights with fp16 autocast and loss scaling, --bf16 casts the model to bfloat16. Pass one "
+                         "of --amp, --bf16, --memory-efficient-bf16, --fp16, --memory-efficient-fp16")
+    argv = sys.argv[1:] if argv is None else argv
+    if not (getattr(common, "bf16", False) and getattr(common, "tpu", False)) or _tpu_on_command_line(argv):
+        return False
+    from omegaconf import OmegaConf, open_dict
+
+    for name in cfg.keys():  # task.tpu, optimizer.tpu, ... may hold a copy of common.tpu
+        group = cfg.get(name)
+        if name != "common" and OmegaConf.is_config(group) and "tpu" in group \
+                and not OmegaConf.is_interpolation(group, "tpu") and group.tpu is True:
+            with open_dict(group):
+                group.tpu = False
+    with open_dict(common):
+        common.tpu = False
+    device = "CPU" if common.cpu or not torch.cuda.is_available() else "GPU"
+    logger.info("--bf16: training in bfloat16 on %s; fairseq 0.12 sets --tpu with --bf16, which this run did not "
+                "ask for (pass --tpu to train on TPUs)", device)
+    return True
+
+
+def _install_call_main() -> None:
+    from fairseq.distributed import utils as distributed_utils
+
+    if _patched(distributed_utils.call_main):
+        return
+    original = distributed_utils.call_main
+
+    def call_main(cfg, main, **kwargs):
+        bf16_without_tpu(cfg)
+        return original(cfg, main, **kwargs)
+
+    distributed_utils.call_main = _mark(call_main, original)
+
+
+# ------------------------------------------------------------------ 2. fp32 master weights
+
+
+def _install_fp16_master_weights() -> None:
+    from fairseq.optim.fp16_optimizer import FP16Optimizer, _FP16OptimizerMixin
+
+    if not _patched(FP16Optimizer.__dict__["build_optimizer"].__func__):
+        original_build = FP16Optimizer.__dict__["build_optimizer"].__func__
+
+        def build_optimizer(cls, cfg, params, **kwargs):
+            params = list(params)
+            experts = [p for p in params if _is_expert(p)]
+            common = cfg.common
+            if experts and not getattr(common, "fp16_no_flatten_grads", False) and not getattr(common, "bf16", False):
+                from omegaconf import open_dict
+
+                with open_dict(common):
+                    common.fp16_no_flatten_grads = True  # what this run does (also lets --zero-sharding os pass)
+                logger.info("--fp16: %d expert parameter tensors would lose param.expert in fairseq's flattened "
+                            "fp32 master copy; keeping per-parameter fp32 master weights instead (as "
+                            "--fp16-no-flatten-grads: same memory, optimizer state per parameter)", len(experts))
+            return original_build(cls, cfg, params, **kwargs)
+
+        FP16Optimizer.build_optimizer = classmethod(_mark(build_optimizer, original_build))
+
+    if not _patched(_FP16OptimizerMixin.__dict__["build_fp32_params"].__func__):
+        original_fp32 = _FP16OptimizerMixin.__dict__["build_fp32_params"].__func__
+        if "torch.cuda.current_device()" not in inspect.getsource(original_fp32):
+            raise FairseqChanged(f"fairseq's build_fp32_params is not {FAIRSEQ_TARGET}'s: the CPU patch does not apply")
+
+        def build_fp32_params(cls, args, params, flatten=True):
+            pipeline = getattr(args, "pipeline_model_parallel", False) and getattr(args, "distributed_no_spawn", False)
+            if not flatten or pipeline or not params or params[0].device.type == "cuda":
+                return original_fp32(cls, args, params, flatten=flatten)
+            # fairseq keys the flat buffer by torch.cuda.current_device(); the gradient sync looks it up
+            # by p.device.index, which is None off CUDA: key it by the parameters' own device.
+            total = sum(p.data.numel() for p in params)
+            flat = params[0].new(0).float().new(total)
+            offset = 0
+            for p in params:
+                flat[offset:offset + p.data.numel()].copy_(p.data.view(-1))
+                offset += p.data.numel()
+            flat = torch.nn.Parameter(flat)
+            flat.grad = flat.data.new(total)
+            return {params[0].device.index: flat}
+
+        _FP16OptimizerMixin.build_fp32_params = classmethod(_mark(build_fp32_params, original_fp32))
+
+
+# ------------------------------------------------------------------ 3. overflow off CUDA
+
+_CUDA_ZERO = "torch.tensor(0.0).cuda()"
+_DEVICE_ZERO = "torch.tensor(0.0, device=self.device)"
+
+
+def _install_train_step() -> None:
+    from fairseq import trainer as trainer_module
+
+    Trainer = trainer_module.Trainer
+    if _patched(Trainer.train_step):
+        return
+    original = Trainer.train_step
+    source = inspect.getsource(original)
+    if source.count(_CUDA_ZERO) != 1:
+        raise FairseqChanged(f"Trainer.train_step is not {FAIRSEQ_TARGET}'s (expected one `{_CUDA_ZERO}`)")
+    _, first_line = inspect.getsourcelines(original)
+    tree = ast.parse(textwrap.dedent(source.replace(_CUDA_ZERO, _DEVICE_ZERO)))
+    ast.increment_lineno(tree, first_line - 1)  # tracebacks keep pointing at fairseq's lines
+    namespace: dict = {}
+    exec(compile(tree, inspect.getsourcefile(original), "exec"), trainer_module.__dict__, namespace)
+    Trainer.train_step = _mark(namespace["train_step"], original)
+
+
+# ------------------------------------------------------------------ 4. whole-model gradient norm
+
+
+class WholeModelGradNorm:
+    """Passed by the trainer as `aggregate_norm_fn`: tells `clip_grad_norm_` to include the experts.
+
+    fairseq's optimizers hand `aggregate_norm_fn` through to `fairseq.utils.clip_grad_norm_`
+    unchanged, whichever wrapper (FP16, memory-efficient, AMP) holds the gradients, so this
+    object reaches the one place where the norm is computed.
+    """
+
+    def __init__(self, *, replicas: int = 1, group=None):
+        self.replicas = replicas
+        self.group = group
+
+    def clip_(self, params, max_norm: float, shared_norm_fn) -> torch.Tensor:
+        params = [p for p in params if p is not None and getattr(p, "grad", None) is not None]
+        shared = [p for p in params if not _is_expert(p)]
+        experts = [p.grad.detach() for p in params if _is_expert(p)]
+        shared_norm = shared_norm_fn(shared, 0)  # fairseq's own norm (fused kernel where available)
+        if not shared:
+            shared_norm = torch.zeros((), device=experts[0].device if experts else "cpu")
+        total = grad_norm_with_experts(shared_norm, experts, replicas=self.replicas, group=self.group)
+        if max_norm > 0:
+            clip_coef = (float(max_norm) / (total + 1e-6)).clamp_(max=1)
+            torch._foreach_mul_([p.grad.detach() for p in params], clip_coef)
+        return total
+
+    def __call__(self, total_norm):  # fairseq's aggregate_norm_fn signature; clip_grad_norm_ never calls it
+        raise RuntimeError("WholeModelGradNorm is read by the patched clip_grad_norm_, not called")
+
+
+def whole_model_norm_for(trainer) -> WholeModelGradNorm | None:
+    """The norm aggregator a mixed-precision trainer of an expert model uses; None: fairseq's norm.
+
+    Decided once per trainer (the model's parameters do not change). The group is the default one:
+    the experts are spread over all W ranks (smlp.parallel.ExpertDataLayout)."""
+    if "_smlp_whole_model_norm" not in trainer.__dict__:
+        aggregate = None
+        model = trainer.get_model()
+        if _mixed_precision(trainer.cfg.common) and not trainer.is_fsdp and any(map(_is_expert, model.parameters())):
+            layout = getattr(model, "expert_layout", None)
+            aggregate = WholeModelGradNorm(replicas=layout.replicas if layout is not None else 1, group=None)
+        trainer._smlp_whole_model_norm = aggregate
+    return trainer._smlp_whole_model_norm
+
+
+def _install_grad_norm() -> None:
+    from fairseq import trainer as trainer_module
+    from fairseq import utils
+
+    if not _patched(utils.clip_grad_norm_):
+        original_clip = utils.clip_grad_norm_
+
+        def clip_grad_norm_(params, max_norm, aggregate_norm_fn=None):
+            if isinstance(aggregate_norm_fn, WholeModelGradNorm):
+                if isinstance(params, torch.Tensor):
+                    params = [params]
+                return aggregate_norm_fn.clip_(list(params), max_norm, original_clip)
+            return original_clip(params, max_norm, aggregate_norm_fn)
+
+        utils.clip_grad_norm_ = _mark(clip_grad_norm_, original_clip)
+
+    Trainer = trainer_module.Trainer
+    if not _patched(Trainer.clip_grad_norm):
+        original = Trainer.clip_grad_norm
+
+        def clip_grad_norm(self, clip_norm):
+            aggregate = whole_model_norm_for(self)
+            if aggregate is None:
+                return original(self, clip_norm)
+            return self.optimizer.clip_grad_norm(clip_norm, aggregate_norm_fn=aggregate)
+
+        Trainer.clip_grad_norm = _mark(clip_grad_norm, original)
+
+
+# ------------------------------------------------------------------ 5. AMP's GradScaler
+
+
+def _device_type(params) -> str:
+    for p in params:
+        return p.device.type
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def agree_on_overflow(scaler, optimizer, grad_norm: torch.Tensor) -> None:
+    """Set the scaler's skip decision for `optimizer` from the whole-model norm (the same on every rank).
+
+    GradScaler records found_inf per device from this rank's gradients only; with experts, ranks
+    would then disagree. The norm includes every gradient, so "not finite" is the global answer.
+    """
+    state = scaler._per_optimizer_states.get(id(optimizer))
+    found = state.get("found_inf_per_device") if state else None
+    if found is None:
+        raise FairseqChanged("torch's GradScaler keeps no found_inf for the optimizer after unscale_(): the "
+                             f"overflow agreement of fairseq_plugins.precision was written for torch 2.13")
+    overflow = (~torch.isfinite(grad_norm.detach())).float()
+    for t in found.values():
+        t.copy_(overflow.to(t.device))
+
+
+def _install_amp() -> None:
+    from fairseq import optim
+    from fairseq.optim.amp_optimizer import AMPOptimizer
+
+    if _patched(AMPOptimizer.__init__):
+        return
+    original_init, original_clip = AMPOptimizer.__init__, AMPOptimizer.clip_grad_norm
+    if "self.scaler.unscale_(self.optimizer)" not in inspect.getsource(original_clip):
+        raise FairseqChanged(f"AMPOptimizer.clip_grad_norm is not {FAIRSEQ_TARGET}'s")
+
+    def __init__(self, cfg, params, fp32_optimizer, **kwargs):
+        optim.FairseqOptimizer.__init__(self, cfg.optimizer)
+        self.fp32_optimizer = fp32_optimizer
+        kw = {"init_scale": cfg.common.fp16_init_scale}
+        if getattr(cfg.common, "amp_scale_window", None) is not None:
+            kw["growth_interval"] = cfg.common.amp_scale_window
+        self._grad_scaler = torch.amp.GradScaler(_device_type(params), **kw)
+        self.min_loss_scale = cfg.common.min_loss_scale
+
+    def clip_grad_norm(self, max_norm, aggregate_norm_fn=None):
+        self.scaler.unscale_(self.fp32_optimizer)  # the object step() hands the scaler: unscaled once
+        grad_norm = self.fp32_optimizer.clip_grad_norm(max_norm, aggregate_norm_fn)
+        agree_on_overflow(self.scaler, self.fp32_optimizer, grad_norm)
+        if not torch.isfinite(grad_norm).all():
+            new_loss_scale = self.next_loss_scale
+            if new_loss_scale <= self.min_loss_scale:
+                raise FloatingPointError(
+                    f"AMP: Minimum loss scale reached ({self.min_loss_scale}). Your loss is probably exploding. "
+                    f"Try restarting training or use fp32. {new_loss_scale}")
+            logger.info(f"AMP: overflow detected, setting scale to {new_loss_scale}")
+        return grad_norm
+
+    AMPOptimizer.__init__ = _mark(__init__, original_init)
+    AMPOptimizer.clip_grad_norm = _mark(clip_grad_norm, original_clip)
+
+
+# ------------------------------------------------------------------ 6. autocast for --amp off CUDA
+
+
+def _install_amp_autocast() -> None:
+    from fairseq.optim.amp_optimizer import AMPOptimizer
+    from fairseq.tasks.fairseq_task import FairseqTask
+
+    if _patched(FairseqTask.train_step):
+        return
+    original = FairseqTask.train_step
+
+    def train_step(self, sample, model, criterion, optimizer, update_num, ignore_grad=False, **kwargs):
+        if isinstance(optimizer, AMPOptimizer):
+            device = next(model.parameters()).device
+            if device.type != "cuda":  # fairseq's torch.cuda.amp.autocast covers CUDA only
+                with torch.autocast(device_type=device.type, dtype=torch.float16):
+                    return original(self, sample, model, criterion, optimizer, update_num, ignore_grad, **kwargs)
+        return original(self, sample, model, criterion, optimizer, update_num, ignore_grad, **kwargs)
+
+    FairseqTask.train_step = _mark(train_step, original)
+
+
+def install() -> None:
+    """Apply patches 1-6 of the module docstring (idempotent)."""
+    _install_call_main()
+    _install_fp16_master_weights()
+    _install_train_step()
+    _install_grad_norm()
+    _install_amp()
+    _install_amp_autocast()

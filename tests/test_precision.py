@@ -1,0 +1,315 @@
+"""Half precision in the core and in the fairseq patches, one process (plus one 2-rank norm test).
+
+References: the fp32 model with the same weights (every family, forward and backward), fp64 on the
+same rounded inputs (HyperMixing), hand computations (the gradient norm with experts, one SGD step
+under AMP), and fairseq's own per-parameter FP16 optimizer (its flat buffer on CPU).
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from fairseq_helpers import PLUGINS
+from smlp.config import SGUConfig, TMoEConfig
+from smlp.experts import SpatialExperts
+from smlp.lm import LanguageModel, LMConfig
+from smlp.mixers import SpatialGatingUnit
+from smlp.moe import TMoE
+from smlp.numerics import router_logits
+from smlp.parallel import grad_norm_with_experts
+from smlp.token_mixers import hypermixing
+
+HALF = (torch.bfloat16, torch.float16)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm())
+
+
+# ---------------------------------------------------------------- spatial term at gMLP's init
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_sgu_spatial_term_survives_half_precision_at_init(dtype):
+    """T = 1024 (the paper's): W ~ U(+-1e-3/T) makes W z ~1e-5, which 1 + W z rounds away in bf16 and
+    fp16 (relative error 100%). The SGU keeps W z + (b - 1) apart: < 10% (bf16 ~0.3%, fp16 ~3%: about
+    3% of fp16's initial weights are subnormal)."""
+    torch.manual_seed(0)
+    sgu = SpatialGatingUnit(SGUConfig(dim=32, seq_len=1024))
+    z = torch.randn(2, 1024, 32)
+    with torch.no_grad():
+        ref = sgu.proj(sgu.norm(z.chunk(2, -1)[1]))  # W v + (b - 1) in fp32; b = 1
+        half = sgu.to(dtype)
+        got = half.proj(half.norm(z.to(dtype).chunk(2, -1)[1]))
+        out = half(z.to(dtype))
+    assert got.dtype == dtype
+    assert ref.abs().max() < 1e-3  # the spatial term at init, not the gate
+    assert _rel(got, ref) < 0.10, _rel(got, ref)
+    # the output is z1 + z1 * (spatial term): the part added to z1 is that term times z1
+    z1 = z.to(dtype).chunk(2, -1)[0]
+    assert torch.equal(out, z1 + z1 * got)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_smoe_spatial_experts_keep_their_spatial_term_in_half_precision(dtype):
+    torch.manual_seed(0)
+    experts = SpatialExperts(2, 1024)
+    x = torch.randn(6, 1024)
+    with torch.no_grad():
+        ref = experts(x, [3, 3])
+        got = experts.to(dtype)(x.to(dtype), [3, 3])
+    assert ref.abs().max() < 1e-3
+    assert _rel(got, ref) < 0.10, _rel(got, ref)
+
+
+# ---------------------------------------------------------------- routers in fp32
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_router_logits_are_the_fp32_product_of_the_upcast_inputs(autocast):
+    torch.manual_seed(0)
+    x, w = torch.randn(16, 8).bfloat16(), torch.randn(8, 4).bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        logits = router_logits(x, w)
+    assert logits.dtype == torch.float32
+    assert torch.equal(logits, x.float() @ w.float())
+
+
+@pytest.mark.parametrize("router", ["switch", "gshard", "base"])
+def test_a_half_precision_tmoe_routes_on_fp32_logits(monkeypatch, router):
+    """The layer's gate projection goes through router_logits; the plan's weights and aux loss are fp32."""
+    import smlp.moe as moe
+
+    calls = []
+
+    def recording(x, w):
+        out = router_logits(x, w)
+        calls.append((x, w, out))
+        return out
+
+    monkeypatch.setattr(moe, "router_logits", recording)
+    torch.manual_seed(0)
+    layer = TMoE(TMoEConfig(d_model=8, d_ffn=16, num_experts=4, router=router, shuffle=False)).to(torch.bfloat16)
+    x = torch.randn(32, 8).bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plan = layer.route(x)
+    (x_seen, w_seen, logits), = calls
+    assert torch.equal(x_seen, x) and w_seen.dtype == torch.bfloat16 and logits.dtype == torch.float32
+    assert torch.equal(logits, x.float() @ w_seen.float())
+    assert plan.weights_SK.dtype == torch.float32
+    if router != "base":
+        assert plan.aux_loss.dtype == torch.float32
+
+
+# ---------------------------------------------------------------- HyperMixing accumulators
+
+
+def test_hypermixing_accumulates_half_inputs_in_fp32():
+    """n = 1024 > 256 (bf16's arange is wrong past 256). Reference: fp64 on the same bf16 inputs. Prefix
+    sums in bf16 gave 0.7% (3.8% at the worst position) here; fp32 accumulation leaves the output's rounding."""
+    torch.manual_seed(0)
+    n, R, C = 1024, 8, 16
+    u, v, w = (torch.randn(2, n, k).bfloat16().requires_grad_(True) for k in (R, C, R))
+    ref_in = [t.detach().double().requires_grad_(True) for t in (u, v, w)]
+    y, y_ref = hypermixing(u, v, w), hypermixing(*ref_in)
+    assert y.dtype == torch.bfloat16
+    worst = float(((y.double() - y_ref).norm(dim=-1) / y_ref.norm(dim=-1)).max())
+    assert _rel(y, y_ref) < 4e-3 and worst < 8e-3, (_rel(y, y_ref), worst)
+    g = torch.randn_like(y_ref)
+    y.backward(g.bfloat16())
+    y_ref.backward(g)
+    for t, r in zip((u, v, w), ref_in):
+        assert t.grad.dtype == torch.bfloat16 and _rel(t.grad, r.grad) < 1e-2, _rel(t.grad, r.grad)
+
+
+# ---------------------------------------------------------------- every family in half precision
+
+FAMILIES = {
+    "smlp_deterministic": dict(family="smlp", dense_layers=1, sparse_layers=1, num_experts=2),
+    "smlp_partial": dict(family="smlp", dense_layers=1, sparse_layers=1, num_experts=2, smoe_routing="partial"),
+    "gmlp_2heads": dict(family="gmlp", dense_layers=2, heads=2),
+    "hypermixer": dict(family="gmlp", dense_layers=2, token_mixer="hypermixer"),
+    "ninformer": dict(family="gmlp", dense_layers=2, token_mixer="ninformer"),
+    "transformer": dict(family="transformer", dense_layers=2, heads=2),
+    "switch": dict(family="transformer", dense_layers=1, sparse_layers=1, heads=2, num_experts=2, moe_router="switch"),
+    "gshard": dict(family="transformer", dense_layers=1, sparse_layers=1, heads=2, num_experts=2, moe_router="gshard"),
+    "base": dict(family="transformer", dense_layers=1, sparse_layers=1, heads=2, num_experts=2, moe_router="base"),
+    "hash": dict(family="transformer", dense_layers=1, sparse_layers=1, heads=2, num_experts=2, moe_router="hash"),
+}
+# relative to fp32 with the same weights and tokens (loss; logits and the concatenated gradient, 2-norm).
+# Worst over the families, measured here: bf16 7.3e-4 / 7.2e-3 / 1.0e-2, fp16 8.7e-5 / 2.9e-3 / 4.3e-3,
+# amp (fp16 autocast on CPU) 6.4e-5 / 8.4e-4 / 7.4e-4. The bounds leave 3-6x.
+BOUNDS = {"bf16": (3e-3, 2e-2, 3e-2), "fp16": (5e-4, 1e-2, 1.5e-2), "amp": (3e-4, 4e-3, 4e-3)}
+
+
+def _loss_and_grads(model, tokens, autocast=False):
+    torch.manual_seed(1)  # GShard's Gumbel noise
+    with torch.autocast("cpu", dtype=torch.float16, enabled=autocast):
+        logits = model(tokens)
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens.reshape(-1))
+        aux = model.aux_loss()
+        if aux is not None:
+            loss = loss + 0.01 * aux
+    loss.backward()
+    grads = torch.cat([p.grad.double().reshape(-1) for p in model.parameters() if p.grad is not None])
+    return loss.detach(), logits.detach(), grads
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_every_family_trains_finite_and_close_to_fp32_in_half_precision(family):
+    torch.manual_seed(0)
+    cfg = LMConfig(vocab_size=100, d_model=32, d_ffn=64, seq_len=64, **FAMILIES[family])
+    model = LanguageModel(cfg)
+    tokens = torch.randint(4, 100, (4, 64))
+    loss, logits, grads = _loss_and_grads(model, tokens)
+    for mode, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16), ("amp", None)):
+        twin = LanguageModel(cfg)
+        twin.load_state_dict(model.state_dict())
+        if dtype is not None:
+            twin = twin.to(dtype)
+        h_loss, h_logits, h_grads = _loss_and_grads(twin, tokens, autocast=dtype is None)
+        assert h_logits.dtype == (dtype or torch.float16), (mode, h_logits.dtype)
+        assert bool(torch.isfinite(h_logits).all() and torch.isfinite(h_grads).all()), mode
+        errors = (abs(float(h_loss) - float(loss)) / float(loss), _rel(h_logits, logits), _rel(h_grads, grads))
+        assert all(e < b for e, b in zip(errors, BOUNDS[mode])), (family, mode, errors, BOUNDS[mode])
+
+
+# ---------------------------------------------------------------- the whole model's gradient norm
+
+
+def test_grad_norm_with_experts_on_one_process_is_the_norm_of_every_gradient():
+    shared, experts = torch.tensor([3.0, 4.0]), [torch.tensor([12.0]), torch.tensor([[0.0, 84.0]])]
+    norm = grad_norm_with_experts(torch.linalg.vector_norm(shared), experts)
+    assert float(norm) == pytest.approx(85.0)  # sqrt(9 + 16 + 144 + 7056)
+    assert float(grad_norm_with_experts(torch.tensor(5.0), [])) == 5.0
+    assert float(grad_norm_with_experts(torch.tensor(5.0), [torch.tensor([float("nan")])])) != 5.0
+
+
+def _norm_worker(rank: int, world: int, init_file: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    shared = torch.tensor(5.0)  # every rank holds the same shared gradients (after legacy_ddp)
+    own = [torch.tensor([12.0 * (rank + 1)])]  # rank 0: 12, rank 1: 24
+    replica = [torch.tensor([12.0])]  # expert-data parallelism: both ranks hold the same expert
+    inf = [torch.tensor([float("inf") if rank == 1 else 1.0])]
+    results = [float(grad_norm_with_experts(shared, own)), float(grad_norm_with_experts(shared, replica, replicas=2)),
+               float(grad_norm_with_experts(shared, inf))]
+    from fake_nccl import pretend_nccl  # NCCL takes CUDA tensors only: the scalar must move to the device
+
+    with pretend_nccl() as (_, calls):
+        results.append(float(grad_norm_with_experts(shared.to("cuda"), [g.to("cuda") for g in own])))
+        results.append(float(grad_norm_with_experts(shared, own)))  # host gradients (a --cpu trainer) too
+    results.append(calls)
+    torch.save(results, os.path.join(out, f"{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_grad_norm_with_experts_counts_each_expert_once_on_every_rank():
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_norm_worker, args=(2, os.path.join(tmp, "rendezvous"), tmp), nprocs=2, join=True)
+        results = [torch.load(os.path.join(tmp, f"{r}.pt")) for r in range(2)]
+    assert results[0] == results[1]
+    own, replicated, overflow, own_nccl, own_nccl_host, calls = results[0]
+    assert own == pytest.approx((25 + 144 + 576) ** 0.5)  # shared once, each rank's expert once
+    assert own_nccl == own_nccl_host == own and calls == [("all_reduce", 1)] * 2  # one collective, on the device
+    assert replicated == pytest.approx(13.0)  # sqrt(25 + 144): the replicated expert counted once
+    assert overflow == float("inf")  # rank 1's inf is seen by rank 0 too
+
+
+# ---------------------------------------------------------------- fairseq patches, one process
+
+
+def _cfg(*flags: str, arch: str = "smlp_lm_tiny"):
+    from fairseq import options
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+
+    args = ["unused-data", "--user-dir", PLUGINS, "--arch", arch, "--task", "language_modeling", "--cpu",
+            "--optimizer", "adam", "--lr", "1e-3", *flags]
+    namespace = options.parse_args_and_arch(options.get_training_parser(), input_args=args)
+    return convert_namespace_to_omegaconf(namespace), args
+
+
+def test_bf16_no_longer_implies_a_tpu_unless_asked_for():
+    from fairseq_plugins.precision import bf16_without_tpu
+
+    cfg, argv = _cfg("--bf16")
+    assert cfg.common.tpu  # fairseq's options.py: --bf16 sets --tpu
+    assert bf16_without_tpu(cfg, argv=argv)
+    assert not cfg.common.tpu and not cfg.task.tpu and not cfg.optimizer.tpu and not cfg.distributed_training.tpu
+    cfg, argv = _cfg("--bf16", "--tpu")
+    assert not bf16_without_tpu(cfg, argv=argv) and cfg.common.tpu  # a TPU run stays one
+    cfg, argv = _cfg("--fp16")
+    assert not bf16_without_tpu(cfg, argv=argv) and not cfg.common.tpu
+    cfg, argv = _cfg("--amp", "--bf16")
+    with pytest.raises(ValueError, match="Pass one of --amp, --bf16, --memory-efficient-bf16, --fp16"):
+        bf16_without_tpu(cfg, argv=argv)
+
+
+def test_fp16_flat_master_weights_work_on_cpu_as_the_per_parameter_ones():
+    """A dense model keeps fairseq's flat fp32 buffer; on CPU it is keyed by the parameters' device (fairseq
+    used torch.cuda.current_device()). One Adam step equals the per-parameter optimizer's, bitwise."""
+    from fairseq.optim.fp16_optimizer import FP16Optimizer
+
+    torch.manual_seed(0)
+    weights = [torch.randn(5, 3), torch.randn(7)]
+    runs = {}
+    for flat in (True, False):
+        cfg, _ = _cfg("--fp16", *([] if flat else ["--fp16-no-flatten-grads"]), arch="gmlp_lm_tiny")
+        params = [torch.nn.Parameter(w.clone().half()) for w in weights]
+        opt = FP16Optimizer.build_optimizer(cfg, params)
+        assert opt.has_flat_params == flat
+        opt.zero_grad()
+        opt.backward(sum((p.float() * (i + 1)).sum() for i, p in enumerate(params)))
+        opt.multiply_grads(1.0)
+        opt.clip_grad_norm(0.0)
+        opt.step()
+        runs[flat] = [p.detach().clone() for p in params]
+    assert all(torch.equal(a, b) for a, b in zip(runs[True], runs[False]))
+    assert not torch.equal(runs[True][0], weights[0].half())
+
+
+def test_amp_unscales_once_and_steps_on_cpu():
+    """SGD with lr 1 on loss = sum(w * x): w must become w - x. fairseq unscaled the gradients twice (once for
+    self.optimizer, once more when stepping fp32_optimizer, another object to the scaler): w - x / 128."""
+    from fairseq.optim.amp_optimizer import AMPOptimizer
+
+    cfg, _ = _cfg("--amp", "--optimizer", "sgd", "--lr", "1.0", "--momentum", "0")
+    w = torch.nn.Parameter(torch.ones(3))
+    x = torch.tensor([0.5, -2.0, 3.0])
+    opt = AMPOptimizer.build_optimizer(cfg, [w])
+    assert opt.scaler.is_enabled() and opt.scaler.get_scale() == cfg.common.fp16_init_scale
+    opt.backward((w * x).sum())
+    assert torch.equal(w.grad, x * cfg.common.fp16_init_scale)  # scaled loss
+    norm = opt.clip_grad_norm(0.0)
+    assert float(norm) == pytest.approx(float(x.norm()))
+    opt.step()
+    assert torch.equal(w.detach(), torch.ones(3) - x)
+
+
+def test_precision_patches_install_once():
+    from fairseq import utils
+    from fairseq.distributed import utils as distributed_utils
+    from fairseq.optim.amp_optimizer import AMPOptimizer
+    from fairseq.optim.fp16_optimizer import FP16Optimizer
+    from fairseq.tasks.fairseq_task import FairseqTask
+    from fairseq.trainer import Trainer
+
+    from fairseq_plugins import precision
+
+    def targets():
+        return (distributed_utils.call_main, FP16Optimizer.__dict__["build_optimizer"], Trainer.train_step,
+                Trainer.clip_grad_norm, utils.clip_grad_norm_, AMPOptimizer.__init__, FairseqTask.train_step)
+
+    before = targets()
+    precision.install()
+    assert targets() == before
+    assert all(getattr(getattr(t, "__func__", t), "_smlp_precision", False) for t in before)
