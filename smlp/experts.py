@@ -118,6 +118,7 @@ class SpatialExperts(nn.Module):
         of source rank w hold its positions 0..hi_w-1 (zero-padded to the common width) and want
         outputs at positions lo_w..hi_w-1: W[lo:hi, :hi] (diagonal shifted by lo) times the row,
         O(hi) per output position. K = the widest span; narrower spans are zero-padded on the right.
+        Like `forward` it returns the gate minus one, W x + (b - 1).
         """
         K = max((hi - lo for lo, hi in spans_W), default=0)
         if sum(map(sum, counts_LW)) != x_RM.shape[0]:
@@ -129,6 +130,6 @@ class SpatialExperts(nn.Module):
                 if c and hi > lo:
                     check_length(hi, self.size, "sMoE row")
                     w_kM = torch.tril(self.weight[l, lo:hi, :hi], diagonal=lo)
-                    y_RK[r:r + c, :hi - lo] = x_RM[r:r + c, :hi] @ w_kM.t() + self.bias[l, lo:hi]
+                    y_RK[r:r + c, :hi - lo] = x_RM[r:r + c, :hi] @ w_kM.t() + (self.bias[l, lo:hi] - 1)
                 r += c
         return y_RK

@@ -100,6 +100,7 @@ class SpatialProjection(nn.Module):
 
         Row s of the causal weight reads positions <= s: W[start:t, :t] with the diagonal shifted
         by `start` is the slice of the full product these positions need (O(t) per position).
+        Like `forward` it returns the gate minus one, W x + (b - 1).
         """
         B, t, C = x_BtC.shape
         check_length(t, self.seq_len)
@@ -107,10 +108,10 @@ class SpatialProjection(nn.Module):
         if t - start > 1:  # one new position reads every cached one: nothing to mask
             w_HkT = torch.tril(w_HkT, diagonal=start)
         if self.heads == 1:  # a plain matmul: einsum's planning costs more than the product at one position
-            return torch.matmul(w_HkT[0], x_BtC) + self.bias[0, start:t, None]
+            return torch.matmul(w_HkT[0], x_BtC) + (self.bias[0, start:t, None] - 1)
         x_BtHc = x_BtC.reshape(B, t, self.heads, C // self.heads)
         y_BkHc = torch.einsum("hts,bshc->bthc", w_HkT, x_BtHc)
-        y_BkHc = y_BkHc + self.bias[:, start:t].t()[None, :, :, None]
+        y_BkHc = y_BkHc + (self.bias[:, start:t] - 1).t()[None, :, :, None]
         return y_BkHc.reshape(B, t - start, C)
 
 
@@ -135,7 +136,7 @@ class SpatialGatingUnit(nn.Module):
         with record_function(RANGES["token_mixing"]):
             z1, z2 = z_BkF.chunk(2, dim=-1) if self.cfg.split else (z_BkF, z_BkF)
             v_BtC = cache_append(state, "v", self.norm(z2), start, limit=self.cfg.seq_len)
-            return z1 * self.proj.step(v_BtC, start)
+            return z1 + z1 * self.proj.step(v_BtC, start)
 
 
 class GMLPBlock(nn.Module):

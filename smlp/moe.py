@@ -265,13 +265,15 @@ class SMoE(nn.Module):
         self.comm_seconds = self.dispatcher.comm_seconds - comm_before
         if weight_S is not None:
             y_Sk = y_Sk * weight_S[:, None]
-        m = hi - lo
+        m = hi - lo  # rows: gate minus one, as in forward; the last m of the k new positions are predicted
         if deterministic:
-            gate_BkC = y_Sk.reshape(C, B, m).permute(1, 2, 0)
+            dev_BmC = y_Sk.reshape(C, B, m).permute(1, 2, 0)
         else:
-            gate_BkC = y_Sk.reshape(B, C, m).transpose(1, 2)
-            gate_BkC = torch.cat([gate_BkC.new_ones(B, k - m, C), gate_BkC], dim=1)  # positions < P
-        return z1 * gate_BkC
+            dev_BmC = y_Sk.reshape(B, C, m).transpose(1, 2)
+        z1_pred = z1[:, k - m:]
+        z1_BmC = z1_pred if weight_S is None else z1_pred * weight_S.reshape(B, 1, C)
+        out_BmC = z1_BmC + z1_pred * dev_BmC
+        return torch.cat([z1[:, :k - m], out_BmC], dim=1) if m < k else out_BmC  # positions < P: gate 1
 
 
 class SparseBlock(nn.Module):

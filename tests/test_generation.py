@@ -90,6 +90,44 @@ def test_cached_logits_equal_full_forward(arch):
         torch.testing.assert_close(got, full, atol=ATOL, rtol=0, msg=f"{arch}, schedule {schedule}")
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@torch.no_grad()
+def test_cached_steps_keep_the_spatial_term_in_half_precision(dtype):
+    """The cached steps return the gate minus one, W z + (b - 1), as the forward paths do
+    (tests/test_precision.py): at the gMLP init (W z ~ 1e-5, b = 1) a step computing W z + b would round
+    the spatial term away in bf16/fp16. Checked for the SGU projection and the sMoE spatial experts:
+    the step's term equals the fp32 forward's within 10%, and z1 + z1 * term is the SGU's cached output."""
+    from smlp.config import SGUConfig
+    from smlp.experts import SpatialExperts
+    from smlp.mixers import SpatialGatingUnit
+
+    torch.manual_seed(0)
+    n, start = 256, 250
+    sgu = SpatialGatingUnit(SGUConfig(dim=32, seq_len=n))
+    z = torch.randn(2, n, 32)
+    ref = sgu.proj(sgu.norm(z.chunk(2, -1)[1]))[:, start:]  # fp32 forward: W v + (b - 1)
+    half = sgu.to(dtype)
+    v = half.norm(z.to(dtype).chunk(2, -1)[1])
+    term = half.proj.step(v, start)
+    assert ref.abs().max() < 1e-3 and _rel(term, ref) < 0.10, _rel(term, ref)
+    state = {}
+    half.step(z[:, :start].to(dtype), state, 0)
+    out = half.step(z[:, start:].to(dtype), state, start)
+    z1 = z[:, start:].to(dtype).chunk(2, -1)[0]
+    assert torch.equal(out, z1 + z1 * term)
+
+    experts = SpatialExperts(2, n)
+    x = torch.randn(4, n)
+    ref = experts(x, [2, 2])[:, start:]
+    got = experts.to(dtype).step(x.to(dtype), [[2], [2]], [(start, n)])
+    assert ref.abs().max() < 1e-3 and _rel(got, ref) < 0.10, _rel(got, ref)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm())
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 @torch.no_grad()
 def test_reorder_in_the_middle_equals_full_forward_on_the_reordered_histories(arch):
