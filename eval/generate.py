@@ -9,7 +9,8 @@ Each line of the prompts file (stdin by default) is one prompt. Text becomes ids
 project's encoder (the data folder's spm.model and dict.txt, as smlp-zeroshot), a prompt starts
 with </s> as every line of the training data does, and decoding runs with the core's cache
 (`smlp.generation.generate`: greedy, beam search, or sampling with temperature / top-k). A
-continuation ends at </s> (a line end) or after --max-new-tokens tokens.
+continuation ends at </s> (a line end) or after --max-new-tokens tokens; with --multiline </s> is
+a line break and the text goes on.
 
 Checkpoints: a consolidated file (smlp-consolidate) or the rank shards of an expert-parallel run
 (`CKPT-rank-R.pt`, given as CKPT): on one process the shards are merged in memory, on W ranks each
@@ -116,7 +117,7 @@ def check_fits(prompts_ids: Sequence[Sequence[int]], max_new_tokens: int, seq_le
                                          f"shorten it to at most {seq_len - (n - len(ids)) - 1} tokens"))
 
 
-def generate_lockstep(core, prompts_ids: list[list[int]], *, max_new_tokens: int, eos: int, beam: int = 1,
+def generate_lockstep(core, prompts_ids: list[list[int]], *, max_new_tokens: int, eos: int | None, beam: int = 1,
                       sample: bool = False, temperature: float = 1.0, top_k: int = 0, seed: int = 1,
                       batch_size: int = 16, prefix_fill=None, device=None) -> tuple[list[list[int]], int]:
     """Every prompt's new tokens, and the number of model calls this rank made (the same on every rank).
@@ -170,6 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
     p.add_argument("--seed", type=int, default=1, help="sampling seed (prompt i uses seed + i)")
     p.add_argument("--batch-size", type=int, default=16, help="prompts per batch on each rank (greedy, beam)")
+    p.add_argument("--multiline", action="store_true",
+                   help="do not stop at </s>: it is a line break, and the text goes on for --max-new-tokens")
     p.add_argument("--prefix-fill", choices=("text", "eos"), default="text",
                    help="partial prediction: what precedes prompts shorter than the routing prefix")
     p.add_argument("--output-json", default=None, help="also write the prompts and continuations here")
@@ -211,7 +214,8 @@ def run(args) -> dict:
                   f"positions) are left-filled with {fill_note} (smlp.generation.fill_prefix, as smlp-zeroshot)",
                   file=sys.stderr)
     t1 = time.time()
-    outs, steps = generate_lockstep(core, ids, max_new_tokens=args.max_new_tokens, eos=encoder.eos, beam=args.beam,
+    outs, steps = generate_lockstep(core, ids, max_new_tokens=args.max_new_tokens,
+                                    eos=None if args.multiline else encoder.eos, beam=args.beam,
                                     sample=args.sample, temperature=args.temperature, top_k=args.top_k,
                                     seed=args.seed, batch_size=args.batch_size, prefix_fill=fill, device=device)
     seconds = time.time() - t1
@@ -225,14 +229,16 @@ def run(args) -> dict:
     record = {
         "checkpoint": args.path, "world_size": world_size, "steps": steps, "seconds": round(seconds, 3),
         "load_seconds": round(t1 - t0, 3),
-        "settings": {"max_new_tokens": args.max_new_tokens, "beam": args.beam, "sample": args.sample,
+        "settings": {"max_new_tokens": args.max_new_tokens, "multiline": args.multiline, "beam": args.beam,
+                     "sample": args.sample,
                      "temperature": args.temperature, "top_k": args.top_k, "seed": args.seed,
                      "batch_size": args.batch_size, "routing_prefix": P, "prefix_fill": fill_note},
         "results": results,
     }
     if rank == 0:
         for i, r in enumerate(results):
-            print(f"[{i}] {r['prompt']}\n  -> {r['continuation']}")
+            continuation = r["continuation"].replace("\n", "\n     ")
+            print(f"[{i}] {r['prompt']}\n  -> {continuation}")
         print(f"{PROG}: {len(results)} prompt(s), {sum(len(r['tokens']) for r in results)} new tokens in "
               f"{seconds:.2f} s on {world_size} rank(s), {steps} model calls per rank", file=sys.stderr)
         if args.output_json:

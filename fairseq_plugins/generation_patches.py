@@ -228,7 +228,8 @@ def _task_prefix_fill(task, positions: int) -> list[int]:
     except (FileNotFoundError, ValueError) as exc:
         fill, what = [dictionary.eos()] * positions, f"</s> repeated ({exc})"
     logger.info("partial prediction: prompts shorter than the routing prefix (%d positions) are left-filled from %s "
-                "(smlp.generation.fill_prefix, as smlp-zeroshot fills); the fill is not printed", positions, what)
+                "as far as needed (smlp.generation.fill_prefix, as smlp-zeroshot fills); the fill is not printed",
+                positions, what)
     task._smlp_prefix_fill = fill
     return fill
 
@@ -273,6 +274,9 @@ def language_modeling_inference() -> bool:
                                 generator_max_len=getattr(generator, "max_len", core.cfg.seq_len), ids=ids)
         for message in warnings:
             logger.warning(message)
+        filled = [f"prompt {ids[i] if ids is not None else i} with {len(p.fill)}" for i, p in enumerate(plans) if p.fill]
+        if filled:
+            logger.info("partial prediction: routing-prefix fill (tokens): %s", ", ".join(filled))
         fills = {len(p.fill) for p in plans}
         if fills == {0}:
             return original(self, generator, models, sample, prefix_tokens=prefix_tokens, constraints=None)
