@@ -17,6 +17,7 @@ import re
 import socket
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,12 @@ REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "generation.md"
 BIN = Path(sys.executable).parent
 SHORTEN = ("--max-update 1500", "--max-update 6")
+
+
+@dataclass
+class Ran:
+    work: Path                     # the scratch folder the commands ran in
+    outputs: list[tuple[str, str]]  # (block, its output), in page order
 
 
 def doc_blocks(language: str = "bash") -> list[str]:
@@ -38,7 +45,7 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def ran(tmp_path_factory) -> list[tuple[str, str]]:
+def ran(tmp_path_factory) -> Ran:
     """Every bash block of the page run once, in order: [(block, its output)]."""
     work = tmp_path_factory.mktemp("generation_docs")
     for name in ("fairseq_plugins", "configs"):
@@ -53,12 +60,12 @@ def ran(tmp_path_factory) -> list[tuple[str, str]]:
         text = proc.stdout + proc.stderr
         assert proc.returncode == 0, f"{block}\n--- exit {proc.returncode}, output tail ---\n{text[-4000:]}"
         out.append((block, text))
-    return out
+    return Ran(work, out)
 
 
 def output_of(ran, command: str) -> str:
     """The output of the one block holding `command` (e.g. "| fairseq-interactive", "\ntorchrun ")."""
-    (text,) = [text for block, text in ran if command in "\n" + block]
+    (text,) = [text for block, text in ran.outputs if command in "\n" + block]
     return text
 
 
@@ -69,7 +76,7 @@ def test_every_command_of_the_page_runs(ran):
     and under torchrun."""
     programs = ["\nsmlp-prepare-data ", "| fairseq-interactive ", "\nfairseq-generate ", "\npython - ",
                 "| smlp-generate ", "\nsmlp-generate ", "\ntorchrun "]
-    assert len(ran) == len(programs) and all(output_of(ran, p) is not None for p in programs)
+    assert len(ran.outputs) == len(programs) and all(output_of(ran, p) is not None for p in programs)
 
 
 def _lines(text: str, tag: str) -> dict[int, str]:
@@ -92,6 +99,21 @@ def test_fairseq_interactive_reads_the_per_rank_set_and_the_hub_the_merged_file_
     printed = [ast.literal_eval(line) for line in output_of(ran, "\npython - ").splitlines() if line.startswith("['")]
     assert printed[0] == [texts[0], texts[1]]
     assert len(printed) == 2 and printed[1][0].startswith(prompts[0])  # the sampled one
+
+
+@pytest.mark.slow
+def test_the_hub_loads_the_per_rank_set_too(ran, monkeypatch):
+    """from_pretrained(..., "checkpoint_last.pt"), a name only the rank shards carry, gives the beam-search
+    text the page's hub block printed from the merged file (in this process: no extra launch)."""
+    import fairseq_plugins  # noqa: F401
+    from fairseq.models import FairseqLanguageModel
+
+    monkeypatch.chdir(ran.work)
+    lm = FairseqLanguageModel.from_pretrained("ckpt/plays", "checkpoint_last.pt", data_name_or_path="data-bin/plays",
+                                              bpe="sentencepiece", sentencepiece_model="data-bin/plays/spm.model")
+    assert not (ran.work / "ckpt" / "plays" / "checkpoint_last.pt").exists()
+    printed = [ast.literal_eval(line) for line in output_of(ran, "\npython - ").splitlines() if line.startswith("['")]
+    assert lm.eval().sample(["To be, or not to be", "My lord, the king"], beam=4, max_len_b=40) == printed[0]
 
 
 @pytest.mark.slow

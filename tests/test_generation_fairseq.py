@@ -4,9 +4,9 @@ fairseq_plugins/generation_patches.py, smlp_eval.generate, LMScorer.greedy_conti
 References: fairseq's own non-incremental path of SequenceGenerator (the same generator with the
 decoder's cache turned off, `EnsembleModel.has_incremental = False`), the core's full forward,
 `smlp.generation.generate` (an independent decoding loop), the old recompute path of the lm-eval
-adapter's greedy decoding, and one process holding every expert. The CLI tests (fairseq-interactive,
-fairseq-generate, the hub's sample, smlp-generate on 2 ranks) run every command of
-docs/generation.md on a model trained once by the commands of that page.
+adapter's greedy decoding, and one process holding every expert. The command-line programs
+(fairseq-interactive, fairseq-generate, the hub's sample, smlp-generate on 2 ranks) are tested by
+tests/test_generation_docs.py, which runs every command of docs/generation.md.
 """
 from __future__ import annotations
 
