@@ -119,7 +119,7 @@ def check_fits(prompts_ids: Sequence[Sequence[int]], max_new_tokens: int, seq_le
 
 def generate_lockstep(core, prompts_ids: list[list[int]], *, max_new_tokens: int, eos: int | None, beam: int = 1,
                       sample: bool = False, temperature: float = 1.0, top_k: int = 0, seed: int = 1,
-                      batch_size: int = 16, prefix_fill=None, device=None) -> tuple[list[list[int]], int]:
+                      batch_size: int = 16, prefix_fill=None) -> tuple[list[list[int]], int]:
     """Every prompt's new tokens, and the number of model calls this rank made (the same on every rank).
 
     Under an initialized process group the prompts are dealt to the ranks and the results gathered
@@ -217,7 +217,7 @@ def run(args) -> dict:
     outs, steps = generate_lockstep(core, ids, max_new_tokens=args.max_new_tokens,
                                     eos=None if args.multiline else encoder.eos, beam=args.beam,
                                     sample=args.sample, temperature=args.temperature, top_k=args.top_k,
-                                    seed=args.seed, batch_size=args.batch_size, prefix_fill=fill, device=device)
+                                    seed=args.seed, batch_size=args.batch_size, prefix_fill=fill)
     seconds = time.time() - t1
     results = []
     for text, prompt_ids, new in zip(prompts, ids, outs):

@@ -94,8 +94,10 @@ def _missing_with_shards(path: str) -> bool:
         return False
     try:
         shard_paths(path)
-    except (FileNotFoundError, ValueError):
-        return False  # nothing to merge: fairseq's own "Model file not found" (or our shard error later)
+    except FileNotFoundError:
+        return False  # no shards either: fairseq's own "Model file not found"
+    except ValueError:
+        return True  # shards with ranks missing: read_checkpoint_any_layout names them
     return True
 
 
@@ -120,10 +122,11 @@ def per_rank_checkpoints() -> bool:
             if _missing_with_shards(filename):
                 from .checkpoints import shard_paths
 
+                merged, existing = read_checkpoint_any_layout(filename, arg_overrides)  # names missing ranks
                 logger.info("%s is absent: loading its %d rank shards with the experts merged in memory "
                             "(`smlp-consolidate %s` writes the merged file once)", filename,
                             len(shard_paths(filename)), filename)
-                merged, filename = read_checkpoint_any_layout(filename, arg_overrides)
+                filename = existing
             models, cfg, task = original([filename], arg_overrides=arg_overrides, task=task, strict=strict,
                                          state=merged)
             ensemble += models

@@ -179,6 +179,19 @@ def test_patches_are_installed_once():
     assert getattr(LanguageModelingTask.inference_step, "_smlp_patch", False)
 
 
+def test_a_rank_shard_set_with_a_rank_missing_is_refused_by_name(tmp_path):
+    """fairseq's loader given X.pt when only X-rank-1.pt exists: our error naming the missing rank, not
+    fairseq's "Model file not found" nor a model with half its experts."""
+    import fairseq_plugins  # noqa: F401
+    from fairseq import checkpoint_utils
+
+    (tmp_path / "checkpoint_last-rank-1.pt").write_bytes(b"not read")
+    with pytest.raises(ValueError, match=r"shards of rank\(s\) \[0\] are missing"):
+        checkpoint_utils.load_model_ensemble_and_task([str(tmp_path / "checkpoint_last.pt")])
+    with pytest.raises(IOError, match="Model file not found"):  # no shards at all: fairseq's own error
+        checkpoint_utils.load_model_ensemble_and_task([str(tmp_path / "nothing.pt")])
+
+
 # ---------------------------------------------------------------- lm-eval adapter: greedy_continuation
 
 
