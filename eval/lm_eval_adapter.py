@@ -24,7 +24,8 @@ Requests are scored exactly as `smlp-zeroshot --template lm-eval` scores its can
 (scoring.py: the same encoder and pair rule, </s> start, left truncation, routing-prefix fill,
 rolling windows, batches formed from the requests' contents), so the two give identical numbers.
 Text whose tokens are more than max_unk_rate <unk> is refused (a tokenizer that does not fit the
-checkpoint's dictionary). generate_until decodes greedily and stops at </s>, at the request's
+checkpoint's dictionary). generate_until decodes greedily with the core's decoding cache
+(`LMScorer.greedy_continuation`: one position per new token) and stops at </s>, at the request's
 `until` strings, or after max_gen_toks tokens.
 
 Expert-parallel under torchrun (`torchrun --nproc_per_node N -m smlp_eval.lm_eval_adapter run

@@ -297,25 +297,49 @@ class LMScorer:
         return lp_B.tolist(), (miss_B == 0).tolist()
 
     # -- generation
-    def greedy_continuation(self, context: Sequence[int], max_tokens: int, stop=None) -> list[int]:
+    def greedy_continuation(self, context: Sequence[int], max_tokens: int, stop=None, *,
+                            use_cache: bool = True) -> list[int]:
         """Greedy decoding after `context` until </s>, `stop(new_ids)` is true, or `max_tokens`.
 
         </s> ends the text (it is a line end, and lm-eval's models stop at their end-of-text
         token) and is not returned. With several ranks every rank must call this with the same
         arguments: rank 0's choice of each token is broadcast, so all ranks run the same forward
         calls even if their logits differ in the last bit.
+
+        With `use_cache` (and a model with the core's decoding cache, smlp/decoding.py) the row
+        `fill + </s> + context` is run once and each new token costs one position; when the next
+        token would not fit the model's T positions, decoding goes on as without the cache: the
+        last T tokens, recomputed at every step (a sliding window). Without the cache every step
+        recomputes its row, whose routing-prefix fill (partial prediction) shrinks as the text
+        grows; with it the fill is chosen once for the context, as `smlp.generation.generate`
+        does, so the two agree exactly except for a partial-prediction context shorter than the
+        routing prefix.
         """
         T = self.max_positions
         _, world_size = world()
+        core = getattr(self.model, "core", None)
+        cache = core.new_cache() if use_cache and hasattr(core, "new_cache") else None
         new: list[int] = []
         with torch.inference_mode():
             for _ in range(max_tokens):
-                seq = [self.eos, *context, *new][-T:]  # left truncation
-                tokens = self.fill(len(seq) - 1) + seq  # predict from position >= P
-                out = self.model(torch.tensor([tokens], device=self.device))
+                logits = None
+                if cache is not None:
+                    if cache.length == 0:
+                        seq = [self.eos, *context][-T:]  # left truncation
+                        step = self.fill(len(seq) - 1) + seq  # predict from position >= P
+                    else:
+                        step = new[-1:]
+                    if cache.length + len(step) <= T:
+                        logits = core(torch.tensor([step], device=self.device), cache=cache)[0, -1]
+                    else:
+                        cache = None  # the window slides from here on: recompute
+                if logits is None:
+                    seq = [self.eos, *context, *new][-T:]  # left truncation
+                    tokens = self.fill(len(seq) - 1) + seq  # predict from position >= P
+                    out = self.model(torch.tensor([tokens], device=self.device))
+                    logits = (out[0] if isinstance(out, (tuple, list)) else out)[0, -1]
                 self.forward_calls += 1
-                logits = out[0] if isinstance(out, (tuple, list)) else out
-                nxt = logits[0, -1].float().argmax().reshape(1)
+                nxt = logits.float().argmax().reshape(1)
                 if world_size > 1:
                     nxt = nxt.to(collective_device())
                     dist.broadcast(nxt, src=0)

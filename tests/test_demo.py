@@ -62,3 +62,7 @@ def test_demo_end_to_end(tmp_path):
     assert (out / "loss.png").stat().st_size > 1000
     assert list((out / "checkpoints").glob("checkpoint_last-rank-1.pt"))  # expert-parallel shards
     assert "== summary" in proc.stdout and "valid perplexity" in proc.stdout
+    sample = summary["sample"]  # the demo ends with a seeded sample of the trained model's text
+    assert sample["prompt"] == "To be, or not to be" and sample["continuation"].strip()
+    assert sample["settings"]["seed"] == 1 and sample["settings"]["sample"]
+    assert (sample["prompt"] + sample["continuation"]).split("\n")[0] in proc.stdout
