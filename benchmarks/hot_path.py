@@ -8,8 +8,9 @@ model? For every family a tiny model in one process (local dispatch, training mo
 
 - syncs: host syncs of one forward, its backward and the criterion (`smlp_lm_loss` on the
   forward's output), with 2 dense + 2 sparse layers, and where each came from;
-- graph breaks: `torch._dynamo.explain` of the forward of 1 dense + 1 sparse layer (1 dense
-  layer for the dense families), training mode.
+- graph breaks: `torch._dynamo.explain` of the forward of 1 dense + 1 sparse layer (2 dense
+  layers for the dense families), training mode, with balanced assignment on the CPU's numpy
+  path and on the torch path an accelerator takes.
 
 Writes a JSON record (config, versions, figures) to --out and a table to stdout.
 """
@@ -120,15 +121,29 @@ def count_step(name: str, seed: int = 0) -> dict:
     return out
 
 
-def graph_breaks(name: str) -> dict:
-    """torch._dynamo.explain of one training forward of 1 dense + 1 sparse layer."""
+def graph_breaks(name: str, *, accelerator_path: bool = False) -> dict:
+    """torch._dynamo.explain of one training forward of 1 dense + 1 sparse layer.
+
+    accelerator_path: balanced assignment on its torch path (what a CUDA run traces) instead of
+    numpy (the CPU's)."""
+    import contextlib
+
     import torch._dynamo
 
     torch._dynamo.reset()
     torch.manual_seed(0)
     core = LanguageModel(tiny_config(name, dense=1, sparse=1)).train()
-    explanation = torch._dynamo.explain(core)(tokens())
-    reasons = [str(getattr(r, "reason", r)).splitlines()[0][:160] for r in explanation.break_reasons]
+    validate = torch.distributions.Distribution._validate_args
+    try:
+        with torch_assignment_path() if accelerator_path else contextlib.nullcontext():
+            explanation = torch._dynamo.explain(core)(tokens())
+    finally:  # dynamo turns off argument validation of torch.distributions for the whole process
+        torch.distributions.Distribution.set_default_validate_args(validate)
+    reasons = []
+    for r in explanation.break_reasons:
+        frame = r.user_stack[-1] if getattr(r, "user_stack", None) else None
+        where = f" ({Path(frame.filename).name}:{frame.lineno} {frame.name})" if frame is not None else ""
+        reasons.append(str(getattr(r, "reason", r)).splitlines()[0][:120] + where)
     torch._dynamo.reset()
     return {"graph_breaks": explanation.graph_break_count, "graphs": explanation.graph_count, "reasons": reasons}
 
@@ -148,7 +163,8 @@ def main(argv=None) -> int:
     for name in names:
         results[name] = count_step(name)
         if not args.no_graph_breaks:
-            results[name].update(graph_breaks(name))
+            results[name]["compile"] = {"cpu_path": graph_breaks(name),
+                                        "accelerator_path": graph_breaks(name, accelerator_path=True)}
     record = {"question": "host syncs per training step and torch.compile graph breaks, per family",
               "config": {**TINY, "batch": BATCH, "syncs_layers": "2 dense + 2 sparse",
                          "graph_break_layers": "1 dense + 1 sparse"},
@@ -157,9 +173,12 @@ def main(argv=None) -> int:
     path = Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=1))
-    print(f"{'family':<14}{'forward':>9}{'backward':>10}{'criterion':>11}{'graph breaks':>14}")
+    print(f"{'family':<14}{'forward':>9}{'backward':>10}{'criterion':>11}{'breaks (CPU path)':>19}"
+          f"{'breaks (accelerator path)':>27}")
     for name, r in results.items():
-        print(f"{name:<14}{r['forward']:>9}{r['backward']:>10}{r['criterion']:>11}{r.get('graph_breaks', '-'):>14}")
+        cpu = r.get("compile", {}).get("cpu_path", {}).get("graph_breaks", "-")
+        acc = r.get("compile", {}).get("accelerator_path", {}).get("graph_breaks", "-")
+        print(f"{name:<14}{r['forward']:>9}{r['backward']:>10}{r['criterion']:>11}{cpu:>19}{acc:>27}")
     print(f"wrote {path}")
     return 0
 

@@ -166,9 +166,9 @@ def routing_error(records: list[list[int]], layer: str, ranks: list[int] | None 
     else:
         raise ValueError(f"{layer}: unknown routing fault record {record}")
     if ranks is not None:
-        seen = ", ".join(str(ranks[i]) for i in faulty)
-        message += (f" [seen on rank {seen} of the expert-parallel group (the figures are rank "
-                    f"{ranks[faulty[0]]}'s); every rank of the group raises this error]")
+        seen = (f"rank {ranks[faulty[0]]}" if len(faulty) == 1 else
+                f"ranks {', '.join(str(ranks[i]) for i in faulty)} (the figures are rank {ranks[faulty[0]]}'s)")
+        message += f" [seen on {seen}; every rank of the expert-parallel group raises this error]"
     return error_type(message)
 
 

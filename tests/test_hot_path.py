@@ -209,7 +209,10 @@ def test_fault_records_against_a_direct_count():
     two = routing_error([[0] * FAULT_WIDTH, record, record], "layers.3 (TMoE)", ranks=[4, 5, 6])
     assert isinstance(two, NonFiniteScoresError)
     assert str(two).startswith("layers.3 (TMoE): router scores are not finite in 3 of 32 rows (first: row 5;")
-    assert "[seen on rank 5, 6 of the expert-parallel group (the figures are rank 5's)" in str(two)
+    assert str(two).endswith("[seen on ranks 5, 6 (the figures are rank 5's); every rank of the expert-parallel "
+                             "group raises this error]")
+    one = routing_error([record, [0] * FAULT_WIDTH], "x", ranks=[0, 1])
+    assert str(one).endswith("[seen on rank 0; every rank of the expert-parallel group raises this error]")
 
 
 @pytest.mark.parametrize("router", ["base", "switch", "gshard", "hash"])
