@@ -72,7 +72,7 @@ def measure(name: str, block: torch.nn.Module, iters: int, warmup: int) -> dict:
         compile_s = time.perf_counter() - t0
         y_eager = step(block)
         block.zero_grad(set_to_none=True)
-        max_diff = float((y_compiled - y_eager).abs().max())
+        max_diff = float((y_compiled - y_eager).detach().abs().max())
         if max_diff > 1e-4:
             raise AssertionError(f"{name} {mode}: compiled output differs from eager by {max_diff}")
         eager_s = _median_seconds(lambda: step(block), iters, warmup)
