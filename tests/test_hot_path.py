@@ -313,3 +313,27 @@ def test_the_criterion_logs_tensors_and_the_all2all_time_only_when_asked(monkeyp
     _, _, log = crit(model, sample)
     assert core.dispatcher.timer.enabled
     assert sorted(k for k in log if k.startswith("a2a_ms_")) == ["a2a_ms_1_ffn", "a2a_ms_3_ffn"]
+
+
+@pytest.mark.parametrize("break_mode", ["none", "complete"])  # "eos" fails in fairseq on numpy 2
+def test_the_batch_token_count_the_criterion_reads_is_the_count_of_targets(tiny_lm_data, break_mode):
+    """fairseq's collater counts `ntokens` on the host; it equals the non-padding targets of every
+    batch (padded ones included), so the criterion need not count them on the device."""
+    from test_fairseq import build_model
+
+    from fairseq_plugins.criterion import predicted_tokens
+
+    _, task = build_model(tiny_lm_data, "gmlp_lm_tiny", ["--sample-break-mode", break_mode])
+    task.load_dataset("valid")
+    batches = task.get_batch_iterator(task.dataset("valid"), max_sentences=8).next_epoch_itr(shuffle=False)
+    pad = task.target_dictionary.pad()
+    padded = 0
+    for sample in batches:
+        target = sample["target"]
+        padded += int((target == pad).any())
+        assert sample["ntokens"] == int((target != pad).sum())
+        for start in (0, 6):
+            masked = target.clone()
+            masked[:, :start] = pad
+            assert predicted_tokens(sample, masked, start, pad) == int((masked != pad).sum())
+    assert padded > 0  # padded batches were among them (the last one with break mode none)
