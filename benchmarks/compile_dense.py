@@ -6,11 +6,12 @@ One question: where torch.compile traces a whole dense block into one graph (the
 the dense Transformer block; smlp_bench.hot_path counts 0 graph breaks for both), how much faster
 is a training step (forward + backward) and an inference forward than eager, on this CPU? Both
 are timed on the same inputs in the same run; the compiled block is checked against the eager one
-(same weights) before it is timed, and the compile time (first call) is reported separately.
+(same weights) before it is timed, and the compile time (first call, inductor's caches off) is
+reported separately.
 
 Sizes: D=256, F=1024, T=256, batch 8 (the scale of smlp-bench's target), fp32, dropout 0.
-Writes a JSON record (config, machine, versions, figures); the median of --iters timed calls after
---warmup untimed ones.
+Writes a JSON record (config, machine, versions, figures): the median of --iters timed calls after
+--warmup untimed ones, eager and compiled calls taking turns.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch._inductor.config
 
 from smlp.config import GMLPConfig
 from smlp.mixers import GMLPBlock
@@ -39,15 +41,19 @@ def blocks() -> dict:
             "transformer": TransformerBlock(D, Fw, SIZE["heads"])}
 
 
-def _median_seconds(fn, iters: int, warmup: int) -> float:
+def _median_seconds(fns, iters: int, warmup: int) -> list[float]:
+    """Median time of each function, called in turn (eager, compiled, eager, ...) so that a change
+    in the machine's load during the run weighs on both alike."""
     for _ in range(warmup):
-        fn()
-    times = []
+        for fn in fns:
+            fn()
+    times = [[] for _ in fns]
     for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for fn, t in zip(fns, times):
+            t0 = time.perf_counter()
+            fn()
+            t.append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in times]
 
 
 def measure(name: str, block: torch.nn.Module, iters: int, warmup: int) -> dict:
@@ -75,8 +81,7 @@ def measure(name: str, block: torch.nn.Module, iters: int, warmup: int) -> dict:
         max_diff = float((y_compiled - y_eager).detach().abs().max())
         if max_diff > 1e-4:
             raise AssertionError(f"{name} {mode}: compiled output differs from eager by {max_diff}")
-        eager_s = _median_seconds(lambda: step(block), iters, warmup)
-        compiled_s = _median_seconds(lambda: step(compiled), iters, warmup)
+        eager_s, compiled_s = _median_seconds([lambda: step(block), lambda: step(compiled)], iters, warmup)
         out[mode] = {"eager_ms": 1000 * eager_s, "compiled_ms": 1000 * compiled_s, "speedup": eager_s / compiled_s,
                      "first_call_s": compile_s, "max_abs_diff": max_diff}
     return out
@@ -90,6 +95,7 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    torch._inductor.config.force_disable_caches = True  # the first call's time is a real compile
     results = {name: measure(name, block, args.iters, args.warmup) for name, block in blocks().items()}
     record = {"question": "torch.compile (inductor) against eager for a dense block on the CPU",
               "config": {**SIZE, "dtype": "float32", "iters": args.iters, "warmup": args.warmup,

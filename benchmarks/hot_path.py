@@ -94,9 +94,10 @@ def criterion(dictionary, aux_loss_weight: float = 0.01):
 
 
 def lm_sample(tokens_BN: torch.Tensor, pad: int) -> dict:
+    B, N = tokens_BN.shape
     target = torch.roll(tokens_BN, -1, dims=1)
-    return {"net_input": {"src_tokens": tokens_BN, "src_lengths": torch.full((tokens_BN.shape[0],), tokens_BN.shape[1])},
-            "target": target, "ntokens": int((target != pad).sum()), "nsentences": tokens_BN.shape[0]}
+    return {"net_input": {"src_tokens": tokens_BN, "src_lengths": torch.full((B,), N)},
+            "target": target, "ntokens": int((target != pad).sum()), "nsentences": B}
 
 
 def count_step(name: str, seed: int = 0) -> dict:
@@ -151,7 +152,8 @@ def graph_breaks(name: str, *, accelerator_path: bool = False) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m smlp_bench.hot_path", description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="results/hot_path.json")
-    parser.add_argument("--families", default=",".join(FAMILIES), help="comma-separated subset of " + ", ".join(FAMILIES))
+    parser.add_argument("--families", default=",".join(FAMILIES),
+                        help="comma-separated subset of " + ", ".join(FAMILIES))
     parser.add_argument("--no-graph-breaks", action="store_true", help="skip torch._dynamo.explain (slow)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
