@@ -123,13 +123,23 @@ class OneGPUDispatcher(LocalDispatcher):
         self.num_local_experts = experts_per_gpu
         self.world_size = num_experts // experts_per_gpu
 
-    def dispatch(self, x_SD, expert_S, *, presorted: bool = False):
+    def dispatch(self, x_SD, expert_S, *, presorted: bool = False, **unused):
+        # rows of dropped slots (expert -1, over capacity) are computed by no expert; the layers
+        # hand them over since issue 19 (the dispatcher cuts them off), so this one does too
+        kept_S = None if x_SD.device.type == "meta" else expert_S >= 0  # meta: nothing routed, nothing dropped
+        if kept_S is not None and not bool(kept_S.all()):
+            x_SD = x_SD[kept_S]
         S, L = x_SD.shape[0], self.num_local_experts
         counts_L = [S // L + (i < S % L) for i in range(L)]
-        return x_SD, counts_L, DispatchState(expert_S)
+        return x_SD, counts_L, DispatchState(kept_S)
 
     def combine(self, y_RD, state):
-        return y_RD
+        kept_S = state.order_S
+        if kept_S is None or y_RD.shape[0] == kept_S.shape[0]:
+            return y_RD
+        y_SD = y_RD.new_zeros((kept_S.shape[0],) + tuple(y_RD.shape[1:]))
+        y_SD[kept_S] = y_RD
+        return y_SD
 
 
 # ---------------------------------------------------------------- costs

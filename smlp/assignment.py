@@ -44,6 +44,8 @@ _NEG_KEY = -(1 << 30)  # key of padding experts and experts with capacity 0: nev
 _MAX_EXPERTS = 1 << 16
 _MIN_WORKING_ROWS = 1024  # below this, step 4's smaller rounds cost as much as full ones
 _MIN_TAIL_KEYS = 1 << 16  # below this many keys (S * P) a full round costs less than step 4's set-up
+# Rounds between completion checks on an accelerator, where each check is a host sync.
+ACCELERATOR_CHECK_EVERY = 4
 
 
 def expert_capacities(num_rows: int, num_experts: int, device=None) -> Tensor:
@@ -156,7 +158,7 @@ def balanced_assignment(
     if max_rounds is None:
         max_rounds = max(64, 4 * E, int(4 / eps))
     if check_every is None:
-        check_every = 1 if device.type == "cpu" else 4
+        check_every = _check_interval(device)
     if max_rounds < 0 or check_every < 1:
         raise ValueError(f"need max_rounds >= 0 and check_every >= 1, got {max_rounds} and {check_every}")
 
@@ -177,6 +179,12 @@ def balanced_assignment(
     return expert_S if unassigned == 0 else _fill_free_capacity(expert_S, expert_capacities(S, E, device))
 
 
+def _check_interval(device: torch.device) -> int:
+    """Default rounds between completion checks: every round on the CPU (numpy arrays, a check costs
+    nothing), every ACCELERATOR_CHECK_EVERY rounds elsewhere (each check is a host sync)."""
+    return 1 if device.type == "cpu" else ACCELERATOR_CHECK_EVERY
+
+
 def _finite_scores(scores_SE: Tensor, ops):
     """(E, S) float32 (float64 for float64 input) copy of the scores as an array of the `ops`
     backend, contiguous, every entry finite (see _sanitize) and of a magnitude whose row shifts
@@ -184,14 +192,12 @@ def _finite_scores(scores_SE: Tensor, ops):
     x_SE = scores_SE.detach()
     if x_SE.dtype not in (torch.float32, torch.float64):
         x_SE = x_SE.float()
-    x_ES = ops.transposed_copy(ops.array(x_SE))
-    mag = ops.floats(ops.amax(abs(x_ES), None))[0]  # one sync; NaN propagates
-    if not math.isfinite(mag):
-        x_ES = ops.array(_sanitize(ops.tensor(x_ES)))
-        mag = ops.floats(ops.amax(abs(x_ES), None))[0]
-    if mag > 1e30 or 0 < mag < 1e-30:  # rescale so the row shift cannot overflow (1e38 - -1e38)
-        x_ES = x_ES / mag
-    return x_ES
+    return ops.finite_rescaled(ops.transposed_copy(ops.array(x_SE)))
+
+
+def _rescale_needed(mag) -> bool:
+    # rescale so the row shift cannot overflow (1e38 - -1e38), nor a tiny range underflow
+    return mag > 1e30 or 0 < mag < 1e-30
 
 
 def _two_experts(scores_SE: Tensor, cap0: int, ops) -> Tensor:
@@ -207,15 +213,20 @@ def _two_experts(scores_SE: Tensor, cap0: int, ops) -> Tensor:
         x_SE = x_SE.float()
     x_SE = ops.array(x_SE)
     d_S = ops.difference64(x_SE[:, 0], x_SE[:, 1])
-    if not ops.all_finite(d_S):
+
+    def redone():
         x_ES = _finite_scores(scores_SE, ops)
-        d_S = ops.difference64(x_ES[0], x_ES[1])
+        return ops.difference64(x_ES[0], x_ES[1])
+
+    d_S = ops.where_all_finite(d_S, redone)
     threshold = ops.kth_largest(d_S, cap0)
     expert1_S = d_S < threshold
-    surplus = d_S.shape[0] - ops.count(expert1_S) - cap0  # rows tied at the threshold beyond capacity
-    if surplus:
-        tied_S = d_S == threshold
-        expert1_S |= tied_S & (ops.cumsum(tied_S) > ops.count(tied_S) - surplus)
+    # rows tied at the threshold beyond capacity go to expert 1, the latest first; with no
+    # surplus the comparison below is False everywhere (no branch: on the torch path the
+    # surplus stays on the device)
+    surplus = d_S.shape[0] - ops.count(expert1_S) - cap0
+    tied_S = d_S == threshold
+    expert1_S |= tied_S & (ops.cumsum(tied_S) > ops.count(tied_S) - surplus)
     return ops.tensor(ops.as_int64(expert1_S))
 
 
@@ -238,7 +249,7 @@ def _integer_keys(x_ES, sh: int, levels: int, ops):
     y_ES -= ops.amax(y_ES, 0, keepdims=True)
     # One gain unit becomes levels / _CLIP_GAINS steps (the scale is capped so that a tiny gain
     # cannot make 0 * inf); anything below -levels is clipped there.
-    y_ES *= min((levels / _CLIP_GAINS) / _gain_unit(y_ES, ops), ops.float_max(y_ES))
+    y_ES *= ops.at_most((levels / _CLIP_GAINS) / _gain_unit(y_ES, ops), ops.float_max(y_ES))
     ops.clip(ops.floor_(y_ES), -levels, None)
     key_PS = ops.empty((P, S), ops.int32)
     key_ES = key_PS[:E]
@@ -264,20 +275,17 @@ def _wrap(d, E: int):
     return d + ((d >> (8 * d.itemsize - 1)) & E)
 
 
-def _gain_unit(y_ES, ops) -> float:
+def _gain_unit(y_ES, ops):
     """Median over rows of (best - mean score) for rows shifted to best 0: a few outlier rows
     cannot flatten all the others. The mean if most rows are constant, 1 if all are.
 
     Row sums in float64 (exact in practice for float32 scores, so every backend and device
     rounds alike); the median of -sum / E is -(upper median of the sums) / E, the same number.
+    A float on numpy, a float64 0-d tensor on the torch path (no host sync).
     """
     E = y_ES.shape[0]
     sum_S = ops.sum(y_ES, 0, dtype=ops.float64)
-    gain = -ops.floats(ops.upper_median(sum_S))[0] / E  # one sync
-    if gain > 0:
-        return gain
-    gain = -ops.floats(ops.mean(sum_S, 0))[0] / E
-    return gain if gain > 0 else 1.0
+    return ops.first_positive(-ops.upper_median(sum_S) / E, lambda: -ops.mean(sum_S, 0) / E)
 
 
 def _sanitize(x: Tensor) -> Tensor:
@@ -313,9 +321,29 @@ class _TorchOps:
     def transposed_copy(x: Tensor) -> Tensor:
         return x.t().contiguous()
 
+    # Steps 0 and E = 2 read nothing on the host here: values the numpy path branches on stay
+    # 0-d tensors, and both branches are computed and selected with torch.where (bitwise the
+    # numpy result, tests/test_assignment.py). Only the auction's completion checks sync.
+
     @staticmethod
-    def all_finite(x: Tensor) -> bool:
-        return bool(torch.isfinite(x).all())
+    def finite_rescaled(x_ES: Tensor) -> Tensor:
+        x_ES = _sanitize(x_ES)  # the identity on finite entries
+        mag = x_ES.abs().amax().double()  # compared in float64, as the numpy path compares a float
+        return torch.where((mag > 1e30) | ((mag > 0) & (mag < 1e-30)), x_ES / mag.to(x_ES.dtype), x_ES)
+
+    @staticmethod
+    def where_all_finite(x: Tensor, fallback) -> Tensor:
+        return torch.where(torch.isfinite(x).all(), x, fallback())
+
+    @staticmethod
+    def first_positive(value: Tensor, fallback) -> Tensor:
+        """value if > 0, else fallback() if > 0, else 1 (float64 0-d tensors)."""
+        other = fallback()
+        return torch.where(value > 0, value, torch.where(other > 0, other, torch.ones_like(other)))
+
+    @staticmethod
+    def at_most(value: Tensor, bound: float) -> Tensor:
+        return value.clamp(max=bound)
 
     @staticmethod
     def kth_largest(x_S: Tensor, k: int) -> Tensor:
@@ -326,8 +354,8 @@ class _TorchOps:
         return x_S.cumsum(0)
 
     @staticmethod
-    def count(x_S: Tensor) -> int:
-        return int(x_S.sum())
+    def count(x_S: Tensor) -> Tensor:
+        return x_S.sum()
 
     @staticmethod
     def difference64(a_S: Tensor, b_S: Tensor) -> Tensor:
@@ -344,10 +372,6 @@ class _TorchOps:
     @staticmethod
     def upper_median(x_S: Tensor) -> Tensor:
         return -(-x_S).median()  # torch.median is the lower median
-
-    @staticmethod
-    def floats(*scalars: Tensor) -> list[float]:
-        return torch.stack(scalars).tolist()
 
     @staticmethod
     def cast(x: Tensor, like: Tensor) -> Tensor:
@@ -413,9 +437,10 @@ class _TorchOps:
         return x.long()
 
     @staticmethod
-    def put(out_N: Tensor, index_S: Tensor, value_S: Tensor) -> None:
-        """out[index] = value (a tensor of index's shape, or a 0-d tensor)."""
-        if value_S.dim():
+    def put(out_N: Tensor, index_S: Tensor, value_S) -> None:
+        """out[index] = value (a tensor of index's shape, or a Python number: index_fill_ with a
+        0-d tensor value reads it on the host)."""
+        if isinstance(value_S, Tensor):
             out_N.scatter_(0, index_S, value_S)
         else:
             out_N.index_fill_(0, index_S, value_S)
@@ -455,8 +480,28 @@ class _NumpyOps:
         return np.ascontiguousarray(x.T)
 
     @staticmethod
-    def all_finite(x: np.ndarray) -> bool:
-        return bool(np.isfinite(x).all())
+    def finite_rescaled(x_ES: np.ndarray) -> np.ndarray:
+        mag = float(np.maximum.reduce(abs(x_ES), axis=None))  # NaN propagates
+        if not math.isfinite(mag):
+            x_ES = _sanitize(torch.from_numpy(x_ES)).numpy()
+            mag = float(np.maximum.reduce(abs(x_ES), axis=None))
+        return x_ES / mag if _rescale_needed(mag) else x_ES
+
+    @staticmethod
+    def where_all_finite(x: np.ndarray, fallback) -> np.ndarray:
+        return x if np.isfinite(x).all() else fallback()
+
+    @staticmethod
+    def first_positive(value, fallback) -> float:
+        value = float(value)
+        if value > 0:
+            return value
+        value = float(fallback())
+        return value if value > 0 else 1.0
+
+    @staticmethod
+    def at_most(value: float, bound: float) -> float:
+        return min(value, bound)
 
     @staticmethod
     def kth_largest(x_S: np.ndarray, k: int):
@@ -483,10 +528,6 @@ class _NumpyOps:
     def upper_median(x_S: np.ndarray):
         k = x_S.shape[0] // 2
         return np.partition(x_S, k)[k]
-
-    @staticmethod
-    def floats(*scalars) -> list[float]:
-        return [float(x) for x in scalars]
 
     @staticmethod
     def cast(x: np.ndarray, like: np.ndarray) -> np.ndarray:
@@ -650,7 +691,7 @@ def _auction(ops, key_PS, cap_P, row_S, expert_S, price_P, E: int, sh: int, leve
     rank_S = ops.full(S, 0, i64)
     net_PS = key_PS * 1
     net_flat = net_PS.reshape(-1)  # a view
-    S_t, min_t = ops.const(S, i64), ops.const(-(1 << 31), i32)
+    S_t, min_key = ops.const(S, i64), -(1 << 31)  # min_key a Python int: index_fill_ takes it as is
     bound_P1 = limit_P = over_P = None  # of the last round, read by the completion check
     rounds = 0
     unassigned = None
@@ -673,7 +714,7 @@ def _auction(ops, key_PS, cap_P, row_S, expert_S, price_P, E: int, sh: int, leve
         # margin = net value at the target - the best net value elsewhere.
         at_S = target_S * S_t + pos_S  # flat index of (target, row) in net_PS
         own_S = ops.take(net_flat, at_S)
-        ops.put(net_flat, at_S, min_t)
+        ops.put(net_flat, at_S, min_key)
         margin_S = ops.clip((own_S >> shift) - (ops.amax0(net_PS) >> shift), -levels, levels)
         # ties keep the earlier row
         sorted_S = ops.sort((ops.as_int64(ops.take(band_P, target_S) - margin_S) << pos_shift) | pos_S)

@@ -5,11 +5,12 @@ Shape legend:
     R  rows received by this rank's experts, grouped by local expert
     D  row width
     E  experts (global), L local experts (E / W), W ranks in the expert-parallel group
+    F  FAULT_WIDTH, the values of a router's fault record (routing.py)
 
 Both dispatchers share one interface, so every expert-parallel layer has a single-process
 twin (LocalDispatcher holding all experts) to test against:
 
-    x_RD, counts_L, state = dispatcher.dispatch(x_SD, expert_S)
+    x_RD, counts_L, state = dispatcher.dispatch(x_SD, expert_S, fault_F=plan.fault_F, layer=name)
     y_RD = experts(x_RD, counts_L)
     y_SD = dispatcher.combine(y_RD, state)
 
@@ -19,9 +20,19 @@ and, for Base Layers' training-time token shuffle (fairseq `BaseLayer`, `base_sh
     ...route, dispatch, experts, combine on the shuffled rows...
     y_SD = dispatcher.unshuffle(y_SD, shuffle)    # rows back home, in their original order
 
-Communication time is accumulated in `comm_seconds`. On an accelerator the collectives are
-asynchronous, so the clock is read only after synchronising the device (`CommTimer`); otherwise
-the figure would be the launch time of the kernels, not the time the exchange takes.
+Host syncs: the split sizes of an exchange must be on the host (the experts split their rows by
+them, and an uneven all2all takes them as lists), so each dispatch reads its counts once, and
+nothing else: rows are counted with a scatter-add on the device (`count_rows`), rows whose slot
+was dropped (expert -1) are sorted first and cut off by the count read with the others, and the
+router's fault record (a NaN check, a vocabulary check) is read in the same copy. With expert
+parallelism that record is appended to the counts every rank sends to every other rank, so a
+fault seen by one rank makes every rank raise the same error in the same collective
+(`routing.routing_error`), where otherwise the others would wait in the all2all until the timeout.
+
+All2all time (`CommTimer`) is measured only when asked for (`timer.enabled`, the criterion's
+--log-a2a-time): on an accelerator with timing events recorded on the device's stream and read
+when the logs are written, on the CPU (synchronous gloo collectives) with the wall clock. Off, a
+section is only a profiler range and nothing waits for the device.
 
 Dispatchers hold no parameters and take their process group as an argument; they are the only
 place that calls a collective.
@@ -37,8 +48,9 @@ from torch import Tensor
 from torch.profiler import record_function
 
 from .profiling import RANGES
+from .routing import FAULT_WIDTH, count_rows, routing_error
 
-__all__ = ["LocalDispatcher", "AllToAllDispatcher", "CommTimer", "ShuffleState", "all_to_all",
+__all__ = ["LocalDispatcher", "AllToAllDispatcher", "CommTimer", "CommTime", "ShuffleState", "all_to_all",
            "expert_parallel_layout", "synchronize"]
 
 
@@ -71,19 +83,62 @@ def synchronize(device: torch.device) -> None:
         torch.accelerator.synchronize()
 
 
-class CommTimer:
-    """Wall time of communication on one device, synchronised so asynchronous collectives count fully.
+def _host_clock(device: torch.device) -> bool:
+    # Collectives on host tensors (gloo) return when done: the wall clock measures them.
+    return device.type in ("cpu", "meta")
 
-        with timer(device):   # synchronise, read the clock
-            ...collectives... # synchronise, read the clock again, add the difference
+
+class CommTime:
+    """The timed sections of one layer's forward; `seconds` reads them (waits for the last event)."""
+
+    def __init__(self, records: list):
+        self.records = records
+
+    @property
+    def seconds(self) -> float:
+        total = 0.0
+        for record in self.records:
+            if isinstance(record, float):
+                total += record
+            else:  # (start, end) events: elapsed_time needs the end event to have happened
+                start, end = record
+                end.synchronize()
+                total += start.elapsed_time(end) / 1000.0
+        return total
+
+
+class CommTimer:
+    """All2all time of one dispatcher, measured only when `enabled` (off by default).
+
+        with timer(device):   # a profiler range; if enabled, a start mark
+            ...collectives... # if enabled, an end mark
+
+    On an accelerator the marks are timing events (`torch.Event`) recorded on the device's
+    current stream: nothing waits, and the time is read later, when the logs are written
+    (`CommTime.seconds`). On the CPU they are wall-clock readings. A layer takes the records of
+    its own forward with `mark()` / `take(mark)`.
     """
 
-    def __init__(self, enabled: bool = True):
+    def __init__(self, enabled: bool = False):
         self.enabled = enabled
-        self.seconds = 0.0
+        self.records: list = []
 
     def __call__(self, device: torch.device) -> "_TimedSection":
         return _TimedSection(self, device)
+
+    def mark(self) -> int:
+        return len(self.records)
+
+    def take(self, mark: int) -> CommTime:
+        """The records since `mark`, removed from the timer (so it holds nothing between steps)."""
+        taken = self.records[mark:]
+        del self.records[mark:]
+        return CommTime(taken)
+
+    @property
+    def seconds(self) -> float:
+        """Time of the sections not taken by a layer yet."""
+        return CommTime(self.records).seconds
 
 
 class _TimedSection:
@@ -96,14 +151,21 @@ class _TimedSection:
     def __enter__(self):
         self.range.__enter__()
         if self.timer.enabled:
-            synchronize(self.device)
-            self.start = time.perf_counter()
+            if _host_clock(self.device):
+                self.start = time.perf_counter()
+            else:
+                self.start = torch.Event(device=self.device, enable_timing=True)
+                self.start.record()
         return self
 
     def __exit__(self, *exc):
-        if self.timer.enabled:
-            synchronize(self.device)
-            self.timer.seconds += time.perf_counter() - self.start
+        if self.timer.enabled and exc[0] is None:
+            if _host_clock(self.device):
+                self.timer.records.append(time.perf_counter() - self.start)
+            else:
+                end = torch.Event(device=self.device, enable_timing=True)
+                end.record()
+                self.timer.records.append((self.start, end))
         self.range.__exit__(*exc)
         return False
 
@@ -154,17 +216,18 @@ class DispatchState:
     send_splits: list[int] = field(default_factory=list)
     recv_splits: list[int] = field(default_factory=list)
     by_expert_R: Tensor | None = None  # permutation from (source rank, local expert) to (local expert, source rank)
+    dropped: int = 0  # rows routed nowhere (expert -1): sorted first, kept home, combined as zeros
 
 
 class LocalDispatcher:
     """All experts live in this process: sorting rows by expert is the whole dispatch."""
 
-    def __init__(self, num_experts: int):
+    def __init__(self, num_experts: int, *, timing: bool = False):
         self.num_experts = num_experts
         self.num_local_experts = num_experts
         self.first_expert = 0
         self.world_size = 1
-        self.timer = CommTimer()
+        self.timer = CommTimer(timing)
 
     @property
     def comm_seconds(self) -> float:
@@ -184,15 +247,35 @@ class LocalDispatcher:
     def unshuffle(self, y_SD: Tensor, state: ShuffleState | None) -> Tensor:
         return y_SD
 
-    def dispatch(self, x_SD: Tensor, expert_S: Tensor, *, presorted: bool = False
+    def dispatch(self, x_SD: Tensor, expert_S: Tensor, *, presorted: bool = False, counts_E1: Tensor | None = None,
+                 host_counts_E: list[int] | None = None, fault_F: Tensor | None = None, layer: str = ""
                  ) -> tuple[Tensor, list[int], DispatchState]:
-        """presorted: the caller guarantees expert_S is non-decreasing (no sort, no gather)."""
+        """Sort the rows by expert; rows of expert -1 (dropped slots) come first and are cut off.
+
+        presorted:     the caller guarantees expert_S is non-decreasing (no sort, no gather).
+        counts_E1:     `count_rows(expert_S, E)` if the caller has it (on the device).
+        host_counts_E: rows per expert when the caller knows them on the host (no dropped rows):
+                       then nothing is read from the device unless there is a fault record.
+        fault_F:       the router's fault record (routing.py), read with the counts; a fault
+                       raises the router's error naming `layer`.
+        """
+        E = self.num_experts
         order_S, x_sorted = _sort_rows(x_SD, expert_S, presorted)
-        counts_L = torch.bincount(expert_S, minlength=self.num_experts).tolist()
-        return x_sorted, counts_L, DispatchState(order_S)
+        if host_counts_E is not None:
+            counts, dropped = list(host_counts_E), 0
+            if fault_F is not None:
+                _raise_on_fault([fault_F.tolist()], layer)
+        else:
+            counts_E1 = count_rows(expert_S, E) if counts_E1 is None else counts_E1
+            parts = [counts_E1] if fault_F is None else [counts_E1, fault_F.to(counts_E1.device)]
+            host = torch.cat(parts).tolist()  # the one host read of a dispatch
+            if fault_F is not None:
+                _raise_on_fault([host[E + 1:]], layer)
+            dropped, counts = host[0], host[1:E + 1]
+        return x_sorted[dropped:], counts, DispatchState(order_S, dropped=dropped)
 
     def combine(self, y_RD: Tensor, state: DispatchState) -> Tensor:
-        return _unsort_rows(y_RD, state.order_S)
+        return _unsort_rows(_restore_dropped(y_RD, state.dropped), state.order_S)
 
     # -- cached decoding (smlp/decoding.py): the sMoE experts compute only the positions asked for
 
@@ -208,7 +291,7 @@ class LocalDispatcher:
 class AllToAllDispatcher(LocalDispatcher):
     """Expert parallelism over a process group: rank r of `ep_group` owns experts [r*L, (r+1)*L)."""
 
-    def __init__(self, num_experts: int, ep_group=None):
+    def __init__(self, num_experts: int, ep_group=None, *, timing: bool = False):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "AllToAllDispatcher needs an initialized torch.distributed process group; "
@@ -216,12 +299,15 @@ class AllToAllDispatcher(LocalDispatcher):
             )
         world = dist.get_world_size(ep_group)
         local = expert_parallel_layout(num_experts, world)
-        super().__init__(num_experts)
+        super().__init__(num_experts, timing=timing)
         self.ep_group = ep_group
         self.world_size = world
         self.rank = dist.get_rank(ep_group)
         self.num_local_experts = local
         self.first_expert = self.rank * local
+        # global ranks of the group, named in routing errors
+        self.group_ranks = (list(range(world)) if ep_group is None
+                            else [dist.get_global_rank(ep_group, r) for r in range(world)])
 
     def common_width(self, width: int) -> int:
         """The largest row width in the group (sMoE rows are as long as the local sequence)."""
@@ -229,12 +315,12 @@ class AllToAllDispatcher(LocalDispatcher):
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.ep_group)
         return int(t.item())
 
-    def _exchange_counts(self, counts_W: Tensor) -> Tensor:
-        """counts_W[w] rows go to rank w; returns how many arrive from each rank (on the host)."""
-        counts_W = counts_W.to(self._device)
-        recv_W = torch.empty_like(counts_W)
-        dist.all_to_all_single(recv_W, counts_W, group=self.ep_group)
-        return recv_W.cpu()
+    def _exchange_counts(self, counts_WX: Tensor) -> Tensor:
+        """counts_WX[w] goes to rank w; returns what arrives from each rank, on the collective's device."""
+        counts_WX = counts_WX.to(self._device)
+        recv_WX = torch.empty_like(counts_WX)
+        dist.all_to_all_single(recv_WX, counts_WX, group=self.ep_group)
+        return recv_WX
 
     def shuffle(self, x_SD: Tensor) -> tuple[Tensor, ShuffleState]:
         """Send the local rows to random ranks (fairseq BaseLayer's `base_shuffle`).
@@ -244,11 +330,13 @@ class AllToAllDispatcher(LocalDispatcher):
         2. Cut the permuted rows into W near-equal consecutive pieces; piece w goes to rank w.
         3. Rows arrive ordered by source rank; `unshuffle` reverses both steps.
         """
-        S = x_SD.shape[0]
+        S, W = x_SD.shape[0], self.world_size
         order_S = torch.randperm(S, device=x_SD.device)
-        send_splits = shuffle_splits(S, self.world_size)
+        send_splits = shuffle_splits(S, W)
+        # the same split sizes made on the collective's device (no host-to-device copy)
+        send_W = S // W + (torch.arange(W, device=self._device) < S % W).long()
         with self.timer(x_SD.device):
-            recv_splits = self._exchange_counts(torch.tensor(send_splits, dtype=torch.long)).tolist()
+            recv_splits = self._exchange_counts(send_W).tolist()  # the one host read of this exchange
             x_recv = all_to_all(x_SD[order_S], recv_splits, send_splits, self.ep_group)
         return x_recv, ShuffleState(order_S, send_splits, recv_splits)
 
@@ -265,28 +353,41 @@ class AllToAllDispatcher(LocalDispatcher):
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
-    def dispatch(self, x_SD: Tensor, expert_S: Tensor, *, presorted: bool = False
+    def dispatch(self, x_SD: Tensor, expert_S: Tensor, *, presorted: bool = False, counts_E1: Tensor | None = None,
+                 host_counts_E: list[int] | None = None, fault_F: Tensor | None = None, layer: str = ""
                  ) -> tuple[Tensor, list[int], DispatchState]:
-        W, L = self.world_size, self.num_local_experts
+        """As LocalDispatcher.dispatch, over the group (host_counts_E is not needed: the counts are
+        exchanged on the device either way)."""
+        W, L, E, F = self.world_size, self.num_local_experts, self.num_experts, FAULT_WIDTH
         # 1. Sort rows by global expert: rows for rank w are then contiguous, ordered by local expert
-        #    (already so when the caller says expert_S is non-decreasing, e.g. deterministic sMoE).
+        #    (already so when the caller says expert_S is non-decreasing, e.g. deterministic sMoE);
+        #    dropped rows (expert -1) come first.
         order_S, x_sorted = _sort_rows(x_SD, expert_S, presorted)
-        counts_E = torch.bincount(expert_S, minlength=self.num_experts)
+        counts_E1 = count_rows(expert_S, E) if counts_E1 is None else counts_E1
+        if fault_F is None:
+            fault_F = torch.zeros(F, dtype=torch.long, device=counts_E1.device)
         with self.timer(x_SD.device):
-            # 2. Tell every rank how many rows it will get for each of its local experts.
-            # 3. Split sizes are needed on the host (one sync per layer, as in every uneven all2all).
-            recv_WL = self._exchange_counts(counts_E).view(W, L)
-            send_splits = counts_E.view(W, L).sum(1).tolist()
-            recv_splits = recv_WL.sum(1).tolist()
+            # 2. Tell every rank how many rows it will get for each of its local experts, and
+            #    every rank this rank's fault record (the same F values to each).
+            send_WX = torch.cat([counts_E1[1:].view(W, L), fault_F.to(counts_E1.device).view(1, F).expand(W, F)], 1)
+            recv_WX = self._exchange_counts(send_WX)
+            # 3. One host read: this rank's counts and what every rank sends it (split sizes and
+            #    fault records). Every rank raises the same error on a fault, before the rows move.
+            host = torch.cat([counts_E1.to(recv_WX.device), recv_WX.reshape(-1)]).tolist()
+            recv = [host[E + 1 + w * (L + F):E + 1 + (w + 1) * (L + F)] for w in range(W)]
+            _raise_on_fault([row[L:] for row in recv], layer, self.group_ranks)
+            dropped, sent_E = host[0], host[1:E + 1]
+            send_splits = [sum(sent_E[w * L:(w + 1) * L]) for w in range(W)]
+            recv_splits = [sum(row[:L]) for row in recv]
             # 4. Exchange the rows; they arrive grouped by (source rank, local expert).
-            x_recv = all_to_all(x_sorted, recv_splits, send_splits, self.ep_group)
+            x_recv = all_to_all(x_sorted[dropped:], recv_splits, send_splits, self.ep_group)
         # 5. Regroup by (local expert, source rank) so each local expert sees one contiguous block
         #    (nothing to do with one local expert per rank, the paper's layout).
-        counts_L = recv_WL.sum(0).tolist()
+        counts_L = [sum(row[l] for row in recv) for l in range(L)]
         if L == 1:
-            return x_recv, counts_L, DispatchState(order_S, send_splits, recv_splits, None)
-        by_expert_R = _block_transpose(recv_WL).to(x_SD.device)
-        state = DispatchState(order_S, send_splits, recv_splits, by_expert_R)
+            return x_recv, counts_L, DispatchState(order_S, send_splits, recv_splits, None, dropped)
+        by_expert_R = _block_transpose(recv_WX[:, :L].to(x_SD.device), sum(recv_splits))
+        state = DispatchState(order_S, send_splits, recv_splits, by_expert_R, dropped)
         return x_recv[by_expert_R], counts_L, state
 
     def combine(self, y_RD: Tensor, state: DispatchState) -> Tensor:
@@ -294,7 +395,7 @@ class AllToAllDispatcher(LocalDispatcher):
         y_recv = y_RD if state.by_expert_R is None else _unsort_rows(y_RD, state.by_expert_R)
         with self.timer(y_RD.device):
             y_sorted = all_to_all(y_recv, state.send_splits, state.recv_splits, self.ep_group)
-        return _unsort_rows(y_sorted, state.order_S)
+        return _unsort_rows(_restore_dropped(y_sorted, state.dropped), state.order_S)
 
     def gather_spans(self, lo: int, hi: int) -> list[tuple[int, int]]:
         with self.timer(self._device):
@@ -318,11 +419,24 @@ class AllToAllDispatcher(LocalDispatcher):
         return out
 
 
+def _raise_on_fault(records: list[list[int]], layer: str, ranks: list[int] | None = None) -> None:
+    error = routing_error(records, layer, ranks)
+    if error is not None:
+        raise error
+
+
 def _sort_rows(x_SD: Tensor, expert_S: Tensor, presorted: bool) -> tuple[Tensor | None, Tensor]:
     if presorted:
         return None, x_SD
     order_S = torch.argsort(expert_S, stable=True)
     return order_S, x_SD[order_S]
+
+
+def _restore_dropped(y_RD: Tensor, dropped: int) -> Tensor:
+    """Zero rows in front for the dropped rows (their slot contributes nothing)."""
+    if not dropped:
+        return y_RD
+    return torch.cat([y_RD.new_zeros((dropped,) + tuple(y_RD.shape[1:])), y_RD])
 
 
 def _unsort_rows(y_SD: Tensor, order_S: Tensor | None) -> Tensor:
@@ -334,11 +448,15 @@ def _unsort_rows(y_SD: Tensor, order_S: Tensor | None) -> Tensor:
     return y_SD[inverse]
 
 
-def _block_transpose(counts_WL: Tensor) -> Tensor:
-    """Row permutation turning blocks ordered (w, l) into blocks ordered (l, w)."""
+def _block_transpose(counts_WL: Tensor, num_rows: int) -> Tensor:
+    """Row permutation turning blocks ordered (w, l) into blocks ordered (l, w), on the counts'
+    device without a host read (num_rows = counts_WL.sum(), known on the host)."""
     W, L = counts_WL.shape
     flat = counts_WL.reshape(-1)
     starts = torch.cumsum(flat, 0) - flat  # start of block (w, l) in the received order
-    pieces = [torch.arange(int(starts[w * L + l]), int(starts[w * L + l] + flat[w * L + l]))
-              for l in range(L) for w in range(W)]
-    return torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.long)
+    counts_LW = counts_WL.t().reshape(-1)
+    out_starts = torch.cumsum(counts_LW, 0) - counts_LW  # start of block (l, w) in the regrouped order
+    block_R = torch.repeat_interleave(torch.arange(L * W, device=flat.device), counts_LW, output_size=num_rows)
+    offset_R = torch.arange(num_rows, device=flat.device) - out_starts[block_R]
+    l_R, w_R = block_R // W, block_R % W
+    return starts[w_R * L + l_R] + offset_R

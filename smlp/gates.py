@@ -30,9 +30,11 @@ which keeps eval causal per position (routing.py). `eval_capacity_factor` (Switc
 `drop_in_eval` (GShard) restore capacity-limited eval when wanted.
 
 Host synchronization: capacities are computed from shapes on the host and dropping is a cumsum
-on the device; the one host read is the check that the logits are usable (no NaN or +inf, and at
+on the device; the only host read is the check that the logits are usable (no NaN or +inf, and at
 least one logit above -inf per row; -inf masks an expert), which raises NonFiniteScoresError
-naming the layer. The dispatcher reads its split sizes right after, so it costs no extra stall.
+naming the layer. Called on its own a gate reads it at once; inside a layer (`defer_checks=True`)
+the verdict stays on the device in the plan's fault record, and the dispatcher reads it with the
+split sizes it reads anyway (routing.py), so the gate itself never waits for the device.
 """
 from __future__ import annotations
 
@@ -45,7 +47,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .config import GSHARD_AUX_LOSSES
-from .routing import RoutingPlan, check_finite_scores
+from .routing import RoutingPlan, _check, nonfinite_fault
 
 __all__ = ["switch_top1", "gshard_top2", "switch_capacity", "gshard_capacity"]
 
@@ -117,11 +119,11 @@ def _slot_positions(mask_SE: Tensor) -> Tensor:
     return torch.cumsum(mask_SE, dim=0) - 1
 
 
-def _empty_plan(logits_SE: Tensor, k: int, dtype: torch.dtype) -> RoutingPlan:
+def _empty_plan(logits_SE: Tensor, k: int, dtype: torch.dtype, fault_F: Tensor | None) -> RoutingPlan:
     # S = 0 (e.g. a rank with no tokens): a zero loss that still belongs to the graph.
     zero = logits_SE.to(dtype).sum() * 0
     return RoutingPlan(torch.empty(0, k, dtype=torch.long, device=logits_SE.device),
-                       logits_SE.new_zeros(0, k, dtype=dtype), zero)
+                       logits_SE.new_zeros(0, k, dtype=dtype), zero, fault_F)
 
 
 # ---------------------------------------------------------------- Switch
@@ -136,6 +138,7 @@ def switch_top1(
     eval_capacity_factor: float | None = None,
     noise_SE: Tensor | None = None,
     layer: str = "switch router",
+    defer_checks: bool = False,
 ) -> RoutingPlan:
     """Switch Transformer top-1 routing (Fedus et al. 2021, sec. 2.1-2.2).
 
@@ -157,6 +160,8 @@ def switch_top1(
                           noisy_gate_policy='RSample' with Gumbel noise); weights and P_e use the
                           clean probabilities. Used whenever given. The paper's default is no noise.
     layer:                the layer's name, for the error on non-finite logits.
+    defer_checks:         leave that check's verdict on the device in the plan's fault record
+                          (read by the dispatcher, routing.py) instead of reading it here.
 
     Reference: DeepSpeed `sharded_moe.top1gating(..., drop_tokens=True, use_rts=False)` gives the
     same choices, weights and l_aux = E * sum(me * ce). It differs in two places (tests pin both):
@@ -171,12 +176,12 @@ def switch_top1(
     if eval_capacity_factor is not None:
         _check_capacity_factor("eval_capacity_factor", eval_capacity_factor)
     _check_min_capacity(min_capacity)
-    check_finite_scores(logits_SE.detach(), layer, allow_neg_inf=True)
+    fault_F = _check(nonfinite_fault(logits_SE, allow_neg_inf=True), layer, defer_checks)
 
     S, E = logits_SE.shape
     dtype = _compute_dtype(logits_SE)
     if S == 0:
-        return _empty_plan(logits_SE, 1, dtype)
+        return _empty_plan(logits_SE, 1, dtype, fault_F)
 
     logits_SE = logits_SE.to(dtype)
     probs_SE = torch.softmax(logits_SE, dim=-1)
@@ -194,18 +199,28 @@ def switch_top1(
     aux_loss = E * torch.sum(fraction_E * probs_SE.mean(dim=0))     # E * sum f_e P_e
     weight_S = probs_SE.gather(1, expert_S[:, None]).squeeze(1) * kept_S
     experts_S = torch.where(kept_S, expert_S, -1)
-    return RoutingPlan(experts_S[:, None], weight_S[:, None], aux_loss)
+    return RoutingPlan(experts_S[:, None], weight_S[:, None], aux_loss, fault_F)
 
 
 # ---------------------------------------------------------------- GShard
 
 
 def _gumbel_like(logits_SE: Tensor) -> Tensor:
-    # Drawn exactly as fairscale's `gumbel_rsample` does (a float32 Gumbel(0, 1).rsample from the
-    # global generator), so a seeded run picks the same second experts as fairscale.
-    zero = torch.zeros((), device=logits_SE.device)
-    one = torch.ones((), device=logits_SE.device)
-    return torch.distributions.Gumbel(zero, one).rsample(logits_SE.shape)
+    """Gumbel(0, 1) noise of the logits' shape (default dtype, float32) from the global generator.
+
+    Bit for bit what fairscale's `gumbel_rsample` draws, torch.distributions.Gumbel(0, 1).rsample
+    (a seeded run picks the same second experts as fairscale), with the same operations written
+    out: building the distribution validates its arguments with two host reads on every call, and
+    torch.compile cannot trace it. Gumbel is Uniform(tiny, 1 - eps) followed by
+    x -> -log(x) -> -log(x) as affine maps 0 + (-1) * x (tests/test_gates.py compares the two)."""
+    device, dtype = logits_SE.device, torch.get_default_dtype()  # the distribution's (0-d zeros and ones)
+    finfo = torch.finfo(dtype)
+    low = torch.full((), finfo.tiny, dtype=dtype, device=device)
+    high = torch.full((), 1 - finfo.eps, dtype=dtype, device=device)
+    minus_one = -torch.ones((), dtype=dtype, device=device)
+    u = low + torch.rand(logits_SE.shape, dtype=dtype, device=device) * (high - low)
+    x = 0 + minus_one * u.log()
+    return torch.zeros((), dtype=dtype, device=device) + minus_one * x.log()
 
 
 def gshard_top2(
@@ -216,6 +231,7 @@ def gshard_top2(
     drop_in_eval: bool = False,
     aux_loss: str = "normalized",
     layer: str = "gshard router",
+    defer_checks: bool = False,
 ) -> RoutingPlan:
     """GShard top-2 gating (Lepikhin et al. 2020, sec. 2.2, Algorithm 1), as fairscale's `top2gating`.
 
@@ -238,7 +254,8 @@ def gshard_top2(
            choices, so one weight (0.01) balances GShard and Switch equally hard.
        aux_loss="fairscale": mean_e(m_e * c_e) (fairscale's `top2gating`, Algorithm 1 as
            printed), 1/E^2 when balanced: with the same weight, E^2 times weaker.
-    `layer` names the layer in the error raised for non-finite logits.
+    `layer` names the layer in the error raised for non-finite logits; defer_checks=True leaves
+    that check's verdict in the plan's fault record for the dispatcher to read (routing.py).
 
     Differences from fairscale, all outside its domain or degenerate: any S is accepted (fairscale
     asserts S % E == 0; where it runs the capacities agree), eval mode has no capacity limit unless
@@ -248,13 +265,13 @@ def gshard_top2(
     back to the logits' dtype).
     """
     _check_logits("gshard_top2", logits_SE, noise_SE)
-    check_finite_scores(logits_SE.detach(), layer, allow_neg_inf=True)
+    fault_F = _check(nonfinite_fault(logits_SE, allow_neg_inf=True), layer, defer_checks)
     if aux_loss not in GSHARD_AUX_LOSSES:
         raise ValueError(f"aux_loss={aux_loss!r} is unknown: valid values are {', '.join(GSHARD_AUX_LOSSES)}")
     S, E = logits_SE.shape
     dtype = _compute_dtype(logits_SE)
     if S == 0:
-        return _empty_plan(logits_SE, 2, dtype)
+        return _empty_plan(logits_SE, 2, dtype, fault_F)
 
     logits_SE = logits_SE.to(dtype)
     probs_SE = torch.softmax(logits_SE, dim=-1)
@@ -288,4 +305,4 @@ def gshard_top2(
     denom_S = torch.clamp(gate1_S + gate2_S, min=torch.finfo(dtype).eps)
     weights_SK = torch.stack([gate1_S / denom_S, gate2_S / denom_S], dim=1)
     experts_SK = torch.stack([torch.where(kept1_S, first_S, -1), torch.where(kept2_S, second_S, -1)], dim=1)
-    return RoutingPlan(experts_SK, weights_SK, loss)
+    return RoutingPlan(experts_SK, weights_SK, loss, fault_F)

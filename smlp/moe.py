@@ -9,7 +9,9 @@ Shape legend:
 
 Auxiliary losses, load and all2all time are kept on the module after each forward
 (`aux_loss`, `load_E`, `comm_seconds`) for the criterion and the logs to read; nothing lives
-in globals.
+in globals. They stay on the device (load_E) or as timing events (comm_seconds, read when it is
+asked for): a forward reads nothing on the host but the split sizes of its dispatches
+(dispatch.py), and the routers' input checks travel with those (routing.py).
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from .experts import FFNExperts, SpatialExperts
 from .gates import gshard_top2, switch_top1
 from .mixers import check_length
 from .numerics import router_logits
-from .routing import RoutingPlan, base_route, hash_route, smoe_deterministic_experts, smoe_partial_route
+from .routing import RoutingPlan, base_route, count_rows, hash_route, smoe_deterministic_experts, smoe_partial_route
 
 __all__ = ["TMoE", "SMoE", "SparseBlock", "hash_table"]
 
@@ -84,51 +86,66 @@ class TMoE(nn.Module):
                                   first_expert=self.dispatcher.first_expert)
         self.aux_loss: Tensor | None = None
         self.load_E: Tensor | None = None
-        self.comm_seconds = 0.0
+        self.comm_time = None  # the dispatcher's timed sections of the last forward (CommTime)
         self.layer_name = f"TMoE ({cfg.router} router)"  # LanguageModel sets the module path, for errors
 
-    def route(self, x_SD: Tensor, token_ids_S: Tensor | None = None) -> RoutingPlan:
-        router = self.cfg.router
-        # router_logits: the gate projection itself in fp32, whatever the model dtype (numerics.py)
+    @property
+    def comm_seconds(self) -> float:
+        """All2all time of the last forward (0 unless the dispatcher's timer is enabled)."""
+        return self.comm_time.seconds if self.comm_time is not None else 0.0
+
+    def route(self, x_SD: Tensor, token_ids_S: Tensor | None = None, *, defer_checks: bool = False) -> RoutingPlan:
+        """The routing plan of the rows; defer_checks leaves the router's input check in the plan
+        (read by the dispatcher) instead of reading it here. router_logits computes the gate
+        projection itself in fp32, whatever the model dtype (numerics.py)."""
+        router, layer = self.cfg.router, self.layer_name
         if router == "base":
-            return base_route(router_logits(x_SD, self.centroids.t()), training=self.training, layer=self.layer_name)
+            return base_route(router_logits(x_SD, self.centroids.t()), training=self.training, layer=layer,
+                              defer_checks=defer_checks)
         if router == "switch":
             return switch_top1(router_logits(x_SD, self.gate.weight.t()), capacity_factor=self.cfg.capacity_factor,
-                               training=self.training, layer=self.layer_name)
+                               training=self.training, layer=layer, defer_checks=defer_checks)
         if router == "gshard":
             return gshard_top2(router_logits(x_SD, self.gate.weight.t()), training=self.training,
-                               aux_loss=self.cfg.gshard_aux_loss, layer=self.layer_name)
+                               aux_loss=self.cfg.gshard_aux_loss, layer=layer, defer_checks=defer_checks)
         if token_ids_S is None:
             raise ValueError("router='hash' needs the token ids of the rows it routes")
-        return hash_route(token_ids_S.reshape(-1), self.hash_table)
+        return hash_route(token_ids_S.reshape(-1), self.hash_table, layer=layer, defer_checks=defer_checks)
 
     def forward(self, x_SD: Tensor, token_ids_S: Tensor | None = None) -> Tensor:
         if x_SD.dim() != 2 or x_SD.shape[-1] != self.cfg.d_model:
             raise ValueError(f"TMoE expects rows of shape (S, {self.cfg.d_model}), got {tuple(x_SD.shape)}")
-        comm_before = self.dispatcher.comm_seconds
+        mark = self.dispatcher.timer.mark()
         if self.training and self.cfg.uses_shuffle:
             x_SD, shuffle = self.dispatcher.shuffle(x_SD)
             y_SD = self._route_and_compute(x_SD, token_ids_S)
             y_SD = self.dispatcher.unshuffle(y_SD, shuffle)
         else:
             y_SD = self._route_and_compute(x_SD, token_ids_S)
-        self.comm_seconds = self.dispatcher.comm_seconds - comm_before
+        self.comm_time = self.dispatcher.timer.take(mark)
         return y_SD
 
     def _route_and_compute(self, x_SD: Tensor, token_ids_S: Tensor | None) -> Tensor:
         with record_function(RANGES["routing"]):
-            plan = self.route(x_SD, token_ids_S)
+            plan = self.route(x_SD, token_ids_S, defer_checks=True)
         self.aux_loss = plan.aux_loss
-        self.load_E = plan.counts(self.cfg.num_experts).detach()
-        K = plan.experts_SK.shape[1]
-        kept = (plan.experts_SK >= 0).reshape(-1)
-        row_idx = torch.arange(x_SD.shape[0], device=x_SD.device).repeat_interleave(K)[kept]
-        expert_idx = plan.experts_SK.reshape(-1)[kept]
-        weight = plan.weights_SK.reshape(-1)[kept].to(x_SD.dtype)
-        x_RD, counts_L, state = self.dispatcher.dispatch(x_SD[row_idx], expert_idx)
+        S, K = plan.experts_SK.shape
+        # Every (row, slot) pair is dispatched, dropped slots (expert -1) too: the dispatcher sorts
+        # them first and cuts them off with the count it reads anyway, where a boolean mask here
+        # would read the number kept on the host. Their weight is 0 and they combine as zeros.
+        expert_idx = plan.experts_SK.reshape(-1)
+        weight = plan.weights_SK.reshape(-1).to(x_SD.dtype)
+        counts_E1 = count_rows(expert_idx, self.cfg.num_experts)
+        self.load_E = counts_E1[1:].detach()
+        row_idx = torch.arange(S, device=x_SD.device).repeat_interleave(K) if K > 1 else None
+        x_rows = x_SD if row_idx is None else x_SD[row_idx]
+        x_RD, counts_L, state = self.dispatcher.dispatch(x_rows, expert_idx, counts_E1=counts_E1,
+                                                         fault_F=plan.fault_F, layer=self.layer_name)
         with record_function(RANGES["experts"]):
             y_RD = self.experts(x_RD, counts_L)
         y_rows = self.dispatcher.combine(y_RD, state)
+        if row_idx is None:
+            row_idx = torch.arange(S, device=x_SD.device)
         return torch.zeros_like(x_SD).index_add(0, row_idx, y_rows * weight[:, None])
 
 
@@ -163,8 +180,13 @@ class SMoE(nn.Module):
             if cfg.routing == "deterministic" else torch.empty(0, dtype=torch.long), persistent=False)
         self.load_E: Tensor | None = None
         self.aux_loss = None
-        self.comm_seconds = 0.0
+        self.comm_time = None  # the dispatcher's timed sections of the last forward (CommTime)
         self.layer_name = f"SMoE ({cfg.routing} routing)"  # LanguageModel sets the module path, for errors
+
+    @property
+    def comm_seconds(self) -> float:
+        """All2all time of the last forward (0 unless the dispatcher's timer is enabled)."""
+        return self.comm_time.seconds if self.comm_time is not None else 0.0
 
     def forward(self, z_BNF: Tensor) -> Tensor:
         cfg = self.cfg
@@ -177,11 +199,14 @@ class SMoE(nn.Module):
         v_BNC = self.norm(z2)
         C, M = v_BNC.shape[-1], n - P
         deterministic = cfg.routing == "deterministic"
+        fault_F, host_counts_E = None, None
         if deterministic:
             # rows ordered (channel, sequence): channel chunk i -> expert i, so the rows come sorted
-            # by expert and the dispatcher neither sorts nor gathers them
+            # by expert and the dispatcher neither sorts nor gathers them, and how many each expert
+            # gets is known from the shapes (nothing to read from the device)
             rows_SM = v_BNC.permute(2, 0, 1).reshape(C * B, M)
             expert_S, weight_S = self.channel_expert_C.repeat_interleave(B), None
+            host_counts_E = [C // cfg.num_experts * B] * cfg.num_experts
         elif M == 0:  # still take part in the exchange (other ranks may have rows), inside the graph:
             rows_SM = v_BNC[:, P:, :].reshape(B * C, 0)[:0]  # backward runs the matching exchange
             expert_S, weight_S = self.channel_expert_C.new_zeros(0), None
@@ -190,18 +215,21 @@ class SMoE(nn.Module):
             with record_function(RANGES["routing"]):
                 prefix_SP = v_BNC[:, :P, :].transpose(1, 2).reshape(B * C, P)
                 plan = smoe_partial_route(router_logits(prefix_SP, self.router), training=self.training,
-                                          layer=self.layer_name)
-            expert_S, weight_S = plan.experts_SK[:, 0], plan.weights_SK[:, 0].to(z_BNF.dtype)
-        self.load_E = torch.bincount(expert_S, minlength=cfg.num_experts).detach()
-        comm_before = self.dispatcher.comm_seconds
+                                          layer=self.layer_name, defer_checks=True)
+            expert_S, weight_S, fault_F = plan.experts_SK[:, 0], plan.weights_SK[:, 0].to(z_BNF.dtype), plan.fault_F
+        counts_E1 = count_rows(expert_S, cfg.num_experts)
+        self.load_E = counts_E1[1:].detach()
+        mark = self.dispatcher.timer.mark()
         width = self.dispatcher.common_width(M)  # ranks may hold sequences of different lengths
         if width > M:  # zero positions appended at the end never reach earlier outputs (causal)
             rows_SM = F.pad(rows_SM, (0, width - M))
-        x_RM, counts_L, state = self.dispatcher.dispatch(rows_SM, expert_S, presorted=deterministic)
+        x_RM, counts_L, state = self.dispatcher.dispatch(rows_SM, expert_S, presorted=deterministic,
+                                                         counts_E1=counts_E1, host_counts_E=host_counts_E,
+                                                         fault_F=fault_F, layer=self.layer_name)
         with record_function(RANGES["token_mixing"]):  # the sMoE's experts mix positions
             y_RM = self.experts(x_RM, counts_L)
         y_SM = self.dispatcher.combine(y_RM, state)[:, :M]  # rows: gate minus one, W x + (b - 1) (SpatialExperts)
-        self.comm_seconds = self.dispatcher.comm_seconds - comm_before
+        self.comm_time = self.dispatcher.timer.take(mark)
         if weight_S is not None:
             y_SM = y_SM * weight_S[:, None]
         if deterministic:
@@ -245,7 +273,8 @@ class SMoE(nn.Module):
             if "expert_BC" not in state:  # the routing prefix is complete: route once, per row
                 prefix_SP = v_BtC[:, :P, :].transpose(1, 2).reshape(B * C, P)
                 with record_function(RANGES["routing"]):
-                    plan = smoe_partial_route(prefix_SP @ self.router, training=False, layer=self.layer_name)
+                    plan = smoe_partial_route(router_logits(prefix_SP, self.router), training=False,
+                                              layer=self.layer_name)
                 state["expert_BC"] = plan.experts_SK[:, 0].reshape(B, C)
                 state["weight_BC"] = plan.weights_SK[:, 0].to(z_BkF.dtype).reshape(B, C)
             rows_SM = v_BtC[:, P:, :].transpose(1, 2).reshape(B * C, t - P)
@@ -253,7 +282,7 @@ class SMoE(nn.Module):
             lo, hi = max(start - P, 0), t - P
         if rows_SM.shape[0] == 0:  # nothing wanted from here (an empty batch): no span
             lo = hi = 0
-        comm_before = self.dispatcher.comm_seconds
+        mark = self.dispatcher.timer.mark()
         spans_W = self.dispatcher.gather_spans(lo, hi)
         width = max(h for _, h in spans_W)
         if rows_SM.shape[1] != width:  # another rank is further on: zeros after hi never reach outputs <= hi
@@ -262,7 +291,7 @@ class SMoE(nn.Module):
         with record_function(RANGES["token_mixing"]):
             y_RK = self.experts.step(x_RM, self.dispatcher.received_counts(dstate, counts_L), spans_W)
         y_Sk = self.dispatcher.combine(y_RK, dstate)[:, :hi - lo]
-        self.comm_seconds = self.dispatcher.comm_seconds - comm_before
+        self.comm_time = self.dispatcher.timer.take(mark)
         if weight_S is not None:
             y_Sk = y_Sk * weight_S[:, None]
         m = hi - lo  # rows: gate minus one, as in forward; the last m of the k new positions are predicted

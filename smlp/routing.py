@@ -16,8 +16,17 @@ They are causal per position only in eval mode, where each row is routed on its 
 
 Non-finite router scores (NaN, +-inf) are refused with `NonFiniteScoresError`, which names the
 layer: they come from a diverged model or an overflow, and any expert choice made from them would
-be arbitrary (argmax of NaN) while training went on silently. The check is one host read per
-layer, next to the one the dispatcher makes anyway for its split sizes.
+be arbitrary (argmax of NaN) while training went on silently. Token ids outside a HASH table are
+refused with ValueError.
+
+Where the checks are read: called on its own, a router reads its check on the host and raises at
+once (one host sync). Inside a layer (`defer_checks=True`) it leaves the verdict on the device as
+a fault record in the plan (`RoutingPlan.fault_F`, FAULT_WIDTH int64 values, all 0 when the input
+was fine), and the dispatcher reads it together with the split sizes it must read anyway: no sync
+of its own. With expert parallelism the record travels with the counts every rank sends to every
+other rank, so all ranks of the group learn of a fault in the same collective and raise the same
+error, naming the layer and the rank that saw it, instead of the others waiting in the all2all
+until the collective timeout. `routing_error` turns records read on the host into that error.
 """
 from __future__ import annotations
 
@@ -31,6 +40,11 @@ from .assignment import balanced_assignment
 __all__ = [
     "RoutingPlan",
     "NonFiniteScoresError",
+    "FAULT_WIDTH",
+    "count_rows",
+    "nonfinite_fault",
+    "hash_fault",
+    "routing_error",
     "check_finite_scores",
     "sanitize_scores",
     "greedy_top1",
@@ -49,11 +63,14 @@ class RoutingPlan:
     weights_SK: combine weight per (row, slot); differentiable w.r.t. the router's scores.
                 A dropped slot has weight 0.
     aux_loss:   auxiliary load-balancing loss (scalar) or None when the router has none.
+    fault_F:    the router's input check left on the device (`defer_checks=True`): a fault
+                record (see `routing_error`), or None when the check was read already.
     """
 
     experts_SK: Tensor
     weights_SK: Tensor
     aux_loss: Tensor | None = None
+    fault_F: Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.experts_SK.dim() != 2 or self.experts_SK.shape != self.weights_SK.shape:
@@ -63,40 +80,119 @@ class RoutingPlan:
             )
 
     def counts(self, num_experts: int) -> Tensor:
-        """Rows per expert (dropped slots excluded): (E,) long."""
-        kept = self.experts_SK[self.experts_SK >= 0]
-        return torch.bincount(kept, minlength=num_experts)
+        """Rows per expert (dropped slots excluded): (E,) long, on the device (no host sync)."""
+        return count_rows(self.experts_SK.reshape(-1), num_experts)[1:]
+
+
+def count_rows(expert_S: Tensor, num_experts: int) -> Tensor:
+    """(E + 1,) long: rows routed nowhere (expert -1, a dropped slot), then rows per expert.
+
+    A scatter-add on the device: unlike bincount (which reads the largest index on the host
+    first) and boolean-mask compaction (whose size depends on the data) it never waits for the
+    device."""
+    index_S = expert_S.reshape(-1).long() + 1
+    return torch.zeros(num_experts + 1, dtype=torch.long, device=expert_S.device).scatter_add_(
+        0, index_S, torch.ones_like(index_S))
 
 
 class NonFiniteScoresError(FloatingPointError):
     """Router scores with NaN or +-inf entries; the message names the layer and what to check."""
 
 
+# A fault record: FAULT_WIDTH int64 values, record[0] the kind of fault (0: none), the rest its
+# details, so that every rank can word the error of the rank that saw it.
+#   NONFINITE:  bad rows, rows, NaN entries, +inf entries, -inf entries, first bad row
+#   HASH_RANGE: smallest token id, largest token id, table size, 0, 0, 0
+FAULT_WIDTH = 7
+NO_FAULT, NONFINITE, HASH_RANGE = 0, 1, 2
+
+
+def nonfinite_fault(scores_SE: Tensor, *, allow_neg_inf: bool = False) -> Tensor:
+    """The fault record of a non-finite-scores check, computed on the scores' device (no sync).
+
+    allow_neg_inf: -inf marks an expert a row may not use (a masked logit of a softmax gate);
+    a row then still needs one finite score."""
+    scores_SE = scores_SE.detach()
+    S = scores_SE.shape[0]
+    nan_SE, pos_SE, neg_SE = torch.isnan(scores_SE), torch.isposinf(scores_SE), torch.isneginf(scores_SE)
+    bad_SE = nan_SE | pos_SE
+    if not allow_neg_inf:
+        bad_SE = bad_SE | neg_SE
+    bad_rows_S = bad_SE.any(dim=-1)
+    if allow_neg_inf and scores_SE.shape[-1]:
+        bad_rows_S = bad_rows_S | neg_SE.all(dim=-1)
+    n_bad = bad_rows_S.sum()
+    first = (bad_rows_S.long().cumsum(0) == 0).sum()  # rows before the first bad one
+    kind = torch.where(n_bad > 0, NONFINITE, NO_FAULT)
+    return torch.stack([kind, n_bad, torch.full_like(n_bad, S), nan_SE.sum(), pos_SE.sum(), neg_SE.sum(),
+                        first]).long()
+
+
+def hash_fault(token_ids_S: Tensor, table_size: int) -> Tensor:
+    """The fault record of the HASH router's vocabulary check (no sync)."""
+    ids_S = token_ids_S.reshape(-1).long()
+    if not ids_S.numel():
+        return torch.zeros(FAULT_WIDTH, dtype=torch.long, device=ids_S.device)
+    lo, hi = ids_S.min(), ids_S.max()
+    kind = torch.where((lo < 0) | (hi >= table_size), HASH_RANGE, NO_FAULT)
+    zero = torch.zeros_like(lo)
+    return torch.stack([kind, lo, hi, torch.full_like(lo, table_size), zero, zero, zero])
+
+
+def routing_error(records: list[list[int]], layer: str, ranks: list[int] | None = None) -> Exception | None:
+    """The error for fault records read on the host, or None when every record is clean.
+
+    records: one record per rank (one in a single process); ranks: their ranks in the expert-
+    parallel group, named in the message (None: a single process, the message names no rank).
+    The first faulty record is worded; every rank words the same one, so all raise one error."""
+    faulty = [i for i, r in enumerate(records) if r[0] != NO_FAULT]
+    if not faulty:
+        return None
+    record = records[faulty[0]]
+    kind = record[0]
+    if kind == NONFINITE:
+        n_bad, S, n_nan, n_pos, n_neg, first = record[1:7]
+        message = (
+            f"{layer}: router scores are not finite in {n_bad} of {S} rows (first: row {first}; {n_nan} NaN, "
+            f"{n_pos} +inf, {n_neg} -inf entries). The layer's input or router weights have diverged or "
+            f"overflowed; no expert choice can be made from them. Check the loss before this step, lower the "
+            f"learning rate, or train in fp32 / with a smaller --fp16-init-scale.")
+        error_type = NonFiniteScoresError
+    elif kind == HASH_RANGE:
+        lo, hi, table_size = record[1:4]
+        message = (f"{layer}: hash routing got token ids in [{lo}, {hi}] but the hash table covers ids "
+                   f"0..{table_size - 1}; the vocabulary does not match the table")
+        error_type = ValueError
+    else:
+        raise ValueError(f"{layer}: unknown routing fault record {record}")
+    if ranks is not None:
+        seen = (f"rank {ranks[faulty[0]]}" if len(faulty) == 1 else
+                f"ranks {', '.join(str(ranks[i]) for i in faulty)} (the figures are rank {ranks[faulty[0]]}'s)")
+        message += f" [seen on {seen}; every rank of the expert-parallel group raises this error]"
+    return error_type(message)
+
+
+def _raise_now(fault_F: Tensor, layer: str) -> None:
+    error = routing_error([fault_F.tolist()], layer)  # one host read
+    if error is not None:
+        raise error
+
+
 def check_finite_scores(scores_SE: Tensor, layer: str, *, allow_neg_inf: bool = False) -> None:
-    """Raise NonFiniteScoresError naming `layer` if any score is NaN or infinite.
+    """Raise NonFiniteScoresError naming `layer` if any score is NaN or infinite (one host read).
 
     allow_neg_inf: -inf marks an expert a row may not use (a masked logit of a softmax gate);
     a row then still needs one finite score.
     """
-    bad_SE = torch.isnan(scores_SE) | torch.isposinf(scores_SE)
-    if not allow_neg_inf:
-        bad_SE |= torch.isneginf(scores_SE)
-    bad_rows_S = bad_SE.any(dim=-1)
-    if allow_neg_inf and scores_SE.shape[-1]:
-        bad_rows_S |= torch.isneginf(scores_SE).all(dim=-1)
-    if not bool(bad_rows_S.any()):
-        return
-    S = scores_SE.shape[0]
-    n_nan = int(torch.isnan(scores_SE).sum())
-    n_pos = int(torch.isposinf(scores_SE).sum())
-    n_neg = int(torch.isneginf(scores_SE).sum())
-    first = int(bad_rows_S.nonzero()[0, 0])
-    raise NonFiniteScoresError(
-        f"{layer}: router scores are not finite in {int(bad_rows_S.sum())} of {S} rows (first: row {first}; "
-        f"{n_nan} NaN, {n_pos} +inf, {n_neg} -inf entries). The layer's input or router weights have "
-        f"diverged or overflowed; no expert choice can be made from them. Check the loss before this "
-        f"step, lower the learning rate, or train in fp32 / with a smaller --fp16-init-scale."
-    )
+    _raise_now(nonfinite_fault(scores_SE, allow_neg_inf=allow_neg_inf), layer)
+
+
+def _check(fault_F: Tensor, layer: str, defer: bool) -> Tensor | None:
+    """The record to defer, or None after reading it (and raising if it is a fault)."""
+    if defer:
+        return fault_F
+    _raise_now(fault_F, layer)
+    return None
 
 
 def sanitize_scores(scores_SE: Tensor) -> Tensor:
@@ -121,32 +217,39 @@ def greedy_top1(scores_SE: Tensor) -> Tensor:
     return sanitize_scores(scores_SE).argmax(dim=-1)
 
 
-def base_route(scores_SE: Tensor, *, training: bool, layer: str = "base router") -> RoutingPlan:
+def base_route(scores_SE: Tensor, *, training: bool, layer: str = "base router",
+               defer_checks: bool = False) -> RoutingPlan:
     """Base Layers (Lewis et al. 2021): balanced assignment in training, greedy top-1 at inference.
 
     The combine weight is sigmoid(x . c_e) of the chosen expert, so the layer output
     sigmoid * expert(x) + (1 - sigmoid) * x gives the centroids a gradient. Degenerate but
     finite scores (all equal, one expert preferred by every row) are still assigned with exact
-    balance; non-finite scores raise NonFiniteScoresError naming `layer`.
+    balance; non-finite scores raise NonFiniteScoresError naming `layer` (at once, or where the
+    dispatcher reads the plan's fault record with defer_checks=True).
     """
     scores_SE = scores_SE.float()
-    check_finite_scores(scores_SE.detach(), layer)
+    fault_F = _check(nonfinite_fault(scores_SE), layer, defer_checks)
     with torch.no_grad():
         expert_S = balanced_assignment(scores_SE.detach()) if training else scores_SE.detach().argmax(dim=-1)
     chosen_S = scores_SE.gather(1, expert_S[:, None]).squeeze(1)
     weight_S = torch.sigmoid(chosen_S)
-    return RoutingPlan(expert_S[:, None], weight_S[:, None])
+    return RoutingPlan(expert_S[:, None], weight_S[:, None], fault_F=fault_F)
 
 
-def hash_route(token_ids_S: Tensor, table_V: Tensor) -> RoutingPlan:
-    """HASH Layers (Roller et al. 2021): a fixed token-id -> expert table, weight 1."""
-    if token_ids_S.numel() and (int(token_ids_S.min()) < 0 or int(token_ids_S.max()) >= table_V.numel()):
-        raise ValueError(
-            f"hash routing got token ids in [{int(token_ids_S.min())}, {int(token_ids_S.max())}] "
-            f"but the hash table covers ids 0..{table_V.numel() - 1}; the vocabulary does not match the table"
-        )
-    expert_S = table_V[token_ids_S.long()]
-    return RoutingPlan(expert_S[:, None], torch.ones(expert_S.shape[0], 1, device=expert_S.device))
+def hash_route(token_ids_S: Tensor, table_V: Tensor, *, layer: str = "hash router",
+               defer_checks: bool = False) -> RoutingPlan:
+    """HASH Layers (Roller et al. 2021): a fixed token-id -> expert table, weight 1.
+
+    Token ids outside the table raise ValueError (at once, or where the dispatcher reads the
+    plan's fault record with defer_checks=True; the lookup clamps them meanwhile, so no
+    out-of-range index reaches the device)."""
+    V = table_V.numel()
+    fault_F = _check(hash_fault(token_ids_S, V), layer, defer_checks)
+    ids_S = token_ids_S.long()
+    if defer_checks:
+        ids_S = ids_S.clamp(0, max(V - 1, 0))  # valid ids are unchanged
+    expert_S = table_V[ids_S]
+    return RoutingPlan(expert_S[:, None], torch.ones(expert_S.shape[0], 1, device=expert_S.device), fault_F=fault_F)
 
 
 def smoe_deterministic_experts(num_channels: int, num_experts: int, device=None) -> Tensor:
@@ -159,7 +262,8 @@ def smoe_deterministic_experts(num_channels: int, num_experts: int, device=None)
     return torch.arange(num_experts, device=device).repeat_interleave(num_channels // num_experts)
 
 
-def smoe_partial_route(logits_SE: Tensor, *, training: bool, layer: str = "sMoE router") -> RoutingPlan:
+def smoe_partial_route(logits_SE: Tensor, *, training: bool, layer: str = "sMoE router",
+                       defer_checks: bool = False) -> RoutingPlan:
     """sMoE partial prediction routing (sec. 3.2.2, eq. 5).
 
     logits_SE are the router logits of each hidden-dimension vector, computed from the first
@@ -167,12 +271,13 @@ def smoe_partial_route(logits_SE: Tensor, *, training: bool, layer: str = "sMoE 
     of hidden dimensions); inference routes each vector to its most probable expert, so the
     result does not depend on the batch. The combine weight is the softmax probability of the
     chosen expert (eq. 7), which trains the router. Non-finite logits raise
-    NonFiniteScoresError naming `layer`.
+    NonFiniteScoresError naming `layer` (at once, or through the plan's fault record with
+    defer_checks=True).
     """
     logits_SE = logits_SE.float()
-    check_finite_scores(logits_SE.detach(), layer)
+    fault_F = _check(nonfinite_fault(logits_SE), layer, defer_checks)
     probs_SE = torch.softmax(logits_SE, dim=-1)
     with torch.no_grad():
         expert_S = balanced_assignment(logits_SE.detach()) if training else logits_SE.detach().argmax(dim=-1)
     weight_S = probs_SE.gather(1, expert_S[:, None]).squeeze(1)
-    return RoutingPlan(expert_S[:, None], weight_S[:, None])
+    return RoutingPlan(expert_S[:, None], weight_S[:, None], fault_F=fault_F)

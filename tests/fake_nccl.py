@@ -9,6 +9,11 @@ cluster at the first batch; gloo accepts it, so CPU tests never notice. Inside `
 - `FakeCuda`, a TorchFunctionMode, serves those "CUDA" tensors: they are CPU tensors whose storage
   is marked; `.device` reports cuda:0 for them, `.to("cuda")`/`device="cuda"` produce them, results
   of operations on them are marked too, `.cpu()` copies out unmarked;
+- the backward pass (`Tensor.backward`) runs under a TorchDispatchMode that marks the results of
+  every operation with a marked input, so gradients of "CUDA" tensors are "CUDA" tensors too
+  when they reach the collectives of the backward (the all2all's reverse exchange, the replica
+  all-reduce of expert gradients). Function modes are off inside autograd's hooks, so there a
+  new CPU tensor is caught, but `.cpu()` of a gradient is not (it is the same CPU tensor here);
 - every tensor collective of `torch.distributed` first checks that each tensor it is given is
   marked (raises `CpuTensorToNccl` otherwise), then runs on the real gloo group underneath, so the
   values are real and the code goes on as it would. Object collectives (pickling through
@@ -21,7 +26,10 @@ from unittest import mock
 
 import torch
 import torch.distributed as dist
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 CUDA = torch.device("cuda", 0)
 TENSOR_COLLECTIVES = ("all_reduce", "all_to_all_single", "broadcast", "all_gather", "all_gather_into_tensor",
@@ -51,17 +59,24 @@ class FakeCuda(TorchFunctionMode):
 
     def __init__(self):
         super().__init__()
-        self.storages: set = set()
+        # marked storages by address, each with a weak reference: a freed storage's address can be
+        # reused by a CPU tensor, which must not count as marked
+        self.storages: dict = {}
+        self.synchronized: list = []  # torch.cuda.synchronize calls made in the block
 
     def _key(self, t: torch.Tensor):
         return t.untyped_storage().data_ptr() if t.untyped_storage().nbytes() else ("empty", id(t))
 
     def marked(self, t) -> bool:
-        return isinstance(t, torch.Tensor) and self._key(t) in self.storages
+        if not isinstance(t, torch.Tensor):
+            return False
+        ref = self.storages.get(self._key(t), False)
+        return ref is None or (ref is not False and not ref.expired())
 
     def _mark(self, obj):
         if isinstance(obj, torch.Tensor):
-            self.storages.add(self._key(obj))
+            storage = obj.untyped_storage()
+            self.storages[self._key(obj)] = StorageWeakRef(storage) if storage.nbytes() else None
         elif isinstance(obj, (list, tuple)):
             for o in obj:
                 self._mark(o)
@@ -75,6 +90,9 @@ class FakeCuda(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
+        if func is torch.Tensor.backward:  # autograd computes gradients below Python: mark them there
+            with _MarkResults(self):
+                return func(*args, **kwargs)
         if getattr(func, "__self__", None) is torch._C.TensorBase.device:  # the .device getter
             return CUDA if self.marked(args[0]) else torch.device("cpu")
         if func is torch.Tensor.to:
@@ -103,6 +121,21 @@ class FakeCuda(TorchFunctionMode):
         out = func(*args, **kwargs)
         if self._any_marked(args, kwargs):
             self._mark(out)
+        return out
+
+
+class _MarkResults(TorchDispatchMode):
+    """Results of an operation with a marked ("CUDA") input are marked (used for the backward pass)."""
+
+    def __init__(self, fake: FakeCuda):
+        super().__init__()
+        self.fake = fake
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if any(self.fake.marked(t) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)):
+            for t in pytree.tree_leaves(out):
+                self.fake._mark(t)
         return out
 
 
@@ -139,8 +172,8 @@ def pretend_nccl():
                mock.patch.object(torch.cuda, "current_device", lambda: 0),
                mock.patch.object(torch.cuda, "device_count", lambda: 1),
                mock.patch.object(torch.cuda, "set_device", lambda device: None),
-               # the dispatcher's timer waits for the device before reading the clock: nothing to wait for
-               mock.patch.object(torch.cuda, "synchronize", lambda device=None: None)]
+               # recorded, not done: nothing to wait for (the dispatchers must not ask, see test_collectives)
+               mock.patch.object(torch.cuda, "synchronize", lambda device=None: mode.synchronized.append(device))]
     patches += [mock.patch.object(dist, n, checked(n, getattr(dist, n)))
                 for n in TENSOR_COLLECTIVES if hasattr(dist, n)]
     patches += [mock.patch.object(dist, n, refused(n)) for n in OBJECT_COLLECTIVES if hasattr(dist, n)]

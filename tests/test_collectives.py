@@ -1,7 +1,8 @@
 """Every torch.distributed collective of the project gets tensors on the backend's device.
 
 NCCL rejects CPU tensors; a CPU-only machine runs gloo, which accepts them. The collectives of the
-project (audited: smlp/dispatch.py's all2all and its split/width exchanges, the zero-shot scorer's
+project (audited: smlp/dispatch.py's all2all and its split/width exchanges, Base Layers' token shuffle
+and unshuffle with their backward, smlp/parallel.py's replica all-reduce of expert gradients, the zero-shot scorer's
 batch-count max and score sum, the generation token broadcast, the end-of-run barrier, and
 smlp-launch's graceful-stop vote; fairseq_plugins calls none itself) run here on 2 gloo ranks under
 `tests/fake_nccl.pretend_nccl()`, which reports an NCCL backend and fails on any CPU tensor that
@@ -48,7 +49,11 @@ def _worker(rank: int, world: int, init: str, out: str) -> None:
                             timeout=datetime.timedelta(seconds=60))
     report: dict = {}
     try:
+        from smlp.config import TMoEConfig
         from smlp.dispatch import AllToAllDispatcher
+        from smlp.experts import FFNExperts
+        from smlp.moe import TMoE
+        from smlp.parallel import average_expert_gradients
         from smlp_eval.scoring import LMScorer
         from smlp_eval.zeroshot import barrier
         from smlp_launch.local import _StopFlag
@@ -60,6 +65,13 @@ def _worker(rank: int, world: int, init: str, out: str) -> None:
                 report["negative_control"] = "not caught"
             except CpuTensorToNccl as exc:
                 report["negative_control"] = str(exc)
+            w = torch.ones(2).to("cuda").requires_grad_()  # and in the backward pass
+            w.register_hook(lambda grad: dist.all_reduce(torch.zeros(1)))
+            try:
+                (w * 2).sum().backward()
+                report["backward_negative_control"] = "not caught"
+            except CpuTensorToNccl as exc:
+                report["backward_negative_control"] = str(exc)
             try:
                 _StopFlag().agreed(SimpleNamespace(device=torch.device("cpu")))  # a CPU trainer under NCCL
                 report["cpu_trainer"] = "not caught"
@@ -97,6 +109,35 @@ def _worker(rank: int, world: int, init: str, out: str) -> None:
             n0 = len(calls)
             report["spans"] = {"spans": disp.gather_spans(rank, 5 + rank), "collectives": len(calls) - n0}
 
+            # Base Layers' token shuffle and unshuffle, forward and backward (the reverse exchanges)
+            x_SD = torch.randn(9 + rank, 3, generator=torch.Generator().manual_seed(rank)).to("cuda")
+            x_SD.requires_grad_()
+            n0 = len(calls)
+            y_SD, shuffle = disp.shuffle(x_SD)
+            z_SD = disp.unshuffle(y_SD * 2, shuffle)
+            z_SD.backward(torch.full_like(z_SD, 3.0))
+            report["shuffle"] = {"collectives": [c for c, _ in calls[n0:]], "sizes": [y_SD.shape[0], 9 + rank],
+                                 "round_trip": bool(torch.equal(z_SD.detach().cpu(), 2 * x_SD.detach().cpu())),
+                                 "grad": bool(torch.equal(x_SD.grad.cpu(), torch.full((9 + rank, 3), 6.0)))}
+
+            # a Base Layers tMoE training step: shuffle, route, dispatch, experts, combine, unshuffle, backward
+            torch.manual_seed(0)
+            layer = TMoE(TMoEConfig(d_model=6, d_ffn=8, num_experts=4, router="base"), disp).to("cuda").train()
+            n0 = len(calls)
+            layer(torch.randn(11 + rank, 6).to("cuda").requires_grad_()).square().sum().backward()
+            report["base_step"] = [c for c, _ in calls[n0:]]
+
+            # the replica all-reduce of expert gradients (expert-data parallelism): 2 replicas of one expert
+            torch.manual_seed(0)
+            experts = FFNExperts(1, 4, 8).to("cuda")
+            average_expert_gradients(experts, world_size=2, replica_group=None, replicas=2)
+            inputs = [torch.randn(5 + r, 4, generator=torch.Generator().manual_seed(10 + r)) for r in range(2)]
+            n0 = len(calls)
+            experts(inputs[rank].to("cuda"), [5 + rank]).square().sum().backward()
+            report["replica_collectives"] = [c for c, _ in calls[n0:]]
+            report["replica_grads"] = [p.grad.cpu().tolist() for p in experts.parameters()]
+            report["synchronized"] = len(mode.synchronized)
+
             # smlp-launch's graceful-stop vote on the trainer's device, and the end-of-run barrier
             report["stop_vote"] = _StopFlag().agreed(SimpleNamespace(device=torch.device("cuda", 0)))
             barrier()
@@ -114,12 +155,34 @@ def test_no_cpu_tensor_reaches_a_collective_when_the_backend_is_nccl(tmp_path):
     for rank in range(2):
         r = json.loads((tmp_path / f"{rank}.json").read_text())
         assert "got a CPU tensor" in r["negative_control"] and r["cpu_trainer"] == "caught"
+        assert "got a CPU tensor" in r["backward_negative_control"]
         assert r["scorer"]["ok"] and r["scorer"]["max"] >= 3  # batch-count max + forwards + score sum
         assert r["broadcasts"] == 3
         assert r["dispatch"] == {"width": 6, "collectives": 4, "round_trip": True}
         assert r["spans"] == {"spans": [[0, 5], [1, 6]], "collectives": 1}
+        # shuffle: counts + rows; unshuffle: rows; backward: both row exchanges reversed
+        assert r["shuffle"]["collectives"] == ["all_to_all_single"] * 5
+        assert r["shuffle"]["round_trip"] and r["shuffle"]["grad"] and r["shuffle"]["sizes"][0] in (9, 10)
+        # forward: shuffle (2), dispatch (2), combine, unshuffle; backward: the 4 row exchanges reversed
+        assert r["base_step"] == ["all_to_all_single"] * 10
+        assert r["replica_collectives"] == ["all_reduce"] * 4  # w1, b1, w2, b2
+        assert r["synchronized"] == 0  # nothing waited for the device
         assert r["stop_vote"] is False
         assert r["checked"] > 10
+    # the replica all-reduce gives every rank the mean over both ranks of their own gradients
+    from smlp.experts import FFNExperts
+
+    grads = []
+    for source in range(2):
+        torch.manual_seed(0)
+        experts = FFNExperts(1, 4, 8)
+        x = torch.randn(5 + source, 4, generator=torch.Generator().manual_seed(10 + source))
+        experts(x, [5 + source]).square().sum().backward()
+        grads.append([p.grad for p in experts.parameters()])
+    for rank in range(2):
+        got = json.loads((tmp_path / f"{rank}.json").read_text())["replica_grads"]
+        for g, g0, g1 in zip(got, *grads):
+            torch.testing.assert_close(torch.tensor(g), (g0 + g1) / 2)
 
 
 def test_collective_device_follows_the_backend(monkeypatch):

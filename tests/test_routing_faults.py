@@ -1,8 +1,9 @@
 """Routing never hangs or silently drops (issue 14).
 
 - Non-finite router scores (NaN, +-inf) raise NonFiniteScoresError naming the layer, for every
-  router, in training and at inference; on 2 ranks the rank that sees them raises and its peer,
-  blocked in the all2all, ends with an error too instead of hanging.
+  router, in training and at inference; on 2 ranks a fault one rank sees (those scores, or a token
+  id outside the HASH table) reaches the other in the count exchange, and both raise the same
+  error within seconds instead of one waiting in the all2all until the collective timeout.
 - Degenerate but finite scores (all equal, one expert preferred by every token) are still assigned
   with exact balance by Base Layers, at any token count, and the auction ends within its round
   budget on adversarial scores (smlp/assignment.py is tested from outside here).
@@ -80,24 +81,62 @@ def test_gates_accept_minus_inf_as_a_mask_but_not_a_row_without_any_expert():
             gate(logits, training=True, layer="layer x")
 
 
-def _nan_on_rank0(rank, world, init_file, results):
-    torch.set_num_threads(1)
-    start = time.monotonic()
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=30))
-        torch.manual_seed(0)
-        layer = TMoE(TMoEConfig(d_model=8, d_ffn=16, num_experts=2, router="base", shuffle=False),
+def _fault_cases(rank):
+    """(name, layer, inputs of this rank, rank that gets the fault): one forward each."""
+    from smlp.config import SparseBlockConfig
+
+    torch.manual_seed(0)
+    cases = []
+    for router, shuffle, faulty in (("base", False, 0), ("base", True, 1), ("switch", False, 1), ("gshard", False, 0),
+                                    ("hash", False, 0)):
+        layer = TMoE(TMoEConfig(d_model=8, d_ffn=16, num_experts=2, router=router, shuffle=shuffle, vocab_size=20),
                      AllToAllDispatcher(2)).train()
         layer.layer_name = "layers.1.moe (TMoE)"
-        x = torch.randn(10, 8)
-        layer(x)  # one good step on both ranks
-        if rank == 0:
-            x[3, 0] = float("nan")
-        layer(x)
-        results.put((rank, "finished", "", time.monotonic() - start))
-    except Exception as exc:  # noqa: BLE001 - reported to the test
-        results.put((rank, type(exc).__name__, str(exc)[:500], time.monotonic() - start))
+        x, ids = torch.randn(10, 8), torch.randint(0, 20, (10,))
+        if rank == faulty:
+            if router == "hash":
+                ids[2] = 25
+            else:
+                x[3, 0] = float("nan")
+        cases.append((f"{router}{'-shuffle' if shuffle else ''}", layer, (x, ids), faulty))
+    block = SparseBlock(SparseBlockConfig(d_model=16, d_ffn=24, seq_len=20, num_experts=2, smoe_routing="partial",
+                                          base_shuffle=False), AllToAllDispatcher(2)).train()
+    block.smoe.layer_name = "layers.2.smoe (SMoE)"
+    x = torch.randn(2, 17, 16)
+    if rank == 1:
+        x[0, 1] = float("nan")  # inside the routing prefix: the router's logits of sequence 0
+    cases.append(("smoe-partial", block, (x,), 1))
+    return cases
+
+
+def _faults_on_one_rank(rank, world, init_file, results):
+    torch.set_num_threads(1)
+    start = time.monotonic()
+    report = {}
+    try:
+        # the project's default collective timeout: a rank left waiting would block 600 s
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=600))
+        for name, layer, inputs, _ in _fault_cases(rank):
+            clean = tuple(t.nan_to_num(0.0).clamp(max=19) if t.is_floating_point() else t.clamp(max=19)
+                          for t in inputs)
+            layer(*clean)  # one good step on both ranks
+            t0 = time.monotonic()
+            try:
+                layer(*inputs)
+                report[name] = ("finished", "", time.monotonic() - t0)
+            except Exception as exc:  # noqa: BLE001 - reported to the test
+                report[name] = (type(exc).__name__, str(exc)[:600], time.monotonic() - t0)
+        # the group is still in step after the errors: a clean step with timing asked for
+        layer = TMoE(TMoEConfig(d_model=8, d_ffn=16, num_experts=2, router="base"), AllToAllDispatcher(2)).train()
+        layer.dispatcher.timer.enabled = True
+        y = layer(torch.randn(10, 8))
+        y.sum().backward()
+        report["after"] = ("finished", f"{layer.comm_seconds:.6f} {len(layer.comm_time.records)}", 0.0)
+        dist.barrier()
+        results.put((rank, report, time.monotonic() - start))
+    except Exception as exc:  # noqa: BLE001
+        results.put((rank, {"setup": (type(exc).__name__, str(exc)[:600], 0.0)}, time.monotonic() - start))
     finally:
         results.close()
         results.join_thread()  # flush the report before leaving
@@ -106,17 +145,21 @@ def _nan_on_rank0(rank, world, init_file, results):
 
 @pytest.mark.slow
 def test_nan_on_one_rank_raises_there_and_its_peer_does_not_hang():
+    """A fault seen by one rank (NaN or inf router scores, a token id outside the HASH table) reaches
+    every rank in the count exchange: both raise the same error, naming the layer and the rank, within
+    seconds, and the process group stays usable."""
     ctx = std_mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_nan_on_rank0, args=(r, 2, os.path.join(tmp, "rdv"), results)) for r in range(2)]
+        procs = [ctx.Process(target=_faults_on_one_rank, args=(r, 2, os.path.join(tmp, "rdv"), results))
+                 for r in range(2)]
         for p in procs:
             p.start()
-        got = {}
+        reports = {}
         try:
             for _ in range(2):
-                rank, kind, message, took = results.get(timeout=90)
-                got[rank] = (kind, message, took)
+                rank, report, took = results.get(timeout=120)
+                reports[rank] = report
         except queue.Empty:
             pass
         finally:
@@ -124,10 +167,29 @@ def test_nan_on_one_rank_raises_there_and_its_peer_does_not_hang():
                 p.join(timeout=10)
                 if p.is_alive():
                     p.kill()
+    assert set(reports) == {0, 1}, reports
+    got = {rank: reports[rank]["base"] for rank in (0, 1)}
     assert got.get(0, ("",))[0] == "NonFiniteScoresError", got
     assert got[0][1].startswith("layers.1.moe (TMoE): router scores are not finite in 1 of"), got
     assert 1 in got and got[1][0] != "finished", got  # the peer's exchange failed instead of completing
     assert got[1][2] < 60, got
+    expected = {"base": ("NonFiniteScoresError", 0), "base-shuffle": ("NonFiniteScoresError", None),
+                "switch": ("NonFiniteScoresError", 1), "gshard": ("NonFiniteScoresError", 0),
+                "hash": ("ValueError", 0), "smoe-partial": ("NonFiniteScoresError", 1)}
+    for case, (kind, seen) in expected.items():
+        (kind0, message0, took0), (kind1, message1, took1) = reports[0][case], reports[1][case]
+        assert kind0 == kind1 == kind and message0 == message1, (case, reports[0][case], reports[1][case])
+        assert took0 < 10 and took1 < 10, (case, took0, took1)  # not the 600 s collective timeout
+        layer = "layers.2.smoe (SMoE)" if case == "smoe-partial" else "layers.1.moe (TMoE)"
+        assert message0.startswith(f"{layer}: "), message0
+        assert "every rank of the expert-parallel group raises this error" in message0, message0
+        if seen is not None:  # with the shuffle the NaN row travels to a random rank
+            assert f"[seen on rank {seen};" in message0, message0
+    assert "hash routing got token ids in [" in reports[0]["hash"][1] and ", 25]" in reports[0]["hash"][1]
+    for rank in (0, 1):
+        kind, timing, _ = reports[rank]["after"]
+        seconds, records = timing.split()
+        assert kind == "finished" and float(seconds) > 0 and int(records) == 4  # shuffle, dispatch, combine, unshuffle
 
 
 # ---------------------------------------------------------------- degenerate scores, bounded auction

@@ -1,0 +1,339 @@
+"""A training step that does not wait for the device (issue 19), checked on the CPU.
+
+- The host-sync counter (smlp_bench.host_syncs) counts what it claims to (a negative control of
+  every kind of sync it knows) and runs balanced assignment on its accelerator path.
+- Budget per family on that path: dense blocks and the backward pass 0 syncs, the criterion 0,
+  a sparse layer one read per dispatch (its split sizes) plus, where balanced assignment runs,
+  its completion checks: at most 3 per MoE module without an auction, 6 with one. Every sync
+  must come from one of those two places.
+- Removing the syncs changed nothing: the layer equals the former boolean-mask implementation
+  (outputs and gradients bit for bit, with dropped slots), the deferred router checks raise the
+  errors the routers raise on their own, and the all2all timer only records when asked to, with
+  device events that nothing waits for inside the forward.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from smlp import assignment
+from smlp.config import TMoEConfig
+from smlp.dispatch import CommTimer, LocalDispatcher
+from smlp.lm import LanguageModel
+from smlp.moe import TMoE
+from smlp.routing import (FAULT_WIDTH, NonFiniteScoresError, base_route, hash_fault, hash_route, nonfinite_fault,
+                          routing_error)
+from smlp_bench.host_syncs import HostSyncCounter, count_host_syncs, torch_assignment_path
+from smlp_bench.hot_path import FAMILIES, count_step, tiny_config, tokens
+
+# ---------------------------------------------------------------- the counter
+
+
+def test_the_counter_counts_every_kind_of_sync_and_nothing_else():
+    x = torch.arange(12.0).reshape(3, 4)
+    idx = torch.tensor([0, 2])
+    expected = 0
+    with HostSyncCounter() as c:
+        x.sum().item(); expected += 1
+        x.tolist(); expected += 1
+        x.cpu(); expected += 1
+        x.to("cpu"); expected += 1
+        x.numpy(); expected += 1
+        bool(x.sum() > 0); expected += 1
+        int(x[0, 0]); expected += 1
+        float(x[0, 0]); expected += 1
+        torch.nonzero(x); expected += 1
+        x[x > 3]; expected += 1  # boolean-mask indexing
+        y = x.clone()
+        y[y > 3] = 0.0; expected += 1
+        torch.bincount(idx); expected += 2
+        y.index_fill_(0, idx, torch.tensor(1.0)); expected += 1
+        torch.arange(3).repeat_interleave(torch.tensor([1, 2, 3])); expected += 1
+        torch.equal(x, x); expected += 1
+        # not syncs: device-side counting, selection, a Python fill value, a known output size
+        torch.zeros(3, dtype=torch.long).scatter_add_(0, idx, torch.ones_like(idx))
+        torch.where(x > 3, x, 0.0)
+        y.index_fill_(0, idx, 1.0)
+        torch.arange(3).repeat_interleave(torch.tensor([1, 2, 3]), output_size=6)
+        x.to(x.device)  # follows a tensor: on the GPU in a CUDA run
+        x[idx]
+    assert c.count == expected == 16, dict(c.by_site)
+
+
+def test_the_counted_path_is_the_accelerator_path_of_balanced_assignment():
+    with count_host_syncs():
+        assert isinstance(assignment._array_ops(torch.device("cpu")), assignment._TorchOps)
+        assert assignment._check_interval(torch.device("cpu")) == assignment.ACCELERATOR_CHECK_EVERY == 4
+    assert isinstance(assignment._array_ops(torch.device("cpu")), assignment._NumpyOps)
+
+
+# ---------------------------------------------------------------- the budget
+
+DISPATCH_READ = "tolist @ smlp/dispatch.py"
+AUCTION_CHECK = "@ smlp/assignment.py"
+AUCTION_FAMILIES = {"sMLP-det", "sMLP-partial", "Base"}
+
+
+def _per_module_syncs(name: str, seed: int = 0):
+    """Host syncs of each MoE module of one training forward (by forward hooks on a counter)."""
+    torch.manual_seed(seed)
+    model = LanguageModel(tiny_config(name)).train()
+    counter = HostSyncCounter()
+    per_module = {}
+
+    def pre(module, args):
+        module._syncs_before = counter.count
+
+    def post(module, args, out):
+        per_module[module.layer_name] = counter.count - module._syncs_before
+
+    for _, module in model.moe_modules():
+        module.register_forward_pre_hook(pre)
+        module.register_forward_hook(post)
+    with torch_assignment_path(), counter:
+        model(tokens(seed=seed))
+    return per_module, counter
+
+
+@pytest.fixture(scope="module")
+def steps():
+    return {name: count_step(name) for name in FAMILIES}
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_host_sync_budget_of_a_training_step(steps, name):
+    step = steps[name]
+    assert step["backward"] == 0, step["backward_sites"]
+    assert step["criterion"] == 0, step["criterion_sites"]
+    if name in ("gMLP", "Transformer"):
+        assert step["forward"] == 0, step["forward_sites"]
+        return
+    for site in step["forward_sites"]:  # nothing but split-size reads and auction completion checks
+        assert DISPATCH_READ in site or (AUCTION_CHECK in site and name in AUCTION_FAMILIES), site
+    dispatches = 2 if name == "sMLP-partial" else 1  # dispatches that read counts, per sparse layer
+    reads = sum(n for site, n in step["forward_sites"].items() if DISPATCH_READ in site)
+    assert reads == dispatches * step["sparse_layers"], step["forward_sites"]
+    per_module, _ = _per_module_syncs(name)
+    assert len(per_module) == step["sparse_layers"] * (2 if name.startswith("sMLP") else 1)
+    for layer, n in per_module.items():
+        auction = "TMoE" in layer and name in AUCTION_FAMILIES or "partial" in name
+        assert n <= (6 if auction else 3), (layer, n)
+    if name == "sMLP-det":  # its sMoE knows its counts from the shapes: nothing to read
+        assert all(n == 0 for layer, n in per_module.items() if "SMoE" in layer), per_module
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_budget_holds_for_other_batches(seed):
+    """The auction's checks depend on the scores: other seeds stay within budget too."""
+    for name in ("Base", "sMLP-partial", "GShard"):
+        per_module, _ = _per_module_syncs(name, seed)
+        for layer, n in per_module.items():
+            assert n <= (6 if name != "GShard" else 1), (name, seed, layer, n)
+
+
+def test_a_padded_partial_prediction_batch_costs_the_criterion_one_read():
+    from smlp_bench.hot_path import _Replay, criterion, fairseq_model, lm_sample
+
+    torch.manual_seed(0)
+    core = LanguageModel(tiny_config("sMLP-partial")).train()
+    model, dictionary = fairseq_model(core)
+    sample = lm_sample(tokens(), dictionary.pad())
+    counted = {}
+    for padded in (False, True):
+        if padded:
+            sample["target"][1, 15:] = dictionary.pad()
+            sample["ntokens"] = int((sample["target"] != dictionary.pad()).sum())
+        out = model(**sample["net_input"])
+        with HostSyncCounter() as c:
+            loss, sample_size, log = criterion(dictionary)(_Replay(model, out), sample)
+        start = core.cfg.prediction_start
+        assert sample_size == log["ntokens"] == int((sample["target"][:, start:] != dictionary.pad()).sum())
+        counted[padded] = c.count
+    assert counted == {False: 0, True: 1}
+
+
+# ---------------------------------------------------------------- nothing else changed
+
+
+def _former_route_and_compute(layer: TMoE, x_SD: torch.Tensor, token_ids_S=None) -> torch.Tensor:
+    """The TMoE step before issue 19: dropped slots removed by boolean masks, bincount counts."""
+    plan = layer.route(x_SD, token_ids_S)
+    K = plan.experts_SK.shape[1]
+    kept = (plan.experts_SK >= 0).reshape(-1)
+    row_idx = torch.arange(x_SD.shape[0]).repeat_interleave(K)[kept]
+    expert_idx = plan.experts_SK.reshape(-1)[kept]
+    weight = plan.weights_SK.reshape(-1)[kept].to(x_SD.dtype)
+    order = torch.argsort(expert_idx, stable=True)
+    counts = torch.bincount(expert_idx, minlength=layer.cfg.num_experts).tolist()
+    y_sorted = layer.experts(x_SD[row_idx][order], counts)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel())
+    return torch.zeros_like(x_SD).index_add(0, row_idx, y_sorted[inverse] * weight[:, None])
+
+
+@pytest.mark.parametrize("router", ["switch", "gshard", "base", "hash"])
+def test_layers_equal_the_former_boolean_mask_implementation_bit_for_bit(router):
+    torch.manual_seed(0)
+    layer = TMoE(TMoEConfig(d_model=8, d_ffn=16, num_experts=4, router=router, capacity_factor=0.5,
+                            vocab_size=40, shuffle=False)).train()
+    with torch.no_grad():
+        layer.experts.w2.normal_()  # Base Layers' zero-initialised output would hide differences
+    x = torch.randn(37, 8)
+    ids = torch.randint(0, 40, (37,))
+    results = []
+    for step in (layer, lambda x, ids: _former_route_and_compute(layer, x, ids)):
+        xi = x.clone().requires_grad_()
+        layer.zero_grad()
+        torch.manual_seed(1)  # GShard's Gumbel noise
+        y = step(xi, ids)
+        (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
+        results.append([y.detach(), xi.grad] + [p.grad.clone() for p in layer.parameters()])
+    if router in ("switch", "gshard"):
+        assert (layer.route(x).experts_SK == -1).any()  # capacity 0.5: slots were dropped
+    for new, old in zip(*results):
+        assert torch.equal(new, old)
+
+
+def test_fault_records_against_a_direct_count():
+    scores = torch.randn(32, 4)
+    scores[5, 1] = float("nan")
+    scores[9] = float("inf")
+    scores[20, 2] = float("-inf")
+    record = nonfinite_fault(scores).tolist()
+    assert len(record) == FAULT_WIDTH and record == [1, 3, 32, 1, 4, 1, 5]
+    assert nonfinite_fault(scores, allow_neg_inf=True).tolist() == [1, 2, 32, 1, 4, 1, 5]
+    assert nonfinite_fault(torch.randn(8, 4)).tolist() == [0, 0, 8, 0, 0, 0, 8]
+    assert hash_fault(torch.tensor([3, 9, 0]), 10).tolist()[:4] == [0, 0, 9, 10]
+    assert hash_fault(torch.tensor([3, 12, -1]), 10).tolist()[:4] == [2, -1, 12, 10]
+    assert routing_error([[0] * FAULT_WIDTH] * 2, "layer") is None
+    two = routing_error([[0] * FAULT_WIDTH, record, record], "layers.3 (TMoE)", ranks=[4, 5, 6])
+    assert isinstance(two, NonFiniteScoresError)
+    assert str(two).startswith("layers.3 (TMoE): router scores are not finite in 3 of 32 rows (first: row 5;")
+    assert str(two).endswith("[seen on ranks 5, 6 (the figures are rank 5's); every rank of the expert-parallel "
+                             "group raises this error]")
+    one = routing_error([record, [0] * FAULT_WIDTH], "x", ranks=[0, 1])
+    assert str(one).endswith("[seen on rank 0; every rank of the expert-parallel group raises this error]")
+
+
+@pytest.mark.parametrize("router", ["base", "switch", "gshard", "hash"])
+def test_a_deferred_check_raises_what_the_router_raises_on_its_own(router):
+    torch.manual_seed(0)
+    layer = TMoE(TMoEConfig(d_model=8, d_ffn=16, num_experts=4, router=router, vocab_size=10)).train()
+    layer.layer_name = "layers.1.ffn (TMoE)"
+    x, ids = torch.randn(12, 8), torch.randint(0, 10, (12,))
+    if router == "hash":
+        ids[4] = 17
+    else:
+        x[4, 0] = float("nan")
+    with pytest.raises((NonFiniteScoresError, ValueError)) as own:
+        layer.route(x, ids)  # read at once
+    plan = layer.route(x, ids, defer_checks=True)
+    assert plan.fault_F is not None and plan.fault_F[0] != 0  # left on the device
+    with HostSyncCounter() as c, pytest.raises(type(own.value)) as deferred:
+        layer(x, ids)  # read with the split sizes
+    assert str(deferred.value) == str(own.value) and str(own.value).startswith("layers.1.ffn (TMoE): ")
+    assert c.count == 1 or router == "base"  # base: plus its auction's checks
+
+
+def test_standalone_routers_still_raise_at_once():
+    with pytest.raises(NonFiniteScoresError, match="base router: router scores are not finite in 32 of 32"):
+        base_route(torch.full((32, 4), float("nan")), training=True)
+    with pytest.raises(ValueError, match="hash table covers ids 0..4"):
+        hash_route(torch.tensor([1, 5]), torch.arange(5))
+
+
+# ---------------------------------------------------------------- all2all timing
+
+
+class _FakeEvent:
+    log: list = []
+
+    def __init__(self, device=None, enable_timing=False):
+        assert enable_timing and torch.device(device).type == "cuda"
+        self.t = None
+
+    def record(self, stream=None):
+        self.t = len(self.log)
+        self.log.append("record")
+
+    def synchronize(self):
+        self.log.append("wait")
+
+    def elapsed_time(self, end):
+        return 1000.0 * (end.t - self.t)  # milliseconds
+
+
+def test_the_all2all_timer_is_off_by_default_and_never_synchronises(monkeypatch):
+    def refuse(*a, **k):
+        raise AssertionError("the device was synchronised inside the forward")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", refuse)
+    monkeypatch.setattr(torch, "Event", _FakeEvent)
+    _FakeEvent.log = []
+    assert LocalDispatcher(4).timer.enabled is False
+    off = CommTimer()
+    with off(torch.device("cuda", 0)):
+        pass
+    assert off.records == [] and _FakeEvent.log == []
+
+    timer = CommTimer(enabled=True)
+    mark = timer.mark()
+    for _ in range(2):
+        with timer(torch.device("cuda", 0)):
+            _FakeEvent.log.append("collective")
+    assert _FakeEvent.log == ["record", "collective", "record"] * 2  # marks on the stream, no wait
+    taken = timer.take(mark)
+    assert timer.records == [] and len(taken.records) == 2
+    assert taken.seconds == pytest.approx(2 * 2.0)  # read afterwards: waits for the end events
+    assert _FakeEvent.log.count("wait") == 2
+
+    cpu = CommTimer(enabled=True)
+    with cpu(torch.device("cpu")):
+        pass
+    assert len(cpu.records) == 1 and isinstance(cpu.records[0], float) and cpu.seconds >= 0.0
+
+
+def test_the_criterion_logs_tensors_and_the_all2all_time_only_when_asked(monkeypatch):
+    from smlp_bench.hot_path import criterion, fairseq_model, lm_sample
+
+    torch.manual_seed(0)
+    core = LanguageModel(tiny_config("Switch")).train()
+    model, dictionary = fairseq_model(core)
+    sample = lm_sample(tokens(), dictionary.pad())
+    _, _, log = criterion(dictionary)(model, sample)
+    assert not any(k.startswith("a2a_ms_") for k in log)
+    loads = {k: v for k, v in log.items() if k.startswith("load_")}
+    assert len(loads) == 2 and all(torch.is_tensor(v) for v in loads.values())
+    assert torch.is_tensor(log["aux_loss"]) and log["aux_count"] == 1
+    for _, module in core.moe_modules():  # the figure the criterion logged before: float max / float mean
+        key = f"load_{_.split('.')[1]}_{_.split('.')[-1]}"
+        assert float(loads[key]) == float(module.load_E.max()) / float(module.load_E.float().mean())
+    crit = criterion(dictionary)
+    crit.log_a2a_time = True
+    _, _, log = crit(model, sample)
+    assert core.dispatcher.timer.enabled
+    assert sorted(k for k in log if k.startswith("a2a_ms_")) == ["a2a_ms_1_ffn", "a2a_ms_3_ffn"]
+
+
+@pytest.mark.parametrize("break_mode", ["none", "complete"])  # "eos" fails in fairseq on numpy 2
+def test_the_batch_token_count_the_criterion_reads_is_the_count_of_targets(tiny_lm_data, break_mode):
+    """fairseq's collater counts `ntokens` on the host; it equals the non-padding targets of every
+    batch (padded ones included), so the criterion need not count them on the device."""
+    from test_fairseq import build_model
+
+    from fairseq_plugins.criterion import predicted_tokens
+
+    _, task = build_model(tiny_lm_data, "gmlp_lm_tiny", ["--sample-break-mode", break_mode])
+    task.load_dataset("valid")
+    batches = task.get_batch_iterator(task.dataset("valid"), max_sentences=8).next_epoch_itr(shuffle=False)
+    pad = task.target_dictionary.pad()
+    padded = 0
+    for sample in batches:
+        target = sample["target"]
+        padded += int((target == pad).any())
+        assert sample["ntokens"] == int((target != pad).sum())
+        for start in (0, 6):
+            masked = target.clone()
+            masked[:, :start] = pad
+            assert predicted_tokens(sample, masked, start, pad) == int((masked != pad).sum())
+    assert padded > 0  # padded batches were among them (the last one with break mode none)
