@@ -367,6 +367,8 @@ def _smoe_macs(smoe: SMoE, B: int, n: int) -> int:
     P = min(c.prefix_len, n)
     M = n - P
     router = B * C * P * c.num_experts if c.routing == "partial" and M else 0
+    if c.leaky:  # Appendix B: the router reads all n positions
+        router = B * C * n * c.num_experts
     return _ln(B * n, C) + router + B * C * M * M
 
 
@@ -656,19 +658,39 @@ def _mixer_flags(cfg: LMConfig) -> str:
     return flags + ("" if cfg.hypermixer_tied or cfg.token_mixer != "hypermixer" else " --hypermixer-untied")
 
 
+def _if_not_default(cfg: LMConfig, pairs: Sequence[tuple[str, str]]) -> str:
+    """` --flag value` for each core field whose value differs from LMConfig's default."""
+    defaults = LMConfig.__dataclass_fields__
+    out = ""
+    for name, flag in pairs:
+        value = getattr(cfg, name)
+        if value != defaults[name].default:
+            out += f" {flag} {int(value) if isinstance(value, bool) else value}"
+    return out
+
+
 def fairseq_flags(cfg: LMConfig) -> str:
-    """Flags for fairseq-train that build `cfg` (widths, layers, experts)."""
+    """Flags for fairseq-train that build `cfg`: every field of the core config reaches the command
+    (widths, layers, experts, routing, placement, dropout, activation, mixer); `parse_model` of
+    them gives `cfg` back (tested). Fields at LMConfig's default are left out where the fairseq
+    default is the same, so the common commands stay short; dropout is always given (fairseq's
+    default is 0.1, the core's 0)."""
     base = (f"--decoder-embed-dim {cfg.d_model} --decoder-ffn-embed-dim {cfg.d_ffn} "
-            f"--decoder-layers {cfg.dense_layers} --tokens-per-sample {cfg.seq_len}")
+            f"--decoder-layers {cfg.dense_layers} --tokens-per-sample {cfg.seq_len} --dropout {cfg.dropout}")
+    base += _if_not_default(cfg, [("activation", "--activation-fn")])
     if cfg.family == "gmlp":
         return f"--arch gmlp_lm {base} --sgu-heads {cfg.heads}{_mixer_flags(cfg)}"
+    sparse = _if_not_default(cfg, [("sparse_placement", "--sparse-placement"), ("base_shuffle", "--base-shuffle")])
     if cfg.family == "smlp":
         return (f"--arch smlp_lm {base} --sparse-layers {cfg.sparse_layers} --num-experts {cfg.num_experts} "
-                f"--smoe-routing {cfg.smoe_routing}{_mixer_flags(cfg)}")
+                f"--smoe-routing {cfg.smoe_routing}{_mixer_flags(cfg)}"
+                f"{_if_not_default(cfg, [('prefix_fraction', '--prefix-fraction')])}{sparse}")
     flags = (f"--arch moe_transformer_lm {base} --decoder-attention-heads {cfg.heads} "
              f"--sparse-layers {cfg.sparse_layers}")
     if cfg.sparse_layers:
-        flags += f" --num-experts {cfg.num_experts} --moe-router {cfg.moe_router}"
+        flags += f" --num-experts {cfg.num_experts} --moe-router {cfg.moe_router}" + sparse + _if_not_default(
+            cfg, [("capacity_factor", "--capacity-factor"), ("gshard_aux_loss", "--gshard-aux-loss"),
+                  ("hash_seed", "--hash-seed")])
     return flags
 
 

@@ -10,14 +10,14 @@ from dataclasses import dataclass, field
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 from omegaconf import II
 
-from smlp.config import GSHARD_AUX_LOSSES
+from smlp.config import GSHARD_AUX_LOSSES, SMOE_ROUTING_CHOICES as CORE_SMOE_ROUTINGS
 from smlp.dispatch import expert_parallel_layout
 from smlp.lm import PLACEMENTS, LMConfig
 from smlp.parallel import ExpertDataLayout, valid_ep_sizes
 
 logger = logging.getLogger(__name__)
 
-SMOE_ROUTING_CHOICES = ChoiceEnum(["deterministic", "partial"])
+SMOE_ROUTING_CHOICES = ChoiceEnum(list(CORE_SMOE_ROUTINGS))
 MOE_ROUTER_CHOICES = ChoiceEnum(["gshard", "switch", "base", "hash"])
 ACTIVATION_CHOICES = ChoiceEnum(["gelu", "relu"])
 PLACEMENT_CHOICES = ChoiceEnum(["auto", *PLACEMENTS])
@@ -96,7 +96,9 @@ class SMLPConfig(_SparseBase, _TokenMixerFlags):
     smoe_routing: SMOE_ROUTING_CHOICES = field(
         default="deterministic",
         metadata={"help": "sMoE routing: deterministic (hidden chunk i -> expert i) or partial "
-                          "(router over the first --prefix-fraction positions; loss on the rest)"},
+                          "(router over the first --prefix-fraction positions; loss on the rest); "
+                          "leaky-full-sequence is the paper's Appendix B router over all positions, which SEES "
+                          "THE FUTURE (not causal; only to reproduce Figure 7)"},
     )
     prefix_fraction: float = field(default=0.2, metadata={"help": "routing prefix of partial prediction"})
 

@@ -37,7 +37,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor, nn
 
-from .config import ACTIVATIONS, SMOE_ROUTINGS, TOKEN_ROUTERS, GMLPConfig, SparseBlockConfig, TMoEConfig, _choice, _positive, _probability
+from .config import ACTIVATIONS, SMOE_ROUTING_CHOICES, TOKEN_ROUTERS, GMLPConfig, SparseBlockConfig, TMoEConfig, _choice, _positive, _probability
 from .dispatch import LocalDispatcher
 from .mixers import GMLPBlock, check_length
 from .moe import SMoE, SparseBlock, TMoE
@@ -111,7 +111,7 @@ class LMConfig:
                 f"dense_layers={self.dense_layers}, sparse_layers={self.sparse_layers}: both must be >= 0 "
                 f"and the model needs at least one layer"
             )
-        _choice("smoe_routing", self.smoe_routing, SMOE_ROUTINGS)
+        _choice("smoe_routing", self.smoe_routing, SMOE_ROUTING_CHOICES)
         _choice("moe_router", self.moe_router, TOKEN_ROUTERS)
         _choice("activation", self.activation, ACTIVATIONS)
         _probability("dropout", self.dropout)
