@@ -1123,6 +1123,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--updates", type=int, default=None, help="training updates per run (quick: 24, full: 60, long: 750)")
     p.add_argument("--nproc", type=int, default=2, help="expert-parallel CPU ranks = experts (2)")
     p.add_argument("--order-seed", type=int, default=1, help="seed of the shuffled orders of rounds 3+ (recorded)")
+    p.add_argument("--source", type=Path, default=None, metavar="RESULTS_JSON",
+                   help="table4-speed: the long benchmark's results.json (default docs/benchmark/long/results.json)")
     p.add_argument("--report", type=Path, default=None, metavar="OUTPUT_DIR",
                    help="do not train: rewrite results.json, table.md and the figure from OUTPUT_DIR/runs.json "
                         "(also while a benchmark is running or stopped)")
@@ -1204,7 +1206,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 args.output_dir.mkdir(parents=True, exist_ok=True)
                 exp.run_without_training(args)
                 return 0
-            name, settings = exp.name, dict(exp.settings)
+            name, settings = exp.name, dict(exp.settings, models=tuple(m.key for m in exp.models))
         else:
             name, settings = settings_from_args(args)
             args.output_dir = (args.output_dir or Path("results/bench")).expanduser().absolute()
@@ -1245,7 +1247,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.experiment:
             exp.finish(record, args.output_dir)
         print()
-        for t in record["targets"]:
+        for t in ([] if args.experiment else record["targets"]):
             met = {True: "met", False: "MISSED", None: "-"}[t["met"]]
             print(f"   {met:>6}  {t['target']}: {_fmt(t['measured'])} (goal {t['goal']})")
         for v in record["verdicts"].values():

@@ -77,6 +77,7 @@ from smlp.lm import LanguageModel, LMConfig, layer_plan
 from smlp.mixers import GMLPBlock, SpatialGatingUnit
 from smlp.moe import SMoE, SparseBlock, TMoE
 from smlp.token_mixers import HyperMixingUnit, NiNformerGatingUnit
+from smlp.token_routed import TokenRoutedGMLPBlock
 from smlp.transformer import CausalSelfAttention, DenseFFN, TransformerBlock, explicit_attention
 
 from .paper_tables import MATCH_TOLERANCE, PAPER_MODELS, TABLE3_DIMS, TABLE3_ROWS, TABLE5
@@ -95,7 +96,8 @@ CONVENTION = ("FLOPs = 2 x multiply-adds of the forward pass of one sequence of 
               "eval-mode routing, one expert per routing choice per sparse layer")
 FAMILY_NAMES = {"transformer": "Transformer", "gmlp": "gMLP", "gshard": "GShard", "switch": "Switch",
                 "base": "Base Layers", "hash": "HASH Layers", "smlp": "sMLP",
-                "hypermixer": "HyperMixer", "hypermixer_untied": "HyperMixer (untied)", "ninformer": "NiNformer"}
+                "hypermixer": "HyperMixer", "hypermixer_untied": "HyperMixer (untied)", "ninformer": "NiNformer",
+                "gmlp_token_routed": "gMLP, token-routed"}
 # dense gMLP models whose SGU is replaced (LMConfig.token_mixer): family key -> LMConfig fields
 MIXER_FAMILIES = {"hypermixer": dict(token_mixer="hypermixer"),
                   "hypermixer_untied": dict(token_mixer="hypermixer", hypermixer_tied=False),
@@ -234,6 +236,8 @@ def family_key(cfg: LMConfig) -> str:
         return cfg.moe_router
     if cfg.family == "gmlp" and cfg.token_mixer != "sgu":
         return cfg.token_mixer + ("" if cfg.token_mixer != "hypermixer" or cfg.hypermixer_tied else "_untied")
+    if cfg.family == "gmlp" and cfg.token_routed_experts:
+        return "gmlp_token_routed"
     return cfg.family
 
 
@@ -289,7 +293,7 @@ def _layer_macs_fvcore(cfg: LMConfig, tokens: int, experts_per_gpu: int) -> tupl
     torch.manual_seed(0)
     # Without routing nothing depends on values: trace on the meta device (same graph and shapes, no
     # compute; causal HyperMixing at paper size is ~100 s and 6 GB on 2 CPU cores). Routing needs values.
-    device = "cpu" if small.sparse_layers else "meta"
+    device = "cpu" if small.sparse_layers or small.token_routed_experts else "meta"
     model = _build(small, experts_per_gpu, device)
     counts = fvcore_by_module(model, _tokens(small, tokens).to(device))
     layers = [counts.get(f"layers.{i}", 0) for i in range(len(model.layers))]
@@ -397,7 +401,17 @@ def _attention_macs(D: int, n: int) -> int:
     return 4 * n * D * D + 2 * n * n * D  # q, k, v, out projections; scores and context
 
 
+def _token_routed_macs(layer: TokenRoutedGMLPBlock, n: int) -> int:
+    """One sequence through a token-routed gMLP block (smlp/token_routed.py): the router, and every
+    token once through one expert's projections and its T-long spatial sum; exact whatever the routing."""
+    c = layer.cfg
+    D, Fw, C, T = c.d_model, c.d_ffn, c.d_ffn // 2, c.seq_len
+    return n * D * c.num_experts + _ln(n, D) + n * (D * Fw + 5 * C + T * C + C * D)
+
+
 def _layer_macs_analytic(layer: nn.Module, n: int) -> int:
+    if isinstance(layer, TokenRoutedGMLPBlock):
+        return _token_routed_macs(layer, n)
     if isinstance(layer, GMLPBlock):
         D, Fw = layer.cfg.d_model, layer.cfg.d_ffn
         return _ln(n, D) + n * D * Fw + _token_mixer_macs(layer.token_mixer, n) + n * layer.proj_out.in_features * D
@@ -601,6 +615,9 @@ def family_config(target: LMConfig, family: str, smlp_sparse: int | None) -> tup
     if family == "transformer":
         cfg = LMConfig(family="transformer", dense_layers=1, heads=_heads_for(target.d_model), **common)
         return cfg, lambda n: (n, 0)
+    if family == "gmlp_token_routed":  # the target's expert count (Table 7 compares several: give a gmlp target)
+        E = target.token_routed_experts or (target.num_experts if target.sparse_layers else 2)
+        return LMConfig(family="gmlp", dense_layers=1, token_routed_experts=E, **common), lambda n: (n, 0)
     if family == "smlp":
         if not smlp_sparse:
             return None
@@ -615,8 +632,12 @@ def family_config(target: LMConfig, family: str, smlp_sparse: int | None) -> tup
     return cfg, lambda n: (n - n // 2, n // 2)
 
 
+# the families --match lists by default (token-routed gMLP only when asked: it is Table 7's ablation)
+MATCH_FAMILIES = tuple(f for f in FAMILY_NAMES if f != "gmlp_token_routed")
+
+
 def match(target: Count, *, tolerance: float = 0.015, smlp_sparse: int | None = None, method: str = "fvcore",
-          experts_per_gpu: int = 1, families: Sequence[str] = tuple(FAMILY_NAMES)) -> list[MatchRow]:
+          experts_per_gpu: int = 1, families: Sequence[str] = MATCH_FAMILIES) -> list[MatchRow]:
     """For each family, the layer count whose FLOPs match the target's (rule: module docstring)."""
     if not 0 <= tolerance < 1:
         raise ValueError(f"--match-tolerance {tolerance} must be in [0, 1)")
@@ -679,7 +700,8 @@ def fairseq_flags(cfg: LMConfig) -> str:
             f"--decoder-layers {cfg.dense_layers} --tokens-per-sample {cfg.seq_len} --dropout {cfg.dropout}")
     base += _if_not_default(cfg, [("activation", "--activation-fn")])
     if cfg.family == "gmlp":
-        return f"--arch gmlp_lm {base} --sgu-heads {cfg.heads}{_mixer_flags(cfg)}"
+        return (f"--arch gmlp_lm {base} --sgu-heads {cfg.heads}{_mixer_flags(cfg)}"
+                f"{_if_not_default(cfg, [('token_routed_experts', '--token-routed-experts')])}")
     sparse = _if_not_default(cfg, [("sparse_placement", "--sparse-placement"), ("base_shuffle", "--base-shuffle")])
     if cfg.family == "smlp":
         return (f"--arch smlp_lm {base} --sparse-layers {cfg.sparse_layers} --num-experts {cfg.num_experts} "

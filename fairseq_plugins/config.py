@@ -106,6 +106,11 @@ class SMLPConfig(_SparseBase, _TokenMixerFlags):
 @dataclass
 class GMLPConfig(_LMBase, _TokenMixerFlags):
     sgu_heads: int = field(default=1, metadata={"help": "heads of the spatial gating unit (multi-head SGU)"})
+    token_routed_experts: int = field(
+        default=0,
+        metadata={"help": "gMLP extended to token-level routing (sMLP Appendix A, Table 7): every block sends each "
+                          "token to one of N gMLP experts, whose SGU mixes only the earlier tokens routed to it; "
+                          "0 = dense gMLP. The experts are replicated on every rank (no all2all)"})
 
 
 @dataclass
@@ -183,7 +188,7 @@ def to_core_config(cfg, family: str, vocab_size: int, padding_idx: int) -> LMCon
         common.update(token_mixer=str(getattr(cfg, "token_mixer", "sgu")), mixer_dim=getattr(cfg, "mixer_dim", 0),
                       hypermixer_tied=not getattr(cfg, "hypermixer_untied", False))
     if family == "gmlp":
-        return LMConfig(**common, heads=cfg.sgu_heads)
+        return LMConfig(**common, heads=cfg.sgu_heads, token_routed_experts=getattr(cfg, "token_routed_experts", 0))
     num_experts = resolve_num_experts(cfg.num_experts, cfg.distributed_world_size, configured_ep_size(cfg))
     if cfg.sparse_layers:  # experts must fit the ranks: refuse a bad layout before any weight is built
         expert_layout(num_experts, cfg.distributed_world_size, configured_ep_size(cfg))

@@ -247,3 +247,35 @@ class SparseBlockConfig:
     def tmoe(self) -> TMoEConfig:
         return TMoEConfig(d_model=self.d_model, d_ffn=self.d_ffn, num_experts=self.num_experts,
                           router="base", activation=self.activation, shuffle=self.base_shuffle)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TokenRoutedGMLPConfig:
+    """gMLP extended to token-level routing (sMLP Appendix A, Figure 6 right, Table 7).
+
+    Every token goes to one of num_experts experts, each a whole gMLP block body (D->F
+    projection, GELU, SGU with its own T x T spatial weight, F/2->D projection). An expert's SGU
+    mixes only the earlier tokens of the same sequence that were routed to the same expert. The
+    router is a per-token top-1 softmax gate (Switch, no capacity: nothing depends on other
+    tokens, so it is causal) with Switch's load-balancing loss.
+    """
+
+    d_model: int
+    d_ffn: int
+    seq_len: int
+    num_experts: int
+    dropout: float = 0.0
+    init_eps: float = 1e-3
+
+    def __post_init__(self) -> None:
+        _positive("d_model", self.d_model)
+        _positive("d_ffn", self.d_ffn)
+        _positive("seq_len", self.seq_len)
+        _positive("num_experts", self.num_experts)
+        _probability("dropout", self.dropout)
+        if self.d_ffn % 2:
+            raise ValueError(f"d_ffn={self.d_ffn} must be even: the SGU splits it into two halves")
+
+    @property
+    def expert(self) -> GMLPConfig:
+        return GMLPConfig(d_model=self.d_model, d_ffn=self.d_ffn, seq_len=self.seq_len, heads=1, dropout=self.dropout)

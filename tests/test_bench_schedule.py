@@ -255,3 +255,41 @@ def test_publish_a_partial_long_record_rewrites_only_its_sections(tmp_path):
     assert "at the end of the long preset (0.61M tokens, PARTIAL)" in text
     assert "after 60 updates" not in text and "equal updates" not in text
     assert (docs / "long" / "results.json").exists()
+
+
+def test_an_experiment_runs_reports_its_claims_and_publishes_them(tmp_path, monkeypatch):
+    """`smlp-bench --experiment figure7-routing` end to end with a stand-in for fairseq-train, then
+    `--publish` of its JSON into the claims table."""
+    finals = {"smlp_det": 60.0, "smlp_partial": 64.0, "smlp_leaky": 40.0}
+
+    def fake(model, data, settings, nproc, seed, out, *, profile=False, updates=None, validate=True,
+             log_interval=None, on_line=None):
+        u = updates or settings["updates"]
+        intervals = [{"num_updates": float(i), "wps": 5000.0} for i in range(2, u + 1, 2)]
+        valid = [{"num_updates": float(v), "ppl": finals[model.key] * (1 + 25 / v), "wall": float(v)}
+                 for v in range(settings["validate_every"], u + 1, settings["validate_every"])] if validate else []
+        return suite.Run(model.key, seed, intervals=intervals, valid=valid, seconds=1.0, peak_rss_mb=[1.0])
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "dict.txt").write_text("".join(f"w{i} 1\n" for i in range(96)))
+    monkeypatch.setattr(suite, "run_training", fake)
+    monkeypatch.setattr(suite, "matmul_peak", lambda n: {"total": 1e11, "per_rank": [5e10] * n})
+    out = tmp_path / "fig7"
+    assert suite.main(["--experiment", "figure7-routing", "--output-dir", str(out), "--data", str(data)]) == 0
+    record = json.loads((out / "results.json").read_text())
+    assert record["kind"] == "experiment" and record["complete"] and (out / "figure.png").exists()
+    assert record["causal"] == {"smlp_det": True, "smlp_partial": True, "smlp_leaky": False}
+    assert record["claims"][0]["holds"] == "yes" and "46.7" in record["claims"][0]["here"]  # 40 x (1 + 25 / 150)
+    # the leaky model's flags name its routing explicitly
+    assert "--smoe-routing leaky-full-sequence" in record["models"]["smlp_leaky"]["fairseq_flags"]
+    readme = tmp_path / "README.md"
+    readme.write_text(f"a\n{suite.CLAIMS_START}\nOLD\n{suite.CLAIMS_END}\nb\n")
+    suite.publish([out / "results.json"], readme, tmp_path / "docs")
+    text = readme.read_text()
+    assert "| claim | paper | here | holds? |" in text and "OLD" not in text and "figure7-routing" in text
+    assert (tmp_path / "docs" / "experiments" / "figure7-routing" / "figure.png").exists()
+    # a second start in the same directory is refused, --resume finds nothing left to do
+    assert suite.main(["--experiment", "figure7-routing", "--output-dir", str(out), "--data", str(data)]) == 1
+    assert suite.main(["--experiment", "figure7-routing", "--output-dir", str(out), "--data", str(data),
+                       "--resume"]) == 0
