@@ -735,22 +735,22 @@ def verdict(results: dict, analysis: dict, key: str = REFERENCE) -> dict | None:
     end_tokens = xs[-1] if xs else 0
     if gap < -noise and all(lead[-3:]):
         answer = "yes"
-        text = (f"Yes at this scale: after {end_tokens / 1e6:.2f}M tokens {name} reaches validation perplexity "
+        text = (f"After {end_tokens / 1e6:.2f}M tokens {name} reaches validation perplexity "
                 f"{mine['valid_ppl']:.1f} against {theirs['valid_ppl']:.1f} for the best Transformer-MoE ({bname}), "
                 f"{-gap:.1f} lower.")
     elif last_lead is not None and gap > noise:
         answer = "only early"
-        text = (f"Only early: {name} leads the best Transformer-MoE until about {last_lead / 1e6:.2f}M tokens, then "
+        text = (f"{name} leads the best Transformer-MoE until about {last_lead / 1e6:.2f}M tokens, then "
                 f"falls behind; after {end_tokens / 1e6:.2f}M tokens it is at {mine['valid_ppl']:.1f} against "
                 f"{theirs['valid_ppl']:.1f} for {bname} ({gap:+.1f}).")
     elif abs(gap) <= noise:
         answer = "tied"
-        text = (f"Not distinguishable at this scale: after {end_tokens / 1e6:.2f}M tokens {name} is at "
+        text = (f"Not distinguishable: after {end_tokens / 1e6:.2f}M tokens {name} is at "
                 f"{mine['valid_ppl']:.1f} and {bname} at {theirs['valid_ppl']:.1f}, within the seeds' spread "
                 f"(±{noise:.1f}).")
     else:
         answer = "no"
-        text = (f"No at this scale: after {end_tokens / 1e6:.2f}M tokens {name} is at {mine['valid_ppl']:.1f} against "
+        text = (f"After {end_tokens / 1e6:.2f}M tokens {name} is at {mine['valid_ppl']:.1f} against "
                 f"{theirs['valid_ppl']:.1f} for {bname} ({gap:+.1f}), and it does not lead at any validation point.")
     if at_time and at_time["gap"] is not None:
         text += (f" At equal training time ({at_time['seconds'] / 60:.1f} min at the median load) the gap is "
@@ -969,7 +969,8 @@ def render_long(record: dict, figure: str) -> str:
     for key in ("smlp_det", "smlp_partial"):
         v = record["verdicts"].get(key)
         if v:
-            lines.append(f"- **{res[key]['name']}: {v['answer']}.** {v['text']}")
+            lines.append(f"- **Does {res[key]['name']} beat the best Transformer-MoE at this scale? {v['answer']}.** "
+                         f"{v['text']}")
     lines.append(state.strip() and f"- {state.strip()}")
     lines = [l for l in lines if l]
     rank = an.get("ranking_settled_from")
@@ -978,13 +979,14 @@ def render_long(record: dict, figure: str) -> str:
                      f"{rank['x'] / 1e6:.2f}M tokens ({rank['fraction']:.0%} of the run) on"
                      + ("" if rank["fraction"] is None or rank["fraction"] < 0.75 else
                         "; it was still changing late in training, so a longer run could reorder it") + ".")
-    lines += ["", "| model | layers | valid ppl at 123k tokens | valid ppl at the end | seeds | rank "
-                  "| speed vs sMLP-det [range] |", "|---|---|---:|---:|---|---:|---:|"]
+    first = min((c["x"][0] for c in tok.values() if c["x"]), default=early)
+    lines += ["", f"| model | layers | valid ppl at {first / 1e3:.0f}k tokens (first validation) | valid ppl at the "
+                  f"end | seeds | rank | speed vs sMLP-det [range] |", "|---|---|---:|---:|---|---:|---:|"]
     order = sorted(res, key=lambda k: res[k]["valid_ppl"] or float("inf"))
     rr = record["ratios"].get("smlp_det_wps_over_range", {})
     for i, key in enumerate(order):
         m = res[key]
-        e = _ppl_at(tok[key], early) if key in tok else None
+        e = _ppl_at(tok[key], first) if key in tok else None
         ratio = rr.get(key)
         speed = "1 (reference)" if key == record["ratios"].get("reference") else (
             f"{1 / ratio['ratio']:.2f}x [{1 / ratio['hi']:.2f}-{1 / ratio['lo']:.2f}]" if ratio else "-")
@@ -1022,7 +1024,19 @@ def render_claims(records: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
+SECTION_HEADINGS = {LONG_START: "### Does sMLP beat Transformer-MoE at matched FLOPs here?",
+                    CLAIMS_START: "### The paper's other experiments"}
+
+
 def _replace_section(text: str, start: str, end: str, body: str, readme: Path) -> str:
+    """Rewrite the generated section between the markers. A long-preset or claims section that is not
+    there yet is added with its heading: after the benchmark table's section (the claims after the
+    long-preset section when there is one)."""
+    if (start not in text or end not in text) and start in SECTION_HEADINGS:
+        anchor = LONG_END if start == CLAIMS_START and LONG_END in text else README_END
+        if anchor in text:
+            head, tail = text.split(anchor, 1)
+            return head + anchor + f"\n\n{SECTION_HEADINGS[start]}\n\n{start}\n{body}\n{end}" + tail
     if start not in text or end not in text:
         raise BenchError(f"{readme} has no {start} ... {end} section to rewrite")
     head, rest = text.split(start, 1)
