@@ -200,15 +200,20 @@ def figure4_claims(record: dict) -> list[dict]:
 
 TABLE4_KEYS = {"GShard": "gshard", "Switch Transformer": "switch", "Base Layers": "base", "HASH Layers": "hash",
                "sMLP-deterministic": "smlp_det"}
-CPU_NOTE = (
-    "What a CPU ratio can say: both models ran the same tokens, with FLOPs matched by the calculator, on the same "
-    "2 cores, measured next to the same load probes, so a ratio compares how much arithmetic and memory traffic "
-    "each model's operations cost, and whether our implementation of a model is slow by accident. What it cannot "
-    "say: the paper's words/s come from 32 V100s, where matmuls run on tensor cores in fp16, attention's T x T "
-    "softmax is memory-bound, and every sparse layer's all2all crosses NVLink and InfiniBand; here the all2all is "
-    "gloo through shared memory between 2 processes, the model is 8x narrower (D=128) with 8x shorter sequences, "
-    "and nothing is memory-bound in the same way. The step-time model puts those GPU terms together for the "
-    "paper's configuration; neither it nor the CPU ratio reproduces the paper's measured order.")
+def cpu_note(target: dict | None) -> str:
+    """What a CPU speed ratio can and cannot say about the paper's GPU figures."""
+    t = target or EXP_TARGET
+    return (
+        "What a CPU ratio can say: both models read the same tokens, with FLOPs matched by the calculator, on the "
+        "same 2 cores, each run measured against the load probes right before and after it, so the ratio compares "
+        "what each model's operations cost in arithmetic and memory traffic, and shows whether our implementation "
+        "of a model is slow by accident. What it cannot say: the paper's words/s come from 32 V100s, where the "
+        "matmuls run on tensor cores in fp16, attention's T x T softmax is memory-bound, and every sparse layer's "
+        "all2all crosses NVLink and InfiniBand. Here the all2all is gloo through shared memory between 2 "
+        f"processes, the model is {1024 // t['d_model']}x narrower (D={t['d_model']}) with "
+        f"{1024 // t['seq_len']}x shorter sequences (T={t['seq_len']}) than the paper's small models, and fp32 "
+        "CPU kernels have other bottlenecks. The step-time model combines the GPU terms for the paper's "
+        "configuration; README's 'Step time at paper scale' says where it departs from the paper's order.")
 
 
 def table4_record(source: dict, step_rows: list[dict] | None) -> dict:
@@ -230,7 +235,7 @@ def table4_record(source: dict, step_rows: list[dict] | None) -> dict:
                "cpu_vs_smlp_lo": 1.0 if key == "smlp_det" else (1 / cpu["hi"] if cpu else None),
                "cpu_vs_smlp_hi": 1.0 if key == "smlp_det" else (1 / cpu["lo"] if cpu else None)}
         rows.append(row)
-    return {"rows": rows, "note": CPU_NOTE, "source_preset": source.get("preset"),
+    return {"rows": rows, "note": cpu_note(source.get("target")), "source_preset": source.get("preset"),
             "source_complete": source.get("complete", True)}
 
 
