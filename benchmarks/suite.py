@@ -1190,8 +1190,24 @@ def check_settings(settings: dict, nproc: int) -> None:
         raise BenchError(f"--seeds must be >= 1 and --updates >= {2 * settings['validate_every']}")
 
 
+def _stop_on_sigterm():
+    """SIGTERM (kill, a scheduler's stop) stops like Ctrl-C: the running launcher and its workers are
+    stopped too (run_training's cleanup), and --resume restarts the interrupted run. Returns the
+    previous handler (restored when main returns)."""
+    import signal
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt
+
+    try:
+        return signal.signal(signal.SIGTERM, stop)
+    except ValueError:  # not the main thread
+        return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    previous_sigterm = None
     if args.publish:
         try:
             root = Path.cwd()
@@ -1226,6 +1242,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.output_dir = (args.output_dir or Path("results/bench")).expanduser().absolute()
         check_settings(settings, args.nproc)
         args.output_dir.mkdir(parents=True, exist_ok=True)
+        previous_sigterm = _stop_on_sigterm()
         t0 = time.time()
         print(f"== {PROG} ({name}): {len(settings['models'])} models x {settings['seeds']} seed(s), "
               f"{settings['updates']} updates each, {args.nproc} ranks, output {args.output_dir}", flush=True)
@@ -1252,6 +1269,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         store.extra.setdefault("peaks", []).append({"total": peak["total"], "at": time.time()})
         store.save()
         print(f"   {peak['total'] / 1e9:.1f} GFLOP/s in total", flush=True)
+        for rid in store.prepare_resume():
+            print(f"   resuming: the probe before the next run is measured again ({rid})", flush=True)
         print(f"== 4/5 training: {len(store.pending())} of {len(store.slots)} runs to go "
               f"({len([s for s in store.slots if s.kind == S.PROBE])} of them probes)", flush=True)
         execute(store, by_key, data, args, out_dir=args.output_dir,
@@ -1275,6 +1294,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted; continue with --resume", file=sys.stderr)
         return 130
+    finally:
+        if previous_sigterm is not None:
+            import signal
+
+            signal.signal(signal.SIGTERM, previous_sigterm)
     return 0
 
 
