@@ -198,10 +198,8 @@ class RunStore:
         return [s for s in self.slots if s.run_id in self.records]
 
     def pending(self) -> list[Slot]:
-        """Unrecorded slots in order; the probe right before the first of them is measured again
-        when it was recorded before a stop (the load before a stop says nothing about after it)."""
-        todo = [s for s in self.slots if s.run_id not in self.records]
-        return todo
+        """Unrecorded slots, in order."""
+        return [s for s in self.slots if s.run_id not in self.records]
 
     def prepare_resume(self) -> list[str]:
         """Drop the record of the probe right before the first unrecorded training run (it is
