@@ -719,6 +719,10 @@ def verdict(results: dict, analysis: dict, key: str = REFERENCE) -> dict | None:
     mine, theirs = results[key], results[best]
     gap = mine["valid_ppl"] - theirs["valid_ppl"]
     noise = max(mine["valid_ppl_std"], theirs["valid_ppl_std"])
+    if len(mine["valid_ppl_per_seed"]) < 2 and len(theirs["valid_ppl_per_seed"]) < 2:
+        # neither has a second seed: the seed-to-seed spread of the models that have one stands in
+        spreads = [m["valid_ppl_std"] for m in results.values() if len(m.get("valid_ppl_per_seed", [])) > 1]
+        noise = statistics.median(spreads) if spreads else 0.0
     tok = analysis["mean_curves"]["tokens"]
     xs, ys = tok[key]["x"], tok[key]["ppl"]
     # the best MoE baseline at each validation point (lowest of the four there)
