@@ -977,12 +977,13 @@ def render_long(record: dict, figure: str) -> str:
                          f"{v['text']}")
     lines.append(state.strip() and f"- {state.strip()}")
     lines = [l for l in lines if l]
-    rank = an.get("ranking_settled_from")
-    if rank:
-        lines.append(f"- Ranking: unchanged over the last {rank['points_unchanged']} validation points, from "
-                     f"{rank['x'] / 1e6:.2f}M tokens ({rank['fraction']:.0%} of the run) on"
-                     + ("" if rank["fraction"] is None or rank["fraction"] < 0.75 else
-                        "; it was still changing late in training, so a longer run could reorder it") + ".")
+    for label, rank in (("Ranking of all models", an.get("ranking_settled_from")),
+                        ("The three best, in order", an.get("top3_settled_from"))):
+        if rank:
+            lines.append(f"- {label}: unchanged over the last {rank['points_unchanged']} validation points, from "
+                         f"{rank['x'] / 1e6:.2f}M tokens ({rank['fraction']:.0%} of the run) on"
+                         + ("" if rank["fraction"] is None or rank["fraction"] < 0.75 else
+                            "; still changing late in training, so a longer run could reorder it") + ".")
     first = min((c["x"][0] for c in tok.values() if c["x"]), default=early)
     lines += ["", f"| model | layers | valid ppl at {first / 1e3:.0f}k tokens (first validation) | valid ppl at the "
                   f"end | seeds | rank | speed vs sMLP-det [range] |", "|---|---|---:|---:|---|---:|---:|"]
