@@ -1104,7 +1104,7 @@ def publish(results_jsons: Sequence[Path], readme: Path, figure_dir: Path) -> li
         dst = figure_dir / "experiments" / rec["experiment"]
         dst.mkdir(parents=True, exist_ok=True)
         write_json(dst / "results.json", _docs_record(p))
-        _copy(p.parent, dst, ["figure.png", "figure5.png", "table.md"])
+        _copy(p.parent, dst, ["figure.png", "table.md"])
         done.append(f"{p}: experiment {rec['experiment']} -> README claims table")
     if exps:
         all_exp = [json.loads(f.read_text()) for f in sorted((figure_dir / "experiments").glob("*/results.json"))]
