@@ -887,7 +887,9 @@ def report(store: S.RunStore, out_dir: Path, *, machine: dict | None = None, qui
     plan = store.plan
     models = models_from_plan(plan)
     peaks = store.extra.get("peaks") or []
-    peak = {"total": statistics.median(p["total"] for p in peaks), "measurements": peaks} if peaks else None
+    # the highest of the peaks measured at each start: the least loaded one (MFU is only meaningful on a
+    # quiet machine; under load a run's words/s and the peak are measured at different loads)
+    peak = {"total": max(p["total"] for p in peaks), "measurements": peaks} if peaks else None
     machine = machine or store.extra.get("machine") or machine_info()
     results = summarise(store, models, peak)
     norms = speeds(store)
