@@ -60,26 +60,39 @@ def crossings(xa: Sequence[float], ya: Sequence[float], xb: Sequence[float], yb:
 
 
 def ranking_history(curves: dict[str, tuple[Sequence[float], Sequence[float]]]) -> list[dict]:
-    """The ranking (lowest perplexity first) at every validation point all curves share (by index)."""
+    """The ranking (lowest perplexity first) at every validation point all curves share (by index),
+    with each model's perplexity there."""
     n = min((len(ys) for _, ys in curves.values()), default=0)
     out = []
     for i in range(n):
         order = sorted(curves, key=lambda k: curves[k][1][i])
-        out.append({"x": statistics.mean(curves[k][0][i] for k in curves), "ranking": order})
+        out.append({"x": statistics.mean(curves[k][0][i] for k in curves), "ranking": order,
+                    "ppl": {k: curves[k][1][i] for k in curves}})
     return out
 
 
-def settled_from(history: Sequence[dict], top: int | None = None) -> dict | None:
-    """The first validation point from which the ranking (its first `top` places) no longer changes.
+def _agrees(point: dict, final: Sequence[str], top: int, tol: float) -> bool:
+    """Whether a point keeps the final ranking's first `top` places (each above every model ranked
+    after it), counting two models within `tol` of each other as tied (a swap inside the seeds'
+    spread is not a change of ranking)."""
+    ppl = point.get("ppl")
+    if ppl is None:
+        return point["ranking"][:top] == list(final[:top])
+    return all(ppl[a] <= ppl[b] * (1 + tol) for i, a in enumerate(final[:top]) for b in final[i + 1:])
 
-    Returns {x, index, points_unchanged, fraction} with fraction = x / the last x, or None for no
-    history."""
+
+def settled_from(history: Sequence[dict], top: int | None = None, tol: float = 0.0) -> dict | None:
+    """The first validation point from which the ranking (its first `top` places) no longer changes,
+    up to ties within `tol` (relative perplexity).
+
+    Returns {x, index, points_unchanged, fraction, tolerance} with fraction = x / the last x, or None
+    for no history."""
     if not history:
         return None
-    cut = (lambda r: r[:top]) if top else (lambda r: r)
-    final = cut(history[-1]["ranking"])
+    final = history[-1]["ranking"]
+    top = top or len(final)
     i = len(history) - 1
-    while i > 0 and cut(history[i - 1]["ranking"]) == final:
+    while i > 0 and _agrees(history[i - 1], final, top, tol):
         i -= 1
     return {"x": history[i]["x"], "index": i, "points_unchanged": len(history) - i,
-            "fraction": history[i]["x"] / history[-1]["x"] if history[-1]["x"] else None}
+            "fraction": history[i]["x"] / history[-1]["x"] if history[-1]["x"] else None, "tolerance": tol}

@@ -209,7 +209,11 @@ def test_crossings_and_ranking_settlement():
     assert C.crossings(xa, ya, xa, [y * 2 for y in ya]) == []  # never cross
     hist = C.ranking_history({"a": (xa, ya), "b": (xb, yb)})
     assert [h["ranking"][0] for h in hist] == ["b", "a", "a", "b"]
-    assert C.settled_from(hist) == {"x": 4, "index": 3, "points_unchanged": 1, "fraction": 1.0}
+    assert C.settled_from(hist) == {"x": 4, "index": 3, "points_unchanged": 1, "fraction": 1.0, "tolerance": 0.0}
+    # a swap within the tolerance is a tie, not a change: b is 5% above a at x=2 and 3, 20% below at the end
+    assert C.settled_from(hist, tol=0.05)["x"] == 4                   # 8.5 vs 8 is within 5%, 7 vs 6 is not
+    assert C.settled_from(hist, tol=0.2)["x"] == 1                    # everything within 20%: settled at once
+    assert C.settled_from(hist, top=1)["x"] == 4
 
 
 # ---------------------------------------------------------------- publishing a partial run
