@@ -981,6 +981,15 @@ def render_long(record: dict, figure: str) -> str:
         if v:
             lines.append(f"- **Does {res[key]['name']} beat the best Transformer-MoE at this scale? {v['answer']}.** "
                          f"{v['text']}")
+    det, gm = res.get("smlp_det"), res.get("gmlp")
+    if det and gm and det["valid_ppl"] and gm["valid_ppl"]:
+        if gm["valid_ppl"] < det["valid_ppl"]:
+            lines.append(f"- Dense gMLP at the same FLOPs ends lower than sMLP-det ({gm['valid_ppl']:.1f} against "
+                         f"{det['valid_ppl']:.1f}): at this scale the lead over the Transformer-MoEs comes with the "
+                         f"all-MLP token mixing, not with the sparsity.")
+        else:
+            lines.append(f"- sMLP-det also ends below dense gMLP at the same FLOPs ({det['valid_ppl']:.1f} against "
+                         f"{gm['valid_ppl']:.1f}).")
     lines.append(state.strip() and f"- {state.strip()}")
     lines = [l for l in lines if l]
     for label, rank in (("Ranking of all models", an.get("ranking_settled_from")),
