@@ -1,31 +1,64 @@
 """smlp-bench: FLOP-matched speed and quality of sMLP against its baselines (sMLP Table 4, Figure 5).
 
-    smlp-bench [--quick] [--output-dir results/bench] [--seeds N] [--models smlp_det,gshard,...]
+    smlp-bench [--preset quick|full|long] [--output-dir DIR] [--resume] [--seeds N] [--models a,b,...]
+    smlp-bench --experiment NAME [--output-dir DIR] [--resume]     (benchmarks/experiments.py)
+    smlp-bench --publish RESULTS_JSON [RESULTS_JSON ...]           (README sections + docs/benchmark/)
 
 One question: at matched FLOPs on the same data, how fast does each model train (words/s, MFU)
-and how low does its validation perplexity go (against updates and against wall time)?
+and how low does its validation perplexity go (against tokens and against time)?
 
 1. data:     the demo corpus (Gutenberg plays, sentencepiece 4k, fairseq binary; built once);
 2. peak:     dense fp32 matmul FLOP/s of W concurrent processes with one thread each, the MFU
              denominator, measured in this run on this machine;
-3. matching: the target sMLP-deterministic (D=256, F=1024, T=256, 9 dense + 3 sparse blocks,
-             one expert per rank) and every other family FLOP-matched to it by the FLOPs
+3. matching: the target sMLP-deterministic and every other family FLOP-matched to it by the FLOPs
              calculator (`smlp_eval.flops.match`) at run time;
 4. training: every model runs the real fairseq-train through `smlp-launch --nproc W --cpu` (one
-             gloo rank and one thread per core), same data, tokens, updates, optimizer and seeds.
-             Anchors in the same run: fairseq's own `transformer_lm` (dense, and with
-             --base-layers) at the sizes of our Transformer and Base Layers;
+             gloo rank and one thread per core), same data, tokens, updates, optimizer and seeds,
+             in the interleaved schedule of benchmarks/schedule.py: one round per seed, the order
+             rotated from round to round (reversed, then shuffled with the recorded --order-seed),
+             and a short probe run of the reference model (sMLP-det) before, between and after
+             the training runs. Every speed ratio divides each run's words/s by the probes right
+             before and after it (runs adjacent in time), and is reported with its range. Each
+             finished run is written to OUTPUT_DIR/runs.json at once (temporary file, fsync,
+             rename), so `--resume` continues a stopped benchmark: finished runs are skipped, an
+             interrupted one starts again. Anchors in the quick and full presets: fairseq's own
+             `transformer_lm` (dense, and with --base-layers) at the sizes of our Transformer and
+             Base Layers;
 5. profile:  a window of steps near the end of the first seed's run is profiled inside
              fairseq-train (`SMLP_PROFILE_STEPS`, torch.profiler): routing, all2all, experts,
              token mixing and the rest of a step;
-6. report:   results.json, Figure 5 (perplexity against updates and wall time), a Table 4 style
+6. report:   results.json, Figure 5 (perplexity against tokens and against time), a Table 4 style
              table (table.md), and a summary on the console.
+
+Presets (tokens per update = 2 ranks x batch x T):
+    quick  D=256, F=1024, T=256, 9+3; 1 seed x 24 updates of 2,048 tokens (~15 min here);
+    full   the same models; 3 seeds x 60 updates of 2,048 tokens = 123k tokens per run (~65 min);
+    long   D=128, F=512, T=128, 9+3 (2 experts) and its FLOP matches (Transformer 7, gMLP 12,
+           NiNformer 6, GShard 3+3, Switch, Base Layers and HASH 4+3: the layer counts of the full
+           preset at half the width and half the sequence, so the spatial-to-channel cost ratio
+           T/D stays 1 as in the paper's D=T=1024); 750 updates of 2 x 16 x 128 = 4,096 tokens =
+           3.07M tokens per run, 25x the full preset. Why this size: `smlp-flops --arch smlp_lm
+           --decoder-embed-dim 128 --decoder-ffn-embed-dim 512 --tokens-per-sample 128
+           --decoder-layers 9 --sparse-layers 3 --num-experts 2 --match` gives these layer counts,
+           and a few updates measured here gave sMLP-det 7,200 words/s (Transformer 9,600, Switch
+           8,500), so 9 runs + 3 second seeds + 14 probes take ~95 minutes on a quiet machine; at
+           D=256, T=256 a run of 3M tokens would take 30 minutes (1,600 words/s), at D=128, T=256
+           about 12 (4,200). The demo corpus holds 1.45M training tokens: a run reads it about
+           twice. Phase 1 trains the nine FLOP-matched families once (seed 1); phase 2, scheduled
+           by the program when phase 1 is done, trains the three with the lowest final validation
+           perplexity again with seed 2. Validation every 50 updates (205k tokens) over the same
+           10 batches; results.json holds each curve against tokens and against time, where the
+           curves cross, and from which point on the ranking no longer changes.
+
+Time axis: a run's load-corrected training time = tokens / (its words/s over its adjacent probes'
+x the median probe words/s of the benchmark): the time it would have taken at the benchmark's
+median load, without validation. fairseq's own wall time is kept in the JSON too.
 
 Words/s are tokens read per second over all ranks: fairseq's `wps` (tokens scored) times
 bsz x seq_len / wpb, which only differs for partial prediction (its routing prefix is read, not
 scored; see `input_tokens_per_target`), from log intervals that
-contain neither a validation, the warm-up, nor the profiled window; the figure per model is the
-median over those intervals, then the mean over seeds (spread: standard deviation).
+contain neither a validation, the warm-up, nor the profiled window; the figure per run is the
+median over those intervals, the figure per model the mean over seeds (spread: standard deviation).
 MFU = words/s x training FLOPs per token / peak, with training FLOPs = 3 x the calculator's
 forward FLOPs (the backward pass costs twice the forward), the paper's FLOPs convention.
 """
@@ -33,10 +66,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import multiprocessing as mp
 import os
 import platform
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -45,6 +80,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
+
+from . import curves as C
+from . import schedule as S
 
 PROG = "smlp-bench"
 BIN = Path(sys.executable).parent
@@ -55,6 +93,8 @@ FIELD = re.compile(r"(\w+)[= ]([-\d.eE+]+)")
 
 # The target and its width (CPU scale that still means something: d_model >= 256, sequence >= 256).
 TARGET = dict(d_model=256, d_ffn=1024, seq_len=256, dense=9, sparse=3)
+# The long preset's target: half the width and half the sequence (module docstring, "Presets").
+LONG_TARGET = dict(d_model=128, d_ffn=512, seq_len=128, dense=9, sparse=3)
 MATCH_TOLERANCE = 0.03
 OUR_FAMILIES = ("transformer", "gmlp", "hypermixer", "ninformer", "gshard", "switch", "base", "hash")
 MODEL_ORDER = ("smlp_det", "smlp_partial", "gmlp", "hypermixer", "ninformer", "transformer", "gshard", "switch",
@@ -65,20 +105,32 @@ NAMES = {"smlp_det": "sMLP-deterministic", "smlp_partial": "sMLP-partial", "gmlp
          "hash": "HASH Layers", "fairseq_transformer_lm": "fairseq transformer_lm",
          "fairseq_base_layers": "fairseq transformer_lm --base-layers"}
 MOE_BASELINES = ("gshard", "switch", "base", "hash")
+REFERENCE = "smlp_det"
 # Causal HyperMixer keeps a d' x C state per position: at this size one block's training step takes
 # ~12 s on one CPU thread against ~0.1 s for the SGU (elementwise-bound, see smlp/token_mixers.py), so
 # a run would take hours. It is benchmarked only when asked for (--models ...,hypermixer).
 DEFAULT_MODELS = tuple(k for k in MODEL_ORDER if k != "hypermixer")
+# The FLOP-matched families of the long preset (no fairseq anchors: they check our speed, not quality).
+LONG_MODELS = ("smlp_det", "smlp_partial", "gmlp", "ninformer", "transformer", "gshard", "switch", "base", "hash")
 
 PRESETS = {
-    # quick: one seed, short runs (a smoke test of the comparison, under 10 minutes here)
+    # quick: one seed, short runs (a smoke test of the comparison)
     "quick": dict(seeds=1, updates=24, batch_size=4, log_interval=2, validate_every=8, valid_steps=8,
-                  warmup=8, lr=2e-3, profile_steps=2),
-    # full: three seeds, longer runs (about 50 minutes here for the 11 default models: ~95 s a run,
-    # of which ~13 s validation; validating every 10 updates over 16 batches took it past an hour)
+                  warmup=8, lr=2e-3, profile_steps=2, probe_updates=10, target=TARGET, models=DEFAULT_MODELS),
+    # full: three seeds, longer runs (~95 s a run, of which ~13 s validation; validating every 10
+    # updates over 16 batches took it past an hour)
     "full": dict(seeds=3, updates=60, batch_size=4, log_interval=2, validate_every=15, valid_steps=8,
-                 warmup=10, lr=2e-3, profile_steps=3),
+                 warmup=10, lr=2e-3, profile_steps=3, probe_updates=12, target=TARGET, models=DEFAULT_MODELS),
+    # long: 25x the full preset's tokens, then a second seed for the three best (module docstring)
+    "long": dict(seeds=1, updates=750, batch_size=16, log_interval=10, validate_every=50, valid_steps=10,
+                 warmup=50, lr=2e-3, profile_steps=3, probe_updates=20, target=LONG_TARGET, models=LONG_MODELS,
+                 second_phase=dict(top=3, seeds=[2])),
 }
+# two validation perplexities within 1% of each other count as tied when deciding whether the ranking
+# still changes (the long preset's second seeds differ by about that much)
+RANK_TIE = 0.01
+# probes: words/s from the intervals after this many updates (process start, first allocations)
+PROBE_SKIP_UPDATES = 4
 
 
 class BenchError(Exception):
@@ -147,35 +199,53 @@ class Model:
     layers: str
     ours: bool = True
     note: str = ""
+    seq_len: int = TARGET["seq_len"]
+    name: str = ""                    # display name (default NAMES[key])
 
     @property
     def train_flops_per_token(self) -> float:
-        return 3.0 * self.fwd_flops_per_seq / TARGET["seq_len"]
+        return 3.0 * self.fwd_flops_per_seq / self.seq_len
+
+    @property
+    def title(self) -> str:
+        return self.name or NAMES.get(self.key, self.key)
+
+    def as_dict(self) -> dict:
+        return {"key": self.key, "flags": self.flags, "fwd_flops_per_seq": self.fwd_flops_per_seq,
+                "layers": self.layers, "ours": self.ours, "note": self.note, "seq_len": self.seq_len,
+                "name": self.title}
 
 
-def plan_models(vocab_size: int, nproc: int, keys: Sequence[str]) -> tuple[list[Model], dict]:
+def target_flags(target: dict, nproc: int) -> list[str]:
+    t = target
+    return ["--arch", "smlp_lm", "--decoder-embed-dim", str(t["d_model"]), "--decoder-ffn-embed-dim",
+            str(t["d_ffn"]), "--tokens-per-sample", str(t["seq_len"]), "--decoder-layers", str(t["dense"]),
+            "--sparse-layers", str(t["sparse"]), "--num-experts", str(nproc)]
+
+
+def plan_models(vocab_size: int, nproc: int, keys: Sequence[str], target: dict = TARGET) -> tuple[list[Model], dict]:
     """The target and its FLOP matches, from the calculator (`smlp_eval.flops`)."""
     from smlp_eval import flops as F
 
-    t = TARGET
+    t = target
     width = ["--decoder-embed-dim", str(t["d_model"]), "--decoder-ffn-embed-dim", str(t["d_ffn"]),
              "--tokens-per-sample", str(t["seq_len"])]
-    target_flags = ["--arch", "smlp_lm", *width, "--decoder-layers", str(t["dense"]),
-                    "--sparse-layers", str(t["sparse"]), "--num-experts", str(nproc)]
-    spec = F.parse_model("smlp_lm", target_flags[2:], vocab_size=vocab_size)
-    target = F.count_spec(spec)
-    rows = {r.family: r for r in F.match(target, tolerance=MATCH_TOLERANCE, families=OUR_FAMILIES)}
-    partial = F.count_spec(F.parse_model("smlp_lm", [*target_flags[2:], "--smoe-routing", "partial"],
+    tflags = target_flags(t, nproc)
+    spec = F.parse_model("smlp_lm", tflags[2:], vocab_size=vocab_size)
+    tcount = F.count_spec(spec)
+    rows = {r.family: r for r in F.match(tcount, tolerance=MATCH_TOLERANCE, families=OUR_FAMILIES)}
+    partial = F.count_spec(F.parse_model("smlp_lm", [*tflags[2:], "--smoe-routing", "partial"],
                                          vocab_size=vocab_size))
-    models = [Model("smlp_det", target_flags, target.flops, f"{t['dense']}+{t['sparse']}"),
-              Model("smlp_partial", [*target_flags, "--smoe-routing", "partial"], partial.flops,
-                    f"{t['dense']}+{t['sparse']}")]
+    T = t["seq_len"]
+    models = [Model("smlp_det", tflags, tcount.flops, f"{t['dense']}+{t['sparse']}", seq_len=T),
+              Model("smlp_partial", [*tflags, "--smoe-routing", "partial"], partial.flops,
+                    f"{t['dense']}+{t['sparse']}", seq_len=T)]
     for family in OUR_FAMILIES:
         r = rows[family]
         c = r.count.cfg
         flags = F.fairseq_flags(c).split()
         layers = f"{c.dense_layers}+{c.sparse_layers}" if c.sparse_layers else str(c.dense_layers)
-        models.append(Model(family, flags, r.count.flops, layers,
+        models.append(Model(family, flags, r.count.flops, layers, seq_len=T,
                             note="" if r.within_tolerance else f"nearest FLOPs match: {r.rel:+.1%}"))
     # fairseq's own transformer_lm at the sizes of our Transformer and Base Layers
     tr, base = rows["transformer"].count.cfg, rows["base"].count.cfg
@@ -186,30 +256,30 @@ def plan_models(vocab_size: int, nproc: int, keys: Sequence[str]) -> tuple[list[
                       "--decoder-normalize-before", "--share-decoder-input-output-embed", "--activation-fn", "gelu",
                       "--attention-dropout", "0"]
     models.append(Model("fairseq_transformer_lm", [*fairseq_common, "--decoder-layers", str(tr.dense_layers)],
-                        rows["transformer"].count.flops, str(tr.dense_layers), ours=False))
-    base_flops = _fairseq_base_layers_flops(rows, base)
+                        rows["transformer"].count.flops, str(tr.dense_layers), ours=False, seq_len=T))
+    base_flops = _fairseq_base_layers_flops(rows, base, t)
     models.append(Model("fairseq_base_layers", [*fairseq_common, "--decoder-layers", str(base.dense_layers),
                                                 "--base-layers", str(base.sparse_layers), "--base-sublayers", "1",
                                                 "--base-shuffle", "1"],
-                        base_flops, f"{base.dense_layers}+{base.sparse_layers}", ours=False,
+                        base_flops, f"{base.dense_layers}+{base.sparse_layers}", ours=False, seq_len=T,
                         note="fairseq's BaseLayer has no attention: fewer FLOPs than our Base Layers"))
     by_key = {m.key: m for m in models}
     unknown = [k for k in keys if k not in by_key]
     if unknown:
         raise BenchError(f"--models: unknown {', '.join(unknown)}; valid: {', '.join(MODEL_ORDER)}")
-    matching = {"target": {"arch": "smlp_lm", **TARGET, "experts": nproc, "flops": target.flops},
+    matching = {"target": {"arch": "smlp_lm", **t, "experts": nproc, "flops": tcount.flops},
                 "tolerance": MATCH_TOLERANCE, "matches": [r.as_dict() for r in rows.values()]}
     return [by_key[k] for k in keys], matching
 
 
-def _fairseq_base_layers_flops(rows, base_cfg) -> int:
+def _fairseq_base_layers_flops(rows, base_cfg, target: dict = TARGET) -> int:
     """fairseq's --base-layers stack = our Base Layers stack minus the attention of its sparse blocks.
 
     Our sparse block is attention + routed FFN; fairseq's BaseLayer is the routed FFN alone (with its
     own LayerNorm), so its FLOPs are ours minus N2 attention sublayers. The attention sublayer's
     cost is the dense Transformer block's minus its FFN (2 D F multiply-adds per token)."""
     c = rows["base"].count
-    T, D, Fw = TARGET["seq_len"], TARGET["d_model"], TARGET["d_ffn"]
+    T, D, Fw = target["seq_len"], target["d_model"], target["d_ffn"]
     attention_macs = c.dense.macs - 2 * D * Fw * T - 5 * T * D  # minus the FFN and its LayerNorm
     return c.flops - 2 * base_cfg.sparse_layers * attention_macs
 
@@ -227,6 +297,8 @@ class Run:
     seconds: float = 0.0
     profile: dict | None = None
     log: str = ""
+    started: float = 0.0
+    finished: float = 0.0
 
 
 def _fields(text: str) -> dict:
@@ -268,19 +340,24 @@ class _PeakMemory(threading.Thread):
                     self.peaks[kid.pid] = max(self.peaks.get(kid.pid, 0.0), hwm)
 
 
-def train_command(model: Model, data: Path, args, seed: int, logdir: Path) -> list[str]:
-    p = args.preset
+def train_command(model: Model, data: Path, settings: dict, nproc: int, seed: int, logdir: Path, *,
+                  updates: int | None = None, validate: bool = True, log_interval: int | None = None) -> list[str]:
+    p = settings
     ours = ["--user-dir", str(_plugins_dir()), "--criterion", "smlp_lm_loss"] if model.ours else \
         ["--criterion", "cross_entropy"]
+    validate_every = p["validate_every"] if validate else 10 ** 9
     return [
-        str(BIN / "smlp-launch"), "--nproc", str(args.nproc), "--cpu", "--threads", "1", "--log-dir", str(logdir),
+        str(BIN / "smlp-launch"), "--nproc", str(nproc), "--cpu", "--threads", "1", "--log-dir", str(logdir),
         "--", str(data), *ours, *model.flags, "--task", "language_modeling", "--sample-break-mode", "none",
         "--batch-size", str(p["batch_size"]), "--optimizer", "adam", "--adam-betas", "(0.9,0.98)",
         "--lr", str(p["lr"]), "--lr-scheduler", "inverse_sqrt", "--warmup-updates", str(p["warmup"]),
-        "--warmup-init-lr", "1e-7", "--clip-norm", "1.0", "--dropout", "0", "--max-update", str(p["updates"]),
-        "--validate-interval-updates", str(p["validate_every"]), "--max-valid-steps", str(p["valid_steps"]),
-        "--log-format", "simple", "--log-interval", str(p["log_interval"]), "--no-progress-bar", "--no-save",
-        "--num-workers", "0", "--seed", str(seed), "--validate-interval", "1000",  # no end-of-epoch validation
+        "--warmup-init-lr", "1e-7", "--clip-norm", "1.0", "--dropout", "0",
+        "--max-update", str(updates or p["updates"]),
+        "--validate-interval-updates", str(validate_every), "--max-valid-steps", str(p["valid_steps"]),
+        "--log-format", "simple", "--log-interval", str(log_interval or p["log_interval"]), "--no-progress-bar",
+        "--no-save", "--num-workers", "0", "--seed", str(seed),
+        "--validate-interval", "1000",  # no end-of-epoch validation
+        *(["--disable-validation"] if not validate else []),
     ]
 
 
@@ -299,51 +376,62 @@ def profile_window(preset: dict) -> tuple[int, int]:
     return preset["updates"] - count - 2, count
 
 
-def run_model(model: Model, data: Path, args, seed: int, profile: bool, on_line=None) -> Run:
-    out = args.output_dir / "runs" / f"{model.key}.seed{seed}"
-    out.mkdir(parents=True, exist_ok=True)
-    cmd = train_command(model, data, args, seed, out)
+def run_training(model: Model, data: Path, settings: dict, nproc: int, seed: int, out: Path, *,
+                 profile: bool = False, updates: int | None = None, validate: bool = True,
+                 log_interval: int | None = None, on_line=None) -> Run:
+    """One fairseq-train run through smlp-launch; its log goes to out/train.log."""
+    if out.exists():  # an interrupted run starts again from scratch
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    cmd = train_command(model, data, settings, nproc, seed, out, updates=updates, validate=validate,
+                        log_interval=log_interval)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    prof_path = out / "profile"
-    for old in out.glob("profile.rank*.json"):
-        old.unlink()
     if profile:
-        start, count = profile_window(args.preset)
-        env["SMLP_PROFILE_STEPS"] = f"{start}:{count}:{prof_path}"
+        start, count = profile_window(settings)
+        env["SMLP_PROFILE_STEPS"] = f"{start}:{count}:{out / 'profile'}"
     (out / "train.cmd").write_text(" ".join(cmd) + "\n")
-    run = Run(model.key, seed)
+    run = Run(model.key, seed, log=str(out / "train.log"), started=time.time())
     t0 = time.perf_counter()
     with open(out / "train.log", "w") as log:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env)
         memory = _PeakMemory(proc.pid)
         memory.start()
         last_wall = 0.0
-        for line in proc.stdout:
-            log.write(line)
-            if m := TRAIN_LINE.search(line):
-                f = _fields(m.group(1))
-                run.intervals.append(f)
-                last_wall = f.get("wall", last_wall)
-                if on_line:
-                    on_line("train", f)
-            elif m := VALID_LINE.search(line):
-                f = _fields(m.group(1))
-                f["wall"] = last_wall
-                run.valid.append(f)
-                if on_line:
-                    on_line("valid", f)
-        code = proc.wait()
-        memory.stop.set()
-        memory.join(timeout=5)
+        try:
+            for line in proc.stdout:
+                log.write(line)
+                if m := TRAIN_LINE.search(line):
+                    f = _fields(m.group(1))
+                    run.intervals.append(f)
+                    last_wall = f.get("wall", last_wall)
+                    if on_line:
+                        on_line("train", f)
+                elif m := VALID_LINE.search(line):
+                    f = _fields(m.group(1))
+                    f["wall"] = last_wall
+                    run.valid.append(f)
+                    if on_line:
+                        on_line("valid", f)
+            code = proc.wait()
+        finally:
+            if proc.poll() is None:  # interrupted: stop the launcher (it stops its workers)
+                proc.terminate()
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+            memory.stop.set()
+            memory.join(timeout=5)
     run.seconds = time.perf_counter() - t0
-    run.peak_rss_mb = sorted(memory.peaks.values(), reverse=True)[:args.nproc]
+    run.finished = time.time()
+    run.peak_rss_mb = sorted(memory.peaks.values(), reverse=True)[:nproc]
     if code != 0:
         tail = "".join((out / "train.log").read_text(errors="replace").splitlines(keepends=True)[-30:])
         raise BenchError(f"{model.key} (seed {seed}) failed with exit code {code}; log: {out / 'train.log'}\n{tail}")
     if profile:
         ranks = [json.loads(p.read_text()) for p in sorted(out.glob("profile.rank*.json"))]
-        if len(ranks) != args.nproc:
-            raise BenchError(f"{model.key}: expected {args.nproc} profile files in {out}, found {len(ranks)}")
+        if len(ranks) != nproc:
+            raise BenchError(f"{model.key}: expected {nproc} profile files in {out}, found {len(ranks)}")
         run.profile = _merge_profiles(ranks)
     return run
 
@@ -361,6 +449,7 @@ def clean_wps(run: Run, preset: dict) -> list[float]:
     L, V = preset["log_interval"], preset["validate_every"]
     start, count = profile_window(preset)
     profiled = set(range(start + 1, start + count + 2))  # 1-based updates, + the step that writes the profile
+    seq_len = preset.get("target", TARGET)["seq_len"]
     out = []
     for f in run.intervals:
         end = int(f.get("num_updates", 0))
@@ -368,66 +457,228 @@ def clean_wps(run: Run, preset: dict) -> list[float]:
         if first <= L or (first - 1) % V == 0 or profiled & set(range(first, end + 1)):
             continue
         if "wps" in f:
-            out.append(f["wps"] * input_tokens_per_target(f))
+            out.append(f["wps"] * input_tokens_per_target(f, seq_len))
     return out
 
 
-def input_tokens_per_target(interval: dict) -> float:
+def probe_wps(intervals: Sequence[dict], seq_len: int) -> float | None:
+    """A probe's words/s: the median of its intervals after the first PROBE_SKIP_UPDATES updates."""
+    w = [f["wps"] * input_tokens_per_target(f, seq_len) for f in intervals
+         if f.get("num_updates", 0) > PROBE_SKIP_UPDATES and "wps" in f]
+    return statistics.median(w) if w else None
+
+
+def input_tokens_per_target(interval: dict, seq_len: int = TARGET["seq_len"]) -> float:
     """Tokens the model read per token it was scored on. fairseq's wps counts targets (the
     criterion's ntokens); a partial-prediction model reads its routing prefix without scoring it, so
     its wps alone would understate its speed by the prefix share (20%). With bsz sequences of
     seq_len tokens per update and wpb targets: bsz x seq_len / wpb (1 for every other model)."""
     if "bsz" in interval and interval.get("wpb"):
-        return interval["bsz"] * TARGET["seq_len"] / interval["wpb"]
+        return interval["bsz"] * seq_len / interval["wpb"]
     return 1.0
+
+
+# ---------------------------------------------------------------- the benchmark: plan, schedule, runs
+
+
+def make_plan(name: str, settings: dict, models: Sequence[Model], nproc: int, order_seed: int,
+              reference: str = REFERENCE, experiment: str | None = None) -> dict:
+    """Everything that decides the runs; --resume refuses a record planned differently."""
+    s = {k: (list(v) if isinstance(v, tuple) else v) for k, v in settings.items() if k not in ("models",)}
+    return {"name": name, "experiment": experiment, "settings": json.loads(json.dumps(s)),
+            "models": [m.as_dict() for m in models], "nproc": nproc, "order_seed": order_seed,
+            "reference": reference}
+
+
+def initial_schedule(plan: dict) -> list[S.Slot]:
+    keys = [m["key"] for m in plan["models"]]
+    seeds = list(range(1, plan["settings"]["seeds"] + 1))
+    return S.extend_schedule([], S.seed_rounds(keys, seeds, plan["order_seed"]), plan["reference"])
+
+
+def final_ppl(record: dict) -> float | None:
+    return record["valid"][-1]["ppl"] if record.get("valid") else None
+
+
+def choose_second_phase(store: S.RunStore) -> list[str]:
+    """The models with the lowest final validation perplexity in phase 1 (seed 1), in phase-1 order."""
+    spec = store.plan["settings"].get("second_phase")
+    phase1 = [s for s in store.slots if s.kind == S.TRAIN and s.phase == 1]
+    finals = {s.key: final_ppl(store.records[s.run_id]) for s in phase1 if s.seed == 1}
+    ranked = sorted((k for k, v in finals.items() if v is not None), key=lambda k: finals[k])
+    best = set(ranked[:spec["top"]])
+    return [m["key"] for m in store.plan["models"] if m["key"] in best]
+
+
+def maybe_schedule_second_phase(store: S.RunStore) -> bool:
+    """After phase 1, append phase 2 (second seeds of the best models) once; True if appended."""
+    spec = store.plan["settings"].get("second_phase")
+    if not spec or "phase2" in store.extra or store.pending():
+        return False
+    keys = choose_second_phase(store)
+    first_round = store.plan["settings"]["seeds"]
+    rounds = S.seed_rounds(keys, spec["seeds"], store.plan["order_seed"], phase=2, first_round=first_round)
+    store.slots = S.extend_schedule(store.slots, rounds, store.plan["reference"])
+    store.extra["phase2"] = {"models": keys, "rule": f"the {spec['top']} lowest final validation perplexities "
+                                                     f"of phase 1", "seeds": spec["seeds"]}
+    store.save()
+    return True
+
+
+def run_record(slot: S.Slot, run: Run, settings: dict, nproc: int) -> dict:
+    seq_len = settings["target"]["seq_len"]
+    rec = {"key": run.key, "seed": run.seed, "kind": slot.kind, "seconds": round(run.seconds, 2),
+           "started": run.started, "finished": run.finished, "peak_rss_mb": run.peak_rss_mb,
+           "intervals": run.intervals, "valid": run.valid, "profile": run.profile, "log": run.log}
+    if slot.kind == S.PROBE:
+        rec["wps"] = probe_wps(run.intervals, seq_len)
+    else:
+        w = clean_wps(run, settings)
+        rec["wps"] = statistics.median(w) if w else None
+        rec["tokens_per_update"] = nproc * settings["batch_size"] * seq_len
+    return rec
+
+
+def execute(store: S.RunStore, models: dict[str, Model], data: Path, args, *, out_dir: Path,
+            on_recorded=None) -> None:
+    """Run every pending slot in order (then phase 2, if the plan has one), recording each at once."""
+    settings, nproc = store.plan["settings"], store.plan["nproc"]
+    dropped = store.prepare_resume()
+    if dropped:
+        print(f"   resuming: measuring the probe before the next run again ({', '.join(dropped)})", flush=True)
+    while True:
+        todo = store.pending()
+        if not todo:
+            if maybe_schedule_second_phase(store):
+                print(f"   phase 2: second seed for {', '.join(store.extra['phase2']['models'])} "
+                      f"({store.extra['phase2']['rule']})", flush=True)
+                continue
+            return
+        slot = todo[0]
+        done = len(store.finished())
+        model = models[slot.key]
+        t_run = time.time()
+        if slot.kind == S.PROBE:
+            run = run_training(model, data, settings, nproc, slot.seed, out_dir / "probes" / slot.run_id,
+                               updates=settings["probe_updates"], validate=False, log_interval=2)
+            rec = run_record(slot, run, settings, nproc)
+            print(f"   [{done + 1}/{len(store.slots)}] probe {slot.run_id}: {rec['wps'] or float('nan'):,.0f} "
+                  f"words/s ({run.seconds:.0f} s)", flush=True)
+        else:
+            first_seed = min(s.seed for s in store.slots if s.kind == S.TRAIN and s.key == slot.key)
+            profile = bool(settings.get("profile_steps")) and model.ours and slot.seed == first_seed
+            run = run_training(model, data, settings, nproc, slot.seed, out_dir / "runs" / slot.run_id,
+                               profile=profile)
+            rec = run_record(slot, run, settings, nproc)
+            ppl = final_ppl(rec)
+            print(f"   [{done + 1}/{len(store.slots)}] {slot.run_id:<28} {rec['wps'] or float('nan'):>8,.0f} words/s, "
+                  f"valid ppl {ppl if ppl is not None else float('nan'):.1f}, {run.seconds:.0f} s "
+                  f"(phase {slot.phase}, round {slot.round})", flush=True)
+        store.record(slot, rec)
+        _print_eta(store, time.time() - t_run)
+        if on_recorded is not None and slot.kind == S.TRAIN:
+            try:  # partial results.json after every training run; never stop the benchmark for it
+                on_recorded()
+            except Exception as exc:  # noqa: BLE001
+                print(f"   (partial report failed: {type(exc).__name__}: {exc})", flush=True)
+
+
+def _print_eta(store: S.RunStore, last: float) -> None:
+    recs = [store.records[s.run_id] for s in store.finished()]
+    by_kind = {k: [r["seconds"] for r in recs if r["kind"] == k] for k in (S.TRAIN, S.PROBE)}
+    left = store.pending()
+    if not left:
+        return
+    est = sum(statistics.mean(by_kind[s.kind]) if by_kind[s.kind] else last for s in left)
+    print(f"   {len(left)} runs left, about {est / 60:.0f} min", flush=True)
 
 
 # ---------------------------------------------------------------- summary
 
 
-def summarise(models: list[Model], runs: dict[str, list[Run]], peak: dict, args) -> dict:
+def _runs_of(store: S.RunStore, key: str) -> list[tuple[S.Slot, dict]]:
+    return [(s, store.records[s.run_id]) for s in store.slots
+            if s.kind == S.TRAIN and s.key == key and s.run_id in store.records]
+
+
+def speeds(store: S.RunStore) -> dict:
+    """Normalized speeds of every recorded training run (benchmarks/schedule.py)."""
+    wps = {rid: r["wps"] for rid, r in store.records.items() if r.get("wps")}
+    return S.normalized_speeds(store.slots, wps)
+
+
+def probe_median(store: S.RunStore) -> float | None:
+    w = [r["wps"] for r in store.records.values() if r["kind"] == S.PROBE and r.get("wps")]
+    return statistics.median(w) if w else None
+
+
+def summarise(store: S.RunStore, models: Sequence[Model], peak: dict | None) -> dict:
+    settings = store.plan["settings"]
+    norms = speeds(store)
+    meter = probe_median(store)
     out = {}
     for m in models:
-        rs = runs[m.key]
-        wps_seed = [statistics.median(clean_wps(r, args.preset)) for r in rs if clean_wps(r, args.preset)]
-        ppl_seed = [r.valid[-1]["ppl"] for r in rs if r.valid]
+        rs = _runs_of(store, m.key)
+        if not rs:
+            continue
+        wps_seed = [r["wps"] for _, r in rs if r.get("wps")]
+        ppl_seed = [final_ppl(r) for _, r in rs if final_ppl(r) is not None]
         wps = statistics.mean(wps_seed) if wps_seed else None
-        prof = next((r.profile for r in rs if r.profile), None)
+        prof = next((r["profile"] for _, r in rs if r.get("profile")), None)
+        curves = []
+        for s, r in rs:
+            tpu = r.get("tokens_per_update") or store.plan["nproc"] * settings["batch_size"] * m.seq_len
+            ups = [int(v["num_updates"]) for v in r["valid"]]
+            tokens = [u * tpu for u in ups]
+            nv = norms.get(s.run_id)
+            speed = nv["norm"] * meter if nv and meter else r.get("wps")
+            curves.append({"seed": r["seed"], "updates": ups, "tokens": tokens,
+                           "wall": [v["wall"] for v in r["valid"]],
+                           "time": [t / speed for t in tokens] if speed else [],
+                           "ppl": [v["ppl"] for v in r["valid"]]})
         out[m.key] = {
-            "name": NAMES[m.key], "layers": m.layers, "fairseq_flags": " ".join(m.flags), "note": m.note,
+            "name": m.title, "layers": m.layers, "fairseq_flags": " ".join(m.flags), "note": m.note,
             "wps": wps, "wps_std": statistics.stdev(wps_seed) if len(wps_seed) > 1 else 0.0,
             "wps_per_seed": wps_seed,
+            "speed_vs_reference": S.model_speed(norms, m.key),
             "valid_ppl": statistics.mean(ppl_seed) if ppl_seed else None,
             "valid_ppl_std": statistics.stdev(ppl_seed) if len(ppl_seed) > 1 else 0.0,
-            "valid_ppl_per_seed": ppl_seed,
+            "valid_ppl_per_seed": ppl_seed, "seeds": [r["seed"] for _, r in rs],
             "flops_per_token": m.train_flops_per_token, "fwd_flops_per_seq": m.fwd_flops_per_seq,
-            "mfu": wps * m.train_flops_per_token / peak["total"] if wps else None,
+            "mfu": wps * m.train_flops_per_token / peak["total"] if wps and peak else None,
             "breakdown": prof["breakdown"] if prof else None,
             "profiled_seconds_per_step": prof["seconds_per_step"] if prof else None,
             "top_ops": prof["top_ops_rank0"] if prof else None,
-            "peak_mem_mb": max((max(r.peak_rss_mb) for r in rs if r.peak_rss_mb), default=None),
-            "curves": [{"seed": r.seed, "updates": [int(v["num_updates"]) for v in r.valid],
-                        "wall": [v["wall"] for v in r.valid], "ppl": [v["ppl"] for v in r.valid]} for r in rs],
-            "seconds": [round(r.seconds, 1) for r in rs],
+            "peak_mem_mb": max((max(r["peak_rss_mb"]) for _, r in rs if r.get("peak_rss_mb")), default=None),
+            "curves": curves, "seconds": [r["seconds"] for _, r in rs],
         }
     return out
 
 
-def ratios(results: dict) -> dict:
-    """The comparisons the paper makes (Table 4) and the anchors' checks."""
+def ratios(results: dict, norms: dict, reference: str = REFERENCE) -> dict:
+    """The comparisons the paper makes (Table 4) and the anchors' checks, each from runs adjacent in
+    time (speed_ratio: median, range lo..hi, pairs); `*_unpaired` are the plain ratios of mean words/s."""
     def r(a, b):
+        v = S.speed_ratio(norms, a, b) if a in results and b in results else None
+        return v["ratio"] if v else None
+
+    def plain(a, b):
         return results[a]["wps"] / results[b]["wps"] if a in results and b in results and results[b]["wps"] \
             and results[a]["wps"] else None
 
-    out = {"smlp_det_wps_over": {k: r("smlp_det", k) for k in results if k != "smlp_det"}}
+    out = {"reference": reference,
+           "smlp_det_wps_over": {k: r(reference, k) for k in results if k != reference},
+           "smlp_det_wps_over_range": {k: S.speed_ratio(norms, reference, k) for k in results if k != reference},
+           "smlp_det_wps_over_unpaired": {k: plain(reference, k) for k in results if k != reference}}
     moe = [k for k in MOE_BASELINES if k in results and results[k]["wps"]]
-    if moe and "smlp_det" in results:
-        fastest = max(moe, key=lambda k: results[k]["wps"])
+    if moe and reference in results:
+        fastest = max(moe, key=lambda k: results[k].get("speed_vs_reference") or results[k]["wps"])
         best = min(moe, key=lambda k: results[k]["valid_ppl"] or float("inf"))
         out["fastest_moe_baseline"] = fastest
-        out["smlp_det_over_fastest_moe"] = r("smlp_det", fastest)
+        out["smlp_det_over_fastest_moe"] = r(reference, fastest)
+        out["smlp_det_over_fastest_moe_range"] = S.speed_ratio(norms, reference, fastest)
         out["best_moe_baseline_ppl"] = best
-        out["smlp_det_ppl_minus_best_moe"] = (results["smlp_det"]["valid_ppl"] or 0) - (results[best]["valid_ppl"] or 0)
+        out["smlp_det_ppl_minus_best_moe"] = (results[reference]["valid_ppl"] or 0) - (results[best]["valid_ppl"] or 0)
     out["transformer_over_fairseq"] = r("transformer", "fairseq_transformer_lm")
     out["base_over_fairseq_base_layers"] = r("base", "fairseq_base_layers")
     if "base" in results and "fairseq_base_layers" in results and out["base_over_fairseq_base_layers"]:
@@ -436,20 +687,110 @@ def ratios(results: dict) -> dict:
     return out
 
 
-def table(results: dict, rat: dict, peak: dict, machine: dict, args) -> str:
-    lines = [f"Measured on {machine.get('cpu_model', machine['processor'])}, {args.nproc} gloo ranks x 1 thread, "
-             f"dense matmul peak {peak['total'] / 1e9:.1f} GFLOP/s (sum over ranks); {args.preset_name} preset, "
-             f"{args.preset['seeds']} seed(s), {args.preset['updates']} updates of {args.preset['batch_size']} x "
-             f"{TARGET['seq_len']} tokens per rank.", "",
-             "| model | layers | GFLOPs/token (train) | words/s | sMLP-det speed-up | valid ppl | MFU | routing + all2all | peak RSS / rank |",
+# ---------------------------------------------------------------- curves: crossings, ranking, verdict
+
+
+def analyse_curves(results: dict, keys: Sequence[str] | None = None) -> dict:
+    """Mean curves against tokens and time, where every two of them cross, and the ranking's history."""
+    keys = [k for k in (keys or results) if k in results and results[k]["curves"]]
+    mean = {x: {k: C.mean_curve(results[k]["curves"], x) for k in keys} for x in ("tokens", "time")}
+    cross = {x: [] for x in mean}
+    for x, by in mean.items():
+        for i, a in enumerate(keys):
+            for b in keys[i + 1:]:
+                for c in C.crossings(*by[a], *by[b]):
+                    cross[x].append({"a": a, "b": b, **c, "lower_after": a if c["lower_after"] == "a" else b})
+    history = C.ranking_history(mean["tokens"])
+    return {"mean_curves": {x: {k: {"x": xs, "ppl": ys} for k, (xs, ys) in by.items()} for x, by in mean.items()},
+            "crossings": cross, "ranking_history": history,
+            "ranking_settled_from": C.settled_from(history, tol=RANK_TIE),
+            "top3_settled_from": C.settled_from(history, 3, tol=RANK_TIE), "ranking_tie_tolerance": RANK_TIE}
+
+
+def _at(xs: Sequence[float], ys: Sequence[float], x: float) -> float | None:
+    if not xs or x < xs[0] or x > xs[-1]:
+        return None
+    return math.exp(C._interp(xs, ys, x))
+
+
+def verdict(results: dict, analysis: dict, key: str = REFERENCE) -> dict | None:
+    """Does `key` (an sMLP) beat the best Transformer-MoE at matched FLOPs: at equal tokens (the end of
+    training), at equal time, and is a lead only early? Plain sentences with the figures."""
+    moe = [k for k in MOE_BASELINES if k in results and results[k]["valid_ppl"]]
+    if key not in results or not moe or not results[key]["valid_ppl"]:
+        return None
+    best = min(moe, key=lambda k: results[k]["valid_ppl"])
+    mine, theirs = results[key], results[best]
+    gap = mine["valid_ppl"] - theirs["valid_ppl"]
+    noise = max(mine["valid_ppl_std"], theirs["valid_ppl_std"])
+    if len(mine["valid_ppl_per_seed"]) < 2 and len(theirs["valid_ppl_per_seed"]) < 2:
+        # neither has a second seed: the seed-to-seed spread of the models that have one stands in
+        spreads = [m["valid_ppl_std"] for m in results.values() if len(m.get("valid_ppl_per_seed", [])) > 1]
+        noise = statistics.median(spreads) if spreads else 0.0
+    tok = analysis["mean_curves"]["tokens"]
+    xs, ys = tok[key]["x"], tok[key]["ppl"]
+    # the best MoE baseline at each validation point (lowest of the four there)
+    best_at = [min(tok[k]["ppl"][i] for k in moe if i < len(tok[k]["ppl"])) for i in range(len(ys))]
+    lead = [y < b for y, b in zip(ys, best_at)]
+    last_lead = max((xs[i] for i, v in enumerate(lead) if v), default=None)
+    tim = analysis["mean_curves"]["time"]
+    t_end = min(tim[key]["x"][-1], tim[best]["x"][-1]) if tim[key]["x"] and tim[best]["x"] else None
+    at_time = None
+    if t_end:
+        a, b = _at(tim[key]["x"], tim[key]["ppl"], t_end), _at(tim[best]["x"], tim[best]["ppl"], t_end)
+        at_time = {"seconds": t_end, "ppl": a, "best_moe_ppl": b, "gap": a - b if a and b else None}
+    name, bname = mine["name"], theirs["name"]
+    end_tokens = xs[-1] if xs else 0
+    if gap < -noise and all(lead[-3:]):
+        answer = "yes"
+        text = (f"After {end_tokens / 1e6:.2f}M tokens {name} reaches validation perplexity "
+                f"{mine['valid_ppl']:.1f} against {theirs['valid_ppl']:.1f} for the best Transformer-MoE ({bname}), "
+                f"{-gap:.1f} lower.")
+    elif last_lead is not None and gap > noise:
+        answer = "only early"
+        text = (f"{name} leads the best Transformer-MoE until about {last_lead / 1e6:.2f}M tokens, then "
+                f"falls behind; after {end_tokens / 1e6:.2f}M tokens it is at {mine['valid_ppl']:.1f} against "
+                f"{theirs['valid_ppl']:.1f} for {bname} ({gap:+.1f}).")
+    elif abs(gap) <= noise:
+        answer = "tied"
+        text = (f"Not distinguishable: after {end_tokens / 1e6:.2f}M tokens {name} is at "
+                f"{mine['valid_ppl']:.1f} and {bname} at {theirs['valid_ppl']:.1f}, within the seeds' spread "
+                f"(±{noise:.1f}).")
+    else:
+        answer = "no"
+        text = (f"After {end_tokens / 1e6:.2f}M tokens {name} is at {mine['valid_ppl']:.1f} against "
+                f"{theirs['valid_ppl']:.1f} for {bname} ({gap:+.1f}), and it does not lead at any validation point.")
+    if at_time and at_time["gap"] is not None:
+        text += (f" At equal training time ({at_time['seconds'] / 60:.1f} min at the median load) the gap is "
+                 f"{at_time['gap']:+.1f}.")
+    return {"model": key, "best_moe": best, "answer": answer, "text": text, "ppl": mine["valid_ppl"],
+            "best_moe_ppl": theirs["valid_ppl"], "gap": gap, "seed_spread": noise, "last_lead_tokens": last_lead,
+            "at_equal_time": at_time, "tokens": end_tokens}
+
+
+# ---------------------------------------------------------------- report
+
+
+def table(results: dict, rat: dict, peak: dict | None, machine: dict, plan: dict, complete: bool = True) -> str:
+    s, t = plan["settings"], plan["settings"]["target"]
+    seeds = sorted({seed for m in results.values() for seed in m["seeds"]})
+    peak_s = f"dense matmul peak {peak['total'] / 1e9:.1f} GFLOP/s (sum over ranks); " if peak else ""
+    tokens = plan["nproc"] * s["batch_size"] * t["seq_len"]
+    lines = [f"Measured on {machine.get('cpu_model', machine.get('processor', '?'))}, {plan['nproc']} gloo ranks x 1 "
+             f"thread, {peak_s}{plan['name']} preset, seeds {', '.join(map(str, seeds))}, {s['updates']} updates of "
+             f"{plan['nproc']} x {s['batch_size']} x {t['seq_len']} = {tokens:,} tokens (D={t['d_model']}, "
+             f"F={t['d_ffn']}, T={t['seq_len']})" + ("" if complete else " - PARTIAL: the benchmark has not finished")
+             + ".", "",
+             "| model | layers | GFLOPs/token (train) | words/s | sMLP-det speed-up [range] | valid ppl | MFU "
+             "| routing + all2all | peak RSS / rank |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for key, m in results.items():
-        speed = rat["smlp_det_wps_over"].get(key)
+        rr = rat["smlp_det_wps_over_range"].get(key)
         b = m["breakdown"]
         comm = f"{(b['routing'] + b['all2all']):.1%}" if b else "-"
         wps = f"{m['wps']:,.0f} ± {m['wps_std']:,.0f}" if m["wps"] else "-"
         ppl = f"{m['valid_ppl']:.1f} ± {m['valid_ppl_std']:.1f}" if m["valid_ppl"] else "-"
-        speed = f"{speed:.2f}x" if speed else "-"
+        speed = f"{rr['ratio']:.2f}x [{rr['lo']:.2f}-{rr['hi']:.2f}]" if rr else "-"
         mfu = f"{m['mfu']:.1%}" if m["mfu"] else "-"
         mem = f"{m['peak_mem_mb']:.0f} MB" if m["peak_mem_mb"] else "-"
         lines.append(f"| {m['name']} | {m['layers']} | {m['flops_per_token'] / 1e9:.4f} | {wps} | {speed} | {ppl} "
@@ -466,11 +807,11 @@ def targets(record: dict) -> list[dict]:
         out.append({"target": name, "measured": value, "goal": goal, "met": bool(met) if value is not None else None})
 
     v = rat.get("smlp_det_over_fastest_moe")
-    add(f"sMLP-det words/s over the fastest MoE baseline ({rat.get('fastest_moe_baseline')})",
+    add(f"sMLP-det words/s over the fastest MoE baseline ({rat.get('fastest_moe_baseline')}), runs adjacent in time",
         v, ">= 1.10x", v is not None and v >= 1.10)
     d = rat.get("smlp_det_ppl_minus_best_moe")
-    add(f"sMLP-det valid ppl minus the best MoE baseline's ({rat.get('best_moe_baseline_ppl')}), equal updates",
-        d, "<= 0", d is not None and d <= 0)
+    add(f"sMLP-det valid ppl minus the best MoE baseline's ({rat.get('best_moe_baseline_ppl')}), after "
+        f"{record['settings']['updates']} updates", d, "<= 0", d is not None and d <= 0)
     v = rat.get("transformer_over_fairseq")
     add("our Transformer words/s / fairseq's transformer_lm (same layers, same FLOPs)", v, ">= 0.95x",
         v is not None and v >= 0.95)
@@ -498,11 +839,123 @@ def _fmt(value) -> str:
     return f"{value:.2f}" if abs(value) >= 2 or value < 0 else f"{value:.3f}"
 
 
-def render_markdown(record: dict, figure: str) -> str:
-    """The README section: generated from results.json, never typed by hand."""
-    lines = [record["table_md"], "", f"![validation perplexity against updates and wall time]({figure})", "",
+def plot(results: dict, path: Path, title: str, xkeys=("tokens", "time")) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = {"updates": "updates", "tokens": "tokens read", "time": "training time at the median load (s)",
+              "wall": "wall time (s)"}
+    fig, axes = plt.subplots(1, len(xkeys), figsize=(6 * len(xkeys), 4.5))
+    axes = list(axes) if len(xkeys) > 1 else [axes]
+    cmap = plt.get_cmap("tab10")
+    for i, (key, m) in enumerate(results.items()):
+        style = "-" if key.startswith("smlp") else ("--" if key.startswith("fairseq") else "-.")
+        for ax, xkey in zip(axes, xkeys):
+            curves = [c for c in m["curves"] if c["ppl"] and c.get(xkey)]
+            if not curves:
+                continue
+            xs, ys = C.mean_curve(curves, xkey)
+            line, = ax.plot(xs, ys, style, marker="o", ms=2.5, label=m["name"], color=cmap(i % 10),
+                            lw=2.2 if key == REFERENCE else 1.2)
+            if len(curves) > 1:
+                n = len(xs)
+                lo = [min(c["ppl"][j] for c in curves) for j in range(n)]
+                hi = [max(c["ppl"][j] for c in curves) for j in range(n)]
+                ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.15)
+    for ax, xkey in zip(axes, xkeys):
+        ax.set_xlabel(labels[xkey])
+        ax.set_ylabel("validation perplexity")
+        ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+    axes[-1].legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
+
+
+def write_json(path: Path, record: dict) -> None:
+    S.atomic_write_json(path, record)
+
+
+def models_from_plan(plan: dict) -> list[Model]:
+    return [Model(key=m["key"], flags=list(m["flags"]), fwd_flops_per_seq=m["fwd_flops_per_seq"], layers=m["layers"],
+                  ours=m["ours"], note=m["note"], seq_len=m["seq_len"], name=m["name"]) for m in plan["models"]]
+
+
+def report(store: S.RunStore, out_dir: Path, *, machine: dict | None = None, quiet: bool = False) -> dict:
+    """results.json, table.md and the figure from the recorded runs (complete or not)."""
+    plan = store.plan
+    models = models_from_plan(plan)
+    peaks = store.extra.get("peaks") or []
+    # the highest of the peaks measured at each start: the least loaded one (MFU is only meaningful on a
+    # quiet machine; under load a run's words/s and the peak are measured at different loads)
+    peak = {"total": max(p["total"] for p in peaks), "measurements": peaks} if peaks else None
+    machine = machine or store.extra.get("machine") or machine_info()
+    results = summarise(store, models, peak)
+    norms = speeds(store)
+    complete = not store.pending() and (not plan["settings"].get("second_phase") or "phase2" in store.extra)
+    rat = ratios(results, norms, plan["reference"])
+    record = {"kind": "experiment" if plan.get("experiment") else "preset", "preset": plan["name"],
+              "experiment": plan.get("experiment"), "complete": complete,
+              "runs_recorded": len([s for s in store.finished() if s.kind == S.TRAIN]),
+              "runs_scheduled": len([s for s in store.slots if s.kind == S.TRAIN]),
+              "models": results, "ratios": rat, "normalized_speeds": norms, "probe_median_wps": probe_median(store),
+              "schedule": [s.as_dict() for s in store.slots], "order_seed": plan["order_seed"],
+              "phase2": store.extra.get("phase2"), "matching": store.extra.get("matching"), "machine": machine,
+              "peak_flops": peak, "settings": plan["settings"], "target": plan["settings"]["target"],
+              "nproc": plan["nproc"], "seconds": round(_elapsed(store), 1)}
+    record["table_md"] = table(results, rat, peak, machine, plan, complete)
+    record["targets"] = targets(record)
+    record["analysis"] = analyse_curves(results)
+    record["verdicts"] = {k: verdict(results, record["analysis"], k) for k in ("smlp_det", "smlp_partial")
+                          if k in results}
+    write_json(out_dir / "results.json", record)
+    (out_dir / "table.md").write_text(record["table_md"] + "\n")
+    if any(m["curves"] for m in results.values()):
+        plot(results, out_dir / "figure5.png",
+             f"{plan['name']}: FLOP-matched models on the demo corpus (in the manner of sMLP Figure 5)")
+    if not quiet:
+        print(record["table_md"])
+    return record
+
+
+def _elapsed(store: S.RunStore) -> float:
+    return sum(r.get("seconds", 0.0) for r in store.records.values())
+
+
+# ---------------------------------------------------------------- publishing (README sections from the JSON)
+
+
+README_START, README_END = "<!-- smlp-bench:start -->", "<!-- smlp-bench:end -->"
+LONG_START, LONG_END = "<!-- smlp-bench-long:start -->", "<!-- smlp-bench-long:end -->"
+CLAIMS_START, CLAIMS_END = "<!-- smlp-bench-claims:start -->", "<!-- smlp-bench-claims:end -->"
+PPL_TARGET_PREFIX = "sMLP-det valid ppl minus the best MoE baseline's"
+
+
+def long_ppl_target(long_record: dict) -> dict | None:
+    """The perplexity target at the end of the long preset (replaces the one at the full preset's 60 updates)."""
+    v = (long_record.get("verdicts") or {}).get("smlp_det")
+    if not v:
+        return None
+    tokens = v["tokens"]
+    state = "" if long_record.get("complete") else ", PARTIAL"
+    return {"target": f"{PPL_TARGET_PREFIX} ({v['best_moe']}), at the end of the long preset "
+                      f"({tokens / 1e6:.2f}M tokens{state})",
+            "measured": v["gap"], "goal": "<= 0", "met": v["gap"] <= 0}
+
+
+def render_markdown(record: dict, figure: str, long_record: dict | None = None) -> str:
+    """The README's benchmark section: generated from results.json, never typed by hand."""
+    rows = list(record["targets"])
+    if long_record is not None and (t := long_ppl_target(long_record)):
+        rows = [t if r["target"].startswith(PPL_TARGET_PREFIX) else r for r in rows]
+    lines = [record["table_md"], "", f"![validation perplexity against tokens and time]({figure})", "",
              "| target | measured | goal | met |", "|---|---:|---|---|"]
-    for t in record["targets"]:
+    for t in rows:
         met = {True: "yes", False: "**no**", None: "-"}[t["met"]]
         lines.append(f"| {t['target']} | {_fmt(t['measured'])} | {t['goal']} | {met} |")
     lines += ["", f"Generated by `smlp-bench` ({record['preset']} preset, {record['seconds'] / 60:.0f} min) from "
@@ -511,67 +964,174 @@ def render_markdown(record: dict, figure: str) -> str:
     return "\n".join(lines)
 
 
-README_START, README_END = "<!-- smlp-bench:start -->", "<!-- smlp-bench:end -->"
+def _ppl_at(curve: dict, tokens: float) -> float | None:
+    return _at(curve["x"], curve["ppl"], tokens)
 
 
-def publish(results_json: Path, readme: Path, figure_dir: Path) -> None:
-    """Copy the figure and JSON next to the README and rewrite its benchmark section."""
-    import shutil
+def render_long(record: dict, figure: str) -> str:
+    """README section 'Does sMLP beat Transformer-MoE at matched FLOPs here?' from the long preset's JSON."""
+    res, an, s = record["models"], record["analysis"], record["settings"]
+    tok = an["mean_curves"]["tokens"]
+    early = 60 * 2048  # the full preset's budget: 60 updates of 2,048 tokens
+    state = "" if record.get("complete") else (
+        f" **PARTIAL: {record['runs_recorded']} of {record['runs_scheduled']} runs recorded; the verdict may change.**")
+    lines = []
+    for key in ("smlp_det", "smlp_partial"):
+        v = record["verdicts"].get(key)
+        if v:
+            lines.append(f"- **Does {res[key]['name']} beat the best Transformer-MoE at this scale? {v['answer']}.** "
+                         f"{v['text']}")
+    det, gm = res.get("smlp_det"), res.get("gmlp")
+    if det and gm and det["valid_ppl"] and gm["valid_ppl"]:
+        if gm["valid_ppl"] < det["valid_ppl"]:
+            lines.append(f"- Dense gMLP at the same FLOPs ends lower than sMLP-det ({gm['valid_ppl']:.1f} against "
+                         f"{det['valid_ppl']:.1f}): at this scale the lead over the Transformer-MoEs comes with the "
+                         f"all-MLP token mixing, not with the sparsity.")
+        else:
+            lines.append(f"- sMLP-det also ends below dense gMLP at the same FLOPs ({det['valid_ppl']:.1f} against "
+                         f"{gm['valid_ppl']:.1f}).")
+    lines.append(state.strip() and f"- {state.strip()}")
+    lines = [l for l in lines if l]
+    for label, rank in (("Ranking of all models", an.get("ranking_settled_from")),
+                        ("The three best, in order", an.get("top3_settled_from"))):
+        if rank:
+            lines.append(f"- {label}: unchanged (ties within {rank.get('tolerance', 0):.0%} aside) over the last "
+                         f"{rank['points_unchanged']} validation points, from "
+                         f"{rank['x'] / 1e6:.2f}M tokens ({rank['fraction']:.0%} of the run) on"
+                         + ("" if rank["fraction"] is None or rank["fraction"] < 0.75 else
+                            "; still changing late in training, so a longer run could reorder it") + ".")
+    first = min((c["x"][0] for c in tok.values() if c["x"]), default=early)
+    lines += ["", f"| model | layers | valid ppl at {first / 1e3:.0f}k tokens (first validation) | valid ppl at the "
+                  f"end | seeds | rank | speed vs sMLP-det [range] |", "|---|---|---:|---:|---|---:|---:|"]
+    order = sorted(res, key=lambda k: res[k]["valid_ppl"] or float("inf"))
+    rr = record["ratios"].get("smlp_det_wps_over_range", {})
+    for i, key in enumerate(order):
+        m = res[key]
+        e = _ppl_at(tok[key], first) if key in tok else None
+        ratio = rr.get(key)
+        speed = "1 (reference)" if key == record["ratios"].get("reference") else (
+            f"{1 / ratio['ratio']:.2f}x [{1 / ratio['hi']:.2f}-{1 / ratio['lo']:.2f}]" if ratio else "-")
+        end = f"{m['valid_ppl']:.1f}" + (f" ± {m['valid_ppl_std']:.1f}" if len(m["valid_ppl_per_seed"]) > 1 else "")
+        lines.append(f"| {m['name']} | {m['layers']} | {e:.1f} | {end} | {len(m['seeds'])} | {i + 1} | {speed} |"
+                     if e is not None else
+                     f"| {m['name']} | {m['layers']} | - | {end} | {len(m['seeds'])} | {i + 1} | {speed} |")
+    cross = [c for c in an["crossings"]["tokens"] if "smlp_det" in (c["a"], c["b"])
+             and ({c["a"], c["b"]} - {"smlp_det"}) & set(MOE_BASELINES)]
+    if cross:
+        lines += ["", "Where sMLP-det's curve crosses a Transformer-MoE's (against tokens): " + "; ".join(
+            f"{res[c['b'] if c['a'] == 'smlp_det' else c['a']]['name']} at {c['x'] / 1e6:.2f}M tokens (ppl "
+            f"{c['ppl']:.0f}, {res[c['lower_after']]['name']} lower after)" for c in cross) + "."]
+    else:
+        lines += ["", "sMLP-det's curve crosses no Transformer-MoE's (against tokens)."]
+    t = record["target"]
+    lines += ["", f"![validation perplexity against tokens and against time, long preset]({figure})", "",
+              f"Generated by `smlp-bench --preset long` from `results.json` (D={t['d_model']}, F={t['d_ffn']}, "
+              f"T={t['seq_len']}, {s['updates']} updates of {record['nproc'] * s['batch_size'] * t['seq_len']:,} tokens "
+              f"per run; {record['seconds'] / 60:.0f} min of runs). Time is load-corrected: tokens over each run's "
+              f"words/s relative to the probes run right before and after it, at the median probe speed. The "
+              f"JSON holds every crossing and the ranking at every validation point."]
+    return "\n".join(lines)
 
-    record = json.loads(results_json.read_text())
-    figure_dir.mkdir(parents=True, exist_ok=True)
-    for name in ("results.json", "figure5.png", "table.md"):
-        src = results_json.parent / name
-        if src.exists() and src.resolve() != (figure_dir / name).resolve():
-            shutil.copy2(src, figure_dir / name)
+
+def render_claims(records: Sequence[dict]) -> str:
+    """README table 'claim | paper | here | holds?' from the experiments' JSON."""
+    lines = ["| claim | paper | here | holds? |", "|---|---|---|---|"]
+    for rec in records:
+        for c in rec.get("claims", []):
+            lines.append(f"| {c['claim']} | {c['paper']} | {c['here']} | {c['holds']} |")
+    names = ", ".join(f"`{r['experiment']}`" + ("" if r.get("complete", True) else " (PARTIAL)") for r in records)
+    lines += ["", f"Generated by `smlp-bench --experiment NAME` ({names}); JSON and figures in "
+                  f"`docs/benchmark/experiments/`."]
+    return "\n".join(lines)
+
+
+SECTION_HEADINGS = {LONG_START: "### Does sMLP beat Transformer-MoE at matched FLOPs here?",
+                    CLAIMS_START: "### The paper's other experiments"}
+
+
+def _replace_section(text: str, start: str, end: str, body: str, readme: Path) -> str:
+    """Rewrite the generated section between the markers. A long-preset or claims section that is not
+    there yet is added with its heading: after the benchmark table's section (the claims after the
+    long-preset section when there is one)."""
+    if (start not in text or end not in text) and start in SECTION_HEADINGS:
+        anchor = LONG_END if start == CLAIMS_START and LONG_END in text else README_END
+        if anchor in text:
+            head, tail = text.split(anchor, 1)
+            return head + anchor + f"\n\n{SECTION_HEADINGS[start]}\n\n{start}\n{body}\n{end}" + tail
+    if start not in text or end not in text:
+        raise BenchError(f"{readme} has no {start} ... {end} section to rewrite")
+    head, rest = text.split(start, 1)
+    _, tail = rest.split(end, 1)
+    return head + start + "\n" + body + "\n" + end + tail
+
+
+def _copy(src_dir: Path, dst_dir: Path, names: Sequence[str]) -> None:
+    dst_dir.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        src = src_dir / name
+        if src.exists() and src.resolve() != (dst_dir / name).resolve():
+            shutil.copy2(src, dst_dir / name)
+
+
+def _docs_record(path: Path, drop=("normalized_speeds", "schedule")) -> dict:
+    """The record as copied into docs/: without the per-run bookkeeping (kept in the run directory)."""
+    record = json.loads(path.read_text())
+    for k in drop:
+        record.pop(k, None)
+    for m in record.get("models", {}).values():
+        m.pop("top_ops", None)
+    return record
+
+
+def publish(results_jsons: Sequence[Path], readme: Path, figure_dir: Path) -> list[str]:
+    """Copy each run's JSON and figures under figure_dir and rewrite the README sections they feed:
+    quick/full preset -> the benchmark table; long preset -> 'Does sMLP beat Transformer-MoE ...'
+    (and the perplexity target of the benchmark table); experiments -> the claims table. Works on
+    partial results (the sections then say PARTIAL)."""
     text = readme.read_text()
-    if README_START not in text or README_END not in text:
-        raise BenchError(f"{readme} has no {README_START} ... {README_END} section to rewrite")
-    head, rest = text.split(README_START, 1)
-    _, tail = rest.split(README_END, 1)
-    figure = (figure_dir / "figure5.png").relative_to(readme.parent.resolve()).as_posix()
-    readme.write_text(head + README_START + "\n" + render_markdown(record, figure) + "\n" + README_END + tail)
+    done = []
+    records = [(Path(p), json.loads(Path(p).read_text())) for p in results_jsons]
+    root = readme.parent.resolve()
+    long_recs = [(p, r) for p, r in records if r.get("preset") == "long" and r.get("kind") != "experiment"]
+    for p, rec in long_recs:
+        dst = figure_dir / "long"
+        dst.mkdir(parents=True, exist_ok=True)
+        write_json(dst / "results.json", _docs_record(p))
+        _copy(p.parent, dst, ["figure5.png", "table.md"])
+        text = _replace_section(text, LONG_START, LONG_END,
+                                render_long(rec, (dst / "figure5.png").relative_to(root).as_posix()), readme)
+        done.append(f"{p}: long preset -> README 'Does sMLP beat Transformer-MoE at matched FLOPs here?'")
+    long_rec = long_recs[-1][1] if long_recs else (
+        json.loads((figure_dir / "long" / "results.json").read_text())
+        if (figure_dir / "long" / "results.json").exists() else None)
+    mains = [(p, r) for p, r in records if r.get("preset") in ("quick", "full") and r.get("kind") != "experiment"]
+    if not mains and long_recs and (figure_dir / "results.json").exists():
+        mains = [(figure_dir / "results.json", json.loads((figure_dir / "results.json").read_text()))]
+    for p, rec in mains:
+        _copy(p.parent, figure_dir, ["figure5.png", "table.md"])
+        if p.resolve() != (figure_dir / "results.json").resolve():
+            write_json(figure_dir / "results.json", _docs_record(p))
+        figure = (figure_dir / "figure5.png").relative_to(root).as_posix()
+        text = _replace_section(text, README_START, README_END, render_markdown(rec, figure, long_rec), readme)
+        done.append(f"{p}: {rec['preset']} preset -> README benchmark table"
+                    + (" (perplexity target from the long preset)" if long_rec else ""))
+    exps = [(p, r) for p, r in records if r.get("kind") == "experiment"]
+    for p, rec in exps:
+        dst = figure_dir / "experiments" / rec["experiment"]
+        dst.mkdir(parents=True, exist_ok=True)
+        write_json(dst / "results.json", _docs_record(p))
+        _copy(p.parent, dst, ["figure.png", "table.md"])
+        done.append(f"{p}: experiment {rec['experiment']} -> README claims table")
+    if exps:
+        all_exp = [json.loads(f.read_text()) for f in sorted((figure_dir / "experiments").glob("*/results.json"))]
+        from .experiments import EXPERIMENTS
 
-
-def plot(results: dict, path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for key, m in results.items():
-        style = "-" if key.startswith("smlp") else ("--" if key.startswith("fairseq") else "-.")
-        for ax, xkey in zip(axes, ("updates", "wall")):
-            curves = [c for c in m["curves"] if c["ppl"]]
-            if not curves:
-                continue
-            n = min(len(c["ppl"]) for c in curves)
-            xs = [statistics.mean(c[xkey][i] for c in curves) for i in range(n)]
-            ys = [statistics.mean(c["ppl"][i] for c in curves) for i in range(n)]
-            line, = ax.plot(xs, ys, style, marker="o", ms=3, label=m["name"], lw=2 if key == "smlp_det" else 1)
-            if len(curves) > 1:
-                lo = [min(c["ppl"][i] for c in curves) for i in range(n)]
-                hi = [max(c["ppl"][i] for c in curves) for i in range(n)]
-                ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.15)
-    axes[0].set_xlabel("updates")
-    axes[1].set_xlabel("wall time (s)")
-    for ax in axes:
-        ax.set_ylabel("validation perplexity")
-        ax.set_yscale("log")
-        ax.grid(alpha=0.3)
-    axes[1].legend(fontsize=8)
-    fig.suptitle("FLOP-matched models on the demo corpus (in the manner of sMLP Figure 5)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
-def write_json(path: Path, record: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record, indent=1))
-    os.replace(tmp, path)
+        all_exp.sort(key=lambda r: list(EXPERIMENTS).index(r["experiment"]) if r["experiment"] in EXPERIMENTS else 99)
+        text = _replace_section(text, CLAIMS_START, CLAIMS_END, render_claims(all_exp), readme)
+    if not done:
+        raise BenchError("nothing to publish: each RESULTS_JSON must come from a preset or an experiment")
+    readme.write_text(text)
+    return done
 
 
 # ---------------------------------------------------------------- CLI
@@ -580,18 +1140,32 @@ def write_json(path: Path, record: dict) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="one seed, short runs (under 10 minutes here)")
-    p.add_argument("--output-dir", type=Path, default=Path("results/bench"), help="where results go (results/bench)")
+    p.add_argument("--preset", choices=tuple(PRESETS), default=None, help="quick, full (default) or long")
+    p.add_argument("--quick", action="store_true", help="the same as --preset quick")
+    p.add_argument("--experiment", default=None, metavar="NAME",
+                   help="one of the paper's other experiments (benchmarks/experiments.py): "
+                        "figure7-routing, table7-token-routed-gmlp, figure4-dense, table4-speed")
+    p.add_argument("--output-dir", type=Path, default=None,
+                   help="where results go (results/bench, or results/<experiment>)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the benchmark recorded in OUTPUT_DIR/runs.json: skip finished runs, start the "
+                        "interrupted one again")
     p.add_argument("--data", type=Path, default=None,
                    help="a fairseq data-bin (default: the demo corpus, built into OUTPUT_DIR/data-bin once)")
-    p.add_argument("--models", default=",".join(DEFAULT_MODELS),
-                   help=f"comma-separated subset of {','.join(MODEL_ORDER)} (default: all but hypermixer)")
-    p.add_argument("--seeds", type=int, default=None, help="seeds per model (quick: 1, full: 3)")
-    p.add_argument("--updates", type=int, default=None, help="training updates per run (quick: 24, full: 60)")
+    p.add_argument("--models", default=None,
+                   help=f"comma-separated subset of {','.join(MODEL_ORDER)} (default: the preset's)")
+    p.add_argument("--seeds", type=int, default=None, help="seeds per model (quick: 1, full: 3, long: 1 + phase 2)")
+    p.add_argument("--updates", type=int, default=None, help="training updates per run (quick: 24, full: 60, long: 750)")
     p.add_argument("--nproc", type=int, default=2, help="expert-parallel CPU ranks = experts (2)")
-    p.add_argument("--publish", type=Path, default=None, metavar="RESULTS_JSON",
-                   help="do not train: copy RESULTS_JSON's figures to docs/benchmark/ and rewrite README.md's "
-                        "benchmark section from it")
+    p.add_argument("--order-seed", type=int, default=1, help="seed of the shuffled orders of rounds 3+ (recorded)")
+    p.add_argument("--source", type=Path, default=None, metavar="RESULTS_JSON",
+                   help="table4-speed: the long benchmark's results.json (default docs/benchmark/long/results.json)")
+    p.add_argument("--report", type=Path, default=None, metavar="OUTPUT_DIR",
+                   help="do not train: rewrite results.json, table.md and the figure from OUTPUT_DIR/runs.json "
+                        "(also while a benchmark is running or stopped)")
+    p.add_argument("--publish", type=Path, nargs="+", default=None, metavar="RESULTS_JSON",
+                   help="do not train: copy each RESULTS_JSON's figures to docs/benchmark/ and rewrite the README "
+                        "sections it feeds (preset table, long-preset verdict, claims table)")
     return p
 
 
@@ -600,7 +1174,7 @@ def prepare(args) -> Path:
         if not (args.data / "dict.txt").is_file():
             raise BenchError(f"--data {args.data} is not a fairseq data-bin (no dict.txt); build one with "
                              f"smlp-prepare-data")
-        return args.data
+        return args.data.expanduser().absolute()
     from smlp_launch.data import DataPrepError, prepare_data
 
     try:
@@ -618,105 +1192,135 @@ def vocab_size(data: Path) -> int:
     return len(Dictionary.load(str(data / "dict.txt")))
 
 
+def settings_from_args(args) -> tuple[str, dict]:
+    name = "quick" if args.quick else (args.preset or "full")
+    settings = dict(PRESETS[name])
+    if args.seeds is not None:
+        settings["seeds"] = args.seeds
+    if args.updates is not None:
+        settings["updates"] = args.updates
+    if args.models:
+        settings["models"] = tuple(k.strip() for k in args.models.split(",") if k.strip())
+    return name, settings
+
+
+def check_settings(settings: dict, nproc: int) -> None:
+    if nproc < 2:
+        raise BenchError(f"--nproc {nproc}: expert parallelism needs at least 2 ranks")
+    if settings["seeds"] < 1 or settings["updates"] < 2 * settings["validate_every"]:
+        raise BenchError(f"--seeds must be >= 1 and --updates >= {2 * settings['validate_every']}")
+
+
+def _stop_on_sigterm():
+    """SIGTERM (kill, a scheduler's stop) stops like Ctrl-C: the running launcher and its workers are
+    stopped too (run_training's cleanup), and --resume restarts the interrupted run. Returns the
+    previous handler (restored when main returns)."""
+    import signal
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt
+
+    try:
+        return signal.signal(signal.SIGTERM, stop)
+    except ValueError:  # not the main thread
+        return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    args.preset_name = "quick" if args.quick else "full"
-    args.preset = dict(PRESETS[args.preset_name])
-    if args.seeds is not None:
-        args.preset["seeds"] = args.seeds
-    if args.updates is not None:
-        args.preset["updates"] = args.updates
-    keys = [k.strip() for k in args.models.split(",") if k.strip()]
+    previous_sigterm = None
     if args.publish:
         try:
             root = Path.cwd()
-            publish(args.publish, root / "README.md", root / "docs" / "benchmark")
+            for line in publish(args.publish, root / "README.md", root / "docs" / "benchmark"):
+                print(f"   {line}")
         except (BenchError, OSError, KeyError, json.JSONDecodeError) as exc:
-            print(f"{PROG}: error: cannot publish {args.publish}: {exc}", file=sys.stderr)
+            print(f"{PROG}: error: cannot publish {' '.join(map(str, args.publish))}: {exc}", file=sys.stderr)
             return 1
-        print(f"   README.md's benchmark section now shows {args.publish}")
         return 0
     try:
-        if args.nproc < 2:
-            raise BenchError(f"--nproc {args.nproc}: expert parallelism needs at least 2 ranks")
-        if args.preset["seeds"] < 1 or args.preset["updates"] < 4 * args.preset["validate_every"] // 2:
-            raise BenchError(f"--seeds must be >= 1 and --updates >= {2 * args.preset['validate_every']}")
-        args.output_dir = args.output_dir.expanduser().absolute()
+        if args.report:
+            store = S.RunStore.load(args.report / "runs.json")
+            record = report(store, args.report)
+            if record.get("experiment"):
+                from .experiments import finish
+
+                finish(record, args.report)
+            print(f"   results: {args.report / 'results.json'} ({'complete' if record['complete'] else 'PARTIAL'})")
+            return 0
+        if args.experiment:
+            from .experiments import get_experiment
+
+            exp = get_experiment(args.experiment)
+            args.output_dir = (args.output_dir or Path("results") / exp.name).expanduser().absolute()
+            if exp.needs_training is False:
+                args.output_dir.mkdir(parents=True, exist_ok=True)
+                exp.run_without_training(args)
+                return 0
+            name, settings = exp.name, dict(exp.settings, models=tuple(m.key for m in exp.models))
+        else:
+            name, settings = settings_from_args(args)
+            args.output_dir = (args.output_dir or Path("results/bench")).expanduser().absolute()
+        check_settings(settings, args.nproc)
         args.output_dir.mkdir(parents=True, exist_ok=True)
+        previous_sigterm = _stop_on_sigterm()
         t0 = time.time()
-        print(f"== {PROG} ({args.preset_name}): {len(keys)} models x {args.preset['seeds']} seed(s), "
-              f"{args.preset['updates']} updates each, {args.nproc} ranks", flush=True)
+        print(f"== {PROG} ({name}): {len(settings['models'])} models x {settings['seeds']} seed(s), "
+              f"{settings['updates']} updates each, {args.nproc} ranks, output {args.output_dir}", flush=True)
         print("== 1/5 data", flush=True)
         data = prepare(args)
-        print(f"== 2/5 dense matmul peak ({args.nproc} processes x 1 thread)", flush=True)
-        peak = matmul_peak(args.nproc)
-        print(f"   {peak['total'] / 1e9:.1f} GFLOP/s in total", flush=True)
-        print("== 3/5 FLOP matching (smlp_eval.flops.match)", flush=True)
-        models, matching = plan_models(vocab_size(data), args.nproc, keys)
+        print("== 2/5 models", flush=True)
+        if args.experiment:
+            models, matching = exp.plan_models(vocab_size(data), args.nproc)
+        else:
+            models, matching = plan_models(vocab_size(data), args.nproc, settings["models"], settings["target"])
         for m in models:
-            print(f"   {NAMES[m.key]:<40} {m.layers:>6}  {m.fwd_flops_per_seq / 1e9:.3f} GFLOPs/seq  {m.note}")
-        print("== 4/5 training", flush=True)
-        runs = train_all(models, data, args)
+            print(f"   {m.title:<40} {m.layers:>6}  {m.fwd_flops_per_seq / 1e9:.3f} GFLOPs/seq  {m.note}")
+        by_key = {m.key: m for m in models}
+        reference = REFERENCE if REFERENCE in by_key else models[0].key
+        plan = make_plan(name, settings, models, args.nproc, args.order_seed, reference,
+                         experiment=args.experiment and exp.name)
+        store = S.RunStore.open(args.output_dir / "runs.json", plan, resume=args.resume)
+        if not store.slots:
+            store.slots = initial_schedule(plan)
+            store.extra["matching"] = matching
+        store.extra["machine"] = machine_info()
+        print(f"== 3/5 dense matmul peak ({args.nproc} processes x 1 thread)", flush=True)
+        peak = matmul_peak(args.nproc)
+        store.extra.setdefault("peaks", []).append({"total": peak["total"], "at": time.time()})
+        store.save()
+        print(f"   {peak['total'] / 1e9:.1f} GFLOP/s in total", flush=True)
+        for rid in store.prepare_resume():
+            print(f"   resuming: the probe before the next run is measured again ({rid})", flush=True)
+        print(f"== 4/5 training: {len(store.pending())} of {len(store.slots)} runs to go "
+              f"({len([s for s in store.slots if s.kind == S.PROBE])} of them probes)", flush=True)
+        execute(store, by_key, data, args, out_dir=args.output_dir,
+                on_recorded=lambda: report(store, args.output_dir, quiet=True))
         print("== 5/5 report", flush=True)
-        machine = machine_info()
-        results = summarise(models, runs, peak, args)
-        rat = ratios(results)
-        md = table(results, rat, peak, machine, args)
-        record = {"models": results, "ratios": rat, "matching": matching, "machine": machine, "peak_flops": peak,
-                  "preset": args.preset_name, "settings": args.preset, "target": TARGET, "nproc": args.nproc,
-                  "seconds": round(time.time() - t0, 1), "table_md": md}
-        record["targets"] = targets(record)
-        write_json(args.output_dir / "results.json", record)
-        (args.output_dir / "table.md").write_text(md + "\n")
-        plot(results, args.output_dir / "figure5.png")
-        print(md)
+        record = report(store, args.output_dir)
+        if args.experiment:
+            exp.finish(record, args.output_dir)
         print()
-        for t in record["targets"]:
+        for t in ([] if args.experiment else record["targets"]):
             met = {True: "met", False: "MISSED", None: "-"}[t["met"]]
             print(f"   {met:>6}  {t['target']}: {_fmt(t['measured'])} (goal {t['goal']})")
-        print(f"\n   sMLP-det words/s over the fastest MoE baseline ({rat.get('fastest_moe_baseline')}): "
-              f"{rat.get('smlp_det_over_fastest_moe') or float('nan'):.2f}x;  our Transformer / fairseq: "
-              f"{rat.get('transformer_over_fairseq') or float('nan'):.2f}x;  our Base Layers / fairseq's: "
-              f"{rat.get('base_over_fairseq_base_layers') or float('nan'):.2f}x")
+        for v in record["verdicts"].values():
+            if v:
+                print(f"   {v['model']}: {v['text']}")
         print(f"   results: {args.output_dir / 'results.json'}, {args.output_dir / 'table.md'}, "
               f"{args.output_dir / 'figure5.png'}  ({(time.time() - t0) / 60:.1f} min)")
-    except BenchError as exc:
+    except (BenchError, S.ScheduleError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print(f"{PROG}: interrupted", file=sys.stderr)
+        print(f"{PROG}: interrupted; continue with --resume", file=sys.stderr)
         return 130
+    finally:
+        if previous_sigterm is not None:
+            import signal
+
+            signal.signal(signal.SIGTERM, previous_sigterm)
     return 0
-
-
-def train_all(models: list[Model], data: Path, args) -> dict[str, list[Run]]:
-    from tqdm import tqdm
-
-    seeds = list(range(1, args.preset["seeds"] + 1))
-    total = len(models) * len(seeds) * args.preset["updates"]
-    bar = tqdm(total=total, unit="upd", desc="   training", dynamic_ncols=True, file=sys.stdout,
-               disable=None)
-    runs: dict[str, list[Run]] = {m.key: [] for m in models}
-    done = 0
-    for seed in seeds:
-        for m in models:
-            bar.set_description(f"   {m.key} seed {seed}")
-
-            def on_line(kind, f, base=done):
-                if kind == "train":
-                    bar.n = base + int(f.get("num_updates", 0))
-                    bar.refresh()
-
-            # fairseq's own models carry none of our profiler ranges: only ours are profiled
-            run = run_model(m, data, args, seed, profile=(seed == seeds[0] and m.ours), on_line=on_line)
-            runs[m.key].append(run)
-            done += args.preset["updates"]
-            bar.n = done
-            wps = clean_wps(run, args.preset)
-            bar.write(f"   {m.key:<24} seed {seed}: {statistics.median(wps) if wps else float('nan'):>8,.0f} words/s, "
-                      f"valid ppl {run.valid[-1]['ppl'] if run.valid else float('nan'):.1f}, {run.seconds:.0f} s")
-    bar.close()
-    return runs
 
 
 if __name__ == "__main__":

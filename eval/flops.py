@@ -77,6 +77,7 @@ from smlp.lm import LanguageModel, LMConfig, layer_plan
 from smlp.mixers import GMLPBlock, SpatialGatingUnit
 from smlp.moe import SMoE, SparseBlock, TMoE
 from smlp.token_mixers import HyperMixingUnit, NiNformerGatingUnit
+from smlp.token_routed import TokenRoutedGMLPBlock
 from smlp.transformer import CausalSelfAttention, DenseFFN, TransformerBlock, explicit_attention
 
 from .paper_tables import MATCH_TOLERANCE, PAPER_MODELS, TABLE3_DIMS, TABLE3_ROWS, TABLE5
@@ -95,7 +96,8 @@ CONVENTION = ("FLOPs = 2 x multiply-adds of the forward pass of one sequence of 
               "eval-mode routing, one expert per routing choice per sparse layer")
 FAMILY_NAMES = {"transformer": "Transformer", "gmlp": "gMLP", "gshard": "GShard", "switch": "Switch",
                 "base": "Base Layers", "hash": "HASH Layers", "smlp": "sMLP",
-                "hypermixer": "HyperMixer", "hypermixer_untied": "HyperMixer (untied)", "ninformer": "NiNformer"}
+                "hypermixer": "HyperMixer", "hypermixer_untied": "HyperMixer (untied)", "ninformer": "NiNformer",
+                "gmlp_token_routed": "gMLP, token-routed"}
 # dense gMLP models whose SGU is replaced (LMConfig.token_mixer): family key -> LMConfig fields
 MIXER_FAMILIES = {"hypermixer": dict(token_mixer="hypermixer"),
                   "hypermixer_untied": dict(token_mixer="hypermixer", hypermixer_tied=False),
@@ -244,6 +246,8 @@ def family_key(cfg: LMConfig) -> str:
         return cfg.moe_router
     if cfg.family == "gmlp" and cfg.token_mixer != "sgu":
         return cfg.token_mixer + ("" if cfg.token_mixer != "hypermixer" or cfg.hypermixer_tied else "_untied")
+    if cfg.family == "gmlp" and cfg.token_routed_experts:
+        return "gmlp_token_routed"
     return cfg.family
 
 
@@ -299,7 +303,7 @@ def _layer_macs_fvcore(cfg: LMConfig, tokens: int, experts_per_gpu: int) -> tupl
     torch.manual_seed(0)
     # Without routing nothing depends on values: trace on the meta device (same graph and shapes, no
     # compute; causal HyperMixing at paper size is ~100 s and 6 GB on 2 CPU cores). Routing needs values.
-    device = "cpu" if small.sparse_layers else "meta"
+    device = "cpu" if small.sparse_layers or small.token_routed_experts else "meta"
     model = _build(small, experts_per_gpu, device)
     counts = fvcore_by_module(model, _tokens(small, tokens).to(device))
     layers = [counts.get(f"layers.{i}", 0) for i in range(len(model.layers))]
@@ -377,6 +381,8 @@ def _smoe_macs(smoe: SMoE, B: int, n: int) -> int:
     P = min(c.prefix_len, n)
     M = n - P
     router = B * C * P * c.num_experts if c.routing == "partial" and M else 0
+    if c.leaky:  # Appendix B: the router reads all n positions
+        router = B * C * n * c.num_experts
     return _ln(B * n, C) + router + B * C * M * M
 
 
@@ -405,7 +411,17 @@ def _attention_macs(D: int, n: int) -> int:
     return 4 * n * D * D + 2 * n * n * D  # q, k, v, out projections; scores and context
 
 
+def _token_routed_macs(layer: TokenRoutedGMLPBlock, n: int) -> int:
+    """One sequence through a token-routed gMLP block (smlp/token_routed.py): the router, and every
+    token once through one expert's projections and its T-long spatial sum; exact whatever the routing."""
+    c = layer.cfg
+    D, Fw, C, T = c.d_model, c.d_ffn, c.d_ffn // 2, c.seq_len
+    return n * D * c.num_experts + _ln(n, D) + n * (D * Fw + 5 * C + T * C + C * D)
+
+
 def _layer_macs_analytic(layer: nn.Module, n: int) -> int:
+    if isinstance(layer, TokenRoutedGMLPBlock):
+        return _token_routed_macs(layer, n)
     if isinstance(layer, GMLPBlock):
         D, Fw = layer.cfg.d_model, layer.cfg.d_ffn
         return _ln(n, D) + n * D * Fw + _token_mixer_macs(layer.token_mixer, n) + n * layer.proj_out.in_features * D
@@ -609,6 +625,9 @@ def family_config(target: LMConfig, family: str, smlp_sparse: int | None) -> tup
     if family == "transformer":
         cfg = LMConfig(family="transformer", dense_layers=1, heads=_heads_for(target.d_model), **common)
         return cfg, lambda n: (n, 0)
+    if family == "gmlp_token_routed":  # the target's expert count (Table 7 compares several: give a gmlp target)
+        E = target.token_routed_experts or (target.num_experts if target.sparse_layers else 2)
+        return LMConfig(family="gmlp", dense_layers=1, token_routed_experts=E, **common), lambda n: (n, 0)
     if family == "smlp":
         if not smlp_sparse:
             return None
@@ -623,8 +642,12 @@ def family_config(target: LMConfig, family: str, smlp_sparse: int | None) -> tup
     return cfg, lambda n: (n - n // 2, n // 2)
 
 
+# the families --match lists by default (token-routed gMLP only when asked: it is Table 7's ablation)
+MATCH_FAMILIES = tuple(f for f in FAMILY_NAMES if f != "gmlp_token_routed")
+
+
 def match(target: Count, *, tolerance: float = 0.015, smlp_sparse: int | None = None, method: str = "fvcore",
-          experts_per_gpu: int = 1, families: Sequence[str] = tuple(FAMILY_NAMES)) -> list[MatchRow]:
+          experts_per_gpu: int = 1, families: Sequence[str] = MATCH_FAMILIES) -> list[MatchRow]:
     """For each family, the layer count whose FLOPs match the target's (rule: module docstring)."""
     if not 0 <= tolerance < 1:
         raise ValueError(f"--match-tolerance {tolerance} must be in [0, 1)")
@@ -666,19 +689,40 @@ def _mixer_flags(cfg: LMConfig) -> str:
     return flags + ("" if cfg.hypermixer_tied or cfg.token_mixer != "hypermixer" else " --hypermixer-untied")
 
 
+def _if_not_default(cfg: LMConfig, pairs: Sequence[tuple[str, str]]) -> str:
+    """` --flag value` for each core field whose value differs from LMConfig's default."""
+    defaults = LMConfig.__dataclass_fields__
+    out = ""
+    for name, flag in pairs:
+        value = getattr(cfg, name)
+        if value != defaults[name].default:
+            out += f" {flag} {int(value) if isinstance(value, bool) else value}"
+    return out
+
+
 def fairseq_flags(cfg: LMConfig) -> str:
-    """Flags for fairseq-train that build `cfg` (widths, layers, experts)."""
+    """Flags for fairseq-train that build `cfg`: every field of the core config reaches the command
+    (widths, layers, experts, routing, placement, dropout, activation, mixer); `parse_model` of
+    them gives `cfg` back (tested). Fields at LMConfig's default are left out where the fairseq
+    default is the same, so the common commands stay short; dropout is always given (fairseq's
+    default is 0.1, the core's 0)."""
     base = (f"--decoder-embed-dim {cfg.d_model} --decoder-ffn-embed-dim {cfg.d_ffn} "
-            f"--decoder-layers {cfg.dense_layers} --tokens-per-sample {cfg.seq_len}")
+            f"--decoder-layers {cfg.dense_layers} --tokens-per-sample {cfg.seq_len} --dropout {cfg.dropout}")
+    base += _if_not_default(cfg, [("activation", "--activation-fn")])
     if cfg.family == "gmlp":
-        return f"--arch gmlp_lm {base} --sgu-heads {cfg.heads}{_mixer_flags(cfg)}"
+        return (f"--arch gmlp_lm {base} --sgu-heads {cfg.heads}{_mixer_flags(cfg)}"
+                f"{_if_not_default(cfg, [('token_routed_experts', '--token-routed-experts')])}")
+    sparse = _if_not_default(cfg, [("sparse_placement", "--sparse-placement"), ("base_shuffle", "--base-shuffle")])
     if cfg.family == "smlp":
         return (f"--arch smlp_lm {base} --sparse-layers {cfg.sparse_layers} --num-experts {cfg.num_experts} "
-                f"--smoe-routing {cfg.smoe_routing}{_mixer_flags(cfg)}")
+                f"--smoe-routing {cfg.smoe_routing}{_mixer_flags(cfg)}"
+                f"{_if_not_default(cfg, [('prefix_fraction', '--prefix-fraction')])}{sparse}")
     flags = (f"--arch moe_transformer_lm {base} --decoder-attention-heads {cfg.heads} "
              f"--sparse-layers {cfg.sparse_layers}")
     if cfg.sparse_layers:
-        flags += f" --num-experts {cfg.num_experts} --moe-router {cfg.moe_router}"
+        flags += f" --num-experts {cfg.num_experts} --moe-router {cfg.moe_router}" + sparse + _if_not_default(
+            cfg, [("capacity_factor", "--capacity-factor"), ("gshard_aux_loss", "--gshard-aux-loss"),
+                  ("hash_seed", "--hash-seed")])
     return flags
 
 

@@ -10,14 +10,14 @@ from dataclasses import dataclass, field
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 from omegaconf import II
 
-from smlp.config import GSHARD_AUX_LOSSES
+from smlp.config import GSHARD_AUX_LOSSES, SMOE_ROUTING_CHOICES as CORE_SMOE_ROUTINGS
 from smlp.dispatch import expert_parallel_layout
 from smlp.lm import PLACEMENTS, LMConfig
 from smlp.parallel import ExpertDataLayout, valid_ep_sizes
 
 logger = logging.getLogger(__name__)
 
-SMOE_ROUTING_CHOICES = ChoiceEnum(["deterministic", "partial"])
+SMOE_ROUTING_CHOICES = ChoiceEnum(list(CORE_SMOE_ROUTINGS))
 MOE_ROUTER_CHOICES = ChoiceEnum(["gshard", "switch", "base", "hash"])
 ACTIVATION_CHOICES = ChoiceEnum(["gelu", "relu"])
 PLACEMENT_CHOICES = ChoiceEnum(["auto", *PLACEMENTS])
@@ -96,7 +96,9 @@ class SMLPConfig(_SparseBase, _TokenMixerFlags):
     smoe_routing: SMOE_ROUTING_CHOICES = field(
         default="deterministic",
         metadata={"help": "sMoE routing: deterministic (hidden chunk i -> expert i) or partial "
-                          "(router over the first --prefix-fraction positions; loss on the rest)"},
+                          "(router over the first --prefix-fraction positions; loss on the rest); "
+                          "leaky-full-sequence is the paper's Appendix B router over all positions, which SEES "
+                          "THE FUTURE (not causal; only to reproduce Figure 7)"},
     )
     prefix_fraction: float = field(default=0.2, metadata={"help": "routing prefix of partial prediction"})
 
@@ -104,6 +106,11 @@ class SMLPConfig(_SparseBase, _TokenMixerFlags):
 @dataclass
 class GMLPConfig(_LMBase, _TokenMixerFlags):
     sgu_heads: int = field(default=1, metadata={"help": "heads of the spatial gating unit (multi-head SGU)"})
+    token_routed_experts: int = field(
+        default=0,
+        metadata={"help": "gMLP extended to token-level routing (sMLP Appendix A, Table 7): every block sends each "
+                          "token to one of N gMLP experts, whose SGU mixes only the earlier tokens routed to it; "
+                          "0 = dense gMLP. The experts are replicated on every rank (no all2all)"})
 
 
 @dataclass
@@ -181,7 +188,7 @@ def to_core_config(cfg, family: str, vocab_size: int, padding_idx: int) -> LMCon
         common.update(token_mixer=str(getattr(cfg, "token_mixer", "sgu")), mixer_dim=getattr(cfg, "mixer_dim", 0),
                       hypermixer_tied=not getattr(cfg, "hypermixer_untied", False))
     if family == "gmlp":
-        return LMConfig(**common, heads=cfg.sgu_heads)
+        return LMConfig(**common, heads=cfg.sgu_heads, token_routed_experts=getattr(cfg, "token_routed_experts", 0))
     num_experts = resolve_num_experts(cfg.num_experts, cfg.distributed_world_size, configured_ep_size(cfg))
     if cfg.sparse_layers:  # experts must fit the ranks: refuse a bad layout before any weight is built
         expert_layout(num_experts, cfg.distributed_world_size, configured_ep_size(cfg))

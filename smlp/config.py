@@ -12,6 +12,11 @@ TOKEN_ROUTERS = ("base", "switch", "gshard", "hash")
 # lingvo; 1.0 for a balanced router, like Switch's E * sum_e f_e P_e), "fairscale" = mean_e(m_e c_e).
 GSHARD_AUX_LOSSES = ("normalized", "fairscale")
 SMOE_ROUTINGS = ("deterministic", "partial")
+# Appendix B / Figure 7: the paper's first sMoE router, which reads all T positions of each hidden
+# vector and so sees the future. Kept only to reproduce Figure 7 and to show the causality check
+# failing; never a default, and accepted only under this exact name (no alias).
+LEAKY_SMOE_ROUTING = "leaky-full-sequence"
+SMOE_ROUTING_CHOICES = SMOE_ROUTINGS + (LEAKY_SMOE_ROUTING,)
 ACTIVATIONS = ("gelu", "relu")
 
 
@@ -148,7 +153,9 @@ class SMoEConfig:
     dim, split, seq_len: as for SGUConfig; the gated channels are routed to experts.
     routing: deterministic (hidden chunk i -> expert i, 3.2.1) or partial (a router reads the
              first prefix_fraction of positions and assigns hidden dimensions to experts, which
-             then mix only the remaining positions, 3.2.2).
+             then mix only the remaining positions, 3.2.2). leaky-full-sequence is Appendix B's
+             first design (Figure 7): the router reads all T positions, future ones included, so
+             it is NOT causal; only for reproducing Figure 7.
     """
 
     dim: int
@@ -163,7 +170,7 @@ class SMoEConfig:
         _positive("dim", self.dim)
         _positive("seq_len", self.seq_len)
         _positive("num_experts", self.num_experts)
-        _choice("routing", self.routing, SMOE_ROUTINGS)
+        _choice("routing", self.routing, SMOE_ROUTING_CHOICES)
         if self.split and self.dim % 2:
             raise ValueError(f"dim={self.dim} must be even: the sMoE splits it into gate and value halves")
         if self.routing == "deterministic" and self.gated_dim % self.num_experts:
@@ -183,6 +190,16 @@ class SMoEConfig:
     @property
     def gated_dim(self) -> int:
         return self.dim // 2 if self.split else self.dim
+
+    @property
+    def leaky(self) -> bool:
+        """True for the router that reads every position (Appendix B): outputs see the future."""
+        return self.routing == LEAKY_SMOE_ROUTING
+
+    @property
+    def router_len(self) -> int:
+        """Positions the router reads: the prefix (partial), all T (leaky), none (deterministic)."""
+        return self.seq_len if self.leaky else self.prefix_len
 
     @property
     def prefix_len(self) -> int:
@@ -230,3 +247,35 @@ class SparseBlockConfig:
     def tmoe(self) -> TMoEConfig:
         return TMoEConfig(d_model=self.d_model, d_ffn=self.d_ffn, num_experts=self.num_experts,
                           router="base", activation=self.activation, shuffle=self.base_shuffle)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TokenRoutedGMLPConfig:
+    """gMLP extended to token-level routing (sMLP Appendix A, Figure 6 right, Table 7).
+
+    Every token goes to one of num_experts experts, each a whole gMLP block body (D->F
+    projection, GELU, SGU with its own T x T spatial weight, F/2->D projection). An expert's SGU
+    mixes only the earlier tokens of the same sequence that were routed to the same expert. The
+    router is a per-token top-1 softmax gate (Switch, no capacity: nothing depends on other
+    tokens, so it is causal) with Switch's load-balancing loss.
+    """
+
+    d_model: int
+    d_ffn: int
+    seq_len: int
+    num_experts: int
+    dropout: float = 0.0
+    init_eps: float = 1e-3
+
+    def __post_init__(self) -> None:
+        _positive("d_model", self.d_model)
+        _positive("d_ffn", self.d_ffn)
+        _positive("seq_len", self.seq_len)
+        _positive("num_experts", self.num_experts)
+        _probability("dropout", self.dropout)
+        if self.d_ffn % 2:
+            raise ValueError(f"d_ffn={self.d_ffn} must be even: the SGU splits it into two halves")
+
+    @property
+    def expert(self) -> GMLPConfig:
+        return GMLPConfig(d_model=self.d_model, d_ffn=self.d_ffn, seq_len=self.seq_len, heads=1, dropout=self.dropout)

@@ -4,7 +4,9 @@ The fairseq plugins wrap `LanguageModel`; the FLOPs calculator counts it with fv
 drive it directly. One configuration describes every family:
 
     smlp         N1 dense gMLP blocks + N2 sparse blocks (sMoE + tMoE), the paper's placement
-    gmlp         N1 dense gMLP blocks (optionally multi-head SGU)
+    gmlp         N1 dense gMLP blocks (optionally multi-head SGU); with token_routed_experts = E
+                 every block is gMLP extended to token-level routing (Appendix A, Table 7;
+                 smlp/token_routed.py)
     transformer  N1 dense Transformer blocks + N2 sparse Transformer blocks (attention + tMoE FFN):
                    gshard / switch: every other block is sparse (dense, sparse, dense, ...)
                    base / hash:     sparse blocks spread evenly over the depth (the paper's placement)
@@ -41,12 +43,14 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor, nn
 
-from .config import ACTIVATIONS, SMOE_ROUTINGS, TOKEN_ROUTERS, GMLPConfig, SparseBlockConfig, TMoEConfig, _choice, _positive, _probability
+from .config import (ACTIVATIONS, LEAKY_SMOE_ROUTING, SMOE_ROUTING_CHOICES, TOKEN_ROUTERS, GMLPConfig, SparseBlockConfig, TMoEConfig,
+                     TokenRoutedGMLPConfig, _choice, _positive, _probability)
 from .decoding import DecodingCache
 from .dispatch import LocalDispatcher
 from .mixers import GMLPBlock, check_length
 from .moe import SMoE, SparseBlock, TMoE
 from .token_mixers import TOKEN_MIXERS, HyperMixerConfig, NiNformerConfig, make_token_mixer
+from .token_routed import TokenRoutedGMLPBlock
 from .transformer import TransformerBlock, sinusoidal_positions
 
 __all__ = ["FAMILIES", "PLACEMENTS", "LMConfig", "LanguageModel", "layer_plan"]
@@ -106,6 +110,9 @@ class LMConfig:
     token_mixer: str = "sgu"
     mixer_dim: int = 0  # HyperMixer d' / NiNformer channel-MLP hidden width; 0 = the gated width F/2
     hypermixer_tied: bool = True
+    # gmlp only: 0 = dense gMLP blocks; E >= 1 = every block routes each token to one of E gMLP experts
+    # (Appendix A, Figure 6 right, Table 7); 1 expert is the dense block
+    token_routed_experts: int = 0
 
     def __post_init__(self) -> None:
         _choice("family", self.family, FAMILIES)
@@ -116,7 +123,7 @@ class LMConfig:
                 f"dense_layers={self.dense_layers}, sparse_layers={self.sparse_layers}: both must be >= 0 "
                 f"and the model needs at least one layer"
             )
-        _choice("smoe_routing", self.smoe_routing, SMOE_ROUTINGS)
+        _choice("smoe_routing", self.smoe_routing, SMOE_ROUTING_CHOICES)
         _choice("moe_router", self.moe_router, TOKEN_ROUTERS)
         _choice("activation", self.activation, ACTIVATIONS)
         _probability("dropout", self.dropout)
@@ -133,6 +140,26 @@ class LMConfig:
             self.tmoe
         self.plan  # validates the placement against the layer counts
         self._check_token_mixer()
+        self._check_token_routing()
+
+    def _check_token_routing(self) -> None:
+        E = self.token_routed_experts
+        if not isinstance(E, int) or isinstance(E, bool) or E < 0:
+            raise ValueError(f"token_routed_experts={E!r} is invalid: 0 (dense gMLP) or a positive number of experts")
+        if not E:
+            return
+        if self.family != "gmlp":
+            raise ValueError(f"token_routed_experts={E} routes the tokens of gMLP blocks: the {self.family} family "
+                             f"has none (valid: gmlp)")
+        if self.heads != 1 or self.token_mixer != "sgu":
+            raise ValueError(f"token_routed_experts={E} needs single-head SGU experts (heads=1, token_mixer='sgu'), "
+                             f"got heads={self.heads}, token_mixer={self.token_mixer!r}")
+        self.token_routed_block  # validates
+
+    @property
+    def token_routed_block(self) -> TokenRoutedGMLPConfig:
+        return TokenRoutedGMLPConfig(d_model=self.d_model, d_ffn=self.d_ffn, seq_len=self.seq_len,
+                                     num_experts=self.token_routed_experts, dropout=self.dropout)
 
     @property
     def placement(self) -> str:
@@ -226,6 +253,8 @@ class LanguageModel(nn.Module):
 
     def _build(self, kind: str) -> nn.Module:
         cfg = self.cfg
+        if cfg.family == "gmlp" and cfg.token_routed_experts:
+            return TokenRoutedGMLPBlock(cfg.token_routed_block)
         if cfg.family in ("smlp", "gmlp"):
             if kind == "dense":
                 mixer = cfg.dense_mixer
@@ -266,6 +295,11 @@ class LanguageModel(nn.Module):
         if self.training:
             raise RuntimeError("cached decoding needs eval mode (model.eval()): training-time routing (balanced "
                                "assignment, capacities, token shuffle) and dropout couple the rows of a batch")
+        if self.cfg.token_routed_experts or self.cfg.smoe_routing == LEAKY_SMOE_ROUTING:
+            what = ("the token-routed gMLP experiment (token_routed_experts)" if self.cfg.token_routed_experts else
+                    f"sMoE routing {LEAKY_SMOE_ROUTING!r}, whose router reads future positions (not causal)")
+            raise NotImplementedError(f"cached decoding is not available for {what}: generate with the full "
+                                      f"forward (generate(..., use_cache=False))")
         if tokens_Bk.dim() != 2 or tokens_Bk.shape[1] < 1:
             raise ValueError(f"cached decoding expects token ids of shape (batch, k >= 1), got {tuple(tokens_Bk.shape)}")
         if len(cache.layers) != len(self.layers):
@@ -293,8 +327,8 @@ class LanguageModel(nn.Module):
         return self.final_norm(x) @ self.embed.weight.t()
 
     def moe_modules(self) -> list[tuple[str, nn.Module]]:
-        """(name, module) of every sMoE and tMoE, in layer order."""
-        return [(n, m) for n, m in self.named_modules() if isinstance(m, (SMoE, TMoE))]
+        """(name, module) of every sMoE, tMoE and token-routed gMLP block, in layer order."""
+        return [(n, m) for n, m in self.named_modules() if isinstance(m, (SMoE, TMoE, TokenRoutedGMLPBlock))]
 
     def aux_loss(self) -> Tensor | None:
         losses = [m.aux_loss for _, m in self.moe_modules() if getattr(m, "aux_loss", None) is not None]

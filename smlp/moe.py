@@ -15,6 +15,8 @@ asked for): a forward reads nothing on the host but the split sizes of its dispa
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -30,7 +32,13 @@ from .mixers import check_length
 from .numerics import router_logits
 from .routing import RoutingPlan, base_route, count_rows, hash_route, smoe_deterministic_experts, smoe_partial_route
 
-__all__ = ["TMoE", "SMoE", "SparseBlock", "hash_table"]
+__all__ = ["TMoE", "SMoE", "SparseBlock", "hash_table", "LEAKY_ROUTING_WARNING"]
+
+logger = logging.getLogger(__name__)
+LEAKY_ROUTING_WARNING = (
+    "sMoE routing 'leaky-full-sequence' (sMLP Appendix B, Figure 7) reads all T positions of every hidden vector "
+    "to route it: the output at position t depends on tokens after t. The model SEES THE FUTURE; its perplexity "
+    "is not a language model's. Use it only to reproduce Figure 7.")
 
 
 def _check_dispatcher(dispatcher, num_experts: int):
@@ -163,6 +171,9 @@ class SMoE(nn.Module):
                    sends each to its most probable expert, per row, so nothing depends on the
                    rest of the batch.
     Both are causal: output at position t depends on positions <= t only.
+    leaky-full-sequence (Appendix B, Figure 7): as partial, but the router (T x E) reads all
+                   n positions and the experts mix all of them. The expert of a hidden dimension,
+                   and its weight p_e, depend on future tokens: NOT causal (a warning is logged).
     """
 
     def __init__(self, cfg: SMoEConfig, dispatcher=None):
@@ -172,9 +183,11 @@ class SMoE(nn.Module):
         self.norm = nn.LayerNorm(cfg.gated_dim)
         self.experts = SpatialExperts(self.dispatcher.num_local_experts, cfg.expert_len, cfg.init_eps,
                                       first_expert=self.dispatcher.first_expert)
-        if cfg.routing == "partial":
-            P = cfg.prefix_len
+        if cfg.routing == "partial" or cfg.leaky:
+            P = cfg.router_len
             self.router = nn.Parameter(torch.randn(P, cfg.num_experts) * P ** -0.5)
+        if cfg.leaky:
+            logger.warning(LEAKY_ROUTING_WARNING)
         self.register_buffer(
             "channel_expert_C", smoe_deterministic_experts(cfg.gated_dim, cfg.num_experts)
             if cfg.routing == "deterministic" else torch.empty(0, dtype=torch.long), persistent=False)
@@ -213,9 +226,12 @@ class SMoE(nn.Module):
         else:
             rows_SM = v_BNC[:, P:, :].transpose(1, 2).reshape(B * C, M)  # one row per (sequence, channel)
             with record_function(RANGES["routing"]):
-                prefix_SP = v_BNC[:, :P, :].transpose(1, 2).reshape(B * C, P)
-                plan = smoe_partial_route(router_logits(prefix_SP, self.router), training=self.training,
-                                          layer=self.layer_name, defer_checks=True)
+                if cfg.leaky:  # Appendix B: the router reads every position, the future ones too
+                    logits_SE = router_logits(rows_SM, self.router[:n])
+                else:
+                    prefix_SP = v_BNC[:, :P, :].transpose(1, 2).reshape(B * C, P)
+                    logits_SE = router_logits(prefix_SP, self.router)
+                plan = smoe_partial_route(logits_SE, training=self.training, layer=self.layer_name, defer_checks=True)
             expert_S, weight_S, fault_F = plan.experts_SK[:, 0], plan.weights_SK[:, 0].to(z_BNF.dtype), plan.fault_F
         counts_E1 = count_rows(expert_S, cfg.num_experts)
         self.load_E = counts_E1[1:].detach()

@@ -30,9 +30,10 @@ TINY_ARCHS = [
     ("hypermixer_lm_tiny", ["--hypermixer-untied"]),
     ("ninformer_lm_tiny", []),
     ("smlp_lm_tiny", ["--token-mixer", "hypermixer"]),
+    ("gmlp_lm_tiny", ["--token-routed-experts", "2"]),
 ]
 IDS = ["smlp-det", "smlp-partial", "gmlp", "transformer", "gshard", "switch", "base", "hash",
-       "hypermixer", "hypermixer-untied", "ninformer", "smlp-hypermixer"]
+       "hypermixer", "hypermixer-untied", "ninformer", "smlp-hypermixer", "gmlp-token-routed"]
 DENSE_ARCHS = ("gmlp_lm_tiny", "transformer_lm_tiny", "hypermixer_lm_tiny", "ninformer_lm_tiny")
 
 
@@ -105,7 +106,7 @@ SAME_AS_ONE_PROCESS_TOL = {"gshard": 0.05}
 # every family and routing once (the untied HyperMixer and sMLP with HyperMixer dense blocks differ
 # from these only inside one process: the causality and equality tests above and test_token_mixers.py)
 TWO_RANK_IDS = ["smlp-det", "smlp-partial", "gmlp", "transformer", "gshard", "switch", "base", "hash",
-                "hypermixer", "ninformer"]
+                "hypermixer", "ninformer", "gmlp-token-routed"]
 TWO_RANK_ARCHS = [a for a, i in zip(TINY_ARCHS, IDS) if i in TWO_RANK_IDS]
 
 

@@ -394,3 +394,17 @@ def test_generation_benchmark_records_both_modes_per_position(tmp_path):
             assert r[mode]["positions"] == [r["prompt_positions"] + 1, r["prompt_positions"] + 2]
             assert all(ms > 0 for ms in r[mode]["per_token_wall_ms"])
         assert r["speedup_wall"] == r["full"]["total_wall_s"] / r["cached"]["total_wall_s"]
+
+
+@pytest.mark.parametrize("overrides", [dict(family="gmlp", dense_layers=2, token_routed_experts=2),
+                                       dict(family="smlp", dense_layers=1, sparse_layers=1, num_experts=2,
+                                            smoe_routing="leaky-full-sequence")])
+@torch.no_grad()
+def test_models_without_a_cached_path_refuse_cached_decoding_and_still_generate_without_it(overrides):
+    """The token-routed gMLP experiment and the leaky (non-causal) sMoE router have no cached step:
+    asking for one names the model and the way out; full-recompute generation works."""
+    model = build("gmlp", **overrides)
+    with pytest.raises(NotImplementedError, match="use_cache=False"):
+        model(_tokens((1, 3), seed=0), cache=model.new_cache())
+    out = generate(model, [[3, 4, 5]], 4, use_cache=False)
+    assert out == [reference_greedy(model, [3, 4, 5], 4)]

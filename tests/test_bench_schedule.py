@@ -1,0 +1,323 @@
+"""The interleaved, resumable benchmark (benchmarks/schedule.py, smlp-bench): schedule, ratios from
+runs adjacent in time, resume, curves and publishing, in-process with fake runs (no training)."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from smlp_bench import curves as C
+from smlp_bench import schedule as S
+from smlp_bench import suite
+
+KEYS = ["a", "b", "c", "d"]
+
+
+# ---------------------------------------------------------------- schedule
+
+
+def test_rounds_rotate_reverse_then_shuffle_with_the_recorded_seed():
+    assert S.round_order(KEYS, 0, 7) == KEYS
+    assert S.round_order(KEYS, 1, 7) == KEYS[::-1]
+    r2, r3 = S.round_order(KEYS, 2, 7), S.round_order(KEYS, 3, 7)
+    assert sorted(r2) == sorted(KEYS) and sorted(r3) == sorted(KEYS)
+    assert S.round_order(KEYS, 2, 7) == r2  # reproducible from the recorded seed
+    # over seeds, the shuffled rounds do not all keep the first model first
+    assert {S.round_order(KEYS, 2, s)[0] for s in range(20)} != {"a"}
+
+
+def test_schedule_brackets_every_training_run_with_reference_probes():
+    slots = S.extend_schedule([], S.seed_rounds(KEYS, [1, 2, 3], order_seed=5), reference="a")
+    kinds = [s.kind for s in slots]
+    assert kinds[0] == kinds[-1] == S.PROBE
+    train = [s for s in slots if s.kind == S.TRAIN]
+    assert len(train) == 12 and len(slots) == 2 * 12 + 1  # a probe between every two runs, and at both ends
+    for s in train:
+        before, after = S.adjacent_probes(slots, s.index)
+        assert before is not None and after is not None and before.key == after.key == "a"
+    assert [s.index for s in slots] == list(range(len(slots)))
+    rounds = {r: [s.key for s in train if s.round == r] for r in range(3)}
+    assert rounds[0] == KEYS and rounds[1] == KEYS[::-1] and rounds[2] == S.round_order(KEYS, 2, 5)
+    assert all(s.seed == s.round + 1 for s in train)
+    # every model gets each seed once; run ids are unique
+    assert len({s.run_id for s in slots}) == len(slots)
+
+
+def test_extending_a_schedule_continues_its_probes_and_refuses_a_duplicate_run():
+    slots = S.extend_schedule([], S.seed_rounds(KEYS, [1], 0), "a")
+    more = S.extend_schedule(slots, S.seed_rounds(["c", "b"], [2], 0, phase=2, first_round=1), "a")
+    added = more[len(slots):]
+    assert [s.kind for s in added] == [S.TRAIN, S.PROBE, S.TRAIN, S.PROBE]  # the last probe of phase 1 serves
+    assert [s.key for s in added if s.kind == S.TRAIN] == ["b", "c"]        # round 1: reversed
+    assert all(s.phase == 2 for s in added)
+    with pytest.raises(S.ScheduleError, match="scheduled twice"):
+        S.extend_schedule(slots, S.seed_rounds(["b"], [1], 0), "a")
+
+
+# ---------------------------------------------------------------- ratios from adjacent runs
+
+
+def _wps_under_drift(slots, speed, load):
+    """words/s of every slot: the model's speed x the machine's load factor at that slot."""
+    return {s.run_id: speed[s.key] * load(s.index) for s in slots}
+
+
+def test_speed_ratios_cancel_a_load_drift_that_biases_plain_ratios():
+    slots = S.extend_schedule([], S.seed_rounds(KEYS, [1, 2], 3), "a")
+    speed = {"a": 1000.0, "b": 1250.0, "c": 800.0, "d": 1000.0}
+    load = lambda i: 1.0 / (1 + 0.05 * i)  # noqa: E731  the machine gets busier and busier
+    wps = _wps_under_drift(slots, speed, load)
+    norms = S.normalized_speeds(slots, wps)
+    for key in "bcd":
+        r = S.speed_ratio(norms, "a", key)
+        true = speed["a"] / speed[key]
+        # the adjacent probes see almost the same load: within the drift over one slot (5%)
+        assert r["ratio"] == pytest.approx(true, rel=0.03), key
+        assert r["lo"] <= true <= r["hi"] and r["pairs"] == 4
+        plain = (sum(wps[s.run_id] for s in slots if s.key == "a" and s.kind == S.TRAIN) /
+                 sum(wps[s.run_id] for s in slots if s.key == key and s.kind == S.TRAIN))
+        assert abs(plain / true - 1) > abs(r["ratio"] / true - 1)  # the plain ratio is biased more
+    # a load step over one run and its two probes cancels in that run's normalized speed
+    step = {s.run_id: wps[s.run_id] * (0.5 if s.index in (6, 7, 8) else 1.0) for s in slots}
+    rid = slots[7].run_id
+    assert slots[7].kind == S.TRAIN
+    assert S.normalized_speeds(slots, step)[rid]["norm"] == pytest.approx(norms[rid]["norm"], rel=1e-12)
+
+
+def test_a_run_without_recorded_probes_has_no_ratio_and_one_probe_is_enough():
+    slots = S.extend_schedule([], S.seed_rounds(["a", "b"], [1], 0), "a")
+    wps = {s.run_id: 100.0 for s in slots}
+    del wps[slots[2].run_id]                       # the probe between a and b
+    norms = S.normalized_speeds(slots, wps)
+    assert norms[slots[3].run_id]["probes"] == [slots[4].run_id]
+    del wps[slots[4].run_id]
+    norms = S.normalized_speeds(slots, wps)
+    assert slots[3].run_id not in norms and S.speed_ratio(norms, "a", "b") is None
+
+
+# ---------------------------------------------------------------- the store and resume
+
+
+def _plan(**kw):
+    return {"name": "t", "settings": {"seeds": 1, "updates": 4}, "models": KEYS, "nproc": 2, "order_seed": 0,
+            "reference": "a", **kw}
+
+
+def test_store_writes_atomically_and_resume_skips_finished_runs(tmp_path):
+    path = tmp_path / "runs.json"
+    store = S.RunStore.open(path, _plan(), resume=False)
+    store.slots = S.extend_schedule([], S.seed_rounds(KEYS, [1], 0), "a")
+    store.save()
+    for slot in store.slots[:5]:
+        store.record(slot, {"kind": slot.kind, "wps": 1.0})
+    assert not list(tmp_path.glob(".runs.json.tmp*"))  # the temporary file was renamed
+    with pytest.raises(S.ScheduleError, match="--resume"):
+        S.RunStore.open(path, _plan(), resume=False)  # never overwrite a benchmark in progress
+    with pytest.raises(S.ScheduleError, match="planned differently.*order_seed"):
+        S.RunStore.open(path, _plan(order_seed=1), resume=True)
+    again = S.RunStore.open(path, _plan(), resume=True)
+    assert [s.run_id for s in again.finished()] == [s.run_id for s in store.slots[:5]]
+    # slot 5 (a training run) was interrupted: it is the next one; the probe before it is measured again
+    assert store.slots[4].kind == S.PROBE and store.slots[5].kind == S.TRAIN
+    assert again.prepare_resume() == [store.slots[4].run_id]
+    assert [s.index for s in again.pending()][:2] == [4, 5]
+    assert S.RunStore.load(path).records.keys() == again.records.keys()
+
+
+def test_a_stop_while_writing_leaves_the_previous_record(tmp_path, monkeypatch):
+    path = tmp_path / "runs.json"
+    S.atomic_write_json(path, {"v": 1})
+
+    def crash(src, dst):
+        raise KeyboardInterrupt  # stopped between writing the temporary file and renaming it
+
+    monkeypatch.setattr(os, "replace", crash)
+    with pytest.raises(KeyboardInterrupt):
+        S.atomic_write_json(path, {"v": 2})
+    assert json.loads(path.read_text()) == {"v": 1}
+
+
+class _FakeTrainer:
+    """Stands in for fairseq-train: records each slot it runs, can be told to stop at one."""
+
+    def __init__(self, stop_at: str | None = None):
+        self.ran, self.stop_at = [], stop_at
+
+    def __call__(self, model, data, settings, nproc, seed, out, *, profile=False, updates=None, validate=True,
+                 log_interval=None, on_line=None):
+        rid = out.name
+        if rid == self.stop_at:
+            self.stop_at = None
+            raise KeyboardInterrupt
+        self.ran.append(rid)
+        u = updates or settings["updates"]
+        intervals = [{"num_updates": float(i), "wps": 1000.0 + (model.key == "b") * 500} for i in range(2, u + 1, 2)]
+        final = {"a": 30.0, "b": 20.0, "c": 40.0}[model.key] + seed
+        valid = [{"num_updates": float(v), "ppl": final * (1 + 10 / v), "wall": float(v)}
+                 for v in range(settings["validate_every"], u + 1, settings["validate_every"])] if validate else []
+        return suite.Run(model.key, seed, intervals=intervals, valid=valid, seconds=1.0, peak_rss_mb=[1.0, 1.0])
+
+
+def _bench(tmp_path, trainer, resume=False):
+    settings = dict(seeds=1, updates=8, batch_size=2, log_interval=2, validate_every=4, valid_steps=1, warmup=1,
+                    lr=1e-3, profile_steps=0, probe_updates=8, target=dict(suite.TARGET),
+                    second_phase=dict(top=2, seeds=[2]))
+    models = [suite.Model(k, ["--arch", "x"], 10 ** 9, "1", seq_len=suite.TARGET["seq_len"]) for k in "abc"]
+    plan = suite.make_plan("long", settings, models, 2, 0, "a")
+    store = S.RunStore.open(tmp_path / "runs.json", plan, resume=resume)
+    if not store.slots:
+        store.slots = suite.initial_schedule(plan)
+    suite.execute(store, {m.key: m for m in models}, tmp_path, SimpleNamespace(), out_dir=tmp_path)
+    return store
+
+
+def test_execute_runs_phase_two_for_the_best_and_resumes_after_a_stop(tmp_path, monkeypatch):
+    first = _FakeTrainer(stop_at="c.seed1")
+    monkeypatch.setattr(suite, "run_training", first)
+    with pytest.raises(KeyboardInterrupt):
+        _bench(tmp_path, first)
+    assert first.ran == ["probe000.a", "a.seed1", "probe002.a", "b.seed1", "probe004.a"]
+    second = _FakeTrainer()
+    monkeypatch.setattr(suite, "run_training", second)
+    store = _bench(tmp_path, second, resume=True)
+    # c (interrupted) starts again, after its probe is measured again; then phase 2: a and b (lowest
+    # final perplexity) with seed 2, in reversed order, bracketed by probes
+    assert second.ran == ["probe004.a", "c.seed1", "probe006.a", "b.seed2", "probe008.a", "a.seed2", "probe010.a"]
+    assert store.extra["phase2"]["models"] == ["a", "b"]
+    record = suite.report(store, tmp_path, machine={"cpus": 2, "torch": "x", "cpu_model": "test"}, quiet=True)
+    assert record["complete"] and record["runs_recorded"] == 5
+    assert record["models"]["b"]["seeds"] == [1, 2] and record["models"]["c"]["seeds"] == [1]
+    assert record["ratios"]["smlp_det_wps_over"]["b"] == pytest.approx(1000 / 1500)
+    # the partial prediction's routing prefix is not involved here; curves are in tokens and time
+    curve = record["models"]["b"]["curves"][0]
+    assert curve["tokens"] == [u * 2 * 2 * suite.TARGET["seq_len"] for u in curve["updates"]]
+    assert (tmp_path / "figure5.png").exists() and (tmp_path / "results.json").exists()
+
+
+# ---------------------------------------------------------------- curves
+
+
+def test_crossings_and_ranking_settlement():
+    xa, ya = [1, 2, 3, 4], [10.0, 8.0, 6.0, 5.0]
+    xb, yb = [1, 2, 3, 4], [9.0, 8.5, 7.0, 4.0]
+    cross = C.crossings(xa, ya, xb, yb)
+    assert [c["lower_after"] for c in cross] == ["a", "b"]
+    assert 1 < cross[0]["x"] < 2 and 3 < cross[1]["x"] < 4
+    assert C.crossings(xa, ya, xa, [y * 2 for y in ya]) == []  # never cross
+    hist = C.ranking_history({"a": (xa, ya), "b": (xb, yb)})
+    assert [h["ranking"][0] for h in hist] == ["b", "a", "a", "b"]
+    assert C.settled_from(hist) == {"x": 4, "index": 3, "points_unchanged": 1, "fraction": 1.0, "tolerance": 0.0}
+    # a swap within the tolerance is a tie, not a change: b is 5% above a at x=2 and 3, 20% below at the end
+    assert C.settled_from(hist, tol=0.05)["x"] == 4                   # 8.5 vs 8 is within 5%, 7 vs 6 is not
+    assert C.settled_from(hist, tol=0.2)["x"] == 1                    # everything within 20%: settled at once
+    assert C.settled_from(hist, top=1)["x"] == 4
+
+
+# ---------------------------------------------------------------- publishing a partial run
+
+
+def _synthetic_long_record(complete: bool) -> dict:
+    models = {}
+    for i, key in enumerate(["smlp_det", "switch", "hash", "transformer"]):
+        finals = [100.0 + 10 * i + s for s in ((0, 2) if key in ("smlp_det", "switch") else (0,))]
+        curves = [{"seed": s + 1, "updates": [50, 100, 150], "tokens": [t * 4096 for t in (50, 100, 150)],
+                   "time": [10.0 * (1 + i), 20.0 * (1 + i), 30.0 * (1 + i)], "wall": [1, 2, 3],
+                   "ppl": [f * 3, f * 1.5, f]} for s, f in enumerate(finals)]
+        models[key] = {"name": suite.NAMES[key], "layers": "9+3", "curves": curves, "valid_ppl": sum(finals) / len(finals),
+                       "valid_ppl_std": 1.4 if len(finals) > 1 else 0.0, "valid_ppl_per_seed": finals,
+                       "seeds": [c["seed"] for c in curves]}
+    rec = {"kind": "preset", "preset": "long", "complete": complete, "runs_recorded": 6, "runs_scheduled": 7,
+           "models": models, "settings": {"updates": 150, "batch_size": 16}, "target": suite.LONG_TARGET,
+           "nproc": 2, "seconds": 600.0,
+           "ratios": {"reference": "smlp_det", "smlp_det_wps_over_range": {
+               "switch": {"ratio": 0.9, "lo": 0.85, "hi": 0.95, "pairs": 2, "std": 0.0}}}}
+    rec["analysis"] = suite.analyse_curves(models)
+    rec["verdicts"] = {"smlp_det": suite.verdict(models, rec["analysis"])}
+    return rec
+
+
+def test_publish_a_partial_long_record_rewrites_only_its_sections(tmp_path):
+    readme = tmp_path / "README.md"
+    main = json.loads((Path(__file__).parents[1] / "docs" / "benchmark" / "results.json").read_text())
+    readme.write_text(f"intro\n{suite.README_START}\nOLD-MAIN\n{suite.README_END}\ntail\n")  # no long section yet
+    docs = tmp_path / "docs" / "benchmark"
+    docs.mkdir(parents=True)
+    (docs / "results.json").write_text(json.dumps(main))
+    run = tmp_path / "long"
+    run.mkdir()
+    (run / "results.json").write_text(json.dumps(_synthetic_long_record(complete=False)))
+    done = suite.publish([run / "results.json"], readme, docs)
+    text = readme.read_text()
+    assert len(done) == 2 and text.startswith("intro\n") and text.endswith("tail\n") and "OLD-" not in text
+    # the long section was added, with its heading, right after the benchmark table
+    assert text.index(suite.README_END) < text.index("### Does sMLP beat Transformer-MoE at matched FLOPs here?") \
+        < text.index(suite.LONG_START) < text.index(suite.LONG_END) < text.index("tail")
+    assert "PARTIAL: 6 of 7 runs recorded" in text
+    assert "**Does sMLP-deterministic beat the best Transformer-MoE at this scale? yes.**" in text  # 100 against 110 for Switch, beyond the seeds' spread
+    # the benchmark table's perplexity target now comes from the end of the long preset
+    assert "at the end of the long preset (0.61M tokens, PARTIAL)" in text
+    assert "after 60 updates" not in text and "equal updates" not in text
+    assert (docs / "long" / "results.json").exists()
+
+
+def test_an_experiment_runs_reports_its_claims_and_publishes_them(tmp_path, monkeypatch):
+    """`smlp-bench --experiment figure7-routing` end to end with a stand-in for fairseq-train, then
+    `--publish` of its JSON into the claims table."""
+    finals = {"smlp_det": 60.0, "smlp_partial": 64.0, "smlp_leaky": 40.0}
+
+    def fake(model, data, settings, nproc, seed, out, *, profile=False, updates=None, validate=True,
+             log_interval=None, on_line=None):
+        u = updates or settings["updates"]
+        intervals = [{"num_updates": float(i), "wps": 5000.0} for i in range(2, u + 1, 2)]
+        valid = [{"num_updates": float(v), "ppl": finals[model.key] * (1 + 25 / v), "wall": float(v)}
+                 for v in range(settings["validate_every"], u + 1, settings["validate_every"])] if validate else []
+        return suite.Run(model.key, seed, intervals=intervals, valid=valid, seconds=1.0, peak_rss_mb=[1.0])
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "dict.txt").write_text("".join(f"w{i} 1\n" for i in range(96)))
+    monkeypatch.setattr(suite, "run_training", fake)
+    monkeypatch.setattr(suite, "matmul_peak", lambda n: {"total": 1e11, "per_rank": [5e10] * n})
+    out = tmp_path / "fig7"
+    assert suite.main(["--experiment", "figure7-routing", "--output-dir", str(out), "--data", str(data)]) == 0
+    record = json.loads((out / "results.json").read_text())
+    assert record["kind"] == "experiment" and record["complete"] and (out / "figure.png").exists()
+    assert record["causal"] == {"smlp_det": True, "smlp_partial": True, "smlp_leaky": False}
+    assert record["claims"][0]["holds"] == "yes" and "46.7" in record["claims"][0]["here"]  # 40 x (1 + 25 / 150)
+    # the leaky model's flags name its routing explicitly
+    assert "--smoe-routing leaky-full-sequence" in record["models"]["smlp_leaky"]["fairseq_flags"]
+    readme = tmp_path / "README.md"
+    readme.write_text(f"a\n{suite.CLAIMS_START}\nOLD\n{suite.CLAIMS_END}\nb\n")
+    suite.publish([out / "results.json"], readme, tmp_path / "docs")
+    text = readme.read_text()
+    assert "| claim | paper | here | holds? |" in text and "OLD" not in text and "figure7-routing" in text
+    assert (tmp_path / "docs" / "experiments" / "figure7-routing" / "figure.png").exists()
+
+
+def test_table4_puts_cpu_ratios_from_adjacent_runs_beside_the_paper_and_the_model():
+    from smlp_bench import experiments as X
+
+    source = {"preset": "long", "complete": True,
+              "models": {k: {"wps": 1000.0} for k in ("smlp_det", "gshard", "switch", "base", "hash")},
+              "ratios": {"smlp_det_wps_over_range": {  # sMLP-det's speed over each baseline's
+                  "gshard": {"ratio": 1.25, "lo": 1.2, "hi": 1.3}, "switch": {"ratio": 0.9, "lo": 0.8, "hi": 0.95},
+                  "base": {"ratio": 1.0, "lo": 0.9, "hi": 1.1}, "hash": {"ratio": 1.1, "lo": 1.05, "hi": 1.2}}}}
+    steps = [{"name": n, "paper_wps": w, "paper_vs_smlp": w / 192e3, "words_per_second": 2 * w,
+              "vs_smlp": p} for n, w, p in (("GShard", 136e3, 0.7), ("Switch Transformer", 185e3, 1.1),
+                                            ("Base Layers", 178e3, 0.9), ("HASH Layers", 176e3, 1.1),
+                                            ("sMLP-deterministic", 192e3, 1.0))]
+    t4 = X.table4_record(source, steps)
+    rows = {r["key"]: r for r in t4["rows"]}
+    # each baseline's speed relative to sMLP-det is the inverse, and so is its range
+    assert rows["gshard"]["cpu_vs_smlp"] == pytest.approx(0.8)
+    assert (rows["switch"]["cpu_vs_smlp_lo"], rows["switch"]["cpu_vs_smlp_hi"]) == pytest.approx((1 / 0.95, 1 / 0.8))
+    assert rows["smlp_det"]["cpu_vs_smlp"] == 1.0 and rows["gshard"]["paper_vs_smlp"] == pytest.approx(136 / 192)
+    claim = X.table4_claims({"table4": t4})[0]
+    assert claim["holds"] == "no"  # Switch is faster than sMLP-det over its whole range here
+    source["ratios"]["smlp_det_wps_over_range"]["switch"] = {"ratio": 1.05, "lo": 0.98, "hi": 1.1}
+    assert X.table4_claims({"table4": X.table4_record(source, steps)})[0]["holds"].startswith("undecided")
+    assert "cannot say" in t4["note"] and "| GShard | 136k (0.71) | 272k (0.70) | 0.80 [0.77-0.83] |" in \
+        X.table4_markdown(t4)
