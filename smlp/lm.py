@@ -285,6 +285,12 @@ class LanguageModel(nn.Module):
         """An empty decoding cache for this model (smlp/decoding.py)."""
         return DecodingCache(len(self.layers))
 
+    @property
+    def supports_cached_decoding(self) -> bool:
+        """False for the two paper experiments without a per-position step: the token-routed gMLP
+        (token_routed_experts) and the non-causal leaky sMoE routing. They generate by recomputing."""
+        return not (self.cfg.token_routed_experts or self.cfg.smoe_routing == LEAKY_SMOE_ROUTING)
+
     def step(self, tokens_Bk: Tensor, cache: DecodingCache) -> Tensor:
         """Cached decoding: the logits of positions cache.length..cache.length+k-1, (B, k, V).
 
@@ -295,7 +301,7 @@ class LanguageModel(nn.Module):
         if self.training:
             raise RuntimeError("cached decoding needs eval mode (model.eval()): training-time routing (balanced "
                                "assignment, capacities, token shuffle) and dropout couple the rows of a batch")
-        if self.cfg.token_routed_experts or self.cfg.smoe_routing == LEAKY_SMOE_ROUTING:
+        if not self.supports_cached_decoding:
             what = ("the token-routed gMLP experiment (token_routed_experts)" if self.cfg.token_routed_experts else
                     f"sMoE routing {LEAKY_SMOE_ROUTING!r}, whose router reads future positions (not causal)")
             raise NotImplementedError(f"cached decoding is not available for {what}: generate with the full "
