@@ -71,6 +71,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
+from smlp.causal import explicit_spatial
 from smlp.config import SGUConfig, SMoEConfig
 from smlp.dispatch import DispatchState, LocalDispatcher
 from smlp.lm import LanguageModel, LMConfig, layer_plan
@@ -277,7 +278,8 @@ def fvcore_by_module(module: nn.Module, *inputs) -> dict[str, int]:
     """fvcore's multiply-add count of one forward call, by submodule name ('' = the whole)."""
     from fvcore.nn import FlopCountAnalysis
 
-    with torch.no_grad(), warnings_off(), explicit_attention(module):  # fvcore cannot see fused SDPA
+    # fvcore cannot see fused SDPA nor the blocked causal product: count their explicit (paper) forms
+    with torch.no_grad(), warnings_off(), explicit_attention(module), explicit_spatial(module):
         analysis = FlopCountAnalysis(module, inputs)
         analysis.unsupported_ops_warnings(False)
         analysis.uncalled_modules_warnings(False)

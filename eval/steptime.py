@@ -60,6 +60,7 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 import torch.nn.functional as F
 
+from smlp.causal import explicit_spatial
 from smlp.gates import gshard_capacity, switch_capacity
 from smlp.lm import LanguageModel, LMConfig
 from smlp.transformer import explicit_attention
@@ -307,7 +308,8 @@ def _measure(cfg: LMConfig, tokens: int, experts_per_gpu: int, *, layers: bool) 
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(min(4, cfg.vocab_size - 1), cfg.vocab_size, (1, tokens + 1), generator=g)
     try:
-        with explicit_attention(model), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with explicit_attention(model), explicit_spatial(model), \
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             logits = model(ids[:, :-1])
             loss = F.cross_entropy(logits.reshape(-1, cfg.vocab_size).float(), ids[:, 1:].reshape(-1))
             aux = model.aux_loss()  # Switch / GShard load-balancing loss: trained too

@@ -11,6 +11,14 @@ exactly the model a seeded single-process run starts from (tests compare the two
 
 Every expert parameter carries `param.expert = True`: fairseq's legacy_ddp then skips it in the
 gradient all-reduce and clip_grad_norm_ treats it per rank (DESIGN.md, fairseq facts).
+
+Several experts on one rank (more experts than ranks, or a consolidated model evaluated on one
+process) run as one product, not one small matmul each: with equal counts (balanced routing,
+deterministic sMoE) the L experts' rows are an (L, c, ...) batch for one batched matmul; with
+unequal counts the FFN experts pad every expert's rows to the largest count (`_pad_rows`) when
+the padding costs less than the loop's per-matmul overhead would, and loop otherwise; the spatial
+experts loop (each a blocked causal product, causal.py). benchmarks/local_experts.py measures
+32 experts of the paper-small shapes (scaled down) before and after.
 """
 from __future__ import annotations
 
@@ -18,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .causal import causal_product
 from .mixers import causal_weight, check_length, init_spatial_, uniform_per_slice_
 
 __all__ = ["mark_expert", "FFNExperts", "SpatialExperts"]
@@ -36,10 +45,36 @@ def _expert_generators(num_local_experts: int, first_expert: int) -> list[torch.
     return [torch.Generator().manual_seed(base + first_expert + l) for l in range(num_local_experts)]
 
 
-def _split_rows(x_RD: Tensor, counts_L: list[int]) -> list[Tensor]:
+def _check_counts(x_RD: Tensor, counts_L: list[int]) -> None:
     if sum(counts_L) != x_RD.shape[0]:
         raise ValueError(f"expert counts {counts_L} do not add up to the {x_RD.shape[0]} rows received")
+
+
+def _split_rows(x_RD: Tensor, counts_L: list[int]) -> list[Tensor]:
+    _check_counts(x_RD, counts_L)
     return list(torch.split(x_RD, counts_L, dim=0))
+
+
+def _equal_count(counts_L: list[int]) -> int | None:
+    """The common count when every local expert got the same number of rows, else None."""
+    return counts_L[0] if counts_L and all(c == counts_L[0] for c in counts_L) else None
+
+
+# Padding unequal counts to the largest one wastes (L * max - R) rows of work; below this share of
+# the real rows it costs less than looping over the experts (measured, benchmarks/local_experts.py).
+PAD_WASTE_LIMIT = 0.5
+
+
+def _pad_rows(x_RD: Tensor, counts_L: list[int]) -> tuple[Tensor, Tensor]:
+    """x's rows as an (L, max count, D) batch, zero rows after each expert's own, and the index of
+    each real row in the flattened batch (to gather the outputs back)."""
+    L, c_max = len(counts_L), max(counts_L)
+    counts = torch.tensor(counts_L, device=x_RD.device)
+    starts = torch.cumsum(counts, 0) - counts
+    expert_R = torch.repeat_interleave(torch.arange(L, device=x_RD.device), counts, output_size=x_RD.shape[0])
+    slot_R = expert_R * c_max + torch.arange(x_RD.shape[0], device=x_RD.device) - starts[expert_R]
+    padded = x_RD.new_zeros(L * c_max, x_RD.shape[-1]).index_copy(0, slot_R, x_RD)
+    return padded.view(L, c_max, -1), slot_R
 
 
 class FFNExperts(nn.Module):
@@ -76,6 +111,26 @@ class FFNExperts(nn.Module):
         mark_expert(self)
 
     def forward(self, x_RD: Tensor, counts_L: list[int]) -> Tensor:
+        _check_counts(x_RD, counts_L)
+        L, R = len(counts_L), x_RD.shape[0]
+        c = _equal_count(counts_L)
+        if torch.jit.is_tracing():  # FLOP counters (fvcore) count the loop's matmuls, never padding
+            return self.forward_loop(x_RD, counts_L)
+        if L > 1 and c is not None:  # balanced: one batched product
+            return self._batched(x_RD.reshape(L, c, x_RD.shape[-1])).reshape(R, x_RD.shape[-1])
+        if L > 1 and R and L * max(counts_L) - R <= PAD_WASTE_LIMIT * R:  # grouped: padded to the largest count
+            x_LcD, slot_R = _pad_rows(x_RD, counts_L)
+            return self._batched(x_LcD).flatten(0, 1).index_select(0, slot_R)
+        return self.forward_loop(x_RD, counts_L)
+
+    def _batched(self, x_LcD: Tensor) -> Tensor:
+        if self.norm_weight is not None:  # each expert's own affine LayerNorm
+            x_LcD = F.layer_norm(x_LcD, x_LcD.shape[-1:]) * self.norm_weight[:, None] + self.norm_bias[:, None]
+        h_LcF = self.activation(torch.baddbmm(self.b1[:, None], x_LcD, self.w1))
+        return torch.baddbmm(self.b2[:, None], h_LcF, self.w2)
+
+    def forward_loop(self, x_RD: Tensor, counts_L: list[int]) -> Tensor:
+        """One matmul per local expert (the reference the batched and padded forms are tested against)."""
         D = x_RD.shape[-1]
         outs = []
         for l, chunk in enumerate(_split_rows(x_RD, counts_L)):
@@ -83,7 +138,7 @@ class FFNExperts(nn.Module):
                 chunk = F.layer_norm(chunk, (D,), self.norm_weight[l], self.norm_bias[l])
             h = self.activation(chunk @ self.w1[l] + self.b1[l])  # (R_l, F)
             outs.append(h @ self.w2[l] + self.b2[l])
-        return torch.cat(outs, dim=0)
+        return torch.cat(outs, dim=0) if len(outs) != 1 else outs[0]
 
 
 class SpatialExperts(nn.Module):
@@ -102,10 +157,27 @@ class SpatialExperts(nn.Module):
         self.bias = nn.Parameter(torch.empty(num_local_experts, size))
         init_spatial_(self.weight, self.bias, init_eps, _expert_generators(num_local_experts, first_expert))
         mark_expert(self)
+        self.explicit_spatial = False  # the masked dense product, for FLOP counting (causal.explicit_spatial)
 
     def forward(self, x_RM: Tensor, counts_L: list[int]) -> Tensor:
         M = x_RM.shape[-1]
         check_length(M, self.size, "sMoE row")
+        if self.explicit_spatial:
+            return self.forward_dense(x_RM, counts_L)
+        _check_counts(x_RM, counts_L)
+        L, c = len(counts_L), _equal_count(counts_L)
+        # the product runs positions first: a row block (c, M) is read as its transpose (M, c), in place
+        if c is not None:  # equal counts: the L experts in one blocked product
+            x_1MLc = x_RM.reshape(L, c, M).permute(2, 0, 1)[None]
+            y_LcM = causal_product(self.weight, x_1MLc)[0].permute(1, 2, 0)
+            return (y_LcM + (self.bias[:, None, :M] - 1)).reshape(L * c, M)
+        outs = [causal_product(self.weight[l:l + 1], chunk.t()[None, :, None])[0, :, 0].t() + (self.bias[l, :M] - 1)
+                for l, chunk in enumerate(_split_rows(x_RM, counts_L))]
+        return torch.cat(outs, dim=0)
+
+    def forward_dense(self, x_RM: Tensor, counts_L: list[int]) -> Tensor:
+        """The masked dense form, one matmul per expert (the paper's FLOP convention, and the reference)."""
+        M = x_RM.shape[-1]
         w_LMM = causal_weight(self.weight, M)
         outs = [chunk @ w_LMM[l].t() + (self.bias[l, :M] - 1)
                 for l, chunk in enumerate(_split_rows(x_RM, counts_L))]

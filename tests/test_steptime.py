@@ -154,6 +154,7 @@ def _graph_saved_bytes(root, exclude: set[int]) -> tuple[int, int]:
 ], ids=["smlp", "switch", "gmlp"])
 def test_activation_bytes_equal_the_autograd_graph(flags):
     """The hook measurement (attributed per layer) equals a walk of the autograd graph."""
+    from smlp.causal import explicit_spatial
     from smlp.transformer import explicit_attention
 
     cfg = LMConfig(**TINY, **flags)
@@ -162,7 +163,7 @@ def test_activation_bytes_equal_the_autograd_graph(flags):
     model = LanguageModel(cfg.with_layers(1, 1 if cfg.sparse_layers else 0),
                           FL.OneGPUDispatcher(4, 1) if cfg.sparse_layers else None).train()
     ids = torch.randint(min(4, 39), 40, (1, 13), generator=torch.Generator().manual_seed(0))
-    with explicit_attention(model):
+    with explicit_attention(model), explicit_spatial(model):
         loss = F.cross_entropy(model(ids[:, :-1]).reshape(-1, 40).float(), ids[:, 1:].reshape(-1))
     if model.aux_loss() is not None:  # Switch's load-balancing loss: its graph is trained too (the criterion adds it)
         loss = loss + model.aux_loss()
