@@ -14,11 +14,12 @@ twin (LocalDispatcher holding all experts) to test against:
     y_RD = experts(x_RD, counts_L)
     y_SD = dispatcher.combine(y_RD, state)
 
-and, for Base Layers' training-time token shuffle (fairseq `BaseLayer`, `base_shuffle`):
+and, for Base Layers' training-time shuffle (fairseq `BaseLayer`, `base_shuffle`), which moves
+routing metadata only (moe.TMoE._shuffled_assignment):
 
-    x_SD, shuffle = dispatcher.shuffle(x_SD)      # rows sent to random ranks
-    ...route, dispatch, experts, combine on the shuffled rows...
-    y_SD = dispatcher.unshuffle(y_SD, shuffle)    # rows back home, in their original order
+    scores_SE, shuffle = dispatcher.shuffle(scores_SE)   # rows sent to random ranks
+    ...balanced assignment of the rows that arrived...
+    expert_S = dispatcher.unshuffle(expert_S, shuffle)   # rows back home, in their original order
 
 Host syncs: the split sizes of an exchange must be on the host (the experts split their rows by
 them, and an uneven all2all takes them as lists), so each dispatch reads its counts once, and

@@ -23,6 +23,7 @@ from torch.profiler import record_function
 from .profiling import RANGES
 from .config import SMoEConfig, SparseBlockConfig, TMoEConfig
 from .decoding import cache_append
+from .assignment import balanced_assignment
 from .dispatch import LocalDispatcher
 from .experts import FFNExperts, SpatialExperts
 from .gates import gshard_top2, switch_top1
@@ -56,9 +57,13 @@ class TMoE(nn.Module):
     base:   Base Layers (Lewis et al. 2021) as fairseq's `BaseLayer` runs it:
             y = sigmoid(x.c_e) * FFN_e(LN_e(x)). Added to x this is
             sigmoid * expert_sublayer(x) + (1 - sigmoid) * x, fairseq's form. In training the
-            tokens are first shuffled to random ranks (`shuffle`, fairseq's --base-shuffle) and
-            then assigned with exact balance (every expert gets the same number of tokens);
-            at inference each token goes to its best expert (greedy top-1). Why both: balance
+            tokens are shuffled to random ranks (`shuffle`, fairseq's --base-shuffle) and
+            assigned there with exact balance (every expert gets the same number of tokens);
+            at inference each token goes to its best expert (greedy top-1). Only the routing
+            scores travel through the shuffle (`_shuffled_assignment`): the assignment needs
+            nothing else, so the tokens go from home straight to their expert and back, one
+            exchange each way instead of fairseq's two (same assignment, outputs and
+            gradients as fairseq's layer; tests/test_distributed.py). Why both: balance
             is what makes Base Layers train without an auxiliary loss, but a balanced
             assignment couples the tokens of a batch (the expert of token t depends on later
             tokens), which a causal LM cannot do when generating; greedy routing is per token.
@@ -100,8 +105,10 @@ class TMoE(nn.Module):
         projection itself in fp32, whatever the model dtype (numerics.py)."""
         router, layer = self.cfg.router, self.layer_name
         if router == "base":
-            return base_route(router_logits(x_SD, self.centroids.t()), training=self.training, layer=layer,
-                              defer_checks=defer_checks)
+            scores_SE = router_logits(x_SD, self.centroids.t())
+            expert_S = self._shuffled_assignment(scores_SE) if self.training and self.cfg.uses_shuffle else None
+            return base_route(scores_SE, training=self.training, layer=layer, defer_checks=defer_checks,
+                              expert_S=expert_S)
         if router == "switch":
             return switch_top1(router_logits(x_SD, self.gate.weight.t()), capacity_factor=self.cfg.capacity_factor,
                                training=self.training, layer=layer, defer_checks=defer_checks)
@@ -112,16 +119,30 @@ class TMoE(nn.Module):
             raise ValueError("router='hash' needs the token ids of the rows it routes")
         return hash_route(token_ids_S.reshape(-1), self.hash_table, layer=layer, defer_checks=defer_checks)
 
+    def _shuffled_assignment(self, scores_SE: Tensor) -> Tensor:
+        """Base Layers' training-time assignment (fairseq's `base_shuffle`), moving routing metadata only.
+
+        fairseq's BaseLayer sends every token to a random rank, assigns there, sends it to its
+        expert, back, and home: two token exchanges each way, and their reverses in backward.
+        The assignment reads only the tokens' scores, so:
+        1. send the scores (S x E, fp32, no gradient) through the shuffle: the same random
+           permutation and split as fairseq's tokens (dispatcher.shuffle);
+        2. assign with exact balance over the rows that arrive, as fairseq assigns the tokens
+           that arrive (the same scores in the same order: the same assignment);
+        3. send each row's expert back to its home rank (dispatcher.unshuffle).
+        The tokens then go from home straight to their expert and back (`_route_and_compute`);
+        the combine weight sigmoid(score) is taken at home, where the scores have their gradient.
+        """
+        with torch.no_grad():
+            shuffled_SE, shuffle = self.dispatcher.shuffle(scores_SE.detach())
+            expert_S = balanced_assignment(shuffled_SE)
+            return self.dispatcher.unshuffle(expert_S, shuffle)
+
     def forward(self, x_SD: Tensor, token_ids_S: Tensor | None = None) -> Tensor:
         if x_SD.dim() != 2 or x_SD.shape[-1] != self.cfg.d_model:
             raise ValueError(f"TMoE expects rows of shape (S, {self.cfg.d_model}), got {tuple(x_SD.shape)}")
         mark = self.dispatcher.timer.mark()
-        if self.training and self.cfg.uses_shuffle:
-            x_SD, shuffle = self.dispatcher.shuffle(x_SD)
-            y_SD = self._route_and_compute(x_SD, token_ids_S)
-            y_SD = self.dispatcher.unshuffle(y_SD, shuffle)
-        else:
-            y_SD = self._route_and_compute(x_SD, token_ids_S)
+        y_SD = self._route_and_compute(x_SD, token_ids_S)
         self.comm_time = self.dispatcher.timer.take(mark)
         return y_SD
 
