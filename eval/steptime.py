@@ -196,7 +196,7 @@ def sparse_exchanges(cfg: LMConfig, *, sequences: int, tokens: int, ep_size: int
     if router == "switch":
         rows = E * switch_capacity(S, E, cfg.capacity_factor) if padding else S
     elif router == "gshard":
-        rows = E * gshard_capacity(S, E) if padding else 2 * S
+        rows = E * gshard_capacity(S, E, cfg.capacity_factor) if padding else 2 * S
     else:
         rows = S
     out.append(Exchange(f"tmoe-{router}", rows, row, ep_size))
@@ -382,7 +382,8 @@ def padding_macs_per_sequence(cfg: LMConfig, tokens: int, padding: bool) -> int:
     if not padding or cfg.family != "transformer" or not cfg.sparse_layers or cfg.moe_router not in ("switch", "gshard"):
         return 0
     S, E = tokens, cfg.num_experts
-    slots = E * (switch_capacity(S, E, cfg.capacity_factor) if cfg.moe_router == "switch" else gshard_capacity(S, E))
+    slots = E * (switch_capacity(S, E, cfg.capacity_factor) if cfg.moe_router == "switch"
+                 else gshard_capacity(S, E, cfg.capacity_factor))
     routed = S if cfg.moe_router == "switch" else 2 * S
     return max(slots - routed, 0) * 2 * cfg.d_model * cfg.d_ffn * cfg.sparse_layers
 

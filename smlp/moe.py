@@ -8,8 +8,8 @@ Shape legend:
     S rows routed on this rank, E experts (global), P routing-prefix positions (partial prediction).
 
 Auxiliary losses, load and all2all time are kept on the module after each forward
-(`aux_loss`, `load_E`, `comm_seconds`) for the criterion and the logs to read; nothing lives
-in globals. They stay on the device (load_E) or as timing events (comm_seconds, read when it is
+(`aux_loss`, `z_loss`, `load_E`, `dropped`, `comm_seconds`) for the criterion and the logs to
+read; nothing lives in globals. They stay on the device (load_E) or as timing events (comm_seconds, read when it is
 asked for): a forward reads nothing on the host but the split sizes of its dispatches
 (dispatch.py), and the routers' input checks travel with those (routing.py).
 """
@@ -90,7 +90,10 @@ class TMoE(nn.Module):
                                   norm=cfg.uses_expert_norm, zero_output=cfg.uses_zero_init_output,
                                   first_expert=self.dispatcher.first_expert)
         self.aux_loss: Tensor | None = None
-        self.load_E: Tensor | None = None
+        self.z_loss: Tensor | None = None  # router z-loss of the softmax gates (ST-MoE), for the criterion
+        self.load_E: Tensor | None = None  # rows each expert computed (kept slots), on the device
+        self.dropped: Tensor | None = None  # slots over capacity (Switch, GShard), on the device
+        self.slots = 0  # routing slots of the last forward (tokens x choices): the denominator of `dropped`
         self.comm_time = None  # the dispatcher's timed sections of the last forward (CommTime)
         self.layer_name = f"TMoE ({cfg.router} router)"  # LanguageModel sets the module path, for errors
 
@@ -109,12 +112,15 @@ class TMoE(nn.Module):
             expert_S = self._shuffled_assignment(scores_SE) if self.training and self.cfg.uses_shuffle else None
             return base_route(scores_SE, training=self.training, layer=layer, defer_checks=defer_checks,
                               expert_S=expert_S)
+        cfg = self.cfg
         if router == "switch":
-            return switch_top1(router_logits(x_SD, self.gate.weight.t()), capacity_factor=self.cfg.capacity_factor,
-                               training=self.training, layer=layer, defer_checks=defer_checks)
+            return switch_top1(router_logits(x_SD, self.gate.weight.t()), capacity_factor=cfg.capacity_factor,
+                               eval_capacity_factor=cfg.eval_capacity_factor, training=self.training, layer=layer,
+                               defer_checks=defer_checks)
         if router == "gshard":
             return gshard_top2(router_logits(x_SD, self.gate.weight.t()), training=self.training,
-                               aux_loss=self.cfg.gshard_aux_loss, layer=layer, defer_checks=defer_checks)
+                               capacity_factor=cfg.capacity_factor, eval_capacity_factor=cfg.eval_capacity_factor,
+                               aux_loss=cfg.gshard_aux_loss, layer=layer, defer_checks=defer_checks)
         if token_ids_S is None:
             raise ValueError("router='hash' needs the token ids of the rows it routes")
         return hash_route(token_ids_S.reshape(-1), self.hash_table, layer=layer, defer_checks=defer_checks)
@@ -149,7 +155,7 @@ class TMoE(nn.Module):
     def _route_and_compute(self, x_SD: Tensor, token_ids_S: Tensor | None) -> Tensor:
         with record_function(RANGES["routing"]):
             plan = self.route(x_SD, token_ids_S, defer_checks=True)
-        self.aux_loss = plan.aux_loss
+        self.aux_loss, self.z_loss = plan.aux_loss, plan.z_loss
         S, K = plan.experts_SK.shape
         # Every (row, slot) pair is dispatched, dropped slots (expert -1) too: the dispatcher sorts
         # them first and cuts them off with the count it reads anyway, where a boolean mask here
@@ -158,6 +164,8 @@ class TMoE(nn.Module):
         weight = plan.weights_SK.reshape(-1).to(x_SD.dtype)
         counts_E1 = count_rows(expert_idx, self.cfg.num_experts)
         self.load_E = counts_E1[1:].detach()
+        capacity = self.cfg.router in ("switch", "gshard")  # only these drop slots
+        self.dropped, self.slots = (counts_E1[0].detach(), S * K) if capacity else (None, 0)
         row_idx = torch.arange(S, device=x_SD.device).repeat_interleave(K) if K > 1 else None
         x_rows = x_SD if row_idx is None else x_SD[row_idx]
         x_RD, counts_L, state = self.dispatcher.dispatch(x_rows, expert_idx, counts_E1=counts_E1,
@@ -200,7 +208,8 @@ class SMoE(nn.Module):
             "channel_expert_C", smoe_deterministic_experts(cfg.gated_dim, cfg.num_experts)
             if cfg.routing == "deterministic" else torch.empty(0, dtype=torch.long), persistent=False)
         self.load_E: Tensor | None = None
-        self.aux_loss = None
+        self.aux_loss = self.z_loss = None
+        self.dropped, self.slots = None, 0  # no capacity: nothing is dropped
         self.comm_time = None  # the dispatcher's timed sections of the last forward (CommTime)
         self.layer_name = f"SMoE ({cfg.routing} routing)"  # LanguageModel sets the module path, for errors
 
