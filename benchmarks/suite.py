@@ -27,7 +27,9 @@ scored; see `input_tokens_per_target`), from log intervals that
 contain neither a validation, the warm-up, nor the profiled window; the figure per model is the
 median over those intervals, then the mean over seeds (spread: standard deviation).
 MFU = words/s x training FLOPs per token / peak, with training FLOPs = 3 x the calculator's
-forward FLOPs (the backward pass costs twice the forward), the paper's FLOPs convention.
+forward FLOPs (the backward pass costs twice the forward), the paper's FLOPs convention (full
+T x T spatial and attention products); "MFU (executed)" counts the causal products as they run,
+without their zero triangle (`smlp_eval.flops.executed_macs`).
 """
 from __future__ import annotations
 
@@ -147,10 +149,15 @@ class Model:
     layers: str
     ours: bool = True
     note: str = ""
+    executed_fwd_flops_per_seq: int | None = None  # without the causal zero triangles (None: as counted)
 
     @property
     def train_flops_per_token(self) -> float:
         return 3.0 * self.fwd_flops_per_seq / TARGET["seq_len"]
+
+    @property
+    def executed_train_flops_per_token(self) -> float:
+        return 3.0 * (self.executed_fwd_flops_per_seq or self.fwd_flops_per_seq) / TARGET["seq_len"]
 
 
 def plan_models(vocab_size: int, nproc: int, keys: Sequence[str]) -> tuple[list[Model], dict]:
@@ -167,16 +174,18 @@ def plan_models(vocab_size: int, nproc: int, keys: Sequence[str]) -> tuple[list[
     rows = {r.family: r for r in F.match(target, tolerance=MATCH_TOLERANCE, families=OUR_FAMILIES)}
     partial = F.count_spec(F.parse_model("smlp_lm", [*target_flags[2:], "--smoe-routing", "partial"],
                                          vocab_size=vocab_size))
-    models = [Model("smlp_det", target_flags, target.flops, f"{t['dense']}+{t['sparse']}"),
+    models = [Model("smlp_det", target_flags, target.flops, f"{t['dense']}+{t['sparse']}",
+                    executed_fwd_flops_per_seq=2 * F.executed_macs(target)),
               Model("smlp_partial", [*target_flags, "--smoe-routing", "partial"], partial.flops,
-                    f"{t['dense']}+{t['sparse']}")]
+                    f"{t['dense']}+{t['sparse']}", executed_fwd_flops_per_seq=2 * F.executed_macs(partial))]
     for family in OUR_FAMILIES:
         r = rows[family]
         c = r.count.cfg
         flags = F.fairseq_flags(c).split()
         layers = f"{c.dense_layers}+{c.sparse_layers}" if c.sparse_layers else str(c.dense_layers)
         models.append(Model(family, flags, r.count.flops, layers,
-                            note="" if r.within_tolerance else f"nearest FLOPs match: {r.rel:+.1%}"))
+                            note="" if r.within_tolerance else f"nearest FLOPs match: {r.rel:+.1%}",
+                            executed_fwd_flops_per_seq=2 * F.executed_macs(r.count)))
     # fairseq's own transformer_lm at the sizes of our Transformer and Base Layers
     tr, base = rows["transformer"].count.cfg, rows["base"].count.cfg
     # transformer_lm's --decoder-input-dim / --decoder-output-dim default to 512 whatever the model width
@@ -402,6 +411,8 @@ def summarise(models: list[Model], runs: dict[str, list[Run]], peak: dict, args)
             "valid_ppl_per_seed": ppl_seed,
             "flops_per_token": m.train_flops_per_token, "fwd_flops_per_seq": m.fwd_flops_per_seq,
             "mfu": wps * m.train_flops_per_token / peak["total"] if wps else None,
+            "executed_flops_per_token": m.executed_train_flops_per_token,
+            "mfu_executed": wps * m.executed_train_flops_per_token / peak["total"] if wps else None,
             "breakdown": prof["breakdown"] if prof else None,
             "profiled_seconds_per_step": prof["seconds_per_step"] if prof else None,
             "top_ops": prof["top_ops_rank0"] if prof else None,
@@ -441,8 +452,9 @@ def table(results: dict, rat: dict, peak: dict, machine: dict, args) -> str:
              f"dense matmul peak {peak['total'] / 1e9:.1f} GFLOP/s (sum over ranks); {args.preset_name} preset, "
              f"{args.preset['seeds']} seed(s), {args.preset['updates']} updates of {args.preset['batch_size']} x "
              f"{TARGET['seq_len']} tokens per rank.", "",
-             "| model | layers | GFLOPs/token (train) | words/s | sMLP-det speed-up | valid ppl | MFU | routing + all2all | peak RSS / rank |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| model | layers | GFLOPs/token (train) | words/s | sMLP-det speed-up | valid ppl | MFU | MFU (executed) "
+             "| routing + all2all | peak RSS / rank |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for key, m in results.items():
         speed = rat["smlp_det_wps_over"].get(key)
         b = m["breakdown"]
@@ -451,9 +463,10 @@ def table(results: dict, rat: dict, peak: dict, machine: dict, args) -> str:
         ppl = f"{m['valid_ppl']:.1f} ± {m['valid_ppl_std']:.1f}" if m["valid_ppl"] else "-"
         speed = f"{speed:.2f}x" if speed else "-"
         mfu = f"{m['mfu']:.1%}" if m["mfu"] else "-"
+        mfu_executed = f"{m['mfu_executed']:.1%}" if m.get("mfu_executed") else "-"
         mem = f"{m['peak_mem_mb']:.0f} MB" if m["peak_mem_mb"] else "-"
         lines.append(f"| {m['name']} | {m['layers']} | {m['flops_per_token'] / 1e9:.4f} | {wps} | {speed} | {ppl} "
-                     f"| {mfu} | {comm} | {mem} |")
+                     f"| {mfu} | {mfu_executed} | {comm} | {mem} |")
     return "\n".join(lines)
 
 

@@ -1,6 +1,8 @@
 """The blocked causal product (smlp/causal.py) against the masked dense form it replaces."""
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -118,3 +120,28 @@ def test_bad_shapes_are_refused():
         causal_product(torch.zeros(1, 4, 4), torch.zeros(1, 5, 1, 2))
     with pytest.raises(ValueError, match="block=0"):
         causal_product(torch.zeros(1, 4, 4), torch.zeros(1, 4, 1, 2), 0)
+
+
+@pytest.mark.parametrize("family, routing", [("gmlp", None), ("smlp", "deterministic"), ("smlp", "partial")])
+def test_executed_flops_are_what_the_blocked_model_multiplies(family, routing):
+    """smlp_eval.flops.executed_macs (the benchmark's executed-FLOPs MFU) against torch's FlopCounterMode,
+    which sees the blocked GEMMs the model runs: the multiply-adds the paper's count includes and the
+    blocked model skips are the same in both (T = 300: three blocks, the last one partial)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from smlp.lm import LanguageModel, LMConfig
+    from smlp_eval import flops as FL
+
+    kw = dict(sparse_layers=1, num_experts=2, smoe_routing=routing) if family == "smlp" else {}
+    cfg = LMConfig(family=family, vocab_size=50, d_model=16, d_ffn=32, seq_len=300, dense_layers=1, **kw)
+    count = FL.count(cfg)
+    torch.manual_seed(0)
+    model = LanguageModel(cfg).eval()
+    ids = torch.randint(4, 50, (1, 300))
+    counted = {}
+    for explicit in (False, True):
+        with torch.no_grad(), (explicit_spatial(model) if explicit else contextlib.nullcontext()), \
+                FlopCounterMode(display=False) as fc:
+            model(ids)
+        counted[explicit] = fc.get_total_flops() // 2  # FlopCounterMode counts 2 per multiply-add
+    assert counted[True] - counted[False] == count.macs - FL.executed_macs(count) > 0
