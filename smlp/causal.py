@@ -36,7 +36,8 @@ import contextlib
 import torch
 from torch import Tensor, nn
 
-__all__ = ["BLOCK", "causal_product", "default_block", "executed_pairs", "explicit_spatial", "masked_dense_product"]
+__all__ = ["BLOCK", "causal_product", "causal_product_rows", "default_block", "executed_pairs", "explicit_spatial",
+           "masked_dense_product"]
 
 # Rows per block, measured at the benchmark's and the paper's sizes (benchmarks/causal_product.py):
 # smaller blocks skip more zeros but make more, thinner GEMMs.
@@ -88,6 +89,28 @@ def causal_product(w_GTT: Tensor, x_ANGK: Tensor, block: int | None = None) -> T
     return _CausalProduct.apply(w_GTT, x_ANGK, block)
 
 
+def causal_product_rows(w_LTT: Tensor, x_RM: Tensor, counts_L: list[int], block: int | None = None) -> Tensor:
+    """The sMoE experts' layout: rows of M positions grouped by expert, counts_L[l] rows for weight
+    l; y[rows of l] = x[rows of l] @ tril(w[l, :M, :M])^T. Equal counts are one `causal_product`
+    over the experts; unequal counts one product per expert inside one autograd node (one masked
+    weight stack and one fp32 gradient buffer for all of them)."""
+    L, (R, M) = len(counts_L), x_RM.shape
+    if w_LTT.dim() != 3 or w_LTT.shape[0] != L or M > w_LTT.shape[1] or sum(counts_L) != R:
+        raise ValueError(f"causal_product_rows needs (L, T, T) weights, (R, M <= T) rows and L counts adding up to "
+                         f"R, got {tuple(w_LTT.shape)}, {tuple(x_RM.shape)} and {counts_L}")
+    if counts_L and all(c == counts_L[0] for c in counts_L):
+        c = counts_L[0]
+        y_1MLc = causal_product(w_LTT, x_RM.reshape(L, c, M).permute(2, 0, 1)[None], block)
+        return y_1MLc[0].permute(1, 2, 0).reshape(R, M)
+    block = default_block(M) if block is None else block
+    device_type = x_RM.device.type
+    if _autocast_on(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        with torch.autocast(device_type=device_type, enabled=False):
+            return _CausalRows.apply(w_LTT.to(dtype), x_RM.to(dtype), list(counts_L), block)
+    return _CausalRows.apply(w_LTT, x_RM, list(counts_L), block)
+
+
 def _autocast_on(device_type: str) -> bool:
     try:
         return torch.is_autocast_enabled(device_type)
@@ -101,7 +124,8 @@ def _blocks(n: int, block: int):
 
 
 class _CausalProduct(torch.autograd.Function):
-    """Forward and backward of `causal_product` as blocked GEMMs (module docstring)."""
+    """Forward and backward of `causal_product` as blocked GEMMs (module docstring). Each block is
+    one batched GEMM over the weight groups (one weight, several batch entries: over the entries)."""
 
     @staticmethod
     def forward(ctx, w_GTT: Tensor, x_ANGK: Tensor, block: int) -> Tensor:
@@ -109,10 +133,7 @@ class _CausalProduct(torch.autograd.Function):
         w_GNN = torch.tril(w_GTT[:, :n, :n])  # masked once: diagonal blocks read zeros above it
         y_ANGK = torch.empty_like(x_ANGK)
         for start, end in _blocks(n, block):
-            for g in range(G):
-                w_IP = w_GNN[g, start:end, :end]
-                for a in range(A):
-                    torch.mm(w_IP, x_ANGK[a, :end, g], out=y_ANGK[a, start:end, g])
+            _bmm_over(w_GNN[:, start:end, :end], x_ANGK[:, :end], y_ANGK[:, start:end])
         ctx.save_for_backward(w_GNN, x_ANGK)
         ctx.block, ctx.T = block, w_GTT.shape[-1]
         return y_ANGK
@@ -125,29 +146,90 @@ class _CausalProduct(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             grad_x = torch.empty_like(x_ANGK)
             for start, end in _blocks(n, ctx.block):  # column block J: every later row reads it
-                for g in range(G):
-                    wt_JR = w_GNN[g, start:, start:end].t()
-                    for a in range(A):
-                        torch.mm(wt_JR, g_ANGK[a, start:, g], out=grad_x[a, start:end, g])
+                _bmm_over(w_GNN[:, start:, start:end].transpose(1, 2), g_ANGK[:, start:], grad_x[:, start:end])
         if ctx.needs_input_grad[0]:
             acc_dtype = torch.promote_types(x_ANGK.dtype, torch.float32)  # fp32, or fp64 for fp64
             acc_GNN = torch.zeros(G, n, n, dtype=acc_dtype, device=x_ANGK.device)
             in_place = x_ANGK.dtype == acc_dtype  # accumulate over the batch inside the GEMM
             for start, end in _blocks(n, ctx.block):
-                for g in range(G):
-                    acc_IP = acc_GNN[g, start:end, :end]
-                    for a in range(A):
-                        g_IK, x_PK = g_ANGK[a, start:end, g], x_ANGK[a, :end, g]
-                        if in_place:
-                            acc_IP.addmm_(g_IK, x_PK.t())
-                        else:
-                            acc_IP.add_(torch.mm(g_IK, x_PK.t()))
+                acc_GIP = acc_GNN[:, start:end, :end]
+                for a in range(A):
+                    g_GIK, xt_GKP = g_ANGK[a, start:end].transpose(0, 1), x_ANGK[a, :end].permute(1, 2, 0)
+                    if in_place:
+                        acc_GIP.baddbmm_(g_GIK, xt_GKP)
+                    else:
+                        acc_GIP.add_(torch.bmm(g_GIK, xt_GKP))
             acc_GNN.tril_()  # the masked entries (diagonal blocks' upper triangles) get no gradient
             grad_w = acc_GNN.new_zeros(G, ctx.T, ctx.T) if n < ctx.T else acc_GNN
             if n < ctx.T:
                 grad_w[:, :n, :n] = acc_GNN
             grad_w = grad_w.to(w_GNN.dtype)
         return grad_w, grad_x, None
+
+
+class _CausalRows(torch.autograd.Function):
+    """`causal_product_rows` with unequal counts: per expert, the blocked GEMMs of `_CausalProduct`
+    on the transposed rows (positions first, read in place)."""
+
+    @staticmethod
+    def forward(ctx, w_LTT: Tensor, x_RM: Tensor, counts_L: list[int], block: int) -> Tensor:
+        M = x_RM.shape[1]
+        w_LMM = torch.tril(w_LTT[:, :M, :M])
+        y_RM = torch.empty_like(x_RM)
+        for l, (r0, r1) in _row_ranges(counts_L):
+            xt_MC, yt_MC = x_RM[r0:r1].t(), y_RM[r0:r1].t()
+            for start, end in _blocks(M, block):
+                torch.mm(w_LMM[l, start:end, :end], xt_MC[:end], out=yt_MC[start:end])
+        ctx.save_for_backward(w_LMM, x_RM)
+        ctx.counts, ctx.block, ctx.T = counts_L, block, w_LTT.shape[-1]
+        return y_RM
+
+    @staticmethod
+    def backward(ctx, g_RM: Tensor):
+        w_LMM, x_RM = ctx.saved_tensors
+        L, M = w_LMM.shape[0], x_RM.shape[1]
+        grad_w = grad_x = None
+        if ctx.needs_input_grad[1]:
+            grad_x = torch.empty_like(x_RM)
+            for l, (r0, r1) in _row_ranges(ctx.counts):
+                gt_MC, gxt_MC = g_RM[r0:r1].t(), grad_x[r0:r1].t()
+                for start, end in _blocks(M, ctx.block):
+                    torch.mm(w_LMM[l, start:, start:end].t(), gt_MC[start:], out=gxt_MC[start:end])
+        if ctx.needs_input_grad[0]:
+            acc_dtype = torch.promote_types(x_RM.dtype, torch.float32)
+            acc_LMM = torch.zeros(L, M, M, dtype=acc_dtype, device=x_RM.device)
+            for l, (r0, r1) in _row_ranges(ctx.counts):
+                gt_MC = g_RM[r0:r1].t()
+                for start, end in _blocks(M, ctx.block):  # each block written once: no sum in half precision
+                    if x_RM.dtype == acc_dtype:
+                        torch.mm(gt_MC[start:end], x_RM[r0:r1, :end], out=acc_LMM[l, start:end, :end])
+                    else:
+                        acc_LMM[l, start:end, :end] = torch.mm(gt_MC[start:end], x_RM[r0:r1, :end])
+            acc_LMM.tril_()
+            grad_w = acc_LMM.new_zeros(L, ctx.T, ctx.T) if M < ctx.T else acc_LMM
+            if M < ctx.T:
+                grad_w[:, :M, :M] = acc_LMM
+            grad_w = grad_w.to(w_LMM.dtype)
+        return grad_w, grad_x, None, None
+
+
+def _row_ranges(counts_L: list[int]):
+    start = 0
+    for l, c in enumerate(counts_L):
+        if c:
+            yield l, (start, start + c)
+        start += c
+
+
+def _bmm_over(w_GIP: Tensor, x_APGK: Tensor, out_AIGK: Tensor) -> None:
+    """out[a, :, g] = w[g] @ x[a, :, g] for every a and g, written in place: one batched GEMM over the
+    groups per batch entry, or over the batch entries (the weight expanded, not copied) for one group."""
+    A, G = x_APGK.shape[0], x_APGK.shape[2]
+    if G == 1 and A > 1:
+        torch.bmm(w_GIP[0].expand(A, *w_GIP.shape[1:]), x_APGK[:, :, 0], out=out_AIGK[:, :, 0])
+        return
+    for a in range(A):
+        torch.bmm(w_GIP, x_APGK[a].transpose(0, 1), out=out_AIGK[a].transpose(0, 1))
 
 
 # ---------------------------------------------------------------- FLOP counting

@@ -22,8 +22,9 @@ collective and own no parameters; the layer computes the logits with its own wei
   factor scales the capacity to ceil(factor * 2S/E) (1, the default, is the paper's 2S/E).
 - `router_z_loss`: ST-MoE (Zoph et al. 2022, "ST-MoE: Designing Stable and Transferable Sparse
   Expert Models", eq. 5): the mean over rows of logsumexp(logits)^2, which keeps the router's
-  logits small (fp32 roundoff in the softmax). Both gates return it in the plan; the criterion
-  adds it with its own weight (off by default, as in the sMLP paper).
+  logits small (fp32 roundoff in the softmax). The layer computes it from the logits when the
+  criterion asks (moe.TMoE.z_loss), which adds it with its own weight (off by default, as in the
+  sMLP paper): a forward that nobody asks it of builds none of its graph.
 
 Capacity dropping keeps rows in order of position (row 0 first). A dropped slot has expert -1
 and weight 0: its row gets nothing from that slot (the layer's residual carries it).
@@ -137,10 +138,10 @@ def _slot_positions(mask_SE: Tensor) -> Tensor:
 
 
 def _empty_plan(logits_SE: Tensor, k: int, dtype: torch.dtype, fault_F: Tensor | None) -> RoutingPlan:
-    # S = 0 (e.g. a rank with no tokens): zero losses that still belong to the graph.
+    # S = 0 (e.g. a rank with no tokens): a zero loss that still belongs to the graph.
     zero = logits_SE.to(dtype).sum() * 0
     return RoutingPlan(torch.empty(0, k, dtype=torch.long, device=logits_SE.device),
-                       logits_SE.new_zeros(0, k, dtype=dtype), zero, fault_F, zero)
+                       logits_SE.new_zeros(0, k, dtype=dtype), zero, fault_F)
 
 
 # ---------------------------------------------------------------- Switch
@@ -216,7 +217,7 @@ def switch_top1(
     aux_loss = E * torch.sum(fraction_E * probs_SE.mean(dim=0))     # E * sum f_e P_e
     weight_S = probs_SE.gather(1, expert_S[:, None]).squeeze(1) * kept_S
     experts_S = torch.where(kept_S, expert_S, -1)
-    return RoutingPlan(experts_S[:, None], weight_S[:, None], aux_loss, fault_F, router_z_loss(logits_SE))
+    return RoutingPlan(experts_S[:, None], weight_S[:, None], aux_loss, fault_F)
 
 
 # ---------------------------------------------------------------- GShard
@@ -331,4 +332,4 @@ def gshard_top2(
     denom_S = torch.clamp(gate1_S + gate2_S, min=torch.finfo(dtype).eps)
     weights_SK = torch.stack([gate1_S / denom_S, gate2_S / denom_S], dim=1)
     experts_SK = torch.stack([torch.where(kept1_S, first_S, -1), torch.where(kept2_S, second_S, -1)], dim=1)
-    return RoutingPlan(experts_SK, weights_SK, loss, fault_F, router_z_loss(logits_SE))
+    return RoutingPlan(experts_SK, weights_SK, loss, fault_F)

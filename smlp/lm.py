@@ -304,5 +304,5 @@ class LanguageModel(nn.Module):
 
     def z_loss(self) -> Tensor | None:
         """The routers' z-loss (ST-MoE) summed over the layers whose router has one (Switch, GShard)."""
-        losses = [m.z_loss for _, m in self.moe_modules() if getattr(m, "z_loss", None) is not None]
+        losses = [z for z in (getattr(m, "z_loss", None) for _, m in self.moe_modules()) if z is not None]
         return torch.stack([l.float() for l in losses]).sum() if losses else None

@@ -26,7 +26,7 @@ from .decoding import cache_append
 from .assignment import balanced_assignment
 from .dispatch import LocalDispatcher
 from .experts import FFNExperts, SpatialExperts
-from .gates import gshard_top2, switch_top1
+from .gates import gshard_top2, router_z_loss, switch_top1
 from .mixers import check_length
 from .numerics import router_logits
 from .routing import RoutingPlan, base_route, count_rows, hash_route, smoe_deterministic_experts, smoe_partial_route
@@ -90,7 +90,7 @@ class TMoE(nn.Module):
                                   norm=cfg.uses_expert_norm, zero_output=cfg.uses_zero_init_output,
                                   first_expert=self.dispatcher.first_expert)
         self.aux_loss: Tensor | None = None
-        self.z_loss: Tensor | None = None  # router z-loss of the softmax gates (ST-MoE), for the criterion
+        self.logits_SE: Tensor | None = None  # the softmax gates' logits of the last forward (z_loss)
         self.load_E: Tensor | None = None  # rows each expert computed (kept slots), on the device
         self.dropped: Tensor | None = None  # slots over capacity (Switch, GShard), on the device
         self.slots = 0  # routing slots of the last forward (tokens x choices): the denominator of `dropped`
@@ -101,6 +101,12 @@ class TMoE(nn.Module):
     def comm_seconds(self) -> float:
         """All2all time of the last forward (0 unless the dispatcher's timer is enabled)."""
         return self.comm_time.seconds if self.comm_time is not None else 0.0
+
+    @property
+    def z_loss(self) -> Tensor | None:
+        """The router z-loss (ST-MoE) of the last forward's logits (Switch, GShard; None otherwise),
+        computed when asked: a forward whose criterion does not ask builds none of its graph."""
+        return router_z_loss(self.logits_SE) if self.logits_SE is not None else None
 
     def route(self, x_SD: Tensor, token_ids_S: Tensor | None = None, *, defer_checks: bool = False) -> RoutingPlan:
         """The routing plan of the rows; defer_checks leaves the router's input check in the plan
@@ -113,14 +119,16 @@ class TMoE(nn.Module):
             return base_route(scores_SE, training=self.training, layer=layer, defer_checks=defer_checks,
                               expert_S=expert_S)
         cfg = self.cfg
+        if router in ("switch", "gshard"):
+            self.logits_SE = router_logits(x_SD, self.gate.weight.t())
         if router == "switch":
-            return switch_top1(router_logits(x_SD, self.gate.weight.t()), capacity_factor=cfg.capacity_factor,
+            return switch_top1(self.logits_SE, capacity_factor=cfg.capacity_factor,
                                eval_capacity_factor=cfg.eval_capacity_factor, training=self.training, layer=layer,
                                defer_checks=defer_checks)
         if router == "gshard":
-            return gshard_top2(router_logits(x_SD, self.gate.weight.t()), training=self.training,
-                               capacity_factor=cfg.capacity_factor, eval_capacity_factor=cfg.eval_capacity_factor,
-                               aux_loss=cfg.gshard_aux_loss, layer=layer, defer_checks=defer_checks)
+            return gshard_top2(self.logits_SE, training=self.training, capacity_factor=cfg.capacity_factor,
+                               eval_capacity_factor=cfg.eval_capacity_factor, aux_loss=cfg.gshard_aux_loss,
+                               layer=layer, defer_checks=defer_checks)
         if token_ids_S is None:
             raise ValueError("router='hash' needs the token ids of the rows it routes")
         return hash_route(token_ids_S.reshape(-1), self.hash_table, layer=layer, defer_checks=defer_checks)
@@ -155,7 +163,7 @@ class TMoE(nn.Module):
     def _route_and_compute(self, x_SD: Tensor, token_ids_S: Tensor | None) -> Tensor:
         with record_function(RANGES["routing"]):
             plan = self.route(x_SD, token_ids_S, defer_checks=True)
-        self.aux_loss, self.z_loss = plan.aux_loss, plan.z_loss
+        self.aux_loss = plan.aux_loss
         S, K = plan.experts_SK.shape
         # Every (row, slot) pair is dispatched, dropped slots (expert -1) too: the dispatcher sorts
         # them first and cuts them off with the count it reads anyway, where a boolean mask here
@@ -173,8 +181,8 @@ class TMoE(nn.Module):
         with record_function(RANGES["experts"]):
             y_RD = self.experts(x_RD, counts_L)
         y_rows = self.dispatcher.combine(y_RD, state)
-        if row_idx is None:
-            row_idx = torch.arange(S, device=x_SD.device)
+        if row_idx is None:  # one slot per token: the rows are the tokens, in order
+            return y_rows * weight[:, None]
         return torch.zeros_like(x_SD).index_add(0, row_idx, y_rows * weight[:, None])
 
 
@@ -208,7 +216,7 @@ class SMoE(nn.Module):
             "channel_expert_C", smoe_deterministic_experts(cfg.gated_dim, cfg.num_experts)
             if cfg.routing == "deterministic" else torch.empty(0, dtype=torch.long), persistent=False)
         self.load_E: Tensor | None = None
-        self.aux_loss = self.z_loss = None
+        self.aux_loss = self.z_loss = None  # no softmax gate: no z-loss
         self.dropped, self.slots = None, 0  # no capacity: nothing is dropped
         self.comm_time = None  # the dispatcher's timed sections of the last forward (CommTime)
         self.layer_name = f"SMoE ({cfg.routing} routing)"  # LanguageModel sets the module path, for errors
@@ -250,12 +258,11 @@ class SMoE(nn.Module):
         counts_E1 = count_rows(expert_S, cfg.num_experts)
         self.load_E = counts_E1[1:].detach()
         mark = self.dispatcher.timer.mark()
-        width = self.dispatcher.common_width(M)  # ranks may hold sequences of different lengths
-        if width > M:  # zero positions appended at the end never reach earlier outputs (causal)
-            rows_SM = F.pad(rows_SM, (0, width - M))
+        # ranks may hold sequences of different lengths: the dispatcher pads every rank's rows to the
+        # widest (zero positions appended at the end never reach earlier outputs: causal)
         x_RM, counts_L, state = self.dispatcher.dispatch(rows_SM, expert_S, presorted=deterministic,
                                                          counts_E1=counts_E1, host_counts_E=host_counts_E,
-                                                         fault_F=fault_F, layer=self.layer_name)
+                                                         fault_F=fault_F, layer=self.layer_name, common_width=True)
         with record_function(RANGES["token_mixing"]):  # the sMoE's experts mix positions
             y_RM = self.experts(x_RM, counts_L)
         y_SM = self.dispatcher.combine(y_RM, state)[:, :M]  # rows: gate minus one, W x + (b - 1) (SpatialExperts)

@@ -65,15 +65,12 @@ class RoutingPlan:
     aux_loss:   auxiliary load-balancing loss (scalar) or None when the router has none.
     fault_F:    the router's input check left on the device (`defer_checks=True`): a fault
                 record (see `routing_error`), or None when the check was read already.
-    z_loss:     the router z-loss of the logits (ST-MoE; gates.router_z_loss), or None when the
-                router has none (a softmax gate's logits do; balanced and hash routing do not).
     """
 
     experts_SK: Tensor
     weights_SK: Tensor
     aux_loss: Tensor | None = None
     fault_F: Tensor | None = None
-    z_loss: Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.experts_SK.dim() != 2 or self.experts_SK.shape != self.weights_SK.shape:

@@ -6,7 +6,7 @@ import contextlib
 import pytest
 import torch
 
-from smlp.causal import causal_product, executed_pairs, explicit_spatial, masked_dense_product
+from smlp.causal import causal_product, causal_product_rows, executed_pairs, explicit_spatial, masked_dense_product
 from smlp.config import SGUConfig
 from smlp.experts import SpatialExperts
 from smlp.mixers import SpatialGatingUnit
@@ -145,3 +145,20 @@ def test_executed_flops_are_what_the_blocked_model_multiplies(family, routing):
             model(ids)
         counted[explicit] = fc.get_total_flops() // 2  # FlopCounterMode counts 2 per multiply-add
     assert counted[True] - counted[False] == count.macs - FL.executed_macs(count) > 0
+
+
+@pytest.mark.parametrize("counts", [[3, 3, 3], [2, 0, 7]])
+def test_rows_grouped_by_expert_equal_the_masked_dense_product(counts):
+    """The sMoE experts' layout (rows of positions, grouped by expert), equal and unequal counts."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(3, 11, 11, generator=g, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(sum(counts), 10, generator=g, dtype=torch.float64, requires_grad=True)
+    y = causal_product_rows(w, x, counts, 4)
+    rows = torch.split(x, counts)
+    y_ref = torch.cat([r @ torch.tril(w[l, :10, :10]).t() for l, r in enumerate(rows)])
+    torch.testing.assert_close(y, y_ref, rtol=1e-12, atol=1e-12)
+    grad = torch.randn(y.shape, generator=g, dtype=torch.float64)
+    gw, gx = torch.autograd.grad(y, (w, x), grad)
+    gw_ref, gx_ref = torch.autograd.grad(y_ref, (w, x), grad)
+    torch.testing.assert_close(gw, gw_ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(gx, gx_ref, rtol=1e-12, atol=1e-12)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from smlp.config import TMoEConfig
-from smlp.gates import gshard_capacity, gshard_top2, router_z_loss, switch_capacity, switch_top1
+from smlp.gates import gshard_capacity, router_z_loss, switch_capacity
 from smlp.lm import LanguageModel
 from smlp.moe import TMoE
 
@@ -28,12 +28,15 @@ def test_router_z_loss_is_the_mean_squared_logsumexp_of_each_row():
     z.backward()  # d/dx of mean(lse^2): 2 lse(x_s) softmax(x_s) / S
     lse = torch.logsumexp(t.detach(), -1, keepdim=True)
     torch.testing.assert_close(t.grad, 2 * lse * torch.softmax(t.detach(), -1) / len(logits))
-    # in fp32 from half logits, and on both gates' plans
+    # in fp32 from half logits; and the layer's, from its gate's logits
     half = t.detach().to(torch.bfloat16)
     assert router_z_loss(half).dtype == torch.float32
-    for plan in (switch_top1(t.detach().float()), gshard_top2(t.detach().float(), training=False)):
-        assert float(plan.z_loss) == pytest.approx(hand, rel=1e-5)
     assert float(router_z_loss(torch.zeros(0, 3))) == 0.0
+    layer = TMoE(TMoEConfig(d_model=3, d_ffn=4, num_experts=3, router="switch"))
+    with torch.no_grad():
+        layer.gate.weight.copy_(torch.eye(3))
+    layer(t.detach().float())  # the logits are the rows themselves
+    assert float(layer.z_loss) == pytest.approx(hand, rel=1e-5)
 
 
 def _tiny_core(router, **kw):
