@@ -98,6 +98,7 @@ class LMConfig:
     smoe_routing: str = "deterministic"
     moe_router: str = "base"
     capacity_factor: float = 1.0
+    eval_capacity_factor: float | None = None  # None: no capacity limit at evaluation (gates.py)
     dropout: float = 0.0
     activation: str = "gelu"
     prefix_fraction: float = 0.2
@@ -216,7 +217,8 @@ class LMConfig:
     def tmoe(self) -> TMoEConfig:
         return TMoEConfig(d_model=self.d_model, d_ffn=self.d_ffn, num_experts=self.num_experts,
                           router=self.moe_router, activation=self.activation,
-                          capacity_factor=self.capacity_factor, vocab_size=self.vocab_size,
+                          capacity_factor=self.capacity_factor, eval_capacity_factor=self.eval_capacity_factor,
+                          vocab_size=self.vocab_size,
                           hash_seed=self.hash_seed, gshard_aux_loss=self.gshard_aux_loss,
                           shuffle=self.base_shuffle)
 
@@ -338,4 +340,9 @@ class LanguageModel(nn.Module):
 
     def aux_loss(self) -> Tensor | None:
         losses = [m.aux_loss for _, m in self.moe_modules() if getattr(m, "aux_loss", None) is not None]
+        return torch.stack([l.float() for l in losses]).sum() if losses else None
+
+    def z_loss(self) -> Tensor | None:
+        """The routers' z-loss (ST-MoE) summed over the layers whose router has one (Switch, GShard)."""
+        losses = [z for z in (getattr(m, "z_loss", None) for _, m in self.moe_modules()) if z is not None]
         return torch.stack([l.float() for l in losses]).sum() if losses else None
