@@ -95,6 +95,12 @@ def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
     return _GROUPED_MM[key]
 
 
+def _strides_aligned(dtype: torch.dtype, *widths: int) -> bool:
+    """grouped_mm needs every row stride a multiple of 16 bytes ("strides should be multiple of 16
+    bytes" otherwise, on CUDA as on the CPU): D and F in elements of `dtype`."""
+    return all(w * dtype.itemsize % 16 == 0 for w in widths)
+
+
 def _grouped_matmul(x_RD: Tensor, w_LDF: Tensor, offs_L: Tensor) -> Tensor:
     return _DenseGrad.apply(F.grouped_mm(x_RD, w_LDF, offs=offs_L))
 
@@ -144,7 +150,8 @@ class FFNExperts(nn.Module):
         if c is not None:  # balanced (or one expert): one batched product, the weights used whole
             return self._batched(x_RD.reshape(L, c, D)).reshape(R, D)
         grouped = self.grouped if self.grouped is not None else x_RD.device.type != "cpu"
-        if grouped and grouped_mm_supported(x_RD.device, x_RD.dtype):  # unequal counts: one grouped product
+        if grouped and _strides_aligned(x_RD.dtype, D, self.w1.shape[-1]) \
+                and grouped_mm_supported(x_RD.device, x_RD.dtype):  # unequal counts: one grouped product
             return self._grouped(x_RD, counts_L)
         return self.forward_loop(x_RD, counts_L)
 

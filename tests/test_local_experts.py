@@ -53,6 +53,21 @@ def test_ffn_experts_without_a_grouped_matmul_loop_exactly():
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
+def test_ffn_experts_with_widths_grouped_mm_cannot_stride_loop():
+    """grouped_mm refuses rows whose stride is not a multiple of 16 bytes (D = 6 in fp32: 24 bytes),
+    on CUDA as here: such widths take the loop even where the grouped product is asked for."""
+    torch.manual_seed(0)
+    experts = FFNExperts(3, 6, 12)
+    experts.grouped = True
+    x, grad = torch.randn(9, 6), torch.randn(9, 6)
+    if grouped_mm_supported(x.device, x.dtype):
+        with pytest.raises(RuntimeError, match="16 bytes"):
+            experts._grouped(x, [2, 3, 4])  # what the layer would have run
+    got = _run(experts, experts, x, [2, 3, 4], grad)
+    want = _run(experts, experts.forward_loop, x, [2, 3, 4], grad)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 @pytest.mark.parametrize("counts", [[4, 4, 4], [2, 5, 0]])
 def test_spatial_experts_as_one_product_equal_the_loop(counts):
     torch.manual_seed(0)
