@@ -940,7 +940,7 @@ def _elapsed(store: S.RunStore) -> float:
     return sum(r.get("seconds", 0.0) for r in store.records.values())
 
 
-# ---------------------------------------------------------------- publishing (docs/benchmarks.md sections from the JSON)
+# ---------------------------------------------------------------- publishing (docs/benchmarks.md from the JSON)
 
 
 # The page the generated sections live in and the folder of the records and figures they show, relative to
@@ -986,7 +986,8 @@ def _ppl_at(curve: dict, tokens: float) -> float | None:
 
 
 def render_long(record: dict, figure: str) -> str:
-    """docs/benchmarks.md section 'Does sMLP beat Transformer-MoE at matched FLOPs here?' from the long preset's JSON."""
+    """docs/benchmarks.md section 'Does sMLP beat Transformer-MoE at matched FLOPs here?' from the long
+    preset's JSON."""
     res, an, s = record["models"], record["analysis"], record["settings"]
     tok = an["mean_curves"]["tokens"]
     early = 60 * 2048  # the full preset's budget: 60 updates of 2,048 tokens
