@@ -366,3 +366,22 @@ def _anchors(page: Path) -> set[str]:
     """GitHub's heading anchors: lower case, punctuation dropped, spaces to hyphens."""
     return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
             for h in re.findall(r"^#+ (.*)$", page.read_text(), flags=re.M)}
+
+
+def test_readme_results_paragraph_says_what_the_published_record_says():
+    """README's Results paragraph is typed (the generated tables live in docs/benchmarks.md): its figures
+    must be those of the record docs/benchmarks.md is generated from, or be rewritten with it."""
+    import json
+
+    rec = json.loads((REPO / "docs" / "benchmark" / "results.json").read_text())
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("## Results"):readme.index("\n## ", readme.index("## Results") + 1)]
+    s, t = rec["settings"], rec["target"]
+    assert f"{rec['preset']} preset: D={t['d_model']}, {s['updates']} updates, {s['seeds']} seeds" in " ".join(
+        section.split())
+    speed = next(x for x in rec["targets"] if x["target"].startswith("sMLP-det words/s over the fastest MoE"))
+    assert speed["target"].endswith("(switch)")
+    assert f"ran at {speed['measured']:.2f}x Switch's words/s" in " ".join(section.split())
+    ppl = {k: m["valid_ppl"] for k, m in rec["models"].items()}
+    assert "ended below every Transformer-MoE baseline in perplexity" in " ".join(section.split())
+    assert all(ppl["smlp_det"] < ppl[k] for k in ("gshard", "switch", "base", "hash"))
