@@ -19,7 +19,7 @@ carries every field of the core config to the training command.
                              paper's Table 4 (top) and the step-time model's prediction for the
                              paper's 32 V100s (`smlp-flops --table4 top`).
 
-Each writes OUTPUT_DIR/results.json with "claims": rows of the README table "claim | paper | here |
+Each writes OUTPUT_DIR/results.json with "claims": rows of the docs/benchmarks.md table "claim | paper | here |
 holds?", and OUTPUT_DIR/figure.png. Which models claim to be causal is recorded per model
 (`causal`); tests/test_claims_models.py checks every one of them with the model-level causality
 check, and that the leaky router fails it.
@@ -214,7 +214,7 @@ def cpu_note(target: dict | None) -> str:
         f"processes, the model is {1024 // t['d_model']}x narrower (D={t['d_model']}) with "
         f"{1024 // t['seq_len']}x shorter sequences (T={t['seq_len']}) than the paper's small models, and fp32 "
         "CPU kernels have other bottlenecks. The step-time model combines the GPU terms for the paper's "
-        "configuration; README's 'Step time at paper scale' says where it departs from the paper's order.")
+        "configuration; docs/scale-out.md's 'Step time at paper scale' says where it departs from the paper's order.")
 
 
 def table4_record(source: dict, step_rows: list[dict] | None) -> dict:

@@ -2,7 +2,7 @@
 
     smlp-bench [--preset quick|full|long] [--output-dir DIR] [--resume] [--seeds N] [--models a,b,...]
     smlp-bench --experiment NAME [--output-dir DIR] [--resume]     (benchmarks/experiments.py)
-    smlp-bench --publish RESULTS_JSON [RESULTS_JSON ...]           (README sections + docs/benchmark/)
+    smlp-bench --publish RESULTS_JSON [RESULTS_JSON ...]           (docs/benchmarks.md sections + docs/benchmark/)
 
 One question: at matched FLOPs on the same data, how fast does each model train (words/s, MFU)
 and how low does its validation perplexity go (against tokens and against time)?
@@ -940,10 +940,14 @@ def _elapsed(store: S.RunStore) -> float:
     return sum(r.get("seconds", 0.0) for r in store.records.values())
 
 
-# ---------------------------------------------------------------- publishing (README sections from the JSON)
+# ---------------------------------------------------------------- publishing (docs/benchmarks.md from the JSON)
 
 
-README_START, README_END = "<!-- smlp-bench:start -->", "<!-- smlp-bench:end -->"
+# The page the generated sections live in and the folder of the records and figures they show, relative to
+# the repository root (README links to the page and keeps no generated text).
+PAGE = Path("docs") / "benchmarks.md"
+FIGURE_DIR = Path("docs") / "benchmark"
+TABLE_START, TABLE_END = "<!-- smlp-bench:start -->", "<!-- smlp-bench:end -->"
 LONG_START, LONG_END = "<!-- smlp-bench-long:start -->", "<!-- smlp-bench-long:end -->"
 CLAIMS_START, CLAIMS_END = "<!-- smlp-bench-claims:start -->", "<!-- smlp-bench-claims:end -->"
 PPL_TARGET_PREFIX = "sMLP-det valid ppl minus the best MoE baseline's"
@@ -962,7 +966,7 @@ def long_ppl_target(long_record: dict) -> dict | None:
 
 
 def render_markdown(record: dict, figure: str, long_record: dict | None = None) -> str:
-    """The README's benchmark section: generated from results.json, never typed by hand."""
+    """The benchmark table section of docs/benchmarks.md: generated from results.json, never typed by hand."""
     rows = list(record["targets"])
     if long_record is not None and (t := long_ppl_target(long_record)):
         rows = [t if r["target"].startswith(PPL_TARGET_PREFIX) else r for r in rows]
@@ -982,7 +986,8 @@ def _ppl_at(curve: dict, tokens: float) -> float | None:
 
 
 def render_long(record: dict, figure: str) -> str:
-    """README section 'Does sMLP beat Transformer-MoE at matched FLOPs here?' from the long preset's JSON."""
+    """docs/benchmarks.md section 'Does sMLP beat Transformer-MoE at matched FLOPs here?' from the long
+    preset's JSON."""
     res, an, s = record["models"], record["analysis"], record["settings"]
     tok = an["mean_curves"]["tokens"]
     early = 60 * 2048  # the full preset's budget: 60 updates of 2,048 tokens
@@ -1047,7 +1052,7 @@ def render_long(record: dict, figure: str) -> str:
 
 
 def render_claims(records: Sequence[dict]) -> str:
-    """README table 'claim | paper | here | holds?' from the experiments' JSON."""
+    """docs/benchmarks.md table 'claim | paper | here | holds?' from the experiments' JSON."""
     lines = ["| claim | paper | here | holds? |", "|---|---|---|---|"]
     for rec in records:
         for c in rec.get("claims", []):
@@ -1062,17 +1067,17 @@ SECTION_HEADINGS = {LONG_START: "### Does sMLP beat Transformer-MoE at matched F
                     CLAIMS_START: "### The paper's other experiments"}
 
 
-def _replace_section(text: str, start: str, end: str, body: str, readme: Path) -> str:
+def _replace_section(text: str, start: str, end: str, body: str, page: Path) -> str:
     """Rewrite the generated section between the markers. A long-preset or claims section that is not
     there yet is added with its heading: after the benchmark table's section (the claims after the
     long-preset section when there is one)."""
     if (start not in text or end not in text) and start in SECTION_HEADINGS:
-        anchor = LONG_END if start == CLAIMS_START and LONG_END in text else README_END
+        anchor = LONG_END if start == CLAIMS_START and LONG_END in text else TABLE_END
         if anchor in text:
             head, tail = text.split(anchor, 1)
             return head + anchor + f"\n\n{SECTION_HEADINGS[start]}\n\n{start}\n{body}\n{end}" + tail
     if start not in text or end not in text:
-        raise BenchError(f"{readme} has no {start} ... {end} section to rewrite")
+        raise BenchError(f"{page} has no {start} ... {end} section to rewrite")
     head, rest = text.split(start, 1)
     _, tail = rest.split(end, 1)
     return head + start + "\n" + body + "\n" + end + tail
@@ -1096,15 +1101,21 @@ def _docs_record(path: Path, drop=("normalized_speeds", "schedule")) -> dict:
     return record
 
 
-def publish(results_jsons: Sequence[Path], readme: Path, figure_dir: Path) -> list[str]:
-    """Copy each run's JSON and figures under figure_dir and rewrite the README sections they feed:
+def _link(path: Path, page_dir: Path) -> str:
+    """A markdown link to `path` from a page in `page_dir` (figure_dir need not lie under it)."""
+    return Path(os.path.relpath(path.resolve(), page_dir)).as_posix()
+
+
+def publish(results_jsons: Sequence[Path], page: Path, figure_dir: Path) -> list[str]:
+    """Copy each run's JSON and figures under figure_dir and rewrite the sections of `page` (the markdown
+    page, docs/benchmarks.md) they feed, with figure links relative to the page:
     quick/full preset -> the benchmark table; long preset -> 'Does sMLP beat Transformer-MoE ...'
     (and the perplexity target of the benchmark table); experiments -> the claims table. Works on
     partial results (the sections then say PARTIAL)."""
-    text = readme.read_text()
+    text = page.read_text()
     done = []
     records = [(Path(p), json.loads(Path(p).read_text())) for p in results_jsons]
-    root = readme.parent.resolve()
+    root = page.parent.resolve()
     long_recs = [(p, r) for p, r in records if r.get("preset") == "long" and r.get("kind") != "experiment"]
     for p, rec in long_recs:
         dst = figure_dir / "long"
@@ -1112,8 +1123,8 @@ def publish(results_jsons: Sequence[Path], readme: Path, figure_dir: Path) -> li
         write_json(dst / "results.json", _docs_record(p))
         _copy(p.parent, dst, ["figure5.png", "table.md"])
         text = _replace_section(text, LONG_START, LONG_END,
-                                render_long(rec, (dst / "figure5.png").relative_to(root).as_posix()), readme)
-        done.append(f"{p}: long preset -> README 'Does sMLP beat Transformer-MoE at matched FLOPs here?'")
+                                render_long(rec, _link(dst / "figure5.png", root)), page)
+        done.append(f"{p}: long preset -> {page.name} 'Does sMLP beat Transformer-MoE at matched FLOPs here?'")
     long_rec = long_recs[-1][1] if long_recs else (
         json.loads((figure_dir / "long" / "results.json").read_text())
         if (figure_dir / "long" / "results.json").exists() else None)
@@ -1124,9 +1135,9 @@ def publish(results_jsons: Sequence[Path], readme: Path, figure_dir: Path) -> li
         _copy(p.parent, figure_dir, ["figure5.png", "table.md"])
         if p.resolve() != (figure_dir / "results.json").resolve():
             write_json(figure_dir / "results.json", _docs_record(p))
-        figure = (figure_dir / "figure5.png").relative_to(root).as_posix()
-        text = _replace_section(text, README_START, README_END, render_markdown(rec, figure, long_rec), readme)
-        done.append(f"{p}: {rec['preset']} preset -> README benchmark table"
+        figure = _link(figure_dir / "figure5.png", root)
+        text = _replace_section(text, TABLE_START, TABLE_END, render_markdown(rec, figure, long_rec), page)
+        done.append(f"{p}: {rec['preset']} preset -> {page.name} benchmark table"
                     + (" (perplexity target from the long preset)" if long_rec else ""))
     exps = [(p, r) for p, r in records if r.get("kind") == "experiment"]
     for p, rec in exps:
@@ -1134,16 +1145,16 @@ def publish(results_jsons: Sequence[Path], readme: Path, figure_dir: Path) -> li
         dst.mkdir(parents=True, exist_ok=True)
         write_json(dst / "results.json", _docs_record(p))
         _copy(p.parent, dst, ["figure.png", "table.md"])
-        done.append(f"{p}: experiment {rec['experiment']} -> README claims table")
+        done.append(f"{p}: experiment {rec['experiment']} -> {page.name} claims table")
     if exps:
         all_exp = [json.loads(f.read_text()) for f in sorted((figure_dir / "experiments").glob("*/results.json"))]
         from .experiments import EXPERIMENTS
 
         all_exp.sort(key=lambda r: list(EXPERIMENTS).index(r["experiment"]) if r["experiment"] in EXPERIMENTS else 99)
-        text = _replace_section(text, CLAIMS_START, CLAIMS_END, render_claims(all_exp), readme)
+        text = _replace_section(text, CLAIMS_START, CLAIMS_END, render_claims(all_exp), page)
     if not done:
         raise BenchError("nothing to publish: each RESULTS_JSON must come from a preset or an experiment")
-    readme.write_text(text)
+    page.write_text(text)
     return done
 
 
@@ -1177,8 +1188,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="do not train: rewrite results.json, table.md and the figure from OUTPUT_DIR/runs.json "
                         "(also while a benchmark is running or stopped)")
     p.add_argument("--publish", type=Path, nargs="+", default=None, metavar="RESULTS_JSON",
-                   help="do not train: copy each RESULTS_JSON's figures to docs/benchmark/ and rewrite the README "
-                        "sections it feeds (preset table, long-preset verdict, claims table)")
+                   help="do not train: copy each RESULTS_JSON's figures to docs/benchmark/ and rewrite the sections "
+                        "of docs/benchmarks.md it feeds (preset table, long-preset verdict, claims table); run from "
+                        "the repository root")
     return p
 
 
@@ -1245,7 +1257,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.publish:
         try:
             root = Path.cwd()
-            for line in publish(args.publish, root / "README.md", root / "docs" / "benchmark"):
+            for line in publish(args.publish, root / PAGE, root / FIGURE_DIR):
                 print(f"   {line}")
         except (BenchError, OSError, KeyError, json.JSONDecodeError) as exc:
             print(f"{PROG}: error: cannot publish {' '.join(map(str, args.publish))}: {exc}", file=sys.stderr)

@@ -29,9 +29,10 @@ hooks). Ring all-reduce: 2 (n-1)/n of the payload leaves each GPU (NCCL's hierar
 inside a node over NVLink, between nodes over the node's InfiniBand links).
 
 Memory per GPU: weights, gradients and Adam moments (fp16 mixed precision as fairseq's
-FP16Optimizer: fp16 weights and gradients, fp32 master weights and gradients, fp32 moments: 16
-bytes per parameter; fp32: 16 as well), with --zero-sharding os the Adam moments of the
-non-expert parameters split over W (expert parameters and their moments stay on their rank);
+FP16Optimizer: fp16 weights and gradients 2 + 2, fp32 master weights and gradients 4 + 4, fp32
+moments 8: 20 bytes per parameter; fp32: 4 + 4 + 8 = 16), with --zero-sharding os the Adam
+moments of the non-expert parameters split over W (expert parameters and their moments stay on
+their rank);
 activations: the bytes autograd keeps for the backward pass, measured with saved-tensor hooks on
 the real modules (one layer of each kind, one sequence, train mode, attention materialised as
 in paper-era fairseq), times the layers and B. The causal n x n slice of a spatial weight is kept

@@ -1,4 +1,4 @@
-"""The bad-input catalogue (README, "Bad input catalogue"): each case is refused with a clear error
+"""The bad-input catalogue (docs/faults.md, "Bad input catalogue"): each case is refused with a clear error
 before any work starts, and nothing in the save directory or the data directory is overwritten.
 
 Training cases run the real `fairseq_cli.train.main` in this process (one process, or rank 0 of a

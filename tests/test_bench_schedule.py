@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -240,20 +242,22 @@ def _synthetic_long_record(complete: bool) -> dict:
 
 
 def test_publish_a_partial_long_record_rewrites_only_its_sections(tmp_path):
-    readme = tmp_path / "README.md"
-    main = json.loads((Path(__file__).parents[1] / "docs" / "benchmark" / "results.json").read_text())
-    readme.write_text(f"intro\n{suite.README_START}\nOLD-MAIN\n{suite.README_END}\ntail\n")  # no long section yet
-    docs = tmp_path / "docs" / "benchmark"
+    page = tmp_path / suite.PAGE  # docs/benchmarks.md, as in the repository
+    main = json.loads((Path(__file__).parents[1] / suite.FIGURE_DIR / "results.json").read_text())
+    docs = tmp_path / suite.FIGURE_DIR
     docs.mkdir(parents=True)
+    page.write_text(f"intro\n{suite.TABLE_START}\nOLD-MAIN\n{suite.TABLE_END}\ntail\n")  # no long section yet
     (docs / "results.json").write_text(json.dumps(main))
     run = tmp_path / "long"
     run.mkdir()
     (run / "results.json").write_text(json.dumps(_synthetic_long_record(complete=False)))
-    done = suite.publish([run / "results.json"], readme, docs)
-    text = readme.read_text()
+    done = suite.publish([run / "results.json"], page, docs)
+    text = page.read_text()
     assert len(done) == 2 and text.startswith("intro\n") and text.endswith("tail\n") and "OLD-" not in text
+    # figures are linked relative to the page (docs/benchmarks.md -> docs/benchmark/...)
+    assert "](benchmark/figure5.png)" in text and "](benchmark/long/figure5.png)" in text
     # the long section was added, with its heading, right after the benchmark table
-    assert text.index(suite.README_END) < text.index("### Does sMLP beat Transformer-MoE at matched FLOPs here?") \
+    assert text.index(suite.TABLE_END) < text.index("### Does sMLP beat Transformer-MoE at matched FLOPs here?") \
         < text.index(suite.LONG_START) < text.index(suite.LONG_END) < text.index("tail")
     assert "PARTIAL: 6 of 7 runs recorded" in text
     assert "**Does sMLP-deterministic beat the best Transformer-MoE at this scale? yes.**" in text  # 100 against 110 for Switch, beyond the seeds' spread
@@ -289,10 +293,10 @@ def test_an_experiment_runs_reports_its_claims_and_publishes_them(tmp_path, monk
     assert record["claims"][0]["holds"] == "yes" and "46.7" in record["claims"][0]["here"]  # 40 x (1 + 25 / 150)
     # the leaky model's flags name its routing explicitly
     assert "--smoe-routing leaky-full-sequence" in record["models"]["smlp_leaky"]["fairseq_flags"]
-    readme = tmp_path / "README.md"
-    readme.write_text(f"a\n{suite.CLAIMS_START}\nOLD\n{suite.CLAIMS_END}\nb\n")
-    suite.publish([out / "results.json"], readme, tmp_path / "docs")
-    text = readme.read_text()
+    page = tmp_path / "benchmarks.md"
+    page.write_text(f"a\n{suite.CLAIMS_START}\nOLD\n{suite.CLAIMS_END}\nb\n")
+    suite.publish([out / "results.json"], page, tmp_path / "docs")
+    text = page.read_text()
     assert "| claim | paper | here | holds? |" in text and "OLD" not in text and "figure7-routing" in text
     assert (tmp_path / "docs" / "experiments" / "figure7-routing" / "figure.png").exists()
 
@@ -321,3 +325,25 @@ def test_table4_puts_cpu_ratios_from_adjacent_runs_beside_the_paper_and_the_mode
     assert X.table4_claims({"table4": X.table4_record(source, steps)})[0]["holds"].startswith("undecided")
     assert "cannot say" in t4["note"] and "| GShard | 136k (0.71) | 272k (0.70) | 0.80 [0.77-0.83] |" in \
         X.table4_markdown(t4)
+
+
+def test_publish_cli_writes_docs_benchmarks_page_and_the_page_is_the_json(tmp_path, monkeypatch, capsys):
+    """`smlp-bench --publish`, run from a checkout's root, rewrites docs/benchmarks.md (not README.md), and
+    the repository's page holds exactly what publishing its own docs/benchmark/results.json gives: the
+    generated section was not edited by hand, and its figure link resolves from the page."""
+    repo = Path(__file__).parents[1]
+    page, figures = tmp_path / suite.PAGE, tmp_path / suite.FIGURE_DIR
+    shutil.copytree(repo / suite.FIGURE_DIR, figures)
+    shutil.copy2(repo / suite.PAGE, page)
+    (tmp_path / "README.md").write_text(f"readme\n{suite.TABLE_START}\nuntouched\n{suite.TABLE_END}\n")
+    monkeypatch.chdir(tmp_path)
+    assert suite.main(["--publish", str(figures / "results.json")]) == 0
+    assert "benchmarks.md benchmark table" in capsys.readouterr().out
+    assert page.read_text() == (repo / suite.PAGE).read_text()
+    assert "untouched" in (tmp_path / "README.md").read_text()
+    link = re.search(r"\]\((benchmark/[^)]+\.png)\)", page.read_text()).group(1)
+    assert (repo / "docs" / link).is_file()
+    # a checkout without the page: a clear error, nothing written
+    page.unlink()
+    assert suite.main(["--publish", str(figures / "results.json")]) == 1
+    assert "cannot publish" in capsys.readouterr().err and not page.exists()

@@ -56,7 +56,7 @@ def randomized(model: torch.nn.Module, seed: int = 0, std: float = 0.3) -> torch
 
 def test_leaky_router_fails_the_causality_check_and_the_causal_routings_pass():
     """In eval mode, as every model here is checked: in training the sparse blocks' tMoE (Base Layers)
-    assigns tokens with exact balance over the batch, which couples positions by design (README)."""
+    assigns tokens with exact balance over the batch, which couples positions by design (docs/training.md)."""
     x = tokens()
     for routing in ("deterministic", "partial", "leaky-full-sequence"):
         torch.manual_seed(0)

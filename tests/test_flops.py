@@ -311,28 +311,30 @@ def test_console_script():
     assert bad.returncode == 2 and "smlp-flops: error:" in bad.stderr
 
 
-# ---------------------------------------------------------------- README and Table 5 stay true
+# ---------------------------------------------------------------- README, docs/ and Table 5 stay true
 
 
 def _readme_commands(program: str) -> list[list[str]]:
     import re
     import shlex
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    repo = Path(__file__).resolve().parents[1]
+    text = "\n".join(p.read_text() for p in [repo / "README.md", *sorted((repo / "docs").glob("*.md"))])
     commands = []
-    for block in re.findall(r"```bash\n(.*?)```", readme, flags=re.S):
+    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
         for line in block.replace("\\\n", " ").splitlines():
             line = line.split("#", 1)[0].strip()
-            if line.startswith(program + " "):
+            if line.startswith(program + " ") and shlex.split(line)[1:] not in commands:
                 commands.append(shlex.split(line)[1:])
     return commands
 
 
 def test_every_smlp_flops_command_in_the_readme_runs(capsys):
-    """Each README command exits 0 (counted with the closed form to keep this fast; the fvcore path
-    is the default and is checked against the paper above)."""
+    """Each smlp-flops command of README and docs/*.md (flops.md, scale-out.md) exits 0, once each (counted
+    with the closed form to keep this fast; the fvcore path is the default and is checked against the paper
+    above)."""
     commands = _readme_commands("smlp-flops")
-    assert len(commands) >= 4
+    assert len(commands) >= 6
     for argv in commands:
         assert F.main([*argv, "--method", "analytic"]) == 0, (argv, capsys.readouterr().err[-2000:])
         out = capsys.readouterr().out
@@ -341,7 +343,7 @@ def test_every_smlp_flops_command_in_the_readme_runs(capsys):
 
 
 def test_table5_rows_the_readme_claims_match_and_the_others_do_not():
-    """README claims Base Layers and HASH Layers only; a change that made another row match (or broke
+    """docs/flops.md claims Base Layers and HASH Layers only; a change that made another row match (or broke
     these) would make its Table 5 section untrue."""
     tables = F.paper_tables("analytic")
     rows = {r["name"]: r for r in tables["table5"]}

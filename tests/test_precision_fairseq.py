@@ -12,7 +12,7 @@
                     counted, and both loss scales halve;
      a clean step:  every rank updates again.
    Memory per parameter (weights, gradients, fp32 master copies, Adam state) is measured against
-   the figures the README gives.
+   the figures docs/training.md gives ("Mixed precision on GPUs").
    What the CPU --amp run covers: fp16 autocast of the forward (torch.autocast on CPU), fairseq's
    AMPOptimizer with a real GradScaler (scaling, unscale, skip, backoff) and its agreement across
    ranks. Not covered: CUDA kernels and NCCL (the code paths are device-generic; NCCL collectives

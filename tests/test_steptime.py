@@ -254,7 +254,8 @@ def test_step_time_cli_on_a_tiny_model(capsys):
 
 @pytest.mark.slow  # 5 models at paper scale (activations measured on the real modules): ~15 s
 def test_table4_prediction_and_what_the_readme_says_of_it():
-    """The README explains the predicted Table 4 (top) against the paper's; these are its claims."""
+    """docs/scale-out.md ("Step time at paper scale") explains the predicted Table 4 (top) against the
+    paper's; these are its claims."""
     cluster = S.CLUSTERS["v100-dgx1"]
     rows = {r["name"]: r for r in FL.table4("top", cluster, "analytic")}
     assert set(rows) == {"GShard", "Switch Transformer", "Base Layers", "HASH Layers", "sMLP-deterministic"}
@@ -270,7 +271,7 @@ def test_table4_prediction_and_what_the_readme_says_of_it():
     assert a2a["sMLP-deterministic"] == pytest.approx(2 * a2a["Switch Transformer"], rel=0.05)  # two volumes
     assert mem["sMLP-deterministic"] < 0.6 * mem["Switch Transformer"]  # no attention probabilities
     assert rows["sMLP-deterministic"]["rank"] == 4
-    assert all(1.7 < wps[n] / rows[n]["paper_wps"] < 2.4 for n in wps)  # the absolute gap the README states
+    assert all(1.7 < wps[n] / rows[n]["paper_wps"] < 2.4 for n in wps)  # the absolute gap docs/scale-out.md states
     for r in rows.values():
         assert r["memory_bytes"]["total"] < cluster.gpu_memory  # every configuration fits a 32 GB V100
     tie = {r["name"]: r["words_per_second"]
