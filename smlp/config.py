@@ -8,11 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .gates import GSHARD_AUX_LOSSES
-from .routers import LEAKY_SMOE_ROUTING, SMOE_ROUTINGS, TOKEN_ROUTERS
+from .routers import SMOE_ROUTINGS, TOKEN_ROUTERS  # router names and per-router defaults: the registry
 
-# Router names come from the registry (routers.py); these tuples are the valid values.
-TOKEN_ROUTER_NAMES = tuple(TOKEN_ROUTERS)
-SMOE_ROUTING_CHOICES = tuple(SMOE_ROUTINGS)  # leaky-full-sequence (Appendix B) included: not causal
 ACTIVATIONS = ("gelu", "relu")
 
 
@@ -198,7 +195,7 @@ class SMoEConfig:
     @property
     def leaky(self) -> bool:
         """True for the router that reads every position (Appendix B): outputs see the future."""
-        return self.routing == LEAKY_SMOE_ROUTING
+        return not SMOE_ROUTINGS[self.routing].causal
 
     @property
     def router_len(self) -> int:

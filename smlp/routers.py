@@ -72,21 +72,30 @@ def _init_hash_table(layer: nn.Module, cfg) -> None:
 
 
 # Route functions: (layer, rows x_SD, their token ids, defer_checks) -> RoutingPlan. router_logits
-# computes the gate projection itself in fp32, whatever the model dtype (numerics.py).
+# computes the gate projection itself in fp32, whatever the model dtype (numerics.py). The softmax
+# gates keep their logits on the layer (`logits_SE`): the router z-loss reads them when asked.
 
 def _route_base(layer, x_SD: Tensor, token_ids_S: Tensor | None, defer_checks: bool) -> RoutingPlan:
-    return base_route(router_logits(x_SD, layer.centroids.t()), training=layer.training, layer=layer.layer_name,
-                      defer_checks=defer_checks)
+    scores_SE = router_logits(x_SD, layer.centroids.t())
+    expert_S = layer._shuffled_assignment(scores_SE) if layer.training and layer.cfg.uses_shuffle else None
+    return base_route(scores_SE, training=layer.training, layer=layer.layer_name, defer_checks=defer_checks,
+                      expert_S=expert_S)
 
 
 def _route_switch(layer, x_SD: Tensor, token_ids_S: Tensor | None, defer_checks: bool) -> RoutingPlan:
-    return switch_top1(router_logits(x_SD, layer.gate.weight.t()), capacity_factor=layer.cfg.capacity_factor,
-                       training=layer.training, layer=layer.layer_name, defer_checks=defer_checks)
+    cfg = layer.cfg
+    layer.logits_SE = router_logits(x_SD, layer.gate.weight.t())
+    return switch_top1(layer.logits_SE, capacity_factor=cfg.capacity_factor,
+                       eval_capacity_factor=cfg.eval_capacity_factor, training=layer.training,
+                       layer=layer.layer_name, defer_checks=defer_checks)
 
 
 def _route_gshard(layer, x_SD: Tensor, token_ids_S: Tensor | None, defer_checks: bool) -> RoutingPlan:
-    return gshard_top2(router_logits(x_SD, layer.gate.weight.t()), training=layer.training,
-                       aux_loss=layer.cfg.gshard_aux_loss, layer=layer.layer_name, defer_checks=defer_checks)
+    cfg = layer.cfg
+    layer.logits_SE = router_logits(x_SD, layer.gate.weight.t())
+    return gshard_top2(layer.logits_SE, training=layer.training, capacity_factor=cfg.capacity_factor,
+                       eval_capacity_factor=cfg.eval_capacity_factor, aux_loss=cfg.gshard_aux_loss,
+                       layer=layer.layer_name, defer_checks=defer_checks)
 
 
 def _route_hash(layer, x_SD: Tensor, token_ids_S: Tensor | None, defer_checks: bool) -> RoutingPlan:
@@ -99,22 +108,23 @@ def _route_hash(layer, x_SD: Tensor, token_ids_S: Tensor | None, defer_checks: b
 class TokenRouter:
     """One token router (tMoE) and everything the rest of the project needs to know about it.
 
-    name:             --moe-router value, TMoEConfig.router
+    name:             --moe-router value, TMoEConfig.router, LMConfig.moe_router
     title:            display name (FLOPs tables, benchmark records)
     top_k:            expert slots per token: expert FLOPs and all2all rows are top_k x tokens
-    aux_loss:         the load-balancing loss the criterion must add (None: the router has none)
-    capacity:         (tokens S, experts E, capacity factor) -> slots per expert in training, or
-                      None when nothing is dropped; capacity-padded implementations send E x
-                      capacity rows (eval/steptime.py `padding`)
+    aux_loss:         the load-balancing loss the criterion must add, in words (None: the router has
+                      none); `LanguageModel.aux_loss` collects it from the layers
+    capacity:         (tokens S, experts E, capacity factor) -> slots per expert in training, or None
+                      when nothing is dropped; implementations that pad to capacity (GShard's and
+                      Switch's own code) send and compute E x capacity rows (eval/steptime.py, padding)
     placement:        the default sparse placement (`LMConfig.placement` for sparse_placement="auto")
-    learned_scores:   the layer scores tokens with a D x E projection (router multiply-adds
-                      S x D x E); False: a fixed table (no multiply-adds)
+    learned_scores:   the layer scores tokens with a D x E projection (router multiply-adds S x D x E);
+                      False: a fixed table (no multiply-adds)
     init:             (layer, TMoEConfig) -> None: creates the router's parameters or buffers on the
-                      layer (the names are the checkpoints' keys)
+                      layer (their names are the checkpoints' keys)
     route:            (layer, x_SD, token_ids_S, defer_checks) -> RoutingPlan
     expert_norm, zero_init_output, shuffle: defaults of the tMoE for this router (TMoEConfig):
                       experts normalize their own input, their second projection starts at zero,
-                      tokens go to random ranks before routing in training (Base Layers)
+                      tokens go through a random shuffle of ranks before the assignment (Base Layers)
     reference:        where the rule comes from
     """
 
@@ -132,25 +142,34 @@ class TokenRouter:
     shuffle: bool = False
     reference: str = ""
 
+    @property
+    def drops(self) -> bool:
+        """Slots over capacity are dropped (counted in `TMoE.dropped`)."""
+        return self.capacity is not None
+
     def router_macs(self, rows: int, d_model: int, num_experts: int) -> int:
         """Multiply-adds of scoring `rows` tokens (fvcore's count of the gate projection)."""
         return rows * d_model * num_experts if self.learned_scores else 0
 
     def exchange_rows(self, tokens: int, num_experts: int, capacity_factor: float, *, padding: bool) -> int:
         """Rows one rank puts into each all2all for `tokens` tokens: the routed slots, or E x capacity
-        when the implementation pads to capacity (GShard's and Switch's own code)."""
+        when the implementation pads to capacity."""
         if padding and self.capacity is not None:
             return num_experts * self.capacity(tokens, num_experts, capacity_factor)
         return self.top_k * tokens
 
+    def padding_rows(self, tokens: int, num_experts: int, capacity_factor: float) -> int:
+        """Rows a capacity-padded implementation computes beyond the routed slots (0 without capacity)."""
+        return max(self.exchange_rows(tokens, num_experts, capacity_factor, padding=True) - self.top_k * tokens, 0)
+
 
 TOKEN_ROUTERS: dict[str, TokenRouter] = {r.name: r for r in (
-    TokenRouter("gshard", "GShard", top_k=2, aux_loss="GShard's E^2 mean_e(m_e c_e)",
-                capacity=lambda S, E, cf: gshard_capacity(S, E), placement="every_other", learned_scores=True,
-                init=_init_gate, route=_route_gshard, reference="Lepikhin et al. 2020, sec. 2.2"),
+    TokenRouter("gshard", "GShard", top_k=2, aux_loss="GShard's load-balancing loss (GSHARD_AUX_LOSSES)",
+                capacity=gshard_capacity, placement="every_other", learned_scores=True, init=_init_gate,
+                route=_route_gshard, reference="Lepikhin et al. 2020, sec. 2.2"),
     TokenRouter("switch", "Switch", top_k=1, aux_loss="Switch's E sum_e f_e P_e",
-                capacity=lambda S, E, cf: switch_capacity(S, E, cf), placement="every_other", learned_scores=True,
-                init=_init_gate, route=_route_switch, reference="Fedus et al. 2021, sec. 2.1-2.2"),
+                capacity=switch_capacity, placement="every_other", learned_scores=True, init=_init_gate,
+                route=_route_switch, reference="Fedus et al. 2021, sec. 2.1-2.2"),
     TokenRouter("base", "Base Layers", top_k=1, aux_loss=None, capacity=None, placement="paper",
                 learned_scores=True, init=_init_centroids, route=_route_base, expert_norm=True,
                 zero_init_output=True, shuffle=True, reference="Lewis et al. 2021; fairseq BaseLayer"),
