@@ -1096,11 +1096,13 @@ def _docs_record(path: Path, drop=("normalized_speeds", "schedule")) -> dict:
     return record
 
 
-def publish(results_jsons: Sequence[Path], readme: Path, figure_dir: Path) -> list[str]:
+def publish(results_jsons: Sequence[Path], readme: Path, figure_dir: Path,
+            experiment_order: Sequence[str] = ()) -> list[str]:
     """Copy each run's JSON and figures under figure_dir and rewrite the README sections they feed:
     quick/full preset -> the benchmark table; long preset -> 'Does sMLP beat Transformer-MoE ...'
     (and the perplexity target of the benchmark table); experiments -> the claims table. Works on
-    partial results (the sections then say PARTIAL)."""
+    partial results (the sections then say PARTIAL). The claims table lists the experiments in
+    `experiment_order` (benchmarks/experiments.py's, from the CLI), others after them."""
     text = readme.read_text()
     done = []
     records = [(Path(p), json.loads(Path(p).read_text())) for p in results_jsons]
@@ -1137,9 +1139,8 @@ def publish(results_jsons: Sequence[Path], readme: Path, figure_dir: Path) -> li
         done.append(f"{p}: experiment {rec['experiment']} -> README claims table")
     if exps:
         all_exp = [json.loads(f.read_text()) for f in sorted((figure_dir / "experiments").glob("*/results.json"))]
-        from .experiments import EXPERIMENTS
-
-        all_exp.sort(key=lambda r: list(EXPERIMENTS).index(r["experiment"]) if r["experiment"] in EXPERIMENTS else 99)
+        order = list(experiment_order)
+        all_exp.sort(key=lambda r: order.index(r["experiment"]) if r["experiment"] in order else len(order))
         text = _replace_section(text, CLAIMS_START, CLAIMS_END, render_claims(all_exp), readme)
     if not done:
         raise BenchError("nothing to publish: each RESULTS_JSON must come from a preset or an experiment")
@@ -1237,104 +1238,3 @@ def _stop_on_sigterm():
         return signal.signal(signal.SIGTERM, stop)
     except ValueError:  # not the main thread
         return None
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    previous_sigterm = None
-    if args.publish:
-        try:
-            root = Path.cwd()
-            for line in publish(args.publish, root / "README.md", root / "docs" / "benchmark"):
-                print(f"   {line}")
-        except (BenchError, OSError, KeyError, json.JSONDecodeError) as exc:
-            print(f"{PROG}: error: cannot publish {' '.join(map(str, args.publish))}: {exc}", file=sys.stderr)
-            return 1
-        return 0
-    try:
-        if args.report:
-            store = S.RunStore.load(args.report / "runs.json")
-            record = report(store, args.report)
-            if record.get("experiment"):
-                from .experiments import finish
-
-                finish(record, args.report)
-            print(f"   results: {args.report / 'results.json'} ({'complete' if record['complete'] else 'PARTIAL'})")
-            return 0
-        if args.experiment:
-            from .experiments import get_experiment
-
-            exp = get_experiment(args.experiment)
-            args.output_dir = (args.output_dir or Path("results") / exp.name).expanduser().absolute()
-            if exp.needs_training is False:
-                args.output_dir.mkdir(parents=True, exist_ok=True)
-                exp.run_without_training(args)
-                return 0
-            name, settings = exp.name, dict(exp.settings, models=tuple(m.key for m in exp.models))
-        else:
-            name, settings = settings_from_args(args)
-            args.output_dir = (args.output_dir or Path("results/bench")).expanduser().absolute()
-        check_settings(settings, args.nproc)
-        args.output_dir.mkdir(parents=True, exist_ok=True)
-        previous_sigterm = _stop_on_sigterm()
-        t0 = time.time()
-        print(f"== {PROG} ({name}): {len(settings['models'])} models x {settings['seeds']} seed(s), "
-              f"{settings['updates']} updates each, {args.nproc} ranks, output {args.output_dir}", flush=True)
-        print("== 1/5 data", flush=True)
-        data = prepare(args)
-        print("== 2/5 models", flush=True)
-        if args.experiment:
-            models, matching = exp.plan_models(vocab_size(data), args.nproc)
-        else:
-            models, matching = plan_models(vocab_size(data), args.nproc, settings["models"], settings["target"])
-        for m in models:
-            print(f"   {m.title:<40} {m.layers:>6}  {m.fwd_flops_per_seq / 1e9:.3f} GFLOPs/seq  {m.note}")
-        by_key = {m.key: m for m in models}
-        reference = REFERENCE if REFERENCE in by_key else models[0].key
-        plan = make_plan(name, settings, models, args.nproc, args.order_seed, reference,
-                         experiment=args.experiment and exp.name)
-        store = S.RunStore.open(args.output_dir / "runs.json", plan, resume=args.resume)
-        if not store.slots:
-            store.slots = initial_schedule(plan)
-            store.extra["matching"] = matching
-        store.extra["machine"] = machine_info()
-        print(f"== 3/5 dense matmul peak ({args.nproc} processes x 1 thread)", flush=True)
-        peak = matmul_peak(args.nproc)
-        store.extra.setdefault("peaks", []).append({"total": peak["total"], "at": time.time()})
-        store.save()
-        print(f"   {peak['total'] / 1e9:.1f} GFLOP/s in total", flush=True)
-        for rid in store.prepare_resume():
-            print(f"   resuming: the probe before the next run is measured again ({rid})", flush=True)
-        print(f"== 4/5 training: {len(store.pending())} of {len(store.slots)} runs to go "
-              f"({len([s for s in store.slots if s.kind == S.PROBE])} of them probes)", flush=True)
-        execute(store, by_key, data, args, out_dir=args.output_dir,
-                on_recorded=lambda: report(store, args.output_dir, quiet=True))
-        print("== 5/5 report", flush=True)
-        record = report(store, args.output_dir)
-        if args.experiment:
-            exp.finish(record, args.output_dir)
-        print()
-        for t in ([] if args.experiment else record["targets"]):
-            met = {True: "met", False: "MISSED", None: "-"}[t["met"]]
-            print(f"   {met:>6}  {t['target']}: {_fmt(t['measured'])} (goal {t['goal']})")
-        for v in record["verdicts"].values():
-            if v:
-                print(f"   {v['model']}: {v['text']}")
-        print(f"   results: {args.output_dir / 'results.json'}, {args.output_dir / 'table.md'}, "
-              f"{args.output_dir / 'figure5.png'}  ({(time.time() - t0) / 60:.1f} min)")
-    except (BenchError, S.ScheduleError) as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print(f"{PROG}: interrupted; continue with --resume", file=sys.stderr)
-        return 130
-    finally:
-        if previous_sigterm is not None:
-            import signal
-
-            signal.signal(signal.SIGTERM, previous_sigterm)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -183,7 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run(args) -> dict:
     from .scoring import world
-    from .zeroshot import init_distributed, load_model, routing_prefix_fill
+    from .text import routing_prefix_fill
+    from .zeroshot import init_distributed, load_model
 
     for name in ("max_new_tokens", "beam", "batch_size"):
         if getattr(args, name) < 1:

@@ -83,12 +83,13 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from smlp_launch.data import DataPrepError, Encoder, load_binarized
+from smlp_launch.data import DataPrepError, Encoder
 
 from .scoring import (EncoderMismatchError, LMScorer, Score, collective_device, common_prefix_suffix,
                       encode_pair, world)
 from .tasks import (PAPER_SCORING, TASKS, TEMPLATES, Candidate, DataFormatError, Example, default_data_path,
                     load_examples, render)
+from .text import routing_prefix_fill
 
 PROG = "smlp-zeroshot"
 SCORINGS = ("auto", "mean", "sum", "suffix", "unconditional")
@@ -171,29 +172,6 @@ def _dictionary_mismatch(path: str, data_dir: str | None, msg: str) -> str:
 
 
 # ------------------------------------------------------------------------------ routing prefix (partial prediction)
-
-
-def routing_prefix_fill(encoder: Encoder, positions: int) -> tuple[list[int], str]:
-    """(tokens, where from): the last `positions` tokens of the data folder's valid split (test,
-    train if it has none), read with fairseq's own reader. They end with the </s> of a line end."""
-    if positions <= 0:
-        return [], ""
-    folder = encoder.data_dir
-    for split in ("valid", "test", "train"):
-        prefix = os.path.join(str(folder), split)
-        ds = load_binarized(prefix, encoder.dictionary) if folder is not None else None
-        if ds is None or int(ds.sizes.sum()) < positions:
-            continue
-        out: list[int] = []
-        for i in range(len(ds) - 1, -1, -1):  # from the end: a few sentences suffice
-            out = ds[i].tolist() + out
-            if len(out) >= positions:
-                return out[-positions:], prefix
-    raise FileNotFoundError(
-        f"the model routes on its first {positions} positions and prompts shorter than that are preceded by "
-        f"real text from the data folder, but {folder} has no binarized valid/test/train split with "
-        f"{positions} tokens; pass --data-dir with the binarized data folder, or --prefix-fill eos to fill "
-        f"with </s> (a prefix the router never saw in training)")
 
 
 def build_scorer(model, encoder: Encoder, *, device, batch_size: int = 16, progress: bool = True,

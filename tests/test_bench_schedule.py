@@ -11,7 +11,7 @@ import pytest
 
 from smlp_bench import curves as C
 from smlp_bench import schedule as S
-from smlp_bench import suite
+from smlp_bench import cli, suite
 
 KEYS = ["a", "b", "c", "d"]
 
@@ -282,7 +282,7 @@ def test_an_experiment_runs_reports_its_claims_and_publishes_them(tmp_path, monk
     monkeypatch.setattr(suite, "run_training", fake)
     monkeypatch.setattr(suite, "matmul_peak", lambda n: {"total": 1e11, "per_rank": [5e10] * n})
     out = tmp_path / "fig7"
-    assert suite.main(["--experiment", "figure7-routing", "--output-dir", str(out), "--data", str(data)]) == 0
+    assert cli.main(["--experiment", "figure7-routing", "--output-dir", str(out), "--data", str(data)]) == 0
     record = json.loads((out / "results.json").read_text())
     assert record["kind"] == "experiment" and record["complete"] and (out / "figure.png").exists()
     assert record["causal"] == {"smlp_det": True, "smlp_partial": True, "smlp_leaky": False}
