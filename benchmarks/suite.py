@@ -83,6 +83,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
+from smlp.routers import SMOE_ROUTINGS, TOKEN_ROUTERS
+
 from . import curves as C
 from . import schedule as S
 
@@ -98,22 +100,22 @@ TARGET = dict(d_model=256, d_ffn=1024, seq_len=256, dense=9, sparse=3)
 # The long preset's target: half the width and half the sequence (module docstring, "Presets").
 LONG_TARGET = dict(d_model=128, d_ffn=512, seq_len=128, dense=9, sparse=3)
 MATCH_TOLERANCE = 0.03
-OUR_FAMILIES = ("transformer", "gmlp", "hypermixer", "ninformer", "gshard", "switch", "base", "hash")
-MODEL_ORDER = ("smlp_det", "smlp_partial", "gmlp", "hypermixer", "ninformer", "transformer", "gshard", "switch",
-               "base", "hash", "fairseq_transformer_lm", "fairseq_base_layers")
-NAMES = {"smlp_det": "sMLP-deterministic", "smlp_partial": "sMLP-partial", "gmlp": "gMLP",
-         "transformer": "Transformer", "hypermixer": "HyperMixer (causal)",
-         "ninformer": "NiNformer (causal)", "gshard": "GShard", "switch": "Switch", "base": "Base Layers",
-         "hash": "HASH Layers", "fairseq_transformer_lm": "fairseq transformer_lm",
-         "fairseq_base_layers": "fairseq transformer_lm --base-layers"}
-MOE_BASELINES = ("gshard", "switch", "base", "hash")
+# The Transformer-MoE baselines: every token router of the registry (smlp/routers.py), by its name.
+MOE_BASELINES = tuple(TOKEN_ROUTERS)
+OUR_FAMILIES = ("transformer", "gmlp", "hypermixer", "ninformer", *MOE_BASELINES)
+MODEL_ORDER = ("smlp_det", "smlp_partial", "gmlp", "hypermixer", "ninformer", "transformer", *MOE_BASELINES,
+               "fairseq_transformer_lm", "fairseq_base_layers")
+NAMES = {"smlp_det": SMOE_ROUTINGS["deterministic"].title, "smlp_partial": SMOE_ROUTINGS["partial"].title,
+         "gmlp": "gMLP", "transformer": "Transformer", "hypermixer": "HyperMixer (causal)",
+         "ninformer": "NiNformer (causal)", **{r.name: r.title for r in TOKEN_ROUTERS.values()},
+         "fairseq_transformer_lm": "fairseq transformer_lm", "fairseq_base_layers": "fairseq transformer_lm --base-layers"}
 REFERENCE = "smlp_det"
 # Causal HyperMixer keeps a d' x C state per position: at this size one block's training step takes
 # ~12 s on one CPU thread against ~0.1 s for the SGU (elementwise-bound, see smlp/token_mixers.py), so
 # a run would take hours. It is benchmarked only when asked for (--models ...,hypermixer).
 DEFAULT_MODELS = tuple(k for k in MODEL_ORDER if k != "hypermixer")
 # The FLOP-matched families of the long preset (no fairseq anchors: they check our speed, not quality).
-LONG_MODELS = ("smlp_det", "smlp_partial", "gmlp", "ninformer", "transformer", "gshard", "switch", "base", "hash")
+LONG_MODELS = ("smlp_det", "smlp_partial", "gmlp", "ninformer", "transformer", *MOE_BASELINES)
 
 PRESETS = {
     # quick: one seed, short runs (a smoke test of the comparison)

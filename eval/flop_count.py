@@ -46,6 +46,7 @@ from smlp.dispatch import OneGPUDispatcher, check_experts_per_gpu
 from smlp.lm import LanguageModel, LMConfig, layer_plan
 from smlp.mixers import GMLPBlock, SpatialGatingUnit
 from smlp.moe import SMoE, SparseBlock, TMoE
+from smlp.routers import SMOE_ROUTINGS, TOKEN_ROUTERS
 from smlp.token_mixers import HyperMixingUnit, NiNformerGatingUnit
 from smlp.token_routed import TokenRoutedGMLPBlock
 from smlp.transformer import CausalSelfAttention, DenseFFN, TransformerBlock, explicit_attention
@@ -59,8 +60,9 @@ METHODS = ("fvcore", "fvcore-full", "analytic")
 CONVENTION = ("FLOPs = 2 x multiply-adds of the forward pass of one sequence of {T} tokens (the paper's "
               "convention; fvcore counts 1 per multiply-add, so fvcore on a batch of 2 sequences gives the same); "
               "eval-mode routing, one expert per routing choice per sparse layer")
-FAMILY_NAMES = {"transformer": "Transformer", "gmlp": "gMLP", "gshard": "GShard", "switch": "Switch",
-                "base": "Base Layers", "hash": "HASH Layers", "smlp": "sMLP",
+# the token routers' keys and names come from the router registry (smlp/routers.py)
+FAMILY_NAMES = {"transformer": "Transformer", "gmlp": "gMLP", **{r.name: r.title for r in TOKEN_ROUTERS.values()},
+                "smlp": "sMLP",
                 "hypermixer": "HyperMixer", "hypermixer_untied": "HyperMixer (untied)", "ninformer": "NiNformer",
                 "gmlp_token_routed": "gMLP, token-routed"}
 # dense gMLP models whose SGU is replaced (LMConfig.token_mixer): family key -> LMConfig fields
@@ -292,10 +294,10 @@ def _head_macs(cfg: LMConfig, n: int) -> int:
 
 def _tmoe_macs(tmoe: TMoE, rows: int) -> int:
     c = tmoe.cfg
-    router = 0 if c.router == "hash" else rows * c.d_model * c.num_experts
-    slots = rows * (2 if c.router == "gshard" else 1)
+    router = TOKEN_ROUTERS[c.router]  # scoring cost and slots per token: the registry
+    slots = rows * router.top_k
     expert = 2 * c.d_model * c.d_ffn + (5 * c.d_model if c.uses_expert_norm else 0)
-    return router + slots * expert
+    return router.router_macs(rows, c.d_model, c.num_experts) + slots * expert
 
 
 def _smoe_macs(smoe: SMoE, B: int, n: int) -> int:
@@ -303,9 +305,8 @@ def _smoe_macs(smoe: SMoE, B: int, n: int) -> int:
     C = c.gated_dim
     P = min(c.prefix_len, n)
     M = n - P
-    router = B * C * P * c.num_experts if c.routing == "partial" and M else 0
-    if c.leaky:  # Appendix B: the router reads all n positions
-        router = B * C * n * c.num_experts
+    # the positions the router reads (none, the prefix, or all n: Appendix B): the registry
+    router = SMOE_ROUTINGS[c.routing].router_macs(B * C, n, P, c.num_experts)
     return _ln(B * n, C) + router + B * C * M * M
 
 

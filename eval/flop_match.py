@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from smlp.lm import LMConfig
+from smlp.routers import TOKEN_ROUTERS
 
 from .flop_count import FAMILY_NAMES, Count, cost_model
 from .model_spec import fairseq_flags
@@ -123,7 +124,7 @@ def match(target: Count, *, tolerance: float = 0.015, smlp_sparse: int | None = 
             if n > 100_000:
                 raise ValueError(f"no {FAMILY_NAMES[family]} model reaches {target.flops:.3g} FLOPs")
             dense, sparse = split(n)
-            if family in ("gshard", "switch", "base", "hash") and sparse == 0:
+            if family in TOKEN_ROUTERS and sparse == 0:
                 continue  # a sparse family needs a sparse layer
             candidates.append((n, cm.count(dense, sparse)))
         within = [(n, c) for n, c in candidates if abs(c.flops / target.flops - 1) <= tolerance]

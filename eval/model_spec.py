@@ -90,13 +90,14 @@ def parse_model(arch: str, flags: Sequence[str] = (), *, vocab_size: int = DEFAU
             cfg = convert_namespace_to_omegaconf(args)
     model_cls = MODEL_REGISTRY[archs[arch]]
     world_given = _flag_given(flags, "--distributed-world-size")
-    sparse = getattr(cfg.model, "sparse_layers", 0)
-    if sparse and not world_given:
-        if cfg.model.num_experts <= 0:
+    from fairseq_plugins.config import configured_ep_size, expert_layout, read, to_core_config
+
+    if read(cfg.model, "sparse_layers", default=0) and not world_given:  # gmlp_lm has no sparse layers
+        if read(cfg.model, "num_experts") <= 0:
             raise ValueError("--num-experts 0 means one expert per rank: give --num-experts or "
                              "--distributed-world-size")
-        cfg.distributed_training.distributed_world_size = cfg.model.num_experts  # the paper: one expert per GPU
-    from fairseq_plugins.config import to_core_config
+        # the paper: one expert per GPU
+        cfg.distributed_training.distributed_world_size = read(cfg.model, "num_experts")
 
     core = to_core_config(cfg.model, model_cls.family, vocab_size, PADDING_IDX)
     tokens = int(cfg.task.tokens_per_sample)
@@ -104,8 +105,6 @@ def parse_model(arch: str, flags: Sequence[str] = (), *, vocab_size: int = DEFAU
         raise ValueError(f"--tokens-per-sample {tokens} exceeds the model's sequence length {core.seq_len}")
     world = int(cfg.distributed_training.distributed_world_size)
     if core.sparse_layers:
-        from fairseq_plugins.config import configured_ep_size, expert_layout
-
         layout = expert_layout(core.num_experts, world, configured_ep_size(cfg.model))
         ep_size, experts_per_gpu = layout.ep_size, layout.num_local_experts
     else:
@@ -122,46 +121,12 @@ def count_spec(spec: ModelSpec, method: str = "fvcore") -> Count:
     return count(spec.cfg, spec.tokens, experts_per_gpu=max(spec.experts_per_gpu, 1), method=method)
 
 
-
-def _mixer_flags(cfg: LMConfig) -> str:
-    if cfg.token_mixer == "sgu":
-        return ""
-    flags = f" --token-mixer {cfg.token_mixer}" + (f" --mixer-dim {cfg.mixer_dim}" if cfg.mixer_dim else "")
-    return flags + ("" if cfg.hypermixer_tied or cfg.token_mixer != "hypermixer" else " --hypermixer-untied")
-
-
-def _if_not_default(cfg: LMConfig, pairs: Sequence[tuple[str, str]]) -> str:
-    """` --flag value` for each core field whose value differs from LMConfig's default."""
-    defaults = LMConfig.__dataclass_fields__
-    out = ""
-    for name, flag in pairs:
-        value = getattr(cfg, name)
-        if value != defaults[name].default:
-            out += f" {flag} {int(value) if isinstance(value, bool) else value}"
-    return out
-
-
 def fairseq_flags(cfg: LMConfig) -> str:
-    """Flags for fairseq-train that build `cfg`: every field of the core config reaches the command
-    (widths, layers, experts, routing, placement, dropout, activation, mixer); `parse_model` of
-    them gives `cfg` back (tested). Fields at LMConfig's default are left out where the fairseq
-    default is the same, so the common commands stay short; dropout is always given (fairseq's
-    default is 0.1, the core's 0)."""
-    base = (f"--decoder-embed-dim {cfg.d_model} --decoder-ffn-embed-dim {cfg.d_ffn} "
-            f"--decoder-layers {cfg.dense_layers} --tokens-per-sample {cfg.seq_len} --dropout {cfg.dropout}")
-    base += _if_not_default(cfg, [("activation", "--activation-fn")])
-    if cfg.family == "gmlp":
-        return (f"--arch gmlp_lm {base} --sgu-heads {cfg.heads}{_mixer_flags(cfg)}"
-                f"{_if_not_default(cfg, [('token_routed_experts', '--token-routed-experts')])}")
-    sparse = _if_not_default(cfg, [("sparse_placement", "--sparse-placement"), ("base_shuffle", "--base-shuffle")])
-    if cfg.family == "smlp":
-        return (f"--arch smlp_lm {base} --sparse-layers {cfg.sparse_layers} --num-experts {cfg.num_experts} "
-                f"--smoe-routing {cfg.smoe_routing}{_mixer_flags(cfg)}"
-                f"{_if_not_default(cfg, [('prefix_fraction', '--prefix-fraction')])}{sparse}")
-    flags = (f"--arch moe_transformer_lm {base} --decoder-attention-heads {cfg.heads} "
-             f"--sparse-layers {cfg.sparse_layers}")
-    if cfg.sparse_layers:
-        flags += f" --num-experts {cfg.num_experts} --moe-router {cfg.moe_router}" + sparse + _if_not_default(
-            cfg, [("capacity_factor", "--capacity-factor"), ("gshard_aux_loss", "--gshard-aux-loss"),
-                  ("hash_seed", "--hash-seed")])
-    return flags
+    """Flags for fairseq-train that build `cfg` (widths, layers, experts, routing, placement, dropout,
+    activation, mixer, capacities, seeds): derived from the plugin's flag table, the same table
+    `to_core_config` reads (fairseq_plugins/config.py); `parse_model` of them gives `cfg` back
+    (tests/test_config_table.py)."""
+    with warnings_off(), contextlib.redirect_stdout(sys.stderr):  # fairseq's import (DeepSpeed logs to stdout)
+        from fairseq_plugins.config import fairseq_flags as table_flags
+
+    return table_flags(cfg)

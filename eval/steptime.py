@@ -65,8 +65,8 @@ import torch.nn.functional as F
 
 from smlp.causal import explicit_spatial
 from smlp.dispatch import OneGPUDispatcher
-from smlp.gates import gshard_capacity, switch_capacity
 from smlp.lm import LanguageModel, LMConfig
+from smlp.routers import TOKEN_ROUTERS
 from smlp.transformer import explicit_attention
 
 from .model_spec import ModelSpec, count_spec, parse_model
@@ -193,17 +193,13 @@ def sparse_exchanges(cfg: LMConfig, *, sequences: int, tokens: int, ep_size: int
         smoe = cfg.sparse_block.smoe
         M = tokens - min(smoe.prefix_len, tokens)
         out.append(Exchange("smoe", sequences * smoe.gated_dim, M * dtype_bytes, ep_size))
-        router = "base"
+        router = TOKEN_ROUTERS["base"]  # the sparse block's tMoE (SparseBlockConfig.tmoe)
     else:
-        router = cfg.moe_router
-    if router == "switch":
-        rows = E * switch_capacity(S, E, cfg.capacity_factor) if padding else S
-    elif router == "gshard":
-        rows = E * gshard_capacity(S, E, cfg.capacity_factor) if padding else 2 * S
-    else:
-        rows = S
-    out.append(Exchange(f"tmoe-{router}", rows, row, ep_size))
-    if router == "base" and cfg.base_shuffle and training:  # scores there, experts back; no gradient
+        router = TOKEN_ROUTERS[cfg.moe_router]
+    # rows per exchange, capacity padding and the shuffle: the router registry (smlp/routers.py)
+    rows = router.exchange_rows(S, E, cfg.capacity_factor, padding=padding)
+    out.append(Exchange(f"tmoe-{router.name}", rows, row, ep_size))
+    if router.shuffle and cfg.base_shuffle and training:  # scores there, experts back; no gradient
         out.append(Exchange("base-shuffle-scores", S, 4 * E, ep_size, times=1))
         out.append(Exchange("base-shuffle-experts", S, 8, ep_size, times=1))
     return out
@@ -380,13 +376,10 @@ class StepTime:
 
 def padding_macs_per_sequence(cfg: LMConfig, tokens: int, padding: bool) -> int:
     """Extra expert multiply-adds of capacity-padded buffers (Switch with cf > 1) beyond the rows routed."""
-    if not padding or cfg.family != "transformer" or not cfg.sparse_layers or cfg.moe_router not in ("switch", "gshard"):
+    if not padding or cfg.family != "transformer" or not cfg.sparse_layers:
         return 0
-    S, E = tokens, cfg.num_experts
-    slots = E * (switch_capacity(S, E, cfg.capacity_factor) if cfg.moe_router == "switch"
-                 else gshard_capacity(S, E, cfg.capacity_factor))
-    routed = S if cfg.moe_router == "switch" else 2 * S
-    return max(slots - routed, 0) * 2 * cfg.d_model * cfg.d_ffn * cfg.sparse_layers
+    rows = TOKEN_ROUTERS[cfg.moe_router].padding_rows(tokens, cfg.num_experts, cfg.capacity_factor)
+    return rows * 2 * cfg.d_model * cfg.d_ffn * cfg.sparse_layers
 
 
 def step_time(name: str, cfg: LMConfig, *, flops_per_sequence: float, params_non_expert: int,

@@ -206,17 +206,23 @@ GMLPConfig = _dataclass("GMLPConfig", "gmlp")
 MoETransformerConfig = _dataclass("MoETransformerConfig", "transformer")
 
 
-def read(cfg, name: str):
-    """The value of table field `name` in a fairseq model config (its default when a config saved before
-    the field existed lacks it; None when an interpolation has nothing to resolve against)."""
+_TABLE_DEFAULT = object()
+
+
+def read(cfg, name: str, default=_TABLE_DEFAULT):
+    """The value of table field `name` in a fairseq model config. When the config lacks it: `default`,
+    else the table's default (a config saved before the field existed), or None for an interpolation
+    with nothing to resolve against."""
     f = FIELDS_BY_NAME[name]  # KeyError: a field the table does not know
     try:
         value = getattr(cfg, name)
     except Exception:  # omegaconf: missing key, or an interpolated node (e.g. criterion) absent here
         value = None
-    if value is None and not f.interpolated:
-        return f.default
-    return value
+    if value is not None:
+        return value
+    if default is not _TABLE_DEFAULT:
+        return default
+    return None if f.interpolated else f.default
 
 
 @dataclass(frozen=True)

@@ -129,9 +129,10 @@ class TMoEConfig:
         if self.eval_capacity_factor is not None and not self.eval_capacity_factor > 0:
             raise ValueError(f"eval_capacity_factor={self.eval_capacity_factor!r} is invalid: it must be > 0, or None "
                              f"for no capacity limit at evaluation")
-        if self.router == "hash":
+        if not TOKEN_ROUTERS[self.router].learned_scores:  # routes on a table of token ids (hash)
             if self.vocab_size is None:
-                raise ValueError("router='hash' needs vocab_size: the hash table maps every token id to an expert")
+                raise ValueError(f"router={self.router!r} needs vocab_size: its table maps every token id to an "
+                                 f"expert")
             _positive("vocab_size", self.vocab_size)
 
     @property

@@ -32,7 +32,7 @@ from .gates import router_z_loss
 from .mixers import check_length
 from .numerics import router_logits
 from .routers import SMOE_ROUTINGS, TOKEN_ROUTERS, hash_table  # noqa: F401  (hash_table: re-exported)
-from .routing import RoutingPlan, count_rows, smoe_deterministic_experts, smoe_partial_route
+from .routing import RoutingPlan, count_rows
 
 __all__ = ["TMoE", "SMoE", "SparseBlock", "hash_table", "LEAKY_ROUTING_WARNING"]
 
@@ -189,15 +189,15 @@ class SMoE(nn.Module):
         self.norm = nn.LayerNorm(cfg.gated_dim)
         self.experts = SpatialExperts(self.dispatcher.num_local_experts, cfg.expert_len, cfg.init_eps,
                                       first_expert=self.dispatcher.first_expert)
-        routing = SMOE_ROUTINGS[cfg.routing]  # the registry entry (routers.py)
+        self.routing = routing = SMOE_ROUTINGS[cfg.routing]  # the registry entry (routers.py)
         if routing.router_reads != "none":
             P = cfg.router_len
             self.router = nn.Parameter(torch.randn(P, cfg.num_experts) * P ** -0.5)
         if not routing.causal:
             logger.warning(LEAKY_ROUTING_WARNING)
         self.register_buffer(
-            "channel_expert_C", smoe_deterministic_experts(cfg.gated_dim, cfg.num_experts)
-            if cfg.routing == "deterministic" else torch.empty(0, dtype=torch.long), persistent=False)
+            "channel_expert_C", routing.route(cfg.gated_dim, cfg.num_experts)
+            if routing.router_reads == "none" else torch.empty(0, dtype=torch.long), persistent=False)
         self.load_E: Tensor | None = None
         self.aux_loss = self.z_loss = None  # no softmax gate: no z-loss
         self.dropped, self.slots = None, 0  # no capacity: nothing is dropped
@@ -219,7 +219,7 @@ class SMoE(nn.Module):
         z1, z2 = z_BNF.chunk(2, dim=-1) if cfg.split else (z_BNF, z_BNF)
         v_BNC = self.norm(z2)
         C, M = v_BNC.shape[-1], n - P
-        deterministic = cfg.routing == "deterministic"
+        deterministic = self.routing.router_reads == "none"
         fault_F, host_counts_E = None, None
         if deterministic:
             # rows ordered (channel, sequence): channel chunk i -> expert i, so the rows come sorted
@@ -234,12 +234,12 @@ class SMoE(nn.Module):
         else:
             rows_SM = v_BNC[:, P:, :].transpose(1, 2).reshape(B * C, M)  # one row per (sequence, channel)
             with record_function(RANGES["routing"]):
-                if cfg.leaky:  # Appendix B: the router reads every position, the future ones too
+                if self.routing.router_reads == "all":  # Appendix B: every position, the future ones too
                     logits_SE = router_logits(rows_SM, self.router[:n])
                 else:
                     prefix_SP = v_BNC[:, :P, :].transpose(1, 2).reshape(B * C, P)
                     logits_SE = router_logits(prefix_SP, self.router)
-                plan = smoe_partial_route(logits_SE, training=self.training, layer=self.layer_name, defer_checks=True)
+                plan = self.routing.route(logits_SE, training=self.training, layer=self.layer_name, defer_checks=True)
             expert_S, weight_S, fault_F = plan.experts_SK[:, 0], plan.weights_SK[:, 0].to(z_BNF.dtype), plan.fault_F
         counts_E1 = count_rows(expert_S, cfg.num_experts)
         self.load_E = counts_E1[1:].detach()
@@ -284,7 +284,7 @@ class SMoE(nn.Module):
         z1, z2 = z_BkF.chunk(2, dim=-1) if cfg.split else (z_BkF, z_BkF)
         v_BtC = cache_append(state, "v", self.norm(z2), start, limit=cfg.seq_len)
         C = v_BtC.shape[-1]
-        deterministic = cfg.routing == "deterministic"
+        deterministic = self.routing.router_reads == "none"
         weight_S = None
         if deterministic:
             rows_SM = v_BtC.permute(2, 0, 1).reshape(C * B, t)
@@ -296,7 +296,7 @@ class SMoE(nn.Module):
             if "expert_BC" not in state:  # the routing prefix is complete: route once, per row
                 prefix_SP = v_BtC[:, :P, :].transpose(1, 2).reshape(B * C, P)
                 with record_function(RANGES["routing"]):
-                    plan = smoe_partial_route(router_logits(prefix_SP, self.router), training=False,
+                    plan = self.routing.route(router_logits(prefix_SP, self.router), training=False,
                                               layer=self.layer_name)
                 state["expert_BC"] = plan.experts_SK[:, 0].reshape(B, C)
                 state["weight_BC"] = plan.weights_SK[:, 0].to(z_BkF.dtype).reshape(B, C)

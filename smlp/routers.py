@@ -35,16 +35,18 @@ Shapes: S rows, D model width, E experts, V vocabulary.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-import torch
-from torch import Tensor, nn
+if TYPE_CHECKING:
+    from torch import Tensor, nn
 
-from .gates import gshard_capacity, gshard_top2, switch_capacity, switch_top1
-from .numerics import router_logits
-from .routing import RoutingPlan, base_route, hash_route, smoe_deterministic_experts, smoe_partial_route
+    from .routing import RoutingPlan
 
 __all__ = ["TokenRouter", "SMoERouting", "TOKEN_ROUTERS", "SMOE_ROUTINGS", "LEAKY_SMOE_ROUTING", "hash_table"]
+
+# The registry is read by programs that never build a model (the benchmark's planner, argument
+# checks): importing it must not import torch. The functions below import the tensor code they
+# call when they run (a sys.modules lookup after the first call).
 
 
 # ---------------------------------------------------------------- token routers
@@ -52,6 +54,8 @@ __all__ = ["TokenRouter", "SMoERouting", "TOKEN_ROUTERS", "SMOE_ROUTINGS", "LEAK
 
 def hash_table(vocab_size: int, num_experts: int, seed: int) -> Tensor:
     """A fixed random token-id -> expert table with (almost) equal ids per expert (HASH Layers)."""
+    import torch
+
     g = torch.Generator().manual_seed(seed)
     table = torch.empty(vocab_size, dtype=torch.long)
     table[torch.randperm(vocab_size, generator=g)] = torch.arange(vocab_size) % num_experts
@@ -59,16 +63,32 @@ def hash_table(vocab_size: int, num_experts: int, seed: int) -> Tensor:
 
 
 def _init_centroids(layer: nn.Module, cfg) -> None:
-    layer.centroids = nn.Parameter(torch.empty(cfg.num_experts, cfg.d_model))
-    nn.init.orthogonal_(layer.centroids, gain=0.1)
+    import torch
+
+    layer.centroids = torch.nn.Parameter(torch.empty(cfg.num_experts, cfg.d_model))
+    torch.nn.init.orthogonal_(layer.centroids, gain=0.1)
 
 
 def _init_gate(layer: nn.Module, cfg) -> None:
-    layer.gate = nn.Linear(cfg.d_model, cfg.num_experts, bias=False)
+    import torch
+
+    layer.gate = torch.nn.Linear(cfg.d_model, cfg.num_experts, bias=False)
 
 
 def _init_hash_table(layer: nn.Module, cfg) -> None:
     layer.register_buffer("hash_table", hash_table(cfg.vocab_size, cfg.num_experts, cfg.hash_seed))
+
+
+def _gshard_capacity(num_tokens: int, num_experts: int, capacity_factor: float) -> int:
+    from .gates import gshard_capacity
+
+    return gshard_capacity(num_tokens, num_experts, capacity_factor)
+
+
+def _switch_capacity(num_tokens: int, num_experts: int, capacity_factor: float) -> int:
+    from .gates import switch_capacity
+
+    return switch_capacity(num_tokens, num_experts, capacity_factor)
 
 
 # Route functions: (layer, rows x_SD, their token ids, defer_checks) -> RoutingPlan. router_logits
@@ -76,6 +96,9 @@ def _init_hash_table(layer: nn.Module, cfg) -> None:
 # gates keep their logits on the layer (`logits_SE`): the router z-loss reads them when asked.
 
 def _route_base(layer, x_SD: Tensor, token_ids_S: Tensor | None, defer_checks: bool) -> RoutingPlan:
+    from .numerics import router_logits
+    from .routing import base_route
+
     scores_SE = router_logits(x_SD, layer.centroids.t())
     expert_S = layer._shuffled_assignment(scores_SE) if layer.training and layer.cfg.uses_shuffle else None
     return base_route(scores_SE, training=layer.training, layer=layer.layer_name, defer_checks=defer_checks,
@@ -83,6 +106,9 @@ def _route_base(layer, x_SD: Tensor, token_ids_S: Tensor | None, defer_checks: b
 
 
 def _route_switch(layer, x_SD: Tensor, token_ids_S: Tensor | None, defer_checks: bool) -> RoutingPlan:
+    from .gates import switch_top1
+    from .numerics import router_logits
+
     cfg = layer.cfg
     layer.logits_SE = router_logits(x_SD, layer.gate.weight.t())
     return switch_top1(layer.logits_SE, capacity_factor=cfg.capacity_factor,
@@ -91,6 +117,9 @@ def _route_switch(layer, x_SD: Tensor, token_ids_S: Tensor | None, defer_checks:
 
 
 def _route_gshard(layer, x_SD: Tensor, token_ids_S: Tensor | None, defer_checks: bool) -> RoutingPlan:
+    from .gates import gshard_top2
+    from .numerics import router_logits
+
     cfg = layer.cfg
     layer.logits_SE = router_logits(x_SD, layer.gate.weight.t())
     return gshard_top2(layer.logits_SE, training=layer.training, capacity_factor=cfg.capacity_factor,
@@ -99,6 +128,8 @@ def _route_gshard(layer, x_SD: Tensor, token_ids_S: Tensor | None, defer_checks:
 
 
 def _route_hash(layer, x_SD: Tensor, token_ids_S: Tensor | None, defer_checks: bool) -> RoutingPlan:
+    from .routing import hash_route
+
     if token_ids_S is None:
         raise ValueError("router='hash' needs the token ids of the rows it routes")
     return hash_route(token_ids_S.reshape(-1), layer.hash_table, layer=layer.layer_name, defer_checks=defer_checks)
@@ -118,7 +149,7 @@ class TokenRouter:
                       Switch's own code) send and compute E x capacity rows (eval/steptime.py, padding)
     placement:        the default sparse placement (`LMConfig.placement` for sparse_placement="auto")
     learned_scores:   the layer scores tokens with a D x E projection (router multiply-adds S x D x E);
-                      False: a fixed table (no multiply-adds)
+                      False: a fixed table of token ids (no multiply-adds; TMoEConfig needs vocab_size)
     init:             (layer, TMoEConfig) -> None: creates the router's parameters or buffers on the
                       layer (their names are the checkpoints' keys)
     route:            (layer, x_SD, token_ids_S, defer_checks) -> RoutingPlan
@@ -165,10 +196,10 @@ class TokenRouter:
 
 TOKEN_ROUTERS: dict[str, TokenRouter] = {r.name: r for r in (
     TokenRouter("gshard", "GShard", top_k=2, aux_loss="GShard's load-balancing loss (GSHARD_AUX_LOSSES)",
-                capacity=gshard_capacity, placement="every_other", learned_scores=True, init=_init_gate,
+                capacity=_gshard_capacity, placement="every_other", learned_scores=True, init=_init_gate,
                 route=_route_gshard, reference="Lepikhin et al. 2020, sec. 2.2"),
     TokenRouter("switch", "Switch", top_k=1, aux_loss="Switch's E sum_e f_e P_e",
-                capacity=switch_capacity, placement="every_other", learned_scores=True, init=_init_gate,
+                capacity=_switch_capacity, placement="every_other", learned_scores=True, init=_init_gate,
                 route=_route_switch, reference="Fedus et al. 2021, sec. 2.1-2.2"),
     TokenRouter("base", "Base Layers", top_k=1, aux_loss=None, capacity=None, placement="paper",
                 learned_scores=True, init=_init_centroids, route=_route_base, expert_norm=True,
@@ -223,15 +254,27 @@ class SMoERouting:
         return 0
 
 
+def _smoe_deterministic(num_channels: int, num_experts: int, device=None) -> Tensor:
+    from .routing import smoe_deterministic_experts
+
+    return smoe_deterministic_experts(num_channels, num_experts, device)
+
+
+def _smoe_routed(logits_SE: Tensor, **kw) -> RoutingPlan:
+    from .routing import smoe_partial_route
+
+    return smoe_partial_route(logits_SE, **kw)
+
+
 LEAKY_SMOE_ROUTING = "leaky-full-sequence"
 SMOE_ROUTINGS: dict[str, SMoERouting] = {r.name: r for r in (
     SMoERouting("deterministic", "sMLP-deterministic", router_reads="none", causal=True,
-                route=smoe_deterministic_experts, reference="sMLP sec. 3.2.1"),
-    SMoERouting("partial", "sMLP-partial", router_reads="prefix", causal=True, route=smoe_partial_route,
+                route=_smoe_deterministic, reference="sMLP sec. 3.2.1"),
+    SMoERouting("partial", "sMLP-partial", router_reads="prefix", causal=True, route=_smoe_routed,
                 reference="sMLP sec. 3.2.2, eq. 5-7"),
     # Appendix B / Figure 7: the paper's first sMoE router. Never a default, accepted only under this
     # exact name (no alias).
     SMoERouting(LEAKY_SMOE_ROUTING, "sMLP, full-sequence router (leaky)", router_reads="all", causal=False,
-                route=smoe_partial_route, reference="sMLP Appendix B, Figure 7"),
+                route=_smoe_routed, reference="sMLP Appendix B, Figure 7"),
 )}
 
