@@ -108,7 +108,8 @@ MODEL_ORDER = ("smlp_det", "smlp_partial", "gmlp", "hypermixer", "ninformer", "t
 NAMES = {"smlp_det": SMOE_ROUTINGS["deterministic"].title, "smlp_partial": SMOE_ROUTINGS["partial"].title,
          "gmlp": "gMLP", "transformer": "Transformer", "hypermixer": "HyperMixer (causal)",
          "ninformer": "NiNformer (causal)", **{r.name: r.title for r in TOKEN_ROUTERS.values()},
-         "fairseq_transformer_lm": "fairseq transformer_lm", "fairseq_base_layers": "fairseq transformer_lm --base-layers"}
+         "fairseq_transformer_lm": "fairseq transformer_lm",
+         "fairseq_base_layers": "fairseq transformer_lm --base-layers"}
 REFERENCE = "smlp_det"
 # Causal HyperMixer keeps a d' x C state per position: at this size one block's training step takes
 # ~12 s on one CPU thread against ~0.1 s for the SGU (elementwise-bound, see smlp/token_mixers.py), so

@@ -4,19 +4,21 @@ sMLP sections 2.2 and 4.1 (the Transformer-MoE baselines) and 3.2 (the sMoE rout
 facts used to be spread over the layer, the configs, the fairseq plugin, the FLOPs calculator, the
 step-time model and the benchmark; each of them now reads this table:
 
-    the layer          smlp/moe.py `TMoE`: parameters (`init`), `route`; smlp/config.py: the
-                       expert-norm / zero-init / shuffle defaults, the valid names
-    the core config    smlp/lm.py `LMConfig.placement`: the default sparse placement
-    the plugin         fairseq_plugins/config.py: --moe-router / --smoe-routing choices;
-                       fairseq_plugins/models.py `criterion_needs`: the auxiliary loss, the prefix
-    the calculator     eval/counting.py: router and expert multiply-adds (`router_macs`, `top_k`),
-                       display names (`title`)
-    the step-time model eval/steptime.py `sparse_exchanges`: rows each all2all moves
-                       (`exchange_rows`, `shuffle`), capacity padding (`capacity`)
-    the benchmark      benchmarks/suite.py: the MoE baselines and their names
+    the layer          smlp/moe.py `TMoE`: parameters (`init`), `route`, `drops`; `SMoE`: the routing's
+                       entry (`router_reads`, `route`, `causal`); smlp/config.py: the valid names, the
+                       expert-norm / zero-init / shuffle defaults, vocab_size for a table router
+    the core config    smlp/lm.py `LMConfig.placement`: the default sparse placement; the valid names
+    the plugin         fairseq_plugins/config.py FIELDS: --moe-router / --smoe-routing choices and help;
+                       fairseq_plugins/models.py `criterion_needs`: the auxiliary loss
+    the calculator     eval/flop_count.py: router and expert multiply-adds (`router_macs`, `top_k`),
+                       display names (`title`); eval/flop_match.py: the sparse families
+    the step-time model eval/steptime.py `sparse_exchanges`: rows each all2all moves (`exchange_rows`),
+                       the shuffle's exchanges (`shuffle`); `padding_macs_per_sequence` (`padding_rows`)
+    the benchmark      benchmarks/suite.py: MOE_BASELINES (the models run) and their names
 
 Adding a token router means one `TokenRouter(...)` entry here plus its route function (a pure
-function in routing.py or gates.py); tests/test_structure.py checks that every consumer sees it.
+function in routing.py or gates.py); tests/test_router_registry.py checks that every consumer sees
+it (and registers a test router that the layer, the calculator and the step-time model take as is).
 
 Token routers (Transformer-MoE baselines; the sMLP sparse block's tMoE is always `base`):
     gshard  top-2 softmax gate, capacity ceil(2S/E), load-balancing loss (gates.py)
