@@ -253,7 +253,7 @@ def run(args) -> dict:
 
 
 def main(argv: Sequence[str] | None = None, *, hard_exit: bool = False) -> int:
-    from smlp_launch.data import DataPrepError
+    from .text import DataPrepError
 
     from .zeroshot import CheckpointMismatchError, leave_process_group
 

