@@ -72,7 +72,6 @@ import math
 import multiprocessing as mp
 import os
 import platform
-import re
 import shutil
 import statistics
 import subprocess
@@ -84,6 +83,7 @@ from pathlib import Path
 from typing import Sequence
 
 from smlp.routers import SMOE_ROUTINGS, TOKEN_ROUTERS
+from smlp_launch.fairseq_log import as_floats, train_fields, valid_fields
 
 from . import curves as C
 from . import schedule as S
@@ -91,9 +91,6 @@ from . import schedule as S
 PROG = "smlp-bench"
 BIN = Path(sys.executable).parent
 
-TRAIN_LINE = re.compile(r"\| train_inner \| (.*)")
-VALID_LINE = re.compile(r"\| valid on 'valid' subset \| (.*)")
-FIELD = re.compile(r"(\w+)[= ]([-\d.eE+]+)")
 
 # The target and its width (CPU scale that still means something: d_model >= 256, sequence >= 256).
 TARGET = dict(d_model=256, d_ffn=1024, seq_len=256, dense=9, sparse=3)
@@ -313,10 +310,6 @@ class Run:
     finished: float = 0.0
 
 
-def _fields(text: str) -> dict:
-    return {k: float(v) for k, v in FIELD.findall(text)}
-
-
 def _vmhwm_mb(pid: int) -> float | None:
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -412,14 +405,14 @@ def run_training(model: Model, data: Path, settings: dict, nproc: int, seed: int
         try:
             for line in proc.stdout:
                 log.write(line)
-                if m := TRAIN_LINE.search(line):
-                    f = _fields(m.group(1))
+                if (logged := train_fields(line)) is not None:
+                    f = as_floats(logged)
                     run.intervals.append(f)
                     last_wall = f.get("wall", last_wall)
                     if on_line:
                         on_line("train", f)
-                elif m := VALID_LINE.search(line):
-                    f = _fields(m.group(1))
+                elif (logged := valid_fields(line)) is not None:
+                    f = as_floats(logged)
                     f["wall"] = last_wall
                     run.valid.append(f)
                     if on_line:

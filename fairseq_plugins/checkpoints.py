@@ -17,7 +17,6 @@ each holding that rank's experts. Here:
 from __future__ import annotations
 
 import argparse
-import glob
 import os
 import re
 import sys
@@ -26,6 +25,8 @@ from collections.abc import Mapping
 import torch
 
 from smlp.sharding import merge_expert_shards, slice_expert_shard
+
+from .shard_sets import rank_shards
 
 EXPERT_KEY = re.compile(r"(^|\.)experts\.")
 
@@ -136,11 +137,7 @@ def saved_ep_size(state, num_shards: int, keys=()) -> int:
 def shard_paths(path: str) -> list[str]:
     """The rank shards `X-rank-R.pt` of checkpoint `X.pt`, in rank order; ValueError if any is missing."""
     stem = path[:-3] if path.endswith(".pt") else path
-    found = {}
-    for p in glob.glob(glob.escape(stem) + "-rank-*.pt"):
-        m = re.fullmatch(re.escape(stem) + r"-rank-(\d+)\.pt", p)
-        if m:
-            found[int(m.group(1))] = p
+    found = rank_shards(path)
     if not found:
         raise FileNotFoundError(f"no rank shards {stem}-rank-<R>.pt found next to {path}")
     missing = [r for r in range(max(found) + 1) if r not in found]

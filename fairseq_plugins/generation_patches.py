@@ -219,7 +219,7 @@ def _task_prefix_fill(task, positions: int) -> list[int]:
     cached = getattr(task, "_smlp_prefix_fill", None)
     if cached is not None and len(cached) >= positions:
         return cached
-    from smlp_launch.data import Encoder
+    from smlp_eval.text import Encoder
 
     from smlp_eval.text import routing_prefix_fill
 

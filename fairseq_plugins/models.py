@@ -12,13 +12,13 @@ import logging
 import sys
 
 import torch
-import torch.distributed as dist
 from fairseq.models import (FairseqIncrementalDecoder, FairseqLanguageModel, register_model,
                             register_model_architecture)
 
 from smlp.dispatch import AllToAllDispatcher, LocalDispatcher
 from smlp.lm import LanguageModel
 from smlp.parallel import ExpertDataLayout, average_expert_gradients, expert_data_groups
+from smlp.process_group import rank_and_world
 from smlp.routers import TOKEN_ROUTERS
 
 from . import step_profiler
@@ -100,12 +100,6 @@ class CoreLMDecoder(FairseqIncrementalDecoder):
         return self.core.cfg.seq_len
 
 
-def _world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
 def runtime_layout(core_cfg, settings: PluginSettings, world: int) -> ExpertDataLayout:
     """The layout on the ranks actually running. --expert-parallel-size binds the world it was set for;
     a checkpoint evaluated on another number of ranks gets the default group size min(W, E)."""
@@ -118,7 +112,7 @@ def make_dispatcher(core_cfg, settings: PluginSettings):
     rank holding every expert), otherwise all2all inside this rank's expert-parallel group."""
     if not core_cfg.sparse_layers:
         return None, None, None
-    rank, world = _world()
+    rank, world = rank_and_world()
     if world == 1:
         return LocalDispatcher(core_cfg.num_experts), None, None
     backend = settings.ddp_backend
@@ -171,6 +165,17 @@ def warn_if_criterion_ignores_routing(core_cfg, criterion_name) -> str | None:
 
 
 def _fairseq_eval_lm_frame():
+    """The frame of `fairseq_cli.eval_lm` on the call stack (its `main`, whose local `cfg` holds
+    --context-window), or None when another program builds the model.
+
+    Why the stack: fairseq 0.12 tells a model nothing about the program that builds it.
+    `build_model(cfg, task)` receives the checkpoint's model config and a task built from the
+    program's --task flags, the same under fairseq-eval-lm, fairseq-validate and fairseq-generate;
+    --context-window reaches no hook before the model is built (`prepare_for_inference_(cfg)` gets
+    the whole config later, but fairseq-generate and fairseq-interactive call it with the same
+    config type). Refusing there, before any data is read, needs the program's own frame. Tested:
+    tests/test_patches.py (the walk), tests/test_bad_inputs.py and tests/test_fairseq.py (the
+    refusals through fairseq-eval-lm itself)."""
     frame = sys._getframe(1)
     while frame is not None:
         if frame.f_globals.get("__name__") == "fairseq_cli.eval_lm":
@@ -227,12 +232,12 @@ class _CoreLanguageModel(FairseqLanguageModel):
         settings = plugin_settings(cfg)
         refuse_eval_lm_on_partial_prediction(core_cfg)
         refuse_eval_lm_longer_than_model(core_cfg, task)
-        if _world()[0] == 0:
+        if rank_and_world()[0] == 0:
             warn_if_criterion_ignores_routing(core_cfg, settings.criterion_name)
         dispatcher, layout, replica_group = make_dispatcher(core_cfg, settings)
         model = cls(CoreLMDecoder(dictionary, LanguageModel(core_cfg, dispatcher)))
         step_profiler.install(model.decoder)  # only when SMLP_PROFILE_STEPS is set (smlp-bench)
-        rank, world = _world()
+        rank, world = rank_and_world()
         if layout is not None:
             scale_expert_gradients(model, layout, replica_group)
         # which experts this rank holds: position expert_rank of an expert-parallel group of expert_world

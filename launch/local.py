@@ -665,9 +665,9 @@ def run_worker(fairseq_args: list[str]) -> int:
     _report_own_peak_rss()
     status_file = os.environ.get("SMLP_STATUS_FILE")
     if stop.stopped_at is not None and status_file:
-        import torch.distributed as dist
+        from smlp.process_group import rank_and_world
 
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
+        if rank_and_world()[0] == 0:
             Path(status_file).write_text(f"stopped num_updates={stop.stopped_at}\n")
     return 0
 

@@ -48,6 +48,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.profiler import record_function
 
+from .process_group import collective_device
 from .profiling import RANGES
 from .routing import FAULT_WIDTH, count_rows, routing_error
 
@@ -395,10 +396,7 @@ class AllToAllDispatcher(LocalDispatcher):
     @property
     def _device(self) -> torch.device:
         # NCCL needs device tensors, gloo host tensors; follow the backend of the group.
-        backend = dist.get_backend(self.ep_group)
-        if backend == "nccl" and torch.cuda.is_available():
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
+        return collective_device(self.ep_group)
 
     def dispatch(self, x_SD: Tensor, expert_S: Tensor, *, presorted: bool = False, counts_E1: Tensor | None = None,
                  host_counts_E: list[int] | None = None, fault_F: Tensor | None = None, layer: str = "",

@@ -107,7 +107,7 @@ def test_fairseq_greedy_equals_smlp_generation_and_fills_the_routing_prefix(tiny
     logged, never printed: the hypotheses start with the prompt."""
     from smlp.generation import generate
     from smlp_eval.text import routing_prefix_fill
-    from smlp_launch.data import Encoder
+    from smlp_eval.text import Encoder
 
     model, task = _model(tiny_lm_data, arch, extra)
     core, eos = model.decoder.core, task.target_dictionary.eos()

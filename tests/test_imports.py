@@ -90,3 +90,26 @@ def test_no_import_circle_among_our_modules():
     assert "smlp_eval.flop_count" in graph["smlp_eval.flops"]  # the walk resolves relative imports
     cycle = find_cycle(graph)
     assert cycle is None, "import circle: " + " -> ".join(cycle)
+
+
+def test_evaluation_and_the_core_import_no_launcher_and_data_preparation_no_model_code():
+    """smlp_eval reads text through smlp_eval.text, not the launcher; the core imports only itself;
+    data preparation and the launcher's argument checks import no model code (issue 20)."""
+    known = modules()
+    graph = {name: imports_of(name, path, known) for name, path in known.items()}
+    for name, deps in graph.items():
+        if name.startswith("smlp_eval"):
+            assert not [d for d in deps if d.startswith("smlp_launch")], name
+        if name.startswith("smlp.") or name == "smlp":
+            assert all(d.startswith("smlp.") or d == "smlp" for d in deps), name
+
+    def reach(start):
+        seen, todo = set(), [start]
+        while todo:
+            for nxt in graph[todo.pop()] - seen:
+                seen.add(nxt)
+                todo.append(nxt)
+        return seen
+
+    for entry in ("smlp_launch.data", "smlp_eval.text"):
+        assert not {m for m in reach(entry) if m.startswith(("smlp.", "fairseq_plugins"))}, entry
