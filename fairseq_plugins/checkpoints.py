@@ -115,14 +115,14 @@ def saved_ep_size(state, num_shards: int, keys=()) -> int:
     `state`): ranks r and r + G hold the same experts. From the saved config (--num-experts,
     --expert-parallel-size; checkpoints written before that flag used G = W), checked against the
     experts each shard holds."""
-    from .config import expert_layout, resolve_num_experts
+    from .config import expert_layout, read, resolve_num_experts
 
     model_cfg = _model_cfg(state)
     local = int(state["model"][keys[0]].shape[0]) if keys else None
     if model_cfg is None:
         return num_shards
-    ep_cfg = int(model_cfg.get("expert_parallel_size", 0) or 0)
-    num_experts = resolve_num_experts(int(model_cfg.get("num_experts", 0) or 0), num_shards, ep_cfg)
+    ep_cfg = int(read(model_cfg, "expert_parallel_size") or 0)  # the flag table (a saved config may lack it)
+    num_experts = resolve_num_experts(int(read(model_cfg, "num_experts") or 0), num_shards, ep_cfg)
     try:
         G = expert_layout(num_experts, num_shards, ep_cfg).ep_size
     except ValueError as exc:

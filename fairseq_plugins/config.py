@@ -19,6 +19,7 @@ consumed and that flags -> config -> flags round-trips for every architecture an
 
 import dataclasses
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -214,8 +215,8 @@ def read(cfg, name: str, default=_TABLE_DEFAULT):
     else the table's default (a config saved before the field existed), or None for an interpolation
     with nothing to resolve against."""
     f = FIELDS_BY_NAME[name]  # KeyError: a field the table does not know
-    try:
-        value = getattr(cfg, name)
+    try:  # a config object (omegaconf, argparse) or a mapping (a checkpoint's saved configuration)
+        value = cfg.get(name) if isinstance(cfg, Mapping) else getattr(cfg, name)
     except Exception:  # omegaconf: missing key, or an interpolated node (e.g. criterion) absent here
         value = None
     if value is not None:
