@@ -231,15 +231,15 @@ class PluginSettings:
     """The fields the plugin reads itself (fairseq_plugins/models.py), not the core."""
 
     ddp_backend: str
-    world_size: int
+    world_size: int | None  # the world --expert-parallel-size was set for (None: not recorded)
     ep_size: int
     criterion_name: str | None
 
 
 def plugin_settings(cfg) -> PluginSettings:
-    criterion = read(cfg, "criterion_name")
+    criterion, world = read(cfg, "criterion_name"), read(cfg, "distributed_world_size")
     return PluginSettings(ddp_backend=str(read(cfg, "ddp_backend") or "legacy_ddp"),
-                          world_size=int(read(cfg, "distributed_world_size") or 1),
+                          world_size=None if world is None else int(world),
                           ep_size=configured_ep_size(cfg),
                           criterion_name=None if criterion is None else str(criterion))
 

@@ -103,7 +103,7 @@ class CoreLMDecoder(FairseqIncrementalDecoder):
 def runtime_layout(core_cfg, settings: PluginSettings, world: int) -> ExpertDataLayout:
     """The layout on the ranks actually running. --expert-parallel-size binds the world it was set for;
     a checkpoint evaluated on another number of ranks gets the default group size min(W, E)."""
-    ep_size = settings.ep_size if world == settings.world_size else 0
+    ep_size = settings.ep_size if settings.world_size in (None, world) else 0
     return expert_layout(core_cfg.num_experts, world, ep_size)
 
 
