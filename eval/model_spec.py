@@ -24,7 +24,6 @@ __all__ = ["DEFAULT_VOCAB", "ModelSpec", "count_spec", "fairseq_flags", "parse_m
 
 DEFAULT_VOCAB = 51200  # reproduces Table 9's non-expert parameters (41 gMLP blocks + 51200 x 1024 embedding)
 PADDING_IDX = 1  # fairseq's dictionary puts <pad> at 1
-PLUGIN_MODELS = ("smlp_lm", "gmlp_lm", "moe_transformer_lm")
 
 
 @dataclass(frozen=True)
@@ -67,8 +66,9 @@ def plugin_archs() -> dict[str, str]:
     """Registered architecture -> model name, for our plugin models."""
     import fairseq_plugins  # noqa: F401  (registration)
     from fairseq.models import ARCH_MODEL_NAME_REGISTRY
+    from fairseq_plugins.config import FAMILIES_BY_MODEL  # our models (the flag table's)
 
-    return {a: m for a, m in ARCH_MODEL_NAME_REGISTRY.items() if m in PLUGIN_MODELS}
+    return {a: m for a, m in ARCH_MODEL_NAME_REGISTRY.items() if m in FAMILIES_BY_MODEL}
 
 
 def parse_model(arch: str, flags: Sequence[str] = (), *, vocab_size: int = DEFAULT_VOCAB) -> ModelSpec:

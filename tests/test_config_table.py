@@ -20,7 +20,7 @@ pytest.importorskip("fairseq")
 import fairseq_plugins  # noqa: E402,F401  (registration)
 from fairseq import options  # noqa: E402
 from fairseq.dataclass.utils import convert_namespace_to_omegaconf  # noqa: E402
-from fairseq.models import ARCH_MODEL_NAME_REGISTRY, MODEL_DATACLASS_REGISTRY  # noqa: E402
+from fairseq.models import ARCH_MODEL_NAME_REGISTRY, MODEL_DATACLASS_REGISTRY, MODEL_REGISTRY  # noqa: E402
 
 from fairseq_plugins import config as table  # noqa: E402
 from smlp.lm import LMConfig  # noqa: E402
@@ -136,6 +136,7 @@ def test_registered_dataclasses_are_the_table():
     """The fields fairseq registers for each model are exactly the table's rows of that family, with
     the table's defaults and choices (the core's constants, e.g. the router registry's names)."""
     for model, family in table.FAMILIES_BY_MODEL.items():
+        assert MODEL_REGISTRY[model].family == family
         dc = MODEL_DATACLASS_REGISTRY[model]
         fields = {f.name: f for f in dataclasses.fields(dc) if f.name != "_name"}
         rows = table.family_fields(family)
