@@ -97,8 +97,14 @@ def _switch_capacity(num_tokens: int, num_experts: int, capacity_factor: float) 
 # computes the gate projection itself in fp32, whatever the model dtype (numerics.py). The softmax
 # gates keep their logits on the layer (`logits_SE`): the router z-loss reads them when asked.
 
+def router_logits(x_SD: Tensor, weight_DE: Tensor) -> Tensor:
+    """numerics.router_logits (the fp32 gate projection), the one every token router here calls."""
+    from .numerics import router_logits as fp32_logits
+
+    return fp32_logits(x_SD, weight_DE)
+
+
 def _route_base(layer, x_SD: Tensor, token_ids_S: Tensor | None, defer_checks: bool) -> RoutingPlan:
-    from .numerics import router_logits
     from .routing import base_route
 
     scores_SE = router_logits(x_SD, layer.centroids.t())
@@ -109,7 +115,6 @@ def _route_base(layer, x_SD: Tensor, token_ids_S: Tensor | None, defer_checks: b
 
 def _route_switch(layer, x_SD: Tensor, token_ids_S: Tensor | None, defer_checks: bool) -> RoutingPlan:
     from .gates import switch_top1
-    from .numerics import router_logits
 
     cfg = layer.cfg
     layer.logits_SE = router_logits(x_SD, layer.gate.weight.t())
@@ -120,7 +125,6 @@ def _route_switch(layer, x_SD: Tensor, token_ids_S: Tensor | None, defer_checks:
 
 def _route_gshard(layer, x_SD: Tensor, token_ids_S: Tensor | None, defer_checks: bool) -> RoutingPlan:
     from .gates import gshard_top2
-    from .numerics import router_logits
 
     cfg = layer.cfg
     layer.logits_SE = router_logits(x_SD, layer.gate.weight.t())
