@@ -24,6 +24,7 @@ import sys
 from typing import Sequence
 
 from smlp.dispatch import OneGPUDispatcher
+from smlp.third_party import quiet_imports
 
 from .flop_count import (CONVENTION, FAMILY_NAMES, METHODS, Count, CostModel, LayerCost, cost_model, count,
                          count_module, executed_macs, family_key, fvcore_by_module, table3, table3_module)
@@ -161,5 +162,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """Console entry point of ``smlp-flops``: fairseq's parser and registry without DeepSpeed (no
+    optimizer is built here) and without third-party import warnings (smlp/third_party.py)."""
+    quiet_imports(deepspeed=False)
     sys.exit(main())
+
+
+if __name__ == "__main__":
+    cli()

@@ -269,7 +269,10 @@ def main(argv: Sequence[str] | None = None, *, hard_exit: bool = False) -> int:
 
 
 def cli() -> None:
-    """Console entry point of ``smlp-generate``."""
+    """Console entry point of ``smlp-generate`` (no third-party import warnings: smlp/third_party.py)."""
+    from smlp.third_party import quiet_imports
+
+    quiet_imports()
     sys.exit(main(hard_exit=True))
 
 

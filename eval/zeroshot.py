@@ -584,7 +584,10 @@ def leave_process_group(code: int, *, hard_exit: bool) -> None:
 
 
 def cli() -> None:
-    """Console entry point of ``smlp-zeroshot``."""
+    """Console entry point of ``smlp-zeroshot`` (no third-party import warnings: smlp/third_party.py)."""
+    from smlp.third_party import quiet_imports
+
+    quiet_imports()
     sys.exit(main(hard_exit=True))
 
 

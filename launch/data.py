@@ -374,6 +374,8 @@ def _recover(out: Path) -> None:
 # own logging.basicConfig does nothing and its INFO lines (sizes, "% replaced by <unk>") vanish.
 _PREPROCESS_MAIN = (
     "import logging, sys\n"
+    "from smlp.third_party import quiet_imports\n"
+    "quiet_imports(deepspeed=False)\n"  # binarizing needs no optimizer
     "from fairseq_cli.preprocess import cli_main\n"
     "logging.basicConfig(format='%(asctime)s | %(levelname)s | %(name)s | %(message)s',"
     " level=logging.INFO, stream=sys.stdout, force=True)\n"

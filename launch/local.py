@@ -656,6 +656,9 @@ def run_worker(fairseq_args: list[str]) -> int:
     # handlers first: a signal that arrives while fairseq imports must not kill the worker
     for sig in _stop_signals():
         signal.signal(sig, stop.handler)
+    from smlp.third_party import quiet_imports
+
+    quiet_imports()  # before fairseq's import: no DeepSpeed / fairscale start-up warnings
     install_collective_timeout(collective_timeout())
     _install_stop_hook(stop)
     from fairseq_cli.train import cli_main
