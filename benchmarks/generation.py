@@ -44,13 +44,12 @@ from smlp.dispatch import synchronize
 from smlp.generation import generate
 from smlp.lm import LanguageModel, LMConfig
 
-from .suite import MATCH_TOLERANCE, NAMES, TARGET
+from .suite import MATCH_TOLERANCE, MOE_BASELINES, NAMES, OUR_FAMILIES, TARGET
 
 PROG = "smlp-bench-generation"
 EOS = 2
-FAMILIES = ("transformer", "gmlp", "hypermixer", "ninformer", "gshard", "switch", "base", "hash")
-MODEL_ORDER = ("smlp_det", "smlp_partial", "gmlp", "hypermixer", "ninformer", "transformer", "gshard", "switch",
-               "base", "hash")
+FAMILIES = OUR_FAMILIES  # smlp-bench's FLOP-matched families (the token routers from smlp/routers.py)
+MODEL_ORDER = ("smlp_det", "smlp_partial", "gmlp", "hypermixer", "ninformer", "transformer", *MOE_BASELINES)
 # Full recomputation of causal HyperMixing is elementwise-bound (smlp/token_mixers.py): minutes per run
 # at this size on one CPU thread. Benchmarked only when asked for, as in smlp-bench.
 DEFAULT_MODELS = tuple(k for k in MODEL_ORDER if k != "hypermixer")

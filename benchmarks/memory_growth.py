@@ -24,13 +24,14 @@ import argparse
 import json
 import os
 import platform
-import re
 import statistics
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
+
+from smlp_launch.fairseq_log import train_fields
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -89,9 +90,9 @@ def main(argv=None) -> int:
         def read_output():
             for line in proc.stdout:
                 log.write(line)
-                m = re.search(r"train_inner .*?num_updates=(\d+),", line)
-                if m:
-                    update[0] = int(m.group(1))
+                fields = train_fields(line)
+                if fields and "num_updates" in fields:
+                    update[0] = int(fields["num_updates"])
 
         reader = threading.Thread(target=read_output, daemon=True)
         reader.start()

@@ -72,7 +72,6 @@ import math
 import multiprocessing as mp
 import os
 import platform
-import re
 import shutil
 import statistics
 import subprocess
@@ -83,37 +82,38 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
+from smlp.routers import SMOE_ROUTINGS, TOKEN_ROUTERS
+from smlp_launch.fairseq_log import as_floats, train_fields, valid_fields
+
 from . import curves as C
 from . import schedule as S
 
 PROG = "smlp-bench"
 BIN = Path(sys.executable).parent
 
-TRAIN_LINE = re.compile(r"\| train_inner \| (.*)")
-VALID_LINE = re.compile(r"\| valid on 'valid' subset \| (.*)")
-FIELD = re.compile(r"(\w+)[= ]([-\d.eE+]+)")
 
 # The target and its width (CPU scale that still means something: d_model >= 256, sequence >= 256).
 TARGET = dict(d_model=256, d_ffn=1024, seq_len=256, dense=9, sparse=3)
 # The long preset's target: half the width and half the sequence (module docstring, "Presets").
 LONG_TARGET = dict(d_model=128, d_ffn=512, seq_len=128, dense=9, sparse=3)
 MATCH_TOLERANCE = 0.03
-OUR_FAMILIES = ("transformer", "gmlp", "hypermixer", "ninformer", "gshard", "switch", "base", "hash")
-MODEL_ORDER = ("smlp_det", "smlp_partial", "gmlp", "hypermixer", "ninformer", "transformer", "gshard", "switch",
-               "base", "hash", "fairseq_transformer_lm", "fairseq_base_layers")
-NAMES = {"smlp_det": "sMLP-deterministic", "smlp_partial": "sMLP-partial", "gmlp": "gMLP",
-         "transformer": "Transformer", "hypermixer": "HyperMixer (causal)",
-         "ninformer": "NiNformer (causal)", "gshard": "GShard", "switch": "Switch", "base": "Base Layers",
-         "hash": "HASH Layers", "fairseq_transformer_lm": "fairseq transformer_lm",
+# The Transformer-MoE baselines: every token router of the registry (smlp/routers.py), by its name.
+MOE_BASELINES = tuple(TOKEN_ROUTERS)
+OUR_FAMILIES = ("transformer", "gmlp", "hypermixer", "ninformer", *MOE_BASELINES)
+MODEL_ORDER = ("smlp_det", "smlp_partial", "gmlp", "hypermixer", "ninformer", "transformer", *MOE_BASELINES,
+               "fairseq_transformer_lm", "fairseq_base_layers")
+NAMES = {"smlp_det": SMOE_ROUTINGS["deterministic"].title, "smlp_partial": SMOE_ROUTINGS["partial"].title,
+         "gmlp": "gMLP", "transformer": "Transformer", "hypermixer": "HyperMixer (causal)",
+         "ninformer": "NiNformer (causal)", **{r.name: r.title for r in TOKEN_ROUTERS.values()},
+         "fairseq_transformer_lm": "fairseq transformer_lm",
          "fairseq_base_layers": "fairseq transformer_lm --base-layers"}
-MOE_BASELINES = ("gshard", "switch", "base", "hash")
 REFERENCE = "smlp_det"
 # Causal HyperMixer keeps a d' x C state per position: at this size one block's training step takes
 # ~12 s on one CPU thread against ~0.1 s for the SGU (elementwise-bound, see smlp/token_mixers.py), so
 # a run would take hours. It is benchmarked only when asked for (--models ...,hypermixer).
 DEFAULT_MODELS = tuple(k for k in MODEL_ORDER if k != "hypermixer")
 # The FLOP-matched families of the long preset (no fairseq anchors: they check our speed, not quality).
-LONG_MODELS = ("smlp_det", "smlp_partial", "gmlp", "ninformer", "transformer", "gshard", "switch", "base", "hash")
+LONG_MODELS = ("smlp_det", "smlp_partial", "gmlp", "ninformer", "transformer", *MOE_BASELINES)
 
 PRESETS = {
     # quick: one seed, short runs (a smoke test of the comparison)
@@ -310,10 +310,6 @@ class Run:
     finished: float = 0.0
 
 
-def _fields(text: str) -> dict:
-    return {k: float(v) for k, v in FIELD.findall(text)}
-
-
 def _vmhwm_mb(pid: int) -> float | None:
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -409,14 +405,14 @@ def run_training(model: Model, data: Path, settings: dict, nproc: int, seed: int
         try:
             for line in proc.stdout:
                 log.write(line)
-                if m := TRAIN_LINE.search(line):
-                    f = _fields(m.group(1))
+                if (logged := train_fields(line)) is not None:
+                    f = as_floats(logged)
                     run.intervals.append(f)
                     last_wall = f.get("wall", last_wall)
                     if on_line:
                         on_line("train", f)
-                elif m := VALID_LINE.search(line):
-                    f = _fields(m.group(1))
+                elif (logged := valid_fields(line)) is not None:
+                    f = as_floats(logged)
                     f["wall"] = last_wall
                     run.valid.append(f)
                     if on_line:
@@ -1106,12 +1102,14 @@ def _link(path: Path, page_dir: Path) -> str:
     return Path(os.path.relpath(path.resolve(), page_dir)).as_posix()
 
 
-def publish(results_jsons: Sequence[Path], page: Path, figure_dir: Path) -> list[str]:
+def publish(results_jsons: Sequence[Path], page: Path, figure_dir: Path,
+            experiment_order: Sequence[str] = ()) -> list[str]:
     """Copy each run's JSON and figures under figure_dir and rewrite the sections of `page` (the markdown
     page, docs/benchmarks.md) they feed, with figure links relative to the page:
     quick/full preset -> the benchmark table; long preset -> 'Does sMLP beat Transformer-MoE ...'
     (and the perplexity target of the benchmark table); experiments -> the claims table. Works on
-    partial results (the sections then say PARTIAL)."""
+    partial results (the sections then say PARTIAL). The claims table lists the experiments in
+    `experiment_order` (benchmarks/experiments.py's, from the CLI), others after them."""
     text = page.read_text()
     done = []
     records = [(Path(p), json.loads(Path(p).read_text())) for p in results_jsons]
@@ -1148,9 +1146,8 @@ def publish(results_jsons: Sequence[Path], page: Path, figure_dir: Path) -> list
         done.append(f"{p}: experiment {rec['experiment']} -> {page.name} claims table")
     if exps:
         all_exp = [json.loads(f.read_text()) for f in sorted((figure_dir / "experiments").glob("*/results.json"))]
-        from .experiments import EXPERIMENTS
-
-        all_exp.sort(key=lambda r: list(EXPERIMENTS).index(r["experiment"]) if r["experiment"] in EXPERIMENTS else 99)
+        order = list(experiment_order)
+        all_exp.sort(key=lambda r: order.index(r["experiment"]) if r["experiment"] in order else len(order))
         text = _replace_section(text, CLAIMS_START, CLAIMS_END, render_claims(all_exp), page)
     if not done:
         raise BenchError("nothing to publish: each RESULTS_JSON must come from a preset or an experiment")
@@ -1249,104 +1246,3 @@ def _stop_on_sigterm():
         return signal.signal(signal.SIGTERM, stop)
     except ValueError:  # not the main thread
         return None
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    previous_sigterm = None
-    if args.publish:
-        try:
-            root = Path.cwd()
-            for line in publish(args.publish, root / PAGE, root / FIGURE_DIR):
-                print(f"   {line}")
-        except (BenchError, OSError, KeyError, json.JSONDecodeError) as exc:
-            print(f"{PROG}: error: cannot publish {' '.join(map(str, args.publish))}: {exc}", file=sys.stderr)
-            return 1
-        return 0
-    try:
-        if args.report:
-            store = S.RunStore.load(args.report / "runs.json")
-            record = report(store, args.report)
-            if record.get("experiment"):
-                from .experiments import finish
-
-                finish(record, args.report)
-            print(f"   results: {args.report / 'results.json'} ({'complete' if record['complete'] else 'PARTIAL'})")
-            return 0
-        if args.experiment:
-            from .experiments import get_experiment
-
-            exp = get_experiment(args.experiment)
-            args.output_dir = (args.output_dir or Path("results") / exp.name).expanduser().absolute()
-            if exp.needs_training is False:
-                args.output_dir.mkdir(parents=True, exist_ok=True)
-                exp.run_without_training(args)
-                return 0
-            name, settings = exp.name, dict(exp.settings, models=tuple(m.key for m in exp.models))
-        else:
-            name, settings = settings_from_args(args)
-            args.output_dir = (args.output_dir or Path("results/bench")).expanduser().absolute()
-        check_settings(settings, args.nproc)
-        args.output_dir.mkdir(parents=True, exist_ok=True)
-        previous_sigterm = _stop_on_sigterm()
-        t0 = time.time()
-        print(f"== {PROG} ({name}): {len(settings['models'])} models x {settings['seeds']} seed(s), "
-              f"{settings['updates']} updates each, {args.nproc} ranks, output {args.output_dir}", flush=True)
-        print("== 1/5 data", flush=True)
-        data = prepare(args)
-        print("== 2/5 models", flush=True)
-        if args.experiment:
-            models, matching = exp.plan_models(vocab_size(data), args.nproc)
-        else:
-            models, matching = plan_models(vocab_size(data), args.nproc, settings["models"], settings["target"])
-        for m in models:
-            print(f"   {m.title:<40} {m.layers:>6}  {m.fwd_flops_per_seq / 1e9:.3f} GFLOPs/seq  {m.note}")
-        by_key = {m.key: m for m in models}
-        reference = REFERENCE if REFERENCE in by_key else models[0].key
-        plan = make_plan(name, settings, models, args.nproc, args.order_seed, reference,
-                         experiment=args.experiment and exp.name)
-        store = S.RunStore.open(args.output_dir / "runs.json", plan, resume=args.resume)
-        if not store.slots:
-            store.slots = initial_schedule(plan)
-            store.extra["matching"] = matching
-        store.extra["machine"] = machine_info()
-        print(f"== 3/5 dense matmul peak ({args.nproc} processes x 1 thread)", flush=True)
-        peak = matmul_peak(args.nproc)
-        store.extra.setdefault("peaks", []).append({"total": peak["total"], "at": time.time()})
-        store.save()
-        print(f"   {peak['total'] / 1e9:.1f} GFLOP/s in total", flush=True)
-        for rid in store.prepare_resume():
-            print(f"   resuming: the probe before the next run is measured again ({rid})", flush=True)
-        print(f"== 4/5 training: {len(store.pending())} of {len(store.slots)} runs to go "
-              f"({len([s for s in store.slots if s.kind == S.PROBE])} of them probes)", flush=True)
-        execute(store, by_key, data, args, out_dir=args.output_dir,
-                on_recorded=lambda: report(store, args.output_dir, quiet=True))
-        print("== 5/5 report", flush=True)
-        record = report(store, args.output_dir)
-        if args.experiment:
-            exp.finish(record, args.output_dir)
-        print()
-        for t in ([] if args.experiment else record["targets"]):
-            met = {True: "met", False: "MISSED", None: "-"}[t["met"]]
-            print(f"   {met:>6}  {t['target']}: {_fmt(t['measured'])} (goal {t['goal']})")
-        for v in record["verdicts"].values():
-            if v:
-                print(f"   {v['model']}: {v['text']}")
-        print(f"   results: {args.output_dir / 'results.json'}, {args.output_dir / 'table.md'}, "
-              f"{args.output_dir / 'figure5.png'}  ({(time.time() - t0) / 60:.1f} min)")
-    except (BenchError, S.ScheduleError) as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print(f"{PROG}: interrupted; continue with --resume", file=sys.stderr)
-        return 130
-    finally:
-        if previous_sigterm is not None:
-            import signal
-
-            signal.signal(signal.SIGTERM, previous_sigterm)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

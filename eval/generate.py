@@ -50,6 +50,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from smlp.process_group import rank_and_world
+
 PROG = "smlp-generate"
 
 __all__ = ["main", "build_parser", "Lockstep", "read_prompts", "generate_lockstep"]
@@ -63,7 +65,7 @@ class Lockstep:
         self.core, self.group = core, group
         self.device = device if device is not None else torch.device("cpu")
         self.calls = 0
-        self.distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+        self.distributed = rank_and_world(group)[1] > 1
 
     def __getattr__(self, name):  # cfg, training, parameters, new_cache: the core's
         return getattr(self.core, name)
@@ -183,7 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run(args) -> dict:
     from .scoring import world
-    from .zeroshot import init_distributed, load_model, routing_prefix_fill
+    from .text import routing_prefix_fill
+    from .zeroshot import init_distributed, load_model
 
     for name in ("max_new_tokens", "beam", "batch_size"):
         if getattr(args, name) < 1:
@@ -250,7 +253,7 @@ def run(args) -> dict:
 
 
 def main(argv: Sequence[str] | None = None, *, hard_exit: bool = False) -> int:
-    from smlp_launch.data import DataPrepError
+    from .text import DataPrepError
 
     from .zeroshot import CheckpointMismatchError, leave_process_group
 
@@ -266,7 +269,10 @@ def main(argv: Sequence[str] | None = None, *, hard_exit: bool = False) -> int:
 
 
 def cli() -> None:
-    """Console entry point of ``smlp-generate``."""
+    """Console entry point of ``smlp-generate`` (no third-party import warnings: smlp/third_party.py)."""
+    from smlp.third_party import quiet_imports
+
+    quiet_imports()
     sys.exit(main(hard_exit=True))
 
 

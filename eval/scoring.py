@@ -3,7 +3,7 @@
 A request is (context ids, continuation ids); its score is
     sum over continuation tokens t of log P(t | </s>, context, earlier continuation tokens),
 the number of tokens, and whether every token is the model's argmax (lm-eval's is_greedy).
-Text becomes ids through the project's one encoder (`smlp_launch.data.Encoder`, shared with the
+Text becomes ids through the project's one encoder (`smlp_eval.text.Encoder`, shared with the
 data pipeline); `encode_pair` is lm-eval's rule for cutting a (context, continuation) pair.
 
 Sequence layout. Every request starts with one </s>: fairseq stores a line break as </s>, so an
@@ -48,7 +48,8 @@ import torch
 import torch.distributed as dist
 
 from smlp.generation import fill_prefix
-from smlp_launch.data import Encoder, TokenizerMismatchError
+from smlp.process_group import collective_device, rank_and_world as world
+from .text import Encoder, TokenizerMismatchError
 
 __all__ = ["Score", "LMScorer", "Encoder", "EncoderMismatchError", "encode_pair", "common_prefix_suffix",
            "collective_device", "world", "progress"]
@@ -104,29 +105,6 @@ def common_prefix_suffix(token_lists: Sequence[Sequence[int]]) -> tuple[int, int
 
 
 # ----------------------------------------------------------------------------------- distributed
-
-
-def world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def collective_device(group=None) -> torch.device:
-    """The device of the tensors a process group's collectives accept.
-
-    NCCL accepts only CUDA tensors (a CPU tensor fails at the first collective); gloo and MPI
-    accept host tensors, so a mixed "cpu:gloo,cuda:nccl" group takes them too.
-    """
-    backend = str(dist.get_backend(group)).lower()
-    if "gloo" in backend or "mpi" in backend:
-        return torch.device("cpu")
-    if "nccl" in backend:
-        return torch.device("cuda", torch.cuda.current_device())
-    accelerator = torch.accelerator.current_accelerator()  # another accelerator's backend (xccl, hccl, ...)
-    if accelerator is None:
-        return torch.device("cpu")
-    return torch.device(accelerator.type, torch.accelerator.current_device_index())
 
 
 # ----------------------------------------------------------------------------------- progress

@@ -65,9 +65,12 @@ import torch
 import torch.nn.functional as F
 
 from smlp.causal import explicit_spatial
-from smlp.gates import gshard_capacity, switch_capacity
+from smlp.dispatch import OneGPUDispatcher
 from smlp.lm import LanguageModel, LMConfig
+from smlp.routers import TOKEN_ROUTERS
 from smlp.transformer import explicit_attention
+
+from .model_spec import ModelSpec, count_spec, parse_model
 
 __all__ = ["Cluster", "CLUSTERS", "Training", "Exchange", "sparse_exchanges", "allreduce_payloads",
            "activation_bytes", "memory_per_gpu", "step_time", "StepTime", "TABLE4"]
@@ -191,17 +194,13 @@ def sparse_exchanges(cfg: LMConfig, *, sequences: int, tokens: int, ep_size: int
         smoe = cfg.sparse_block.smoe
         M = tokens - min(smoe.prefix_len, tokens)
         out.append(Exchange("smoe", sequences * smoe.gated_dim, M * dtype_bytes, ep_size))
-        router = "base"
+        router = TOKEN_ROUTERS["base"]  # the sparse block's tMoE (SparseBlockConfig.tmoe)
     else:
-        router = cfg.moe_router
-    if router == "switch":
-        rows = E * switch_capacity(S, E, cfg.capacity_factor) if padding else S
-    elif router == "gshard":
-        rows = E * gshard_capacity(S, E, cfg.capacity_factor) if padding else 2 * S
-    else:
-        rows = S
-    out.append(Exchange(f"tmoe-{router}", rows, row, ep_size))
-    if router == "base" and cfg.base_shuffle and training:  # scores there, experts back; no gradient
+        router = TOKEN_ROUTERS[cfg.moe_router]
+    # rows per exchange, capacity padding and the shuffle: the router registry (smlp/routers.py)
+    rows = router.exchange_rows(S, E, cfg.capacity_factor, padding=padding)
+    out.append(Exchange(f"tmoe-{router.name}", rows, row, ep_size))
+    if router.shuffle and cfg.base_shuffle and training:  # scores there, experts back; no gradient
         out.append(Exchange("base-shuffle-scores", S, 4 * E, ep_size, times=1))
         out.append(Exchange("base-shuffle-experts", S, 8, ep_size, times=1))
     return out
@@ -281,8 +280,6 @@ def _activation_bytes(cfg: LMConfig, tokens: int, experts_per_gpu: int, exact: b
 
 
 def _measure(cfg: LMConfig, tokens: int, experts_per_gpu: int, *, layers: bool) -> dict[str, tuple[int, int]]:
-    from .flops import OneGPUDispatcher
-
     small = cfg.with_layers(1, 1 if cfg.sparse_layers else 0)
     torch.manual_seed(0)
     dispatcher = OneGPUDispatcher(cfg.num_experts, experts_per_gpu) if cfg.sparse_layers else None
@@ -380,13 +377,10 @@ class StepTime:
 
 def padding_macs_per_sequence(cfg: LMConfig, tokens: int, padding: bool) -> int:
     """Extra expert multiply-adds of capacity-padded buffers (Switch with cf > 1) beyond the rows routed."""
-    if not padding or cfg.family != "transformer" or not cfg.sparse_layers or cfg.moe_router not in ("switch", "gshard"):
+    if not padding or cfg.family != "transformer" or not cfg.sparse_layers:
         return 0
-    S, E = tokens, cfg.num_experts
-    slots = E * (switch_capacity(S, E, cfg.capacity_factor) if cfg.moe_router == "switch"
-                 else gshard_capacity(S, E, cfg.capacity_factor))
-    routed = S if cfg.moe_router == "switch" else 2 * S
-    return max(slots - routed, 0) * 2 * cfg.d_model * cfg.d_ffn * cfg.sparse_layers
+    rows = TOKEN_ROUTERS[cfg.moe_router].padding_rows(tokens, cfg.num_experts, cfg.capacity_factor)
+    return rows * 2 * cfg.d_model * cfg.d_ffn * cfg.sparse_layers
 
 
 def step_time(name: str, cfg: LMConfig, *, flops_per_sequence: float, params_non_expert: int,
@@ -453,3 +447,43 @@ TABLE4 = {
 def with_cluster_overrides(cluster: Cluster, **overrides) -> Cluster:
     given = {k: v for k, v in overrides.items() if v is not None}
     return replace(cluster, **given) if given else cluster
+
+
+# ---------------------------------------------------------------- a model given as fairseq flags
+
+
+def step_time_for(spec: ModelSpec, cluster, *, name: str | None = None, padding: bool = False,
+                  method: str = "fvcore"):
+    """The step-time model of a model given as fairseq flags (with --batch-size etc.) on `cluster`."""
+    if not spec.batch_size:
+        raise ValueError("the step-time model needs --batch-size (sequences per GPU per micro-batch), e.g. "
+                         "--batch-size 4 --update-freq 4 --distributed-world-size 32 --fp16")
+    c = count_spec(spec, method)
+    train = Training(world_size=spec.world_size, ep_size=spec.ep_size if spec.cfg.sparse_layers else 1,
+                              batch_size=spec.batch_size, update_freq=spec.update_freq, tokens=spec.tokens,
+                              fp16=spec.fp16, optimizer_sharding=spec.zero_sharding, padding=padding)
+    acts = activation_bytes(spec.cfg, spec.tokens, max(spec.experts_per_gpu, 1))
+    return step_time(name or spec.arch, spec.cfg, flops_per_sequence=c.flops,
+                              params_non_expert=c.params_non_expert, params_expert_per_gpu=c.params_expert_per_gpu,
+                              train=train, cluster=cluster, activations=acts)
+
+
+def table4(which: str, cluster, method: str = "fvcore") -> list[dict]:
+    """Predicted words/s of the paper's 32-GPU Table 4 configurations beside the paper's, ranked."""
+    rows = []
+    for part in (("top", "bottom") if which == "both" else (which,)):
+        for row in TABLE4[part]:
+            spec = parse_model(row.arch, list(row.flags))
+            st = step_time_for(spec, cluster, name=row.name, padding=True, method=method)
+            rows.append({"part": part, "name": row.name, "arch": row.arch, "flags": " ".join(row.flags),
+                         "paper_wps": row.paper_wps, "note": row.note, **st.as_dict()})
+    for part in {r["part"] for r in rows}:
+        mine = [r for r in rows if r["part"] == part]
+        for key, rank_key in (("words_per_second", "rank"), ("paper_wps", "paper_rank")):
+            for i, r in enumerate(sorted(mine, key=lambda r: -r[key])):
+                r[rank_key] = i + 1
+        ref = next(r for r in mine if r["name"].startswith("sMLP"))
+        for r in mine:
+            r["vs_smlp"] = r["words_per_second"] / ref["words_per_second"]
+            r["paper_vs_smlp"] = r["paper_wps"] / ref["paper_wps"]
+    return rows

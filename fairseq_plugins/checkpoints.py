@@ -17,7 +17,6 @@ each holding that rank's experts. Here:
 from __future__ import annotations
 
 import argparse
-import glob
 import os
 import re
 import sys
@@ -26,6 +25,8 @@ from collections.abc import Mapping
 import torch
 
 from smlp.sharding import merge_expert_shards, slice_expert_shard
+
+from .shard_sets import rank_shards
 
 EXPERT_KEY = re.compile(r"(^|\.)experts\.")
 
@@ -114,14 +115,14 @@ def saved_ep_size(state, num_shards: int, keys=()) -> int:
     `state`): ranks r and r + G hold the same experts. From the saved config (--num-experts,
     --expert-parallel-size; checkpoints written before that flag used G = W), checked against the
     experts each shard holds."""
-    from .config import expert_layout, resolve_num_experts
+    from .config import expert_layout, read, resolve_num_experts
 
     model_cfg = _model_cfg(state)
     local = int(state["model"][keys[0]].shape[0]) if keys else None
     if model_cfg is None:
         return num_shards
-    ep_cfg = int(model_cfg.get("expert_parallel_size", 0) or 0)
-    num_experts = resolve_num_experts(int(model_cfg.get("num_experts", 0) or 0), num_shards, ep_cfg)
+    ep_cfg = int(read(model_cfg, "expert_parallel_size") or 0)  # the flag table (a saved config may lack it)
+    num_experts = resolve_num_experts(int(read(model_cfg, "num_experts") or 0), num_shards, ep_cfg)
     try:
         G = expert_layout(num_experts, num_shards, ep_cfg).ep_size
     except ValueError as exc:
@@ -136,11 +137,7 @@ def saved_ep_size(state, num_shards: int, keys=()) -> int:
 def shard_paths(path: str) -> list[str]:
     """The rank shards `X-rank-R.pt` of checkpoint `X.pt`, in rank order; ValueError if any is missing."""
     stem = path[:-3] if path.endswith(".pt") else path
-    found = {}
-    for p in glob.glob(glob.escape(stem) + "-rank-*.pt"):
-        m = re.fullmatch(re.escape(stem) + r"-rank-(\d+)\.pt", p)
-        if m:
-            found[int(m.group(1))] = p
+    found = rank_shards(path)
     if not found:
         raise FileNotFoundError(f"no rank shards {stem}-rank-<R>.pt found next to {path}")
     missing = [r for r in range(max(found) + 1) if r not in found]

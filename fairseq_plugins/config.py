@@ -1,138 +1,247 @@
-"""fairseq model configurations and their one translation into the core `LMConfig`.
+"""fairseq model flags: ONE table from every fairseq model field to the core `LMConfig` field it sets.
 
-One FairseqDataclass per model; `to_core_config` is the only place that reads fairseq fields.
-Flags use fairseq's names where fairseq has one (--decoder-embed-dim, --decoder-layers, ...).
+`FIELDS` lists each field of the three model configurations (smlp_lm, gmlp_lm, moe_transformer_lm)
+once: its name (the flag is --name-with-dashes), type, default, help, the valid values (taken from
+the core's constants: the router registry smlp/routers.py, smlp/lm.py PLACEMENTS, ...), the core
+field it sets and how its value converts each way. Everything else is derived from it:
+
+    SMLPConfig, GMLPConfig, MoETransformerConfig  the FairseqDataclasses fairseq registers
+    to_core_config(cfg, family, ...)               fairseq config -> LMConfig (the one translation)
+    plugin_settings(cfg)                           the fields the plugin reads itself (layout, checks)
+    fairseq_flags(core)                            LMConfig -> the fairseq-train flags that build it
+                                                   (the benchmark's commands, the FLOPs calculator)
+
+This is the only module that reads fields of a fairseq model config (`read`); models.py gets what it
+needs from `to_core_config` and `plugin_settings`. Flags use fairseq's names where fairseq has one
+(--decoder-embed-dim, --decoder-layers, ...). tests/test_config_table.py checks that every field is
+consumed and that flags -> config -> flags round-trips for every architecture and option.
 """
 
+import dataclasses
 import logging
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Callable
 
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 from omegaconf import II
 
-from smlp.config import GSHARD_AUX_LOSSES, SMOE_ROUTING_CHOICES as CORE_SMOE_ROUTINGS
+from smlp.config import ACTIVATIONS
 from smlp.dispatch import expert_parallel_layout
+from smlp.gates import GSHARD_AUX_LOSSES
 from smlp.lm import PLACEMENTS, LMConfig
 from smlp.parallel import ExpertDataLayout, valid_ep_sizes
+from smlp.routers import SMOE_ROUTINGS, TOKEN_ROUTERS
+from smlp.token_mixers import TOKEN_MIXERS
 
 logger = logging.getLogger(__name__)
 
-SMOE_ROUTING_CHOICES = ChoiceEnum(list(CORE_SMOE_ROUTINGS))
-MOE_ROUTER_CHOICES = ChoiceEnum(["gshard", "switch", "base", "hash"])
-ACTIVATION_CHOICES = ChoiceEnum(["gelu", "relu"])
-PLACEMENT_CHOICES = ChoiceEnum(["auto", *PLACEMENTS])
-GSHARD_AUX_LOSS_CHOICES = ChoiceEnum(list(GSHARD_AUX_LOSSES))
-TOKEN_MIXER_CHOICES = ChoiceEnum(["sgu", "hypermixer", "ninformer"])
+FAMILIES_BY_MODEL = {"smlp_lm": "smlp", "gmlp_lm": "gmlp", "moe_transformer_lm": "transformer"}
+ALL, MIXER, SPARSE = ("smlp", "gmlp", "transformer"), ("smlp", "gmlp"), ("smlp", "transformer")
+# LMConfig fields that no flag sets: the model class gives the family, the dictionary the other two.
+CORE_FIELDS_NOT_FLAGS = ("family", "vocab_size", "padding_idx")
 
 
-@dataclass
-class _LMBase(FairseqDataclass):
-    decoder_embed_dim: int = field(default=512, metadata={"help": "model width D"})
-    decoder_ffn_embed_dim: int = field(default=2048, metadata={"help": "channel-projection / FFN width F"})
-    decoder_layers: int = field(default=6, metadata={"help": "number of dense blocks N1"})
-    dropout: float = field(default=0.1, metadata={"help": "dropout probability"})
-    activation_fn: ACTIVATION_CHOICES = field(default="gelu", metadata={"help": "activation of FFN experts"})
-    tokens_per_sample: int = II("task.tokens_per_sample")
-    seq_len: int = field(
-        default=0,
-        metadata={"help": "longest sequence the model accepts (size T of the spatial weights); "
-                          "0 means --tokens-per-sample"},
-    )
+@dataclass(frozen=True)
+class Field:
+    """One fairseq model field.
+
+    core:       the LMConfig field it sets; None for a field the plugin reads itself (`plugin_settings`)
+                or that only fairseq reads (`base_layers`)
+    families:   the model families whose configuration has it
+    choices:    the valid values (from the core's constants); fairseq's parser refuses the others
+    to_core:    (value, read) -> the core value; `read(name)` reads another field of the same config
+                (--seq-len 0 means --tokens-per-sample); it raises ValueError for a bad value
+    from_core:  core config -> the value that gives the core field back (fairseq_flags)
+    always:     fairseq_flags writes it even at its default (widths, layers, the router: commands that
+                read as the model); other fields only when they differ from the default
+    sparse:     only meaningful with sparse layers: fairseq_flags leaves it out of dense models
+    flag:       the flag fairseq_flags writes, when it is not --name (a task flag)
+    """
+
+    name: str
+    type: Any
+    default: Any
+    help: str
+    core: str | None
+    families: tuple[str, ...]
+    choices: tuple[str, ...] | None = None
+    to_core: Callable[[Any, Callable[[str], Any]], Any] | None = None
+    from_core: Callable[[LMConfig], Any] | None = None
+    always: bool = False
+    sparse: bool = False
+    flag: str | None = None
+
+    @property
+    def interpolated(self) -> bool:
+        """The value comes from another part of fairseq's config (the task, the trainer)."""
+        return isinstance(self.default, str) and self.default.startswith("${")
+
+    def core_value(self, value, read):
+        if self.to_core is not None:
+            return self.to_core(value, read)
+        return str(value) if self.choices is not None else value
+
+    def fairseq_value(self, core: LMConfig):
+        return self.from_core(core) if self.from_core is not None else getattr(core, self.core)
+
+
+def _seq_len(value, read):
+    return value if value > 0 else read("tokens_per_sample")
+
+
+def _base_shuffle(value, read):
+    if value not in (0, 1):
+        raise ValueError(f"--base-shuffle {value} is invalid: use 1 (shuffle, the default) or 0")
+    return bool(value)
+
+
+def _eval_capacity_factor(value, read):
+    if value < 0:
+        raise ValueError(f"--eval-capacity-factor {value} is invalid: give a factor > 0 (e.g. 1.0 or 2.0), or 0 "
+                         f"for no capacity limit at evaluation")
+    return value or None
+
+
+def _num_experts(value, read):
+    return resolve_num_experts(value, read("distributed_world_size"), int(read("expert_parallel_size") or 0))
+
+
+FIELDS: tuple[Field, ...] = (
+    Field("decoder_embed_dim", int, 512, "model width D", "d_model", ALL, always=True),
+    Field("decoder_ffn_embed_dim", int, 2048, "channel-projection / FFN width F", "d_ffn", ALL, always=True),
+    Field("decoder_layers", int, 6, "number of dense blocks N1", "dense_layers", ALL, always=True),
+    Field("dropout", float, 0.1, "dropout probability", "dropout", ALL, always=True),
+    Field("activation_fn", str, "gelu", "activation of FFN experts", "activation", ALL, choices=ACTIVATIONS),
+    # The task's block length: the sequence length unless --seq-len says otherwise. fairseq_flags writes
+    # --tokens-per-sample T (a task flag) and leaves --seq-len at 0.
+    Field("tokens_per_sample", int, II("task.tokens_per_sample"), "", "seq_len", ALL, always=True,
+          to_core=lambda value, read: _seq_len(read("seq_len"), read), flag="--tokens-per-sample"),
+    Field("seq_len", int, 0, "longest sequence the model accepts (size T of the spatial weights); "
+          "0 means --tokens-per-sample", "seq_len", ALL, to_core=_seq_len, from_core=lambda core: 0),
     # Read from the trainer's config so the model can refuse a wrong setup before training starts.
-    ddp_backend: str = II("distributed_training.ddp_backend")
-    distributed_world_size: int = II("distributed_training.distributed_world_size")
-
-
-@dataclass
-class _TokenMixerFlags(FairseqDataclass):
-    """The token mixer of the dense gMLP blocks (smlp_lm, gmlp_lm); smlp/token_mixers.py."""
-
-    token_mixer: TOKEN_MIXER_CHOICES = field(
-        default="sgu",
-        metadata={"help": "token mixer of the dense gMLP blocks: sgu (gMLP's spatial gating unit), hypermixer "
-                          "(causal HyperMixing) or ninformer (NiNformer's gating unit, causal token MLP)"},
-    )
-    mixer_dim: int = field(
-        default=0, metadata={"help": "HyperMixer hidden width d' / NiNformer channel-MLP hidden width; "
-                                     "0 means half of --decoder-ffn-embed-dim"})
-    hypermixer_untied: bool = field(
-        default=False, metadata={"help": "HyperMixer with two hypernetworks (W1, W2) instead of one tied"})
-
-
-@dataclass
-class _SparseBase(_LMBase):
-    sparse_layers: int = field(default=2, metadata={"help": "number of sparse (expert) layers N2"})
-    num_experts: int = field(
-        default=0, metadata={"help": "experts per sparse layer; 0 means one per rank of an expert-parallel group "
-                                     "(--expert-parallel-size, else the world size)"}
-    )
-    expert_parallel_size: int = field(
-        default=0,
-        metadata={"help": "G, ranks of one expert-parallel group: the experts are spread over G ranks (all2all "
-                          "inside the group) and replicated W/G times, the replicas' expert gradients averaged "
-                          "(expert-data parallelism, as DeepSpeed's ep_size); must divide the world size and "
-                          "--num-experts; 0 means min(world size, --num-experts)"},
-    )
-    sparse_placement: PLACEMENT_CHOICES = field(
-        default="auto",
-        metadata={"help": "where the sparse blocks sit: paper (sec. 4.1, spread evenly over the depth), "
-                          "every_other (GShard, Switch), fairseq (fairseq's --base-layers insertion); "
-                          "auto = every_other for gshard/switch, paper otherwise"},
-    )
-    base_shuffle: int = field(
-        default=1,
-        metadata={"help": "Base Layers tMoE: in training, shuffle tokens to random ranks before the balanced "
-                          "assignment (fairseq's --base-shuffle); 0 turns it off"},
-    )
+    Field("ddp_backend", str, II("distributed_training.ddp_backend"), "", None, ALL),
+    Field("distributed_world_size", int, II("distributed_training.distributed_world_size"), "", None, ALL),
+    # the token mixer of the dense gMLP blocks (smlp/token_mixers.py)
+    Field("token_mixer", str, "sgu", "token mixer of the dense gMLP blocks: sgu (gMLP's spatial gating unit), "
+          "hypermixer (causal HyperMixing) or ninformer (NiNformer's gating unit, causal token MLP)",
+          "token_mixer", MIXER, choices=TOKEN_MIXERS),
+    Field("mixer_dim", int, 0, "HyperMixer hidden width d' / NiNformer channel-MLP hidden width; 0 means half of "
+          "--decoder-ffn-embed-dim", "mixer_dim", MIXER),
+    Field("hypermixer_untied", bool, False, "HyperMixer with two hypernetworks (W1, W2) instead of one tied",
+          "hypermixer_tied", MIXER, to_core=lambda value, read: not value,
+          from_core=lambda core: not core.hypermixer_tied),
+    # the sparse layers (smlp_lm, moe_transformer_lm)
+    Field("sparse_layers", int, 2, "number of sparse (expert) layers N2", "sparse_layers", SPARSE, always=True),
+    Field("num_experts", int, 0, "experts per sparse layer; 0 means one per rank of an expert-parallel group "
+          "(--expert-parallel-size, else the world size)", "num_experts", SPARSE, to_core=_num_experts,
+          always=True, sparse=True),
+    Field("expert_parallel_size", int, 0,
+          "G, ranks of one expert-parallel group: the experts are spread over G ranks (all2all inside the group) "
+          "and replicated W/G times, the replicas' expert gradients averaged (expert-data parallelism, as "
+          "DeepSpeed's ep_size); must divide the world size and --num-experts; 0 means min(world size, "
+          "--num-experts)", None, SPARSE),
+    Field("sparse_placement", str, "auto",
+          "where the sparse blocks sit: paper (sec. 4.1, spread evenly over the depth), every_other (GShard, "
+          "Switch), fairseq (fairseq's --base-layers insertion); auto = the router's default (smlp/routers.py: "
+          "every_other for gshard/switch, paper otherwise)", "sparse_placement", SPARSE,
+          choices=("auto", *PLACEMENTS), sparse=True),
+    Field("base_shuffle", int, 1, "Base Layers tMoE: in training, shuffle tokens to random ranks before the "
+          "balanced assignment (fairseq's --base-shuffle); 0 turns it off", "base_shuffle", SPARSE,
+          to_core=_base_shuffle, from_core=lambda core: int(core.base_shuffle), sparse=True),
     # fairseq writes per-rank checkpoints and loads them on every rank when cfg.model.base_layers > 0
-    # (trainer.py, distributed/utils.py): it must equal the number of sparse layers.
-    base_layers: int = II("model.sparse_layers")
+    # (trainer.py, distributed/utils.py): it must equal the number of sparse layers. Only fairseq reads it.
+    Field("base_layers", int, II("model.sparse_layers"), "", None, SPARSE),
     # Read so the model can warn when the criterion would ignore its auxiliary loss or prefix.
-    criterion_name: str = II("criterion._name")
+    Field("criterion_name", str, II("criterion._name"), "", None, SPARSE),
+    # smlp_lm
+    Field("smoe_routing", str, "deterministic",
+          "sMoE routing: deterministic (hidden chunk i -> expert i) or partial (router over the first "
+          "--prefix-fraction positions; loss on the rest); leaky-full-sequence is the paper's Appendix B router "
+          "over all positions, which SEES THE FUTURE (not causal; only to reproduce Figure 7)",
+          "smoe_routing", ("smlp",), choices=tuple(SMOE_ROUTINGS), always=True),
+    Field("prefix_fraction", float, 0.2, "routing prefix of partial prediction", "prefix_fraction", ("smlp",)),
+    # gmlp_lm
+    Field("sgu_heads", int, 1, "heads of the spatial gating unit (multi-head SGU)", "heads", ("gmlp",),
+          always=True),
+    Field("token_routed_experts", int, 0,
+          "gMLP extended to token-level routing (sMLP Appendix A, Table 7): every block sends each token to one "
+          "of N gMLP experts, whose SGU mixes only the earlier tokens routed to it; 0 = dense gMLP. The experts "
+          "are replicated on every rank (no all2all)", "token_routed_experts", ("gmlp",)),
+    # moe_transformer_lm
+    Field("decoder_attention_heads", int, 8, "attention heads", "heads", ("transformer",), always=True),
+    Field("moe_router", str, "switch", "token router of the sparse FFN layers: " + ", ".join(
+          f"{r.name} ({r.title}, top-{r.top_k})" for r in TOKEN_ROUTERS.values()) + " (smlp/routers.py)",
+          "moe_router", ("transformer",), choices=tuple(TOKEN_ROUTERS), always=True, sparse=True),
+    Field("capacity_factor", float, 1.0, "capacity factor in training: Switch's expert capacity is cf x S/E "
+          "tokens, GShard's cf x 2S/E (1: the paper's 2S/E)", "capacity_factor", ("transformer",), sparse=True),
+    Field("eval_capacity_factor", float, 0.0, "capacity factor at evaluation (Switch, GShard); 0: no capacity "
+          "limit, every token routed on its own scores (causal per position)", "eval_capacity_factor",
+          ("transformer",), to_core=_eval_capacity_factor, from_core=lambda core: core.eval_capacity_factor or 0.0,
+          sparse=True),
+    Field("gshard_aux_loss", str, "normalized", "GShard load-balancing loss: normalized = E^2 * mean(m_e c_e), 1 "
+          "when balanced like Switch's (fairseq MoE branch, DeepSpeed); fairscale = mean(m_e c_e)",
+          "gshard_aux_loss", ("transformer",), choices=GSHARD_AUX_LOSSES, sparse=True),
+    Field("hash_seed", int, 0, "seed of the HASH layers' token-id table", "hash_seed", ("transformer",),
+          sparse=True),
+)
+FIELDS_BY_NAME = {f.name: f for f in FIELDS}
 
 
-@dataclass
-class SMLPConfig(_SparseBase, _TokenMixerFlags):
-    smoe_routing: SMOE_ROUTING_CHOICES = field(
-        default="deterministic",
-        metadata={"help": "sMoE routing: deterministic (hidden chunk i -> expert i) or partial "
-                          "(router over the first --prefix-fraction positions; loss on the rest); "
-                          "leaky-full-sequence is the paper's Appendix B router over all positions, which SEES "
-                          "THE FUTURE (not causal; only to reproduce Figure 7)"},
-    )
-    prefix_fraction: float = field(default=0.2, metadata={"help": "routing prefix of partial prediction"})
+def family_fields(family: str) -> tuple[Field, ...]:
+    return tuple(f for f in FIELDS if family in f.families)
 
 
-@dataclass
-class GMLPConfig(_LMBase, _TokenMixerFlags):
-    sgu_heads: int = field(default=1, metadata={"help": "heads of the spatial gating unit (multi-head SGU)"})
-    token_routed_experts: int = field(
-        default=0,
-        metadata={"help": "gMLP extended to token-level routing (sMLP Appendix A, Table 7): every block sends each "
-                          "token to one of N gMLP experts, whose SGU mixes only the earlier tokens routed to it; "
-                          "0 = dense gMLP. The experts are replicated on every rank (no all2all)"})
+def _dataclass(cls_name: str, family: str) -> type:
+    """The FairseqDataclass of one model family, field by field from the table."""
+    specs = []
+    for f in family_fields(family):
+        ftype = ChoiceEnum(list(f.choices)) if f.choices is not None else f.type
+        meta = {"help": f.help} if f.help else {}
+        specs.append((f.name, ftype, dataclasses.field(default=f.default, metadata=meta)))
+    return dataclasses.make_dataclass(cls_name, specs, bases=(FairseqDataclass,), namespace={"__module__": __name__})
 
 
-@dataclass
-class MoETransformerConfig(_SparseBase):
-    decoder_attention_heads: int = field(default=8, metadata={"help": "attention heads"})
-    moe_router: MOE_ROUTER_CHOICES = field(
-        default="switch",
-        metadata={"help": "token router of the sparse FFN layers: gshard (top-2), switch (top-1), "
-                          "base (balanced assignment), hash (fixed token-id table)"},
-    )
-    capacity_factor: float = field(
-        default=1.0, metadata={"help": "capacity factor in training: Switch's expert capacity is cf x S/E tokens, "
-                                       "GShard's cf x 2S/E (1: the paper's 2S/E)"})
-    eval_capacity_factor: float = field(
-        default=0.0, metadata={"help": "capacity factor at evaluation (Switch, GShard); 0: no capacity limit, every "
-                                       "token routed on its own scores (causal per position)"})
-    gshard_aux_loss: GSHARD_AUX_LOSS_CHOICES = field(
-        default="normalized",
-        metadata={"help": "GShard load-balancing loss: normalized = E^2 * mean(m_e c_e), 1 when balanced like "
-                          "Switch's (fairseq MoE branch, DeepSpeed); fairscale = mean(m_e c_e)"},
-    )
-    hash_seed: int = field(default=0, metadata={"help": "seed of the HASH layers' token-id table"})
+SMLPConfig = _dataclass("SMLPConfig", "smlp")
+GMLPConfig = _dataclass("GMLPConfig", "gmlp")
+MoETransformerConfig = _dataclass("MoETransformerConfig", "transformer")
+
+
+_TABLE_DEFAULT = object()
+
+
+def read(cfg, name: str, default=_TABLE_DEFAULT):
+    """The value of table field `name` in a fairseq model config. When the config lacks it: `default`,
+    else the table's default (a config saved before the field existed), or None for an interpolation
+    with nothing to resolve against."""
+    f = FIELDS_BY_NAME[name]  # KeyError: a field the table does not know
+    try:  # a config object (omegaconf, argparse) or a mapping (a checkpoint's saved configuration)
+        value = cfg.get(name) if isinstance(cfg, Mapping) else getattr(cfg, name)
+    except Exception:  # omegaconf: missing key, or an interpolated node (e.g. criterion) absent here
+        value = None
+    if value is not None:
+        return value
+    if default is not _TABLE_DEFAULT:
+        return default
+    return None if f.interpolated else f.default
+
+
+@dataclass(frozen=True)
+class PluginSettings:
+    """The fields the plugin reads itself (fairseq_plugins/models.py), not the core."""
+
+    ddp_backend: str
+    world_size: int | None  # the world --expert-parallel-size was set for (None: not recorded)
+    ep_size: int
+    criterion_name: str | None
+
+
+def plugin_settings(cfg) -> PluginSettings:
+    criterion, world = read(cfg, "criterion_name"), read(cfg, "distributed_world_size")
+    return PluginSettings(ddp_backend=str(read(cfg, "ddp_backend") or "legacy_ddp"),
+                          world_size=None if world is None else int(world),
+                          ep_size=configured_ep_size(cfg),
+                          criterion_name=None if criterion is None else str(criterion))
 
 
 def resolve_num_experts(requested: int, world_size: int, ep_size: int = 0) -> int:
@@ -144,7 +253,7 @@ def resolve_num_experts(requested: int, world_size: int, ep_size: int = 0) -> in
 
 def configured_ep_size(cfg) -> int:
     """--expert-parallel-size of a model config (0 in configs written before the flag existed)."""
-    return int(getattr(cfg, "expert_parallel_size", 0) or 0)
+    return int(read(cfg, "expert_parallel_size") or 0)
 
 
 def expert_layout(num_experts: int, world_size: int, ep_size: int = 0) -> ExpertDataLayout:
@@ -177,41 +286,48 @@ def expert_layout(num_experts: int, world_size: int, ep_size: int = 0) -> Expert
 
 
 def to_core_config(cfg, family: str, vocab_size: int, padding_idx: int) -> LMConfig:
-    """Translate a fairseq model config into the core LMConfig (the only such translation)."""
-    seq_len = cfg.seq_len if cfg.seq_len > 0 else cfg.tokens_per_sample
-    if cfg.tokens_per_sample > seq_len:
+    """Translate a fairseq model config into the core LMConfig (the only such translation): every
+    table field of the family with a core field, converted by the table."""
+    def _read(name):
+        return read(cfg, name)
+
+    values = {}
+    for f in family_fields(family):
+        if f.core is not None:
+            values[f.core] = f.core_value(_read(f.name), _read)
+    tokens = _read("tokens_per_sample")
+    if tokens > values["seq_len"]:
         raise ValueError(
-            f"--tokens-per-sample {cfg.tokens_per_sample} exceeds the model's sequence length {seq_len} "
+            f"--tokens-per-sample {tokens} exceeds the model's sequence length {values['seq_len']} "
             f"(--seq-len, the size of the spatial weights): lower --tokens-per-sample or raise --seq-len"
         )
-    common = dict(
-        family=family, vocab_size=vocab_size, padding_idx=padding_idx,
-        d_model=cfg.decoder_embed_dim, d_ffn=cfg.decoder_ffn_embed_dim, seq_len=seq_len,
-        dense_layers=cfg.decoder_layers, dropout=cfg.dropout, activation=str(cfg.activation_fn),
-    )
-    if family in ("gmlp", "smlp"):  # configs saved before the token-mixer flags lack them
-        common.update(token_mixer=str(getattr(cfg, "token_mixer", "sgu")), mixer_dim=getattr(cfg, "mixer_dim", 0),
-                      hypermixer_tied=not getattr(cfg, "hypermixer_untied", False))
-    if family == "gmlp":
-        return LMConfig(**common, heads=cfg.sgu_heads, token_routed_experts=getattr(cfg, "token_routed_experts", 0))
-    num_experts = resolve_num_experts(cfg.num_experts, cfg.distributed_world_size, configured_ep_size(cfg))
-    if cfg.sparse_layers:  # experts must fit the ranks: refuse a bad layout before any weight is built
-        expert_layout(num_experts, cfg.distributed_world_size, configured_ep_size(cfg))
-    if cfg.base_shuffle not in (0, 1):
-        raise ValueError(f"--base-shuffle {cfg.base_shuffle} is invalid: use 1 (shuffle, the default) or 0")
-    sparse = dict(sparse_layers=cfg.sparse_layers, num_experts=num_experts,
-                  sparse_placement=str(cfg.sparse_placement), base_shuffle=bool(cfg.base_shuffle))
+    if values.get("sparse_layers"):  # experts must fit the ranks: refuse a bad layout before any weight is built
+        expert_layout(values["num_experts"], _read("distributed_world_size"), configured_ep_size(cfg))
+    core = LMConfig(family=family, vocab_size=vocab_size, padding_idx=padding_idx, **values)
     if family == "smlp":
-        core = LMConfig(**common, **sparse, smoe_routing=str(cfg.smoe_routing), prefix_fraction=cfg.prefix_fraction)
-        _explain_prefix(core, cfg.tokens_per_sample)
-        return core
-    eval_cf = getattr(cfg, "eval_capacity_factor", 0.0)  # configs saved before the flag existed lack it
-    if eval_cf < 0:
-        raise ValueError(f"--eval-capacity-factor {eval_cf} is invalid: give a factor > 0 (e.g. 1.0 or 2.0), or 0 "
-                         f"for no capacity limit at evaluation")
-    return LMConfig(**common, **sparse, heads=cfg.decoder_attention_heads, moe_router=str(cfg.moe_router),
-                    capacity_factor=cfg.capacity_factor, eval_capacity_factor=eval_cf or None,
-                    hash_seed=cfg.hash_seed, gshard_aux_loss=str(cfg.gshard_aux_loss))
+        _explain_prefix(core, tokens)
+    return core
+
+
+def fairseq_flags(core: LMConfig) -> str:
+    """The fairseq-train flags that build `core` (the reverse of `to_core_config`, derived from the
+    same table): --arch of the family's model, then each field that is `always` written or differs
+    from its fairseq default; sparse-only fields are left out of dense models. `to_core_config` of
+    the parsed flags gives `core` back (tests/test_config_table.py)."""
+    model = next(m for m, fam in FAMILIES_BY_MODEL.items() if fam == core.family)
+    out = [f"--arch {model}"]
+    for f in family_fields(core.family):
+        if f.core is None or (f.sparse and not core.sparse_layers):
+            continue
+        value = f.fairseq_value(core)
+        if not f.always and value == f.default:
+            continue
+        flag = f.flag or "--" + f.name.replace("_", "-")
+        if f.type is bool:
+            out.append(flag if value else "")  # store_true: the flag alone, at default False nothing
+        else:
+            out.append(f"{flag} {value}")
+    return " ".join(o for o in out if o)
 
 
 def _explain_prefix(core: LMConfig, tokens_per_sample: int) -> None:

@@ -36,17 +36,18 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 from dataclasses import dataclass
 
 import torch
 
 from smlp.parallel import ExpertDataLayout
+from smlp.process_group import rank_and_world
 from smlp.sharding import reshard_model_state, reshard_optimizer_state, source_positions
 
 from .checkpoints import is_expert_key
-from .shard_sets import DEFAULT_RESTORE, SHARD_KEY, atomic_torch_save, read_shard, set_problem, shard_path
-from .shard_sets import _broadcast, _dist_rank_world as _rank_world, _gather
+from .shard_sets import (DEFAULT_RESTORE, SHARD_KEY, atomic_torch_save, rank_shards, read_shard, set_problem,
+                         shard_path)
+from .shard_sets import _broadcast, _gather
 
 logger = logging.getLogger(__name__)
 
@@ -89,19 +90,6 @@ def _load(path: str) -> dict:
         raise ReshardError(f"cannot read checkpoint {path} ({type(exc).__name__}: {str(exc)[:200]})") from exc
 
 
-def _shards_of(base: str) -> dict[int, str]:
-    stem = base[:-3] if base.endswith(".pt") else base
-    directory = os.path.dirname(stem) or "."
-    prefix = os.path.basename(stem) + "-rank-"
-    found = {}
-    if os.path.isdir(directory):
-        for name in os.listdir(directory):
-            m = re.fullmatch(re.escape(prefix) + r"(\d+)\.pt", name)
-            if m:
-                found[int(m.group(1))] = os.path.join(directory, name)
-    return found
-
-
 def _cfg_section(state: dict, name: str) -> dict:
     cfg = state.get("cfg") or {}
     section = cfg.get(name) if hasattr(cfg, "get") else None
@@ -117,7 +105,7 @@ def inspect_saved(base: str) -> SavedSet | None:
     """The saved set of checkpoint `base` (its rank shards, else the file itself), or None if absent."""
     from .checkpoints import saved_ep_size
 
-    shards = _shards_of(base)
+    shards = rank_shards(base)
     problem = None
     if shards:
         files = tuple(shards[r] for r in sorted(shards))
@@ -276,7 +264,7 @@ def _link_or_copy(src: str, dst: str) -> None:
 
 
 def _barrier() -> None:
-    if _rank_world()[1] > 1:
+    if rank_and_world()[1] > 1:
         import torch.distributed as dist
 
         dist.barrier()
@@ -328,7 +316,7 @@ def reshard_for_resume(cfg, trainer) -> Plan | None:
     model = trainer.get_model() if hasattr(trainer, "get_model") else trainer.model
     if not hasattr(model, "core"):
         return None  # not one of our models
-    rank, world = _rank_world()
+    rank, world = rank_and_world()
     layout = getattr(model, "expert_layout", None)
     core = model.core.cfg
     num_experts = core.num_experts if core.sparse_layers else 0

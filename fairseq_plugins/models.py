@@ -12,17 +12,19 @@ import logging
 import sys
 
 import torch
-import torch.distributed as dist
 from fairseq.models import (FairseqIncrementalDecoder, FairseqLanguageModel, register_model,
                             register_model_architecture)
 
 from smlp.dispatch import AllToAllDispatcher, LocalDispatcher
 from smlp.lm import LanguageModel
 from smlp.parallel import ExpertDataLayout, average_expert_gradients, expert_data_groups
+from smlp.process_group import rank_and_world
+from smlp.routers import TOKEN_ROUTERS
 
 from . import step_profiler
 from .checkpoints import adapt_expert_state
-from .config import GMLPConfig, MoETransformerConfig, SMLPConfig, configured_ep_size, expert_layout, to_core_config
+from .config import (GMLPConfig, MoETransformerConfig, PluginSettings, SMLPConfig, expert_layout, plugin_settings,
+                     to_core_config)
 
 logger = logging.getLogger(__name__)
 
@@ -98,34 +100,28 @@ class CoreLMDecoder(FairseqIncrementalDecoder):
         return self.core.cfg.seq_len
 
 
-def _world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def runtime_layout(core_cfg, cfg, world: int) -> ExpertDataLayout:
+def runtime_layout(core_cfg, settings: PluginSettings, world: int) -> ExpertDataLayout:
     """The layout on the ranks actually running. --expert-parallel-size binds the world it was set for;
     a checkpoint evaluated on another number of ranks gets the default group size min(W, E)."""
-    ep_size = configured_ep_size(cfg) if world == int(getattr(cfg, "distributed_world_size", world)) else 0
+    ep_size = settings.ep_size if settings.world_size in (None, world) else 0
     return expert_layout(core_cfg.num_experts, world, ep_size)
 
 
-def make_dispatcher(core_cfg, cfg):
+def make_dispatcher(core_cfg, settings: PluginSettings):
     """(dispatcher, layout, replica group): LocalDispatcher on one process (or when each group is one
     rank holding every expert), otherwise all2all inside this rank's expert-parallel group."""
     if not core_cfg.sparse_layers:
         return None, None, None
-    rank, world = _world()
+    rank, world = rank_and_world()
     if world == 1:
         return LocalDispatcher(core_cfg.num_experts), None, None
-    backend = str(getattr(cfg, "ddp_backend", "legacy_ddp"))
+    backend = settings.ddp_backend
     if backend not in EXPERT_PARALLEL_DDP_BACKENDS:
         raise ValueError(
             f"--ddp-backend {backend} would average expert weights across ranks (each rank holds different "
             f"experts); expert-parallel training needs --ddp-backend legacy_ddp"
         )
-    layout = runtime_layout(core_cfg, cfg, world)  # clear error when experts do not fit
+    layout = runtime_layout(core_cfg, settings, world)  # clear error when experts do not fit
     ep_group, replica_group = expert_data_groups(layout, rank)
     if layout.ep_size == 1:
         return LocalDispatcher(core_cfg.num_experts), layout, replica_group
@@ -145,19 +141,12 @@ def scale_expert_gradients(model: torch.nn.Module, layout: ExpertDataLayout, rep
                              replicas=layout.replicas)
 
 
-def _config_value(cfg, name: str):
-    """cfg.name, or None when it is missing or its interpolation has nothing to resolve against."""
-    try:
-        return getattr(cfg, name, None)
-    except Exception:  # omegaconf: the interpolated node (e.g. criterion) is absent in this config
-        return None
-
-
 def criterion_needs(core_cfg) -> list[str]:
     """What only smlp_lm_loss does for this model: the reasons another criterion would train it wrong."""
     needs = []
-    if core_cfg.family == "transformer" and core_cfg.sparse_layers and core_cfg.moe_router in ("switch", "gshard"):
-        needs.append(f"adds the {core_cfg.moe_router} routers' load-balancing loss (without it they train unbalanced)")
+    router = TOKEN_ROUTERS[core_cfg.moe_router]  # the registry says which routers have an auxiliary loss
+    if core_cfg.family == "transformer" and core_cfg.sparse_layers and router.aux_loss is not None:
+        needs.append(f"adds the {router.name} routers' load-balancing loss (without it they train unbalanced)")
     if core_cfg.prediction_start:
         needs.append(f"skips the {core_cfg.prediction_start} routing-prefix positions that partial prediction "
                      f"does not predict")
@@ -176,6 +165,17 @@ def warn_if_criterion_ignores_routing(core_cfg, criterion_name) -> str | None:
 
 
 def _fairseq_eval_lm_frame():
+    """The frame of `fairseq_cli.eval_lm` on the call stack (its `main`, whose local `cfg` holds
+    --context-window), or None when another program builds the model.
+
+    Why the stack: fairseq 0.12 tells a model nothing about the program that builds it.
+    `build_model(cfg, task)` receives the checkpoint's model config and a task built from the
+    program's --task flags, the same under fairseq-eval-lm, fairseq-validate and fairseq-generate;
+    --context-window reaches no hook before the model is built (`prepare_for_inference_(cfg)` gets
+    the whole config later, but fairseq-generate and fairseq-interactive call it with the same
+    config type). Refusing there, before any data is read, needs the program's own frame. Tested:
+    tests/test_patches.py (the walk), tests/test_bad_inputs.py and tests/test_fairseq.py (the
+    refusals through fairseq-eval-lm itself)."""
     frame = sys._getframe(1)
     while frame is not None:
         if frame.f_globals.get("__name__") == "fairseq_cli.eval_lm":
@@ -229,14 +229,15 @@ class _CoreLanguageModel(FairseqLanguageModel):
     def build_model(cls, cfg, task):
         dictionary = task.target_dictionary
         core_cfg = to_core_config(cfg, cls.family, len(dictionary), dictionary.pad())
+        settings = plugin_settings(cfg)
         refuse_eval_lm_on_partial_prediction(core_cfg)
         refuse_eval_lm_longer_than_model(core_cfg, task)
-        if _world()[0] == 0:
-            warn_if_criterion_ignores_routing(core_cfg, _config_value(cfg, "criterion_name"))
-        dispatcher, layout, replica_group = make_dispatcher(core_cfg, cfg)
+        if rank_and_world()[0] == 0:
+            warn_if_criterion_ignores_routing(core_cfg, settings.criterion_name)
+        dispatcher, layout, replica_group = make_dispatcher(core_cfg, settings)
         model = cls(CoreLMDecoder(dictionary, LanguageModel(core_cfg, dispatcher)))
         step_profiler.install(model.decoder)  # only when SMLP_PROFILE_STEPS is set (smlp-bench)
-        rank, world = _world()
+        rank, world = rank_and_world()
         if layout is not None:
             scale_expert_gradients(model, layout, replica_group)
         # which experts this rank holds: position expert_rank of an expert-parallel group of expert_world

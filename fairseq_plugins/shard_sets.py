@@ -44,6 +44,8 @@ from typing import Callable
 
 import torch
 
+from smlp.process_group import rank_and_world
+
 logger = logging.getLogger(__name__)
 
 SHARD_KEY = "smlp_shard"
@@ -117,20 +119,12 @@ def atomic_copy(src: str, dst: str) -> None:
 # ----------------------------------------------------------------------------- tags
 
 
-def _dist_rank_world() -> tuple[int, int]:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
 _RUN_ID: str | None = None  # drawn by rank 0 when training starts (load_checkpoint), the same on every rank
 
 
 def shard_tag(state: dict, path: str, run_id: str | None) -> dict:
     """What `smlp_shard` records for a trainer state about to be written to `path`."""
-    rank, world = _dist_rank_world()
+    rank, world = rank_and_world()
     m = _RANK_FILE.match(os.path.basename(path))
     history = state.get("optimizer_history") or [{}]
     updates = history[-1].get("num_updates")
@@ -214,6 +208,23 @@ def read_shard(path: str, with_shapes: bool = False) -> ShardInfo:
 def shard_path(base: str, suffix: str) -> str:
     """fairseq's name of this rank's file for checkpoint `base` (it inserts the suffix before .pt)."""
     return base.replace(".pt", suffix + ".pt")
+
+
+def rank_shards(base: str) -> dict[int, str]:
+    """Rank -> path of each rank shard `X-rank-R.pt` of checkpoint `X.pt` that exists (fairseq's
+    names: `shard_path(base, f"-rank-{R}")`); empty when there is none."""
+    stem = base[:-3] if base.endswith(".pt") else base
+    directory, name = os.path.split(stem)
+    try:
+        listed = os.listdir(directory or ".")
+    except OSError:
+        return {}
+    found = {}
+    for entry in listed:
+        m = _RANK_FILE.match(entry)
+        if m and m.group("stem") == name:
+            found[int(m.group("rank"))] = os.path.join(directory, entry)
+    return found
 
 
 def _listing(infos: list[ShardInfo], world: int | None = None) -> str:
@@ -324,7 +335,7 @@ def explain_mismatch(ckpt: dict, model: dict) -> str:
 def _gather(obj) -> list:
     import torch.distributed as dist
 
-    rank, world = _dist_rank_world()
+    rank, world = rank_and_world()
     if world == 1:
         return [obj]
     out = [None] * world
@@ -335,7 +346,7 @@ def _gather(obj) -> list:
 def _broadcast(obj):
     import torch.distributed as dist
 
-    if _dist_rank_world()[1] == 1:
+    if rank_and_world()[1] == 1:
         return obj
     box = [obj]
     dist.broadcast_object_list(box, src=0)
@@ -387,7 +398,7 @@ def _foreign_layout(save_dir: str, sharded: bool, world: int) -> str | None:
 def plan_and_check_resume(cfg, trainer) -> ResumePlan:
     """Every rank calls this before fairseq loads anything; all of them return or raise the same."""
     global _RUN_ID
-    rank, world = _dist_rank_world()
+    rank, world = rank_and_world()
     _RUN_ID = _broadcast(uuid.uuid4().hex[:12] if rank == 0 else None)
     suffix, sharded = _suffix_info(trainer)
     default_restore = cfg.restore_file == DEFAULT_RESTORE

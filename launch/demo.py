@@ -31,14 +31,13 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from smlp_launch.fairseq_log import train_fields, valid_fields
 from typing import Sequence
 
 PROG = "smlp-demo"
 BIN = Path(sys.executable).parent
 
-TRAIN_LINE = re.compile(r"\| train_inner \| .*?loss=([\d.]+).*?num_updates=(\d+)")
-VALID_LINE = re.compile(r"\| valid on 'valid' subset \| loss ([\d.]+) \|.*? \| ppl ([\d.]+) \|.*?"
-                        r"\| num_updates (\d+)")
 
 
 class DemoError(Exception):
@@ -52,11 +51,11 @@ class Curves:
 
     def feed(self, line: str) -> str | None:
         """Record a train/valid figure found in a fairseq log line; returns 'train', 'valid' or None."""
-        if m := TRAIN_LINE.search(line):
-            self.train.append((int(m.group(2)), float(m.group(1))))
+        if (f := train_fields(line)) and "loss" in f and "num_updates" in f:
+            self.train.append((int(f["num_updates"]), float(f["loss"])))
             return "train"
-        if m := VALID_LINE.search(line):
-            self.valid.append((int(m.group(3)), float(m.group(1)), float(m.group(2))))
+        if (f := valid_fields(line)) and {"loss", "ppl", "num_updates"} <= f.keys():
+            self.valid.append((int(f["num_updates"]), float(f["loss"]), float(f["ppl"])))
             return "valid"
         return None
 

@@ -656,6 +656,9 @@ def run_worker(fairseq_args: list[str]) -> int:
     # handlers first: a signal that arrives while fairseq imports must not kill the worker
     for sig in _stop_signals():
         signal.signal(sig, stop.handler)
+    from smlp.third_party import quiet_imports
+
+    quiet_imports()  # before fairseq's import: no DeepSpeed / fairscale start-up warnings
     install_collective_timeout(collective_timeout())
     _install_stop_hook(stop)
     from fairseq_cli.train import cli_main
@@ -665,9 +668,9 @@ def run_worker(fairseq_args: list[str]) -> int:
     _report_own_peak_rss()
     status_file = os.environ.get("SMLP_STATUS_FILE")
     if stop.stopped_at is not None and status_file:
-        import torch.distributed as dist
+        from smlp.process_group import rank_and_world
 
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
+        if rank_and_world()[0] == 0:
             Path(status_file).write_text(f"stopped num_updates={stop.stopped_at}\n")
     return 0
 

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["balanced_assignment", "expert_capacities"]
+__all__ = ["balanced_assignment", "expert_capacities", "sanitize_scores"]
 
 # Scores are normalised to "gain units": after removing row and column offsets (which change no
 # balanced assignment's ranking), one unit is the median over rows of (best score - mean score),
@@ -187,7 +187,7 @@ def _check_interval(device: torch.device) -> int:
 
 def _finite_scores(scores_SE: Tensor, ops):
     """(E, S) float32 (float64 for float64 input) copy of the scores as an array of the `ops`
-    backend, contiguous, every entry finite (see _sanitize) and of a magnitude whose row shifts
+    backend, contiguous, every entry finite (see sanitize_scores) and of a magnitude whose row shifts
     cannot overflow."""
     x_SE = scores_SE.detach()
     if x_SE.dtype not in (torch.float32, torch.float64):
@@ -288,8 +288,9 @@ def _gain_unit(y_ES, ops):
     return ops.first_positive(-ops.upper_median(sum_S) / E, lambda: -ops.mean(sum_S, 0) / E)
 
 
-def _sanitize(x: Tensor) -> Tensor:
-    """NaN and -inf -> lowest finite score, +inf -> highest; no finite entry -> all zeros."""
+def sanitize_scores(x: Tensor) -> Tensor:
+    """NaN and -inf -> lowest finite score (the expert is least wanted), +inf -> highest; no finite
+    entry -> all zeros (every assignment is equally good). On the device: no host read."""
     finite = torch.isfinite(x)
     lo = torch.where(finite, x, torch.inf).amin()
     hi = torch.where(finite, x, -torch.inf).amax()
@@ -327,7 +328,7 @@ class _TorchOps:
 
     @staticmethod
     def finite_rescaled(x_ES: Tensor) -> Tensor:
-        x_ES = _sanitize(x_ES)  # the identity on finite entries
+        x_ES = sanitize_scores(x_ES)  # the identity on finite entries
         mag = x_ES.abs().amax().double()  # compared in float64, as the numpy path compares a float
         return torch.where((mag > 1e30) | ((mag > 0) & (mag < 1e-30)), x_ES / mag.to(x_ES.dtype), x_ES)
 
@@ -483,7 +484,7 @@ class _NumpyOps:
     def finite_rescaled(x_ES: np.ndarray) -> np.ndarray:
         mag = float(np.maximum.reduce(abs(x_ES), axis=None))  # NaN propagates
         if not math.isfinite(mag):
-            x_ES = _sanitize(torch.from_numpy(x_ES)).numpy()
+            x_ES = sanitize_scores(torch.from_numpy(x_ES)).numpy()
             mag = float(np.maximum.reduce(abs(x_ES), axis=None))
         return x_ES / mag if _rescale_needed(mag) else x_ES
 

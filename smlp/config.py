@@ -7,16 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-TOKEN_ROUTERS = ("base", "switch", "gshard", "hash")
-# GShard's load-balancing loss: "normalized" = E^2 * mean_e(m_e c_e) (fairseq's MoE branch, DeepSpeed,
-# lingvo; 1.0 for a balanced router, like Switch's E * sum_e f_e P_e), "fairscale" = mean_e(m_e c_e).
-GSHARD_AUX_LOSSES = ("normalized", "fairscale")
-SMOE_ROUTINGS = ("deterministic", "partial")
-# Appendix B / Figure 7: the paper's first sMoE router, which reads all T positions of each hidden
-# vector and so sees the future. Kept only to reproduce Figure 7 and to show the causality check
-# failing; never a default, and accepted only under this exact name (no alias).
-LEAKY_SMOE_ROUTING = "leaky-full-sequence"
-SMOE_ROUTING_CHOICES = SMOE_ROUTINGS + (LEAKY_SMOE_ROUTING,)
+from .gates import GSHARD_AUX_LOSSES
+from .routers import SMOE_ROUTINGS, TOKEN_ROUTERS  # router names and per-router defaults: the registry
+
 ACTIVATIONS = ("gelu", "relu")
 
 
@@ -128,7 +121,7 @@ class TMoEConfig:
         _positive("d_model", self.d_model)
         _positive("d_ffn", self.d_ffn)
         _positive("num_experts", self.num_experts)
-        _choice("router", self.router, TOKEN_ROUTERS)
+        _choice("router", self.router, tuple(TOKEN_ROUTERS))
         _choice("activation", self.activation, ACTIVATIONS)
         _choice("gshard_aux_loss", self.gshard_aux_loss, GSHARD_AUX_LOSSES)
         if not self.capacity_factor > 0:
@@ -136,22 +129,23 @@ class TMoEConfig:
         if self.eval_capacity_factor is not None and not self.eval_capacity_factor > 0:
             raise ValueError(f"eval_capacity_factor={self.eval_capacity_factor!r} is invalid: it must be > 0, or None "
                              f"for no capacity limit at evaluation")
-        if self.router == "hash":
+        if not TOKEN_ROUTERS[self.router].learned_scores:  # routes on a table of token ids (hash)
             if self.vocab_size is None:
-                raise ValueError("router='hash' needs vocab_size: the hash table maps every token id to an expert")
+                raise ValueError(f"router={self.router!r} needs vocab_size: its table maps every token id to an "
+                                 f"expert")
             _positive("vocab_size", self.vocab_size)
 
     @property
     def uses_expert_norm(self) -> bool:
-        return self.router == "base" if self.expert_norm is None else self.expert_norm
+        return TOKEN_ROUTERS[self.router].expert_norm if self.expert_norm is None else self.expert_norm
 
     @property
     def uses_zero_init_output(self) -> bool:
-        return self.router == "base" if self.zero_init_output is None else self.zero_init_output
+        return TOKEN_ROUTERS[self.router].zero_init_output if self.zero_init_output is None else self.zero_init_output
 
     @property
     def uses_shuffle(self) -> bool:
-        return self.router == "base" and self.shuffle
+        return TOKEN_ROUTERS[self.router].shuffle and self.shuffle
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -178,7 +172,7 @@ class SMoEConfig:
         _positive("dim", self.dim)
         _positive("seq_len", self.seq_len)
         _positive("num_experts", self.num_experts)
-        _choice("routing", self.routing, SMOE_ROUTING_CHOICES)
+        _choice("routing", self.routing, tuple(SMOE_ROUTINGS))
         if self.split and self.dim % 2:
             raise ValueError(f"dim={self.dim} must be even: the sMoE splits it into gate and value halves")
         if self.routing == "deterministic" and self.gated_dim % self.num_experts:
@@ -202,19 +196,17 @@ class SMoEConfig:
     @property
     def leaky(self) -> bool:
         """True for the router that reads every position (Appendix B): outputs see the future."""
-        return self.routing == LEAKY_SMOE_ROUTING
+        return not SMOE_ROUTINGS[self.routing].causal
 
     @property
     def router_len(self) -> int:
         """Positions the router reads: the prefix (partial), all T (leaky), none (deterministic)."""
-        return self.seq_len if self.leaky else self.prefix_len
+        return SMOE_ROUTINGS[self.routing].router_len(self.prefix_fraction, self.seq_len)
 
     @property
     def prefix_len(self) -> int:
         """Positions the partial-prediction router reads (0 for deterministic routing)."""
-        if self.routing != "partial":
-            return 0
-        return int(round(self.prefix_fraction * self.seq_len))
+        return SMOE_ROUTINGS[self.routing].prefix_len(self.prefix_fraction, self.seq_len)
 
     @property
     def expert_len(self) -> int:

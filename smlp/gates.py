@@ -52,10 +52,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .config import GSHARD_AUX_LOSSES
 from .routing import RoutingPlan, _check, nonfinite_fault
 
-__all__ = ["switch_top1", "gshard_top2", "switch_capacity", "gshard_capacity", "router_z_loss"]
+__all__ = ["switch_top1", "gshard_top2", "switch_capacity", "gshard_capacity", "router_z_loss", "GSHARD_AUX_LOSSES"]
+
+# GShard's load-balancing loss: "normalized" = E^2 * mean_e(m_e c_e) (fairseq's MoE branch, DeepSpeed,
+# lingvo; 1.0 for a balanced router, like Switch's E * sum_e f_e P_e), "fairscale" = mean_e(m_e c_e).
+GSHARD_AUX_LOSSES = ("normalized", "fairscale")
 
 
 # ---------------------------------------------------------------- capacities (host ints)

@@ -43,12 +43,13 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor, nn
 
-from .config import (ACTIVATIONS, LEAKY_SMOE_ROUTING, SMOE_ROUTING_CHOICES, TOKEN_ROUTERS, GMLPConfig, SparseBlockConfig, TMoEConfig,
-                     TokenRoutedGMLPConfig, _choice, _positive, _probability)
+from .config import (ACTIVATIONS, GMLPConfig, SparseBlockConfig, TMoEConfig, TokenRoutedGMLPConfig, _choice,
+                     _positive, _probability)
 from .decoding import DecodingCache
 from .dispatch import LocalDispatcher
 from .mixers import GMLPBlock, check_length
 from .moe import SMoE, SparseBlock, TMoE
+from .routers import LEAKY_SMOE_ROUTING, SMOE_ROUTINGS, TOKEN_ROUTERS
 from .token_mixers import TOKEN_MIXERS, HyperMixerConfig, NiNformerConfig, make_token_mixer
 from .token_routed import TokenRoutedGMLPBlock
 from .transformer import TransformerBlock, sinusoidal_positions
@@ -124,8 +125,8 @@ class LMConfig:
                 f"dense_layers={self.dense_layers}, sparse_layers={self.sparse_layers}: both must be >= 0 "
                 f"and the model needs at least one layer"
             )
-        _choice("smoe_routing", self.smoe_routing, SMOE_ROUTING_CHOICES)
-        _choice("moe_router", self.moe_router, TOKEN_ROUTERS)
+        _choice("smoe_routing", self.smoe_routing, tuple(SMOE_ROUTINGS))
+        _choice("moe_router", self.moe_router, tuple(TOKEN_ROUTERS))
         _choice("activation", self.activation, ACTIVATIONS)
         _probability("dropout", self.dropout)
         _choice("sparse_placement", self.sparse_placement, ("auto",) + PLACEMENTS)
@@ -167,9 +168,9 @@ class LMConfig:
         """The placement in effect: `sparse_placement`, or the family's default for "auto"."""
         if self.sparse_placement != "auto":
             return self.sparse_placement
-        if self.family == "transformer" and self.moe_router in ("gshard", "switch"):
-            return "every_other"
-        return "paper"
+        if self.family == "transformer":
+            return TOKEN_ROUTERS[self.moe_router].placement  # the router registry (routers.py)
+        return "paper"  # sMLP's sparse blocks: sec. 4.1
 
     @property
     def plan(self) -> list[str]:
@@ -291,7 +292,7 @@ class LanguageModel(nn.Module):
     def supports_cached_decoding(self) -> bool:
         """False for the two paper experiments without a per-position step: the token-routed gMLP
         (token_routed_experts) and the non-causal leaky sMoE routing. They generate by recomputing."""
-        return not (self.cfg.token_routed_experts or self.cfg.smoe_routing == LEAKY_SMOE_ROUTING)
+        return not (self.cfg.token_routed_experts or not SMOE_ROUTINGS[self.cfg.smoe_routing].causal)
 
     def step(self, tokens_Bk: Tensor, cache: DecodingCache) -> Tensor:
         """Cached decoding: the logits of positions cache.length..cache.length+k-1, (B, k, V).

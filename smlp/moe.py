@@ -28,10 +28,11 @@ from .decoding import cache_append
 from .assignment import balanced_assignment
 from .dispatch import LocalDispatcher
 from .experts import FFNExperts, SpatialExperts
-from .gates import gshard_top2, router_z_loss, switch_top1
+from .gates import router_z_loss
 from .mixers import check_length
 from .numerics import router_logits
-from .routing import RoutingPlan, base_route, count_rows, hash_route, smoe_deterministic_experts, smoe_partial_route
+from .routers import SMOE_ROUTINGS, TOKEN_ROUTERS, hash_table  # noqa: F401  (hash_table: re-exported)
+from .routing import RoutingPlan, count_rows
 
 __all__ = ["TMoE", "SMoE", "SparseBlock", "hash_table", "LEAKY_ROUTING_WARNING"]
 
@@ -49,14 +50,6 @@ def _check_dispatcher(dispatcher, num_experts: int):
             f"the dispatcher was built for {dispatcher.num_experts} experts but the layer has {num_experts}"
         )
     return dispatcher
-
-
-def hash_table(vocab_size: int, num_experts: int, seed: int) -> Tensor:
-    """A fixed random token-id -> expert table with (almost) equal ids per expert."""
-    g = torch.Generator().manual_seed(seed)
-    table = torch.empty(vocab_size, dtype=torch.long)
-    table[torch.randperm(vocab_size, generator=g)] = torch.arange(vocab_size) % num_experts
-    return table
 
 
 class TMoE(nn.Module):
@@ -86,14 +79,9 @@ class TMoE(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.dispatcher = _check_dispatcher(dispatcher, cfg.num_experts)
-        E, D = cfg.num_experts, cfg.d_model
-        if cfg.router == "base":
-            self.centroids = nn.Parameter(torch.empty(E, D))
-            nn.init.orthogonal_(self.centroids, gain=0.1)
-        elif cfg.router in ("switch", "gshard"):
-            self.gate = nn.Linear(D, E, bias=False)
-        else:
-            self.register_buffer("hash_table", hash_table(cfg.vocab_size, E, cfg.hash_seed))
+        self.token_router = TOKEN_ROUTERS[cfg.router]  # the registry entry: parameters, route, capacity (routers.py)
+        self.token_router.init(self, cfg)
+        D = cfg.d_model
         self.experts = FFNExperts(self.dispatcher.num_local_experts, D, cfg.d_ffn, activation=cfg.activation,
                                   norm=cfg.uses_expert_norm, zero_output=cfg.uses_zero_init_output,
                                   first_expert=self.dispatcher.first_expert)
@@ -119,27 +107,9 @@ class TMoE(nn.Module):
     def route(self, x_SD: Tensor, token_ids_S: Tensor | None = None, *, defer_checks: bool = False) -> RoutingPlan:
         """The routing plan of the rows; defer_checks leaves the router's input check in the plan
         (read by the dispatcher) instead of reading it here. router_logits computes the gate
-        projection itself in fp32, whatever the model dtype (numerics.py)."""
-        router, layer = self.cfg.router, self.layer_name
-        if router == "base":
-            scores_SE = router_logits(x_SD, self.centroids.t())
-            expert_S = self._shuffled_assignment(scores_SE) if self.training and self.cfg.uses_shuffle else None
-            return base_route(scores_SE, training=self.training, layer=layer, defer_checks=defer_checks,
-                              expert_S=expert_S)
-        cfg = self.cfg
-        if router in ("switch", "gshard"):
-            self.logits_SE = router_logits(x_SD, self.gate.weight.t())
-        if router == "switch":
-            return switch_top1(self.logits_SE, capacity_factor=cfg.capacity_factor,
-                               eval_capacity_factor=cfg.eval_capacity_factor, training=self.training, layer=layer,
-                               defer_checks=defer_checks)
-        if router == "gshard":
-            return gshard_top2(self.logits_SE, training=self.training, capacity_factor=cfg.capacity_factor,
-                               eval_capacity_factor=cfg.eval_capacity_factor, aux_loss=cfg.gshard_aux_loss,
-                               layer=layer, defer_checks=defer_checks)
-        if token_ids_S is None:
-            raise ValueError("router='hash' needs the token ids of the rows it routes")
-        return hash_route(token_ids_S.reshape(-1), self.hash_table, layer=layer, defer_checks=defer_checks)
+        projection itself in fp32, whatever the model dtype (numerics.py); the router's route
+        function is in the registry (routers.py)."""
+        return self.token_router.route(self, x_SD, token_ids_S, defer_checks)
 
     def _shuffled_assignment(self, scores_SE: Tensor) -> Tensor:
         """Base Layers' training-time assignment (fairseq's `base_shuffle`), moving routing metadata only.
@@ -180,8 +150,7 @@ class TMoE(nn.Module):
         weight = plan.weights_SK.reshape(-1).to(x_SD.dtype)
         counts_E1 = count_rows(expert_idx, self.cfg.num_experts)
         self.load_E = counts_E1[1:].detach()
-        capacity = self.cfg.router in ("switch", "gshard")  # only these drop slots
-        self.dropped, self.slots = (counts_E1[0].detach(), S * K) if capacity else (None, 0)
+        self.dropped, self.slots = (counts_E1[0].detach(), S * K) if self.token_router.drops else (None, 0)
         row_idx = torch.arange(S, device=x_SD.device).repeat_interleave(K) if K > 1 else None
         x_rows = x_SD if row_idx is None else x_SD[row_idx]
         x_RD, counts_L, state = self.dispatcher.dispatch(x_rows, expert_idx, counts_E1=counts_E1,
@@ -220,14 +189,15 @@ class SMoE(nn.Module):
         self.norm = nn.LayerNorm(cfg.gated_dim)
         self.experts = SpatialExperts(self.dispatcher.num_local_experts, cfg.expert_len, cfg.init_eps,
                                       first_expert=self.dispatcher.first_expert)
-        if cfg.routing == "partial" or cfg.leaky:
+        self.routing = routing = SMOE_ROUTINGS[cfg.routing]  # the registry entry (routers.py)
+        if routing.router_reads != "none":
             P = cfg.router_len
             self.router = nn.Parameter(torch.randn(P, cfg.num_experts) * P ** -0.5)
-        if cfg.leaky:
+        if not routing.causal:
             logger.warning(LEAKY_ROUTING_WARNING)
         self.register_buffer(
-            "channel_expert_C", smoe_deterministic_experts(cfg.gated_dim, cfg.num_experts)
-            if cfg.routing == "deterministic" else torch.empty(0, dtype=torch.long), persistent=False)
+            "channel_expert_C", routing.route(cfg.gated_dim, cfg.num_experts)
+            if routing.router_reads == "none" else torch.empty(0, dtype=torch.long), persistent=False)
         self.load_E: Tensor | None = None
         self.aux_loss = self.z_loss = None  # no softmax gate: no z-loss
         self.dropped, self.slots = None, 0  # no capacity: nothing is dropped
@@ -249,7 +219,7 @@ class SMoE(nn.Module):
         z1, z2 = z_BNF.chunk(2, dim=-1) if cfg.split else (z_BNF, z_BNF)
         v_BNC = self.norm(z2)
         C, M = v_BNC.shape[-1], n - P
-        deterministic = cfg.routing == "deterministic"
+        deterministic = self.routing.router_reads == "none"
         fault_F, host_counts_E = None, None
         if deterministic:
             # rows ordered (channel, sequence): channel chunk i -> expert i, so the rows come sorted
@@ -264,12 +234,12 @@ class SMoE(nn.Module):
         else:
             rows_SM = v_BNC[:, P:, :].transpose(1, 2).reshape(B * C, M)  # one row per (sequence, channel)
             with record_function(RANGES["routing"]):
-                if cfg.leaky:  # Appendix B: the router reads every position, the future ones too
+                if self.routing.router_reads == "all":  # Appendix B: every position, the future ones too
                     logits_SE = router_logits(rows_SM, self.router[:n])
                 else:
                     prefix_SP = v_BNC[:, :P, :].transpose(1, 2).reshape(B * C, P)
                     logits_SE = router_logits(prefix_SP, self.router)
-                plan = smoe_partial_route(logits_SE, training=self.training, layer=self.layer_name, defer_checks=True)
+                plan = self.routing.route(logits_SE, training=self.training, layer=self.layer_name, defer_checks=True)
             expert_S, weight_S, fault_F = plan.experts_SK[:, 0], plan.weights_SK[:, 0].to(z_BNF.dtype), plan.fault_F
         counts_E1 = count_rows(expert_S, cfg.num_experts)
         self.load_E = counts_E1[1:].detach()
@@ -314,7 +284,7 @@ class SMoE(nn.Module):
         z1, z2 = z_BkF.chunk(2, dim=-1) if cfg.split else (z_BkF, z_BkF)
         v_BtC = cache_append(state, "v", self.norm(z2), start, limit=cfg.seq_len)
         C = v_BtC.shape[-1]
-        deterministic = cfg.routing == "deterministic"
+        deterministic = self.routing.router_reads == "none"
         weight_S = None
         if deterministic:
             rows_SM = v_BtC.permute(2, 0, 1).reshape(C * B, t)
@@ -326,7 +296,7 @@ class SMoE(nn.Module):
             if "expert_BC" not in state:  # the routing prefix is complete: route once, per row
                 prefix_SP = v_BtC[:, :P, :].transpose(1, 2).reshape(B * C, P)
                 with record_function(RANGES["routing"]):
-                    plan = smoe_partial_route(router_logits(prefix_SP, self.router), training=False,
+                    plan = self.routing.route(router_logits(prefix_SP, self.router), training=False,
                                               layer=self.layer_name)
                 state["expert_BC"] = plan.experts_SK[:, 0].reshape(B, C)
                 state["weight_BC"] = plan.weights_SK[:, 0].to(z_BkF.dtype).reshape(B, C)

@@ -35,6 +35,7 @@ from torch import nn
 
 from .config import _positive
 from .dispatch import expert_parallel_layout
+from .process_group import collective_device, rank_and_world
 
 __all__ = ["ExpertDataLayout", "average_expert_gradients", "collective_device", "expert_data_groups",
            "grad_norm_with_experts", "valid_ep_sizes"]
@@ -160,14 +161,6 @@ def expert_data_groups(layout: ExpertDataLayout, rank: int):
     return ep_group, replica_group
 
 
-def collective_device(group=None) -> torch.device:
-    """The device of the tensors the group's collectives accept: CUDA for NCCL, the host for gloo/MPI."""
-    backend = str(dist.get_backend(group)).lower()
-    if "nccl" in backend and "gloo" not in backend:
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def grad_norm_with_experts(shared_norm: torch.Tensor, expert_grads: list[torch.Tensor], *, replicas: int = 1,
                            group=None) -> torch.Tensor:
     """The 2-norm of the whole model's gradient, identical on every rank (one all-reduce of a scalar).
@@ -192,7 +185,7 @@ def grad_norm_with_experts(shared_norm: torch.Tensor, expert_grads: list[torch.T
         sq = torch.zeros((), dtype=torch.float32, device=shared_norm.device)
     if replicas > 1:
         sq = sq / replicas
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+    if rank_and_world(group)[1] > 1:
         device = collective_device(group)
         sq_dev = sq.to(device)
         dist.all_reduce(sq_dev, group=group)

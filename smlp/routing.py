@@ -46,8 +46,6 @@ __all__ = [
     "hash_fault",
     "routing_error",
     "check_finite_scores",
-    "sanitize_scores",
-    "greedy_top1",
     "base_route",
     "hash_route",
     "smoe_deterministic_experts",
@@ -193,28 +191,6 @@ def _check(fault_F: Tensor, layer: str, defer: bool) -> Tensor | None:
         return fault_F
     _raise_now(fault_F, layer)
     return None
-
-
-def sanitize_scores(scores_SE: Tensor) -> Tensor:
-    """Replace NaN and +-inf by finite values so argmax/auction never see them.
-
-    NaN and -inf become the smallest finite score (the expert is least wanted), +inf the
-    largest. If nothing is finite the result is all zeros (every assignment is equally good).
-    """
-    finite = torch.isfinite(scores_SE)
-    if bool(finite.all()):
-        return scores_SE
-    if not bool(finite.any()):
-        return torch.zeros_like(scores_SE)
-    lo = scores_SE[finite].min()
-    hi = scores_SE[finite].max()
-    out = torch.where(torch.isposinf(scores_SE), hi, scores_SE)
-    return torch.where(torch.isnan(out) | torch.isneginf(out), lo, out)
-
-
-def greedy_top1(scores_SE: Tensor) -> Tensor:
-    """Inference-time routing: each row to its best expert, independently of the others."""
-    return sanitize_scores(scores_SE).argmax(dim=-1)
 
 
 def base_route(scores_SE: Tensor, *, training: bool, layer: str = "base router",

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from .dispatch import expert_parallel_layout
 
-__all__ = ["expert_keys", "merge_expert_shards", "slice_expert_shard", "reshard_expert_states", "check_replicas",
+__all__ = ["expert_keys", "merge_expert_shards", "slice_expert_shard", "check_replicas",
            "source_positions", "expert_slice", "reshard_model_state", "reshard_optimizer_state"]
 
 
@@ -73,12 +73,6 @@ def slice_expert_shard(full: Mapping[str, Tensor], keys: Sequence[str], rank: in
         local = expert_parallel_layout(num_experts, world_size)
         out[k] = full[k][rank * local:(rank + 1) * local].clone()
     return out
-
-
-def reshard_expert_states(states: Sequence[Mapping[str, Tensor]], keys: Sequence[str], rank: int,
-                          world_size: int) -> dict[str, Tensor]:
-    """Rank `rank` of `world_size` from the shards of any other world size."""
-    return slice_expert_shard(merge_expert_shards(states, keys), keys, rank, world_size)
 
 
 # ---------------------------------------------------------------- resharding without the full model

@@ -3,7 +3,7 @@
 Pre-norm decoder block: x = x + Attn(LN(x)); x = x + FFN(LN(x)), where FFN is dense or a tMoE
 (GShard, Switch, Base Layers, HASH). Attention runs as torch's fused scaled_dot_product_attention
 (is_causal) in training and inference, as fairseq's own transformer_lm does, so the baseline is not
-slowed by a hand-written mask; fvcore cannot see fused SDPA (DESIGN.md, FLOP counters), so
+slowed by a hand-written mask; fvcore has no rule for fused SDPA (it counts 0 for it), so
 `explicit_attention()` switches every attention module to the same maths written as matmuls for
 FLOP counting (the FLOPs calculator uses it, and a test checks both forms agree).
 

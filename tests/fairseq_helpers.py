@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import re
 import socket
 import subprocess
 import sys
@@ -32,7 +31,7 @@ def worker_env(threads: int = 1) -> dict:
 
 
 def run_fairseq(program: str, args: list[str], *, world: int = 1, timeout: int = 300, cwd=None) -> list[subprocess.CompletedProcess]:
-    """Run a fairseq console program on `world` CPU gloo ranks (the flags DESIGN.md found to work)."""
+    """Run a fairseq console program on `world` CPU gloo ranks (--cpu, gloo, legacy_ddp, env:// rendezvous)."""
     exe = str(BIN / program)
     if world == 1:
         return [subprocess.run([exe, *args, "--cpu"], capture_output=True, text=True, timeout=timeout,
@@ -71,14 +70,15 @@ def _merge_flags(args: list[str], dist: list[str]) -> list[str]:
 
 def train_losses(log: str) -> dict[int, float]:
     """num_updates -> training loss from fairseq's simple log format."""
-    losses = {}
-    for m in re.finditer(r"train_inner \| .*?loss=([\d.]+).*?num_updates=(\d+)", log):
-        losses[int(m.group(2))] = float(m.group(1))
-    return losses
+    from smlp_launch.fairseq_log import train_records
+
+    return {int(f["num_updates"]): float(f["loss"]) for f in train_records(log) if {"loss", "num_updates"} <= f.keys()}
 
 
 def valid_losses(log: str) -> list[float]:
-    return [float(m.group(1)) for m in re.finditer(r"valid on 'valid' subset \| loss ([\d.]+)", log)]
+    from smlp_launch.fairseq_log import valid_records
+
+    return [float(f["loss"]) for f in valid_records(log) if "loss" in f]
 
 
 def output(results) -> str:

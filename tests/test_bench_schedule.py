@@ -13,7 +13,7 @@ import pytest
 
 from smlp_bench import curves as C
 from smlp_bench import schedule as S
-from smlp_bench import suite
+from smlp_bench import cli, suite
 
 KEYS = ["a", "b", "c", "d"]
 
@@ -286,7 +286,7 @@ def test_an_experiment_runs_reports_its_claims_and_publishes_them(tmp_path, monk
     monkeypatch.setattr(suite, "run_training", fake)
     monkeypatch.setattr(suite, "matmul_peak", lambda n: {"total": 1e11, "per_rank": [5e10] * n})
     out = tmp_path / "fig7"
-    assert suite.main(["--experiment", "figure7-routing", "--output-dir", str(out), "--data", str(data)]) == 0
+    assert cli.main(["--experiment", "figure7-routing", "--output-dir", str(out), "--data", str(data)]) == 0
     record = json.loads((out / "results.json").read_text())
     assert record["kind"] == "experiment" and record["complete"] and (out / "figure.png").exists()
     assert record["causal"] == {"smlp_det": True, "smlp_partial": True, "smlp_leaky": False}
@@ -337,7 +337,7 @@ def test_publish_cli_writes_docs_benchmarks_page_and_the_page_is_the_json(tmp_pa
     shutil.copy2(repo / suite.PAGE, page)
     (tmp_path / "README.md").write_text(f"readme\n{suite.TABLE_START}\nuntouched\n{suite.TABLE_END}\n")
     monkeypatch.chdir(tmp_path)
-    assert suite.main(["--publish", str(figures / "results.json")]) == 0
+    assert cli.main(["--publish", str(figures / "results.json")]) == 0
     assert "benchmarks.md benchmark table" in capsys.readouterr().out
     assert page.read_text() == (repo / suite.PAGE).read_text()
     assert "untouched" in (tmp_path / "README.md").read_text()
@@ -345,5 +345,5 @@ def test_publish_cli_writes_docs_benchmarks_page_and_the_page_is_the_json(tmp_pa
     assert (repo / "docs" / link).is_file()
     # a checkout without the page: a clear error, nothing written
     page.unlink()
-    assert suite.main(["--publish", str(figures / "results.json")]) == 1
+    assert cli.main(["--publish", str(figures / "results.json")]) == 1
     assert "cannot publish" in capsys.readouterr().err and not page.exists()

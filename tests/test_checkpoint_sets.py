@@ -226,3 +226,30 @@ def test_mismatch_explanations():
     assert "1 expert(s) per file and this run 2" in explain_mismatch(experts, model)
     assert "another architecture" in explain_mismatch(arch, model)
     assert shape_mismatch(model, dict(model)) == []
+
+
+def test_rank_shards_finds_what_the_glob_rules_it_replaced_found(tmp_path, monkeypatch):
+    """One finder of a checkpoint's `-rank-R` files (checkpoints, elastic and zeroshot each had one)."""
+    import glob
+    import re
+
+    from fairseq_plugins.shard_sets import rank_shards
+
+    for name in ("x.pt", "x-rank-0.pt", "x-rank-1.pt", "x-rank-10.pt", "x-rank-1-rank-2.pt", "xy-rank-3.pt",
+                 "x-rank-a.pt", "y-rank-0.pt"):
+        (tmp_path / name).write_bytes(b"")
+
+    def old(path):  # fairseq_plugins/checkpoints.py before issue 20
+        stem = path[:-3]
+        found = {}
+        for p in glob.glob(glob.escape(stem) + "-rank-*.pt"):
+            m = re.fullmatch(re.escape(stem) + r"-rank-(\d+)\.pt", p)
+            if m:
+                found[int(m.group(1))] = p
+        return found
+
+    path = str(tmp_path / "x.pt")
+    assert rank_shards(path) == old(path) == {r: str(tmp_path / f"x-rank-{r}.pt") for r in (0, 1, 10)}
+    monkeypatch.chdir(tmp_path)
+    assert rank_shards("x.pt") == old("x.pt") == {0: "x-rank-0.pt", 1: "x-rank-1.pt", 10: "x-rank-10.pt"}
+    assert rank_shards(str(tmp_path / "missing" / "x.pt")) == {}

@@ -195,3 +195,21 @@ def test_collective_device_follows_the_backend(monkeypatch):
                             ("cpu:gloo,cuda:nccl", torch.device("cpu")), ("mpi", torch.device("cpu"))):
         monkeypatch.setattr(dist, "get_backend", lambda group=None, b=backend: b)
         assert collective_device() == device, backend
+
+
+def test_every_caller_follows_one_collective_device_rule(monkeypatch):
+    """The dispatchers, expert-data parallelism and evaluation ask one function (smlp/process_group.py),
+    and the dispatcher's device follows its group's backend as that function says."""
+    from smlp import parallel, process_group
+    from smlp.dispatch import AllToAllDispatcher
+    from smlp_eval import scoring
+
+    assert parallel.collective_device is process_group.collective_device is scoring.collective_device
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda: None)
+    dispatcher = AllToAllDispatcher.__new__(AllToAllDispatcher)
+    dispatcher.ep_group = None
+    for backend, device in (("nccl", torch.device("cuda", 3)), ("gloo", torch.device("cpu")),
+                            ("cpu:gloo,cuda:nccl", torch.device("cpu")), ("xccl", torch.device("cpu"))):
+        monkeypatch.setattr(dist, "get_backend", lambda group=None, b=backend: b)
+        assert dispatcher._device == device == process_group.collective_device(), backend

@@ -10,7 +10,8 @@ from smlp.config import GMLPConfig, SGUConfig, SMoEConfig, SparseBlockConfig, TM
 from smlp.dispatch import LocalDispatcher, expert_parallel_layout
 from smlp.mixers import GMLPBlock, SpatialGatingUnit
 from smlp.moe import SMoE, SparseBlock, TMoE, hash_table
-from smlp.routing import base_route, sanitize_scores, smoe_partial_route
+from smlp.assignment import sanitize_scores
+from smlp.routing import base_route, smoe_partial_route
 
 torch.set_num_threads(1)
 

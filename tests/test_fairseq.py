@@ -13,8 +13,9 @@ def routing_logged(log: str) -> dict[int, dict[str, float]]:
     import re
 
     out = {}
-    for line in re.findall(r"train_inner \| (.*)", log):
-        fields = dict(re.findall(r"(\w+)=([-\d.eE+]+)", line))
+    from smlp_launch.fairseq_log import train_records
+
+    for fields in train_records(log):
         out[int(fields["num_updates"])] = {k: float(v) for k, v in fields.items()
                                            if re.match(r"(load|load_min|load_cv|idle|drop)_\d+_", k)}
     return out
@@ -207,7 +208,7 @@ def test_two_rank_checkpoint_evaluates_on_one_process(tiny_lm_data, tmp_path):
     (tokens_one, loss_one), = eval_lm_figures(assert_ok(run_fairseq("fairseq-eval-lm", eval_valid)))
     assert loss_one == pytest.approx(loss, abs=2e-3)
     # expert-parallel on 2 ranks each rank scores its own shard of the batches and only rank 0 prints
-    # (DESIGN.md): rank 0's figure equals one process scoring shard 0, and the two shards add up.
+    # (fairseq-eval-lm does not aggregate over ranks): rank 0's figure equals one process scoring shard 0, and the two shards add up.
     (tokens_r0, loss_r0), = eval_lm_figures(assert_ok(run_fairseq("fairseq-eval-lm", eval_valid, world=2)))
     shards = [eval_lm_figures(assert_ok(run_fairseq("fairseq-eval-lm", [*eval_valid, "--num-shards", "2",
                                                                         "--shard-id", str(i)])))[0]

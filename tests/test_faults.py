@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from fairseq_helpers import PLUGINS, TINY_TRAIN, assert_ok, run_fairseq, train_losses
+from smlp_launch.fairseq_log import loaded_updates
 from test_launch import (SBATCH, SMLP_LAUNCH, assert_no_processes, job_info, processes_mentioning, read,
                          sbatch, slurm, wait_for, wait_job_end, wait_log)  # noqa: F401  (slurm: fixture)
 
@@ -221,7 +222,7 @@ def test_slurm_time_limit_requeue_during_save_and_sigkill(slurm, tiny_lm_data, t
 
     runs = re.split(r"\[train\.sbatch [^\]]*\] job \d+ \(restart \d+\)", text)[1:]
     assert len(runs) == 3, text[-5000:]
-    loaded = [int(x) for x in re.findall(r"Loaded checkpoint .*?@ (\d+) updates", text)]
+    loaded = loaded_updates(text)
     assert loaded == [stopped, slow - 1], (loaded, stopped, slow)
     assert (f"checkpoint_last-rank-0.pt: update {slow}; checkpoint_last-rank-1.pt: update {slow - 1}. Resuming "
             f"from the newest complete save, checkpoint_1_{slow - 1}-rank-*.pt (update {slow - 1})") in runs[2]

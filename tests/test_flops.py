@@ -17,6 +17,7 @@ import torch
 from smlp.dispatch import LocalDispatcher
 from smlp.lm import LanguageModel, LMConfig
 from smlp_eval import flops as F
+from smlp_eval.flop_count import _tokens
 
 M, G, T_ = 1e6, 1e9, 1e12
 PARAMS_TOL, FLOPS_TOL = 0.01, 0.03
@@ -207,7 +208,7 @@ def test_one_gpu_view_equals_all_experts_local(name):
     cfg = REDUCED[name]
     torch.manual_seed(0)
     model = LanguageModel(cfg, LocalDispatcher(cfg.num_experts)).eval()
-    all_local = F.fvcore_by_module(model, F._tokens(cfg, cfg.seq_len))[""]
+    all_local = F.fvcore_by_module(model, _tokens(cfg, cfg.seq_len))[""]
     expert_all = sum(p.numel() for p in model.parameters() if getattr(p, "expert", False))
     for per_gpu in (1, 2, 4):
         c = F.count(cfg, experts_per_gpu=per_gpu)

@@ -106,8 +106,8 @@ def test_fairseq_greedy_equals_smlp_generation_and_fills_the_routing_prefix(tiny
     with the end of the valid split, read independently here (smlp-zeroshot's reader), and the fill is
     logged, never printed: the hypotheses start with the prompt."""
     from smlp.generation import generate
-    from smlp_eval.zeroshot import routing_prefix_fill
-    from smlp_launch.data import Encoder
+    from smlp_eval.text import routing_prefix_fill
+    from smlp_eval.text import Encoder
 
     model, task = _model(tiny_lm_data, arch, extra)
     core, eos = model.decoder.core, task.target_dictionary.eos()

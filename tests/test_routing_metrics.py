@@ -49,11 +49,11 @@ def _tiny_core(router, **kw):
 def test_the_criterion_adds_the_weighted_z_loss_only_when_asked(monkeypatch):
     from smlp_bench.hot_path import criterion, fairseq_model, lm_sample, tokens
 
-    import smlp.moe
+    import smlp.routers  # the token routers' route functions (the registry)
 
     captured = []
-    real = smlp.moe.router_logits
-    monkeypatch.setattr(smlp.moe, "router_logits", lambda x, w: captured.append(real(x, w)) or captured[-1])
+    real = smlp.routers.router_logits
+    monkeypatch.setattr(smlp.routers, "router_logits", lambda x, w: captured.append(real(x, w)) or captured[-1])
     core = _tiny_core("Switch")
     model, dictionary = fairseq_model(core)
     sample = lm_sample(tokens(), dictionary.pad())

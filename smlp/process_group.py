@@ -1,0 +1,34 @@
+"""The two facts about a process group that the rest of the code asks for: this process's rank and
+the world size (0 and 1 without torch.distributed), and the device of the tensors its collectives
+accept. One rule for every caller (the dispatchers, expert-data parallelism, evaluation, the
+checkpoint code): NCCL accepts only CUDA tensors (a host tensor fails at the first collective),
+gloo and MPI host tensors, so a mixed "cpu:gloo,cuda:nccl" group takes host tensors too; another
+accelerator's backend (xccl, hccl, ...) takes that accelerator's tensors.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["collective_device", "rank_and_world"]
+
+
+def rank_and_world(group=None) -> tuple[int, int]:
+    """(rank, world size) of this process in `group` (default: the whole world); (0, 1) without a
+    process group."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(group), dist.get_world_size(group)
+    return 0, 1
+
+
+def collective_device(group=None) -> torch.device:
+    """The device of the tensors `group`'s collectives accept (module docstring)."""
+    backend = str(dist.get_backend(group)).lower()
+    if "gloo" in backend or "mpi" in backend:
+        return torch.device("cpu")
+    if "nccl" in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    accelerator = torch.accelerator.current_accelerator()  # another accelerator's backend (xccl, hccl, ...)
+    if accelerator is None:
+        return torch.device("cpu")
+    return torch.device(accelerator.type, torch.accelerator.current_device_index())
