@@ -406,6 +406,9 @@ def run_fairseq_preprocess(work: Path, dest: Path, srcdict: Path, workers: int) 
 
 def _mmap_digest(prefix: Path):
     """(sentence sizes, sha256 of the little-endian int32 id stream) of a binarized split."""
+    from smlp.third_party import quiet_imports
+
+    quiet_imports()  # fairseq's reader: this process's first fairseq import, without DeepSpeed's warnings
     ds = load_binarized(prefix)
     if ds is None:
         raise DataPrepError(f"fairseq-preprocess wrote no {prefix}.bin/.idx")
