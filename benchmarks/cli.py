@@ -22,7 +22,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             root = Path.cwd()
             for line in suite.publish(args.publish, root / suite.PAGE, root / suite.FIGURE_DIR,
-                                      experiment_order=list(EXPERIMENTS)):
+                                      experiment_order=list(EXPERIMENTS), readme=root / "README.md"):
                 print(f"   {line}")
         except (suite.BenchError, OSError, KeyError, json.JSONDecodeError) as exc:
             print(f"{suite.PROG}: error: cannot publish {' '.join(map(str, args.publish))}: {exc}",

@@ -251,8 +251,20 @@ def test_publish_a_partial_long_record_rewrites_only_its_sections(tmp_path):
     run = tmp_path / "long"
     run.mkdir()
     (run / "results.json").write_text(json.dumps(_synthetic_long_record(complete=False)))
-    done = suite.publish([run / "results.json"], page, docs)
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# r\n{suite.README_LONG_START}\nOLD-LONG\n{suite.README_LONG_END}\n"
+                      f"{suite.README_CLAIMS_START}\nOLD-CLAIMS\n{suite.README_CLAIMS_END}\nend\n")
+    done = suite.publish([run / "results.json"], page, docs, readme=readme)
     text = page.read_text()
+    # README's summary: the same verdict as the page, its figure linked from the repository root, the
+    # claims summary untouched (no experiment recorded)
+    short = readme.read_text()
+    assert "OLD-LONG" not in short and "OLD-CLAIMS" in short and short.endswith("end\n")
+    assert "**Does sMLP-deterministic beat the best Transformer-MoE at this scale? yes.**" in short
+    assert "](docs/benchmark/long/figure5.png)" in short and "](docs/benchmarks.md)" in short
+    assert "PARTIAL: 6 of 7 runs recorded" in short and "0.61M tokens per run" in short
+    assert done[-1].startswith("README.md") and len(done) == 3
+    done = done[:2]
     assert len(done) == 2 and text.startswith("intro\n") and text.endswith("tail\n") and "OLD-" not in text
     # figures are linked relative to the page (docs/benchmarks.md -> docs/benchmark/...)
     assert "](benchmark/figure5.png)" in text and "](benchmark/long/figure5.png)" in text
@@ -295,9 +307,13 @@ def test_an_experiment_runs_reports_its_claims_and_publishes_them(tmp_path, monk
     assert "--smoe-routing leaky-full-sequence" in record["models"]["smlp_leaky"]["fairseq_flags"]
     page = tmp_path / "benchmarks.md"
     page.write_text(f"a\n{suite.CLAIMS_START}\nOLD\n{suite.CLAIMS_END}\nb\n")
-    suite.publish([out / "results.json"], page, tmp_path / "docs")
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# r\n{suite.README_CLAIMS_START}\nOLD\n{suite.README_CLAIMS_END}\n")
+    suite.publish([out / "results.json"], page, tmp_path / "docs", readme=readme)
     text = page.read_text()
     assert "| claim | paper | here | holds? |" in text and "OLD" not in text and "figure7-routing" in text
+    claims = text[text.index(suite.CLAIMS_START):text.index(suite.CLAIMS_END)]
+    assert claims.split("\n", 1)[1] in readme.read_text()  # README's claims table is the page's
     assert (tmp_path / "docs" / "experiments" / "figure7-routing" / "figure.png").exists()
 
 
