@@ -359,6 +359,13 @@ def test_publish_cli_writes_docs_benchmarks_page_and_the_page_is_the_json(tmp_pa
     assert "untouched" in (tmp_path / "README.md").read_text()
     link = re.search(r"\]\((benchmark/[^)]+\.png)\)", page.read_text()).group(1)
     assert (repo / "docs" / link).is_file()
+    # README's generated summaries (long preset's verdict, claims table) are what publishing gives too
+    shutil.copy2(repo / "README.md", tmp_path / "README.md")
+    (tmp_path / "README.md").write_text(re.sub(r"(<!-- smlp-bench-readme-\w+:start -->\n).*?(<!-- smlp-bench-readme)",
+                                                r"\1STALE\n\2", (repo / "README.md").read_text(), flags=re.S))
+    assert cli.main(["--publish", str(figures / "results.json")]) == 0
+    assert (tmp_path / "README.md").read_text() == (repo / "README.md").read_text()
+    assert "smlp-bench-readme-long:start -->\n- **Does sMLP-deterministic" in (repo / "README.md").read_text()
     # a checkout without the page: a clear error, nothing written
     page.unlink()
     assert cli.main(["--publish", str(figures / "results.json")]) == 1
