@@ -94,7 +94,8 @@ class Experiment:
             count = F.count(cfg, cfg.seq_len)  # one expert per rank, as trained (num_experts = nproc)
             layers = f"{cfg.dense_layers}+{cfg.sparse_layers}" if cfg.sparse_layers else str(cfg.dense_layers)
             out.append(suite.Model(m.key, flags, count.flops, layers, seq_len=cfg.seq_len, name=m.name,
-                                   note="" if m.causal else "NOT causal: sees the future"))
+                                   note="" if m.causal else "NOT causal: sees the future",
+                                   executed_fwd_flops_per_seq=2 * F.executed_macs(count)))
         matching = {"target": {"arch": "smlp_lm", **EXP_TARGET, "experts": nproc},
                     "models": {m.key: {"flops": mm.fwd_flops_per_seq, "layers": mm.layers, "causal": m.causal}
                                for m, mm in zip(self.models, out)}}

@@ -60,7 +60,9 @@ scored; see `input_tokens_per_target`), from log intervals that
 contain neither a validation, the warm-up, nor the profiled window; the figure per run is the
 median over those intervals, the figure per model the mean over seeds (spread: standard deviation).
 MFU = words/s x training FLOPs per token / peak, with training FLOPs = 3 x the calculator's
-forward FLOPs (the backward pass costs twice the forward), the paper's FLOPs convention.
+forward FLOPs (the backward pass costs twice the forward), the paper's FLOPs convention (full
+T x T spatial and attention products); "MFU (executed)" counts the causal products as they run,
+without their zero triangle (`smlp_eval.flops.executed_macs`).
 """
 from __future__ import annotations
 
@@ -201,10 +203,15 @@ class Model:
     note: str = ""
     seq_len: int = TARGET["seq_len"]
     name: str = ""                    # display name (default NAMES[key])
+    executed_fwd_flops_per_seq: int | None = None  # without the causal zero triangles (None: as counted)
 
     @property
     def train_flops_per_token(self) -> float:
         return 3.0 * self.fwd_flops_per_seq / self.seq_len
+
+    @property
+    def executed_train_flops_per_token(self) -> float:
+        return 3.0 * (self.executed_fwd_flops_per_seq or self.fwd_flops_per_seq) / self.seq_len
 
     @property
     def title(self) -> str:
@@ -213,7 +220,7 @@ class Model:
     def as_dict(self) -> dict:
         return {"key": self.key, "flags": self.flags, "fwd_flops_per_seq": self.fwd_flops_per_seq,
                 "layers": self.layers, "ours": self.ours, "note": self.note, "seq_len": self.seq_len,
-                "name": self.title}
+                "name": self.title, "executed_fwd_flops_per_seq": self.executed_fwd_flops_per_seq}
 
 
 def target_flags(target: dict, nproc: int) -> list[str]:
@@ -237,16 +244,18 @@ def plan_models(vocab_size: int, nproc: int, keys: Sequence[str], target: dict =
     partial = F.count_spec(F.parse_model("smlp_lm", [*tflags[2:], "--smoe-routing", "partial"],
                                          vocab_size=vocab_size))
     T = t["seq_len"]
-    models = [Model("smlp_det", tflags, tcount.flops, f"{t['dense']}+{t['sparse']}", seq_len=T),
+    models = [Model("smlp_det", tflags, tcount.flops, f"{t['dense']}+{t['sparse']}", seq_len=T,
+                    executed_fwd_flops_per_seq=2 * F.executed_macs(tcount)),
               Model("smlp_partial", [*tflags, "--smoe-routing", "partial"], partial.flops,
-                    f"{t['dense']}+{t['sparse']}", seq_len=T)]
+                    f"{t['dense']}+{t['sparse']}", seq_len=T, executed_fwd_flops_per_seq=2 * F.executed_macs(partial))]
     for family in OUR_FAMILIES:
         r = rows[family]
         c = r.count.cfg
         flags = F.fairseq_flags(c).split()
         layers = f"{c.dense_layers}+{c.sparse_layers}" if c.sparse_layers else str(c.dense_layers)
         models.append(Model(family, flags, r.count.flops, layers, seq_len=T,
-                            note="" if r.within_tolerance else f"nearest FLOPs match: {r.rel:+.1%}"))
+                            note="" if r.within_tolerance else f"nearest FLOPs match: {r.rel:+.1%}",
+                            executed_fwd_flops_per_seq=2 * F.executed_macs(r.count)))
     # fairseq's own transformer_lm at the sizes of our Transformer and Base Layers
     tr, base = rows["transformer"].count.cfg, rows["base"].count.cfg
     # transformer_lm's --decoder-input-dim / --decoder-output-dim default to 512 whatever the model width
@@ -646,6 +655,8 @@ def summarise(store: S.RunStore, models: Sequence[Model], peak: dict | None) -> 
             "valid_ppl_per_seed": ppl_seed, "seeds": [r["seed"] for _, r in rs],
             "flops_per_token": m.train_flops_per_token, "fwd_flops_per_seq": m.fwd_flops_per_seq,
             "mfu": wps * m.train_flops_per_token / peak["total"] if wps and peak else None,
+            "executed_flops_per_token": m.executed_train_flops_per_token,
+            "mfu_executed": wps * m.executed_train_flops_per_token / peak["total"] if wps and peak else None,
             "breakdown": prof["breakdown"] if prof else None,
             "profiled_seconds_per_step": prof["seconds_per_step"] if prof else None,
             "top_ops": prof["top_ops_rank0"] if prof else None,
@@ -782,8 +793,8 @@ def table(results: dict, rat: dict, peak: dict | None, machine: dict, plan: dict
              f"F={t['d_ffn']}, T={t['seq_len']})" + ("" if complete else " - PARTIAL: the benchmark has not finished")
              + ".", "",
              "| model | layers | GFLOPs/token (train) | words/s | sMLP-det speed-up [range] | valid ppl | MFU "
-             "| routing + all2all | peak RSS / rank |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| MFU (executed) | routing + all2all | peak RSS / rank |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for key, m in results.items():
         rr = rat["smlp_det_wps_over_range"].get(key)
         b = m["breakdown"]
@@ -792,9 +803,10 @@ def table(results: dict, rat: dict, peak: dict | None, machine: dict, plan: dict
         ppl = f"{m['valid_ppl']:.1f} ± {m['valid_ppl_std']:.1f}" if m["valid_ppl"] else "-"
         speed = f"{rr['ratio']:.2f}x [{rr['lo']:.2f}-{rr['hi']:.2f}]" if rr else "-"
         mfu = f"{m['mfu']:.1%}" if m["mfu"] else "-"
+        mfu_executed = f"{m['mfu_executed']:.1%}" if m.get("mfu_executed") else "-"
         mem = f"{m['peak_mem_mb']:.0f} MB" if m["peak_mem_mb"] else "-"
         lines.append(f"| {m['name']} | {m['layers']} | {m['flops_per_token'] / 1e9:.4f} | {wps} | {speed} | {ppl} "
-                     f"| {mfu} | {comm} | {mem} |")
+                     f"| {mfu} | {mfu_executed} | {comm} | {mem} |")
     return "\n".join(lines)
 
 
@@ -883,7 +895,8 @@ def write_json(path: Path, record: dict) -> None:
 
 def models_from_plan(plan: dict) -> list[Model]:
     return [Model(key=m["key"], flags=list(m["flags"]), fwd_flops_per_seq=m["fwd_flops_per_seq"], layers=m["layers"],
-                  ours=m["ours"], note=m["note"], seq_len=m["seq_len"], name=m["name"]) for m in plan["models"]]
+                  ours=m["ours"], note=m["note"], seq_len=m["seq_len"], name=m["name"],
+                  executed_fwd_flops_per_seq=m.get("executed_fwd_flops_per_seq")) for m in plan["models"]]
 
 
 def report(store: S.RunStore, out_dir: Path, *, machine: dict | None = None, quiet: bool = False) -> dict:

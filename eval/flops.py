@@ -71,6 +71,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
+from smlp.causal import executed_pairs, explicit_spatial
 from smlp.config import SGUConfig, SMoEConfig
 from smlp.dispatch import DispatchState, LocalDispatcher
 from smlp.lm import LanguageModel, LMConfig, layer_plan
@@ -281,7 +282,8 @@ def fvcore_by_module(module: nn.Module, *inputs) -> dict[str, int]:
     """fvcore's multiply-add count of one forward call, by submodule name ('' = the whole)."""
     from fvcore.nn import FlopCountAnalysis
 
-    with torch.no_grad(), warnings_off(), explicit_attention(module):  # fvcore cannot see fused SDPA
+    # fvcore cannot see fused SDPA nor the blocked causal product: count their explicit (paper) forms
+    with torch.no_grad(), warnings_off(), explicit_attention(module), explicit_spatial(module):
         analysis = FlopCountAnalysis(module, inputs)
         analysis.unsupported_ops_warnings(False)
         analysis.uncalled_modules_warnings(False)
@@ -439,6 +441,33 @@ def _layer_macs_analytic(layer: nn.Module, n: int) -> int:
             raise TypeError(f"no analytic formula for an FFN of type {type(ffn).__name__}: use method='fvcore'")
         return 2 * _ln(n, D) + _attention_macs(D, n) + ffn_macs
     raise TypeError(f"no analytic formula for layer type {type(layer).__name__}: use method='fvcore'")
+
+
+def executed_macs(c: Count) -> int:
+    """Multiply-adds the model executes for one sequence, where `c` counts the paper's (full T x T).
+
+    Causal products skip their zero triangle: our SGU and sMoE experts run blocked
+    (smlp/causal.py, `executed_pairs` per column), and the Transformers' fused causal attention
+    (scores and context) computes the causal triangle, n (n + 1) / 2 of the n^2 pairs (the
+    kernel's own blocks add a little more, not counted). Other token mixers (HyperMixer,
+    NiNformer) run as counted. The benchmark's MFU is reported against both figures."""
+    cfg, n = c.cfg, c.tokens
+
+    def spatial(width: int, m: int) -> int:  # pairs skipped by the blocked product, times the columns
+        return width * (m * m - executed_pairs(m))
+
+    attention = 2 * cfg.d_model * (n * n - n * (n + 1) // 2)
+    saved_dense = saved_sparse = 0
+    if cfg.family in ("gmlp", "smlp") and cfg.token_mixer == "sgu":
+        saved_dense = spatial(cfg.d_ffn // 2, n)
+    elif cfg.family == "transformer":
+        saved_dense = attention
+    if cfg.sparse_layers and cfg.family == "smlp":
+        smoe = cfg.sparse_block.smoe
+        saved_sparse = spatial(smoe.gated_dim, n - min(smoe.prefix_len, n))
+    elif cfg.sparse_layers:
+        saved_sparse = attention
+    return c.macs - cfg.dense_layers * saved_dense - cfg.sparse_layers * saved_sparse
 
 
 # ---------------------------------------------------------------- token-wise operations (Table 3)

@@ -17,8 +17,11 @@ in the forward pass, their reverses in the backward pass.
                     "Padded" is how GShard / Switch implementations (fairseq's MoE branch,
                     DeepSpeed, Mesh TensorFlow) send fixed E x capacity buffers; ours sends only
                     the rows routed (`padding=False`, what tests/test_steptime.py counts on gloo).
-    Base shuffle:   Base Layers' training-time token shuffle: B x T tokens to random ranks and
-                    back, again four exchanges.
+    Base shuffle:   Base Layers' training-time shuffle moves routing metadata only (moe.TMoE,
+                    `_shuffled_assignment`): the B x T tokens' scores (E fp32 values each) to
+                    random ranks and each token's expert (one int64) back, once each, forward
+                    only; the tokens themselves go from home to their expert and back (the tMoE
+                    exchange above). fairseq's BaseLayer moves the tokens twice each way.
 All-reduce per update (fairseq's legacy_ddp, after the backward pass, not overlapped): the
 non-expert gradients over all W ranks; with expert-data parallelism (W = R x G, R > 1) the expert
 gradients over the R replicas, once per micro-batch (smlp/parallel.py reduces in the backward
@@ -60,6 +63,7 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 import torch.nn.functional as F
 
+from smlp.causal import explicit_spatial
 from smlp.gates import gshard_capacity, switch_capacity
 from smlp.lm import LanguageModel, LMConfig
 from smlp.transformer import explicit_attention
@@ -192,12 +196,13 @@ def sparse_exchanges(cfg: LMConfig, *, sequences: int, tokens: int, ep_size: int
     if router == "switch":
         rows = E * switch_capacity(S, E, cfg.capacity_factor) if padding else S
     elif router == "gshard":
-        rows = E * gshard_capacity(S, E) if padding else 2 * S
+        rows = E * gshard_capacity(S, E, cfg.capacity_factor) if padding else 2 * S
     else:
         rows = S
     out.append(Exchange(f"tmoe-{router}", rows, row, ep_size))
-    if router == "base" and cfg.base_shuffle and training:
-        out.append(Exchange("base-shuffle", S, row, ep_size))
+    if router == "base" and cfg.base_shuffle and training:  # scores there, experts back; no gradient
+        out.append(Exchange("base-shuffle-scores", S, 4 * E, ep_size, times=1))
+        out.append(Exchange("base-shuffle-experts", S, 8, ep_size, times=1))
     return out
 
 
@@ -307,7 +312,8 @@ def _measure(cfg: LMConfig, tokens: int, experts_per_gpu: int, *, layers: bool) 
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(min(4, cfg.vocab_size - 1), cfg.vocab_size, (1, tokens + 1), generator=g)
     try:
-        with explicit_attention(model), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with explicit_attention(model), explicit_spatial(model), \
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             logits = model(ids[:, :-1])
             loss = F.cross_entropy(logits.reshape(-1, cfg.vocab_size).float(), ids[:, 1:].reshape(-1))
             aux = model.aux_loss()  # Switch / GShard load-balancing loss: trained too
@@ -376,7 +382,8 @@ def padding_macs_per_sequence(cfg: LMConfig, tokens: int, padding: bool) -> int:
     if not padding or cfg.family != "transformer" or not cfg.sparse_layers or cfg.moe_router not in ("switch", "gshard"):
         return 0
     S, E = tokens, cfg.num_experts
-    slots = E * (switch_capacity(S, E, cfg.capacity_factor) if cfg.moe_router == "switch" else gshard_capacity(S, E))
+    slots = E * (switch_capacity(S, E, cfg.capacity_factor) if cfg.moe_router == "switch"
+                 else gshard_capacity(S, E, cfg.capacity_factor))
     routed = S if cfg.moe_router == "switch" else 2 * S
     return max(slots - routed, 0) * 2 * cfg.d_model * cfg.d_ffn * cfg.sparse_layers
 
@@ -425,7 +432,7 @@ TABLE4 = {
                   "top-2: two FFN experts per token and twice the all2all rows (capacity 2S/E)"),
         Table4Row("Switch Transformer", "base_layers_lm_paper_small", ("--moe-router", "switch", *_SMALL), 185e3),
         Table4Row("Base Layers", "base_layers_lm_paper_small", _SMALL, 178e3,
-                  "training-time token shuffle: two more all2alls per sparse layer; the auction is not modelled"),
+                  "training-time shuffle of the routing scores (S x E) and experts back; the auction is not modelled"),
         Table4Row("HASH Layers", "base_layers_lm_paper_small", ("--moe-router", "hash", *_SMALL), 176e3,
                   "modelled as balanced; a fixed token-id hash loads frequent tokens' experts more"),
         Table4Row("sMLP-deterministic", "smlp_lm_paper_small", _SMALL, 192e3,

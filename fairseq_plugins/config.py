@@ -121,7 +121,12 @@ class MoETransformerConfig(_SparseBase):
         metadata={"help": "token router of the sparse FFN layers: gshard (top-2), switch (top-1), "
                           "base (balanced assignment), hash (fixed token-id table)"},
     )
-    capacity_factor: float = field(default=1.0, metadata={"help": "Switch capacity factor"})
+    capacity_factor: float = field(
+        default=1.0, metadata={"help": "capacity factor in training: Switch's expert capacity is cf x S/E tokens, "
+                                       "GShard's cf x 2S/E (1: the paper's 2S/E)"})
+    eval_capacity_factor: float = field(
+        default=0.0, metadata={"help": "capacity factor at evaluation (Switch, GShard); 0: no capacity limit, every "
+                                       "token routed on its own scores (causal per position)"})
     gshard_aux_loss: GSHARD_AUX_LOSS_CHOICES = field(
         default="normalized",
         metadata={"help": "GShard load-balancing loss: normalized = E^2 * mean(m_e c_e), 1 when balanced like "
@@ -200,9 +205,13 @@ def to_core_config(cfg, family: str, vocab_size: int, padding_idx: int) -> LMCon
         core = LMConfig(**common, **sparse, smoe_routing=str(cfg.smoe_routing), prefix_fraction=cfg.prefix_fraction)
         _explain_prefix(core, cfg.tokens_per_sample)
         return core
+    eval_cf = getattr(cfg, "eval_capacity_factor", 0.0)  # configs saved before the flag existed lack it
+    if eval_cf < 0:
+        raise ValueError(f"--eval-capacity-factor {eval_cf} is invalid: give a factor > 0 (e.g. 1.0 or 2.0), or 0 "
+                         f"for no capacity limit at evaluation")
     return LMConfig(**common, **sparse, heads=cfg.decoder_attention_heads, moe_router=str(cfg.moe_router),
-                    capacity_factor=cfg.capacity_factor, hash_seed=cfg.hash_seed,
-                    gshard_aux_loss=str(cfg.gshard_aux_loss))
+                    capacity_factor=cfg.capacity_factor, eval_capacity_factor=eval_cf or None,
+                    hash_seed=cfg.hash_seed, gshard_aux_loss=str(cfg.gshard_aux_loss))
 
 
 def _explain_prefix(core: LMConfig, tokens_per_sample: int) -> None:

@@ -1,10 +1,21 @@
 """The LM criterion for every model here: cross-entropy plus the weighted auxiliary loss.
 
 Logged separately: `loss`/`nll_loss`/`ppl` are the language-model figures only (comparable with
-fairseq's cross_entropy), `aux_loss` the load-balancing term per token. Partial prediction
-(sMLP 3.2.2) scores only positions after the routing prefix. Per MoE module: `load_<i>_<kind>`
-is the busiest expert's share relative to a perfectly even split (1.0 = balanced), and with
---log-a2a-time `a2a_ms_<i>_<kind>` the forward all2all time in milliseconds.
+fairseq's cross_entropy), `aux_loss` the load-balancing term per token, `z_loss` the routers'
+z-loss (ST-MoE, Switch and GShard; added to the loss with --router-z-loss-weight, 0 by default as
+in the sMLP paper). Partial prediction (sMLP 3.2.2) scores only positions after the routing
+prefix.
+
+Routing, per MoE module (`<i>_<kind>`: layer index and module), over every rank and micro-batch
+of the update: the tokens (rows) each expert computed are summed, not ratios averaged, so the
+figures describe the whole layer:
+    load_<i>_<kind>       the busiest expert's load over the mean (1.0 = balanced)
+    load_min_<i>_<kind>   the least loaded expert's over the mean
+    load_cv_<i>_<kind>    coefficient of variation of the per-expert load (std / mean, 0 = balanced)
+    idle_<i>_<kind>       experts that received no token
+    drop_<i>_<kind>       Switch, GShard: the fraction of routing slots (token, choice) dropped over
+                          capacity (Switch: of the tokens; GShard: of its 2 slots per token)
+and with --log-a2a-time `a2a_ms_<i>_<kind>`, the forward all2all time in milliseconds.
 
 No host sync: the forward reads nothing from the device. The token count comes from the batch
 (fairseq's `ntokens`, counted by the collater on the host; with partial prediction, minus the
@@ -33,6 +44,10 @@ class SMLPLossConfig(FairseqDataclass):
     aux_loss_weight: float = field(
         default=0.01, metadata={"help": "weight of the routers' auxiliary load-balancing loss (Switch: 0.01)"}
     )
+    router_z_loss_weight: float = field(
+        default=0.0, metadata={"help": "weight of the router z-loss (ST-MoE, Zoph et al. 2022: mean over tokens of "
+                                       "logsumexp(router logits)^2) of the Switch and GShard routers; ST-MoE uses "
+                                       "0.001; 0 (default, the sMLP paper's setting) adds nothing"})
     log_a2a_time: bool = field(
         default=False,
         metadata={"help": "log the forward all2all time of every MoE module (a2a_ms_*), measured with device "
@@ -42,9 +57,12 @@ class SMLPLossConfig(FairseqDataclass):
 
 
 def moe_stats(core, *, a2a_time: bool = False) -> dict:
-    """Load imbalance (device tensors, no host read) and, with a2a_time, all2all time of every MoE
-    module after a forward. A module that routed no row logs a load of 0 (every rank logs the same
-    keys, which fairseq's summed logging outputs need)."""
+    """The routing counts of every MoE module after a forward, as device tensors (no host read):
+    `moe_load_<key>` the rows each expert computed (E,), and for the routers with a capacity
+    `moe_drop_<key>` the slots dropped and `moe_slots_<key>` the slots routed; with a2a_time the
+    all2all time. fairseq sums logging outputs over micro-batches and ranks (one all-reduce of
+    tensors, vectors included), so `reduce_metrics` derives the figures from counts summed over
+    the whole update. Every rank logs the same keys (a module that routed nothing logs zeros)."""
     stats = {}
     for name, module in core.moe_modules():
         load = getattr(module, "load_E", None)
@@ -52,11 +70,27 @@ def moe_stats(core, *, a2a_time: bool = False) -> dict:
             continue
         parts = name.split(".")
         key = f"{parts[1]}_{parts[-1]}" if len(parts) > 2 else name.replace(".", "_")
-        ratio = load.max().double() / load.float().mean().double()
-        stats[f"load_{key}"] = torch.where(load.sum() > 0, ratio, torch.zeros_like(ratio))
+        stats[f"moe_load_{key}"] = load.double()
+        dropped = getattr(module, "dropped", None)
+        if dropped is not None:
+            stats[f"moe_drop_{key}"] = dropped.double()
+            stats[f"moe_slots_{key}"] = module.slots
         if a2a_time:
             stats[f"a2a_ms_{key}"] = 1000.0 * float(getattr(module, "comm_seconds", 0.0))
     return stats
+
+
+def routing_figures(load_E, dropped=None, slots=None) -> dict:
+    """The logged figures of one layer from its per-expert load summed over ranks (tensor ops: read
+    when fairseq's meters print): load, load_min, load_cv (over the mean load), idle, and drop."""
+    load_E = torch.as_tensor(load_E, dtype=torch.float64)
+    mean = load_E.mean()
+    safe = torch.where(mean > 0, mean, torch.ones_like(mean))  # nothing routed: every figure 0
+    out = {"load": load_E.max() / safe, "load_min": load_E.min() / safe,
+           "load_cv": load_E.std(unbiased=False) / safe, "idle": (load_E == 0).sum().double()}
+    if dropped is not None:  # no float(): the sums may be device tensors (fairseq's all-reduce)
+        out["drop"] = torch.as_tensor(dropped, dtype=torch.float64) / torch.as_tensor(slots, dtype=torch.float64).clamp(min=1)
+    return out
 
 
 def predicted_tokens(sample, target, start: int, pad: int) -> int:
@@ -77,9 +111,10 @@ def predicted_tokens(sample, target, start: int, pad: int) -> int:
 
 @register_criterion("smlp_lm_loss", dataclass=SMLPLossConfig)
 class SMLPLanguageModelLoss(FairseqCriterion):
-    def __init__(self, task, aux_loss_weight, sentence_avg, log_a2a_time=False):
+    def __init__(self, task, aux_loss_weight, sentence_avg, log_a2a_time=False, router_z_loss_weight=0.0):
         super().__init__(task)
         self.aux_loss_weight = aux_loss_weight
+        self.router_z_loss_weight = router_z_loss_weight
         self.sentence_avg = sentence_avg
         self.log_a2a_time = log_a2a_time
 
@@ -99,10 +134,13 @@ class SMLPLanguageModelLoss(FairseqCriterion):
                          reduction="sum" if reduce else "none")
         sample_size = sample["target"].size(0) if self.sentence_avg else ntokens
         aux = core.aux_loss()
+        z = core.z_loss() if hasattr(core, "z_loss") else None
         loss = nll
+        # the trainer divides by sample_size: scale so each router term enters once per token
         if aux is not None and self.aux_loss_weight:
-            # the trainer divides by sample_size: scale so the aux term enters once per token
-            loss = nll + self.aux_loss_weight * aux * max(sample_size, 1)
+            loss = loss + self.aux_loss_weight * aux * max(sample_size, 1)
+        if z is not None and self.router_z_loss_weight:
+            loss = loss + self.router_z_loss_weight * z * max(sample_size, 1)
         logging_output = {
             "loss": nll.data,
             "aux_loss": aux.detach() if aux is not None else 0.0,
@@ -114,6 +152,8 @@ class SMLPLanguageModelLoss(FairseqCriterion):
         }
         if aux is not None:
             logging_output["aux_count"] = 1  # logged only by models with an auxiliary loss
+        if z is not None:
+            logging_output["z_loss"] = z.detach()
         return loss, sample_size, logging_output
 
     @staticmethod
@@ -129,9 +169,20 @@ class SMLPLanguageModelLoss(FairseqCriterion):
         if any("aux_count" in log for log in logging_outputs):
             aux = sum(log.get("aux_loss", 0.0) for log in logging_outputs)
             metrics.log_scalar("aux_loss", aux / count, round=4)
-        keys = sorted({k for log in logging_outputs for k in log if k.startswith(("load_", "a2a_ms_"))})
+        if any("z_loss" in log for log in logging_outputs):
+            metrics.log_scalar("z_loss", sum(log.get("z_loss", 0.0) for log in logging_outputs) / count, round=4)
+        keys = sorted({k for log in logging_outputs for k in log})
         for k in keys:
-            metrics.log_scalar(k, sum(log.get(k, 0.0) for log in logging_outputs) / count, round=3)
+            if k.startswith("a2a_ms_"):
+                metrics.log_scalar(k, sum(log.get(k, 0.0) for log in logging_outputs) / count, round=3)
+            if not k.startswith("moe_load_"):
+                continue
+            layer = k[len("moe_load_"):]
+            summed = {name: sum(log[f"moe_{name}_{layer}"] for log in logging_outputs if f"moe_{name}_{layer}" in log)
+                      for name in ("load", "drop", "slots") if f"moe_{name}_{layer}" in keys}
+            figures = routing_figures(summed["load"], summed.get("drop"), summed.get("slots"))
+            for name, value in figures.items():
+                metrics.log_scalar(f"{name}_{layer}", value, round=4 if name == "drop" else 3)
 
     @staticmethod
     def logging_outputs_can_be_summed() -> bool:

@@ -50,6 +50,7 @@ class CoreLMDecoder(FairseqIncrementalDecoder):
         super().__init__(dictionary)
         self.core = core
         self._fill = None  # LongTensor (f,) while a routing-prefix fill is active
+        self._warned_recompute = False
 
     @contextlib.contextmanager
     def routing_prefix(self, fill):
@@ -65,6 +66,12 @@ class CoreLMDecoder(FairseqIncrementalDecoder):
 
     def forward(self, prev_output_tokens, src_lengths=None, incremental_state=None, **unused):
         f = 0 if self._fill is None else self._fill.numel()
+        if incremental_state is not None and not self.core.supports_cached_decoding:
+            if not self._warned_recompute:
+                logger.warning("this model has no cached decoding step (token-routed gMLP or leaky sMoE routing): "
+                               "generation recomputes the whole prefix at every position")
+                self._warned_recompute = True
+            incremental_state = None
         if incremental_state is None:
             tokens = prev_output_tokens if not f else self._with_fill(prev_output_tokens)
             return self.core(tokens)[:, f:], {"attn": [None], "inner_states": None}

@@ -96,6 +96,10 @@ class TMoEConfig:
 
     router: base (balanced assignment, Base Layers), switch (top-1, capacity factor,
             load-balancing loss), gshard (top-2, capacity 2S/E), hash (fixed token-id table).
+    capacity_factor: Switch's capacity factor (capacity cf x S/E), GShard's (cf x 2S/E; 1 is
+            the paper's 2S/E), in training.
+    eval_capacity_factor: the same at evaluation; None (default) routes every token in eval
+            mode on its own scores with no capacity limit (causal per position; gates.py).
     expert_norm: each expert normalizes its own input (Base Layers' expert sublayer); the
             default is True for base, False otherwise (the caller normalizes before routing).
     zero_init_output: the experts' second projection starts at zero, so each expert starts as
@@ -112,6 +116,7 @@ class TMoEConfig:
     router: str = "base"
     activation: str = "gelu"
     capacity_factor: float = 1.0
+    eval_capacity_factor: float | None = None
     vocab_size: int | None = None
     hash_seed: int = 0
     expert_norm: bool | None = None
@@ -128,6 +133,9 @@ class TMoEConfig:
         _choice("gshard_aux_loss", self.gshard_aux_loss, GSHARD_AUX_LOSSES)
         if not self.capacity_factor > 0:
             raise ValueError(f"capacity_factor={self.capacity_factor!r} is invalid: it must be > 0")
+        if self.eval_capacity_factor is not None and not self.eval_capacity_factor > 0:
+            raise ValueError(f"eval_capacity_factor={self.eval_capacity_factor!r} is invalid: it must be > 0, or None "
+                             f"for no capacity limit at evaluation")
         if self.router == "hash":
             if self.vocab_size is None:
                 raise ValueError("router='hash' needs vocab_size: the hash table maps every token id to an expert")

@@ -14,11 +14,12 @@ twin (LocalDispatcher holding all experts) to test against:
     y_RD = experts(x_RD, counts_L)
     y_SD = dispatcher.combine(y_RD, state)
 
-and, for Base Layers' training-time token shuffle (fairseq `BaseLayer`, `base_shuffle`):
+and, for Base Layers' training-time shuffle (fairseq `BaseLayer`, `base_shuffle`), which moves
+routing metadata only (moe.TMoE._shuffled_assignment):
 
-    x_SD, shuffle = dispatcher.shuffle(x_SD)      # rows sent to random ranks
-    ...route, dispatch, experts, combine on the shuffled rows...
-    y_SD = dispatcher.unshuffle(y_SD, shuffle)    # rows back home, in their original order
+    scores_SE, shuffle = dispatcher.shuffle(scores_SE)   # rows sent to random ranks
+    ...balanced assignment of the rows that arrived...
+    expert_S = dispatcher.unshuffle(expert_S, shuffle)   # rows back home, in their original order
 
 Host syncs: the split sizes of an exchange must be on the host (the experts split their rows by
 them, and an uneven all2all takes them as lists), so each dispatch reads its counts once, and
@@ -248,8 +249,8 @@ class LocalDispatcher:
         return y_SD
 
     def dispatch(self, x_SD: Tensor, expert_S: Tensor, *, presorted: bool = False, counts_E1: Tensor | None = None,
-                 host_counts_E: list[int] | None = None, fault_F: Tensor | None = None, layer: str = ""
-                 ) -> tuple[Tensor, list[int], DispatchState]:
+                 host_counts_E: list[int] | None = None, fault_F: Tensor | None = None, layer: str = "",
+                 common_width: bool = False) -> tuple[Tensor, list[int], DispatchState]:
         """Sort the rows by expert; rows of expert -1 (dropped slots) come first and are cut off.
 
         presorted:     the caller guarantees expert_S is non-decreasing (no sort, no gather).
@@ -258,6 +259,8 @@ class LocalDispatcher:
                        then nothing is read from the device unless there is a fault record.
         fault_F:       the router's fault record (routing.py), read with the counts; a fault
                        raises the router's error naming `layer`.
+        common_width:  the ranks' rows may differ in width (sMoE rows are as long as the local
+                       sequence): zero-pad them on the right to the widest (nothing to do here).
         """
         E = self.num_experts
         order_S, x_sorted = _sort_rows(x_SD, expert_S, presorted)
@@ -354,11 +357,14 @@ class AllToAllDispatcher(LocalDispatcher):
         return torch.device("cpu")
 
     def dispatch(self, x_SD: Tensor, expert_S: Tensor, *, presorted: bool = False, counts_E1: Tensor | None = None,
-                 host_counts_E: list[int] | None = None, fault_F: Tensor | None = None, layer: str = ""
-                 ) -> tuple[Tensor, list[int], DispatchState]:
+                 host_counts_E: list[int] | None = None, fault_F: Tensor | None = None, layer: str = "",
+                 common_width: bool = False) -> tuple[Tensor, list[int], DispatchState]:
         """As LocalDispatcher.dispatch, over the group (host_counts_E is not needed: the counts are
-        exchanged on the device either way)."""
+        exchanged on the device either way). With common_width every rank's row width travels with
+        its counts, and the rows are zero-padded on the right to the widest before they move: no
+        collective of its own (`common_width()` is one, with a host read)."""
         W, L, E, F = self.world_size, self.num_local_experts, self.num_experts, FAULT_WIDTH
+        X = L + F + (1 if common_width else 0)  # values each rank sends every other rank
         # 1. Sort rows by global expert: rows for rank w are then contiguous, ordered by local expert
         #    (already so when the caller says expert_S is non-decreasing, e.g. deterministic sMoE);
         #    dropped rows (expert -1) come first.
@@ -369,18 +375,23 @@ class AllToAllDispatcher(LocalDispatcher):
         with self.timer(x_SD.device):
             # 2. Tell every rank how many rows it will get for each of its local experts, and
             #    every rank this rank's fault record (the same F values to each).
-            send_WX = torch.cat([counts_E1[1:].view(W, L), fault_F.to(counts_E1.device).view(1, F).expand(W, F)], 1)
-            recv_WX = self._exchange_counts(send_WX)
-            # 3. One host read: this rank's counts and what every rank sends it (split sizes and
-            #    fault records). Every rank raises the same error on a fault, before the rows move.
+            parts = [counts_E1[1:].view(W, L), fault_F.to(counts_E1.device).view(1, F).expand(W, F)]
+            if common_width:  # and the row width: the widest pads every rank's rows
+                parts.append(counts_E1.new_full((W, 1), x_SD.shape[-1]))
+            recv_WX = self._exchange_counts(torch.cat(parts, 1))
+            # 3. One host read: this rank's counts and what every rank sends it (split sizes, fault
+            #    records, widths). Every rank raises the same error on a fault, before the rows move.
             host = torch.cat([counts_E1.to(recv_WX.device), recv_WX.reshape(-1)]).tolist()
-            recv = [host[E + 1 + w * (L + F):E + 1 + (w + 1) * (L + F)] for w in range(W)]
-            _raise_on_fault([row[L:] for row in recv], layer, self.group_ranks)
+            recv = [host[E + 1 + w * X:E + 1 + (w + 1) * X] for w in range(W)]
+            _raise_on_fault([row[L:L + F] for row in recv], layer, self.group_ranks)
             dropped, sent_E = host[0], host[1:E + 1]
             send_splits = [sum(sent_E[w * L:(w + 1) * L]) for w in range(W)]
             recv_splits = [sum(row[:L]) for row in recv]
+            x_send = x_sorted[dropped:]
+            if common_width and max(row[-1] for row in recv) > x_SD.shape[-1]:
+                x_send = torch.nn.functional.pad(x_send, (0, max(row[-1] for row in recv) - x_SD.shape[-1]))
             # 4. Exchange the rows; they arrive grouped by (source rank, local expert).
-            x_recv = all_to_all(x_sorted[dropped:], recv_splits, send_splits, self.ep_group)
+            x_recv = all_to_all(x_send, recv_splits, send_splits, self.ep_group)
         # 5. Regroup by (local expert, source rank) so each local expert sees one contiguous block
         #    (nothing to do with one local expert per rank, the paper's layout).
         counts_L = [sum(row[l] for row in recv) for l in range(L)]

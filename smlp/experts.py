@@ -11,6 +11,17 @@ exactly the model a seeded single-process run starts from (tests compare the two
 
 Every expert parameter carries `param.expert = True`: fairseq's legacy_ddp then skips it in the
 gradient all-reduce and clip_grad_norm_ treats it per rank (DESIGN.md, fairseq facts).
+
+Several experts on one rank (more experts than ranks, or a consolidated model evaluated on one
+process) run as one product, not one small matmul each: with equal counts (balanced routing,
+deterministic sMoE) the L experts' rows are an (L, c, ...) batch for one batched matmul; with
+unequal counts the FFN experts run torch's grouped matmul on accelerators (F.grouped_mm: recent
+GPUs in bf16; on the CPU it runs too but measured no faster than the loop, which is used there)
+and otherwise loop over the experts; the spatial experts run one blocked causal product for all
+of them (causal.py). Where they loop, the stacked weights are unbound
+once: indexing them expert by expert made every expert's gradient a zero-filled copy of the whole
+stack (L^2 memory traffic: 1.2 s of a 32-expert FFN step, against 0.1 s). benchmarks/local_experts.py
+measures 32 experts of the paper-small shapes (scaled down) before and after.
 """
 from __future__ import annotations
 
@@ -18,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .causal import causal_product_rows
 from .mixers import causal_weight, check_length, init_spatial_, uniform_per_slice_
 
 __all__ = ["mark_expert", "FFNExperts", "SpatialExperts"]
@@ -36,10 +48,55 @@ def _expert_generators(num_local_experts: int, first_expert: int) -> list[torch.
     return [torch.Generator().manual_seed(base + first_expert + l) for l in range(num_local_experts)]
 
 
-def _split_rows(x_RD: Tensor, counts_L: list[int]) -> list[Tensor]:
+def _check_counts(x_RD: Tensor, counts_L: list[int]) -> None:
     if sum(counts_L) != x_RD.shape[0]:
         raise ValueError(f"expert counts {counts_L} do not add up to the {x_RD.shape[0]} rows received")
+
+
+def _split_rows(x_RD: Tensor, counts_L: list[int]) -> list[Tensor]:
+    _check_counts(x_RD, counts_L)
     return list(torch.split(x_RD, counts_L, dim=0))
+
+
+def _equal_count(counts_L: list[int]) -> int | None:
+    """The common count when every local expert got the same number of rows, else None."""
+    return counts_L[0] if counts_L and all(c == counts_L[0] for c in counts_L) else None
+
+
+class _DenseGrad(torch.autograd.Function):
+    """The identity, whose backward hands on a dense gradient: grouped_mm's backward refuses the
+    stride-0 gradient of, e.g., a sum."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        return grad.contiguous()
+
+
+_GROUPED_MM: dict = {}
+
+
+def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch's grouped matmul (F.grouped_mm) runs forward and backward for this device and
+    dtype (CPU: fp32, bf16, fp16; CUDA: bf16 on recent GPUs); probed once with a tiny product."""
+    key = (device.type, dtype)
+    if key not in _GROUPED_MM:
+        try:
+            x = torch.ones(3, 16, device=device, dtype=dtype, requires_grad=True)
+            w = torch.ones(2, 16, 16, device=device, dtype=dtype, requires_grad=True)
+            offs = torch.tensor([1, 3], dtype=torch.int32, device=device)
+            F.grouped_mm(x, w, offs=offs).square().sum().backward()
+            _GROUPED_MM[key] = bool(torch.equal(w.grad[1], 2 * 2 * 16 * torch.ones_like(w.grad[1])))
+        except (RuntimeError, AttributeError, NotImplementedError, TypeError):
+            _GROUPED_MM[key] = False
+    return _GROUPED_MM[key]
+
+
+def _grouped_matmul(x_RD: Tensor, w_LDF: Tensor, offs_L: Tensor) -> Tensor:
+    return _DenseGrad.apply(F.grouped_mm(x_RD, w_LDF, offs=offs_L))
 
 
 class FFNExperts(nn.Module):
@@ -74,16 +131,57 @@ class FFNExperts(nn.Module):
         else:
             self.norm_weight = self.norm_bias = None
         mark_expert(self)
+        # unequal counts through torch's grouped matmul: None = on accelerators only (on the CPU it is no
+        # faster than the loop and gathers biases per row: benchmarks/local_experts.py); True / False force it
+        self.grouped: bool | None = None
 
     def forward(self, x_RD: Tensor, counts_L: list[int]) -> Tensor:
+        _check_counts(x_RD, counts_L)
+        L, R, D = len(counts_L), x_RD.shape[0], x_RD.shape[-1]
+        c = _equal_count(counts_L)
+        if torch.jit.is_tracing():  # FLOP counters (fvcore) count the loop's matmuls
+            return self.forward_loop(x_RD, counts_L)
+        if c is not None:  # balanced (or one expert): one batched product, the weights used whole
+            return self._batched(x_RD.reshape(L, c, D)).reshape(R, D)
+        grouped = self.grouped if self.grouped is not None else x_RD.device.type != "cpu"
+        if grouped and grouped_mm_supported(x_RD.device, x_RD.dtype):  # unequal counts: one grouped product
+            return self._grouped(x_RD, counts_L)
+        return self.forward_loop(x_RD, counts_L)
+
+    def _batched(self, x_LcD: Tensor) -> Tensor:
+        if self.norm_weight is not None and x_LcD.shape[0] == 1:  # one expert: the fused affine LayerNorm
+            x_LcD = F.layer_norm(x_LcD, x_LcD.shape[-1:], self.norm_weight[0], self.norm_bias[0])
+        elif self.norm_weight is not None:  # each expert's own affine LayerNorm
+            x_LcD = F.layer_norm(x_LcD, x_LcD.shape[-1:]) * self.norm_weight[:, None] + self.norm_bias[:, None]
+        h_LcF = self.activation(torch.baddbmm(self.b1[:, None], x_LcD, self.w1))
+        return torch.baddbmm(self.b2[:, None], h_LcF, self.w2)
+
+    def _grouped(self, x_RD: Tensor, counts_L: list[int]) -> Tensor:
+        """Rows grouped by expert (counts_L rows each) through one grouped matmul per projection; the
+        biases and LayerNorm affines are gathered per row."""
+        L, R = len(counts_L), x_RD.shape[0]
+        counts = torch.tensor(counts_L, device=x_RD.device)
+        offs_L = torch.cumsum(counts, 0).to(torch.int32)
+        expert_R = torch.repeat_interleave(torch.arange(L, device=x_RD.device), counts, output_size=R)
+        if self.norm_weight is not None:
+            x_RD = F.layer_norm(x_RD, x_RD.shape[-1:]) * self.norm_weight[expert_R] + self.norm_bias[expert_R]
+        h_RF = self.activation(_grouped_matmul(x_RD, self.w1, offs_L) + self.b1[expert_R])
+        return _grouped_matmul(h_RF, self.w2, offs_L) + self.b2[expert_R]
+
+    def forward_loop(self, x_RD: Tensor, counts_L: list[int]) -> Tensor:
+        """One matmul per local expert: the reference the batched and grouped forms are tested against,
+        and the form where grouped_mm does not run. The weights are unbound once (indexing them per
+        expert would give each expert's gradient a zero-filled copy of the whole stack)."""
         D = x_RD.shape[-1]
+        w1, b1, w2, b2 = (p.unbind(0) for p in (self.w1, self.b1, self.w2, self.b2))
+        norm = (self.norm_weight.unbind(0), self.norm_bias.unbind(0)) if self.norm_weight is not None else None
         outs = []
         for l, chunk in enumerate(_split_rows(x_RD, counts_L)):
-            if self.norm_weight is not None:
-                chunk = F.layer_norm(chunk, (D,), self.norm_weight[l], self.norm_bias[l])
-            h = self.activation(chunk @ self.w1[l] + self.b1[l])  # (R_l, F)
-            outs.append(h @ self.w2[l] + self.b2[l])
-        return torch.cat(outs, dim=0)
+            if norm is not None:
+                chunk = F.layer_norm(chunk, (D,), norm[0][l], norm[1][l])
+            h = self.activation(torch.addmm(b1[l], chunk, w1[l]))  # (R_l, F)
+            outs.append(torch.addmm(b2[l], h, w2[l]))
+        return torch.cat(outs, dim=0) if len(outs) != 1 else outs[0]
 
 
 class SpatialExperts(nn.Module):
@@ -102,12 +200,27 @@ class SpatialExperts(nn.Module):
         self.bias = nn.Parameter(torch.empty(num_local_experts, size))
         init_spatial_(self.weight, self.bias, init_eps, _expert_generators(num_local_experts, first_expert))
         mark_expert(self)
+        self.explicit_spatial = False  # the masked dense product, for FLOP counting (causal.explicit_spatial)
 
     def forward(self, x_RM: Tensor, counts_L: list[int]) -> Tensor:
         M = x_RM.shape[-1]
         check_length(M, self.size, "sMoE row")
-        w_LMM = causal_weight(self.weight, M)
-        outs = [chunk @ w_LMM[l].t() + (self.bias[l, :M] - 1)
+        if self.explicit_spatial:
+            return self.forward_dense(x_RM, counts_L)
+        _check_counts(x_RM, counts_L)
+        # one blocked causal product for all local experts; the rows are read positions first, in place
+        y_RM = causal_product_rows(self.weight, x_RM, counts_L)
+        L, c = len(counts_L), _equal_count(counts_L)
+        if c is not None:
+            return (y_RM.view(L, c, M) + (self.bias[:, None, :M] - 1)).view(L * c, M)
+        counts = torch.tensor(counts_L, device=x_RM.device)
+        return y_RM + (self.bias[:, :M] - 1).repeat_interleave(counts, dim=0, output_size=x_RM.shape[0])
+
+    def forward_dense(self, x_RM: Tensor, counts_L: list[int]) -> Tensor:
+        """The masked dense form, one matmul per expert (the paper's FLOP convention, and the reference)."""
+        M = x_RM.shape[-1]
+        w_LMM, bias = causal_weight(self.weight, M).unbind(0), self.bias.unbind(0)
+        outs = [chunk @ w_LMM[l].t() + (bias[l][:M] - 1)
                 for l, chunk in enumerate(_split_rows(x_RM, counts_L))]
         return torch.cat(outs, dim=0)
 

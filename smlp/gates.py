@@ -18,7 +18,13 @@ collective and own no parameters; the layer computes the logits with its own wei
   first expert = argmax of the softmax, second expert sampled by Gumbel-max on the logits with
   the first excluded, capacity 2S/E, first-choice slots filled before second-choice slots,
   weights renormalized over the kept slots. Equal to fairscale's `top2gating` (see tests); its
-  load-balancing loss is scaled by E^2 as fairseq's MoE branch and DeepSpeed scale it.
+  load-balancing loss is scaled by E^2 as fairseq's MoE branch and DeepSpeed scale it. A capacity
+  factor scales the capacity to ceil(factor * 2S/E) (1, the default, is the paper's 2S/E).
+- `router_z_loss`: ST-MoE (Zoph et al. 2022, "ST-MoE: Designing Stable and Transferable Sparse
+  Expert Models", eq. 5): the mean over rows of logsumexp(logits)^2, which keeps the router's
+  logits small (fp32 roundoff in the softmax). The layer computes it from the logits when the
+  criterion asks (moe.TMoE.z_loss), which adds it with its own weight (off by default, as in the
+  sMLP paper): a forward that nobody asks it of builds none of its graph.
 
 Capacity dropping keeps rows in order of position (row 0 first). A dropped slot has expert -1
 and weight 0: its row gets nothing from that slot (the layer's residual carries it).
@@ -26,8 +32,8 @@ and weight 0: its row gets nothing from that slot (the layer's residual carries 
 Training vs. eval: capacity couples the rows of a batch (whether row t is kept depends on the
 rows before it, and rows of the *next* sequence come after row t in a flattened batch). In eval
 mode both gates therefore route every row on its own logits with no capacity limit by default,
-which keeps eval causal per position (routing.py). `eval_capacity_factor` (Switch) and
-`drop_in_eval` (GShard) restore capacity-limited eval when wanted.
+which keeps eval causal per position (routing.py). `eval_capacity_factor` (both gates) and
+`drop_in_eval` (GShard: the training capacity) restore capacity-limited eval when wanted.
 
 Host synchronization: capacities are computed from shapes on the host and dropping is a cumsum
 on the device; the only host read is the check that the logits are usable (no NaN or +inf, and at
@@ -49,7 +55,7 @@ from torch import Tensor
 from .config import GSHARD_AUX_LOSSES
 from .routing import RoutingPlan, _check, nonfinite_fault
 
-__all__ = ["switch_top1", "gshard_top2", "switch_capacity", "gshard_capacity"]
+__all__ = ["switch_top1", "gshard_top2", "switch_capacity", "gshard_capacity", "router_z_loss"]
 
 
 # ---------------------------------------------------------------- capacities (host ints)
@@ -82,15 +88,27 @@ def switch_capacity(num_tokens: int, num_experts: int, capacity_factor: float, m
     return max(math.ceil(cf * num_tokens / num_experts), min_capacity)
 
 
-def gshard_capacity(num_tokens: int, num_experts: int) -> int:
-    """GShard expert capacity 2S/E (Lepikhin et al. sec. 2.2), rounded up: ceil(2S / E).
+def gshard_capacity(num_tokens: int, num_experts: int, capacity_factor: float = 1.0) -> int:
+    """GShard expert capacity 2S/E (Lepikhin et al. sec. 2.2), rounded up: ceil(factor * 2S / E).
 
     fairscale computes 2S // E and only accepts S divisible by E, where both agree. Rounding up
-    keeps at least one slot per expert for any S >= 1 (2S // E is 0 when 2S < E).
+    keeps at least one slot per expert for any S >= 1 (2S // E is 0 when 2S < E). The factor
+    (1 by default, the paper's) is exact in the decimal it was written in, as Switch's.
     """
+    cf = _check_capacity_factor("capacity_factor", capacity_factor)
     if num_experts < 1 or num_tokens < 0:
         raise ValueError(f"gshard_capacity needs num_tokens >= 0 and num_experts >= 1, got {num_tokens}, {num_experts}")
-    return -(-2 * num_tokens // num_experts)
+    return math.ceil(cf * 2 * num_tokens / num_experts)
+
+
+def router_z_loss(logits_SE: Tensor) -> Tensor:
+    """ST-MoE's router z-loss (Zoph et al. 2022, eq. 5): mean over rows of logsumexp(logits)^2, in fp32.
+
+    0 rows give a zero that still belongs to the graph."""
+    logits_SE = logits_SE.to(_compute_dtype(logits_SE))
+    if logits_SE.shape[0] == 0:
+        return logits_SE.sum() * 0
+    return torch.logsumexp(logits_SE, dim=-1).square().mean()
 
 
 # ---------------------------------------------------------------- shared pieces
@@ -229,6 +247,8 @@ def gshard_top2(
     noise_SE: Tensor | None = None,
     training: bool = True,
     drop_in_eval: bool = False,
+    capacity_factor: float = 1.0,
+    eval_capacity_factor: float | None = None,
     aux_loss: str = "normalized",
     layer: str = "gshard router",
     defer_checks: bool = False,
@@ -240,7 +260,9 @@ def gshard_top2(
        softmax over the remaining experts). noise_SE is used whenever given; otherwise training
        draws Gumbel(0, 1) noise as fairscale does and eval uses none (e2 = second-best logit,
        deterministic).
-    3. Capacity C = ceil(2S / E) (`gshard_capacity`). Slots are ranked per expert: all first
+    3. Capacity C = ceil(capacity_factor x 2S / E) (`gshard_capacity`; the paper's 2S/E at the
+       default 1; in eval mode eval_capacity_factor, or capacity_factor with drop_in_eval, or no
+       limit). Slots are ranked per expert: all first
        choices in row order, then all second choices in row order, so a second choice only gets
        a slot left over by the first choices (dropped first choices still count). Slots with
        rank >= C are dropped (expert -1, weight 0).
@@ -265,6 +287,11 @@ def gshard_top2(
     back to the logits' dtype).
     """
     _check_logits("gshard_top2", logits_SE, noise_SE)
+    _check_capacity_factor("capacity_factor", capacity_factor)
+    if eval_capacity_factor is not None:
+        _check_capacity_factor("eval_capacity_factor", eval_capacity_factor)
+    factor = capacity_factor if training else (
+        eval_capacity_factor if eval_capacity_factor is not None else capacity_factor if drop_in_eval else None)
     fault_F = _check(nonfinite_fault(logits_SE, allow_neg_inf=True), layer, defer_checks)
     if aux_loss not in GSHARD_AUX_LOSSES:
         raise ValueError(f"aux_loss={aux_loss!r} is unknown: valid values are {', '.join(GSHARD_AUX_LOSSES)}")
@@ -285,8 +312,8 @@ def gshard_top2(
         has_second_S = second_S != first_S          # False only when every other score is -inf
         mask2_SE = F.one_hot(second_S, E) * has_second_S[:, None]
 
-        if training or drop_in_eval:
-            capacity = gshard_capacity(S, E)
+        if factor is not None:
+            capacity = gshard_capacity(S, E, factor)
             rank1_S = _slot_positions(mask1_SE).gather(1, first_S[:, None]).squeeze(1)
             rank2_SE = _slot_positions(mask2_SE) + mask1_SE.sum(dim=0, keepdim=True)
             rank2_S = rank2_SE.gather(1, second_S[:, None]).squeeze(1)

@@ -98,6 +98,7 @@ class LMConfig:
     smoe_routing: str = "deterministic"
     moe_router: str = "base"
     capacity_factor: float = 1.0
+    eval_capacity_factor: float | None = None  # None: no capacity limit at evaluation (gates.py)
     dropout: float = 0.0
     activation: str = "gelu"
     prefix_fraction: float = 0.2
@@ -216,7 +217,8 @@ class LMConfig:
     def tmoe(self) -> TMoEConfig:
         return TMoEConfig(d_model=self.d_model, d_ffn=self.d_ffn, num_experts=self.num_experts,
                           router=self.moe_router, activation=self.activation,
-                          capacity_factor=self.capacity_factor, vocab_size=self.vocab_size,
+                          capacity_factor=self.capacity_factor, eval_capacity_factor=self.eval_capacity_factor,
+                          vocab_size=self.vocab_size,
                           hash_seed=self.hash_seed, gshard_aux_loss=self.gshard_aux_loss,
                           shuffle=self.base_shuffle)
 
@@ -285,6 +287,12 @@ class LanguageModel(nn.Module):
         """An empty decoding cache for this model (smlp/decoding.py)."""
         return DecodingCache(len(self.layers))
 
+    @property
+    def supports_cached_decoding(self) -> bool:
+        """False for the two paper experiments without a per-position step: the token-routed gMLP
+        (token_routed_experts) and the non-causal leaky sMoE routing. They generate by recomputing."""
+        return not (self.cfg.token_routed_experts or self.cfg.smoe_routing == LEAKY_SMOE_ROUTING)
+
     def step(self, tokens_Bk: Tensor, cache: DecodingCache) -> Tensor:
         """Cached decoding: the logits of positions cache.length..cache.length+k-1, (B, k, V).
 
@@ -295,7 +303,7 @@ class LanguageModel(nn.Module):
         if self.training:
             raise RuntimeError("cached decoding needs eval mode (model.eval()): training-time routing (balanced "
                                "assignment, capacities, token shuffle) and dropout couple the rows of a batch")
-        if self.cfg.token_routed_experts or self.cfg.smoe_routing == LEAKY_SMOE_ROUTING:
+        if not self.supports_cached_decoding:
             what = ("the token-routed gMLP experiment (token_routed_experts)" if self.cfg.token_routed_experts else
                     f"sMoE routing {LEAKY_SMOE_ROUTING!r}, whose router reads future positions (not causal)")
             raise NotImplementedError(f"cached decoding is not available for {what}: generate with the full "
@@ -332,4 +340,9 @@ class LanguageModel(nn.Module):
 
     def aux_loss(self) -> Tensor | None:
         losses = [m.aux_loss for _, m in self.moe_modules() if getattr(m, "aux_loss", None) is not None]
+        return torch.stack([l.float() for l in losses]).sum() if losses else None
+
+    def z_loss(self) -> Tensor | None:
+        """The routers' z-loss (ST-MoE) summed over the layers whose router has one (Switch, GShard)."""
+        losses = [z for z in (getattr(m, "z_loss", None) for _, m in self.moe_modules()) if z is not None]
         return torch.stack([l.float() for l in losses]).sum() if losses else None

@@ -4,7 +4,9 @@ gMLP ("Pay Attention to MLPs", Liu et al. 2021), section 2.1: s(Z) = Z1 * (W Z2 
 T x T spatial weight initialized near zero and b at one, so every block starts close to an
 identity-like feed-forward. For language modelling the spatial weight is made causal by
 masking the weight itself (lower triangular), sliced to the actual length n <= T: output
-position t only ever sees positions <= t, in training and in eval mode alike.
+position t only ever sees positions <= t, in training and in eval mode alike. The product runs
+as blocked GEMMs that skip the zero triangle (causal.py); the masked dense form is kept for the
+FLOP counter (`explicit_spatial`), which counts the paper's full T x T product.
 
 Half precision: at that init (W ~ U(+-1e-3/T), b = 1) W Z2 is ~1e-5, and W Z2 + b rounds to
 exactly 1 in bf16 (8 bits of mantissa) and fp16 (11): the spatial term would vanish from the
@@ -24,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.profiler import record_function
 
+from .causal import causal_product
 from .config import GMLPConfig, SGUConfig
 from .decoding import cache_append
 from .profiling import RANGES
@@ -85,13 +88,16 @@ class SpatialProjection(nn.Module):
         self.weight = nn.Parameter(torch.empty(heads, seq_len, seq_len))
         self.bias = nn.Parameter(torch.empty(heads, seq_len))
         init_spatial_(self.weight, self.bias, init_eps)
+        self.explicit_spatial = False  # the masked dense product, for FLOP counting (causal.explicit_spatial)
 
     def forward(self, x_BNC: Tensor) -> Tensor:
         B, n, C = x_BNC.shape
         check_length(n, self.seq_len)
-        x_BNHc = x_BNC.view(B, n, self.heads, C // self.heads)
-        w_HNN = causal_weight(self.weight, n)
-        y_BNHc = torch.einsum("hts,bshc->bthc", w_HNN, x_BNHc)
+        x_BNHc = x_BNC.reshape(B, n, self.heads, C // self.heads)
+        if self.explicit_spatial:  # the masked dense product (FLOP counting: the paper's full T x T)
+            y_BNHc = torch.einsum("hts,bshc->bthc", causal_weight(self.weight, n), x_BNHc)
+        else:  # blocked: the zero triangle is skipped (causal.py)
+            y_BNHc = causal_product(self.weight, x_BNHc)
         y_BNHc = y_BNHc + (self.bias[:, :n] - 1).t()[None, :, :, None]
         return y_BNHc.reshape(B, n, C)
 

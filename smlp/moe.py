@@ -8,8 +8,8 @@ Shape legend:
     S rows routed on this rank, E experts (global), P routing-prefix positions (partial prediction).
 
 Auxiliary losses, load and all2all time are kept on the module after each forward
-(`aux_loss`, `load_E`, `comm_seconds`) for the criterion and the logs to read; nothing lives
-in globals. They stay on the device (load_E) or as timing events (comm_seconds, read when it is
+(`aux_loss`, `z_loss`, `load_E`, `dropped`, `comm_seconds`) for the criterion and the logs to
+read; nothing lives in globals. They stay on the device (load_E) or as timing events (comm_seconds, read when it is
 asked for): a forward reads nothing on the host but the split sizes of its dispatches
 (dispatch.py), and the routers' input checks travel with those (routing.py).
 """
@@ -25,9 +25,10 @@ from torch.profiler import record_function
 from .profiling import RANGES
 from .config import SMoEConfig, SparseBlockConfig, TMoEConfig
 from .decoding import cache_append
+from .assignment import balanced_assignment
 from .dispatch import LocalDispatcher
 from .experts import FFNExperts, SpatialExperts
-from .gates import gshard_top2, switch_top1
+from .gates import gshard_top2, router_z_loss, switch_top1
 from .mixers import check_length
 from .numerics import router_logits
 from .routing import RoutingPlan, base_route, count_rows, hash_route, smoe_deterministic_experts, smoe_partial_route
@@ -64,9 +65,13 @@ class TMoE(nn.Module):
     base:   Base Layers (Lewis et al. 2021) as fairseq's `BaseLayer` runs it:
             y = sigmoid(x.c_e) * FFN_e(LN_e(x)). Added to x this is
             sigmoid * expert_sublayer(x) + (1 - sigmoid) * x, fairseq's form. In training the
-            tokens are first shuffled to random ranks (`shuffle`, fairseq's --base-shuffle) and
-            then assigned with exact balance (every expert gets the same number of tokens);
-            at inference each token goes to its best expert (greedy top-1). Why both: balance
+            tokens are shuffled to random ranks (`shuffle`, fairseq's --base-shuffle) and
+            assigned there with exact balance (every expert gets the same number of tokens);
+            at inference each token goes to its best expert (greedy top-1). Only the routing
+            scores travel through the shuffle (`_shuffled_assignment`): the assignment needs
+            nothing else, so the tokens go from home straight to their expert and back, one
+            exchange each way instead of fairseq's two (same assignment, outputs and
+            gradients as fairseq's layer; tests/test_distributed.py). Why both: balance
             is what makes Base Layers train without an auxiliary loss, but a balanced
             assignment couples the tokens of a batch (the expert of token t depends on later
             tokens), which a causal LM cannot do when generating; greedy routing is per token.
@@ -93,7 +98,10 @@ class TMoE(nn.Module):
                                   norm=cfg.uses_expert_norm, zero_output=cfg.uses_zero_init_output,
                                   first_expert=self.dispatcher.first_expert)
         self.aux_loss: Tensor | None = None
-        self.load_E: Tensor | None = None
+        self.logits_SE: Tensor | None = None  # the softmax gates' logits of the last forward (z_loss)
+        self.load_E: Tensor | None = None  # rows each expert computed (kept slots), on the device
+        self.dropped: Tensor | None = None  # slots over capacity (Switch, GShard), on the device
+        self.slots = 0  # routing slots of the last forward (tokens x choices): the denominator of `dropped`
         self.comm_time = None  # the dispatcher's timed sections of the last forward (CommTime)
         self.layer_name = f"TMoE ({cfg.router} router)"  # LanguageModel sets the module path, for errors
 
@@ -102,34 +110,61 @@ class TMoE(nn.Module):
         """All2all time of the last forward (0 unless the dispatcher's timer is enabled)."""
         return self.comm_time.seconds if self.comm_time is not None else 0.0
 
+    @property
+    def z_loss(self) -> Tensor | None:
+        """The router z-loss (ST-MoE) of the last forward's logits (Switch, GShard; None otherwise),
+        computed when asked: a forward whose criterion does not ask builds none of its graph."""
+        return router_z_loss(self.logits_SE) if self.logits_SE is not None else None
+
     def route(self, x_SD: Tensor, token_ids_S: Tensor | None = None, *, defer_checks: bool = False) -> RoutingPlan:
         """The routing plan of the rows; defer_checks leaves the router's input check in the plan
         (read by the dispatcher) instead of reading it here. router_logits computes the gate
         projection itself in fp32, whatever the model dtype (numerics.py)."""
         router, layer = self.cfg.router, self.layer_name
         if router == "base":
-            return base_route(router_logits(x_SD, self.centroids.t()), training=self.training, layer=layer,
-                              defer_checks=defer_checks)
+            scores_SE = router_logits(x_SD, self.centroids.t())
+            expert_S = self._shuffled_assignment(scores_SE) if self.training and self.cfg.uses_shuffle else None
+            return base_route(scores_SE, training=self.training, layer=layer, defer_checks=defer_checks,
+                              expert_S=expert_S)
+        cfg = self.cfg
+        if router in ("switch", "gshard"):
+            self.logits_SE = router_logits(x_SD, self.gate.weight.t())
         if router == "switch":
-            return switch_top1(router_logits(x_SD, self.gate.weight.t()), capacity_factor=self.cfg.capacity_factor,
-                               training=self.training, layer=layer, defer_checks=defer_checks)
+            return switch_top1(self.logits_SE, capacity_factor=cfg.capacity_factor,
+                               eval_capacity_factor=cfg.eval_capacity_factor, training=self.training, layer=layer,
+                               defer_checks=defer_checks)
         if router == "gshard":
-            return gshard_top2(router_logits(x_SD, self.gate.weight.t()), training=self.training,
-                               aux_loss=self.cfg.gshard_aux_loss, layer=layer, defer_checks=defer_checks)
+            return gshard_top2(self.logits_SE, training=self.training, capacity_factor=cfg.capacity_factor,
+                               eval_capacity_factor=cfg.eval_capacity_factor, aux_loss=cfg.gshard_aux_loss,
+                               layer=layer, defer_checks=defer_checks)
         if token_ids_S is None:
             raise ValueError("router='hash' needs the token ids of the rows it routes")
         return hash_route(token_ids_S.reshape(-1), self.hash_table, layer=layer, defer_checks=defer_checks)
+
+    def _shuffled_assignment(self, scores_SE: Tensor) -> Tensor:
+        """Base Layers' training-time assignment (fairseq's `base_shuffle`), moving routing metadata only.
+
+        fairseq's BaseLayer sends every token to a random rank, assigns there, sends it to its
+        expert, back, and home: two token exchanges each way, and their reverses in backward.
+        The assignment reads only the tokens' scores, so:
+        1. send the scores (S x E, fp32, no gradient) through the shuffle: the same random
+           permutation and split as fairseq's tokens (dispatcher.shuffle);
+        2. assign with exact balance over the rows that arrive, as fairseq assigns the tokens
+           that arrive (the same scores in the same order: the same assignment);
+        3. send each row's expert back to its home rank (dispatcher.unshuffle).
+        The tokens then go from home straight to their expert and back (`_route_and_compute`);
+        the combine weight sigmoid(score) is taken at home, where the scores have their gradient.
+        """
+        with torch.no_grad():
+            shuffled_SE, shuffle = self.dispatcher.shuffle(scores_SE.detach())
+            expert_S = balanced_assignment(shuffled_SE)
+            return self.dispatcher.unshuffle(expert_S, shuffle)
 
     def forward(self, x_SD: Tensor, token_ids_S: Tensor | None = None) -> Tensor:
         if x_SD.dim() != 2 or x_SD.shape[-1] != self.cfg.d_model:
             raise ValueError(f"TMoE expects rows of shape (S, {self.cfg.d_model}), got {tuple(x_SD.shape)}")
         mark = self.dispatcher.timer.mark()
-        if self.training and self.cfg.uses_shuffle:
-            x_SD, shuffle = self.dispatcher.shuffle(x_SD)
-            y_SD = self._route_and_compute(x_SD, token_ids_S)
-            y_SD = self.dispatcher.unshuffle(y_SD, shuffle)
-        else:
-            y_SD = self._route_and_compute(x_SD, token_ids_S)
+        y_SD = self._route_and_compute(x_SD, token_ids_S)
         self.comm_time = self.dispatcher.timer.take(mark)
         return y_SD
 
@@ -145,6 +180,8 @@ class TMoE(nn.Module):
         weight = plan.weights_SK.reshape(-1).to(x_SD.dtype)
         counts_E1 = count_rows(expert_idx, self.cfg.num_experts)
         self.load_E = counts_E1[1:].detach()
+        capacity = self.cfg.router in ("switch", "gshard")  # only these drop slots
+        self.dropped, self.slots = (counts_E1[0].detach(), S * K) if capacity else (None, 0)
         row_idx = torch.arange(S, device=x_SD.device).repeat_interleave(K) if K > 1 else None
         x_rows = x_SD if row_idx is None else x_SD[row_idx]
         x_RD, counts_L, state = self.dispatcher.dispatch(x_rows, expert_idx, counts_E1=counts_E1,
@@ -152,8 +189,8 @@ class TMoE(nn.Module):
         with record_function(RANGES["experts"]):
             y_RD = self.experts(x_RD, counts_L)
         y_rows = self.dispatcher.combine(y_RD, state)
-        if row_idx is None:
-            row_idx = torch.arange(S, device=x_SD.device)
+        if row_idx is None:  # one slot per token: the rows are the tokens, in order
+            return y_rows * weight[:, None]
         return torch.zeros_like(x_SD).index_add(0, row_idx, y_rows * weight[:, None])
 
 
@@ -192,7 +229,8 @@ class SMoE(nn.Module):
             "channel_expert_C", smoe_deterministic_experts(cfg.gated_dim, cfg.num_experts)
             if cfg.routing == "deterministic" else torch.empty(0, dtype=torch.long), persistent=False)
         self.load_E: Tensor | None = None
-        self.aux_loss = None
+        self.aux_loss = self.z_loss = None  # no softmax gate: no z-loss
+        self.dropped, self.slots = None, 0  # no capacity: nothing is dropped
         self.comm_time = None  # the dispatcher's timed sections of the last forward (CommTime)
         self.layer_name = f"SMoE ({cfg.routing} routing)"  # LanguageModel sets the module path, for errors
 
@@ -236,12 +274,11 @@ class SMoE(nn.Module):
         counts_E1 = count_rows(expert_S, cfg.num_experts)
         self.load_E = counts_E1[1:].detach()
         mark = self.dispatcher.timer.mark()
-        width = self.dispatcher.common_width(M)  # ranks may hold sequences of different lengths
-        if width > M:  # zero positions appended at the end never reach earlier outputs (causal)
-            rows_SM = F.pad(rows_SM, (0, width - M))
+        # ranks may hold sequences of different lengths: the dispatcher pads every rank's rows to the
+        # widest (zero positions appended at the end never reach earlier outputs: causal)
         x_RM, counts_L, state = self.dispatcher.dispatch(rows_SM, expert_S, presorted=deterministic,
                                                          counts_E1=counts_E1, host_counts_E=host_counts_E,
-                                                         fault_F=fault_F, layer=self.layer_name)
+                                                         fault_F=fault_F, layer=self.layer_name, common_width=True)
         with record_function(RANGES["token_mixing"]):  # the sMoE's experts mix positions
             y_RM = self.experts(x_RM, counts_L)
         y_SM = self.dispatcher.combine(y_RM, state)[:, :M]  # rows: gate minus one, W x + (b - 1) (SpatialExperts)

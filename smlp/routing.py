@@ -218,7 +218,7 @@ def greedy_top1(scores_SE: Tensor) -> Tensor:
 
 
 def base_route(scores_SE: Tensor, *, training: bool, layer: str = "base router",
-               defer_checks: bool = False) -> RoutingPlan:
+               defer_checks: bool = False, expert_S: Tensor | None = None) -> RoutingPlan:
     """Base Layers (Lewis et al. 2021): balanced assignment in training, greedy top-1 at inference.
 
     The combine weight is sigmoid(x . c_e) of the chosen expert, so the layer output
@@ -226,11 +226,17 @@ def base_route(scores_SE: Tensor, *, training: bool, layer: str = "base router",
     finite scores (all equal, one expert preferred by every row) are still assigned with exact
     balance; non-finite scores raise NonFiniteScoresError naming `layer` (at once, or where the
     dispatcher reads the plan's fault record with defer_checks=True).
+
+    expert_S: an assignment made elsewhere, used instead (Base Layers' shuffle balances each
+    row together with the rows of the rank its scores were sent to; moe.TMoE).
     """
     scores_SE = scores_SE.float()
     fault_F = _check(nonfinite_fault(scores_SE), layer, defer_checks)
-    with torch.no_grad():
-        expert_S = balanced_assignment(scores_SE.detach()) if training else scores_SE.detach().argmax(dim=-1)
+    if expert_S is not None:
+        expert_S = expert_S.reshape(-1).long()
+    else:
+        with torch.no_grad():
+            expert_S = balanced_assignment(scores_SE.detach()) if training else scores_SE.detach().argmax(dim=-1)
     chosen_S = scores_SE.gather(1, expert_S[:, None]).squeeze(1)
     weight_S = torch.sigmoid(chosen_S)
     return RoutingPlan(expert_S[:, None], weight_S[:, None], fault_F=fault_F)

@@ -153,6 +153,8 @@ CASES = [
      ["every-other placement needs at least as many dense as sparse layers, got 1 dense and 2 sparse"]),
     ("capacity-factor-zero", arch("switch_lm_tiny", "--capacity-factor", "0"), 1, ValueError,
      ["capacity_factor=0.0 is invalid: it must be > 0"]),
+    ("eval-capacity-factor-negative", arch("switch_lm_tiny", "--eval-capacity-factor", "-1"), 1, ValueError,
+     ["--eval-capacity-factor -1.0 is invalid: give a factor > 0", "or 0 for no capacity limit at evaluation"]),
     ("dropout-one", smlp("--dropout", "1.0"), 1, ValueError, ["dropout=1.0 is invalid: it must be in [0, 1)"]),
     ("unknown-smoe-routing", smlp("--smoe-routing", "learned"), 1, SystemExit,
      ["--smoe-routing: invalid choice: 'learned'", "deterministic", "partial"]),

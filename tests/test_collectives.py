@@ -120,7 +120,8 @@ def _worker(rank: int, world: int, init: str, out: str) -> None:
                                  "round_trip": bool(torch.equal(z_SD.detach().cpu(), 2 * x_SD.detach().cpu())),
                                  "grad": bool(torch.equal(x_SD.grad.cpu(), torch.full((9 + rank, 3), 6.0)))}
 
-            # a Base Layers tMoE training step: shuffle, route, dispatch, experts, combine, unshuffle, backward
+            # a Base Layers tMoE training step: the scores shuffled, assigned, their experts back; the tokens
+            # dispatched from home, experts, combined home; backward
             torch.manual_seed(0)
             layer = TMoE(TMoEConfig(d_model=6, d_ffn=8, num_experts=4, router="base"), disp).to("cuda").train()
             n0 = len(calls)
@@ -163,8 +164,9 @@ def test_no_cpu_tensor_reaches_a_collective_when_the_backend_is_nccl(tmp_path):
         # shuffle: counts + rows; unshuffle: rows; backward: both row exchanges reversed
         assert r["shuffle"]["collectives"] == ["all_to_all_single"] * 5
         assert r["shuffle"]["round_trip"] and r["shuffle"]["grad"] and r["shuffle"]["sizes"][0] in (9, 10)
-        # forward: shuffle (2), dispatch (2), combine, unshuffle; backward: the 4 row exchanges reversed
-        assert r["base_step"] == ["all_to_all_single"] * 10
+        # forward: shuffle of the scores (counts, scores), their experts back, dispatch (counts, tokens),
+        # combine; backward: the 2 token exchanges reversed (the scores and experts carry no gradient)
+        assert r["base_step"] == ["all_to_all_single"] * 8
         assert r["replica_collectives"] == ["all_reduce"] * 4  # w1, b1, w2, b2
         assert r["synchronized"] == 0  # nothing waited for the device
         assert r["stop_vote"] is False

@@ -300,7 +300,8 @@ def test_sparse_block_eval_outputs_equal_one_process(routing, spawned, request):
 def _shuffle_worker(rank, world, init_file, tokens):
     """Shuffle on: each rank's rows are balanced together with the rows the shuffle sends it.
 
-    The reference rebuilds every rank's permutation (the same seeded global-RNG draw as fairseq's
+    Only the routing scores travel through the shuffle; the tokens go from home to their expert and
+    back. The reference is what fairseq computes: it rebuilds every rank's permutation (the same seeded global-RNG draw as fairseq's
     torch.randperm), runs the single-process layer on each receiving rank's group of rows and
     scatters the results back: outputs, input gradients and every parameter gradient agree.
     """
@@ -343,7 +344,14 @@ def _shuffle_worker(rank, world, init_file, tokens):
         assert torch.allclose(x.grad, xs_ref[rank].grad, atol=ATOL), "input gradient differs"
         _check_expert_grads(model, ref, rank, world)
         _check_shared_grads(model, ref)
-        assert sum(model.load_E.tolist()) == sum(len(pieces[r, rank]) for r in range(world))
+        # the tokens are routed from home (only their scores were shuffled): this rank's load counts its own
+        # tokens, and summed over the ranks every expert got exactly what balanced assignment gives each
+        # shuffled group (every expert S_w // E of a group of S_w rows, one more for the first S_w % E)
+        load = model.load_E.clone()
+        assert int(load.sum()) == tokens[rank]
+        dist.all_reduce(load)
+        received = [sum(len(pieces[r, w]) for r in range(world)) for w in range(world)]
+        assert load.tolist() == [sum(n // E + (e < n % E) for n in received) for e in range(E)]
     finally:
         _finish()
 

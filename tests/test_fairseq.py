@@ -8,6 +8,18 @@ from causality import assert_causal
 from fairseq_helpers import PLUGINS, TINY_TRAIN, assert_ok, output, run_fairseq, train_losses, valid_losses
 
 
+def routing_logged(log: str) -> dict[int, dict[str, float]]:
+    """num_updates -> the routing figures of every sparse layer in fairseq's train_inner lines."""
+    import re
+
+    out = {}
+    for line in re.findall(r"train_inner \| (.*)", log):
+        fields = dict(re.findall(r"(\w+)=([-\d.eE+]+)", line))
+        out[int(fields["num_updates"])] = {k: float(v) for k, v in fields.items()
+                                           if re.match(r"(load|load_min|load_cv|idle|drop)_\d+_", k)}
+    return out
+
+
 def eval_lm_figures(log: str) -> list[tuple[int, float]]:
     """(tokens evaluated, loss base 2) for every result fairseq-eval-lm printed."""
     import re
@@ -131,11 +143,20 @@ def test_every_model_trains_on_two_ranks_like_one_process(tiny_lm_data, tmp_path
     expected = ["checkpoint_last-rank-0.pt", "checkpoint_last-rank-1.pt"] if sparse else ["checkpoint_last.pt"]
     for name in expected:
         assert (tmp_path / "two" / name).is_file(), sorted(p.name for p in (tmp_path / "two").iterdir())
-    one = train_losses(assert_ok(run_fairseq("fairseq-train", [*common, "--update-freq", "2", "--no-save",
-                                                               "--save-dir", str(tmp_path / "one")])))
+    one_log = assert_ok(run_fairseq("fairseq-train", [*common, "--update-freq", "2", "--no-save",
+                                                      "--save-dir", str(tmp_path / "one")]))
+    one = train_losses(one_log)
     tol = SAME_AS_ONE_PROCESS_TOL.get(arch.split("_")[0], 2e-3)
     assert two == pytest.approx(one, abs=tol), (two, one)
     assert 9.0 < two[1] < 12.0, two  # a fresh model: about log2 of the ~2000-word vocabulary
+    if sparse:  # routing figures of the whole update: summed over the 2 ranks as over 1 process's 2 batches
+        routing_two, routing_one = routing_logged(res[0].stdout), routing_logged(one_log)
+        kinds = {k.split("_")[0] + ("_" + k.split("_")[1] if k.split("_")[1] in ("min", "cv") else "")
+                 for k in routing_two[1]}
+        assert kinds >= {"load", "load_min", "load_cv", "idle"}, routing_two
+        assert ("drop" in kinds) == (arch in ("gshard_lm_tiny", "switch_lm_tiny")), kinds
+        if arch != "gshard_lm_tiny":  # GShard's second choices are sampled (see above)
+            assert routing_two == routing_one, (routing_two, routing_one)
 
 
 @pytest.mark.slow

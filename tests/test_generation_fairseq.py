@@ -87,7 +87,10 @@ def test_sequence_generator_with_the_cache_equals_it_without(tiny_lm_data, arch,
         full, widths_full = _run(task, model, gen, prompts, False)
         P = model.decoder.core.cfg.prediction_start  # a fill of f tokens is read with the first position
         fills = sorted(P - len(p) + 1 for p in prompts if len(p) < P)
-        assert sorted(w for w in widths_cached if w > 1) == fills and max(widths_full) > 1
+        if model.decoder.core.supports_cached_decoding:
+            assert sorted(w for w in widths_cached if w > 1) == fills and max(widths_full) > 1
+        else:  # token-routed experiment: the incremental path falls back to recomputing every prefix
+            assert widths_cached == widths_full and max(widths_full) > 1
         for row_c, row_f in zip(cached, full):
             assert len(row_c) == len(row_f) == beam
             for h_c, h_f in zip(row_c, row_f):

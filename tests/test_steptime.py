@@ -20,13 +20,17 @@ TINY = dict(vocab_size=40, d_model=16, d_ffn=32, seq_len=12, num_experts=4)
 
 
 def test_exchanges_of_the_paper_small_smlp():
-    """sMoE: B x D rows of T positions; tMoE: B x T tokens of D values; the shuffle as many: the same
-    bytes three times, (G - 1) / G of them leave the GPU."""
+    """sMoE: B x D rows of T positions; tMoE: B x T tokens of D values, (G - 1) / G of them leave the GPU,
+    four times a step; the shuffle: the tokens' 32 fp32 scores there and their expert (int64) back, once
+    each (forward, no gradient): 17 of the tokens' 256 bytes per token and exchange."""
     spec = FL.parse_model("smlp_lm_paper_small", ["--batch-size", "4", "--fp16"])
     ex = S.sparse_exchanges(spec.cfg, sequences=4, tokens=1024, ep_size=32, dtype_bytes=2)
-    assert [e.name for e in ex] == ["smoe", "tmoe-base", "base-shuffle"]
-    assert [(e.rows, e.row_bytes) for e in ex] == [(4 * 1024, 1024 * 2), (4 * 1024, 1024 * 2), (4 * 1024, 1024 * 2)]
-    assert all(e.bytes_sent == 4 * 1024 * 1024 * 2 * 31 / 32 and e.times == 4 for e in ex)
+    assert [e.name for e in ex] == ["smoe", "tmoe-base", "base-shuffle-scores", "base-shuffle-experts"]
+    assert [(e.rows, e.row_bytes, e.times) for e in ex] == [(4 * 1024, 1024 * 2, 4), (4 * 1024, 1024 * 2, 4),
+                                                            (4 * 1024, 32 * 4, 1), (4 * 1024, 8, 1)]
+    assert all(e.bytes_sent == 4 * 1024 * 1024 * 2 * 31 / 32 for e in ex[:2])
+    tokens, shuffle = ex[1].bytes_sent * ex[1].times, sum(e.bytes_sent * e.times for e in ex[2:])
+    assert shuffle / tokens == pytest.approx((32 * 4 + 8) / (4 * 1024 * 2))  # fairseq's token shuffle: 1 (the tokens again)
     assert S.sparse_exchanges(spec.cfg, sequences=4, tokens=1024, ep_size=32, dtype_bytes=2, training=False)[-1].name \
         == "tmoe-base"  # no shuffle at inference
 
@@ -49,17 +53,22 @@ def test_capacity_padding_of_gshard_and_switch():
 CASES = [  # (name, model flags, expert-parallel group size)
     ("smlp-deterministic", dict(family="smlp", dense_layers=1, sparse_layers=2), 4),
     ("smlp-partial", dict(family="smlp", dense_layers=0, sparse_layers=1, smoe_routing="partial"), 2),
+    ("base", dict(family="transformer", dense_layers=1, sparse_layers=1, heads=2, moe_router="base"), 4),
     ("hash", dict(family="transformer", dense_layers=1, sparse_layers=1, heads=2, moe_router="hash"), 2),
     ("switch", dict(family="transformer", dense_layers=1, sparse_layers=1, heads=2, moe_router="switch"), 4),
 ]
 
 
 def _count_worker(rank, world, init_file):
-    """Count the float bytes every all_to_all_single of a forward + backward puts in and sends away.
+    """Count the bytes every all_to_all_single of rows (the exchanges given split sizes: tokens, sMoE rows,
+    Base Layers' scores and experts; not the split-size exchanges themselves) of a forward + backward puts
+    in and sends away.
 
     A rank puts in its S routed rows (dispatch, and the reverse of combine in the backward pass) and
     the R rows its experts received (combine, reverse of dispatch): with balanced routing R = S on
-    every rank; otherwise only the sum over ranks is fixed."""
+    every rank; otherwise only the sum over ranks is fixed. Which of a rank's rows stay home depends
+    on the routing: the model's bytes sent, (G - 1) / G of those put in, are exact for the sMoE and
+    the shuffle (fixed splits) and what balanced routing gives on average for the tokens."""
     from test_distributed import _finish, _init
 
     _init(rank, world, init_file)
@@ -68,7 +77,7 @@ def _count_worker(rank, world, init_file):
         real = dist.all_to_all_single
 
         def counting(out, inp, output_split_sizes=None, input_split_sizes=None, group=None, **kw):
-            if inp.is_floating_point():
+            if input_split_sizes is not None:  # rows; the split-size exchanges pass none
                 me = dist.get_rank(group)
                 row = inp[0].numel() * inp.element_size() if inp.shape[0] else 0
                 splits = input_split_sizes or [inp.shape[0] // dist.get_world_size(group)] * dist.get_world_size(group)
@@ -92,8 +101,10 @@ def _count_worker(rank, world, init_file):
             want_in = cfg.sparse_layers * sum(e.times * e.bytes_in for e in ex)
             want_away = cfg.sparse_layers * sum(e.times * e.bytes_sent for e in ex)
             # checks are collected, not asserted here: a rank that stopped early would leave the others waiting
-            if name.startswith("smlp"):  # balanced by construction: every expert gets the same rows
-                ok = (sent["in"], sent["away"]) == (want_in, want_away)
+            if name.startswith("smlp") or name == "base":  # balanced: every expert gets the same rows
+                routed = [e for e in ex if e.name.startswith("tmoe")]  # which tokens stay home depends on routing
+                fixed_away = want_away - cfg.sparse_layers * sum(e.times * e.bytes_sent for e in routed)
+                ok = sent["in"] == want_in and fixed_away < sent["away"] < want_in
             elif name == "hash":  # every token goes somewhere, so over all ranks the volume is the predicted one
                 total = torch.tensor([sent["in"]], dtype=torch.float64)
                 dist.all_reduce(total)
@@ -154,6 +165,7 @@ def _graph_saved_bytes(root, exclude: set[int]) -> tuple[int, int]:
 ], ids=["smlp", "switch", "gmlp"])
 def test_activation_bytes_equal_the_autograd_graph(flags):
     """The hook measurement (attributed per layer) equals a walk of the autograd graph."""
+    from smlp.causal import explicit_spatial
     from smlp.transformer import explicit_attention
 
     cfg = LMConfig(**TINY, **flags)
@@ -162,7 +174,7 @@ def test_activation_bytes_equal_the_autograd_graph(flags):
     model = LanguageModel(cfg.with_layers(1, 1 if cfg.sparse_layers else 0),
                           FL.OneGPUDispatcher(4, 1) if cfg.sparse_layers else None).train()
     ids = torch.randint(min(4, 39), 40, (1, 13), generator=torch.Generator().manual_seed(0))
-    with explicit_attention(model):
+    with explicit_attention(model), explicit_spatial(model):
         loss = F.cross_entropy(model(ids[:, :-1]).reshape(-1, 40).float(), ids[:, 1:].reshape(-1))
     if model.aux_loss() is not None:  # Switch's load-balancing loss: its graph is trained too (the criterion adds it)
         loss = loss + model.aux_loss()
@@ -252,14 +264,18 @@ def test_table4_prediction_and_what_the_readme_says_of_it():
     a2a = {n: r["seconds"]["all2all"] for n, r in rows.items()}
     mem = {n: r["seconds"]["memory_bound"] for n, r in rows.items()}
     assert rows["GShard"]["rank"] == 5  # last, as measured: top-2
-    assert wps["Base Layers"] < wps["Switch Transformer"]  # as measured: the shuffle's all2alls
+    assert wps["Base Layers"] < wps["Switch Transformer"]  # as measured: the shuffle (of routing scores only)
+    assert wps["Base Layers"] == pytest.approx(wps["Switch Transformer"], rel=0.02)  # it moves no tokens
     assert wps["HASH Layers"] == pytest.approx(wps["Switch Transformer"], rel=0.01)  # balanced HASH = Switch
-    assert a2a["sMLP-deterministic"] == pytest.approx(3 * a2a["Switch Transformer"], rel=0.05)  # three volumes
+    assert a2a["sMLP-deterministic"] == pytest.approx(2 * a2a["Switch Transformer"], rel=0.05)  # two volumes
     assert mem["sMLP-deterministic"] < 0.6 * mem["Switch Transformer"]  # no attention probabilities
     assert rows["sMLP-deterministic"]["rank"] == 4
     assert all(1.7 < wps[n] / rows[n]["paper_wps"] < 2.4 for n in wps)  # the absolute gap the README states
     for r in rows.values():
         assert r["memory_bytes"]["total"] < cluster.gpu_memory  # every configuration fits a 32 GB V100
+    tie = {r["name"]: r["words_per_second"]
+           for r in FL.table4("top", S.with_cluster_overrides(cluster, ib_bandwidth=75e9), "analytic")}
+    assert tie["sMLP-deterministic"] == pytest.approx(tie["Switch Transformer"], rel=0.01)  # 1.5x the IB: a tie
     fast = {r["name"]: r["words_per_second"]
             for r in FL.table4("top", S.with_cluster_overrides(cluster, ib_bandwidth=150e9), "analytic")}
-    assert fast["sMLP-deterministic"] == pytest.approx(fast["Switch Transformer"], rel=0.01)  # 3x the IB: a tie
+    assert max(fast, key=fast.get) == "sMLP-deterministic"  # 3x the IB: first, as the paper measured
