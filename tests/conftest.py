@@ -38,3 +38,29 @@ def tiny_lm_data(tmp_path_factory) -> Path:
                     "--testpref", str(root / "test.txt"), "--destdir", str(out), "--nwordssrc", "2000",
                     "--workers", "1"], check=True, capture_output=True)
     return out
+
+
+# ---------------------------------------------------------------- one 2-rank sMLP tiny run per routing, shared
+
+
+@pytest.fixture(scope="session")
+def smlp_tiny_two_ranks(tiny_lm_data, tmp_path_factory):
+    """routing -> (save dir, rank 0's log) of smlp_lm_tiny trained for SHARED_RUN_UPDATES updates on 2
+    expert-parallel gloo ranks, validated every 10 updates and saved at the end. Each routing is trained once
+    per session, on first use, for every test that needs that run (test_fairseq.py, test_faults.py): a
+    2-rank fairseq-train costs two processes' start-up and the training."""
+    from fairseq_helpers import SHARED_RUN_UPDATES, assert_ok, run_fairseq, smlp_tiny_flags
+
+    runs = {}
+
+    def get(routing: str = "deterministic"):
+        if routing not in runs:
+            save = tmp_path_factory.mktemp(f"smlp_tiny_two_ranks_{routing}")
+            res = run_fairseq("fairseq-train", [*smlp_tiny_flags(tiny_lm_data, routing),
+                                                "--max-update", str(SHARED_RUN_UPDATES), "--save-dir", str(save)],
+                              world=2)
+            assert_ok(res)
+            runs[routing] = (save, res[0].stdout)
+        return runs[routing]
+    return get
+

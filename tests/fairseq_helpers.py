@@ -18,6 +18,17 @@ TINY_TRAIN = [
 ]
 
 
+def smlp_tiny_flags(data, routing: str) -> list[str]:
+    """The flags of the shared 2-rank run (`smlp_tiny_two_ranks`) and of the runs compared with it. The learning
+    rate is fixed (no schedule) and fairseq reseeds every update, so --max-update, saving and validation decide
+    only where a run stops and what it writes, not the losses of its updates."""
+    return [str(data), "--user-dir", PLUGINS, "--arch", "smlp_lm_tiny", *TINY_TRAIN, "--smoe-routing", routing,
+            "--validate-interval-updates", "10"]
+
+
+SHARED_RUN_UPDATES = 50
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -54,6 +65,47 @@ def run_fairseq(program: str, args: list[str], *, world: int = 1, timeout: int =
             if p.poll() is None:
                 p.kill()
     return results
+
+
+def run_in_process(program: str, args: list[str], *, threads: int = 2) -> list[subprocess.CompletedProcess]:
+    """`program` (fairseq-train, fairseq-validate or fairseq-eval-lm) on one CPU process as run_fairseq runs it,
+    but in this process: its console script's cli_main with these arguments. Returns what run_fairseq
+    returns, the log lines fairseq would print as stdout; an error is raised here. A one-process run this way
+    pays no process start-up (the ~5 s of fairseq imports each fairseq subprocess pays here)."""
+    import importlib
+    import logging
+
+    import torch
+
+    module = importlib.import_module("fairseq_cli." + {"fairseq-train": "train", "fairseq-validate": "validate",
+                                                       "fairseq-eval-lm": "eval_lm"}[program])
+    lines = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):  # fairseq's progress bar names its records after their tag (train_inner, valid)
+            lines.append(f"{record.name} | {record.getMessage()}")
+
+    # collected below the root: fairseq-validate replaces the root logger's handlers (fairseq.utils.reset_logging),
+    # and the root's handlers and level are put back afterwards for the rest of the session
+    collected = [logging.getLogger(name) for name in ("fairseq", "fairseq_cli", "fairseq_plugins", "smlp")]
+    root = logging.getLogger()
+    handler, root_handlers, level, torch_threads, argv = (Collect(logging.INFO), root.handlers[:], root.level,
+                                                          torch.get_num_threads(), sys.argv)
+    for logger in collected:
+        logger.addHandler(handler)
+    root.setLevel(logging.INFO)
+    torch.set_num_threads(threads)  # as run_fairseq's one process
+    sys.argv = [program, *args, "--cpu"]
+    try:
+        module.cli_main()
+    finally:
+        sys.argv = argv
+        for logger in collected:
+            logger.removeHandler(handler)
+        root.handlers[:] = root_handlers
+        root.setLevel(level)
+        torch.set_num_threads(torch_threads)
+    return [subprocess.CompletedProcess([program, *args, "--cpu"], 0, "\n".join(lines) + "\n", "")]
 
 
 def _merge_flags(args: list[str], dist: list[str]) -> list[str]:

@@ -158,6 +158,13 @@ CASES = [
     ("dropout-one", smlp("--dropout", "1.0"), 1, ValueError, ["dropout=1.0 is invalid: it must be in [0, 1)"]),
     ("unknown-smoe-routing", smlp("--smoe-routing", "learned"), 1, SystemExit,
      ["--smoe-routing: invalid choice: 'learned'", "deterministic", "partial"]),
+    # (these three ran as fairseq-train subprocesses in test_fairseq.py, the rest of that list is above and below)
+    ("experts-do-not-divide-a-wider-width", smlp("--decoder-embed-dim", "66", "--num-experts", "4"), 1, ValueError,
+     ["must divide the gated width 66"]),
+    ("unknown-moe-router", arch("switch_lm_tiny", "--moe-router", "top3"), 1, SystemExit,
+     ["--moe-router: invalid choice: 'top3'"]),
+    ("hypermixer-with-sgu-heads", arch("hypermixer_lm_tiny", "--sgu-heads", "2"), 1, ValueError,
+     ["token_mixer='hypermixer' needs heads=1"]),
     # experts vs world size (rank 0 of 2)
     ("experts-not-a-multiple-of-the-world", smlp("--num-experts", "3", "--distributed-world-size", "2"), 2, ValueError,
      ["num_experts=3 cannot be spread evenly over 2 ranks", "multiple of the world size (e.g. 2 or 4)"]),

@@ -3,11 +3,18 @@
 Every rank builds the single-process reference (all experts local) with the same weights, runs
 it on every rank's input, and checks its own share: outputs, input gradients, its experts'
 gradients, and the all-reduced gradients of the shared (non-expert) parameters.
+
+Starting ranks costs far more than the cases: every case of a world size runs in one spawn (the
+`spawned` fixture, each case in its own process group), and each test checks its case's outcome.
 """
 from __future__ import annotations
 
+import datetime
+import json
 import os
 import tempfile
+import traceback
+from pathlib import Path
 
 import pytest
 import torch
@@ -29,9 +36,62 @@ def run_workers(fn, world: int, *args) -> None:
         mp.spawn(fn, args=(world, os.path.join(tmp, "rendezvous"), *args), nprocs=world, join=True)
 
 
+def _run_cases(rank: int, world: int, tmp: str, cases: list) -> None:
+    """Each case in order, in its own process group; the first failure ends this rank (its peers then fail
+    their collectives at once instead of waiting for a partner that moved on)."""
+    for i, (case_id, fn, args) in enumerate(cases):
+        try:
+            fn(rank, world, os.path.join(tmp, f"rendezvous-{i}"), *args)
+        except BaseException:
+            with open(os.path.join(tmp, f"{rank}-{i}.json"), "w") as f:
+                json.dump({"case": case_id, "error": traceback.format_exc()}, f)
+            os._exit(1)
+        with open(os.path.join(tmp, f"{rank}-{i}.json"), "w") as f:
+            json.dump({"case": case_id, "error": None}, f)
+
+
+def run_cases(world: int, cases: list, timeout: float = 900) -> dict:
+    """Run every (case_id, fn, args) on `world` ranks, fn(rank, world, init_file, *args) as run_workers would,
+    in as few spawns as failures allow: after a failing case the rest run in a fresh spawn.
+    Returns {case_id: None if it passed on every rank, else what went wrong}."""
+    outcome, pending = {}, list(cases)
+    while pending:
+        with tempfile.TemporaryDirectory() as tmp:
+            ctx = mp.spawn(_run_cases, args=(world, tmp, pending), nprocs=world, join=False)
+            crash = None
+            try:
+                deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
+                while not ctx.join(timeout=1):
+                    if datetime.datetime.now() > deadline:
+                        crash = f"timed out after {timeout:.0f} s"
+                        break
+            except Exception as exc:  # a rank exited non-zero (its case's traceback is in its file)
+                crash = f"{type(exc).__name__}: {exc}"
+            finally:
+                for p in ctx.processes:
+                    if p.is_alive():
+                        p.kill()
+            done = 0
+            for i, (case_id, _, _) in enumerate(pending):
+                reports = {r: os.path.join(tmp, f"{r}-{i}.json") for r in range(world)}
+                errors = {r: json.loads(Path(f).read_text())["error"] for r, f in reports.items() if os.path.exists(f)}
+                if len(errors) == world and not any(errors.values()):
+                    outcome[case_id] = None
+                    done = i + 1
+                    continue
+                found = [f"rank {r}: {e}" for r, e in errors.items() if e]
+                outcome[case_id] = "\n".join(found) or f"did not finish on every rank ({crash})"
+                done = i + 1
+                break
+            pending = pending[done:]
+    return outcome
+
+
 def _init(rank: int, world: int, init_file: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    # a timeout, so that a peer that failed out of a case cannot leave this rank waiting for 30 minutes
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=300))
 
 
 def _finish() -> None:
@@ -124,12 +184,12 @@ def _sgu_as_smoe_names(ref):
 
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("split", [True, False])
-def test_smoe_deterministic_matches_multihead_sgu(world, split):
-    run_workers(_smoe_worker, world, split, [12] * world)
+def test_smoe_deterministic_matches_multihead_sgu(world, split, spawned, request):
+    spawned.check(request.node.name)
 
 
-def test_smoe_ranks_with_different_sequence_lengths():
-    run_workers(_smoe_worker, 2, True, [12, 7])
+def test_smoe_ranks_with_different_sequence_lengths(spawned, request):
+    spawned.check(request.node.name)
 
 
 # ---------------------------------------------------------------- tMoE
@@ -169,20 +229,18 @@ def _tmoe_worker(rank, world, init_file, router, experts_per_rank, tokens):
 
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("experts_per_rank", [1, 2])
-def test_base_tmoe_matches_single_process(world, experts_per_rank):
-    E = world * experts_per_rank
-    run_workers(_tmoe_worker, world, "base", experts_per_rank, [4 * E] * world)
+def test_base_tmoe_matches_single_process(world, experts_per_rank, spawned, request):
+    spawned.check(request.node.name)
 
 
 @pytest.mark.parametrize("router", ["switch", "gshard", "hash"])
-def test_other_token_routers_match_single_process(router):
-    run_workers(_tmoe_worker, 2, router, 2, [16, 24])
+def test_other_token_routers_match_single_process(router, spawned, request):
+    spawned.check(request.node.name)
 
 
-def test_token_counts_not_divisible_by_experts_do_not_hang():
-    # 4 experts on 2 ranks; 7 and 13 tokens, one rank even fewer tokens than experts later
-    run_workers(_tmoe_worker, 2, "base", 2, [7, 13])
-    run_workers(_tmoe_worker, 2, "base", 2, [3, 9])
+def test_token_counts_not_divisible_by_experts_do_not_hang(spawned, request):
+    # 4 experts on 2 ranks; 7 and 13 tokens, one rank even fewer tokens than experts later (two cases)
+    spawned.check(request.node.name)
 
 
 # ---------------------------------------------------------------- the sparse block
@@ -219,21 +277,21 @@ def _randomize_expert_output(module, seed=1):
 
 
 @pytest.mark.parametrize("routing", ["deterministic", "partial"])
-def test_sparse_block_matches_single_process(routing):
-    run_workers(_block_worker, 2, routing)
+def test_sparse_block_matches_single_process(routing, spawned, request):
+    spawned.check(request.node.name)
 
 
 @pytest.mark.parametrize("lengths", [[20, 9], [20, 3]], ids=["different-lengths", "one-rank-within-prefix"])
-def test_partial_routing_with_uneven_sequences_matches_single_process(lengths):
+def test_partial_routing_with_uneven_sequences_matches_single_process(lengths, spawned, request):
     """Partial prediction (prefix 4 of T=20) where ranks hold sequences of different lengths, and where one
     rank's sequences are no longer than the routing prefix (it predicts nothing but joins every exchange)."""
-    run_workers(_block_worker, 2, "partial", lengths)
+    spawned.check(request.node.name)
 
 
 @pytest.mark.parametrize("routing", ["deterministic", "partial"])
-def test_sparse_block_eval_outputs_equal_one_process(routing):
+def test_sparse_block_eval_outputs_equal_one_process(routing, spawned, request):
     """Inference routing is per row (argmax), so 2 ranks give what one process gives on each rank's input."""
-    run_workers(_block_worker, 2, routing, [20, 11], False)
+    spawned.check(request.node.name)
 
 
 # ---------------------------------------------------------------- Base Layers' token shuffle
@@ -299,8 +357,8 @@ def _shuffle_worker(rank, world, init_file, tokens):
 
 
 @pytest.mark.parametrize("tokens", [[16, 16], [7, 13]], ids=["even", "uneven"])
-def test_base_shuffle_equals_single_process_on_the_shuffled_groups(tokens):
-    run_workers(_shuffle_worker, 2, tokens)
+def test_base_shuffle_equals_single_process_on_the_shuffled_groups(tokens, spawned, request):
+    spawned.check(request.node.name)
 
 
 # ---------------------------------------------------------------- fairseq's own BaseLayer
@@ -392,5 +450,70 @@ def _fairseq_base_worker(rank, world, init_file, shuffle, assignment):
 
 @pytest.mark.parametrize("shuffle, assignment", [(0, "ours"), (1, "ours"), (0, "libbase")],
                          ids=["no-shuffle", "same-shuffle", "libbase-unique-optimum"])
-def test_base_layer_equals_fairseq_base_layer(shuffle, assignment):
-    run_workers(_fairseq_base_worker, 2, shuffle, assignment)
+def test_base_layer_equals_fairseq_base_layer(shuffle, assignment, spawned, request):
+    spawned.check(request.node.name)
+
+
+# ---------------------------------------------------------------- every case of a world size in one spawn
+
+
+def _case_table() -> dict[str, list[tuple[int, object, tuple]]]:
+    """test name (as pytest names it) -> its cases: [(world, worker, worker args)]."""
+    t = {}
+    for world in (2, 4):
+        for split in (True, False):
+            t[f"test_smoe_deterministic_matches_multihead_sgu[{split}-{world}]"] = [
+                (world, _smoe_worker, (split, [12] * world))]
+        for experts_per_rank in (1, 2):
+            E = world * experts_per_rank
+            t[f"test_base_tmoe_matches_single_process[{experts_per_rank}-{world}]"] = [
+                (world, _tmoe_worker, ("base", experts_per_rank, [4 * E] * world))]
+    t["test_smoe_ranks_with_different_sequence_lengths"] = [(2, _smoe_worker, (True, [12, 7]))]
+    for router in ("switch", "gshard", "hash"):
+        t[f"test_other_token_routers_match_single_process[{router}]"] = [(2, _tmoe_worker, (router, 2, [16, 24]))]
+    t["test_token_counts_not_divisible_by_experts_do_not_hang"] = [(2, _tmoe_worker, ("base", 2, [7, 13])),
+                                                                   (2, _tmoe_worker, ("base", 2, [3, 9]))]
+    for routing in ("deterministic", "partial"):
+        t[f"test_sparse_block_matches_single_process[{routing}]"] = [(2, _block_worker, (routing,))]
+        t[f"test_sparse_block_eval_outputs_equal_one_process[{routing}]"] = [
+            (2, _block_worker, (routing, [20, 11], False))]
+    for name, lengths in (("different-lengths", [20, 9]), ("one-rank-within-prefix", [20, 3])):
+        t[f"test_partial_routing_with_uneven_sequences_matches_single_process[{name}]"] = [
+            (2, _block_worker, ("partial", lengths))]
+    for name, tokens in (("even", [16, 16]), ("uneven", [7, 13])):
+        t[f"test_base_shuffle_equals_single_process_on_the_shuffled_groups[{name}]"] = [
+            (2, _shuffle_worker, (tokens,))]
+    for name, shuffle, assignment in (("no-shuffle", 0, "ours"), ("same-shuffle", 1, "ours"),
+                                      ("libbase-unique-optimum", 0, "libbase")):
+        t[f"test_base_layer_equals_fairseq_base_layer[{name}]"] = [(2, _fairseq_base_worker, (shuffle, assignment))]
+    return t
+
+
+class Spawned:
+    """Runs the cases of the selected tests, one spawn per world size (on first use), and reports each."""
+
+    def __init__(self, selected: list[str]):
+        table = _case_table()
+        missing = [name for name in selected if name not in table]
+        assert not missing, f"tests without a case in _case_table: {missing}"
+        self.cases = {name: table[name] for name in selected}
+        self.outcome: dict[str, str | None] = {}
+
+    def check(self, name: str) -> None:
+        worlds = {world for world, _, _ in self.cases[name]}
+        for world in sorted(worlds - {w for w, _ in self.outcome}):
+            cases = [(f"{test}#{k}", fn, args) for test, cs in self.cases.items()
+                     for k, (w, fn, args) in enumerate(cs) if w == world]
+            self.outcome.update({(world, cid): err for cid, err in run_cases(world, cases).items()})
+        mine = {cid: err for (w, cid), err in self.outcome.items() if cid.split("#")[0] == name}
+        assert len(mine) == len(self.cases[name]), (name, sorted(mine))  # every case of the test ran
+        errors = [f"{cid}: {err}" for cid, err in mine.items() if err]
+        if errors:
+            pytest.fail("\n".join(errors), pytrace=False)
+
+
+@pytest.fixture(scope="module")
+def spawned(request) -> Spawned:
+    here = request.node.path
+    return Spawned([item.name for item in request.session.items
+                    if item.path == here and "spawned" in getattr(item, "fixturenames", ())])

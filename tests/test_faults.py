@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from fairseq_helpers import PLUGINS, TINY_TRAIN, assert_ok, run_fairseq, train_losses
+from fairseq_helpers import PLUGINS, SHARED_RUN_UPDATES, TINY_TRAIN, train_losses
 from smlp_launch.fairseq_log import loaded_updates
 from test_launch import (SBATCH, SMLP_LAUNCH, assert_no_processes, job_info, processes_mentioning, read,
                          sbatch, slurm, wait_for, wait_job_end, wait_log)  # noqa: F401  (slurm: fixture)
@@ -36,15 +36,13 @@ TRAIN = ["--arch", "smlp_lm_tiny", *TINY_TRAIN, "--save-interval-updates", "1", 
 
 
 @pytest.fixture(scope="module")
-def baseline(tiny_lm_data, tmp_path_factory) -> dict[int, float]:
-    """Per-update losses of one uninterrupted 2-rank run."""
-    save = tmp_path_factory.mktemp("baseline")
-    res = run_fairseq("fairseq-train", [str(tiny_lm_data), "--user-dir", PLUGINS, *TRAIN,
-                                        "--max-update", str(BASELINE_UPDATES), "--save-dir", str(save), "--no-save"],
-                      world=2)
-    assert_ok(res)
-    losses = train_losses(res[0].stdout)
-    assert sorted(losses) == list(range(1, BASELINE_UPDATES + 1)), losses
+def baseline(smlp_tiny_two_ranks) -> dict[int, float]:
+    """Per-update losses of one uninterrupted 2-rank run: the session's shared smlp_lm_tiny run (conftest.py),
+    the model and training flags of TRAIN (it also validates, which changes no training loss)."""
+    _, log = smlp_tiny_two_ranks("deterministic")
+    losses = train_losses(log)
+    assert sorted(losses) == list(range(1, SHARED_RUN_UPDATES + 1)), losses
+    assert SHARED_RUN_UPDATES >= BASELINE_UPDATES
     return losses
 
 

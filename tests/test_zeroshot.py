@@ -125,15 +125,17 @@ def train_tiny(data: Path, save: Path, arch: str, updates: int, *extra: str, wor
             "--optimizer", "adam", "--lr", "3e-3", "--max-update", str(updates), "--cpu", "--save-dir", str(save),
             "--num-experts", "2", "--seed", "1", "--log-format", "simple", "--log-interval", "50",
             "--no-epoch-checkpoints", "--disable-validation", "--num-workers", "0", *extra]
-    if world == 1:
-        procs = [subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(2))]
-    else:
-        port = _free_port()
-        procs = [subprocess.Popen(
-            args + ["--distributed-backend", "gloo", "--ddp-backend", "legacy_ddp", "--distributed-init-method",
-                    f"tcp://127.0.0.1:{port}", "--distributed-world-size", str(world), "--distributed-rank", str(r),
-                    "--device-id", str(r), "--distributed-no-spawn"],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(1)) for r in range(world)]
+    if world == 1:  # in this process: no start-up (fairseq's imports), the same run
+        from fairseq_helpers import run_in_process
+
+        run_in_process("fairseq-train", args[1:], threads=2)
+        return save / "checkpoint_last.pt"
+    port = _free_port()
+    procs = [subprocess.Popen(
+        args + ["--distributed-backend", "gloo", "--ddp-backend", "legacy_ddp", "--distributed-init-method",
+                f"tcp://127.0.0.1:{port}", "--distributed-world-size", str(world), "--distributed-rank", str(r),
+                "--device-id", str(r), "--distributed-no-spawn"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(1)) for r in range(world)]
     logs = []
     try:
         for p in procs:
