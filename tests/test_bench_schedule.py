@@ -370,3 +370,16 @@ def test_publish_cli_writes_docs_benchmarks_page_and_the_page_is_the_json(tmp_pa
     page.unlink()
     assert cli.main(["--publish", str(figures / "results.json")]) == 1
     assert "cannot publish" in capsys.readouterr().err and not page.exists()
+
+
+@pytest.mark.parametrize("leak, holds", [(160.0, "yes"), (167.5, "no: tied within 2% with the best causal routing"),
+                                         (175.0, "no")])
+def test_figure7_claim_calls_a_difference_within_the_seed_spread_a_tie(leak, holds):
+    """The leaky router 'reaches the lowest perplexity' only when it is more than TIE (2%) below the best
+    causal routing (170 here): 160 is, 167.5 is a tie, 175 is above."""
+    from smlp_bench import experiments as X
+
+    models = {k: {"name": k, "valid_ppl": v} for k, v in
+              (("smlp_det", 170.0), ("smlp_partial", 178.0), ("smlp_leaky", leak))}
+    rec = {"models": models, "nproc": 2, "settings": {"batch_size": 16, "updates": 150, "target": X.EXP_TARGET}}
+    assert X.figure7_claims(rec)[0]["holds"] == holds
