@@ -28,10 +28,9 @@ from __future__ import annotations
 
 import json
 import math
-import statistics
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Sequence
 
 from . import suite
 

@@ -78,9 +78,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 from smlp.routers import SMOE_ROUTINGS, TOKEN_ROUTERS
 from smlp_launch.fairseq_log import as_floats, train_fields, valid_fields

@@ -21,16 +21,38 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from smlp.dispatch import OneGPUDispatcher
 from smlp.third_party import quiet_imports
 
-from .flop_count import (CONVENTION, FAMILY_NAMES, METHODS, Count, CostModel, LayerCost, cost_model, count,
-                         count_module, executed_macs, family_key, fvcore_by_module, table3, table3_module)
+from .flop_count import (
+    CONVENTION,
+    FAMILY_NAMES,
+    METHODS,
+    CostModel,
+    Count,
+    LayerCost,
+    cost_model,
+    count,
+    count_module,
+    executed_macs,
+    family_key,
+    fvcore_by_module,
+    table3,
+    table3_module,
+)
 from .flop_match import MATCH_FAMILIES, MIXER_FAMILIES, MatchRow, family_config, match
-from .flop_tables import (describe, format_count, format_match, format_paper_tables, format_step_time,
-                          format_table4, paper_tables, table5_comparison)
+from .flop_tables import (
+    describe,
+    format_count,
+    format_match,
+    format_paper_tables,
+    format_step_time,
+    format_table4,
+    paper_tables,
+    table5_comparison,
+)
 from .model_spec import DEFAULT_VOCAB, ModelSpec, count_spec, fairseq_flags, parse_model, plugin_archs
 from .paper_tables import TABLE3_DIMS
 from .steptime import step_time_for, table4

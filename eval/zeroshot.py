@@ -76,16 +76,24 @@ import string
 import sys
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
-from .scoring import (EncoderMismatchError, LMScorer, Score, collective_device, common_prefix_suffix,
-                      encode_pair, world)
-from .tasks import (PAPER_SCORING, TASKS, TEMPLATES, Candidate, DataFormatError, Example, default_data_path,
-                    load_examples, render)
+from .scoring import EncoderMismatchError, LMScorer, Score, collective_device, common_prefix_suffix, encode_pair, world
+from .tasks import (
+    PAPER_SCORING,
+    TASKS,
+    TEMPLATES,
+    Candidate,
+    DataFormatError,
+    Example,
+    default_data_path,
+    load_examples,
+    render,
+)
 from .text import DataPrepError, Encoder, routing_prefix_fill
 
 PROG = "smlp-zeroshot"

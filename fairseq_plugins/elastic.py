@@ -45,9 +45,17 @@ from smlp.process_group import rank_and_world
 from smlp.sharding import reshard_model_state, reshard_optimizer_state, source_positions
 
 from .checkpoints import is_expert_key
-from .shard_sets import (DEFAULT_RESTORE, SHARD_KEY, atomic_torch_save, rank_shards, read_shard, set_problem,
-                         shard_path)
-from .shard_sets import _broadcast, _gather
+from .shard_sets import (
+    DEFAULT_RESTORE,
+    SHARD_KEY,
+    _broadcast,
+    _gather,
+    atomic_torch_save,
+    rank_shards,
+    read_shard,
+    set_problem,
+    shard_path,
+)
 
 logger = logging.getLogger(__name__)
 

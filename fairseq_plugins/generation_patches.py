@@ -219,9 +219,7 @@ def _task_prefix_fill(task, positions: int) -> list[int]:
     cached = getattr(task, "_smlp_prefix_fill", None)
     if cached is not None and len(cached) >= positions:
         return cached
-    from smlp_eval.text import Encoder
-
-    from smlp_eval.text import routing_prefix_fill
+    from smlp_eval.text import Encoder, routing_prefix_fill
 
     data = str(getattr(task.args, "data", "") or "").split(os.pathsep)[0]
     dictionary = task.target_dictionary

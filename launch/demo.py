@@ -29,11 +29,11 @@ import shlex
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from smlp_launch.fairseq_log import train_fields, valid_fields
-from typing import Sequence
 
 PROG = "smlp-demo"
 BIN = Path(sys.executable).parent

@@ -43,8 +43,16 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor, nn
 
-from .config import (ACTIVATIONS, GMLPConfig, SparseBlockConfig, TMoEConfig, TokenRoutedGMLPConfig, _choice,
-                     _positive, _probability)
+from .config import (
+    ACTIVATIONS,
+    GMLPConfig,
+    SparseBlockConfig,
+    TMoEConfig,
+    TokenRoutedGMLPConfig,
+    _choice,
+    _positive,
+    _probability,
+)
 from .decoding import DecodingCache
 from .dispatch import LocalDispatcher
 from .mixers import GMLPBlock, check_length
@@ -230,7 +238,7 @@ class LMConfig:
             return self.sparse_block.smoe.prefix_len
         return 0
 
-    def with_layers(self, dense: int, sparse: int) -> "LMConfig":
+    def with_layers(self, dense: int, sparse: int) -> LMConfig:
         return replace(self, dense_layers=dense, sparse_layers=sparse)
 
 

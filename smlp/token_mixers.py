@@ -77,8 +77,8 @@ from torch.profiler import record_function
 
 from .config import _positive
 from .decoding import cache_append
-from .profiling import RANGES
 from .mixers import check_length
+from .profiling import RANGES
 from .transformer import sinusoidal_positions
 
 __all__ = [
