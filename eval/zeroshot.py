@@ -497,7 +497,7 @@ def format_table(results: dict) -> str:
     lines = [f"{'task':<12}{'n':>7}  {'template':<9}{'scoring':<15}{'acc':>8}{'acc_norm':>10}{'em':>8}{'f1':>8}"]
     for task, r in results.items():
         m = r["metrics"]
-        cell = lambda k, w: f"{100 * m[k]:>{w}.2f}" if k in m else " " * (w - 1) + "-"  # noqa: E731
+        cell = lambda k, w, m=m: f"{100 * m[k]:>{w}.2f}" if k in m else " " * (w - 1) + "-"  # noqa: E731
         lines.append(f"{task:<12}{r['n']:>7}  {r['template']:<9}{r['scoring']:<15}{cell('acc', 8)}"
                      f"{cell('acc_norm', 10)}{cell('em', 8)}{cell('f1', 8)}")
     return "\n".join(lines)

@@ -143,12 +143,12 @@ class LMConfig:
         if self.family == "transformer" and self.d_model % self.heads:
             raise ValueError(f"heads={self.heads} must divide d_model={self.d_model}")
         if self.family in ("smlp", "gmlp"):
-            self.dense_block  # validates widths and heads
+            _ = self.dense_block  # validates widths and heads
         if self.family == "smlp" and self.sparse_layers:
-            self.sparse_block
+            _ = self.sparse_block
         if self.family == "transformer" and self.sparse_layers:
-            self.tmoe
-        self.plan  # validates the placement against the layer counts
+            _ = self.tmoe
+        _ = self.plan  # validates the placement against the layer counts
         self._check_token_mixer()
         self._check_token_routing()
 
@@ -164,7 +164,7 @@ class LMConfig:
         if self.heads != 1 or self.token_mixer != "sgu":
             raise ValueError(f"token_routed_experts={E} needs single-head SGU experts (heads=1, token_mixer='sgu'), "
                              f"got heads={self.heads}, token_mixer={self.token_mixer!r}")
-        self.token_routed_block  # validates
+        _ = self.token_routed_block  # validates
 
     @property
     def token_routed_block(self) -> TokenRoutedGMLPConfig:
@@ -201,7 +201,7 @@ class LMConfig:
             raise ValueError(f"heads={self.heads}: heads split the SGU; token_mixer={self.token_mixer!r} needs heads=1")
         if not isinstance(self.mixer_dim, int) or self.mixer_dim < 0:
             raise ValueError(f"mixer_dim={self.mixer_dim!r} is invalid: it must be 0 (the gated width) or positive")
-        self.dense_mixer  # validates
+        _ = self.dense_mixer  # validates
 
     @property
     def dense_mixer(self) -> HyperMixerConfig | NiNformerConfig | None:
