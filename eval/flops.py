@@ -94,8 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "--cluster; training flags as in fairseq-train (--distributed-world-size, "
                          "--expert-parallel-size, --batch-size, --update-freq, --fp16, --zero-sharding os)")
     st.add_argument("--table4", choices=("top", "bottom", "both"),
-                    help="predicted ranking and words/s of the paper's 32-GPU Table 4 configurations beside the paper's")
-    st.add_argument("--cluster", default="v100-dgx1", help="cluster preset: v100-dgx1 (the paper's 32 V100s; default), a100-dgx")
+                    help="predicted ranking and words/s of the paper's 32-GPU Table 4 configurations "
+                         "beside the paper's")
+    st.add_argument("--cluster", default="v100-dgx1",
+                    help="cluster preset: v100-dgx1 (the paper's 32 V100s; default), a100-dgx")
     st.add_argument("--capacity-padding", choices=("auto", "on", "off"), default="auto",
                     help="GShard / Switch send E x capacity buffers (their implementations: on) or the routed rows "
                          "only (ours: off); auto = on for --table4, off for --step-time")

@@ -83,7 +83,8 @@ class SavedSet:
     def describe(self) -> str:
         what = (f"{len(self.files)} rank shards" if self.sharded else "one file")
         experts = (f", {self.num_experts} experts in groups of {self.ep_size}" if self.num_experts else "")
-        return f"{os.path.basename(self.base)} ({what} from a {self.world_size}-rank run{experts}, update {self.num_updates})"
+        return (f"{os.path.basename(self.base)} ({what} from a {self.world_size}-rank run{experts}, "
+                f"update {self.num_updates})")
 
 
 def shard_name(base: str, rank: int) -> str:
@@ -300,7 +301,8 @@ def reshard_checkpoint(plan: Plan, rank: int, expert_params: list[bool]) -> None
         backup = os.path.join(os.path.dirname(saved.base) or ".",
                               BACKUP_DIR.format(world=saved.world_size, updates=saved.num_updates))
         os.makedirs(backup, exist_ok=True)
-        overwritten = [t for t in plan.targets if os.path.exists(t) and t not in saved.files]  # e.g. a consolidated file
+        # e.g. a consolidated file
+        overwritten = [t for t in plan.targets if os.path.exists(t) and t not in saved.files]
         for f in [*saved.files, *overwritten]:
             _link_or_copy(f, os.path.join(backup, os.path.basename(f)))
         for target in plan.targets:

@@ -275,7 +275,8 @@ def language_modeling_inference() -> bool:
                                 generator_max_len=getattr(generator, "max_len", core.cfg.seq_len), ids=ids)
         for message in warnings:
             logger.warning(message)
-        filled = [f"prompt {ids[i] if ids is not None else i} with {len(p.fill)}" for i, p in enumerate(plans) if p.fill]
+        filled = [f"prompt {ids[i] if ids is not None else i} with {len(p.fill)}"
+                  for i, p in enumerate(plans) if p.fill]
         if filled:
             logger.info("partial prediction: routing-prefix fill (tokens): %s", ", ".join(filled))
         fills = {len(p.fill) for p in plans}

@@ -486,7 +486,8 @@ class Launcher:
             import json
 
             self.plan.peak_rss_json.write_text(json.dumps(
-                {"peak_rss_bytes": {str(r): b for r, b in sorted(peaks.items())}, "source": "ru_maxrss / VmHWM"}) + "\n")
+                {"peak_rss_bytes": {str(r): b for r, b in sorted(peaks.items())},
+                 "source": "ru_maxrss / VmHWM"}) + "\n")
 
     def _watch(self) -> int:
         while True:

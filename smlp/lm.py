@@ -318,7 +318,8 @@ class LanguageModel(nn.Module):
             raise NotImplementedError(f"cached decoding is not available for {what}: generate with the full "
                                       f"forward (generate(..., use_cache=False))")
         if tokens_Bk.dim() != 2 or tokens_Bk.shape[1] < 1:
-            raise ValueError(f"cached decoding expects token ids of shape (batch, k >= 1), got {tuple(tokens_Bk.shape)}")
+            raise ValueError(f"cached decoding expects token ids of shape (batch, k >= 1), "
+                             f"got {tuple(tokens_Bk.shape)}")
         if len(cache.layers) != len(self.layers):
             raise ValueError(f"the cache has {len(cache.layers)} layers but the model {len(self.layers)}: "
                              f"make it with this model's new_cache()")
@@ -337,7 +338,10 @@ class LanguageModel(nn.Module):
         if self.cfg.family == "transformer":
             x = x + sinusoidal_positions(k, self.cfg.d_model, x.device, x.dtype, start=start)
         for layer, state in zip(self.layers, cache.layers):
-            x = layer.step(x, state, start, tokens_Bk) if isinstance(layer, TransformerBlock) else layer.step(x, state, start)
+            if isinstance(layer, TransformerBlock):
+                x = layer.step(x, state, start, tokens_Bk)
+            else:
+                x = layer.step(x, state, start)
         if B:
             cache.length = start + k
         cache.batch_size = B
