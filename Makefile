@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-fast bench bench-quick clean
+.PHONY: install demo lint test test-fast bench bench-quick clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,10 @@ install: $(STAMP)
 DEMO_ARGS ?=
 demo: install
 	$(VENV)/bin/smlp-demo $(DEMO_ARGS)
+
+# ruff: lint and import order, configured in pyproject.toml ([tool.ruff]); .ci/run runs it before the tests.
+lint: install
+	$(VENV)/bin/ruff check .
 
 test: install
 	$(PY) -m pytest -q $(PYTEST_ARGS)

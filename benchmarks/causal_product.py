@@ -82,7 +82,8 @@ def measure(case: str, blocks: list[int], iters: int, warmup: int) -> dict:
     for name, fn in fns[1:]:
         y = fn(w, x).detach()
         gw, gx = step(fn)
-        err = max(float((y - ref_y).abs().max() / ref_y.abs().max()), float((gw - ref[0]).abs().max() / ref[0].abs().max()),
+        err = max(float((y - ref_y).abs().max() / ref_y.abs().max()),
+                  float((gw - ref[0]).abs().max() / ref[0].abs().max()),
                   float((gx - ref[1]).abs().max() / ref[1].abs().max()))
         if err > 1e-5:
             raise AssertionError(f"{case} {name}: differs from the dense form by {err:.2e} (relative)")

@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from . import schedule as S
 from . import suite

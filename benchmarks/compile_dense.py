@@ -64,7 +64,7 @@ def measure(name: str, block: torch.nn.Module, iters: int, warmup: int) -> dict:
     for mode in ("train", "eval"):
         block.train(mode == "train")
 
-        def step(model):
+        def step(model, mode=mode):  # bound here: called only within this iteration
             if mode == "eval":
                 with torch.no_grad():
                     return model(x)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import bisect
 import math
 import statistics
-from typing import Sequence
+from collections.abc import Sequence
 
 
 def mean_curve(curves: Sequence[dict], xkey: str) -> tuple[list[float], list[float]]:

@@ -28,10 +28,9 @@ from __future__ import annotations
 
 import json
 import math
-import statistics
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Sequence
 
 from . import suite
 
@@ -256,7 +255,8 @@ def table4_claims(record: dict) -> list[dict]:
     model = "; ".join(f"{r['model']} {r['predicted_vs_smlp']:.2f}" for r in pred)
     paper = "; ".join(f"{r['model']} {r['paper_vs_smlp']:.2f}" for r in pred)
     return [{"claim": "Table 4: sMLP-det trains faster (words/s) than every Transformer-MoE at matched FLOPs",
-             "paper": f"32 V100s, speed relative to sMLP: {paper}" if paper else "sMLP 192k words/s, the others 136-185k",
+             "paper": (f"32 V100s, speed relative to sMLP: {paper}" if paper
+                       else "sMLP 192k words/s, the others 136-185k"),
              "here": f"CPU, 2 ranks, relative to sMLP-det [range, runs adjacent in time]: {here}"
                      + (f"; step-time model for the paper's GPUs: {model}" if model else ""),
              "holds": holds}]
@@ -295,7 +295,8 @@ def run_table4(args) -> None:
 
 
 def table4_markdown(t4: dict) -> str:
-    lines = ["| model | paper words/s (vs sMLP) | step-time model, 32 V100s (vs sMLP) | CPU here, vs sMLP-det [range] |",
+    lines = ["| model | paper words/s (vs sMLP) | step-time model, 32 V100s (vs sMLP) "
+             "| CPU here, vs sMLP-det [range] |",
              "|---|---:|---:|---:|"]
     for r in t4["rows"]:
         p = f"{r['paper_wps'] / 1e3:.0f}k ({r['paper_vs_smlp']:.2f})" if r["paper_wps"] else "-"

@@ -60,7 +60,8 @@ def ffn_before(e: FFNExperts, x_RD, counts_L):
 def spatial_before(e: SpatialExperts, x_RM, counts_L):
     M = x_RM.shape[-1]
     w_LMM = causal_weight(e.weight, M)
-    return torch.cat([chunk @ w_LMM[l].t() + (e.bias[l, :M] - 1) for l, chunk in enumerate(torch.split(x_RM, counts_L))])
+    return torch.cat([chunk @ w_LMM[l].t() + (e.bias[l, :M] - 1)
+                      for l, chunk in enumerate(torch.split(x_RM, counts_L))])
 
 
 def counts_for(kind: str, rows: int, experts: int) -> list[int]:
@@ -85,7 +86,8 @@ def measure(kind: str, counts: list[int], mode: str, iters: int, warmup: int) ->
     else:
         module = SpatialExperts(L, S["seq_len"])
         width = S["seq_len"]
-        forms = {"before": lambda x: spatial_before(module, x, counts), "loop": lambda x: module.forward_dense(x, counts),
+        forms = {"before": lambda x: spatial_before(module, x, counts),
+                 "loop": lambda x: module.forward_dense(x, counts),
                  "after": lambda x: module(x, counts)}
     with torch.no_grad():
         for p in module.parameters():

@@ -34,9 +34,9 @@ import json
 import os
 import random
 import statistics
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterable, Sequence
 
 STORE_FORMAT = "smlp-bench-runs/1"
 TRAIN, PROBE = "train", "probe"
@@ -82,7 +82,7 @@ class Slot:
         return {**asdict(self), "run_id": self.run_id}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Slot":
+    def from_dict(cls, d: dict) -> Slot:
         return cls(index=d["index"], kind=d["kind"], key=d["key"], seed=d["seed"], phase=d["phase"],
                    round=d["round"])
 
@@ -159,7 +159,7 @@ class RunStore:
                                       "records": self.records, "extra": self.extra})
 
     @classmethod
-    def load(cls, path: Path) -> "RunStore":
+    def load(cls, path: Path) -> RunStore:
         try:
             d = json.loads(Path(path).read_text())
         except (OSError, json.JSONDecodeError) as exc:
@@ -170,7 +170,7 @@ class RunStore:
         return cls(path, d["plan"], [Slot.from_dict(s) for s in d["schedule"]], d["records"], d.get("extra"))
 
     @classmethod
-    def open(cls, path: Path, plan: dict, *, resume: bool) -> "RunStore":
+    def open(cls, path: Path, plan: dict, *, resume: bool) -> RunStore:
         """A new store, or with resume the recorded one (whose plan must equal `plan`)."""
         path = Path(path)
         if not resume:

@@ -67,7 +67,7 @@ def _worker(rank: int, world: int, init: str, kinds: list[str], steps: int, warm
             x = torch.randn(shape, generator=g)
             grad = torch.randn(shape, generator=g)
 
-            def step():
+            def step(x=x, layer=layer, grad=grad):  # bound here: called only within this iteration
                 xi = x.clone().requires_grad_()
                 layer(xi).backward(grad)
                 layer.zero_grad(set_to_none=True)

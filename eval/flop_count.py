@@ -80,11 +80,11 @@ class LayerCost:
     params_expert: int
     params_non_expert: int
 
-    def __add__(self, other: "LayerCost") -> "LayerCost":
+    def __add__(self, other: LayerCost) -> LayerCost:
         return LayerCost(self.macs + other.macs, self.params_expert + other.params_expert,
                          self.params_non_expert + other.params_non_expert)
 
-    def __mul__(self, k: int) -> "LayerCost":
+    def __mul__(self, k: int) -> LayerCost:
         return LayerCost(self.macs * k, self.params_expert * k, self.params_non_expert * k)
 
 

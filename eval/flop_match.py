@@ -19,8 +19,8 @@ family keeps the target's D, F, T, V and experts (32, the paper's, for a dense t
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 from smlp.lm import LMConfig
 from smlp.routers import TOKEN_ROUTERS

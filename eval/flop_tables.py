@@ -175,7 +175,8 @@ def format_step_time(st) -> str:
     for e in st.exchanges:
         lines.append(f"    {e.name:<14} {e.rows:>9,} rows x {e.row_bytes:>6,} B  {e.bytes_sent / 2 ** 20:>9.2f} MiB")
     ar = st.allreduce
-    lines.append(f"  all-reduce per update: non-expert {ar['non_expert_bytes'] / 2 ** 20:,.1f} MiB over {ar['non_expert_ranks']} "
+    lines.append(f"  all-reduce per update: non-expert {ar['non_expert_bytes'] / 2 ** 20:,.1f} MiB over "
+                 f"{ar['non_expert_ranks']} "
                  f"ranks; expert {ar['expert_bytes'] / 2 ** 20:,.1f} MiB over {ar['expert_ranks']} replica(s) "
                  f"x {ar['expert_reductions']}")
     m = st.memory
@@ -207,14 +208,16 @@ def format_table4(rows: list[dict], markdown: bool = False) -> str:
             ar = s["allreduce_non_expert"] + s["allreduce_expert"]
             if markdown:
                 out.append(f"| {r['name']} | {r['words_per_second'] / 1e3:.0f}k | {r['vs_smlp']:.2f} "
-                           f"| {r['paper_wps'] / 1e3:.0f}k | {r['paper_vs_smlp']:.2f} | {r['rank']} ({r['paper_rank']}) "
+                           f"| {r['paper_wps'] / 1e3:.0f}k | {r['paper_vs_smlp']:.2f} "
+                           f"| {r['rank']} ({r['paper_rank']}) "
                            f"| {s['compute']:.2f} s | {s['memory_bound']:.2f} s | {s['all2all']:.2f} s | {ar:.3f} s "
                            f"| {_gb(r['memory_bytes']['total'])} |")
             else:
-                out.append(f"  {r['rank']}. {r['name']:<30} {r['words_per_second'] / 1e3:>6.0f}k ({r['vs_smlp']:.2f} of "
-                           f"sMLP)   paper {r['paper_wps'] / 1e3:>4.0f}k ({r['paper_vs_smlp']:.2f}, rank "
-                           f"{r['paper_rank']})   compute {s['compute']:.2f} s, memory-bound {s['memory_bound']:.2f} s, "
-                           f"all2all {s['all2all']:.2f} s, all-reduce {ar:.3f} s, {_gb(r['memory_bytes']['total'])}/GPU")
+                out.append(f"  {r['rank']}. {r['name']:<30} {r['words_per_second'] / 1e3:>6.0f}k "
+                           f"({r['vs_smlp']:.2f} of sMLP)   paper {r['paper_wps'] / 1e3:>4.0f}k "
+                           f"({r['paper_vs_smlp']:.2f}, rank {r['paper_rank']})   compute {s['compute']:.2f} s, "
+                           f"memory-bound {s['memory_bound']:.2f} s, all2all {s['all2all']:.2f} s, "
+                           f"all-reduce {ar:.3f} s, {_gb(r['memory_bytes']['total'])}/GPU")
                 if r["note"]:
                     out.append(f"       {r['note']}")
         out.append("")

@@ -21,16 +21,38 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from smlp.dispatch import OneGPUDispatcher
 from smlp.third_party import quiet_imports
 
-from .flop_count import (CONVENTION, FAMILY_NAMES, METHODS, Count, CostModel, LayerCost, cost_model, count,
-                         count_module, executed_macs, family_key, fvcore_by_module, table3, table3_module)
+from .flop_count import (
+    CONVENTION,
+    FAMILY_NAMES,
+    METHODS,
+    CostModel,
+    Count,
+    LayerCost,
+    cost_model,
+    count,
+    count_module,
+    executed_macs,
+    family_key,
+    fvcore_by_module,
+    table3,
+    table3_module,
+)
 from .flop_match import MATCH_FAMILIES, MIXER_FAMILIES, MatchRow, family_config, match
-from .flop_tables import (describe, format_count, format_match, format_paper_tables, format_step_time,
-                          format_table4, paper_tables, table5_comparison)
+from .flop_tables import (
+    describe,
+    format_count,
+    format_match,
+    format_paper_tables,
+    format_step_time,
+    format_table4,
+    paper_tables,
+    table5_comparison,
+)
 from .model_spec import DEFAULT_VOCAB, ModelSpec, count_spec, fairseq_flags, parse_model, plugin_archs
 from .paper_tables import TABLE3_DIMS
 from .steptime import step_time_for, table4
@@ -72,8 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "--cluster; training flags as in fairseq-train (--distributed-world-size, "
                          "--expert-parallel-size, --batch-size, --update-freq, --fp16, --zero-sharding os)")
     st.add_argument("--table4", choices=("top", "bottom", "both"),
-                    help="predicted ranking and words/s of the paper's 32-GPU Table 4 configurations beside the paper's")
-    st.add_argument("--cluster", default="v100-dgx1", help="cluster preset: v100-dgx1 (the paper's 32 V100s; default), a100-dgx")
+                    help="predicted ranking and words/s of the paper's 32-GPU Table 4 configurations "
+                         "beside the paper's")
+    st.add_argument("--cluster", default="v100-dgx1",
+                    help="cluster preset: v100-dgx1 (the paper's 32 V100s; default), a100-dgx")
     st.add_argument("--capacity-padding", choices=("auto", "on", "off"), default="auto",
                     help="GShard / Switch send E x capacity buffers (their implementations: on) or the routed rows "
                          "only (ours: off); auto = on for --table4, off for --step-time")

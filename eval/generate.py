@@ -45,7 +45,7 @@ import json
 import os
 import sys
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -254,7 +254,6 @@ def run(args) -> dict:
 
 def main(argv: Sequence[str] | None = None, *, hard_exit: bool = False) -> int:
     from .text import DataPrepError
-
     from .zeroshot import CheckpointMismatchError, leave_process_group
 
     args = build_parser().parse_args(argv)

@@ -12,9 +12,9 @@ import contextlib
 import io
 import sys
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 from smlp.lm import LMConfig
 
@@ -64,8 +64,9 @@ def _fairseq_parse(argv: list[str]):
 
 def plugin_archs() -> dict[str, str]:
     """Registered architecture -> model name, for our plugin models."""
-    import fairseq_plugins  # noqa: F401  (registration)
     from fairseq.models import ARCH_MODEL_NAME_REGISTRY
+
+    import fairseq_plugins  # noqa: F401  (registration)
     from fairseq_plugins.config import FAMILIES_BY_MODEL  # our models (the flag table's)
 
     return {a: m for a, m in ARCH_MODEL_NAME_REGISTRY.items() if m in FAMILIES_BY_MODEL}

@@ -41,14 +41,17 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence, TextIO
+from typing import TextIO
 
 import torch
 import torch.distributed as dist
 
 from smlp.generation import fill_prefix
-from smlp.process_group import collective_device, rank_and_world as world
+from smlp.process_group import collective_device
+from smlp.process_group import rank_and_world as world
+
 from .text import Encoder, TokenizerMismatchError
 
 __all__ = ["Score", "LMScorer", "Encoder", "EncoderMismatchError", "encode_pair", "common_prefix_suffix",

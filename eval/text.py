@@ -10,8 +10,8 @@ code (sentencepiece and fairseq's Dictionary / data reader are imported on first
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Sequence
 
 __all__ = ["SPM_MODEL", "DICT", "BOS_ID", "PAD_ID", "EOS_ID", "UNK_ID", "N_SPECIAL", "DataPrepError",
            "TokenizerMismatchError", "Encoder", "load_encoder", "normalize_line", "load_binarized",
@@ -75,7 +75,7 @@ class Encoder:
             self.eos_piece = self.sp.id_to_piece(EOS_ID)
 
     @classmethod
-    def from_data_dir(cls, data_dir: str | Path, dictionary=None) -> "Encoder":
+    def from_data_dir(cls, data_dir: str | Path, dictionary=None) -> Encoder:
         """The encoder of a binarized data folder: its spm.model (whitespace tokens without one) and
         its dict.txt (or `dictionary`, e.g. the one a checkpoint was loaded with)."""
         data_dir = Path(data_dir)

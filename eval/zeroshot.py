@@ -76,16 +76,24 @@ import string
 import sys
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
-from .scoring import (EncoderMismatchError, LMScorer, Score, collective_device, common_prefix_suffix,
-                      encode_pair, world)
-from .tasks import (PAPER_SCORING, TASKS, TEMPLATES, Candidate, DataFormatError, Example, default_data_path,
-                    load_examples, render)
+from .scoring import EncoderMismatchError, LMScorer, Score, collective_device, common_prefix_suffix, encode_pair, world
+from .tasks import (
+    PAPER_SCORING,
+    TASKS,
+    TEMPLATES,
+    Candidate,
+    DataFormatError,
+    Example,
+    default_data_path,
+    load_examples,
+    render,
+)
 from .text import DataPrepError, Encoder, routing_prefix_fill
 
 PROG = "smlp-zeroshot"
@@ -489,7 +497,7 @@ def format_table(results: dict) -> str:
     lines = [f"{'task':<12}{'n':>7}  {'template':<9}{'scoring':<15}{'acc':>8}{'acc_norm':>10}{'em':>8}{'f1':>8}"]
     for task, r in results.items():
         m = r["metrics"]
-        cell = lambda k, w: f"{100 * m[k]:>{w}.2f}" if k in m else " " * (w - 1) + "-"  # noqa: E731
+        cell = lambda k, w, m=m: f"{100 * m[k]:>{w}.2f}" if k in m else " " * (w - 1) + "-"  # noqa: E731
         lines.append(f"{task:<12}{r['n']:>7}  {r['template']:<9}{r['scoring']:<15}{cell('acc', 8)}"
                      f"{cell('acc_norm', 10)}{cell('em', 8)}{cell('f1', 8)}")
     return "\n".join(lines)

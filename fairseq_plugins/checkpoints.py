@@ -187,7 +187,8 @@ def consolidate_main(argv=None) -> int:
         prog="smlp-consolidate",
         description="Merge the per-rank expert shards (X-rank-R.pt) of a checkpoint X.pt into X.pt holding all "
                     "experts, for evaluation on any world size that divides the number of experts.")
-    parser.add_argument("checkpoint", help="checkpoint name without the rank suffix, e.g. checkpoints/checkpoint_best.pt")
+    parser.add_argument("checkpoint",
+                        help="checkpoint name without the rank suffix, e.g. checkpoints/checkpoint_best.pt")
     parser.add_argument("--out", help="where to write (default: the checkpoint name itself)")
     args = parser.parse_args(argv)
     try:
@@ -228,7 +229,8 @@ def load_for_eval(path: str, data_dir: str | None = None, overrides: dict | None
     arg_overrides = dict(overrides or {})
     if data_dir is not None:
         if not os.path.isfile(os.path.join(data_dir, "dict.txt")):
-            raise FileNotFoundError(f"{data_dir} has no dict.txt: pass the binarized data folder the model was trained on")
+            raise FileNotFoundError(f"{data_dir} has no dict.txt: pass the binarized data folder the model was "
+                                    "trained on")
         arg_overrides["data"] = data_dir
     state, existing = read_checkpoint_any_layout(path, arg_overrides or None)
     models, _cfg, task = checkpoint_utils.load_model_ensemble_and_task([existing], state=state, strict=True)

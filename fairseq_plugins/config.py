@@ -19,9 +19,9 @@ consumed and that flags -> config -> flags round-trips for every architecture an
 
 import dataclasses
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 from omegaconf import II

@@ -89,7 +89,8 @@ def routing_figures(load_E, dropped=None, slots=None) -> dict:
     out = {"load": load_E.max() / safe, "load_min": load_E.min() / safe,
            "load_cv": load_E.std(unbiased=False) / safe, "idle": (load_E == 0).sum().double()}
     if dropped is not None:  # no float(): the sums may be device tensors (fairseq's all-reduce)
-        out["drop"] = torch.as_tensor(dropped, dtype=torch.float64) / torch.as_tensor(slots, dtype=torch.float64).clamp(min=1)
+        slots_f64 = torch.as_tensor(slots, dtype=torch.float64).clamp(min=1)
+        out["drop"] = torch.as_tensor(dropped, dtype=torch.float64) / slots_f64
     return out
 
 

@@ -45,9 +45,17 @@ from smlp.process_group import rank_and_world
 from smlp.sharding import reshard_model_state, reshard_optimizer_state, source_positions
 
 from .checkpoints import is_expert_key
-from .shard_sets import (DEFAULT_RESTORE, SHARD_KEY, atomic_torch_save, rank_shards, read_shard, set_problem,
-                         shard_path)
-from .shard_sets import _broadcast, _gather
+from .shard_sets import (
+    DEFAULT_RESTORE,
+    SHARD_KEY,
+    _broadcast,
+    _gather,
+    atomic_torch_save,
+    rank_shards,
+    read_shard,
+    set_problem,
+    shard_path,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +83,8 @@ class SavedSet:
     def describe(self) -> str:
         what = (f"{len(self.files)} rank shards" if self.sharded else "one file")
         experts = (f", {self.num_experts} experts in groups of {self.ep_size}" if self.num_experts else "")
-        return f"{os.path.basename(self.base)} ({what} from a {self.world_size}-rank run{experts}, update {self.num_updates})"
+        return (f"{os.path.basename(self.base)} ({what} from a {self.world_size}-rank run{experts}, "
+                f"update {self.num_updates})")
 
 
 def shard_name(base: str, rank: int) -> str:
@@ -292,7 +301,8 @@ def reshard_checkpoint(plan: Plan, rank: int, expert_params: list[bool]) -> None
         backup = os.path.join(os.path.dirname(saved.base) or ".",
                               BACKUP_DIR.format(world=saved.world_size, updates=saved.num_updates))
         os.makedirs(backup, exist_ok=True)
-        overwritten = [t for t in plan.targets if os.path.exists(t) and t not in saved.files]  # e.g. a consolidated file
+        # e.g. a consolidated file
+        overwritten = [t for t in plan.targets if os.path.exists(t) and t not in saved.files]
         for f in [*saved.files, *overwritten]:
             _link_or_copy(f, os.path.join(backup, os.path.basename(f)))
         for target in plan.targets:

@@ -219,9 +219,7 @@ def _task_prefix_fill(task, positions: int) -> list[int]:
     cached = getattr(task, "_smlp_prefix_fill", None)
     if cached is not None and len(cached) >= positions:
         return cached
-    from smlp_eval.text import Encoder
-
-    from smlp_eval.text import routing_prefix_fill
+    from smlp_eval.text import Encoder, routing_prefix_fill
 
     data = str(getattr(task.args, "data", "") or "").split(os.pathsep)[0]
     dictionary = task.target_dictionary
@@ -277,7 +275,8 @@ def language_modeling_inference() -> bool:
                                 generator_max_len=getattr(generator, "max_len", core.cfg.seq_len), ids=ids)
         for message in warnings:
             logger.warning(message)
-        filled = [f"prompt {ids[i] if ids is not None else i} with {len(p.fill)}" for i, p in enumerate(plans) if p.fill]
+        filled = [f"prompt {ids[i] if ids is not None else i} with {len(p.fill)}"
+                  for i, p in enumerate(plans) if p.fill]
         if filled:
             logger.info("partial prediction: routing-prefix fill (tokens): %s", ", ".join(filled))
         fills = {len(p.fill) for p in plans}

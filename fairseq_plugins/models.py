@@ -12,8 +12,7 @@ import logging
 import sys
 
 import torch
-from fairseq.models import (FairseqIncrementalDecoder, FairseqLanguageModel, register_model,
-                            register_model_architecture)
+from fairseq.models import FairseqIncrementalDecoder, FairseqLanguageModel, register_model, register_model_architecture
 
 from smlp.dispatch import AllToAllDispatcher, LocalDispatcher
 from smlp.lm import LanguageModel
@@ -23,8 +22,15 @@ from smlp.routers import TOKEN_ROUTERS
 
 from . import step_profiler
 from .checkpoints import adapt_expert_state
-from .config import (GMLPConfig, MoETransformerConfig, PluginSettings, SMLPConfig, expert_layout, plugin_settings,
-                     to_core_config)
+from .config import (
+    GMLPConfig,
+    MoETransformerConfig,
+    PluginSettings,
+    SMLPConfig,
+    expert_layout,
+    plugin_settings,
+    to_core_config,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -48,7 +48,8 @@ def check_data_dir(data) -> None:
     for part in str(data).split(os.pathsep):
         if not part or "://" in part:
             continue
-        expected = "the output folder of smlp-prepare-data or fairseq-preprocess: dict.txt, train.bin/.idx, valid.bin/.idx"
+        expected = ("the output folder of smlp-prepare-data or fairseq-preprocess: dict.txt, train.bin/.idx, "
+                    "valid.bin/.idx")
         if not os.path.isdir(part):
             raise FileNotFoundError(f"data directory {part} does not exist; pass {expected}")
         if not os.path.isfile(os.path.join(part, "dict.txt")):

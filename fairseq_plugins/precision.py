@@ -308,7 +308,7 @@ def agree_on_overflow(scaler, optimizer, grad_norm: torch.Tensor) -> None:
     found = state.get("found_inf_per_device") if state else None
     if found is None:
         raise FairseqChanged("torch's GradScaler keeps no found_inf for the optimizer after unscale_(): the "
-                             f"overflow agreement of fairseq_plugins.precision was written for torch 2.13")
+                             "overflow agreement of fairseq_plugins.precision was written for torch 2.13")
     overflow = (~torch.isfinite(grad_norm.detach())).float()
     for t in found.values():
         t.copy_(overflow.to(t.device))

@@ -39,8 +39,8 @@ import re
 import shutil
 import tempfile
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -288,8 +288,8 @@ def decide_resume(requested: list[ShardInfo], candidates: dict[str, list[ShardIn
         hint = ("The file is damaged; resume from another checkpoint of the save directory "
                 "(checkpoint_<epoch>_<update>.pt, written with --save-interval-updates N)")
     if "-rank run" in problem:
-        hint = (f"Resume on the world size that wrote them, or merge them with `smlp-consolidate` and start "
-                f"from the result with --finetune-from-model (it loads on any world size dividing the expert count)")
+        hint = ("Resume on the world size that wrote them, or merge them with `smlp-consolidate` and start "
+                "from the result with --finetune-from-model (it loads on any world size dividing the expert count)")
     if not default_restore:
         raise CheckpointSetError(f"{what}. {hint}.")
     complete = [(infos[0].num_updates or 0, infos[0].epoch or 0, base) for base, infos in candidates.items()

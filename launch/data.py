@@ -58,7 +58,6 @@ fairseq-preprocess dominates the run time (its binarizer is a Python loop: ~20-4
 from __future__ import annotations
 
 import argparse
-from array import array
 import contextlib
 import fcntl
 import hashlib
@@ -71,14 +70,28 @@ import shutil
 import subprocess
 import sys
 import time
+from array import array
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Sequence
 
 # the text handling shared with evaluation lives in smlp_eval.text (names re-exported for callers of this module)
-from smlp_eval.text import (BOS_ID, DICT, EOS_ID, N_SPECIAL, PAD_ID, SPM_MODEL, UNK_ID,  # noqa: F401
-                            DataPrepError, Encoder, TokenizerMismatchError, load_binarized, load_encoder,
-                            load_sentencepiece, normalize_line)
+from smlp_eval.text import (  # noqa: F401
+    BOS_ID,
+    DICT,
+    EOS_ID,
+    N_SPECIAL,
+    PAD_ID,
+    SPM_MODEL,
+    UNK_ID,
+    DataPrepError,
+    Encoder,
+    TokenizerMismatchError,
+    load_binarized,
+    load_encoder,
+    load_sentencepiece,
+    normalize_line,
+)
 
 PROG = "smlp-prepare-data"
 FORMAT = "smlp-lm-data/1"

@@ -29,11 +29,11 @@ import shlex
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from smlp_launch.fairseq_log import train_fields, valid_fields
-from typing import Sequence
 
 PROG = "smlp-demo"
 BIN = Path(sys.executable).parent
@@ -243,7 +243,8 @@ def report(args, data: Path, save: Path, curves: Curves, seconds: float, zerosho
         "zeroshot": {t: r["metrics"] for t, r in (zeroshot or {}).get("tasks", {}).items()},
         "sample": sample,
         "paths": {"data": str(data), "checkpoints": str(save), "logs": str(args.out / "logs"),
-                  "plot": str(args.out / "loss.png"), "zeroshot": str(args.out / "zeroshot.json") if zeroshot else None},
+                  "plot": str(args.out / "loss.png"),
+                  "zeroshot": str(args.out / "zeroshot.json") if zeroshot else None},
     }
     plot(curves, args.out / "loss.png", f"{args.arch}, {args.nproc} expert-parallel CPU workers")
     tmp = args.out / "summary.json.tmp"

@@ -62,9 +62,10 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Sequence
+from typing import IO
 
 PROG = "smlp-launch"
 
@@ -485,7 +486,8 @@ class Launcher:
             import json
 
             self.plan.peak_rss_json.write_text(json.dumps(
-                {"peak_rss_bytes": {str(r): b for r, b in sorted(peaks.items())}, "source": "ru_maxrss / VmHWM"}) + "\n")
+                {"peak_rss_bytes": {str(r): b for r, b in sorted(peaks.items())},
+                 "source": "ru_maxrss / VmHWM"}) + "\n")
 
     def _watch(self) -> int:
         while True:
@@ -583,8 +585,8 @@ def _install_stop_hook(stop: _StopFlag) -> bool:
     original = fairseq_train.validate_and_save
     expected = ["cfg", "trainer", "task", "epoch_itr", "valid_subsets", "end_of_epoch"]
     if list(inspect.signature(original).parameters) != expected:
-        print(f"[smlp worker] fairseq_cli.train.validate_and_save changed its signature; graceful stop "
-              f"on signals is disabled", file=sys.stderr)
+        print("[smlp worker] fairseq_cli.train.validate_and_save changed its signature; graceful stop "
+              "on signals is disabled", file=sys.stderr)
         return False
 
     def validate_and_save(cfg, trainer, task, epoch_itr, valid_subsets, end_of_epoch):

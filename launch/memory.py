@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 __all__ = ["vmhwm_bytes", "vmrss_bytes", "children_of", "process_tree", "peak_rss", "PeakRSSMonitor", "format_bytes"]
 
@@ -113,7 +113,7 @@ class PeakRSSMonitor:
         while not self._stop.wait(self.interval):
             self.sample()
 
-    def __enter__(self) -> "PeakRSSMonitor":
+    def __enter__(self) -> PeakRSSMonitor:
         self.sample()
         self._thread = threading.Thread(target=self._run, name="peak-rss", daemon=True)
         self._thread.start()

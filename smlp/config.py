@@ -235,8 +235,8 @@ class SparseBlockConfig:
 
     def __post_init__(self) -> None:
         _probability("dropout", self.dropout)
-        self.smoe  # validates
-        self.tmoe
+        _ = self.smoe  # validates
+        _ = self.tmoe
 
     @property
     def smoe(self) -> SMoEConfig:

@@ -125,7 +125,7 @@ class CommTimer:
         self.enabled = enabled
         self.records: list = []
 
-    def __call__(self, device: torch.device) -> "_TimedSection":
+    def __call__(self, device: torch.device) -> _TimedSection:
         return _TimedSection(self, device)
 
     def mark(self) -> int:

@@ -33,7 +33,7 @@ Shapes: B prompts (rows), K beams, V vocabulary.
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor

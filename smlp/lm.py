@@ -43,8 +43,16 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor, nn
 
-from .config import (ACTIVATIONS, GMLPConfig, SparseBlockConfig, TMoEConfig, TokenRoutedGMLPConfig, _choice,
-                     _positive, _probability)
+from .config import (
+    ACTIVATIONS,
+    GMLPConfig,
+    SparseBlockConfig,
+    TMoEConfig,
+    TokenRoutedGMLPConfig,
+    _choice,
+    _positive,
+    _probability,
+)
 from .decoding import DecodingCache
 from .dispatch import LocalDispatcher
 from .mixers import GMLPBlock, check_length
@@ -135,12 +143,12 @@ class LMConfig:
         if self.family == "transformer" and self.d_model % self.heads:
             raise ValueError(f"heads={self.heads} must divide d_model={self.d_model}")
         if self.family in ("smlp", "gmlp"):
-            self.dense_block  # validates widths and heads
+            _ = self.dense_block  # validates widths and heads
         if self.family == "smlp" and self.sparse_layers:
-            self.sparse_block
+            _ = self.sparse_block
         if self.family == "transformer" and self.sparse_layers:
-            self.tmoe
-        self.plan  # validates the placement against the layer counts
+            _ = self.tmoe
+        _ = self.plan  # validates the placement against the layer counts
         self._check_token_mixer()
         self._check_token_routing()
 
@@ -156,7 +164,7 @@ class LMConfig:
         if self.heads != 1 or self.token_mixer != "sgu":
             raise ValueError(f"token_routed_experts={E} needs single-head SGU experts (heads=1, token_mixer='sgu'), "
                              f"got heads={self.heads}, token_mixer={self.token_mixer!r}")
-        self.token_routed_block  # validates
+        _ = self.token_routed_block  # validates
 
     @property
     def token_routed_block(self) -> TokenRoutedGMLPConfig:
@@ -193,7 +201,7 @@ class LMConfig:
             raise ValueError(f"heads={self.heads}: heads split the SGU; token_mixer={self.token_mixer!r} needs heads=1")
         if not isinstance(self.mixer_dim, int) or self.mixer_dim < 0:
             raise ValueError(f"mixer_dim={self.mixer_dim!r} is invalid: it must be 0 (the gated width) or positive")
-        self.dense_mixer  # validates
+        _ = self.dense_mixer  # validates
 
     @property
     def dense_mixer(self) -> HyperMixerConfig | NiNformerConfig | None:
@@ -230,7 +238,7 @@ class LMConfig:
             return self.sparse_block.smoe.prefix_len
         return 0
 
-    def with_layers(self, dense: int, sparse: int) -> "LMConfig":
+    def with_layers(self, dense: int, sparse: int) -> LMConfig:
         return replace(self, dense_layers=dense, sparse_layers=sparse)
 
 
@@ -310,7 +318,8 @@ class LanguageModel(nn.Module):
             raise NotImplementedError(f"cached decoding is not available for {what}: generate with the full "
                                       f"forward (generate(..., use_cache=False))")
         if tokens_Bk.dim() != 2 or tokens_Bk.shape[1] < 1:
-            raise ValueError(f"cached decoding expects token ids of shape (batch, k >= 1), got {tuple(tokens_Bk.shape)}")
+            raise ValueError(f"cached decoding expects token ids of shape (batch, k >= 1), "
+                             f"got {tuple(tokens_Bk.shape)}")
         if len(cache.layers) != len(self.layers):
             raise ValueError(f"the cache has {len(cache.layers)} layers but the model {len(self.layers)}: "
                              f"make it with this model's new_cache()")
@@ -329,7 +338,10 @@ class LanguageModel(nn.Module):
         if self.cfg.family == "transformer":
             x = x + sinusoidal_positions(k, self.cfg.d_model, x.device, x.dtype, start=start)
         for layer, state in zip(self.layers, cache.layers):
-            x = layer.step(x, state, start, tokens_Bk) if isinstance(layer, TransformerBlock) else layer.step(x, state, start)
+            if isinstance(layer, TransformerBlock):
+                x = layer.step(x, state, start, tokens_Bk)
+            else:
+                x = layer.step(x, state, start)
         if B:
             cache.length = start + k
         cache.batch_size = B

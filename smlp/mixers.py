@@ -31,7 +31,8 @@ from .config import GMLPConfig, SGUConfig
 from .decoding import cache_append
 from .profiling import RANGES
 
-__all__ = ["check_length", "causal_weight", "init_spatial_", "uniform_per_slice_", "SpatialProjection", "SpatialGatingUnit", "GMLPBlock"]
+__all__ = ["check_length", "causal_weight", "init_spatial_", "uniform_per_slice_", "SpatialProjection",
+           "SpatialGatingUnit", "GMLPBlock"]
 
 
 def check_length(n: int, max_len: int, what: str = "sequence") -> None:

@@ -22,15 +22,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.profiler import record_function
 
-from .profiling import RANGES
+from .assignment import balanced_assignment
 from .config import SMoEConfig, SparseBlockConfig, TMoEConfig
 from .decoding import cache_append
-from .assignment import balanced_assignment
 from .dispatch import LocalDispatcher
 from .experts import FFNExperts, SpatialExperts
 from .gates import router_z_loss
 from .mixers import check_length
 from .numerics import router_logits
+from .profiling import RANGES
 from .routers import SMOE_ROUTINGS, TOKEN_ROUTERS, hash_table  # noqa: F401  (hash_table: re-exported)
 from .routing import RoutingPlan, count_rows
 

@@ -73,7 +73,7 @@ class ExpertDataLayout:
         expert_parallel_layout(self.num_experts, self.ep_size)
 
     @classmethod
-    def resolve(cls, *, world_size: int, num_experts: int, ep_size: int = 0) -> "ExpertDataLayout":
+    def resolve(cls, *, world_size: int, num_experts: int, ep_size: int = 0) -> ExpertDataLayout:
         """ep_size 0 means the default, min(W, E): pure expert parallelism when W <= E."""
         if ep_size < 0:
             raise ValueError(f"ep_size={ep_size} is invalid: give a positive group size or 0 for min(W, E)")

@@ -36,8 +36,9 @@ Shapes: S rows, D model width, E experts, V vocabulary.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from torch import Tensor, nn

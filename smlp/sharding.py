@@ -40,7 +40,8 @@ def check_replicas(states: Sequence[Mapping[str, Tensor]], keys: Sequence[str], 
         for k in keys:
             a, b = states[r].get(k), states[r % ep_size].get(k)
             if a is None or b is None:
-                raise ValueError(f"expert weight {k!r} is missing from the shard of rank {r if a is None else r % ep_size}")
+                raise ValueError(f"expert weight {k!r} is missing from the shard of rank "
+                                 f"{r if a is None else r % ep_size}")
             if a.shape != b.shape or not torch.allclose(a.float(), b.float(), rtol=rtol, atol=atol):
                 diff = (a.float() - b.float()).abs().max().item() if a.shape == b.shape else "shape"
                 raise ValueError(
@@ -65,7 +66,8 @@ def merge_expert_shards(states: Sequence[Mapping[str, Tensor]], keys: Sequence[s
     return full
 
 
-def slice_expert_shard(full: Mapping[str, Tensor], keys: Sequence[str], rank: int, world_size: int) -> dict[str, Tensor]:
+def slice_expert_shard(full: Mapping[str, Tensor], keys: Sequence[str], rank: int,
+                       world_size: int) -> dict[str, Tensor]:
     """The state of position `rank` of an expert-parallel group of `world_size`, from a full state."""
     out = dict(full)
     for k in keys:

@@ -77,8 +77,8 @@ from torch.profiler import record_function
 
 from .config import _positive
 from .decoding import cache_append
-from .profiling import RANGES
 from .mixers import check_length
+from .profiling import RANGES
 from .transformer import sinusoidal_positions
 
 __all__ = [
@@ -118,7 +118,8 @@ class HyperMixerConfig:
         if self.dim % 2:
             raise ValueError(f"dim={self.dim} must be even: HyperMixing splits it into two halves")
         if not isinstance(self.chunk_size, int) or isinstance(self.chunk_size, bool) or self.chunk_size < 0:
-            raise ValueError(f"chunk_size={self.chunk_size!r} is invalid: it must be 0 (automatic) or a positive integer")
+            raise ValueError(f"chunk_size={self.chunk_size!r} is invalid: it must be 0 (automatic) or a positive "
+                             "integer")
         for name in ("tied", "causal"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} is invalid: it must be True or False")
