@@ -41,7 +41,8 @@ def worker_env(threads: int = 1) -> dict:
     return env
 
 
-def run_fairseq(program: str, args: list[str], *, world: int = 1, timeout: int = 300, cwd=None) -> list[subprocess.CompletedProcess]:
+def run_fairseq(program: str, args: list[str], *, world: int = 1, timeout: int = 300,
+                cwd=None) -> list[subprocess.CompletedProcess]:
     """Run a fairseq console program on `world` CPU gloo ranks (--cpu, gloo, legacy_ddp, env:// rendezvous)."""
     exe = str(BIN / program)
     if world == 1:

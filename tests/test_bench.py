@@ -38,7 +38,8 @@ def test_breakdown_attributes_backward_to_the_forward_range():
     parts = breakdown(events, total)
     mm_forward = sum(e.cpu_time_total for e in events if e.name == "aten::mm" and
                      any(p.name == RANGES["experts"] for p in _ancestors(e))) / 1e6
-    mm_backward = sum(e.cpu_time_total for e in events if e.name.startswith("autograd::engine::evaluate_function: MmBackward")) / 1e6
+    mm_backward = sum(e.cpu_time_total for e in events
+                      if e.name.startswith("autograd::engine::evaluate_function: MmBackward")) / 1e6
     # the heavy matmuls' forward and backward both land in "experts"; routing is small but present
     assert parts["experts"] >= 0.9 * (mm_forward + mm_backward) - 0.9 * parts["routing"]
     assert 0 < parts["routing"] < parts["experts"]

@@ -11,9 +11,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from smlp_bench import cli, suite
 from smlp_bench import curves as C
 from smlp_bench import schedule as S
-from smlp_bench import cli, suite
 
 KEYS = ["a", "b", "c", "d"]
 
@@ -228,7 +228,8 @@ def _synthetic_long_record(complete: bool) -> dict:
         curves = [{"seed": s + 1, "updates": [50, 100, 150], "tokens": [t * 4096 for t in (50, 100, 150)],
                    "time": [10.0 * (1 + i), 20.0 * (1 + i), 30.0 * (1 + i)], "wall": [1, 2, 3],
                    "ppl": [f * 3, f * 1.5, f]} for s, f in enumerate(finals)]
-        models[key] = {"name": suite.NAMES[key], "layers": "9+3", "curves": curves, "valid_ppl": sum(finals) / len(finals),
+        models[key] = {"name": suite.NAMES[key], "layers": "9+3", "curves": curves,
+                       "valid_ppl": sum(finals) / len(finals),
                        "valid_ppl_std": 1.4 if len(finals) > 1 else 0.0, "valid_ppl_per_seed": finals,
                        "seeds": [c["seed"] for c in curves]}
     rec = {"kind": "preset", "preset": "long", "complete": complete, "runs_recorded": 6, "runs_scheduled": 7,
@@ -272,7 +273,8 @@ def test_publish_a_partial_long_record_rewrites_only_its_sections(tmp_path):
     assert text.index(suite.TABLE_END) < text.index("### Does sMLP beat Transformer-MoE at matched FLOPs here?") \
         < text.index(suite.LONG_START) < text.index(suite.LONG_END) < text.index("tail")
     assert "PARTIAL: 6 of 7 runs recorded" in text
-    assert "**Does sMLP-deterministic beat the best Transformer-MoE at this scale? yes.**" in text  # 100 against 110 for Switch, beyond the seeds' spread
+    # 100 against 110 for Switch, beyond the seeds' spread
+    assert "**Does sMLP-deterministic beat the best Transformer-MoE at this scale? yes.**" in text
     # the benchmark table's perplexity target now comes from the end of the long preset
     assert "at the end of the long preset (0.61M tokens, PARTIAL)" in text
     assert "after 60 updates" not in text and "equal updates" not in text

@@ -16,8 +16,17 @@ import torch
 
 import fairseq_plugins  # noqa: F401  (installs the hooks)
 from fairseq_plugins.checkpoints import consolidate
-from fairseq_plugins.shard_sets import (SHARD_KEY, CheckpointSetError, _candidates_here, atomic_copy, atomic_torch_save,
-                                        decide_resume, explain_mismatch, read_shard, shape_mismatch)
+from fairseq_plugins.shard_sets import (
+    SHARD_KEY,
+    CheckpointSetError,
+    _candidates_here,
+    atomic_copy,
+    atomic_torch_save,
+    decide_resume,
+    explain_mismatch,
+    read_shard,
+    shape_mismatch,
+)
 
 
 def fake_state(updates: int, *, rank: int = 0, world: int = 2, run: str = "run1", experts: int = 1, sharded=True):
@@ -212,7 +221,8 @@ def test_a_consolidated_file_as_restore_file_of_a_sharded_run_points_to_finetuni
 def test_consolidate_refuses_a_mixed_set(tmp_path):
     write_set(tmp_path, "checkpoint_last", [12, 11])
     with pytest.raises(ValueError, match=r"not one save \(the shards come from different saves\): "
-                                         r"checkpoint_last-rank-0\.pt: update 12; checkpoint_last-rank-1\.pt: update 11"):
+                                         r"checkpoint_last-rank-0\.pt: update 12; "
+                                         r"checkpoint_last-rank-1\.pt: update 11"):
         consolidate(str(tmp_path / "checkpoint_last.pt"))
     assert not (tmp_path / "checkpoint_last.pt").exists()
 

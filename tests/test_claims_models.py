@@ -21,7 +21,6 @@ import torch.nn.functional as F
 from causality import assert_causal, earlier_outputs_unchanged
 from smlp.config import SMoEConfig, TokenRoutedGMLPConfig
 from smlp.lm import LanguageModel, LMConfig
-from smlp.mixers import GMLPBlock
 from smlp.moe import LEAKY_ROUTING_WARNING
 from smlp.token_routed import TokenRoutedGMLPBlock
 from smlp_bench import experiments as X

@@ -17,11 +17,11 @@ import pytest
 
 pytest.importorskip("fairseq")
 
-import fairseq_plugins  # noqa: E402,F401  (registration)
 from fairseq import options  # noqa: E402
 from fairseq.dataclass.utils import convert_namespace_to_omegaconf  # noqa: E402
 from fairseq.models import ARCH_MODEL_NAME_REGISTRY, MODEL_DATACLASS_REGISTRY, MODEL_REGISTRY  # noqa: E402
 
+import fairseq_plugins  # noqa: E402,F401  (registration)
 from fairseq_plugins import config as table  # noqa: E402
 from smlp.lm import LMConfig  # noqa: E402
 from smlp.routers import SMOE_ROUTINGS, TOKEN_ROUTERS  # noqa: E402
@@ -79,7 +79,7 @@ def fairseq_cfg(flags):
     return _parse(tuple(flags))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _parse(flags):  # ~0.7 s each here (hydra composes the config): parse each command once
     with tempfile.TemporaryDirectory() as data, contextlib.redirect_stderr(io.StringIO()):
         args = options.parse_args_and_arch(options.get_training_parser(),

@@ -17,10 +17,11 @@ PAPER_GPUS = 32
 
 
 def parse(data: Path, flags: list[str], world: int):
-    import fairseq_plugins  # noqa: F401
     from fairseq import options
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
     from fairseq.utils import import_user_module
+
+    import fairseq_plugins  # noqa: F401
 
     parser = options.get_training_parser()
     args = options.parse_args_and_arch(

@@ -6,11 +6,11 @@ import torch
 import torch.nn.functional as F
 
 from causality import assert_causal, earlier_outputs_unchanged
+from smlp.assignment import sanitize_scores
 from smlp.config import GMLPConfig, SGUConfig, SMoEConfig, SparseBlockConfig, TMoEConfig
 from smlp.dispatch import LocalDispatcher, expert_parallel_layout
 from smlp.mixers import GMLPBlock, SpatialGatingUnit
 from smlp.moe import SMoE, SparseBlock, TMoE, hash_table
-from smlp.assignment import sanitize_scores
 from smlp.routing import base_route, smoe_partial_route
 
 torch.set_num_threads(1)
@@ -275,7 +275,8 @@ def test_non_finite_scores_are_refused_by_the_routers():
     scores[0, 1] = float("nan")
     scores[3] = float("inf")
     scores[5, 2] = float("-inf")
-    with pytest.raises(NonFiniteScoresError, match=r"layers\.7 \(test\): .* 3 of 32 rows \(first: row 0; 1 NaN, 4 \+inf, 1 -inf"):
+    with pytest.raises(NonFiniteScoresError,
+                       match=r"layers\.7 \(test\): .* 3 of 32 rows \(first: row 0; 1 NaN, 4 \+inf, 1 -inf"):
         base_route(scores, training=True, layer="layers.7 (test)")
     assert torch.isfinite(sanitize_scores(scores)).all()
     with pytest.raises(NonFiniteScoresError, match="sMoE router"):

@@ -5,7 +5,6 @@ before fairseq-preprocess, so the module runs two more fairseq-preprocess calls 
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess

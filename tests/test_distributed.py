@@ -102,7 +102,7 @@ def _finish() -> None:
 def _randomize_spatial(module, seed=0):
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, p in module.named_parameters():
+        for _name, p in module.named_parameters():
             if p.dim() == 3 and p.shape[-1] == p.shape[-2]:
                 p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
 
@@ -301,9 +301,9 @@ def _shuffle_worker(rank, world, init_file, tokens):
     """Shuffle on: each rank's rows are balanced together with the rows the shuffle sends it.
 
     Only the routing scores travel through the shuffle; the tokens go from home to their expert and
-    back. The reference is what fairseq computes: it rebuilds every rank's permutation (the same seeded global-RNG draw as fairseq's
-    torch.randperm), runs the single-process layer on each receiving rank's group of rows and
-    scatters the results back: outputs, input gradients and every parameter gradient agree.
+    back. The reference is what fairseq computes: it rebuilds every rank's permutation (the same seeded
+    global-RNG draw as fairseq's torch.randperm), runs the single-process layer on each receiving rank's
+    group of rows and scatters the results back: outputs, input gradients and every parameter gradient agree.
     """
     _init(rank, world, init_file)
     try:
@@ -396,7 +396,8 @@ def _fairseq_base_worker(rank, world, init_file, shuffle, assignment):
             theirs.cpp = _SameAssignment()
         cfg = TMoEConfig(d_model=D, d_ffn=Fw, num_experts=world, router="base", shuffle=bool(shuffle))
         ours = TMoE(cfg, AllToAllDispatcher(world)).train()
-        assert torch.count_nonzero(ours.experts.w2) == 0 and torch.count_nonzero(theirs.expert_network[0].ff2.weight) == 0
+        assert torch.count_nonzero(ours.experts.w2) == 0
+        assert torch.count_nonzero(theirs.expert_network[0].ff2.weight) == 0
         # the same weights everywhere (the centroids are shared, each rank's expert is its own)
         g = torch.Generator().manual_seed(7)
         centroids = torch.linalg.qr(torch.randn(D, world, generator=g))[0].t() * 3.0

@@ -18,8 +18,16 @@ import torch.nn.functional as F
 from smlp.dispatch import AllToAllDispatcher, LocalDispatcher
 from smlp.lm import LanguageModel, LMConfig
 from smlp.parallel import ExpertDataLayout, average_expert_gradients, expert_data_groups, valid_ep_sizes
-from smlp.sharding import (check_replicas, expert_keys, expert_slice, merge_expert_shards, reshard_model_state,
-                           reshard_optimizer_state, slice_expert_shard, source_positions)
+from smlp.sharding import (
+    check_replicas,
+    expert_keys,
+    expert_slice,
+    merge_expert_shards,
+    reshard_model_state,
+    reshard_optimizer_state,
+    slice_expert_shard,
+    source_positions,
+)
 
 ATOL = 2e-5
 
@@ -111,7 +119,8 @@ def test_reshard_optimizer_state_moves_adam_moments_with_their_experts():
     def shard(pos, G):
         L = E // G
         s = {"state": {0: dict(full["state"][0]),
-                       1: {k: (v[pos * L:(pos + 1) * L].clone() if v.dim() else v) for k, v in full["state"][1].items()}},
+                       1: {k: (v[pos * L:(pos + 1) * L].clone() if v.dim() else v)
+                           for k, v in full["state"][1].items()}},
              "param_groups": full["param_groups"]}
         return s
     src = {i: shard(i, G_src) for i in range(G_src)}
@@ -230,9 +239,8 @@ def test_four_ranks_in_groups_of_two_equal_one_process():
 def _oss_worker(rank, world, init_file):
     """ExpertLocalOSS (shared parameters' Adam state split over the ranks, experts' local) steps like plain
     Adam on every rank, and its checkpoint state is plain Adam's: it round-trips into a fresh one."""
-    from test_distributed import _finish, _init
-
     from fairseq_plugins.sharded_optim import ExpertLocalOSS
+    from test_distributed import _finish, _init
 
     _init(rank, world, init_file)
     try:
@@ -341,7 +349,8 @@ def test_elastic_reshards_model_optimizer_and_data_position(tmp_path):
     assert torch.equal(st["model"]["decoder.core.layers.0.ffn.experts.w1"], full_w)
     assert torch.equal(st["last_optimizer_state"]["state"][1]["exp_avg"], full_m)
     assert st["extra_state"]["train_iterator"]["iterations_in_epoch"] == 12  # 4 ranks x 3 batches, now one rank
-    assert st["cfg"]["model"]["expert_parallel_size"] == 1 and st["cfg"]["distributed_training"]["distributed_world_size"] == 1
+    assert st["cfg"]["model"]["expert_parallel_size"] == 1
+    assert st["cfg"]["distributed_training"]["distributed_world_size"] == 1
     assert plan_resume(base, world_size=1, sharded=False, layout=one, num_experts=4) is None  # nothing left to do
 
     # one file -> 8 ranks in groups of 4 (two replicas): ranks stage in any order, rank 0 puts them in place

@@ -5,8 +5,17 @@ import pytest
 import torch
 
 from causality import assert_causal
-from fairseq_helpers import (PLUGINS, TINY_TRAIN, assert_ok, output, run_fairseq, run_in_process, smlp_tiny_flags,
-                             train_losses, valid_losses)
+from fairseq_helpers import (
+    PLUGINS,
+    TINY_TRAIN,
+    assert_ok,
+    output,
+    run_fairseq,
+    run_in_process,
+    smlp_tiny_flags,
+    train_losses,
+    valid_losses,
+)
 
 
 def routing_logged(log: str) -> dict[int, dict[str, float]]:
@@ -53,10 +62,11 @@ DENSE_ARCHS = ("gmlp_lm_tiny", "transformer_lm_tiny", "hypermixer_lm_tiny", "nin
 
 def build_model(data, arch, extra=(), world=1):
     """Build a registered model through fairseq's own argument parsing and task."""
-    import fairseq_plugins  # noqa: F401
     from fairseq import options, tasks
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
     from fairseq.utils import import_user_module
+
+    import fairseq_plugins  # noqa: F401
 
     parser = options.get_training_parser()
     args = options.parse_args_and_arch(parser, [str(data), "--user-dir", PLUGINS, "--arch", arch, *TINY_TRAIN,
@@ -68,9 +78,10 @@ def build_model(data, arch, extra=(), world=1):
 
 
 def test_models_architectures_and_criterion_are_registered():
-    import fairseq_plugins  # noqa: F401
     from fairseq.criterions import CRITERION_REGISTRY
     from fairseq.models import ARCH_MODEL_REGISTRY, MODEL_REGISTRY
+
+    import fairseq_plugins  # noqa: F401
 
     assert {"smlp_lm", "gmlp_lm", "moe_transformer_lm"} <= set(MODEL_REGISTRY)
     for arch in ["smlp_lm_paper_small", "smlp_lm_paper_large", "gmlp_lm_paper_small", "transformer_lm_paper_small",
@@ -87,7 +98,7 @@ def test_every_model_is_causal_in_eval_mode(tiny_lm_data, arch, extra):
     model, task = build_model(tiny_lm_data, arch, extra)
     model.eval()
     with torch.no_grad():  # make the spatial weights matter
-        for name, p in model.named_parameters():
+        for _name, p in model.named_parameters():
             if p.dim() == 3 and p.shape[-1] == p.shape[-2]:
                 p.normal_(0, p.shape[-1] ** -0.5)
     start = model.core.cfg.prediction_start
@@ -97,13 +108,15 @@ def test_every_model_is_causal_in_eval_mode(tiny_lm_data, arch, extra):
 
 
 def test_presets_set_paper_sizes(tiny_lm_data):
-    import fairseq_plugins  # noqa: F401
     from fairseq import options
 
+    import fairseq_plugins  # noqa: F401
+
     parser = options.get_training_parser()
-    args = options.parse_args_and_arch(parser, [str(tiny_lm_data), "--user-dir", PLUGINS, "--arch", "smlp_lm_paper_small",
-                                                "--decoder-layers", "3"])
-    assert (args.decoder_embed_dim, args.decoder_ffn_embed_dim, args.sparse_layers, args.num_experts) == (1024, 4096, 12, 32)
+    args = options.parse_args_and_arch(parser, [str(tiny_lm_data), "--user-dir", PLUGINS,
+                                                "--arch", "smlp_lm_paper_small", "--decoder-layers", "3"])
+    sizes = (args.decoder_embed_dim, args.decoder_ffn_embed_dim, args.sparse_layers, args.num_experts)
+    assert sizes == (1024, 4096, 12, 32)
     assert args.decoder_layers == 3  # a command-line flag wins over the preset
 
 
@@ -216,7 +229,8 @@ def test_two_rank_checkpoint_evaluates_on_one_process(tiny_lm_data, tmp_path):
     (tokens_one, loss_one), = eval_lm_figures(assert_ok(run_in_process("fairseq-eval-lm", eval_valid)))
     assert loss_one == pytest.approx(loss, abs=2e-3)
     # expert-parallel on 2 ranks each rank scores its own shard of the batches and only rank 0 prints
-    # (fairseq-eval-lm does not aggregate over ranks): rank 0's figure equals one process scoring shard 0, and the two shards add up.
+    # (fairseq-eval-lm does not aggregate over ranks): rank 0's figure equals one process scoring shard 0,
+    # and the two shards add up.
     (tokens_r0, loss_r0), = eval_lm_figures(assert_ok(run_fairseq("fairseq-eval-lm", eval_valid, world=2)))
     shards = [eval_lm_figures(assert_ok(run_in_process("fairseq-eval-lm", [*eval_valid, "--num-shards", "2",
                                                                            "--shard-id", str(i)])))[0]

@@ -23,8 +23,17 @@ import pytest
 
 from fairseq_helpers import PLUGINS, SHARED_RUN_UPDATES, TINY_TRAIN, train_losses
 from smlp_launch.fairseq_log import loaded_updates
-from test_launch import (SBATCH, SMLP_LAUNCH, assert_no_processes, job_info, processes_mentioning, read,
-                         sbatch, slurm, wait_for, wait_job_end, wait_log)  # noqa: F401  (slurm: fixture)
+from test_launch import (
+    SBATCH,
+    SMLP_LAUNCH,
+    assert_no_processes,
+    processes_mentioning,
+    read,
+    sbatch,  # noqa: F401  (slurm: fixture)
+    wait_for,
+    wait_job_end,
+    wait_log,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -57,7 +66,8 @@ def worker_pid(marker: str, rank: int) -> int:
         except OSError:
             continue
         if (marker in " ".join(argv) and "--worker" in argv and "bash" not in argv[0]
-                and argv[argv.index("--distributed-rank") + 1:][:1] == [str(rank)] if "--distributed-rank" in argv else False):
+                and argv[argv.index("--distributed-rank") + 1:][:1] == [str(rank)]
+                if "--distributed-rank" in argv else False):
             found.append(int(d.name))
     assert len(found) == 1, (found, processes_mentioning(marker))
     return found[0]
@@ -206,8 +216,9 @@ def test_slurm_time_limit_requeue_during_save_and_sigkill(slurm, tiny_lm_data, t
     subprocess.run(["scontrol", "requeue", job], env=env, check=True)
 
     # 3. the third run resumes from a complete set; then a task is killed inside the all2all
-    wait_log(env, job, log, lambda t: "(restart 2)" in t and "rank 1 inside all2all call 60" in t.split("(restart 2)")[-1],
-             240, "rank 1 to enter the all2all in the third run")
+    wait_log(env, job, log,
+             lambda t: "(restart 2)" in t and "rank 1 inside all2all call 60" in t.split("(restart 2)")[-1], 240,
+             "rank 1 to enter the all2all in the third run")
     time.sleep(1.0)  # rank 0 sleeps 5 s before entering: rank 1 is blocked inside
     victim = worker_pid(str(tmp_path), 1)
     os.kill(victim, signal.SIGKILL)

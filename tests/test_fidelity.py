@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from fairseq_helpers import PLUGINS, TINY_TRAIN
 from smlp.config import TMoEConfig
 from smlp.dispatch import LocalDispatcher
 from smlp.lm import LanguageModel, LMConfig, layer_plan

@@ -368,7 +368,7 @@ def test_gradients_reach_logits_through_weights_and_aux_loss(gate):
 @pytest.mark.parametrize("gate", GATES)
 def test_kept_counts_never_exceed_capacity(gate):
     g = torch.Generator().manual_seed(0)
-    for trial in range(40):
+    for _trial in range(40):
         S = int(torch.randint(1, 80, (), generator=g))
         E = int(torch.randint(1, 9, (), generator=g))
         logits = 3 * torch.randn(S, E, generator=g)

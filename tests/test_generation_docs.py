@@ -105,8 +105,9 @@ def test_fairseq_interactive_reads_the_per_rank_set_and_the_hub_the_merged_file_
 def test_the_hub_loads_the_per_rank_set_too(ran, monkeypatch):
     """from_pretrained(..., "checkpoint_last.pt"), a name only the rank shards carry, gives the beam-search
     text the page's hub block printed from the merged file (in this process: no extra launch)."""
-    import fairseq_plugins  # noqa: F401
     from fairseq.models import FairseqLanguageModel
+
+    import fairseq_plugins  # noqa: F401
 
     monkeypatch.chdir(ran.work)
     lm = FairseqLanguageModel.from_pretrained("ckpt/plays", "checkpoint_last.pt", data_name_or_path="data-bin/plays",

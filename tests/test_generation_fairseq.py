@@ -106,8 +106,7 @@ def test_fairseq_greedy_equals_smlp_generation_and_fills_the_routing_prefix(tiny
     with the end of the valid split, read independently here (smlp-zeroshot's reader), and the fill is
     logged, never printed: the hypotheses start with the prompt."""
     from smlp.generation import generate
-    from smlp_eval.text import routing_prefix_fill
-    from smlp_eval.text import Encoder
+    from smlp_eval.text import Encoder, routing_prefix_fill
 
     model, task = _model(tiny_lm_data, arch, extra)
     core, eos = model.decoder.core, task.target_dictionary.eos()
@@ -169,11 +168,11 @@ def test_incremental_decoder_steps_and_reorders_like_the_full_forward(tiny_lm_da
 
 
 def test_patches_are_installed_once():
-    import fairseq_plugins  # noqa: F401
     from fairseq import checkpoint_utils
     from fairseq.data import token_block_dataset
     from fairseq.tasks.language_modeling import LanguageModelingTask
 
+    import fairseq_plugins  # noqa: F401
     from fairseq_plugins import generation_patches
 
     assert generation_patches.install() == []  # applied when the plugins were imported
@@ -185,8 +184,9 @@ def test_patches_are_installed_once():
 def test_a_rank_shard_set_with_a_rank_missing_is_refused_by_name(tmp_path):
     """fairseq's loader given X.pt when only X-rank-1.pt exists: our error naming the missing rank, not
     fairseq's "Model file not found" nor a model with half its experts."""
-    import fairseq_plugins  # noqa: F401
     from fairseq import checkpoint_utils
+
+    import fairseq_plugins  # noqa: F401
 
     (tmp_path / "checkpoint_last-rank-1.pt").write_bytes(b"not read")
     with pytest.raises(ValueError, match=r"shards of rank\(s\) \[0\] are missing"):

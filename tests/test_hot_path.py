@@ -1,3 +1,4 @@
+# ruff: noqa: E702  (the counter test pairs each call with its expected count on one line)
 """A training step that does not wait for the device (issue 19), checked on the CPU.
 
 - The host-sync counter (smlp_bench.host_syncs) counts what it claims to (a negative control of
@@ -21,8 +22,15 @@ from smlp.config import TMoEConfig
 from smlp.dispatch import CommTimer, LocalDispatcher
 from smlp.lm import LanguageModel
 from smlp.moe import TMoE
-from smlp.routing import (FAULT_WIDTH, NonFiniteScoresError, base_route, hash_fault, hash_route, nonfinite_fault,
-                          routing_error)
+from smlp.routing import (
+    FAULT_WIDTH,
+    NonFiniteScoresError,
+    base_route,
+    hash_fault,
+    hash_route,
+    nonfinite_fault,
+    routing_error,
+)
 from smlp_bench.host_syncs import HostSyncCounter, count_host_syncs, torch_assignment_path
 from smlp_bench.hot_path import FAMILIES, count_step, tiny_config, tokens
 
@@ -320,9 +328,8 @@ def test_the_criterion_logs_tensors_and_the_all2all_time_only_when_asked(monkeyp
 def test_the_batch_token_count_the_criterion_reads_is_the_count_of_targets(tiny_lm_data, break_mode):
     """fairseq's collater counts `ntokens` on the host; it equals the non-padding targets of every
     batch (padded ones included), so the criterion need not count them on the device."""
-    from test_fairseq import build_model
-
     from fairseq_plugins.criterion import predicted_tokens
+    from test_fairseq import build_model
 
     _, task = build_model(tiny_lm_data, "gmlp_lm_tiny", ["--sample-break-mode", break_mode])
     task.load_dataset("valid")

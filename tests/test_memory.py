@@ -82,7 +82,8 @@ def test_the_largest_output_check_catches_dense_dispatch():
     def dense_dispatch(S):
         expert = torch.randint(0, E, (S,))
         slot = torch.arange(S) % (2 * S // E)
-        combine_SEC = torch.nn.functional.one_hot(expert, E)[:, :, None] * torch.nn.functional.one_hot(slot, 2 * S // E)[:, None, :]
+        combine_SEC = (torch.nn.functional.one_hot(expert, E)[:, :, None]
+                       * torch.nn.functional.one_hot(slot, 2 * S // E)[:, None, :])
         return torch.einsum("sec,sd->ecd", combine_SEC.float(), torch.randn(S, D))
 
     sizes = {}

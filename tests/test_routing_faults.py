@@ -248,8 +248,17 @@ def test_auction_ends_within_its_round_budget_on_adversarial_scores(kind):
 
 def _zero_token_cases(rank, world, init_file):
     """Every case in one process group (spawning ranks costs far more than the cases)."""
-    from test_distributed import (_check_expert_grads, _check_shared_grads, _finish, _init, _inputs,
-                                  _randomize_spatial, _run_pair, _shuffle_worker, check_tmoe_against_one_process)
+    from test_distributed import (
+        _check_expert_grads,
+        _check_shared_grads,
+        _finish,
+        _init,
+        _inputs,
+        _randomize_spatial,
+        _run_pair,
+        _shuffle_worker,
+        check_tmoe_against_one_process,
+    )
 
     _init(rank, world, init_file)
     try:
@@ -267,8 +276,8 @@ def _zero_token_cases(rank, world, init_file):
             model = SparseBlock(cfg, AllToAllDispatcher(4)).train()
             model.load_state_dict(slice_expert_shard(ref.state_dict(), expert_keys(ref), rank, world))
             batches = [0, 3]  # rank 0 holds no sequence at all
-            xs = _inputs(world, lambda r: (batches[r], 17, 16))
-            gs = _inputs(world, lambda r: (batches[r], 17, 16), seed=200)
+            xs = _inputs(world, lambda r, b=batches: (b[r], 17, 16))  # called here, in this iteration
+            gs = _inputs(world, lambda r, b=batches: (b[r], 17, 16), seed=200)
             _run_pair(model, ref, xs, gs, rank, world)
             _check_expert_grads(model, ref, rank, world)
             _check_shared_grads(model, ref)

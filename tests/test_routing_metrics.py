@@ -47,9 +47,8 @@ def _tiny_core(router, **kw):
 
 
 def test_the_criterion_adds_the_weighted_z_loss_only_when_asked(monkeypatch):
-    from smlp_bench.hot_path import criterion, fairseq_model, lm_sample, tokens
-
     import smlp.routers  # the token routers' route functions (the registry)
+    from smlp_bench.hot_path import criterion, fairseq_model, lm_sample, tokens
 
     captured = []
     real = smlp.routers.router_logits

@@ -117,7 +117,8 @@ def test_resume_that_would_change_the_number_of_experts_is_refused(runs):
     from smlp.parallel import ExpertDataLayout
 
     base = str(runs["root"] / "elastic" / "checkpoint_last.pt")
-    with pytest.raises(ReshardError, match="holds 4 experts per sparse layer but this run builds 2.*Pass --num-experts 4"):
+    with pytest.raises(ReshardError,
+                       match="holds 4 experts per sparse layer but this run builds 2.*Pass --num-experts 4"):
         plan_resume(base, world_size=2, sharded=True, layout=ExpertDataLayout(world_size=2, ep_size=2, num_experts=2),
                     num_experts=2)
     # the layout it was saved in (one process) needs nothing; 2 ranks in groups of 2 or of 1 do

@@ -30,7 +30,8 @@ def test_exchanges_of_the_paper_small_smlp():
                                                             (4 * 1024, 32 * 4, 1), (4 * 1024, 8, 1)]
     assert all(e.bytes_sent == 4 * 1024 * 1024 * 2 * 31 / 32 for e in ex[:2])
     tokens, shuffle = ex[1].bytes_sent * ex[1].times, sum(e.bytes_sent * e.times for e in ex[2:])
-    assert shuffle / tokens == pytest.approx((32 * 4 + 8) / (4 * 1024 * 2))  # fairseq's token shuffle: 1 (the tokens again)
+    # fairseq's token shuffle: 1 (the tokens again)
+    assert shuffle / tokens == pytest.approx((32 * 4 + 8) / (4 * 1024 * 2))
     assert S.sparse_exchanges(spec.cfg, sequences=4, tokens=1024, ep_size=32, dtype_bytes=2, training=False)[-1].name \
         == "tmoe-base"  # no shuffle at inference
 

@@ -14,12 +14,19 @@ import torch
 import torch.nn.functional as F
 
 from causality import assert_causal, earlier_outputs_unchanged
+from smlp.config import GMLPConfig
 from smlp.lm import LanguageModel, LMConfig
 from smlp.mixers import GMLPBlock
-from smlp.config import GMLPConfig
 from smlp.token_mixers import (
-    CHUNK_ELEMENTS, CausalTokenMLP, HyperMixerConfig, HyperMixingUnit, NiNformerConfig, NiNformerGatingUnit,
-    _chunk_len, _outer, hypermixing,
+    CHUNK_ELEMENTS,
+    CausalTokenMLP,
+    HyperMixerConfig,
+    HyperMixingUnit,
+    NiNformerConfig,
+    NiNformerGatingUnit,
+    _chunk_len,
+    _outer,
+    hypermixing,
 )
 from smlp.transformer import sinusoidal_positions
 
@@ -122,7 +129,7 @@ def test_training_saves_no_per_position_state():
     for n in (8, 64):
         u, v, w = rand(B, n, R, seed=1), rand(B, n, C, seed=2), rand(B, n, R, seed=3)
         saved = []
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(lambda t, s=saved: s.append(t.numel()) or t, lambda t: t):
             hypermixing(u, v, w, chunk_size=3)
         assert sum(saved) == u.numel() + v.numel() + w.numel() + B * R * C, (n, saved)
 

@@ -652,8 +652,9 @@ def test_lm_eval_template_scores_the_continuation_and_normalizes_by_characters()
 
 
 def test_generation_stops_at_end_of_text_and_at_stop_strings():
-    from smlp_eval.lm_eval_adapter import SMLPLM
     from lm_eval.api.instance import Instance
+
+    from smlp_eval.lm_eval_adapter import SMLPLM
 
     encoder, model, scorer = _toy_setup(["</s> a b c d"])
     d = encoder.dictionary
@@ -781,6 +782,7 @@ def _rule_score(mode: str, lp: float, k: int, uncond: float | None = None) -> fl
 @pytest.mark.parametrize("which", list(MODELS))
 def test_candidate_scores_and_accuracy_equal_a_direct_forward_of_the_model(which, request, lm_data, tmp_path, capsys):
     import sentencepiece as spm
+
     from fairseq_plugins.checkpoints import load_for_eval
 
     ckpt = request.getfixturevalue(MODELS[which])
@@ -862,6 +864,7 @@ def test_scores_do_not_depend_on_batching(ckpt_switch, tmp_path, capsys):
 @pytest.mark.slow
 def test_scoring_modes_equal_their_definitions_on_a_direct_forward(ckpt_smlp, lm_data, tmp_path, capsys):
     import sentencepiece as spm
+
     from fairseq_plugins.checkpoints import load_for_eval
 
     res = {}
@@ -876,7 +879,7 @@ def test_scoring_modes_equal_their_definitions_on_a_direct_forward(ckpt_smlp, lm
     neutral = _ids(sp, d, "Answer:")
     checked = 0
     for mode, tasks in res.items():
-        for name, r in tasks.items():
+        for r in tasks.values():
             assert r["scoring"] == mode
             correct = 0
             for ex in r["examples"]:
@@ -1031,7 +1034,8 @@ def test_lm_eval_adapter_rolling_loglikelihood_equals_a_direct_forward_and_gener
 
 
 @pytest.mark.slow
-def test_expert_parallel_checkpoint_on_one_process_and_on_its_training_world_size(ckpt_expert_parallel, tmp_path, capsys):
+def test_expert_parallel_checkpoint_on_one_process_and_on_its_training_world_size(ckpt_expert_parallel, tmp_path,
+                                                                                   capsys):
     args = ["--path", str(ckpt_expert_parallel), "--task", "copa,record", "--data", f"record={RECORD}",
             "--limit", "5", "--per-example", "--batch-size", "1", "--no-progress"]
     assert run_cli([*args, "--output-json", str(tmp_path / "one.json")], capsys)[0] == 0  # shards merged in memory

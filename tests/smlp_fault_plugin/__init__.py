@@ -3,7 +3,8 @@
 Importing it registers everything fairseq_plugins registers, then reads these variables:
 
   SMLP_FAULT_A2A="victim=1,call=N,sleep=S[,restart=C]"
-      On the N-th row exchange (all_to_all_single) of a run (on SLURM restart C only, when given), the victim rank prints
+      On the N-th row exchange (all_to_all_single) of a run (on SLURM restart C only, when given), the victim rank
+      prints
       "[fault] rank R inside all2all call N" and enters the collective, while every other rank
       sleeps S seconds before entering it: the victim is blocked inside the all2all, waiting.
   SMLP_FAULT_SLOW_SAVE="rank=1,nth=K,sleep=S[,restart=C]"
