@@ -84,7 +84,7 @@ def run_in_process(program: str, args: list[str], *, threads: int = 2) -> list[s
 
     class Collect(logging.Handler):
         def emit(self, record):  # fairseq's progress bar names its records after their tag (train_inner, valid)
-            lines.append(f"{record.name} | {record.getMessage()}")
+            lines.append(f"{record.levelname} | {record.name} | {record.getMessage()}")  # as fairseq prints
 
     # collected below the root: fairseq-validate replaces the root logger's handlers (fairseq.utils.reset_logging),
     # and the root's handlers and level are put back afterwards for the rest of the session
