@@ -20,18 +20,16 @@ median of --iters calls is reported (the minimum too). Writes a JSON record.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
 from smlp.causal import causal_product, executed_pairs
 from smlp.mixers import causal_weight
+
+from .records import environment, write_record
 
 CASES = {  # name: (layout, A or rows, n, K)
     "sgu-T256": ("sgu", 4, 256, 512),
@@ -130,14 +128,8 @@ def main(argv=None) -> int:
     record = {"question": "blocked causal products (smlp/causal.py) against the masked dense form, fwd + bwd",
               "config": {"cases": {k: CASES[k] for k in results}, "dtype": "float32", "iters": args.iters,
                          "warmup": args.warmup, "threads": args.threads, "blocks": blocks},
-              "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                          "loadavg": os.getloadavg()},
-              "versions": {"torch": torch.__version__, "python": platform.python_version()},
-              "cases": results}
-    path = Path(args.out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, indent=1))
-    print(f"wrote {path}")
+              **environment(), "cases": results}
+    write_record(args.out, record)
     return 0
 
 

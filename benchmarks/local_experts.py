@@ -29,19 +29,17 @@ Every form is checked against "before" (outputs and gradients) first. Writes a J
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from smlp.experts import FFNExperts, SpatialExperts, grouped_mm_supported
 from smlp.mixers import causal_weight
+
+from .records import environment, write_record
 
 SIZE = dict(d_model=256, d_ffn=1024, seq_len=256, sequences=8)
 
@@ -153,14 +151,8 @@ def main(argv=None) -> int:
               "config": {**SIZE, "experts": args.experts, "iters": args.iters, "warmup": args.warmup,
                          "threads": args.threads, "dtype": "float32",
                          "grouped_mm": grouped_mm_supported(torch.device("cpu"), torch.float32)},
-              "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                          "loadavg": os.getloadavg()},
-              "versions": {"torch": torch.__version__, "python": platform.python_version()},
-              "results": results}
-    path = Path(args.out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, indent=1))
-    print(f"wrote {path}")
+              **environment(), "results": results}
+    write_record(args.out, record)
     return 0
 
 
