@@ -41,8 +41,6 @@ the end of the data folder's valid split; `smlp.generation.fill_prefix`), which 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import time
 from collections.abc import Sequence
@@ -245,10 +243,9 @@ def run(args) -> dict:
         print(f"{PROG}: {len(results)} prompt(s), {sum(len(r['tokens']) for r in results)} new tokens in "
               f"{seconds:.2f} s on {world_size} rank(s), {steps} model calls per rank", file=sys.stderr)
         if args.output_json:
-            tmp = args.output_json + ".tmp"
-            with open(tmp, "w") as f:
-                json.dump(record, f, indent=1)
-            os.replace(tmp, args.output_json)
+            from .zeroshot import write_json_report
+
+            write_json_report(args.output_json, record)
     return record
 
 

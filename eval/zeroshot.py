@@ -552,11 +552,16 @@ def run(args) -> dict:
         print(f"tokens: {encoder.description}; <unk> {unk} of {tokens} ({100 * unk / max(tokens, 1):.2f}%)")
         print(describe_prefix(prefix), flush=True)
         if args.output_json:
-            tmp = args.output_json + ".tmp"
-            with open(tmp, "w") as f:
-                json.dump(report, f, indent=1)
-            os.replace(tmp, args.output_json)
+            write_json_report(args.output_json, report)
     return report
+
+
+def write_json_report(path: str, record: dict) -> None:
+    """--output-json: written whole or not at all (a temporary file renamed over the target)."""
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(record, f, indent=1)
+    os.replace(tmp, path)
 
 
 def main(argv: Sequence[str] | None = None, *, hard_exit: bool = False) -> int:
