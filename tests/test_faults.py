@@ -29,7 +29,7 @@ from test_launch import (
     assert_no_processes,
     processes_mentioning,
     read,
-    sbatch,  # noqa: F401  (slurm: fixture)
+    slurm,  # noqa: F401  (a pytest fixture: test parameters name it)
     wait_for,
     wait_job_end,
     wait_log,
@@ -176,7 +176,7 @@ def test_a_hung_worker_ends_the_run_after_the_collective_timeout(tiny_lm_data, t
 # ----------------------------------------------------------------------------- SLURM
 
 
-def test_slurm_time_limit_requeue_during_save_and_sigkill(slurm, tiny_lm_data, tmp_path, baseline):
+def test_slurm_time_limit_requeue_during_save_and_sigkill(slurm, tiny_lm_data, tmp_path, baseline):  # noqa: F811
     """One 2-task job on the local SLURM, three runs:
 
     1. SLURM's own time-limit warning (--time=2 --signal=B:USR1@60) arrives mid-run: the tasks save at
