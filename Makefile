@@ -28,7 +28,7 @@ demo: install
 lint: install
 	$(VENV)/bin/ruff check .
 
-test: install
+test: install lint
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 test-fast: install
