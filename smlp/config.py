@@ -98,8 +98,9 @@ class TMoEConfig:
     zero_init_output: the experts' second projection starts at zero, so each expert starts as
             the identity branch (fairseq's `BaseSublayer`: `ff2.weight.data.zero_()`); the
             default is True for base, False otherwise.
-    shuffle: base only: in training, send the tokens to random ranks before the balanced
-            assignment (fairseq's `--base-shuffle`, on by default there) and back afterwards.
+    shuffle: base only: in training, assign on a random rank as fairseq's `--base-shuffle` does (on by
+            default there); only the routing scores travel through the shuffle, the tokens go from
+            home straight to their expert and back.
     gshard_aux_loss: the scale of GShard's load-balancing loss (GSHARD_AUX_LOSSES).
     """
 
