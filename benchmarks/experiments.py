@@ -264,8 +264,7 @@ def table4_claims(record: dict) -> list[dict]:
 
 def run_table4(args) -> None:
     """`--experiment table4-speed`: no training; JSON + PNG from the long benchmark and the step-time model."""
-    candidates = [args.source] if getattr(args, "source", None) else [
-        Path("docs/benchmark/long/results.json"), Path("/work/bench/long/results.json")]
+    candidates = [args.source] if getattr(args, "source", None) else [Path("docs/benchmark/long/results.json")]
     src = next((Path(p) for p in candidates if p and Path(p).exists()), None)
     if src is None:
         raise suite.BenchError(f"table4-speed reads the long benchmark's results.json: none of "
