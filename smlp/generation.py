@@ -153,11 +153,7 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, us
     if beam_size > 1:
         return _beam_search(run, filled, max_new_tokens, beam_size, eos, device)
     B = len(filled)
-    lengths = [len(p) for p in filled]
-    width = max(lengths) + max_new_tokens
-    seq_BN = torch.zeros(B, width, dtype=torch.long, device=device)
-    for b, p in enumerate(filled):
-        seq_BN[b, :len(p)] = torch.tensor(p, dtype=torch.long)
+    seq_BN, lengths = _padded(filled, max_new_tokens, device)
     rows = list(range(B))  # prompt of each row still in the batch
     out: list[list[int]] = [[] for _ in range(B)]
     pos = min(lengths)  # positions fed so far
@@ -186,15 +182,20 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, us
         logits_BV = run(seq_BN[:, :pos], pos - 1)
 
 
+def _padded(filled: list[list[int]], max_new_tokens: int, device) -> tuple[torch.Tensor, list[int]]:
+    """The prompts left-aligned in one (B, longest prompt + max_new_tokens) token matrix, and their lengths."""
+    lengths = [len(p) for p in filled]
+    seq_BN = torch.zeros(len(filled), max(lengths) + max_new_tokens, dtype=torch.long, device=device)
+    for b, p in enumerate(filled):
+        seq_BN[b, :len(p)] = torch.tensor(p, dtype=torch.long)
+    return seq_BN, lengths
+
+
 def _beam_search(run: _Runner, filled: list[list[int]], max_new_tokens: int, K: int, eos: int | None,
                  device) -> list[list[int]]:
     """Beam search over a batch of prompts; returns each prompt's best beam (see the module docstring)."""
     B = len(filled)
-    lengths = [len(p) for p in filled]
-    width = max(lengths) + max_new_tokens
-    seq_BN = torch.zeros(B, width, dtype=torch.long, device=device)
-    for b, p in enumerate(filled):
-        seq_BN[b, :len(p)] = torch.tensor(p, dtype=torch.long)
+    seq_BN, lengths = _padded(filled, max_new_tokens, device)
     pos = min(lengths)
     logits_BV = run(seq_BN[:, :pos], 0)
     # K copies of every prompt (the prefill ran once per prompt); only beam 0 may expand at first
