@@ -336,11 +336,12 @@ def _attention_macs(D: int, n: int) -> int:
 
 
 def _token_routed_macs(layer: TokenRoutedGMLPBlock, n: int) -> int:
-    """One sequence through a token-routed gMLP block (smlp/token_routed.py): the router, and every
-    token once through one expert's projections and its T-long spatial sum; exact whatever the routing."""
+    """One sequence through a token-routed gMLP block (smlp/token_routed.py): the router, every token
+    once through one expert's projections, and the spatial mixing of all experts at once as one
+    masked n x n product (the dense SGU's count); exact whatever the routing."""
     c = layer.cfg
-    D, Fw, C, T = c.d_model, c.d_ffn, c.d_ffn // 2, c.seq_len
-    return n * D * c.num_experts + _ln(n, D) + n * (D * Fw + 5 * C + T * C + C * D)
+    D, Fw, C = c.d_model, c.d_ffn, c.d_ffn // 2
+    return n * D * c.num_experts + _ln(n, D) + n * (D * Fw + 5 * C + n * C + C * D)
 
 
 def _layer_macs_analytic(layer: nn.Module, n: int) -> int:

@@ -9,7 +9,7 @@ one can mix, and Table 7 finds perplexity worse with 32 and 64 experts than dens
     h = LayerNorm(x)                                  (shared)
     e(t) = argmax_e softmax(h_t W_r)_e, p_t = that probability   (per token: causal)
     y_t = p_t * Expert_e(t)(h)_t,   x_t <- x_t + y_t
-    Expert_e(h)_t = W_out [ z1_t * ( sum_{s <= t, e(s) = e} W_e[t, s] LN(z2_s) + b_e[t] ) ],
+    Expert_e(h)_t = W_out [ z1_t * ( sum_{s <= t, e(s) = e} W_e[t, s] LN_e(z2_s) + b_e[t] ) ],
     (z1, z2) = split(GELU(W_in h)), for the tokens t routed to e only.
 
 Positions keep their place in the sequence: the spatial weight W_e is indexed by the tokens'
@@ -18,22 +18,33 @@ W_e), so an expert loses the tokens routed elsewhere, not the position informati
 expert every token goes to it with p = 1 and the block is exactly the dense gMLP block (tested
 with the same weights).
 
-The router is Switch's top-1 gate with no capacity (`switch_top1(capacity_factor=None)`): a
-token's expert depends on its own representation only, in training as at inference, so the block
-is causal, and Switch's load-balancing loss (kept in `aux_loss`, read by the criterion) keeps the
-experts in use. A balanced assignment or a capacity limit would couple the tokens of a batch.
+The router is Switch's top-1 gate with no capacity (`switch_top1(capacity_factor=None)`), its
+logits in fp32 (`router_logits`): a token's expert depends on its own representation only, in
+training as at inference, so the block is causal, and Switch's load-balancing loss (kept in
+`aux_loss`, read by the criterion) keeps the experts in use. A balanced assignment or a
+capacity limit would couple the tokens of a batch.
 
-Computation: for each expert, the tokens routed to it are packed per sequence (in position
-order, padded to the longest count K_e in the batch), so the channel projections cost what one
-dense block costs in total. The spatial sum of a packed token runs over T slots (its earlier
-routed tokens, then zeros): a sum whose length depended on how many later tokens were routed to
-the same expert would round differently when the future changes, and the causality check
-compares outputs bit for bit. So the mixing costs sum_e K_e T C per sequence, n T C in all: what
-the dense SGU costs (n^2 C / E would be the packed minimum). The experts are replicated on every
-rank (data parallel, no all2all): Table 7 is a claim about quality, not speed.
+Computation, with shapes that never depend on later tokens (the causality check compares
+outputs bit for bit, and a matrix product of another shape may round differently: on some CPUs a
+product with 1-3 rows takes another kernel than one with more):
+1. Channel projections, per expert, in tiles of R rows: the rows are sorted by expert and each
+   expert's rows padded to whole tiles; every tile is one (R x D) @ (D x F) product of a batched
+   product (`_TiledExpertLinear`), so a row's result depends on its own values only, whatever
+   the number of rows routed with it. Padding costs at most E (R - 1) rows.
+2. Spatial mixing in the positions' own layout: row t of the mixing matrix of a sequence is row t
+   of W_e(t), kept where s <= t and e(s) = e(t), so one (n x n) @ (n x C) product per sequence
+   mixes every expert at once: the dense SGU's cost, whatever the routing.
+3. Every expert's parameters take part in every forward (stacked for step 2, passed whole to
+   step 1), so an expert that receives no token still gets a (zero) gradient: DDP's
+   `pytorch_ddp` backend sees no unused parameter.
+The SGU returns the gate minus one, W v + (b - 1), and the unit computes z1 + z1 * (W v + (b - 1))
+as the dense SGU does (mixers.py, half precision). The experts are replicated on every rank
+(data parallel, no all2all): Table 7 is a claim about quality, not speed. Under
+`explicit_spatial` (the FLOP counter) the projections run on exactly the routed rows, so the
+count is the padding-free one the analytic formula gives.
 
-Shapes: B batch, N positions (n <= T), D model width, F channel-projection width, C = F/2,
-E experts, K tokens of one sequence routed to one expert (padded).
+Shapes: B batch, N positions (n <= T), S = B n rows, D model width, F channel-projection width,
+C = F/2, E experts, R rows per tile.
 """
 from __future__ import annotations
 
@@ -45,56 +56,93 @@ from torch.profiler import record_function
 from .config import TokenRoutedGMLPConfig
 from .gates import switch_top1
 from .mixers import SpatialGatingUnit, check_length
+from .numerics import router_logits
 from .profiling import RANGES
 
-__all__ = ["TokenRoutedGMLPBlock", "GMLPExpert", "pack_routed_positions"]
+__all__ = ["TokenRoutedGMLPBlock", "GMLPExpert", "TILE_ROWS", "tile_slots"]
+
+TILE_ROWS = 16  # R: a multiple of the CPU GEMM kernels' row blocks; padding at most E (R - 1) rows
 
 
-def pack_routed_positions(expert_BN: Tensor, e: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Positions of the tokens routed to expert e, packed to the left in position order.
+def tile_slots(expert_S: Tensor, num_experts: int, rows: int = TILE_ROWS) -> tuple[Tensor, list[int]]:
+    """Where each row goes when the rows are sorted by expert and each expert's rows padded to tiles.
 
-    Returns (positions_BK, valid_BK, counts_B) with K the largest count in the batch; padded slots
-    hold positions of tokens not routed to e (never read: valid is False there)."""
-    B, n = expert_BN.shape
-    pos_N = torch.arange(n, device=expert_BN.device)
-    mine_BN = expert_BN == e
-    counts_B = mine_BN.sum(dim=1)
-    K = int(counts_B.max()) if B else 0
-    # routed positions sort first (key = position), the others after them (key = position + n)
-    order_BN = torch.argsort(torch.where(mine_BN, pos_N, pos_N + n), dim=1, stable=True)
-    positions_BK = order_BN[:, :K]
-    valid_BK = torch.arange(K, device=expert_BN.device)[None, :] < counts_B[:, None]
-    return positions_BK, valid_BK, counts_B
+    Returns (slot_S, tiles_E): row s sits at slot slot_S[s] of a (sum(tiles_E) * rows)-row buffer,
+    expert e's tiles are the tiles_E[e] after those of experts < e, rows in their original order.
+    tiles_E is read on the host (the number of tiles sets the products' batch sizes): one read.
+    """
+    S = expert_S.shape[0]
+    counts_E = torch.bincount(expert_S, minlength=num_experts)
+    tiles_E = (counts_E + rows - 1) // rows
+    order_S = torch.argsort(expert_S, stable=True)
+    sorted_expert_S = expert_S[order_S]
+    first_row_E = torch.cumsum(counts_E, 0) - counts_E
+    first_slot_E = (torch.cumsum(tiles_E, 0) - tiles_E) * rows
+    rank_S = torch.arange(S, device=expert_S.device) - first_row_E[sorted_expert_S]
+    slot_S = torch.empty_like(expert_S)
+    slot_S[order_S] = first_slot_E[sorted_expert_S] + rank_S
+    return slot_S, tiles_E.tolist()
+
+
+class _TiledExpertLinear(torch.autograd.Function):
+    """y[tile] = x[tile] @ W_e^T + b_e for expert e's tiles, as one fixed-shape product per tile.
+
+    Forward: a batched (k, R, D) @ (D, F) product per expert (the weight broadcast, not copied).
+    Backward: the weight gradient as one (D x kR) @ (kR x F) product per expert (the broadcast's
+    own backward would materialize k copies of it), zeros for an expert without tiles."""
+
+    @staticmethod
+    def forward(ctx, x_XD: Tensor, tiles_E: list[int], rows: int, *params: Tensor) -> Tensor:
+        E = len(tiles_E)
+        weights, biases = params[:E], params[E:]
+        D, Fo = x_XD.shape[1], weights[0].shape[0]
+        out = []
+        first = 0
+        for e, k in enumerate(tiles_E):
+            if k:
+                x_kRD = x_XD[first * rows:(first + k) * rows].view(k, rows, D)
+                y_kRF = torch.bmm(x_kRD, weights[e].t().expand(k, D, Fo)) + biases[e]
+                out.append(y_kRF.reshape(k * rows, Fo))
+            first += k
+        ctx.save_for_backward(x_XD, *weights)
+        ctx.tiles_E, ctx.rows = tiles_E, rows
+        return torch.cat(out) if out else x_XD.new_zeros(0, Fo)
+
+    @staticmethod
+    def backward(ctx, grad_XF: Tensor):
+        x_XD, *weights = ctx.saved_tensors
+        rows = ctx.rows
+        grad_x = x_XD.new_empty(x_XD.shape) if ctx.needs_input_grad[0] else None
+        grad_w, grad_b = [], []
+        first = 0
+        for e, k in enumerate(ctx.tiles_E):
+            sl = slice(first * rows, (first + k) * rows)
+            g_XF, x_XD_e = grad_XF[sl], x_XD[sl]
+            if grad_x is not None:
+                grad_x[sl] = g_XF @ weights[e]
+            grad_w.append(g_XF.t() @ x_XD_e)  # (F, D); zeros for k = 0
+            grad_b.append(g_XF.sum(0))
+            first += k
+        return (grad_x, None, None, *grad_w, *grad_b)
+
+
+def _expert_linear(x_SD: Tensor, slot_S: Tensor, tiles_E: list[int], linears: list[nn.Linear],
+                   rows: int = TILE_ROWS) -> Tensor:
+    """Row s through linears[e(s)] (slot_S, tiles_E from `tile_slots`), in tiles of `rows` rows."""
+    x_XD = x_SD.new_zeros(sum(tiles_E) * rows, x_SD.shape[1]).index_copy(0, slot_S, x_SD)
+    params = [m.weight for m in linears] + [m.bias for m in linears]
+    return _TiledExpertLinear.apply(x_XD, tiles_E, rows, *params)[slot_S]
 
 
 class GMLPExpert(nn.Module):
-    """One expert: a gMLP block body whose SGU mixes only the tokens routed to it.
-
-    Attribute names as in `GMLPBlock` (proj_in, sgu, proj_out), so a dense block's weights copy in."""
+    """One expert's parameters: a gMLP block body (proj_in, sgu, proj_out) as in `GMLPBlock`, so a
+    dense block's weights copy in. The block runs all experts at once (TokenRoutedGMLPBlock)."""
 
     def __init__(self, cfg: TokenRoutedGMLPConfig):
         super().__init__()
         self.proj_in = nn.Linear(cfg.d_model, cfg.d_ffn)
         self.sgu = SpatialGatingUnit(cfg.expert.sgu)
         self.proj_out = nn.Linear(cfg.d_ffn // 2, cfg.d_model)
-
-    def forward(self, h_BKD: Tensor, positions_BK: Tensor, valid_BK: Tensor) -> Tensor:
-        z_BKF = F.gelu(self.proj_in(h_BKD))
-        z1_BKC, z2_BKC = z_BKF.chunk(2, dim=-1)
-        with record_function(RANGES["token_mixing"]):
-            v_BKC = self.sgu.norm(z2_BKC)
-            w_TT, b_T = self.sgu.proj.weight[0], self.sgu.proj.bias[0]
-            B, K, C = v_BKC.shape
-            T = w_TT.shape[0]
-            # W_e at the original positions: row t, column s of every (routed token, earlier routed token);
-            # the sum runs over a fixed length so its rounding does not depend on how many later tokens
-            # were routed here (the causality check compares outputs bit for bit)
-            w_BKK = w_TT[positions_BK[:, :, None], positions_BK[:, None, :]]
-            keep_BKK = torch.ones(K, K, dtype=torch.bool, device=h_BKD.device).tril()[None] & valid_BK[:, None, :]
-            w_BKT = F.pad(w_BKK * keep_BKK, (0, T - K))
-            v_BTC = F.pad(v_BKC, (0, 0, 0, T - K))
-            gate_BKC = torch.einsum("bts,bsc->btc", w_BKT, v_BTC) + b_T[positions_BK][..., None]
-        return self.proj_out(z1_BKC * gate_BKC)
 
 
 class TokenRoutedGMLPBlock(nn.Module):
@@ -110,27 +158,63 @@ class TokenRoutedGMLPBlock(nn.Module):
         self.aux_loss: Tensor | None = None
         self.load_E: Tensor | None = None
         self.comm_seconds = 0.0
+        self.explicit_spatial = False  # FLOP counting: projections on the routed rows only (module docstring)
         self.layer_name = f"TokenRoutedGMLPBlock ({cfg.num_experts} experts)"
+
+    def _projection(self, x_SD: Tensor, expert_S: Tensor, tiling, modules: list[nn.Module]) -> Tensor:
+        """Row s through modules[e(s)]: in tiles (`tiling` from `tile_slots`), or under
+        `explicit_spatial` as the plain loop over the routed rows."""
+        if not self.explicit_spatial:
+            return _expert_linear(x_SD, *tiling, modules)
+        y = None
+        for e, m in enumerate(modules):  # the plain loop: exactly the routed rows (FLOP counting)
+            idx = (expert_S == e).nonzero().squeeze(1)
+            y_e = m(x_SD[idx])
+            y = x_SD.new_zeros(x_SD.shape[0], y_e.shape[1]) if y is None else y
+            y = y.index_copy(0, idx, y_e)
+        return y
 
     def forward(self, x_BND: Tensor) -> Tensor:
         B, n, D = x_BND.shape
         check_length(n, self.cfg.seq_len)
+        E, S = self.cfg.num_experts, B * n
         h_BND = self.norm(x_BND)
         with record_function(RANGES["routing"]):
-            plan = switch_top1(self.gate(h_BND).reshape(B * n, -1), capacity_factor=None, training=self.training,
-                               layer=self.layer_name)
+            plan = switch_top1(router_logits(h_BND.reshape(S, D), self.gate.weight.t()), capacity_factor=None,
+                               training=self.training, layer=self.layer_name)
         self.aux_loss = plan.aux_loss if self.training else None
-        self.load_E = plan.counts(self.cfg.num_experts).detach()
-        expert_BN = plan.experts_SK[:, 0].view(B, n)
-        weight_BN = plan.weights_SK[:, 0].view(B, n).to(x_BND.dtype)
-        y_BND = torch.zeros_like(x_BND)
+        self.load_E = plan.counts(E).detach()
+        expert_S = plan.experts_SK[:, 0]
+        weight_S = plan.weights_SK[:, 0].to(x_BND.dtype)
         with record_function(RANGES["experts"]):
-            for e, expert in enumerate(self.experts):
-                positions_BK, valid_BK, _ = pack_routed_positions(expert_BN, e)
-                if positions_BK.shape[1] == 0:
-                    continue
-                index_BKD = positions_BK[..., None].expand(-1, -1, D)
-                out_BKD = expert(h_BND.gather(1, index_BKD), positions_BK, valid_BK)
-                scale_BK = weight_BN.gather(1, positions_BK) * valid_BK
-                y_BND = y_BND.scatter_add(1, index_BKD, out_BKD * scale_BK[..., None])
-        return x_BND + self.dropout(y_BND)
+            tiling = tile_slots(expert_S, E) if not self.explicit_spatial else None
+            z_SF = F.gelu(self._projection(h_BND.reshape(S, D), expert_S, tiling, [x.proj_in for x in self.experts]))
+            z1_SC, z2_SC = z_SF.chunk(2, dim=-1)
+            with record_function(RANGES["token_mixing"]):
+                dev_SC = self._spatial(z2_SC, expert_S.view(B, n))
+            y_SD = self._projection(z1_SC + z1_SC * dev_SC, expert_S, tiling, [x.proj_out for x in self.experts])
+        return x_BND + self.dropout((y_SD * weight_S[:, None]).view(B, n, D))
+
+    def _spatial(self, z2_SC: Tensor, expert_BN: Tensor) -> Tensor:
+        """Each token's SGU with its expert's LayerNorm and spatial weight, over the earlier tokens
+        routed to the same expert (step 2 of the module docstring): the gate minus one, (S, C)."""
+        B, n = expert_BN.shape
+        C = z2_SC.shape[-1]
+        sgus = [x.sgu for x in self.experts]
+        expert_S = expert_BN.reshape(-1)
+        if self.explicit_spatial:  # the plain loop (FLOP counting: each expert's LayerNorm on its rows)
+            v_SC = self._projection(z2_SC, expert_S, None, [s.norm for s in sgus])
+        else:
+            gamma_EC = torch.stack([s.norm.weight for s in sgus])
+            beta_EC = torch.stack([s.norm.bias for s in sgus])
+            v_SC = F.layer_norm(z2_SC, (C,), eps=sgus[0].norm.eps) * gamma_EC[expert_S] + beta_EC[expert_S]
+        w_ENN = torch.stack([s.proj.weight[0, :n, :n] for s in sgus])
+        b_EN = torch.stack([s.proj.bias[0, :n] for s in sgus])
+        pos_N = torch.arange(n, device=z2_SC.device)
+        keep_BNN = (expert_BN[:, :, None] == expert_BN[:, None, :]) & (pos_N[:, None] >= pos_N[None, :])
+        w_BNN = torch.where(keep_BNN, w_ENN[expert_BN, pos_N], 0)  # row t: W_e(t)[t, s] where it mixes
+        v_BNC = v_SC.view(B, n, C)
+        # under explicit_spatial the product is counted as the dense SGU's (the same einsum: fvcore's rule)
+        mix_BNC = torch.einsum("bts,bsc->btc", w_BNN, v_BNC) if self.explicit_spatial else torch.bmm(w_BNN, v_BNC)
+        dev_BNC = mix_BNC + (b_EN[expert_BN, pos_N] - 1)[..., None]
+        return dev_BNC.reshape(B * n, C)
