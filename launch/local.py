@@ -622,26 +622,42 @@ def install_collective_timeout(seconds: float) -> None:
     """Give every process group this process creates a timeout of `seconds` unless one is passed.
 
     fairseq calls torch.distributed.init_process_group without a timeout (torch's defaults: 30 min
-    for gloo, 10 min for NCCL, and NCCL only honours it with async error handling). The wrapper
-    is installed in worker mode only; fairseq's files are not changed.
+    for gloo, 10 min for NCCL, and NCCL only honours it with async error handling), and runs its
+    gradient all-reduce and logging exchanges in a group of its own (`get_global_group`:
+    `new_group()`, "WORLD causes random NCCL hangs"), which torch creates with the backend's
+    default timeout, not the default group's: a rank waiting there for a hung peer waited 30
+    minutes while one waiting in the all2all (default group) failed after `seconds`. Both
+    `init_process_group` and `new_group` are wrapped. Installed in worker mode only; fairseq's
+    files are not changed.
     """
     import datetime
 
     import torch.distributed as dist
 
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")  # a timed-out NCCL op aborts, not hangs
-    original = dist.init_process_group
-    if getattr(original, "_smlp_timeout", None) is not None:
-        return
+    timeout = datetime.timedelta(seconds=seconds)
+    for name in ("init_process_group", "new_group"):
+        original = getattr(dist, name)
+        if getattr(original, "_smlp_timeout", None) is not None:
+            continue
+        setattr(dist, name, _with_default_timeout(original, timeout))
 
-    def init_process_group(*args, **kwargs):
-        if kwargs.get("timeout") is None:
-            kwargs["timeout"] = datetime.timedelta(seconds=seconds)
-        return original(*args, **kwargs)
 
-    init_process_group._smlp_timeout = seconds
-    init_process_group.__wrapped__ = original
-    dist.init_process_group = init_process_group
+def _with_default_timeout(original, timeout):
+    import inspect
+
+    signature = inspect.signature(original)
+
+    def with_timeout(*args, **kwargs):
+        bound = signature.bind_partial(*args, **kwargs)
+        if bound.arguments.get("timeout") is None:
+            bound.arguments["timeout"] = timeout
+        return original(*bound.args, **bound.kwargs)
+
+    with_timeout._smlp_timeout = timeout.total_seconds()
+    with_timeout.__wrapped__ = original
+    with_timeout.__name__ = original.__name__
+    return with_timeout
 
 
 def _report_own_peak_rss() -> None:

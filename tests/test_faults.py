@@ -155,18 +155,33 @@ def test_sigkill_inside_the_all2all_ends_all_workers(tiny_lm_data, tmp_path):
     kill_rank_1_and_check_every_worker_ends(proc, out, tmp_path)
 
 
-def test_a_hung_worker_ends_the_run_after_the_collective_timeout(tiny_lm_data, tmp_path):
+@pytest.mark.parametrize("where", ["fairseq-all-reduce", "anywhere"])
+def test_a_hung_worker_ends_the_run_after_the_collective_timeout(tiny_lm_data, tmp_path, where):
     """SIGSTOP (a hung peer: its sockets stay open) makes rank 0 wait in a collective; with
-    --timeout 15 it fails there by itself and the launcher then ends the stopped rank."""
-    proc, out = launch(tmp_path, tiny_lm_data, "--user-dir", PLUGINS, max_update=100000, launcher=["--timeout", "15"])
-    wait_for(lambda: proc.poll() is not None or len(train_losses(read(out))) >= 2, 240, "2 updates")
+    --timeout 15 it fails there by itself and the launcher then ends the stopped rank.
+
+    fairseq-all-reduce: rank 1 stops itself before fairseq's 6th all-reduce (update 2 or 3), so rank 0
+    waits inside fairseq's own process group (`get_global_group`, made by `new_group`). That group
+    used to get torch's 30-minute default instead of --timeout: the run outlived the test whenever
+    the stop landed there. anywhere: SIGSTOP from outside after 2 updates, wherever rank 1 is."""
+    if where == "fairseq-all-reduce":
+        proc, out = launch(tmp_path, tiny_lm_data, "--user-dir", FAULT_PLUGIN, max_update=100000,
+                           launcher=["--timeout", "15"], env={"SMLP_FAULT_STOP_ALL_REDUCE": "victim=1,call=6"})
+        wait_for(lambda: proc.poll() is not None or "stops before fairseq all-reduce" in rank_log(tmp_path, 1),
+                 240, "rank 1's stop")
+    else:
+        proc, out = launch(tmp_path, tiny_lm_data, "--user-dir", PLUGINS, max_update=100000,
+                           launcher=["--timeout", "15"])
+        wait_for(lambda: proc.poll() is not None or len(train_losses(read(out))) >= 2, 240, "2 updates")
     victim = worker_pid(str(tmp_path), 1)
-    os.kill(victim, signal.SIGSTOP)
+    if where == "anywhere":
+        os.kill(victim, signal.SIGSTOP)
     try:
         rc, text, took = finish(proc, out, 90)
     finally:
         if processes_mentioning(str(tmp_path)):
             os.kill(victim, signal.SIGKILL)
+    print(f"hung worker ({where}): the run ended {took:.1f} s after the stop")
     assert rc == 1 and 10 <= took < 60, (rc, took, text[-3000:])
     assert "FAILED: rank 0 exited with code 1" in text and "then: rank 1 was killed by SIGKILL" in text, text[-3000:]
     assert re.search(r"RuntimeError: .*Timed out waiting 15000ms", text), text[-3000:]

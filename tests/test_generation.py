@@ -1,7 +1,7 @@
 """Cached incremental decoding and generation against full recomputation (smlp/decoding.py, smlp/generation.py).
 
 References: the full forward of the same model on the same token histories (logits at every
-position, fp32, 1e-5), a per-prompt greedy loop that recomputes the whole prefix, and exhaustive
+position, fp32, within the rounding bound of two computation orders: tests/tolerance.py), a per-prompt greedy loop that recomputes the whole prefix, and exhaustive
 search over every continuation (beam search with enough beams is exact). Every architecture and
 routing is covered; the weights are perturbed so that the spatial weights, experts and routers
 all matter (at initialization the spatial weights are near zero and Base Layers' expert outputs
@@ -22,8 +22,8 @@ from smlp.decoding import DecodingCache
 from smlp.generation import fill_prefix, generate
 from smlp.lm import LanguageModel, LMConfig
 from smlp.token_mixers import CausalTokenMLP, hypermixing, hypermixing_step
+from tolerance import assert_orders_agree, orders_agree
 
-ATOL = 1e-5
 T = 24
 BASE = dict(vocab_size=50, d_model=16, d_ffn=32, seq_len=T)
 ARCHS = {
@@ -58,6 +58,13 @@ def build(arch: str, dispatcher=None, **overrides) -> LanguageModel:
     return _perturb(model).eval()
 
 
+def logits_rule(model: LanguageModel) -> dict:
+    """The rounding bound of cached against full logits (tests/tolerance.py): the longest reduction
+    of a block (width, channels or positions), one per block and one for the output projection."""
+    c = model.cfg
+    return dict(reduction=max(c.d_model, c.d_ffn, c.seq_len), depth=len(model.layers) + 1)
+
+
 def _tokens(shape, seed, vocab=BASE["vocab_size"]):
     return torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(seed))
 
@@ -87,7 +94,29 @@ def test_cached_logits_equal_full_forward(arch):
     for schedule in ([3, 1, 2, 1, 5] + [1] * 12, [8] + [1] * 16, [4, 1, 1, 3, 15], [T]):
         got, cache = decode(model, tokens, schedule)
         assert cache.length == T and cache.batch_size == 3
-        torch.testing.assert_close(got, full, atol=ATOL, rtol=0, msg=f"{arch}, schedule {schedule}")
+        assert_orders_agree(got, full, f"{arch}, schedule {schedule}", **logits_rule(model))
+
+
+@pytest.mark.parametrize("arch", ["smlp-deterministic", "smlp-partial", "switch"])
+@torch.no_grad()
+def test_planted_errors_fail_the_cached_logits_comparison(arch):
+    """The bound above still catches a real difference: the cached path run with one expert or block
+    weight off by 1e-3 of itself, or reading one position from the future, fails it."""
+    model = build(arch)
+    tokens = _tokens((3, T), seed=1)
+    full = model(tokens)
+    got, _ = decode(model, tokens, [8] + [1] * 16)
+    assert orders_agree(got, full, **logits_rule(model))[0]
+    weight = next(p for p in model.layers[0].parameters() if p.dim() >= 2)
+    weight.mul_(1 + 1e-3)
+    planted, _ = decode(model, tokens, [8] + [1] * 16)
+    weight.div_(1 + 1e-3)
+    ok, err, tol = orders_agree(planted, full, **logits_rule(model))
+    assert not ok and err > 3 * tol, (err, tol)
+    # a leak: the logits at position t computed from a history whose next token is already t + 1's
+    shifted = torch.cat([tokens[:, 1:], tokens[:, -1:]], dim=1)
+    leaked = torch.cat([full[:, :10], model(shifted)[:, 10:]], dim=1)
+    assert not orders_agree(leaked, full, **logits_rule(model))[0]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -142,9 +171,10 @@ def test_reorder_in_the_middle_equals_full_forward_on_the_reordered_histories(ar
     second, _ = decode(model, hist2, [1, 2, 1, 1, 1], cache)
     cache.reorder(order2)
     third, _ = decode(model, hist3, [1] * 8, cache)
-    torch.testing.assert_close(first, model(hist1)[:, :10], atol=ATOL, rtol=0)
-    torch.testing.assert_close(second, model(hist2)[:, 10:16], atol=ATOL, rtol=0)
-    torch.testing.assert_close(third, model(hist3)[:, 16:], atol=ATOL, rtol=0)
+    rule = logits_rule(model)
+    assert_orders_agree(first, model(hist1)[:, :10], **rule)
+    assert_orders_agree(second, model(hist2)[:, 10:16], **rule)
+    assert_orders_agree(third, model(hist3)[:, 16:], **rule)
 
 
 @torch.no_grad()
@@ -158,11 +188,11 @@ def test_token_mlp_with_expansion_and_chunked_hypermixing_steps_equal_their_full
     for k in (4, 1, 3, 1, 1, 2):
         outs.append(mlp.step(x[:, pos:pos + k], state, pos))
         pos += k
-    torch.testing.assert_close(torch.cat(outs, 1), mlp(x), atol=ATOL, rtol=0)
+    assert_orders_agree(torch.cat(outs, 1), mlp(x), reduction=12 * 2)  # positions x hidden units
     u, v, w = torch.randn(2, 9, 3), torch.randn(2, 9, 4), torch.randn(2, 9, 3)
     y1, carry = hypermixing_step(u[:, :5], v[:, :5], w[:, :5], None, 0, chunk_size=2)
     y2, _ = hypermixing_step(u[:, 5:], v[:, 5:], w[:, 5:], carry, 5, chunk_size=2)
-    torch.testing.assert_close(torch.cat([y1, y2], 1), hypermixing(u, v, w), atol=ATOL, rtol=0)
+    assert_orders_agree(torch.cat([y1, y2], 1), hypermixing(u, v, w), reduction=9 * 4)  # positions x width
 
 
 # ---------------------------------------------------------------- limits and bad input
@@ -355,9 +385,9 @@ def _ep_worker(rank, world, init_file, failures):
                         cache.reorder(torch.tensor([], dtype=torch.long))
                     model(hist[:0, :1], cache=cache)
             expected = ref(hist[:, :end])
-        err = (torch.cat(got, dim=1) - expected).abs().max().item()
-        if not err <= ATOL:
-            failures.append(f"{arch} E={experts} rank {rank}: max |cached - one process| = {err}")
+        ok, err, tol = orders_agree(torch.cat(got, dim=1), expected, **logits_rule(ref))
+        if not ok:
+            failures.append(f"{arch} E={experts} rank {rank}: max |cached - one process| = {err:.3g} > bound {tol:.3g}")
     dist.barrier()
     dist.destroy_process_group()
 

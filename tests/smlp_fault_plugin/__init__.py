@@ -11,10 +11,16 @@ Importing it registers everything fairseq_plugins registers, then reads these va
       The K-th checkpoint write of the rank (on SLURM restart C only, when given) prints
       "[fault] rank R slow save of update U" and sleeps S seconds before writing: a save in progress
       on that rank while the others have finished theirs.
+  SMLP_FAULT_STOP_ALL_REDUCE="victim=1,call=N"
+      Before the N-th all-reduce fairseq itself makes (`fairseq.distributed.utils.all_reduce`: the
+      gradients under legacy_ddp, the logging outputs), the victim rank prints "[fault] rank R stops
+      before fairseq all-reduce N" and stops itself (SIGSTOP, a hung peer whose sockets stay open):
+      the other ranks wait for it inside fairseq's own process group, not the default one.
   SMLP_FAULT_STEP_SLEEP="S[,restart=C]"
       Every training step sleeps S seconds (a bigger model, so a time limit arrives mid-run).
 """
 import os
+import signal
 import sys
 import time
 
@@ -90,3 +96,19 @@ if step and _this_restart(step):
         return _train_step(self, *args, **kwargs)
 
     Trainer.train_step = train_step
+
+stop = _spec("SMLP_FAULT_STOP_ALL_REDUCE")
+if stop:
+    from fairseq.distributed import utils as fairseq_distributed
+
+    _all_reduce = fairseq_distributed.all_reduce
+    reduces = [0]
+
+    def all_reduce(tensor, group, op="sum"):
+        reduces[0] += 1
+        if reduces[0] == int(stop["call"]) and _rank() == int(stop["victim"]):
+            _say(f"rank {_rank()} stops before fairseq all-reduce {reduces[0]}")
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return _all_reduce(tensor, group, op=op)
+
+    fairseq_distributed.all_reduce = all_reduce
