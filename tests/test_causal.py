@@ -10,6 +10,7 @@ from smlp.causal import causal_product, causal_product_rows, executed_pairs, exp
 from smlp.config import SGUConfig
 from smlp.experts import SpatialExperts
 from smlp.mixers import SpatialGatingUnit
+from tolerance import assert_orders_agree, within_bound
 
 torch.set_num_threads(1)
 
@@ -57,7 +58,7 @@ def test_fp32_and_gradcheck():
     w, x, grad = _case(2, 11, 2, 3, 13, dtype=torch.float32, seed=1)
     (y, gw, gx), (y_ref, gw_ref, gx_ref) = _both(w, x, grad, 4)
     for a, b in ((y, y_ref), (gw, gw_ref), (gx, gx_ref)):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        assert_orders_agree(a, b, reduction=13 * 3)  # positions x rows summed into the weight gradient
     w, x, _ = _case(1, 6, 2, 2, 7, seed=2)
     assert torch.autograd.gradcheck(lambda w, x: causal_product(w, x, 4), (w, x))
 
@@ -112,7 +113,7 @@ def test_layers_use_the_blocked_form_and_the_flop_counter_the_dense_one():
             assert all(m.explicit_spatial for m in module.modules() if hasattr(m, "explicit_spatial"))
             dense = run()
         assert not any(m.explicit_spatial for m in module.modules() if hasattr(m, "explicit_spatial"))
-        torch.testing.assert_close(blocked, dense, rtol=1e-5, atol=1e-5)
+        assert_orders_agree(blocked, dense, reduction=290)  # a sum over up to 290 positions
 
 
 def test_bad_shapes_are_refused():
@@ -162,3 +163,18 @@ def test_rows_grouped_by_expert_equal_the_masked_dense_product(counts):
     gw_ref, gx_ref = torch.autograd.grad(y_ref, (w, x), grad)
     torch.testing.assert_close(gw, gw_ref, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(gx, gx_ref, rtol=1e-12, atol=1e-12)
+
+
+def test_planted_errors_fail_the_blocked_against_dense_comparison():
+    """The rounding bound above catches a real difference: one weight off by 1e-3 of itself, or a
+    block that reads one position past the diagonal (a leak)."""
+    w, x, grad = _case(2, 11, 2, 3, 13, dtype=torch.float32, seed=1)
+    (y, _, _), (y_ref, _, _) = _both(w, x, grad, 4)
+    assert within_bound(y, y_ref, reduction=13 * 3)
+    with torch.no_grad():
+        w2 = w.detach().clone()
+        w2[1, 6, 2] *= 1 + 1e-3
+    assert not within_bound(causal_product(w2, x.detach(), 4), y_ref, reduction=13 * 3)
+    leaky = torch.tril(w.detach(), 1)[:, :11, :11]  # each row also reads the next position
+    y_leak = torch.einsum("gts,asgk->atgk", leaky, x.detach())
+    assert not within_bound(y_leak, y_ref, reduction=13 * 3)

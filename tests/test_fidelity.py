@@ -25,6 +25,7 @@ from smlp.lm import LanguageModel, LMConfig, layer_plan
 from smlp.moe import TMoE
 from smlp.transformer import TransformerBlock
 from smlp_eval import flops as FL
+from tolerance import assert_orders_agree
 
 
 def sparse_at(plan):
@@ -173,7 +174,7 @@ def test_gshard_two_slot_combine_equals_an_explicit_loop():
         assert (plan.experts_SK >= 0).sum(1).max() == 2 and len(set(plan.experts_SK[:, 0].tolist())) > 1
         if training:
             assert (plan.experts_SK == -1).any(), "the case was meant to drop slots"
-        torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-6)
+        assert_orders_agree(y, expected, reduction=e.w1.shape[-1], depth=2)  # D -> F -> D
 
 
 # ---------------------------------------------------------------- Base Layers as fairseq runs them
@@ -315,8 +316,9 @@ def test_fused_attention_equals_the_explicit_form_the_flops_calculator_counts():
         explicit = attn(x)
         (g_explicit,) = torch.autograd.grad(explicit.square().sum(), x)
     assert not attn.explicit
-    torch.testing.assert_close(fused, explicit, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(g_fused, g_explicit, rtol=1e-4, atol=1e-5)
+    # the projections (D = 32), the scores and the context (17 positions), in forward and backward
+    assert_orders_agree(fused, explicit, reduction=32, depth=3)
+    assert_orders_agree(g_fused, g_explicit, reduction=32, depth=6)
     # both are causal: a change after position 8 leaves positions <= 8 unchanged
     x2 = x.detach().clone()
     x2[:, 9:] += 1.0

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from smlp.experts import FFNExperts, SpatialExperts, grouped_mm_supported
+from tolerance import assert_orders_agree, within_bound
 
 torch.set_num_threads(1)
 
@@ -40,7 +41,7 @@ def test_ffn_experts_as_one_product_equal_the_loop(monkeypatch, counts, path, no
     monkeypatch.setattr(experts, "forward_loop", _refuse)
     got = _run(experts, experts, x, counts, grad)
     for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        assert_orders_agree(a, b, reduction=max(sum(counts), 4 * D), depth=2)  # rows into a weight gradient, F
 
 
 def test_ffn_experts_without_a_grouped_matmul_loop_exactly():
@@ -79,4 +80,25 @@ def test_spatial_experts_as_one_product_equal_the_loop(counts):
     got = _run(experts, experts, x, counts, grad)
     want = _run(experts, experts.forward_dense, x, counts, grad)
     for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        assert_orders_agree(a, b, reduction=max(sum(counts), 133))  # rows into a weight gradient, positions
+
+
+def test_planted_error_fails_the_one_product_against_loop_comparison():
+    """One expert's weights off by 1e-3 of themselves, or two experts' rows swapped, are outside the
+    rounding bound used above."""
+    torch.manual_seed(0)
+    counts, D = [3, 0, 9, 4], 8
+    experts = FFNExperts(len(counts), D, 16)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.normal_(0, 0.5)
+    x, grad = torch.randn(sum(counts), D), torch.randn(sum(counts), D)
+    want = _run(experts, experts.forward_loop, x, counts, grad)
+    with torch.no_grad():
+        experts.w1[2] *= 1 + 1e-3
+    got = _run(experts, experts.forward_loop, x, counts, grad)
+    assert not within_bound(got[0], want[0], reduction=max(sum(counts), 4 * D), depth=2)
+    with torch.no_grad():
+        experts.w1[2] /= 1 + 1e-3
+    swapped = _run(experts, experts.forward_loop, x, [3, 0, 4, 9], grad)
+    assert not within_bound(swapped[0], want[0], reduction=max(sum(counts), 4 * D), depth=2)

@@ -30,7 +30,7 @@ import math
 
 import torch
 
-__all__ = ["order_tolerance", "orders_agree", "assert_orders_agree"]
+__all__ = ["order_tolerance", "orders_agree", "within_bound", "assert_orders_agree"]
 
 
 def order_tolerance(expected: torch.Tensor, *, reduction: int, depth: int = 1, dtype: torch.dtype | None = None,
@@ -54,6 +54,11 @@ def orders_agree(actual: torch.Tensor, expected: torch.Tensor, **rule) -> tuple[
     err = float(diff.max()) if diff.numel() else 0.0
     finite = bool(torch.isfinite(actual).all()) == bool(torch.isfinite(expected).all())
     return finite and err <= tol and not math.isnan(err), err, tol
+
+
+def within_bound(actual: torch.Tensor, expected: torch.Tensor, **rule) -> bool:
+    """`orders_agree`'s verdict alone (for `assert within_bound(...), message`)."""
+    return orders_agree(actual, expected, **rule)[0]
 
 
 def assert_orders_agree(actual: torch.Tensor, expected: torch.Tensor, msg: str = "", **rule) -> None:
