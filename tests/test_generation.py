@@ -1,11 +1,11 @@
 """Cached incremental decoding and generation against full recomputation (smlp/decoding.py, smlp/generation.py).
 
-References: the full forward of the same model on the same token histories (logits at every
-position, fp32, within the rounding bound of two computation orders: tests/tolerance.py), a
-per-prompt greedy loop that recomputes the whole prefix, and exhaustive search over every
-continuation (beam search with enough beams is exact). Every architecture and routing is covered; the weights are perturbed so that the spatial weights, experts and routers
-all matter (at initialization the spatial weights are near zero and Base Layers' expert outputs
-exactly zero, which would hide wrong positions).
+References: the full forward of the same model on the same token histories (logits at every position,
+fp32, within the rounding bound of two computation orders: tests/tolerance.py), a per-prompt greedy loop
+that recomputes the whole prefix, and exhaustive search over every continuation (beam search with enough
+beams is exact). Every architecture and routing is covered; the weights are perturbed so that the
+spatial weights, experts and routers all matter (at initialization the spatial weights are near zero and
+Base Layers' expert outputs exactly zero, which would hide wrong positions).
 """
 from __future__ import annotations
 
