@@ -286,3 +286,39 @@ def test_planted_errors_fail_the_token_routed_comparisons():
     one.load_state_dict({k: v for k, v in block.state_dict().items() if not k.startswith(("experts.1.", "gate."))},
                         strict=False)
     assert not within_bound(one(x), want, reduction=32, depth=3)
+
+
+def test_tile_slots_sort_rows_by_expert_into_whole_tiles():
+    from smlp.token_routed import tile_slots
+
+    g = torch.Generator().manual_seed(0)
+    for E, S, R in ((3, 50, 4), (4, 7, 16), (1, 33, 8)):
+        expert_S = torch.randint(0, E, (S,), generator=g)
+        slot_S, tiles_E = tile_slots(expert_S, E, R)
+        counts = torch.bincount(expert_S, minlength=E).tolist()
+        assert tiles_E == [-(-c // R) for c in counts]
+        assert len(set(slot_S.tolist())) == S  # one row per slot
+        first = 0
+        for e in range(E):
+            mine = slot_S[expert_S == e]
+            # expert e's rows fill the start of its own tiles, in their original order
+            assert mine.tolist() == list(range(first * R, first * R + counts[e]))
+            first += tiles_E[e]
+
+
+def test_token_routed_experts_without_tokens_still_get_a_gradient():
+    """DDP (fairseq's default --ddp-backend pytorch_ddp) fails on a parameter without a gradient: an expert
+    that received no token gets zeros, the others their real gradient."""
+    torch.manual_seed(0)
+    block = TokenRoutedGMLPBlock(TokenRoutedGMLPConfig(d_model=16, d_ffn=32, seq_len=20, num_experts=3))
+    with torch.no_grad():
+        block.norm.bias.fill_(1.0)  # every normalized token sums to D: logits D, 0, -D
+        block.gate.weight.zero_()
+        block.gate.weight[0] = 1.0
+        block.gate.weight[2] = -1.0
+    block(torch.randn(2, 9, 16)).square().sum().backward()
+    assert int(block.load_E[2]) == 0
+    for name, p in block.named_parameters():
+        assert p.grad is not None, name
+    assert all(float(p.grad.abs().sum()) == 0 for p in block.experts[2].parameters())
+    assert float(block.experts[0].proj_in.weight.grad.abs().sum()) > 0
