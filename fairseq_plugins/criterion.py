@@ -6,6 +6,11 @@ z-loss (ST-MoE, Switch and GShard; added to the loss with --router-z-loss-weight
 in the sMLP paper). Partial prediction (sMLP 3.2.2) scores only positions after the routing
 prefix.
 
+Validation with --valid-suffix-from N also logs `suffix_loss` / `suffix_ppl`: the same figures over
+the target positions >= N only, so that every model can be scored on the positions sMLP-partial
+predicts (N = its routing prefix, 0.2 T): the positions with the least context have the highest
+loss, and a perplexity that leaves them out is not comparable with one that counts them.
+
 Routing, per MoE module (`<i>_<kind>`: layer index and module), over every rank and micro-batch
 of the update: the tokens (rows) each expert computed are summed, not ratios averaged, so the
 figures describe the whole layer:
@@ -52,6 +57,12 @@ class SMLPLossConfig(FairseqDataclass):
         default=False,
         metadata={"help": "log the forward all2all time of every MoE module (a2a_ms_*), measured with device "
                           "timing events (wall clock on the CPU); off, nothing is timed"},
+    )
+    valid_suffix_from: int = field(
+        default=0,
+        metadata={"help": "in validation, also log suffix_loss / suffix_ppl over the target positions >= N only "
+                          "(e.g. sMLP-partial's routing prefix, 0.2 x --tokens-per-sample, to score every model on "
+                          "the positions partial prediction predicts); 0 (default) logs nothing more"},
     )
     sentence_avg: bool = II("optimization.sentence_avg")
 
@@ -112,8 +123,12 @@ def predicted_tokens(sample, target, start: int, pad: int) -> int:
 
 @register_criterion("smlp_lm_loss", dataclass=SMLPLossConfig)
 class SMLPLanguageModelLoss(FairseqCriterion):
-    def __init__(self, task, aux_loss_weight, sentence_avg, log_a2a_time=False, router_z_loss_weight=0.0):
+    def __init__(self, task, aux_loss_weight, sentence_avg, log_a2a_time=False, router_z_loss_weight=0.0,
+                 valid_suffix_from=0):
         super().__init__(task)
+        if valid_suffix_from < 0:
+            raise ValueError(f"--valid-suffix-from {valid_suffix_from} is invalid: a target position >= 0")
+        self.valid_suffix_from = valid_suffix_from
         self.aux_loss_weight = aux_loss_weight
         self.router_z_loss_weight = router_z_loss_weight
         self.sentence_avg = sentence_avg
@@ -155,6 +170,13 @@ class SMLPLanguageModelLoss(FairseqCriterion):
             logging_output["aux_count"] = 1  # logged only by models with an auxiliary loss
         if z is not None:
             logging_output["z_loss"] = z.detach()
+        if self.valid_suffix_from and not model.training:
+            suffix_from = max(self.valid_suffix_from, start)
+            suffix = target.clone()
+            suffix[:, :suffix_from] = self.padding_idx
+            logging_output["suffix_loss"] = F.nll_loss(lprobs.view(-1, lprobs.size(-1)), suffix.reshape(-1),
+                                                       ignore_index=self.padding_idx, reduction="sum").data
+            logging_output["suffix_ntokens"] = predicted_tokens(sample, suffix, suffix_from, self.padding_idx)
         return loss, sample_size, logging_output
 
     @staticmethod
@@ -165,6 +187,12 @@ class SMLPLanguageModelLoss(FairseqCriterion):
         metrics.log_scalar("loss", loss_sum / max(sample_size, 1) / math.log(2), sample_size, round=3)
         metrics.log_scalar("nll_loss", loss_sum / max(ntokens, 1) / math.log(2), ntokens, round=3)
         metrics.log_derived("ppl", lambda meters: utils.get_perplexity(meters["nll_loss"].avg))
+        if any("suffix_ntokens" in log for log in logging_outputs):
+            suffix_tokens = sum(log.get("suffix_ntokens", 0) for log in logging_outputs)
+            suffix_sum = sum(log.get("suffix_loss", 0) for log in logging_outputs)
+            metrics.log_scalar("suffix_loss", suffix_sum / max(suffix_tokens, 1) / math.log(2), suffix_tokens,
+                               round=3)
+            metrics.log_derived("suffix_ppl", lambda meters: utils.get_perplexity(meters["suffix_loss"].avg))
         count = max(sum(log.get("moe_count", 0) for log in logging_outputs), 1)
         # which models have an auxiliary loss is in the keys (no host read of the values)
         if any("aux_count" in log for log in logging_outputs):

@@ -168,3 +168,35 @@ def test_capacity_flags_reach_the_core_config(tiny_lm_data):
     assert (tmoe.cfg.capacity_factor, tmoe.cfg.eval_capacity_factor) == (1.25, 2.0)
     model, _ = build_model(tiny_lm_data, "gshard_lm_tiny")
     assert model.core.cfg.eval_capacity_factor is None  # 0, the default: no limit at evaluation
+
+
+@pytest.mark.parametrize("router", ["Switch", "sMLP-partial"])
+def test_the_criterion_scores_every_model_on_the_suffix_partial_prediction_predicts(router):
+    """--valid-suffix-from N: in validation, suffix_loss is the loss over target positions >= N only (by
+    hand from the model's log-probabilities); a partial-prediction model's suffix from its own prefix is
+    its loss; nothing is logged in training."""
+    from smlp_bench.hot_path import criterion, fairseq_model, lm_sample, tokens
+
+    core = _tiny_core(router)
+    model, dictionary = fairseq_model(core)
+    model.eval()
+    sample = lm_sample(tokens(), dictionary.pad())
+    crit = criterion(dictionary)
+    start = core.cfg.prediction_start
+    N = max(start, 5)
+    crit.valid_suffix_from = N
+    with torch.no_grad():
+        _, _, log = crit(model, sample)
+        lprobs = model.get_normalized_probs(model(**sample["net_input"]), log_probs=True)
+    want = -lprobs[:, N:].gather(-1, sample["target"][:, N:, None]).sum()
+    assert float(log["suffix_loss"]) == pytest.approx(float(want), rel=1e-5)
+    assert log["suffix_ntokens"] == sample["target"][:, N:].numel()
+    figures = _log_and_read([log])
+    assert figures["suffix_ppl"] == pytest.approx(2 ** (float(want) / log["suffix_ntokens"] / math.log(2)), rel=1e-2)
+    if start:
+        crit.valid_suffix_from = start
+        with torch.no_grad():
+            _, _, log = crit(model, sample)
+        assert float(log["suffix_loss"]) == pytest.approx(float(log["loss"]), rel=1e-6)
+    model.train()
+    assert "suffix_loss" not in crit(model, sample)[2]
