@@ -12,6 +12,7 @@ Shapes: B batch, N positions, D model width, H heads, d = D / H.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 
 import torch
@@ -41,6 +42,24 @@ def sinusoidal_positions(n: int, dim: int, device=None, dtype=torch.float32, sta
     return emb.to(dtype)
 
 
+def fused_attention_runs(q: Tensor) -> bool:
+    """Whether torch's fused attention kernel can run on `q`'s device and dtype.
+
+    On a CPU whose hardware has AVX-512 (bf16) but whose kernels were selected lower
+    (`ATEN_CPU_CAPABILITY=avx2` or `default`), torch 2.13's fused CPU attention in bf16 picks a
+    packing routine built only into the AVX-512 kernels and fails ("pack_vnni2 is only supported
+    when avx512 is supported") from about 256 positions on. Half precision on such a CPU then runs
+    the same maths as explicit matmuls; everywhere else the fused kernel runs."""
+    if q.device.type != "cpu" or q.dtype not in (torch.bfloat16, torch.float16):
+        return True
+    return _cpu_kernels_have_avx512()
+
+
+@functools.cache
+def _cpu_kernels_have_avx512() -> bool:
+    return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention; `explicit` selects the matmul form (FLOP counting)."""
 
@@ -57,15 +76,18 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x_BND: Tensor) -> Tensor:
         B, n, D = x_BND.shape
         q, k, v = self.qkv(x_BND).view(B, n, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
-        if self.explicit:
-            scores = (q @ k.transpose(-1, -2)) / math.sqrt(D // self.heads)  # (B, H, N, N)
+        if self.explicit or not fused_attention_runs(q):
             future = torch.ones(n, n, dtype=torch.bool, device=x_BND.device).triu(1)
-            attn = self.dropout(scores.masked_fill(future, float("-inf")).softmax(-1))
-            y_BHNd = attn @ v
+            y_BHNd = self._explicit(q, k, v, future)
         else:
             p = self.dropout.p if self.training else 0.0
             y_BHNd = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
         return self.out(y_BHNd.transpose(1, 2).reshape(B, n, D))
+
+    def _explicit(self, q: Tensor, k: Tensor, v: Tensor, hidden: Tensor) -> Tensor:
+        """softmax(q k^T / sqrt(d), masked where `hidden` is True) v as plain matmuls."""
+        scores = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])  # (B, H, N, N)
+        return self.dropout(scores.masked_fill(hidden, float("-inf")).softmax(-1)) @ v
 
     def step(self, x_BkD: Tensor, state: dict, start: int) -> Tensor:
         """Cached decoding (smlp/decoding.py): keys and values of past positions are kept."""
@@ -78,7 +100,11 @@ class CausalSelfAttention(nn.Module):
             t = start + k
             mask_kt = (torch.arange(t, device=x_BkD.device)[None, :]
                        <= torch.arange(start, t, device=x_BkD.device)[:, None])
-        y_BHkd = F.scaled_dot_product_attention(q, key_BHtd, value_BHtd, attn_mask=mask_kt)
+        if fused_attention_runs(q):
+            y_BHkd = F.scaled_dot_product_attention(q, key_BHtd, value_BHtd, attn_mask=mask_kt)
+        else:
+            hidden = torch.zeros((), dtype=torch.bool, device=q.device) if mask_kt is None else ~mask_kt
+            y_BHkd = self._explicit(q, key_BHtd, value_BHtd, hidden)
         return self.out(y_BHkd.transpose(1, 2).reshape(B, k, D))
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 
 import pytest
 import torch
@@ -300,6 +301,72 @@ def test_new_flags_reach_the_core_config(tiny_lm_data):
     assert model.core.cfg.tmoe.uses_shuffle is True and model.core.cfg.placement == "paper"
     with pytest.raises(ValueError, match="--base-shuffle 2 is invalid"):
         _build(tiny_lm_data, "base_layers_lm_tiny", ["--base-shuffle", "2"])
+
+
+HALF_ATTENTION_SCRIPT = """
+import torch
+from smlp.transformer import CausalSelfAttention
+torch.manual_seed(0)
+for dtype in (torch.bfloat16, torch.float16):
+    attn = CausalSelfAttention(64, 2).to(dtype)
+    x = torch.randn(2, 300, 64, dtype=dtype, requires_grad=True)
+    attn(x).float().square().sum().backward()
+    state = {}
+    attn.eval()
+    attn.step(x[:, :290].detach(), state, 0)
+    attn.step(x[:, 290:].detach(), state, 290)
+print(torch.backends.cpu.get_cpu_capability(), "ok")
+"""
+
+
+@pytest.mark.parametrize("capability", ["default", "avx2"])
+def test_half_precision_attention_runs_under_every_cpu_kernel_set(capability):
+    """torch 2.13's fused CPU attention in bf16 fails from ~256 positions on ("pack_vnni2 is only
+    supported when avx512 is supported") when the hardware has AVX-512 but the kernels were selected
+    lower (ATEN_CPU_CAPABILITY): training, validation and cached decoding must run there too."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", HALF_ATTENTION_SCRIPT], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
+
+
+def test_attention_without_the_fused_kernel_equals_it(monkeypatch):
+    """Where the fused kernel cannot run (half precision on CPU kernels below AVX-512), the explicit
+    form runs instead: the same outputs and gradients up to the rounding of two orders, in training
+    and in cached decoding; elsewhere (fp32, or AVX-512 kernels) the fused kernel still runs."""
+    from smlp import transformer as T
+
+    torch.manual_seed(0)
+    attn = T.CausalSelfAttention(32, 4).eval()
+    x = torch.randn(2, 40, 32, dtype=torch.bfloat16, requires_grad=True)
+    attn = attn.to(torch.bfloat16)
+    results = {}
+    for fused in (True, False):
+        monkeypatch.setattr(T, "_cpu_kernels_have_avx512", lambda fused=fused: fused)
+        assert T.fused_attention_runs(x) is fused
+        assert T.fused_attention_runs(x.float())  # fp32 always takes the fused kernel
+        y = attn(x)
+        (g,) = torch.autograd.grad(y.float().square().sum(), x)
+        state = {}
+        with torch.no_grad():
+            steps = torch.cat([attn.step(x[:, :30], state, 0), attn.step(x[:, 30:31], state, 30),
+                               attn.step(x[:, 31:], state, 31)], dim=1)
+        results[fused] = (y, g, steps)
+    # CPU half-precision matmuls accumulate in fp32 and round once to bf16: the two forms differ by the
+    # roundings of the scores, the softmax, the context and the output projection (4 in sequence, in
+    # forward and backward alike), not by a bf16 sum over the 40 positions
+    rule = dict(reduction=1, depth=4, dtype=torch.bfloat16)
+    for a, b in zip(results[True], results[False]):
+        assert_orders_agree(b.float(), a.float(), **rule)
+    # a planted leak: the explicit form without its causal mask (every position sees the future)
+    with torch.no_grad():
+        q, k, v = attn.qkv(x).view(2, 40, 3, 4, 8).permute(2, 0, 3, 1, 4)
+        leaky = attn.out(attn._explicit(q, k, v, torch.zeros((), dtype=torch.bool)).transpose(1, 2).reshape(2, 40, 32))
+    with pytest.raises(AssertionError, match="exceeds the rounding bound"):
+        assert_orders_agree(leaky.float(), results[True][0].float(), **rule)
 
 
 def test_fused_attention_equals_the_explicit_form_the_flops_calculator_counts():
