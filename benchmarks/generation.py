@@ -44,7 +44,7 @@ from smlp.dispatch import synchronize
 from smlp.generation import generate
 from smlp.lm import LanguageModel, LMConfig
 
-from .suite import MATCH_TOLERANCE, MOE_BASELINES, NAMES, OUR_FAMILIES, TARGET
+from .presets import MATCH_TOLERANCE, MOE_BASELINES, NAMES, OUR_FAMILIES, TARGET
 
 PROG = "smlp-bench-generation"
 EOS = 2
