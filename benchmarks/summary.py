@@ -4,8 +4,9 @@ Time axis: a run's load-corrected training time = tokens / (its words/s over its
 x the median probe words/s of the benchmark): the time it would have taken at the benchmark's
 median load, without validation. fairseq's own wall time is kept in the JSON too.
 
-The figure per run is the median words/s over its clean log intervals (benchmarks/training.py), the
+Words/s: the figure per run is the median over its clean log intervals (benchmarks/training.py), the
 figure per model the mean over seeds (spread: standard deviation).
+
 MFU = words/s x training FLOPs per token / peak, with training FLOPs = 3 x the calculator's
 forward FLOPs (the backward pass costs twice the forward), the paper's FLOPs convention (full
 T x T spatial and attention products); "MFU (executed)" counts the causal products as they run,

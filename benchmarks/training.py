@@ -8,9 +8,9 @@ a run into the JSON record `runs.json` keeps.
 
 Words/s are tokens read per second over all ranks: fairseq's `wps` (tokens scored) times
 bsz x seq_len / wpb, which only differs for partial prediction (its routing prefix is read, not
-scored; see `input_tokens_per_target`), from log intervals that
-contain neither a validation, the warm-up, nor the profiled window; the figure per run is the
-median over those intervals, the figure per model the mean over seeds (spread: standard deviation).
+scored; see `input_tokens_per_target`), from log intervals that contain neither a validation, the
+warm-up, nor the profiled window (`clean_wps`); the figure per run is the median over those
+intervals.
 """
 from __future__ import annotations
 
