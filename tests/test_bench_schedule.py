@@ -11,9 +11,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from smlp_bench import cli, suite
+from smlp_bench import cli, machine, presets, publish, training, verdicts
 from smlp_bench import curves as C
 from smlp_bench import schedule as S
+from smlp_bench.plan import execute, initial_schedule, make_plan
+from smlp_bench.report import report
 
 KEYS = ["a", "b", "c", "d"]
 
@@ -160,42 +162,42 @@ class _FakeTrainer:
         final = {"a": 30.0, "b": 20.0, "c": 40.0}[model.key] + seed
         valid = [{"num_updates": float(v), "ppl": final * (1 + 10 / v), "wall": float(v)}
                  for v in range(settings["validate_every"], u + 1, settings["validate_every"])] if validate else []
-        return suite.Run(model.key, seed, intervals=intervals, valid=valid, seconds=1.0, peak_rss_mb=[1.0, 1.0])
+        return training.Run(model.key, seed, intervals=intervals, valid=valid, seconds=1.0, peak_rss_mb=[1.0, 1.0])
 
 
 def _bench(tmp_path, trainer, resume=False):
     settings = dict(seeds=1, updates=8, batch_size=2, log_interval=2, validate_every=4, valid_steps=1, warmup=1,
-                    lr=1e-3, profile_steps=0, probe_updates=8, target=dict(suite.TARGET),
+                    lr=1e-3, profile_steps=0, probe_updates=8, target=dict(presets.TARGET),
                     second_phase=dict(top=2, seeds=[2]))
-    models = [suite.Model(k, ["--arch", "x"], 10 ** 9, "1", seq_len=suite.TARGET["seq_len"]) for k in "abc"]
-    plan = suite.make_plan("long", settings, models, 2, 0, "a")
+    models = [presets.Model(k, ["--arch", "x"], 10 ** 9, "1", seq_len=presets.TARGET["seq_len"]) for k in "abc"]
+    plan = make_plan("long", settings, models, 2, 0, "a")
     store = S.RunStore.open(tmp_path / "runs.json", plan, resume=resume)
     if not store.slots:
-        store.slots = suite.initial_schedule(plan)
-    suite.execute(store, {m.key: m for m in models}, tmp_path, SimpleNamespace(), out_dir=tmp_path)
+        store.slots = initial_schedule(plan)
+    execute(store, {m.key: m for m in models}, tmp_path, SimpleNamespace(), out_dir=tmp_path)
     return store
 
 
 def test_execute_runs_phase_two_for_the_best_and_resumes_after_a_stop(tmp_path, monkeypatch):
     first = _FakeTrainer(stop_at="c.seed1")
-    monkeypatch.setattr(suite, "run_training", first)
+    monkeypatch.setattr(training, "run_training", first)
     with pytest.raises(KeyboardInterrupt):
         _bench(tmp_path, first)
     assert first.ran == ["probe000.a", "a.seed1", "probe002.a", "b.seed1", "probe004.a"]
     second = _FakeTrainer()
-    monkeypatch.setattr(suite, "run_training", second)
+    monkeypatch.setattr(training, "run_training", second)
     store = _bench(tmp_path, second, resume=True)
     # c (interrupted) starts again, after its probe is measured again; then phase 2: a and b (lowest
     # final perplexity) with seed 2, in reversed order, bracketed by probes
     assert second.ran == ["probe004.a", "c.seed1", "probe006.a", "b.seed2", "probe008.a", "a.seed2", "probe010.a"]
     assert store.extra["phase2"]["models"] == ["a", "b"]
-    record = suite.report(store, tmp_path, machine={"cpus": 2, "torch": "x", "cpu_model": "test"}, quiet=True)
+    record = report(store, tmp_path, machine={"cpus": 2, "torch": "x", "cpu_model": "test"}, quiet=True)
     assert record["complete"] and record["runs_recorded"] == 5
     assert record["models"]["b"]["seeds"] == [1, 2] and record["models"]["c"]["seeds"] == [1]
     assert record["ratios"]["smlp_det_wps_over"]["b"] == pytest.approx(1000 / 1500)
     # the partial prediction's routing prefix is not involved here; curves are in tokens and time
     curve = record["models"]["b"]["curves"][0]
-    assert curve["tokens"] == [u * 2 * 2 * suite.TARGET["seq_len"] for u in curve["updates"]]
+    assert curve["tokens"] == [u * 2 * 2 * presets.TARGET["seq_len"] for u in curve["updates"]]
     assert (tmp_path / "figure5.png").exists() and (tmp_path / "results.json").exists()
 
 
@@ -228,34 +230,34 @@ def _synthetic_long_record(complete: bool) -> dict:
         curves = [{"seed": s + 1, "updates": [50, 100, 150], "tokens": [t * 4096 for t in (50, 100, 150)],
                    "time": [10.0 * (1 + i), 20.0 * (1 + i), 30.0 * (1 + i)], "wall": [1, 2, 3],
                    "ppl": [f * 3, f * 1.5, f]} for s, f in enumerate(finals)]
-        models[key] = {"name": suite.NAMES[key], "layers": "9+3", "curves": curves,
+        models[key] = {"name": presets.NAMES[key], "layers": "9+3", "curves": curves,
                        "valid_ppl": sum(finals) / len(finals),
                        "valid_ppl_std": 1.4 if len(finals) > 1 else 0.0, "valid_ppl_per_seed": finals,
                        "seeds": [c["seed"] for c in curves]}
     rec = {"kind": "preset", "preset": "long", "complete": complete, "runs_recorded": 6, "runs_scheduled": 7,
-           "models": models, "settings": {"updates": 150, "batch_size": 16}, "target": suite.LONG_TARGET,
+           "models": models, "settings": {"updates": 150, "batch_size": 16}, "target": presets.LONG_TARGET,
            "nproc": 2, "seconds": 600.0,
            "ratios": {"reference": "smlp_det", "smlp_det_wps_over_range": {
                "switch": {"ratio": 0.9, "lo": 0.85, "hi": 0.95, "pairs": 2, "std": 0.0}}}}
-    rec["analysis"] = suite.analyse_curves(models)
-    rec["verdicts"] = {"smlp_det": suite.verdict(models, rec["analysis"])}
+    rec["analysis"] = verdicts.analyse_curves(models)
+    rec["verdicts"] = {"smlp_det": verdicts.verdict(models, rec["analysis"])}
     return rec
 
 
 def test_publish_a_partial_long_record_rewrites_only_its_sections(tmp_path):
-    page = tmp_path / suite.PAGE  # docs/benchmarks.md, as in the repository
-    main = json.loads((Path(__file__).parents[1] / suite.FIGURE_DIR / "results.json").read_text())
-    docs = tmp_path / suite.FIGURE_DIR
+    page = tmp_path / publish.PAGE  # docs/benchmarks.md, as in the repository
+    main = json.loads((Path(__file__).parents[1] / publish.FIGURE_DIR / "results.json").read_text())
+    docs = tmp_path / publish.FIGURE_DIR
     docs.mkdir(parents=True)
-    page.write_text(f"intro\n{suite.TABLE_START}\nOLD-MAIN\n{suite.TABLE_END}\ntail\n")  # no long section yet
+    page.write_text(f"intro\n{publish.TABLE_START}\nOLD-MAIN\n{publish.TABLE_END}\ntail\n")  # no long section yet
     (docs / "results.json").write_text(json.dumps(main))
     run = tmp_path / "long"
     run.mkdir()
     (run / "results.json").write_text(json.dumps(_synthetic_long_record(complete=False)))
     readme = tmp_path / "README.md"
-    readme.write_text(f"# r\n{suite.README_LONG_START}\nOLD-LONG\n{suite.README_LONG_END}\n"
-                      f"{suite.README_CLAIMS_START}\nOLD-CLAIMS\n{suite.README_CLAIMS_END}\nend\n")
-    done = suite.publish([run / "results.json"], page, docs, readme=readme)
+    readme.write_text(f"# r\n{publish.README_LONG_START}\nOLD-LONG\n{publish.README_LONG_END}\n"
+                      f"{publish.README_CLAIMS_START}\nOLD-CLAIMS\n{publish.README_CLAIMS_END}\nend\n")
+    done = publish.publish([run / "results.json"], page, docs, readme=readme)
     text = page.read_text()
     # README's summary: the same verdict as the page, its figure linked from the repository root, the
     # claims summary untouched (no experiment recorded)
@@ -270,8 +272,8 @@ def test_publish_a_partial_long_record_rewrites_only_its_sections(tmp_path):
     # figures are linked relative to the page (docs/benchmarks.md -> docs/benchmark/...)
     assert "](benchmark/figure5.png)" in text and "](benchmark/long/figure5.png)" in text
     # the long section was added, with its heading, right after the benchmark table
-    assert text.index(suite.TABLE_END) < text.index("### Does sMLP beat Transformer-MoE at matched FLOPs here?") \
-        < text.index(suite.LONG_START) < text.index(suite.LONG_END) < text.index("tail")
+    assert text.index(publish.TABLE_END) < text.index("### Does sMLP beat Transformer-MoE at matched FLOPs here?") \
+        < text.index(publish.LONG_START) < text.index(publish.LONG_END) < text.index("tail")
     assert "PARTIAL: 6 of 7 runs recorded" in text
     # 100 against 110 for Switch, beyond the seeds' spread
     assert "**Does sMLP-deterministic beat the best Transformer-MoE at this scale? yes.**" in text
@@ -292,13 +294,13 @@ def test_an_experiment_runs_reports_its_claims_and_publishes_them(tmp_path, monk
         intervals = [{"num_updates": float(i), "wps": 5000.0} for i in range(2, u + 1, 2)]
         valid = [{"num_updates": float(v), "ppl": finals[model.key] * (1 + 25 / v), "wall": float(v)}
                  for v in range(settings["validate_every"], u + 1, settings["validate_every"])] if validate else []
-        return suite.Run(model.key, seed, intervals=intervals, valid=valid, seconds=1.0, peak_rss_mb=[1.0])
+        return training.Run(model.key, seed, intervals=intervals, valid=valid, seconds=1.0, peak_rss_mb=[1.0])
 
     data = tmp_path / "data"
     data.mkdir()
     (data / "dict.txt").write_text("".join(f"w{i} 1\n" for i in range(96)))
-    monkeypatch.setattr(suite, "run_training", fake)
-    monkeypatch.setattr(suite, "matmul_peak", lambda n: {"total": 1e11, "per_rank": [5e10] * n})
+    monkeypatch.setattr(training, "run_training", fake)
+    monkeypatch.setattr(machine, "matmul_peak", lambda n: {"total": 1e11, "per_rank": [5e10] * n})
     out = tmp_path / "fig7"
     assert cli.main(["--experiment", "figure7-routing", "--output-dir", str(out), "--data", str(data)]) == 0
     record = json.loads((out / "results.json").read_text())
@@ -308,13 +310,13 @@ def test_an_experiment_runs_reports_its_claims_and_publishes_them(tmp_path, monk
     # the leaky model's flags name its routing explicitly
     assert "--smoe-routing leaky-full-sequence" in record["models"]["smlp_leaky"]["fairseq_flags"]
     page = tmp_path / "benchmarks.md"
-    page.write_text(f"a\n{suite.CLAIMS_START}\nOLD\n{suite.CLAIMS_END}\nb\n")
+    page.write_text(f"a\n{publish.CLAIMS_START}\nOLD\n{publish.CLAIMS_END}\nb\n")
     readme = tmp_path / "README.md"
-    readme.write_text(f"# r\n{suite.README_CLAIMS_START}\nOLD\n{suite.README_CLAIMS_END}\n")
-    suite.publish([out / "results.json"], page, tmp_path / "docs", readme=readme)
+    readme.write_text(f"# r\n{publish.README_CLAIMS_START}\nOLD\n{publish.README_CLAIMS_END}\n")
+    publish.publish([out / "results.json"], page, tmp_path / "docs", readme=readme)
     text = page.read_text()
     assert "| claim | paper | here | holds? |" in text and "OLD" not in text and "figure7-routing" in text
-    claims = text[text.index(suite.CLAIMS_START):text.index(suite.CLAIMS_END)]
+    claims = text[text.index(publish.CLAIMS_START):text.index(publish.CLAIMS_END)]
     assert claims.split("\n", 1)[1] in readme.read_text()  # README's claims table is the page's
     assert (tmp_path / "docs" / "experiments" / "figure7-routing" / "figure.png").exists()
 
@@ -350,14 +352,14 @@ def test_publish_cli_writes_docs_benchmarks_page_and_the_page_is_the_json(tmp_pa
     the repository's page holds exactly what publishing its own docs/benchmark/results.json gives: the
     generated section was not edited by hand, and its figure link resolves from the page."""
     repo = Path(__file__).parents[1]
-    page, figures = tmp_path / suite.PAGE, tmp_path / suite.FIGURE_DIR
-    shutil.copytree(repo / suite.FIGURE_DIR, figures)
-    shutil.copy2(repo / suite.PAGE, page)
-    (tmp_path / "README.md").write_text(f"readme\n{suite.TABLE_START}\nuntouched\n{suite.TABLE_END}\n")
+    page, figures = tmp_path / publish.PAGE, tmp_path / publish.FIGURE_DIR
+    shutil.copytree(repo / publish.FIGURE_DIR, figures)
+    shutil.copy2(repo / publish.PAGE, page)
+    (tmp_path / "README.md").write_text(f"readme\n{publish.TABLE_START}\nuntouched\n{publish.TABLE_END}\n")
     monkeypatch.chdir(tmp_path)
     assert cli.main(["--publish", str(figures / "results.json")]) == 0
     assert "benchmarks.md benchmark table" in capsys.readouterr().out
-    assert page.read_text() == (repo / suite.PAGE).read_text()
+    assert page.read_text() == (repo / publish.PAGE).read_text()
     assert "untouched" in (tmp_path / "README.md").read_text()
     link = re.search(r"\]\((benchmark/[^)]+\.png)\)", page.read_text()).group(1)
     assert (repo / "docs" / link).is_file()

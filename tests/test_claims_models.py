@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,7 +25,7 @@ from smlp.lm import LanguageModel, LMConfig
 from smlp.moe import LEAKY_ROUTING_WARNING
 from smlp.token_routed import TokenRoutedGMLPBlock
 from smlp_bench import experiments as X
-from smlp_bench import suite
+from smlp_bench import training
 from smlp_eval import flops as Fl
 from tolerance import within_bound
 
@@ -232,7 +233,7 @@ def test_experiment_models_are_causal_where_they_claim_and_their_flags_reach_tra
         # every field of the config reaches the fairseq-train command and builds the same model
         spec = Fl.parse_model(model.flags[1], model.flags[2:], vocab_size=4000)
         assert builds_the_same_model(spec.cfg, cfg), m.key
-        cmd = suite.train_command(model, suite.Path("/data"), dict(exp.settings), 2, 1, suite.Path("/tmp/x"))
+        cmd = training.train_command(model, Path("/data"), dict(exp.settings), 2, 1, Path("/tmp/x"))
         assert " ".join(model.flags) in " ".join(cmd)
         # the model-level causality check on a small instance of the same family and options
         small = tiny_version(cfg)

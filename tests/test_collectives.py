@@ -56,7 +56,7 @@ def _worker(rank: int, world: int, init: str, out: str) -> None:
         from smlp.parallel import average_expert_gradients
         from smlp_eval.scoring import LMScorer
         from smlp_eval.zeroshot import barrier
-        from smlp_launch.local import _StopFlag
+        from smlp_launch.worker import _StopFlag
 
         with pretend_nccl() as (mode, calls):
             # negative control: the mistake the check exists for

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from smlp_launch import corpus
 from smlp_launch import data as D
 
 PLAYS = ["comedy_of_errors_gut.txt", "macbeth_gut.txt", "tempest_gut.txt",
@@ -66,18 +67,18 @@ def test_gutenberg_body_strips_license_header_and_footer():
     lines = ["The Project Gutenberg EBook of Hamlet", "license blah",
              "*** START OF THIS PROJECT GUTENBERG EBOOK HAMLET ***", "", "ACT I.", "Who's there?",
              "*** END OF THIS PROJECT GUTENBERG EBOOK HAMLET ***", "more license"]
-    assert D.gutenberg_body(lines) == (3, 6)
+    assert corpus.gutenberg_body(lines) == (3, 6)
     old = ["header", "*END*THE SMALL PRINT! FOR PUBLIC DOMAIN ETEXTS*Ver.04.29.93*END*", "text",
            "End of the Project Gutenberg Etext of Hamlet", "x"]
-    assert D.gutenberg_body(old) == (2, 3)
-    assert D.gutenberg_body(["plain", "text"]) == (0, 2)
+    assert corpus.gutenberg_body(old) == (2, 3)
+    assert corpus.gutenberg_body(["plain", "text"]) == (0, 2)
 
 
 def test_split_blocks_partition_fractions_and_determinism():
     counts = [1200, 800, 3000, 50]
-    a = D.split_blocks(counts, 0.05, 0.1, 100, seed=3)
-    assert a == D.split_blocks(counts, 0.05, 0.1, 100, seed=3)
-    assert a != D.split_blocks(counts, 0.05, 0.1, 100, seed=4)
+    a = corpus.split_blocks(counts, 0.05, 0.1, 100, seed=3)
+    assert a == corpus.split_blocks(counts, 0.05, 0.1, 100, seed=3)
+    assert a != corpus.split_blocks(counts, 0.05, 0.1, 100, seed=4)
     covered = {}
     for split, blocks in a.items():
         assert blocks, split
@@ -91,10 +92,10 @@ def test_split_blocks_partition_fractions_and_determinism():
     assert 0.05 * total <= n["valid"] < 0.05 * total + 100
     assert 0.1 * total <= n["test"] < 0.1 * total + 100
     # whole documents
-    docs = D.split_blocks([10, 20, 30, 40], 0.1, 0.1, 0, seed=1)
+    docs = corpus.split_blocks([10, 20, 30, 40], 0.1, 0.1, 0, seed=1)
     assert all(b.start == 0 and b.end == [10, 20, 30, 40][b.doc] for bl in docs.values() for b in bl)
     with pytest.raises(D.DataPrepError, match="too few"):
-        D.split_blocks([5], 0.05, 0.05, 500, seed=1)
+        corpus.split_blocks([5], 0.05, 0.05, 500, seed=1)
 
 
 # ------------------------------------------------------------------ the real build
@@ -133,8 +134,8 @@ def test_valid_and_test_are_contiguous_blocks_disjoint_from_train(built, plays):
     m = D.read_manifest(built)
     docs = D.collect_documents(plays)
     for doc in docs:
-        D._scan(doc, True)
-    kept = [[line for _, line in D.iter_document_lines(doc)] for doc in docs]
+        corpus.scan(doc, True)
+    kept = [[line for _, line in corpus.iter_document_lines(doc)] for doc in docs]
     owner = {}
     for split in D.SPLITS:
         # the text file is exactly the manifest's blocks, in order, a blank line between runs

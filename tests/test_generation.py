@@ -409,7 +409,7 @@ def test_expert_parallel_cached_decoding_equals_one_process():
 def test_generation_benchmark_records_both_modes_per_position(tmp_path):
     """smlp-bench-generation at the benchmark size, cut to 3 tokens: the record has every generated
     token's interval for both modes, and the cached tokens equal the recomputed ones."""
-    from smlp_bench.generation import run
+    from smlp_bench.micro.generation import run
 
     out = tmp_path / "gen.json"
     record = run(["--models", "smlp_partial,transformer", "--max-new-tokens", "3", "--vocab-size", "64",

@@ -152,7 +152,7 @@ def test_smlp_generate_on_two_expert_parallel_ranks_equals_one_process(ran):
 
 def test_the_pages_speed_tables_are_the_benchmark_records():
     """The tables under "Speed" are what smlp-bench-generation prints from the JSON records (never typed)."""
-    from smlp_bench.generation import summary_table
+    from smlp_bench.micro.generation import summary_table
 
     tables = doc_blocks("text")
     for name in ("generation.json", "generation_batch4.json"):

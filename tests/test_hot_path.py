@@ -1,7 +1,7 @@
 # ruff: noqa: E702  (the counter test pairs each call with its expected count on one line)
 """A training step that does not wait for the device (issue 19), checked on the CPU.
 
-- The host-sync counter (smlp_bench.host_syncs) counts what it claims to (a negative control of
+- The host-sync counter (smlp_bench.micro.host_syncs) counts what it claims to (a negative control of
   every kind of sync it knows) and runs balanced assignment on its accelerator path.
 - Budget per family on that path: dense blocks and the backward pass 0 syncs, the criterion 0,
   a sparse layer one read per dispatch (its split sizes) plus, where balanced assignment runs,
@@ -31,8 +31,8 @@ from smlp.routing import (
     nonfinite_fault,
     routing_error,
 )
-from smlp_bench.host_syncs import HostSyncCounter, count_host_syncs, torch_assignment_path
-from smlp_bench.hot_path import FAMILIES, count_step, tiny_config, tokens
+from smlp_bench.micro.host_syncs import HostSyncCounter, count_host_syncs, torch_assignment_path
+from smlp_bench.micro.hot_path import FAMILIES, count_step, tiny_config, tokens
 
 # ---------------------------------------------------------------- the counter
 
@@ -140,7 +140,7 @@ def test_the_budget_holds_for_other_batches(seed):
 
 
 def test_a_padded_partial_prediction_batch_costs_the_criterion_one_read():
-    from smlp_bench.hot_path import _Replay, criterion, fairseq_model, lm_sample
+    from smlp_bench.micro.hot_path import _Replay, criterion, fairseq_model, lm_sample
 
     torch.manual_seed(0)
     core = LanguageModel(tiny_config("sMLP-partial")).train()
@@ -302,7 +302,7 @@ def test_the_all2all_timer_is_off_by_default_and_never_synchronises(monkeypatch)
 
 
 def test_the_criterion_logs_tensors_and_the_all2all_time_only_when_asked(monkeypatch):
-    from smlp_bench.hot_path import criterion, fairseq_model, lm_sample
+    from smlp_bench.micro.hot_path import criterion, fairseq_model, lm_sample
 
     torch.manual_seed(0)
     core = LanguageModel(tiny_config("Switch")).train()

@@ -26,18 +26,19 @@ def transformer(router: str, **kw) -> LMConfig:
 
 
 def test_every_import_time_consumer_lists_the_registry():
-    from smlp_bench import generation, suite
+    from smlp_bench import presets
+    from smlp_bench.micro import generation
 
     names = tuple(TOKEN_ROUTERS)
     assert names == ("gshard", "switch", "base", "hash")  # the paper's four baselines (sec. 4.1)
-    assert suite.MOE_BASELINES == names
-    assert set(names) <= set(suite.OUR_FAMILIES) and set(names) <= set(suite.MODEL_ORDER)
-    assert set(names) <= set(suite.LONG_MODELS) and set(names) <= set(generation.MODEL_ORDER)
+    assert presets.MOE_BASELINES == names
+    assert set(names) <= set(presets.OUR_FAMILIES) and set(names) <= set(presets.MODEL_ORDER)
+    assert set(names) <= set(presets.LONG_MODELS) and set(names) <= set(generation.MODEL_ORDER)
     assert set(names) <= set(flop_match.MATCH_FAMILIES)
     for r in TOKEN_ROUTERS.values():
-        assert suite.NAMES[r.name] == flop_count.FAMILY_NAMES[r.name] == r.title
-    assert suite.NAMES["smlp_det"] == SMOE_ROUTINGS["deterministic"].title
-    assert suite.NAMES["smlp_partial"] == SMOE_ROUTINGS["partial"].title
+        assert presets.NAMES[r.name] == flop_count.FAMILY_NAMES[r.name] == r.title
+    assert presets.NAMES["smlp_det"] == SMOE_ROUTINGS["deterministic"].title
+    assert presets.NAMES["smlp_partial"] == SMOE_ROUTINGS["partial"].title
 
 
 def test_the_registry_facts_match_the_papers_rules():

@@ -1,0 +1,60 @@
+"""The machine a benchmark runs on: its description, and the dense matmul peak that MFU divides by.
+
+The peak is measured in the same run, on this machine, with the ranks' own layout: W concurrent
+processes with one thread each, dense fp32 matmuls (smlp-bench step 3).
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import platform
+import time
+from pathlib import Path
+
+
+def machine_info() -> dict:
+    import torch
+
+    info = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
+            "cpus": os.cpu_count(), "processor": platform.processor()}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu_model"] = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    for pkg in ("fairseq", "fvcore"):
+        try:
+            from importlib.metadata import version
+
+            info[pkg] = version({"fairseq": "fairseq-fixed"}.get(pkg, pkg))
+        except Exception:
+            pass
+    return info
+
+
+def _matmul_worker(n: int, seconds: float, queue) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b  # warm-up
+    done, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        a @ b
+        done += 1
+    queue.put(2 * n ** 3 * done / (time.perf_counter() - start))
+
+
+def matmul_peak(nproc: int, n: int = 1024, seconds: float = 4.0) -> dict:
+    """Dense fp32 matmul FLOP/s of `nproc` concurrent single-thread processes (as the training ranks run)."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_matmul_worker, args=(n, seconds, queue)) for _ in range(nproc)]
+    for p in procs:
+        p.start()
+    rates = [queue.get(timeout=120 + seconds) for _ in procs]
+    for p in procs:
+        p.join()
+    return {"per_rank": rates, "total": sum(rates), "n": n, "threads_per_rank": 1}

@@ -1,0 +1,47 @@
+"""Figure 5 of the paper, from the JSON: validation perplexity against tokens and against time, per model
+(the mean over seeds, with the seeds' range shaded)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from . import curves as C
+from .presets import REFERENCE
+
+
+def plot(results: dict, path: Path, title: str, xkeys=("tokens", "time")) -> Path:
+    """One panel per x axis (`xkeys`: tokens, time, updates or wall) of the models in `results`; PNG at `path`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = {"updates": "updates", "tokens": "tokens read", "time": "training time at the median load (s)",
+              "wall": "wall time (s)"}
+    fig, axes = plt.subplots(1, len(xkeys), figsize=(6 * len(xkeys), 4.5))
+    axes = list(axes) if len(xkeys) > 1 else [axes]
+    cmap = plt.get_cmap("tab10")
+    for i, (key, m) in enumerate(results.items()):
+        style = "-" if key.startswith("smlp") else ("--" if key.startswith("fairseq") else "-.")
+        for ax, xkey in zip(axes, xkeys):
+            curves = [c for c in m["curves"] if c["ppl"] and c.get(xkey)]
+            if not curves:
+                continue
+            xs, ys = C.mean_curve(curves, xkey)
+            line, = ax.plot(xs, ys, style, marker="o", ms=2.5, label=m["name"], color=cmap(i % 10),
+                            lw=2.2 if key == REFERENCE else 1.2)
+            if len(curves) > 1:
+                n = len(xs)
+                lo = [min(c["ppl"][j] for c in curves) for j in range(n)]
+                hi = [max(c["ppl"][j] for c in curves) for j in range(n)]
+                ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.15)
+    for ax, xkey in zip(axes, xkeys):
+        ax.set_xlabel(labels[xkey])
+        ax.set_ylabel("validation perplexity")
+        ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+    axes[-1].legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path

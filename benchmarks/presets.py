@@ -1,0 +1,179 @@
+"""The benchmark's models and presets: the target sMLP, its FLOP matches, and how each preset trains them.
+
+A `Model` is one row of the comparison: a key, its fairseq-train flags and its forward FLOPs per
+sequence from the calculator (`smlp_eval.flops`). `plan_models` builds the target sMLP-deterministic
+and every other family FLOP-matched to it at run time; a plan stores each model as `Model.as_dict()`
+and `models_from_plan` reads it back.
+
+Presets (tokens per update = 2 ranks x batch x T):
+    quick  D=256, F=1024, T=256, 9+3; 1 seed x 24 updates of 2,048 tokens (~15 min here);
+    full   the same models; 3 seeds x 60 updates of 2,048 tokens = 123k tokens per run (~65 min);
+    long   D=128, F=512, T=128, 9+3 (2 experts) and its FLOP matches (Transformer 7, gMLP 12,
+           NiNformer 6, GShard 3+3, Switch, Base Layers and HASH 4+3: the layer counts of the full
+           preset at half the width and half the sequence, so the spatial-to-channel cost ratio
+           T/D stays 1 as in the paper's D=T=1024); 750 updates of 2 x 16 x 128 = 4,096 tokens =
+           3.07M tokens per run, 25x the full preset. Why this size: `smlp-flops --arch smlp_lm
+           --decoder-embed-dim 128 --decoder-ffn-embed-dim 512 --tokens-per-sample 128
+           --decoder-layers 9 --sparse-layers 3 --num-experts 2 --match` gives these layer counts,
+           and a few updates measured here gave sMLP-det 7,200 words/s (Transformer 9,600, Switch
+           8,500), so 9 runs + 3 second seeds + 14 probes take ~95 minutes on a quiet machine; at
+           D=256, T=256 a run of 3M tokens would take 30 minutes (1,600 words/s), at D=128, T=256
+           about 12 (4,200). The demo corpus holds 1.45M training tokens: a run reads it about
+           twice. Phase 1 trains the nine FLOP-matched families once (seed 1); phase 2, scheduled
+           by the program when phase 1 is done, trains the three with the lowest final validation
+           perplexity again with seed 2. Validation every 50 updates (205k tokens) over the same
+           10 batches; results.json holds each curve against tokens and against time, where the
+           curves cross, and from which point on the ranking no longer changes.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from smlp.routers import SMOE_ROUTINGS, TOKEN_ROUTERS
+
+# The target and its width (CPU scale that still means something: d_model >= 256, sequence >= 256).
+TARGET = dict(d_model=256, d_ffn=1024, seq_len=256, dense=9, sparse=3)
+# The long preset's target: half the width and half the sequence (module docstring, "Presets").
+LONG_TARGET = dict(d_model=128, d_ffn=512, seq_len=128, dense=9, sparse=3)
+MATCH_TOLERANCE = 0.03
+# The Transformer-MoE baselines: every token router of the registry (smlp/routers.py), by its name.
+MOE_BASELINES = tuple(TOKEN_ROUTERS)
+OUR_FAMILIES = ("transformer", "gmlp", "hypermixer", "ninformer", *MOE_BASELINES)
+MODEL_ORDER = ("smlp_det", "smlp_partial", "gmlp", "hypermixer", "ninformer", "transformer", *MOE_BASELINES,
+               "fairseq_transformer_lm", "fairseq_base_layers")
+NAMES = {"smlp_det": SMOE_ROUTINGS["deterministic"].title, "smlp_partial": SMOE_ROUTINGS["partial"].title,
+         "gmlp": "gMLP", "transformer": "Transformer", "hypermixer": "HyperMixer (causal)",
+         "ninformer": "NiNformer (causal)", **{r.name: r.title for r in TOKEN_ROUTERS.values()},
+         "fairseq_transformer_lm": "fairseq transformer_lm",
+         "fairseq_base_layers": "fairseq transformer_lm --base-layers"}
+REFERENCE = "smlp_det"
+# Causal HyperMixer keeps a d' x C state per position: at this size one block's training step takes
+# ~12 s on one CPU thread against ~0.1 s for the SGU (elementwise-bound, see smlp/token_mixers.py), so
+# a run would take hours. It is benchmarked only when asked for (--models ...,hypermixer).
+DEFAULT_MODELS = tuple(k for k in MODEL_ORDER if k != "hypermixer")
+# The FLOP-matched families of the long preset (no fairseq anchors: they check our speed, not quality).
+LONG_MODELS = ("smlp_det", "smlp_partial", "gmlp", "ninformer", "transformer", *MOE_BASELINES)
+PRESETS = {
+    # quick: one seed, short runs (a smoke test of the comparison)
+    "quick": dict(seeds=1, updates=24, batch_size=4, log_interval=2, validate_every=8, valid_steps=8,
+                  warmup=8, lr=2e-3, profile_steps=2, probe_updates=10, target=TARGET, models=DEFAULT_MODELS),
+    # full: three seeds, longer runs (~95 s a run, of which ~13 s validation; validating every 10
+    # updates over 16 batches took it past an hour)
+    "full": dict(seeds=3, updates=60, batch_size=4, log_interval=2, validate_every=15, valid_steps=8,
+                 warmup=10, lr=2e-3, profile_steps=3, probe_updates=12, target=TARGET, models=DEFAULT_MODELS),
+    # long: 25x the full preset's tokens, then a second seed for the three best (module docstring)
+    "long": dict(seeds=1, updates=750, batch_size=16, log_interval=10, validate_every=50, valid_steps=10,
+                 warmup=50, lr=2e-3, profile_steps=3, probe_updates=20, target=LONG_TARGET, models=LONG_MODELS,
+                 second_phase=dict(top=3, seeds=[2])),
+}
+
+
+class BenchError(Exception):
+    """A problem with the benchmark's input or one of its runs; the message is for the user."""
+
+
+@dataclass
+class Model:
+    key: str
+    flags: list[str]                  # fairseq-train model flags
+    fwd_flops_per_seq: int            # calculator, one sequence of seq_len tokens
+    layers: str
+    ours: bool = True
+    note: str = ""
+    seq_len: int = TARGET["seq_len"]
+    name: str = ""                    # display name (default NAMES[key])
+    executed_fwd_flops_per_seq: int | None = None  # without the causal zero triangles (None: as counted)
+
+    @property
+    def train_flops_per_token(self) -> float:
+        return 3.0 * self.fwd_flops_per_seq / self.seq_len
+
+    @property
+    def executed_train_flops_per_token(self) -> float:
+        return 3.0 * (self.executed_fwd_flops_per_seq or self.fwd_flops_per_seq) / self.seq_len
+
+    @property
+    def title(self) -> str:
+        return self.name or NAMES.get(self.key, self.key)
+
+    def as_dict(self) -> dict:
+        return {"key": self.key, "flags": self.flags, "fwd_flops_per_seq": self.fwd_flops_per_seq,
+                "layers": self.layers, "ours": self.ours, "note": self.note, "seq_len": self.seq_len,
+                "name": self.title, "executed_fwd_flops_per_seq": self.executed_fwd_flops_per_seq}
+
+
+def target_flags(target: dict, nproc: int) -> list[str]:
+    t = target
+    return ["--arch", "smlp_lm", "--decoder-embed-dim", str(t["d_model"]), "--decoder-ffn-embed-dim",
+            str(t["d_ffn"]), "--tokens-per-sample", str(t["seq_len"]), "--decoder-layers", str(t["dense"]),
+            "--sparse-layers", str(t["sparse"]), "--num-experts", str(nproc)]
+
+
+def plan_models(vocab_size: int, nproc: int, keys: Sequence[str], target: dict = TARGET) -> tuple[list[Model], dict]:
+    """The target and its FLOP matches, from the calculator (`smlp_eval.flops`)."""
+    from smlp_eval import flops as F
+
+    t = target
+    width = ["--decoder-embed-dim", str(t["d_model"]), "--decoder-ffn-embed-dim", str(t["d_ffn"]),
+             "--tokens-per-sample", str(t["seq_len"])]
+    tflags = target_flags(t, nproc)
+    spec = F.parse_model("smlp_lm", tflags[2:], vocab_size=vocab_size)
+    tcount = F.count_spec(spec)
+    rows = {r.family: r for r in F.match(tcount, tolerance=MATCH_TOLERANCE, families=OUR_FAMILIES)}
+    partial = F.count_spec(F.parse_model("smlp_lm", [*tflags[2:], "--smoe-routing", "partial"],
+                                         vocab_size=vocab_size))
+    T = t["seq_len"]
+    models = [Model("smlp_det", tflags, tcount.flops, f"{t['dense']}+{t['sparse']}", seq_len=T,
+                    executed_fwd_flops_per_seq=2 * F.executed_macs(tcount)),
+              Model("smlp_partial", [*tflags, "--smoe-routing", "partial"], partial.flops,
+                    f"{t['dense']}+{t['sparse']}", seq_len=T, executed_fwd_flops_per_seq=2 * F.executed_macs(partial))]
+    for family in OUR_FAMILIES:
+        r = rows[family]
+        c = r.count.cfg
+        flags = F.fairseq_flags(c).split()
+        layers = f"{c.dense_layers}+{c.sparse_layers}" if c.sparse_layers else str(c.dense_layers)
+        models.append(Model(family, flags, r.count.flops, layers, seq_len=T,
+                            note="" if r.within_tolerance else f"nearest FLOPs match: {r.rel:+.1%}",
+                            executed_fwd_flops_per_seq=2 * F.executed_macs(r.count)))
+    # fairseq's own transformer_lm at the sizes of our Transformer and Base Layers
+    tr, base = rows["transformer"].count.cfg, rows["base"].count.cfg
+    # transformer_lm's --decoder-input-dim / --decoder-output-dim default to 512 whatever the model width
+    # (a 512-wide embedding with projections in and out): set them to D for the same model as ours.
+    fairseq_common = ["--arch", "transformer_lm", *width, "--decoder-attention-heads", str(tr.heads),
+                      "--decoder-input-dim", str(t["d_model"]), "--decoder-output-dim", str(t["d_model"]),
+                      "--decoder-normalize-before", "--share-decoder-input-output-embed", "--activation-fn", "gelu",
+                      "--attention-dropout", "0"]
+    models.append(Model("fairseq_transformer_lm", [*fairseq_common, "--decoder-layers", str(tr.dense_layers)],
+                        rows["transformer"].count.flops, str(tr.dense_layers), ours=False, seq_len=T))
+    base_flops = _fairseq_base_layers_flops(rows, base, t)
+    models.append(Model("fairseq_base_layers", [*fairseq_common, "--decoder-layers", str(base.dense_layers),
+                                                "--base-layers", str(base.sparse_layers), "--base-sublayers", "1",
+                                                "--base-shuffle", "1"],
+                        base_flops, f"{base.dense_layers}+{base.sparse_layers}", ours=False, seq_len=T,
+                        note="fairseq's BaseLayer has no attention: fewer FLOPs than our Base Layers"))
+    by_key = {m.key: m for m in models}
+    unknown = [k for k in keys if k not in by_key]
+    if unknown:
+        raise BenchError(f"--models: unknown {', '.join(unknown)}; valid: {', '.join(MODEL_ORDER)}")
+    matching = {"target": {"arch": "smlp_lm", **t, "experts": nproc, "flops": tcount.flops},
+                "tolerance": MATCH_TOLERANCE, "matches": [r.as_dict() for r in rows.values()]}
+    return [by_key[k] for k in keys], matching
+
+
+def _fairseq_base_layers_flops(rows, base_cfg, target: dict = TARGET) -> int:
+    """fairseq's --base-layers stack = our Base Layers stack minus the attention of its sparse blocks.
+
+    Our sparse block is attention + routed FFN; fairseq's BaseLayer is the routed FFN alone (with its
+    own LayerNorm), so its FLOPs are ours minus N2 attention sublayers. The attention sublayer's
+    cost is the dense Transformer block's minus its FFN (2 D F multiply-adds per token)."""
+    c = rows["base"].count
+    T, D, Fw = target["seq_len"], target["d_model"], target["d_ffn"]
+    attention_macs = c.dense.macs - 2 * D * Fw * T - 5 * T * D  # minus the FFN and its LayerNorm
+    return c.flops - 2 * base_cfg.sparse_layers * attention_macs
+
+
+def models_from_plan(plan: dict) -> list[Model]:
+    return [Model(key=m["key"], flags=list(m["flags"]), fwd_flops_per_seq=m["fwd_flops_per_seq"], layers=m["layers"],
+                  ours=m["ours"], note=m["note"], seq_len=m["seq_len"], name=m["name"],
+                  executed_fwd_flops_per_seq=m.get("executed_fwd_flops_per_seq")) for m in plan["models"]]
