@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from smlp.assignment import balanced_assignment, expert_capacities
+from smlp.routing.assignment import balanced_assignment, expert_capacities
 
 SHAPES = [(2048, 2), (4096, 4), (1024, 8), (4096, 32), (8192, 64)]
 DISTRIBUTIONS = ["uniform", "softmax", "randn"]

@@ -82,7 +82,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from smlp.routers import SMOE_ROUTINGS, TOKEN_ROUTERS
+from smlp.routing.registry import SMOE_ROUTINGS, TOKEN_ROUTERS
 from smlp_launch.fairseq_log import as_floats, train_fields, valid_fields
 
 from . import curves as C

@@ -46,7 +46,7 @@ from smlp.dispatch import OneGPUDispatcher, check_experts_per_gpu
 from smlp.lm import LanguageModel, LMConfig, layer_plan
 from smlp.mixers import GMLPBlock, SpatialGatingUnit
 from smlp.moe import SMoE, SparseBlock, TMoE
-from smlp.routers import SMOE_ROUTINGS, TOKEN_ROUTERS
+from smlp.routing.registry import SMOE_ROUTINGS, TOKEN_ROUTERS
 from smlp.token_mixers import HyperMixingUnit, NiNformerGatingUnit
 from smlp.token_routed import TokenRoutedGMLPBlock
 from smlp.transformer import CausalSelfAttention, DenseFFN, TransformerBlock, explicit_attention
@@ -60,7 +60,7 @@ METHODS = ("fvcore", "fvcore-full", "analytic")
 CONVENTION = ("FLOPs = 2 x multiply-adds of the forward pass of one sequence of {T} tokens (the paper's "
               "convention; fvcore counts 1 per multiply-add, so fvcore on a batch of 2 sequences gives the same); "
               "eval-mode routing, one expert per routing choice per sparse layer")
-# the token routers' keys and names come from the router registry (smlp/routers.py)
+# the token routers' keys and names come from the router registry (smlp/routing/registry.py)
 FAMILY_NAMES = {"transformer": "Transformer", "gmlp": "gMLP", **{r.name: r.title for r in TOKEN_ROUTERS.values()},
                 "smlp": "sMLP",
                 "hypermixer": "HyperMixer", "hypermixer_untied": "HyperMixer (untied)", "ninformer": "NiNformer",

@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from smlp.lm import LMConfig
-from smlp.routers import TOKEN_ROUTERS
+from smlp.routing.registry import TOKEN_ROUTERS
 
 from .flop_count import FAMILY_NAMES, Count, cost_model
 from .model_spec import fairseq_flags

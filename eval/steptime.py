@@ -67,7 +67,7 @@ import torch.nn.functional as F
 from smlp.causal import explicit_spatial
 from smlp.dispatch import OneGPUDispatcher
 from smlp.lm import LanguageModel, LMConfig
-from smlp.routers import TOKEN_ROUTERS
+from smlp.routing.registry import TOKEN_ROUTERS
 from smlp.transformer import explicit_attention
 
 from .model_spec import ModelSpec, count_spec, parse_model
@@ -197,7 +197,7 @@ def sparse_exchanges(cfg: LMConfig, *, sequences: int, tokens: int, ep_size: int
         router = TOKEN_ROUTERS["base"]  # the sparse block's tMoE (SparseBlockConfig.tmoe)
     else:
         router = TOKEN_ROUTERS[cfg.moe_router]
-    # rows per exchange, capacity padding and the shuffle: the router registry (smlp/routers.py)
+    # rows per exchange, capacity padding and the shuffle: the router registry (smlp/routing/registry.py)
     rows = router.exchange_rows(S, E, cfg.capacity_factor, padding=padding)
     out.append(Exchange(f"tmoe-{router.name}", rows, row, ep_size))
     if router.shuffle and cfg.base_shuffle and training:  # scores there, experts back; no gradient

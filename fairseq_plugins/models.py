@@ -18,7 +18,7 @@ from smlp.dispatch import AllToAllDispatcher, LocalDispatcher
 from smlp.lm import LanguageModel
 from smlp.parallel import ExpertDataLayout, average_expert_gradients, expert_data_groups
 from smlp.process_group import rank_and_world
-from smlp.routers import TOKEN_ROUTERS
+from smlp.routing.registry import TOKEN_ROUTERS
 
 from . import step_profiler
 from .checkpoints import adapt_expert_state

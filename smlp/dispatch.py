@@ -1,16 +1,15 @@
 """Dispatchers: move routed rows to the experts that own them and bring the results back.
 
-Shape legend:
-    S  rows to dispatch on this rank (tokens for tMoE, hidden-dimension vectors for sMoE)
-    R  rows received by this rank's experts, grouped by local expert
-    D  row width
-    E  experts (global), L local experts (E / W), W ranks in the expert-parallel group
-    F  FAULT_WIDTH, the values of a router's fault record (routing.py)
+Shapes: the core's legend (smlp/__init__.py); here S rows to dispatch on this rank (tokens for
+tMoE, hidden-dimension vectors for sMoE), R rows received by this rank's experts (grouped by local
+expert), D row width (M positions for sMoE rows), E experts, L local experts (E / W), W ranks of
+the expert-parallel group, X values each rank sends every other rank with its counts, Q values of
+a router's fault record (FAULT_WIDTH, routing/plan.py).
 
 Both dispatchers share one interface, so every expert-parallel layer has a single-process
 twin (LocalDispatcher holding all experts) to test against:
 
-    x_RD, counts_L, state = dispatcher.dispatch(x_SD, expert_S, fault_F=plan.fault_F, layer=name)
+    x_RD, counts_L, state = dispatcher.dispatch(x_SD, expert_S, fault_Q=plan.fault_Q, layer=name)
     y_RD = experts(x_RD, counts_L)
     y_SD = dispatcher.combine(y_RD, state)
 
@@ -28,7 +27,7 @@ was dropped (expert -1) are sorted first and cut off by the count read with the 
 router's fault record (a NaN check, a vocabulary check) is read in the same copy. With expert
 parallelism that record is appended to the counts every rank sends to every other rank, so a
 fault seen by one rank makes every rank raise the same error in the same collective
-(`routing.routing_error`), where otherwise the others would wait in the all2all until the timeout.
+(`routing_error`, routing/plan.py), where otherwise the others would wait in the all2all until the timeout.
 
 All2all time (`CommTimer`) is measured only when asked for (`timer.enabled`, the criterion's
 --log-a2a-time): on an accelerator with timing events recorded on the device's stream and read
@@ -50,7 +49,7 @@ from torch.profiler import record_function
 
 from .process_group import collective_device
 from .profiling import RANGES
-from .routing import FAULT_WIDTH, count_rows, routing_error
+from .routing.plan import FAULT_WIDTH, count_rows, raise_on_fault
 
 __all__ = ["LocalDispatcher", "AllToAllDispatcher", "OneGPUDispatcher", "CommTimer", "CommTime", "ShuffleState",
            "all_to_all", "check_experts_per_gpu", "expert_parallel_layout", "synchronize"]
@@ -235,9 +234,6 @@ class LocalDispatcher:
     def comm_seconds(self) -> float:
         return self.timer.seconds
 
-    def common_width(self, width: int) -> int:
-        return width
-
     def shuffle(self, x_SD: Tensor) -> tuple[Tensor, ShuffleState | None]:
         """One process: every row stays here, so the shuffle is the identity.
 
@@ -250,7 +246,7 @@ class LocalDispatcher:
         return y_SD
 
     def dispatch(self, x_SD: Tensor, expert_S: Tensor, *, presorted: bool = False, counts_E1: Tensor | None = None,
-                 host_counts_E: list[int] | None = None, fault_F: Tensor | None = None, layer: str = "",
+                 host_counts_E: list[int] | None = None, fault_Q: Tensor | None = None, layer: str = "",
                  common_width: bool = False) -> tuple[Tensor, list[int], DispatchState]:
         """Sort the rows by expert; rows of expert -1 (dropped slots) come first and are cut off.
 
@@ -258,7 +254,7 @@ class LocalDispatcher:
         counts_E1:     `count_rows(expert_S, E)` if the caller has it (on the device).
         host_counts_E: rows per expert when the caller knows them on the host (no dropped rows):
                        then nothing is read from the device unless there is a fault record.
-        fault_F:       the router's fault record (routing.py), read with the counts; a fault
+        fault_Q:       the router's fault record (routing/plan.py), read with the counts; a fault
                        raises the router's error naming `layer`.
         common_width:  the ranks' rows may differ in width (sMoE rows are as long as the local
                        sequence): zero-pad them on the right to the widest (nothing to do here).
@@ -267,14 +263,14 @@ class LocalDispatcher:
         order_S, x_sorted = _sort_rows(x_SD, expert_S, presorted)
         if host_counts_E is not None:
             counts, dropped = list(host_counts_E), 0
-            if fault_F is not None:
-                _raise_on_fault([fault_F.tolist()], layer)
+            if fault_Q is not None:
+                raise_on_fault([fault_Q.tolist()], layer)
         else:
             counts_E1 = count_rows(expert_S, E) if counts_E1 is None else counts_E1
-            parts = [counts_E1] if fault_F is None else [counts_E1, fault_F.to(counts_E1.device)]
+            parts = [counts_E1] if fault_Q is None else [counts_E1, fault_Q.to(counts_E1.device)]
             host = torch.cat(parts).tolist()  # the one host read of a dispatch
-            if fault_F is not None:
-                _raise_on_fault([host[E + 1:]], layer)
+            if fault_Q is not None:
+                raise_on_fault([host[E + 1:]], layer)
             dropped, counts = host[0], host[1:E + 1]
         return x_sorted[dropped:], counts, DispatchState(order_S, dropped=dropped)
 
@@ -357,12 +353,6 @@ class AllToAllDispatcher(LocalDispatcher):
         self.group_ranks = (list(range(world)) if ep_group is None
                             else [dist.get_global_rank(ep_group, r) for r in range(world)])
 
-    def common_width(self, width: int) -> int:
-        """The largest row width in the group (sMoE rows are as long as the local sequence)."""
-        t = torch.tensor([width], dtype=torch.long, device=self._device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.ep_group)
-        return int(t.item())
-
     def _exchange_counts(self, counts_WX: Tensor) -> Tensor:
         """counts_WX[w] goes to rank w; returns what arrives from each rank, on the collective's device."""
         counts_WX = counts_WX.to(self._device)
@@ -399,25 +389,25 @@ class AllToAllDispatcher(LocalDispatcher):
         return collective_device(self.ep_group)
 
     def dispatch(self, x_SD: Tensor, expert_S: Tensor, *, presorted: bool = False, counts_E1: Tensor | None = None,
-                 host_counts_E: list[int] | None = None, fault_F: Tensor | None = None, layer: str = "",
+                 host_counts_E: list[int] | None = None, fault_Q: Tensor | None = None, layer: str = "",
                  common_width: bool = False) -> tuple[Tensor, list[int], DispatchState]:
         """As LocalDispatcher.dispatch, over the group (host_counts_E is not needed: the counts are
         exchanged on the device either way). With common_width every rank's row width travels with
         its counts, and the rows are zero-padded on the right to the widest before they move: no
-        collective of its own (`common_width()` is one, with a host read)."""
-        W, L, E, F = self.world_size, self.num_local_experts, self.num_experts, FAULT_WIDTH
-        X = L + F + (1 if common_width else 0)  # values each rank sends every other rank
+        collective of its own."""
+        W, L, E, Q = self.world_size, self.num_local_experts, self.num_experts, FAULT_WIDTH
+        X = L + Q + (1 if common_width else 0)  # values each rank sends every other rank
         # 1. Sort rows by global expert: rows for rank w are then contiguous, ordered by local expert
         #    (already so when the caller says expert_S is non-decreasing, e.g. deterministic sMoE);
         #    dropped rows (expert -1) come first.
         order_S, x_sorted = _sort_rows(x_SD, expert_S, presorted)
         counts_E1 = count_rows(expert_S, E) if counts_E1 is None else counts_E1
-        if fault_F is None:
-            fault_F = torch.zeros(F, dtype=torch.long, device=counts_E1.device)
+        if fault_Q is None:
+            fault_Q = torch.zeros(Q, dtype=torch.long, device=counts_E1.device)
         with self.timer(x_SD.device):
             # 2. Tell every rank how many rows it will get for each of its local experts, and
-            #    every rank this rank's fault record (the same F values to each).
-            parts = [counts_E1[1:].view(W, L), fault_F.to(counts_E1.device).view(1, F).expand(W, F)]
+            #    every rank this rank's fault record (the same Q values to each).
+            parts = [counts_E1[1:].view(W, L), fault_Q.to(counts_E1.device).view(1, Q).expand(W, Q)]
             if common_width:  # and the row width: the widest pads every rank's rows
                 parts.append(counts_E1.new_full((W, 1), x_SD.shape[-1]))
             recv_WX = self._exchange_counts(torch.cat(parts, 1))
@@ -425,7 +415,7 @@ class AllToAllDispatcher(LocalDispatcher):
             #    records, widths). Every rank raises the same error on a fault, before the rows move.
             host = torch.cat([counts_E1.to(recv_WX.device), recv_WX.reshape(-1)]).tolist()
             recv = [host[E + 1 + w * X:E + 1 + (w + 1) * X] for w in range(W)]
-            _raise_on_fault([row[L:L + F] for row in recv], layer, self.group_ranks)
+            raise_on_fault([row[L:L + Q] for row in recv], layer, self.group_ranks)
             dropped, sent_E = host[0], host[1:E + 1]
             send_splits = [sum(sent_E[w * L:(w + 1) * L]) for w in range(W)]
             recv_splits = [sum(row[:L]) for row in recv]
@@ -470,12 +460,6 @@ class AllToAllDispatcher(LocalDispatcher):
             out.append(torch.bincount(source_R[first:first + c], minlength=W).tolist())
             first += c
         return out
-
-
-def _raise_on_fault(records: list[list[int]], layer: str, ranks: list[int] | None = None) -> None:
-    error = routing_error(records, layer, ranks)
-    if error is not None:
-        raise error
 
 
 def _sort_rows(x_SD: Tensor, expert_S: Tensor, presorted: bool) -> tuple[Tensor | None, Tensor]:

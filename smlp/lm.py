@@ -57,7 +57,7 @@ from .decoding import DecodingCache
 from .dispatch import LocalDispatcher
 from .mixers import GMLPBlock, check_length
 from .moe import SMoE, SparseBlock, TMoE
-from .routers import LEAKY_SMOE_ROUTING, SMOE_ROUTINGS, TOKEN_ROUTERS
+from .routing.registry import LEAKY_SMOE_ROUTING, SMOE_ROUTINGS, TOKEN_ROUTERS
 from .token_mixers import TOKEN_MIXERS, HyperMixerConfig, NiNformerConfig, make_token_mixer
 from .token_routed import TokenRoutedGMLPBlock
 from .transformer import TransformerBlock, sinusoidal_positions

@@ -22,17 +22,17 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.profiler import record_function
 
-from .assignment import balanced_assignment
 from .config import SMoEConfig, SparseBlockConfig, TMoEConfig
 from .decoding import cache_append
 from .dispatch import LocalDispatcher
 from .experts import FFNExperts, SpatialExperts
-from .gates import router_z_loss
 from .mixers import check_length
-from .numerics import router_logits
 from .profiling import RANGES
-from .routers import SMOE_ROUTINGS, TOKEN_ROUTERS, hash_table  # noqa: F401  (hash_table: re-exported)
-from .routing import RoutingPlan, count_rows
+from .routing.assignment import balanced_assignment
+from .routing.gates import router_z_loss
+from .routing.logits import router_logits
+from .routing.plan import RoutingPlan, count_rows
+from .routing.registry import SMOE_ROUTINGS, TOKEN_ROUTERS, hash_table  # noqa: F401  (hash_table: re-exported)
 
 __all__ = ["TMoE", "SMoE", "SparseBlock", "hash_table", "LEAKY_ROUTING_WARNING"]
 
@@ -154,7 +154,7 @@ class TMoE(nn.Module):
         row_idx = torch.arange(S, device=x_SD.device).repeat_interleave(K) if K > 1 else None
         x_rows = x_SD if row_idx is None else x_SD[row_idx]
         x_RD, counts_L, state = self.dispatcher.dispatch(x_rows, expert_idx, counts_E1=counts_E1,
-                                                         fault_F=plan.fault_F, layer=self.layer_name)
+                                                         fault_Q=plan.fault_Q, layer=self.layer_name)
         with record_function(RANGES["experts"]):
             y_RD = self.experts(x_RD, counts_L)
         y_rows = self.dispatcher.combine(y_RD, state)
@@ -220,7 +220,7 @@ class SMoE(nn.Module):
         v_BNC = self.norm(z2)
         C, M = v_BNC.shape[-1], n - P
         deterministic = self.routing.router_reads == "none"
-        fault_F, host_counts_E = None, None
+        fault_Q, host_counts_E = None, None
         if deterministic:
             # rows ordered (channel, sequence): channel chunk i -> expert i, so the rows come sorted
             # by expert and the dispatcher neither sorts nor gathers them, and how many each expert
@@ -240,7 +240,7 @@ class SMoE(nn.Module):
                     prefix_SP = v_BNC[:, :P, :].transpose(1, 2).reshape(B * C, P)
                     logits_SE = router_logits(prefix_SP, self.router)
                 plan = self.routing.route(logits_SE, training=self.training, layer=self.layer_name, defer_checks=True)
-            expert_S, weight_S, fault_F = plan.experts_SK[:, 0], plan.weights_SK[:, 0].to(z_BNF.dtype), plan.fault_F
+            expert_S, weight_S, fault_Q = plan.experts_SK[:, 0], plan.weights_SK[:, 0].to(z_BNF.dtype), plan.fault_Q
         counts_E1 = count_rows(expert_S, cfg.num_experts)
         self.load_E = counts_E1[1:].detach()
         mark = self.dispatcher.timer.mark()
@@ -248,7 +248,7 @@ class SMoE(nn.Module):
         # widest (zero positions appended at the end never reach earlier outputs: causal)
         x_RM, counts_L, state = self.dispatcher.dispatch(rows_SM, expert_S, presorted=deterministic,
                                                          counts_E1=counts_E1, host_counts_E=host_counts_E,
-                                                         fault_F=fault_F, layer=self.layer_name, common_width=True)
+                                                         fault_Q=fault_Q, layer=self.layer_name, common_width=True)
         with record_function(RANGES["token_mixing"]):  # the sMoE's experts mix positions
             y_RM = self.experts(x_RM, counts_L)
         y_SM = self.dispatcher.combine(y_RM, state)[:, :M]  # rows: gate minus one, W x + (b - 1) (SpatialExperts)

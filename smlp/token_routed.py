@@ -54,10 +54,10 @@ from torch import Tensor, nn
 from torch.profiler import record_function
 
 from .config import TokenRoutedGMLPConfig
-from .gates import switch_top1
 from .mixers import SpatialGatingUnit, check_length
-from .numerics import router_logits
 from .profiling import RANGES
+from .routing.gates import switch_top1
+from .routing.logits import router_logits
 
 __all__ = ["TokenRoutedGMLPBlock", "GMLPExpert", "TILE_ROWS", "tile_slots"]
 

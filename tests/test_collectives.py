@@ -43,6 +43,16 @@ class TinyLM(torch.nn.Module):
         return sum(float(lp[seq[i - 1], seq[i]]) for i in range(1 + len(context), len(seq)))
 
 
+def _common_width(dispatcher, width: int) -> int:
+    """The largest row width in the dispatcher's group: an all-reduce (MAX) on the backend's device, as
+    AllToAllDispatcher.common_width did before the dispatch exchanged the widths with the counts."""
+    from smlp.process_group import collective_device
+
+    t = torch.tensor([width], dtype=torch.long, device=collective_device(dispatcher.ep_group))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=dispatcher.ep_group)
+    return int(t.item())
+
+
 def _worker(rank: int, world: int, init: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
@@ -100,7 +110,7 @@ def _worker(rank: int, world: int, init: str, out: str) -> None:
             x_SD = torch.randn(10, 3, generator=torch.Generator().manual_seed(rank)).to("cuda")
             expert_S = torch.tensor([(3 * i + rank) % 4 for i in range(10)]).to("cuda")
             n0 = len(calls)
-            width = disp.common_width(5 + rank)
+            width = _common_width(disp, 5 + rank)
             x_RD, counts_L, state = disp.dispatch(x_SD, expert_S)
             y_SD = disp.combine(x_RD * 2, state)
             report["dispatch"] = {"width": width, "collectives": len(calls) - n0,

@@ -372,7 +372,7 @@ class _SameAssignment:
 
     @staticmethod
     def balanced_assignment(scores):
-        from smlp.assignment import balanced_assignment
+        from smlp.routing.assignment import balanced_assignment
 
         return torch.argsort(balanced_assignment(scores), stable=True)
 

@@ -4,7 +4,13 @@ hidden), with a module named by its installed name (`launch/` is `smlp_launch`, 
 from __future__ import annotations
 
 import ast
+import importlib
+import sys
 from pathlib import Path
+
+import pytest
+
+from smlp.deprecation import MOVED, SPLIT
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"smlp": "smlp", "fairseq_plugins": "fairseq_plugins", "smlp_launch": "launch", "smlp_eval": "eval",
@@ -115,3 +121,23 @@ def test_evaluation_and_the_core_import_no_launcher_and_data_preparation_no_mode
     for entry in ("smlp_launch.data", "smlp_launch.local", "smlp_eval.text"):
         model_code = {m for m in reach(entry) if m.startswith(("smlp.", "fairseq_plugins")) and m not in NOT_MODELS}
         assert not model_code, (entry, model_code)
+
+
+@pytest.mark.parametrize("old", [*MOVED, *SPLIT])
+def test_every_old_module_path_still_imports_and_warns(old):
+    """For one release every moved module path imports, with a DeprecationWarning that names the new home and
+    points at the importing line; a module moved whole is the new module itself (one object: its classes,
+    pickles and monkeypatches are the same), a split one re-exports each name from where it went."""
+    sys.modules.pop(old, None)  # imported before (by another test): import it afresh
+    with pytest.warns(DeprecationWarning) as caught:
+        module = importlib.import_module(old)
+    (warning,) = [w for w in caught if old in str(w.message)]
+    assert warning.filename == __file__, warning.filename
+    if old in MOVED:
+        assert f"import {MOVED[old]} instead" in str(warning.message)
+        assert module is importlib.import_module(MOVED[old])
+    else:
+        for name, home in SPLIT[old].items():
+            assert f"{name} from {home}" in str(warning.message)
+            assert getattr(module, name) is getattr(importlib.import_module(home), name)
+        assert sorted(module.__all__) == sorted(SPLIT[old])
