@@ -26,8 +26,7 @@ import time
 
 import torch
 
-from smlp.causal import causal_product, executed_pairs
-from smlp.mixers import causal_weight
+from smlp.spatial import causal_product, causal_weight, executed_pairs
 
 from .records import environment, write_record
 

@@ -28,7 +28,7 @@ import torch
 import torch._inductor.config
 
 from smlp.config import GMLPConfig
-from smlp.mixers import GMLPBlock
+from smlp.gmlp import GMLPBlock
 from smlp.transformer import TransformerBlock
 
 SIZE = dict(d_model=256, d_ffn=1024, seq_len=256, batch=8, heads=4)

@@ -40,16 +40,18 @@ from dataclasses import asdict, dataclass, replace
 import torch
 from torch import nn
 
-from smlp.causal import executed_pairs, explicit_spatial
 from smlp.config import SGUConfig, SMoEConfig
 from smlp.dispatch import OneGPUDispatcher, check_experts_per_gpu
+from smlp.flop_forms import explicit_attention, explicit_spatial
+from smlp.gmlp import GMLPBlock, SpatialGatingUnit
+from smlp.hypermixer import HyperMixingUnit
 from smlp.lm import LanguageModel, LMConfig, layer_plan
-from smlp.mixers import GMLPBlock, SpatialGatingUnit
 from smlp.moe import SMoE, SparseBlock, TMoE
+from smlp.ninformer import NiNformerGatingUnit
 from smlp.routing.registry import SMOE_ROUTINGS, TOKEN_ROUTERS
-from smlp.token_mixers import HyperMixingUnit, NiNformerGatingUnit
+from smlp.spatial import executed_pairs
 from smlp.token_routed import TokenRoutedGMLPBlock
-from smlp.transformer import CausalSelfAttention, DenseFFN, TransformerBlock, explicit_attention
+from smlp.transformer import CausalSelfAttention, DenseFFN, TransformerBlock
 
 from .paper_tables import TABLE3_DIMS, TABLE3_ROWS
 
@@ -370,7 +372,7 @@ def executed_macs(c: Count) -> int:
     """Multiply-adds the model executes for one sequence, where `c` counts the paper's (full T x T).
 
     Causal products skip their zero triangle: our SGU and sMoE experts run blocked
-    (smlp/causal.py, `executed_pairs` per column), and the Transformers' fused causal attention
+    (smlp/spatial.py, `executed_pairs` per column), and the Transformers' fused causal attention
     (scores and context) computes the causal triangle, n (n + 1) / 2 of the n^2 pairs (the
     kernel's own blocks add a little more, not counted). Other token mixers (HyperMixer,
     NiNformer) run as counted. The benchmark's MFU is reported against both figures."""

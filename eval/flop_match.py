@@ -14,7 +14,7 @@ Layers: Transformer and gMLP N dense blocks; GShard, Switch, Base Layers and HAS
 which N // 2 are sparse (the paper's 12 + 12, 8 + 8, 7 + 7); sMLP N dense blocks with the
 target's sparse blocks (or --smlp-sparse-layers; without either the sMLP row is left out);
 HyperMixer (tied, untied) and NiNformer N dense gMLP blocks with that token mixer in the SGU's place
-(smlp/token_mixers.py; the target's --mixer-dim if the target uses the same mixer). Every
+(smlp/hypermixer.py, smlp/ninformer.py; the target's --mixer-dim if the target uses the same mixer). Every
 family keeps the target's D, F, T, V and experts (32, the paper's, for a dense target).
 """
 from __future__ import annotations

@@ -64,11 +64,10 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 import torch.nn.functional as F
 
-from smlp.causal import explicit_spatial
 from smlp.dispatch import OneGPUDispatcher
+from smlp.flop_forms import explicit_attention, explicit_spatial
 from smlp.lm import LanguageModel, LMConfig
 from smlp.routing.registry import TOKEN_ROUTERS
-from smlp.transformer import explicit_attention
 
 from .model_spec import ModelSpec, count_spec, parse_model
 

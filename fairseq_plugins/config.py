@@ -28,11 +28,11 @@ from omegaconf import II
 
 from smlp.config import ACTIVATIONS
 from smlp.dispatch import expert_parallel_layout
+from smlp.gmlp import TOKEN_MIXERS
 from smlp.lm import PLACEMENTS, LMConfig
 from smlp.parallel import ExpertDataLayout, valid_ep_sizes
 from smlp.routing.gates import GSHARD_AUX_LOSSES
 from smlp.routing.registry import SMOE_ROUTINGS, TOKEN_ROUTERS
-from smlp.token_mixers import TOKEN_MIXERS
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ FIELDS: tuple[Field, ...] = (
     # Read from the trainer's config so the model can refuse a wrong setup before training starts.
     Field("ddp_backend", str, II("distributed_training.ddp_backend"), "", None, ALL),
     Field("distributed_world_size", int, II("distributed_training.distributed_world_size"), "", None, ALL),
-    # the token mixer of the dense gMLP blocks (smlp/token_mixers.py)
+    # the token mixer of the dense gMLP blocks (smlp/gmlp.py TOKEN_MIXERS)
     Field("token_mixer", str, "sgu", "token mixer of the dense gMLP blocks: sgu (gMLP's spatial gating unit), "
           "hypermixer (causal HyperMixing) or ninformer (NiNformer's gating unit, causal token MLP)",
           "token_mixer", MIXER, choices=TOKEN_MIXERS),

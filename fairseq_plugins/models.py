@@ -43,7 +43,7 @@ class CoreLMDecoder(FairseqIncrementalDecoder):
 
     Incremental (fairseq's SequenceGenerator: fairseq-interactive, fairseq-generate, the hub's
     sample): with `incremental_state`, only the positions after those already decoded go through
-    the core, with its decoding cache (smlp/decoding.py) kept under one key of incremental_state;
+    the core, with its decoding cache (smlp/decoding_cache.py) kept under one key of incremental_state;
     beam search and finished sentences reorder it. Without it (training, validation, scoring) the
     whole sequence runs through the core's full forward, as before.
 
@@ -326,7 +326,7 @@ def gmlp_lm_tiny(args):
     _preset(args, decoder_embed_dim=64, decoder_ffn_embed_dim=128, decoder_layers=4, dropout=0.0)
 
 
-# The SGU of the dense gMLP blocks replaced (smlp/token_mixers.py). Paper-small presets: D=1024,
+# The SGU of the dense gMLP blocks replaced (smlp/hypermixer.py, smlp/ninformer.py). Paper-small presets: D=1024,
 # F=4096, T=1024 and the layer counts `smlp-flops --arch smlp_lm_paper_small --match` picks (HyperMixer
 # within 1.5% of the small sMLP's FLOPs, NiNformer the nearest at -2.2%); tests/test_token_mixers.py
 # re-derives them.

@@ -277,7 +277,7 @@ class LocalDispatcher:
     def combine(self, y_RD: Tensor, state: DispatchState) -> Tensor:
         return _unsort_rows(_restore_dropped(y_RD, state.dropped), state.order_S)
 
-    # -- cached decoding (smlp/decoding.py): the sMoE experts compute only the positions asked for
+    # -- cached decoding (smlp/decoding_cache.py): the sMoE experts compute only the positions asked for
 
     def gather_spans(self, lo: int, hi: int) -> list[tuple[int, int]]:
         """Every rank's span [lo, hi) of positions its sMoE rows want computed, by rank."""

@@ -19,7 +19,7 @@ deterministic sMoE) the L experts' rows are an (L, c, ...) batch for one batched
 unequal counts the FFN experts run torch's grouped matmul on accelerators (F.grouped_mm: recent
 GPUs in bf16; on the CPU it runs too but measured no faster than the loop, which is used there)
 and otherwise loop over the experts; the spatial experts run one blocked causal product for all
-of them (causal.py). Where they loop, the stacked weights are unbound
+of them (spatial.py). Where they loop, the stacked weights are unbound
 once: indexing them expert by expert made every expert's gradient a zero-filled copy of the whole
 stack (L^2 memory traffic: 1.2 s of a 32-expert FFN step, against 0.1 s). benchmarks/local_experts.py
 measures 32 experts of the paper-small shapes (scaled down) before and after.
@@ -30,8 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .causal import causal_product_rows
-from .mixers import causal_weight, check_length, init_spatial_, uniform_per_slice_
+from .spatial import causal_product_rows, causal_weight, check_length, init_spatial_, uniform_per_slice_
 
 __all__ = ["mark_expert", "FFNExperts", "SpatialExperts"]
 
@@ -196,7 +195,7 @@ class SpatialExperts(nn.Module):
     """L sMoE experts, each one causal spatial projection over positions (one SGU head).
 
     A row is one hidden dimension of one sequence: a vector over M <= T positions. An expert
-    returns its gate minus one, W x + (b - 1), as the SGU's projection does (mixers.py): at the
+    returns its gate minus one, W x + (b - 1), as the SGU's projection does (gmlp.py): at the
     near-identity init W x is ~1e-5 and 1 + W x would round to exactly 1 in bf16 and fp16, in
     the expert and in the all2all that carries the rows back. The sMoE adds the one.
     """
@@ -208,7 +207,7 @@ class SpatialExperts(nn.Module):
         self.bias = nn.Parameter(torch.empty(num_local_experts, size))
         init_spatial_(self.weight, self.bias, init_eps, _expert_generators(num_local_experts, first_expert))
         mark_expert(self)
-        self.explicit_spatial = False  # the masked dense product, for FLOP counting (causal.explicit_spatial)
+        self.explicit_spatial = False  # the masked dense product, for FLOP counting (flop_forms.py)
 
     def forward(self, x_RM: Tensor, counts_L: list[int]) -> Tensor:
         M = x_RM.shape[-1]

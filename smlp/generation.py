@@ -5,7 +5,7 @@
     generate(..., beam_size=4)                                        beam search (best beam)
     generate(..., use_cache=False)                                    full recompute at every step
 
-`use_cache=True` decodes incrementally (smlp/decoding.py): the prompt is prefilled in one call and
+`use_cache=True` decodes incrementally (smlp/decoding_cache.py): the prompt is prefilled in one call and
 every later token costs one position per layer; `use_cache=False` runs the whole prefix through
 the model at each step. Both give the same tokens (the logits agree to float rounding).
 
@@ -27,7 +27,7 @@ zero-shot scorer uses for its rows), or refused with a message when no fill is g
 Expert parallelism: every rank of an expert-parallel group must make the same sequence of model
 calls (each sMoE/tMoE step exchanges rows). This loop stops when this rank's rows are done; the
 lockstep driver (fairseq side) keeps a finished rank stepping with an empty batch
-(`model(tokens[:0], cache=cache)`, see smlp/decoding.py) until every rank is done.
+(`model(tokens[:0], cache=cache)`, see smlp/decoding_cache.py) until every rank is done.
 
 Shapes: B prompts (rows), K beams, V vocabulary.
 """

@@ -23,16 +23,16 @@ from torch import Tensor, nn
 from torch.profiler import record_function
 
 from .config import SMoEConfig, SparseBlockConfig, TMoEConfig
-from .decoding import cache_append
+from .decoding_cache import cache_append
 from .dispatch import LocalDispatcher
 from .experts import FFNExperts, SpatialExperts
-from .mixers import check_length
 from .profiling import RANGES
 from .routing.assignment import balanced_assignment
 from .routing.gates import router_z_loss
 from .routing.logits import router_logits
 from .routing.plan import RoutingPlan, count_rows
 from .routing.registry import SMOE_ROUTINGS, TOKEN_ROUTERS, hash_table  # noqa: F401  (hash_table: re-exported)
+from .spatial import check_length
 
 __all__ = ["TMoE", "SMoE", "SparseBlock", "hash_table", "LEAKY_ROUTING_WARNING"]
 
@@ -265,7 +265,7 @@ class SMoE(nn.Module):
         return torch.cat([z1[:, :P], out_BMC], dim=1) if P else out_BMC
 
     def step(self, z_BkF: Tensor, state: dict, start: int) -> Tensor:
-        """Cached decoding of positions start..t-1 (eval routing; smlp/decoding.py), (B, k, F or C).
+        """Cached decoding of positions start..t-1 (eval routing; smlp/decoding_cache.py), (B, k, F or C).
 
         The normalized rows stay here, at the source rank; every step sends each row's prefix to
         its expert, which computes only the new positions (O(t) per row, like the compute).

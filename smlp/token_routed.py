@@ -38,7 +38,7 @@ product with 1-3 rows takes another kernel than one with more):
    step 1), so an expert that receives no token still gets a (zero) gradient: DDP's
    `pytorch_ddp` backend sees no unused parameter.
 The SGU returns the gate minus one, W v + (b - 1), and the unit computes z1 + z1 * (W v + (b - 1))
-as the dense SGU does (mixers.py, half precision). The experts are replicated on every rank
+as the dense SGU does (gmlp.py, half precision). The experts are replicated on every rank
 (data parallel, no all2all): Table 7 is a claim about quality, not speed. Under
 `explicit_spatial` (the FLOP counter) the projections run on exactly the routed rows, so the
 count is the padding-free one the analytic formula gives.
@@ -54,10 +54,11 @@ from torch import Tensor, nn
 from torch.profiler import record_function
 
 from .config import TokenRoutedGMLPConfig
-from .mixers import SpatialGatingUnit, check_length
+from .gmlp import SpatialGatingUnit
 from .profiling import RANGES
 from .routing.gates import switch_top1
 from .routing.logits import router_logits
+from .spatial import check_length
 
 __all__ = ["TokenRoutedGMLPBlock", "GMLPExpert", "TILE_ROWS", "tile_slots"]
 

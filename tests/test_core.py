@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from causality import assert_causal, earlier_outputs_unchanged
 from smlp.config import GMLPConfig, SGUConfig, SMoEConfig, SparseBlockConfig, TMoEConfig
 from smlp.dispatch import LocalDispatcher, expert_parallel_layout
-from smlp.mixers import GMLPBlock, SpatialGatingUnit
+from smlp.gmlp import GMLPBlock, SpatialGatingUnit
 from smlp.moe import SMoE, SparseBlock, TMoE, hash_table
 from smlp.routing import base_route, smoe_partial_route
 from smlp.routing.assignment import sanitize_scores

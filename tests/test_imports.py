@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from smlp.deprecation import MOVED, SPLIT
+from smlp.deprecation import MOVED, MOVED_NAMES, SPLIT
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"smlp": "smlp", "fairseq_plugins": "fairseq_plugins", "smlp_launch": "launch", "smlp_eval": "eval",
@@ -141,3 +141,13 @@ def test_every_old_module_path_still_imports_and_warns(old):
             assert f"{name} from {home}" in str(warning.message)
             assert getattr(module, name) is getattr(importlib.import_module(home), name)
         assert sorted(module.__all__) == sorted(SPLIT[old])
+
+
+@pytest.mark.parametrize("module, name", [(m, n) for m, names in MOVED_NAMES.items() for n in names])
+def test_every_name_that_left_a_module_still_imports_from_it_and_warns(module, name):
+    with pytest.warns(DeprecationWarning, match=f"{module}.{name} is deprecated") as caught:
+        value = getattr(importlib.import_module(module), name)
+    assert caught[0].filename == __file__
+    assert value is getattr(importlib.import_module(MOVED_NAMES[module][name]), name)
+    with pytest.raises(AttributeError):
+        _ = importlib.import_module(module).no_such_name

@@ -18,12 +18,12 @@ import torch.nn.functional as F
 from fairseq_helpers import PLUGINS
 from smlp.config import SGUConfig, TMoEConfig
 from smlp.experts import SpatialExperts
+from smlp.gmlp import SpatialGatingUnit
+from smlp.hypermixer import hypermixing
 from smlp.lm import LanguageModel, LMConfig
-from smlp.mixers import SpatialGatingUnit
 from smlp.moe import TMoE
 from smlp.parallel import grad_norm_with_experts
 from smlp.routing.logits import router_logits
-from smlp.token_mixers import hypermixing
 
 HALF = (torch.bfloat16, torch.float16)
 

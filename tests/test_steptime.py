@@ -166,8 +166,7 @@ def _graph_saved_bytes(root, exclude: set[int]) -> tuple[int, int]:
 ], ids=["smlp", "switch", "gmlp"])
 def test_activation_bytes_equal_the_autograd_graph(flags):
     """The hook measurement (attributed per layer) equals a walk of the autograd graph."""
-    from smlp.causal import explicit_spatial
-    from smlp.transformer import explicit_attention
+    from smlp.flop_forms import explicit_attention, explicit_spatial
 
     cfg = LMConfig(**TINY, **flags)
     measured = S.activation_bytes(cfg, 12)
