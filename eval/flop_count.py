@@ -42,6 +42,7 @@ from torch import nn
 
 from smlp.config import SGUConfig, SMoEConfig
 from smlp.dispatch import OneGPUDispatcher, check_experts_per_gpu
+from smlp.experts import is_expert
 from smlp.flop_forms import explicit_attention, explicit_spatial
 from smlp.gmlp import GMLPBlock, SpatialGatingUnit
 from smlp.hypermixer import HyperMixingUnit
@@ -187,7 +188,7 @@ def _minimal(cfg: LMConfig) -> LMConfig:
 
 
 def _params(module: nn.Module) -> LayerCost:
-    expert = sum(p.numel() for p in module.parameters() if getattr(p, "expert", False))
+    expert = sum(p.numel() for p in module.parameters() if is_expert(p))
     total = sum(p.numel() for p in module.parameters())
     return LayerCost(0, expert, total - expert)
 

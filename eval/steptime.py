@@ -24,7 +24,7 @@ in the forward pass, their reverses in the backward pass.
                     exchange above). fairseq's BaseLayer moves the tokens twice each way.
 All-reduce per update (fairseq's legacy_ddp, after the backward pass, not overlapped): the
 non-expert gradients over all W ranks; with expert-data parallelism (W = R x G, R > 1) the expert
-gradients over the R replicas, once per micro-batch (smlp/parallel.py reduces in the backward
+gradients over the R replicas, once per micro-batch (smlp/expert_data_parallel.py reduces in the backward
 hooks). Ring all-reduce: 2 (n-1)/n of the payload leaves each GPU (NCCL's hierarchical rings:
 inside a node over NVLink, between nodes over the node's InfiniBand links).
 

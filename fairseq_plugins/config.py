@@ -27,10 +27,9 @@ from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 from omegaconf import II
 
 from smlp.config import ACTIVATIONS
-from smlp.dispatch import expert_parallel_layout
+from smlp.expert_data_parallel import ExpertDataLayout, expert_parallel_layout, valid_ep_sizes
 from smlp.gmlp import TOKEN_MIXERS
 from smlp.lm import PLACEMENTS, LMConfig
-from smlp.parallel import ExpertDataLayout, valid_ep_sizes
 from smlp.routing.gates import GSHARD_AUX_LOSSES
 from smlp.routing.registry import SMOE_ROUTINGS, TOKEN_ROUTERS
 

@@ -2,7 +2,7 @@
 
 The models are thin wrappers around `smlp.lm.LanguageModel`; the fairseq-specific parts are
 the expert-parallel contract (expert parameters marked, legacy_ddp required, gradient scale), the
-expert-data-parallel process groups (--expert-parallel-size, smlp/parallel.py) and checkpoint
+expert-data-parallel process groups (--expert-parallel-size, smlp/expert_data_parallel.py) and checkpoint
 loading across world sizes.
 """
 from __future__ import annotations
@@ -15,8 +15,8 @@ import torch
 from fairseq.models import FairseqIncrementalDecoder, FairseqLanguageModel, register_model, register_model_architecture
 
 from smlp.dispatch import AllToAllDispatcher, LocalDispatcher
+from smlp.expert_data_parallel import ExpertDataLayout, average_expert_gradients, expert_data_groups
 from smlp.lm import LanguageModel
-from smlp.parallel import ExpertDataLayout, average_expert_gradients, expert_data_groups
 from smlp.process_group import rank_and_world
 from smlp.routing.registry import TOKEN_ROUTERS
 

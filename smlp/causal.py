@@ -7,4 +7,4 @@ from .spatial import BLOCK, causal_product, causal_product_rows, default_block, 
 __all__ = ["BLOCK", "causal_product", "causal_product_rows", "default_block", "executed_pairs", "explicit_spatial",
            "masked_dense_product"]
 
-warn_moved(__name__)
+warn_moved(__name__, "smlp.spatial (explicit_spatial: smlp.flop_forms)")

@@ -47,31 +47,14 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.profiler import record_function
 
+from . import expert_data_parallel
+from .deprecation import moved_names
 from .process_group import collective_device
 from .profiling import RANGES
 from .routing.plan import FAULT_WIDTH, count_rows, raise_on_fault
 
 __all__ = ["LocalDispatcher", "AllToAllDispatcher", "OneGPUDispatcher", "CommTimer", "CommTime", "ShuffleState",
-           "all_to_all", "check_experts_per_gpu", "expert_parallel_layout", "synchronize"]
-
-
-def expert_parallel_layout(num_experts: int, world_size: int) -> int:
-    """Local experts per rank for E experts on W ranks; ValueError when they do not fit."""
-    if num_experts < 1 or world_size < 1:
-        raise ValueError(f"num_experts={num_experts} and world_size={world_size} must both be >= 1")
-    if num_experts % world_size:
-        if world_size % num_experts == 0:
-            raise ValueError(
-                f"num_experts={num_experts} is smaller than the expert-parallel world size {world_size}: an "
-                f"expert-parallel group holds at most one rank per expert; on more ranks, replicate the experts "
-                f"over groups of {num_experts} (expert-data parallelism, smlp.parallel.ExpertDataLayout) or use "
-                f"num_experts equal to a multiple of {world_size}"
-            )
-        raise ValueError(
-            f"num_experts={num_experts} cannot be spread evenly over {world_size} ranks: it must be a "
-            f"multiple of the world size (e.g. {world_size} or {2 * world_size})"
-        )
-    return num_experts // world_size
+           "all_to_all", "check_experts_per_gpu", "synchronize"]
 
 
 def synchronize(device: torch.device) -> None:
@@ -342,7 +325,7 @@ class AllToAllDispatcher(LocalDispatcher):
                 "use LocalDispatcher for single-process runs"
             )
         world = dist.get_world_size(ep_group)
-        local = expert_parallel_layout(num_experts, world)
+        local = expert_data_parallel.expert_parallel_layout(num_experts, world)
         super().__init__(num_experts, timing=timing)
         self.ep_group = ep_group
         self.world_size = world
@@ -497,3 +480,7 @@ def _block_transpose(counts_WL: Tensor, num_rows: int) -> Tensor:
     offset_R = torch.arange(num_rows, device=flat.device) - out_starts[block_R]
     l_R, w_R = block_R // W, block_R % W
     return starts[w_R * L + l_R] + offset_R
+
+
+# names that moved to another module, importable from here for one release (smlp/deprecation.py)
+__getattr__ = moved_names(__name__, {"expert_parallel_layout": "smlp.expert_data_parallel"})

@@ -32,13 +32,20 @@ from torch import Tensor, nn
 
 from .spatial import causal_product_rows, causal_weight, check_length, init_spatial_, uniform_per_slice_
 
-__all__ = ["mark_expert", "FFNExperts", "SpatialExperts"]
+__all__ = ["mark_expert", "is_expert", "FFNExperts", "SpatialExperts"]
 
 
 def mark_expert(module: nn.Module) -> nn.Module:
+    """Mark every parameter of `module` as an expert parameter (`is_expert`): it lives on one rank only."""
     for p in module.parameters():
         p.expert = True
     return module
+
+
+def is_expert(param) -> bool:
+    """Whether `param` is an expert parameter (`mark_expert`): held by one rank, left out of the data-parallel
+    all-reduce, resharded by expert, optimized locally (the one test every layer and plugin uses)."""
+    return bool(getattr(param, "expert", False))
 
 
 def _expert_generators(num_local_experts: int, first_expert: int) -> list[torch.Generator]:

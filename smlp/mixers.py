@@ -7,4 +7,5 @@ from .spatial import causal_weight, check_length, init_spatial_, uniform_per_sli
 __all__ = ["check_length", "causal_weight", "init_spatial_", "uniform_per_slice_", "SpatialProjection",
            "SpatialGatingUnit", "GMLPBlock"]
 
-warn_moved(__name__)
+warn_moved(__name__, "smlp.gmlp (the SGU, the gMLP block) and smlp.spatial (check_length, causal_weight, "
+                     "init_spatial_, uniform_per_slice_)")

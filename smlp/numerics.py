@@ -6,4 +6,4 @@ from .routing.logits import router_logits
 
 __all__ = ["no_autocast", "router_logits"]
 
-warn_moved(__name__)
+warn_moved(__name__, "router_logits from smlp.routing.logits, no_autocast from smlp.precision")

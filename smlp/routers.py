@@ -3,4 +3,4 @@ import sys
 
 from .deprecation import moved
 
-sys.modules[__name__] = moved(__name__)
+sys.modules[__name__] = moved(__name__, "smlp.routing.registry")

@@ -9,4 +9,4 @@ from .ninformer import CausalTokenMLP, MixerSubUnit, NiNformerConfig, NiNformerG
 __all__ = ["TOKEN_MIXERS", "CHUNK_ELEMENTS", "HyperMixerConfig", "NiNformerConfig", "hypermixing", "hypermixing_step",
            "HyperMixingUnit", "CausalTokenMLP", "MixerSubUnit", "NiNformerGatingUnit", "make_token_mixer"]
 
-warn_moved(__name__)
+warn_moved(__name__, "smlp.hypermixer, smlp.ninformer (TOKEN_MIXERS: smlp.gmlp, make_token_mixer: smlp.lm)")

@@ -21,7 +21,7 @@ from torch.profiler import record_function
 
 from .config import TMoEConfig
 from .decoding_cache import cache_append
-from .deprecation import moved_name
+from .deprecation import moved_names
 from .moe import TMoE
 from .profiling import RANGES
 
@@ -123,5 +123,5 @@ class TransformerBlock(nn.Module):
         return x_BkD + self.ffn(h, ids).view_as(x_BkD)
 
 
-def __getattr__(name: str):  # names that moved to another module, for one release (smlp/deprecation.py)
-    return moved_name(__name__, name)
+# names that moved to another module, importable from here for one release (smlp/deprecation.py)
+__getattr__ = moved_names(__name__, {"explicit_attention": "smlp.flop_forms"})

@@ -2,8 +2,8 @@
 
 NCCL rejects CPU tensors; a CPU-only machine runs gloo, which accepts them. The collectives of the
 project (audited: smlp/dispatch.py's all2all and its split/width exchanges, Base Layers' token shuffle
-and unshuffle with their backward, smlp/parallel.py's replica all-reduce of expert gradients, the zero-shot scorer's
-batch-count max and score sum, the generation token broadcast, the end-of-run barrier, and
+and unshuffle with their backward, smlp/expert_data_parallel.py's replica all-reduce of expert gradients,
+the zero-shot scorer's batch-count max and score sum, the generation token broadcast, the end-of-run barrier, and
 smlp-launch's graceful-stop vote; fairseq_plugins calls none itself) run here on 2 gloo ranks under
 `tests/fake_nccl.pretend_nccl()`, which reports an NCCL backend and fails on any CPU tensor that
 reaches a collective. A negative control shows the check fails on the mistake it exists for.
@@ -61,9 +61,9 @@ def _worker(rank: int, world: int, init: str, out: str) -> None:
     try:
         from smlp.config import TMoEConfig
         from smlp.dispatch import AllToAllDispatcher
+        from smlp.expert_data_parallel import average_expert_gradients
         from smlp.experts import FFNExperts
         from smlp.moe import TMoE
-        from smlp.parallel import average_expert_gradients
         from smlp_eval.scoring import LMScorer
         from smlp_eval.zeroshot import barrier
         from smlp_launch.local import _StopFlag
@@ -210,7 +210,8 @@ def test_collective_device_follows_the_backend(monkeypatch):
 def test_every_caller_follows_one_collective_device_rule(monkeypatch):
     """The dispatchers, expert-data parallelism and evaluation ask one function (smlp/process_group.py),
     and the dispatcher's device follows its group's backend as that function says."""
-    from smlp import parallel, process_group
+    from smlp import expert_data_parallel as parallel
+    from smlp import process_group
     from smlp.dispatch import AllToAllDispatcher
     from smlp_eval import scoring
 

@@ -7,7 +7,8 @@ import torch.nn.functional as F
 
 from causality import assert_causal, earlier_outputs_unchanged
 from smlp.config import GMLPConfig, SGUConfig, SMoEConfig, SparseBlockConfig, TMoEConfig
-from smlp.dispatch import LocalDispatcher, expert_parallel_layout
+from smlp.dispatch import LocalDispatcher
+from smlp.expert_data_parallel import expert_parallel_layout
 from smlp.gmlp import GMLPBlock, SpatialGatingUnit
 from smlp.moe import SMoE, SparseBlock, TMoE, hash_table
 from smlp.routing import base_route, smoe_partial_route

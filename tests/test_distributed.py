@@ -25,7 +25,7 @@ from smlp.config import SGUConfig, SMoEConfig, SparseBlockConfig, TMoEConfig
 from smlp.dispatch import AllToAllDispatcher
 from smlp.gmlp import SpatialGatingUnit
 from smlp.moe import SMoE, SparseBlock, TMoE
-from smlp.sharding import expert_keys, slice_expert_shard
+from smlp.resharding import expert_keys, slice_expert_shard
 from tolerance import assert_orders_agree, within_bound
 
 pytestmark = pytest.mark.slow

@@ -355,7 +355,7 @@ def _ep_worker(rank, world, init_file, failures):
     from datetime import timedelta
 
     from smlp.dispatch import AllToAllDispatcher
-    from smlp.sharding import expert_keys, slice_expert_shard
+    from smlp.resharding import expert_keys, slice_expert_shard
 
     torch.set_num_threads(1)
     # an exception on one rank leaves the other waiting in a collective: the timeout ends it

@@ -269,7 +269,7 @@ def _ep_worker(rank, world, init_file, failures):
     from smlp.dispatch import AllToAllDispatcher
     from smlp.generation import generate
     from smlp.lm import LanguageModel, LMConfig
-    from smlp.sharding import expert_keys, slice_expert_shard
+    from smlp.resharding import expert_keys, slice_expert_shard
     from smlp_eval.generate import generate_lockstep
     from smlp_eval.scoring import LMScorer
 

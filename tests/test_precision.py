@@ -17,12 +17,12 @@ import torch.nn.functional as F
 
 from fairseq_helpers import PLUGINS
 from smlp.config import SGUConfig, TMoEConfig
+from smlp.expert_data_parallel import grad_norm_with_experts
 from smlp.experts import SpatialExperts
 from smlp.gmlp import SpatialGatingUnit
 from smlp.hypermixer import hypermixing
 from smlp.lm import LanguageModel, LMConfig
 from smlp.moe import TMoE
-from smlp.parallel import grad_norm_with_experts
 from smlp.routing.logits import router_logits
 
 HALF = (torch.bfloat16, torch.float16)

@@ -28,9 +28,9 @@ from smlp.config import SparseBlockConfig, TMoEConfig
 from smlp.dispatch import AllToAllDispatcher
 from smlp.lm import LanguageModel, LMConfig
 from smlp.moe import SparseBlock, TMoE
+from smlp.resharding import expert_keys, slice_expert_shard
 from smlp.routing import NonFiniteScoresError
 from smlp.routing.assignment import balanced_assignment, expert_capacities
-from smlp.sharding import expert_keys, slice_expert_shard
 
 # ---------------------------------------------------------------- non-finite scores
 

@@ -8,8 +8,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from smlp.dispatch import AllToAllDispatcher
+from smlp.expert_data_parallel import ExpertDataLayout, expert_data_groups
 from smlp.lm import LanguageModel, LMConfig
-from smlp.parallel import ExpertDataLayout, expert_data_groups
 from smlp_eval import flops as FL
 from smlp_eval import steptime as S
 
