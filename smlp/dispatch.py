@@ -281,7 +281,7 @@ def check_experts_per_gpu(num_experts: int, experts_per_gpu: int) -> None:
 class OneGPUDispatcher(LocalDispatcher):
     """One GPU's view of expert parallelism: the routed rows all computed by this rank's experts.
 
-    The FLOPs calculator (smlp_eval.flop_count) and the step-time model (smlp_eval.steptime) count
+    The FLOPs calculator and the step-time model (smlp_eval.flops) count
     one GPU of an expert-parallel group with it, in one process.
 
     Holds `experts_per_gpu` local experts of `num_experts`; every row is computed by one of them

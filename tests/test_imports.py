@@ -91,7 +91,7 @@ def test_no_import_circle_among_our_modules():
     known = modules()
     assert {"smlp.dispatch", "smlp_eval.flops", "fairseq_plugins", "smlp_launch.data"} <= set(known)
     graph = {name: imports_of(name, path, known) for name, path in known.items()}
-    assert "smlp_eval.flop_count" in graph["smlp_eval.flops"]  # the walk resolves relative imports
+    assert "smlp_eval.flops.counting" in graph["smlp_eval.flops"]  # the walk resolves relative imports
     cycle = find_cycle(graph)
     assert cycle is None, "import circle: " + " -> ".join(cycle)
 
@@ -131,6 +131,9 @@ OLD_MODULES = {
     "smlp.parallel": "smlp.expert_data_parallel", "smlp.sharding": "smlp.resharding",
     "fairseq_plugins.shard_sets": "fairseq_plugins.checkpoint_sets",
     "fairseq_plugins.sharded_optim": "fairseq_plugins.zero_optimizer",
+    "smlp_eval.flop_count": "smlp_eval.flops.counting", "smlp_eval.flop_match": "smlp_eval.flops.matching",
+    "smlp_eval.flop_tables": "smlp_eval.flops.tables", "smlp_eval.paper_tables": "smlp_eval.flops.paper_figures",
+    "smlp_eval.model_spec": "smlp_eval.flops.model_spec", "smlp_eval.steptime": "smlp_eval.flops.steptime",
 }
 # module path -> {name: where it went}, for a module split over several homes
 OLD_SPLIT = {

@@ -1,4 +1,4 @@
-"""The step-time model (eval/steptime.py): all2all bytes against what gloo ranks send, activation
+"""The step-time model (eval/flops/steptime.py): all2all bytes against what gloo ranks send, activation
 bytes against the autograd graph, memory and time bookkeeping, the Table 4 comparison."""
 from __future__ import annotations
 

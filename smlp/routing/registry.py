@@ -152,7 +152,7 @@ class TokenRouter:
                       none); `LanguageModel.aux_loss` collects it from the layers
     capacity:         (tokens S, experts E, capacity factor) -> slots per expert in training, or None
                       when nothing is dropped; implementations that pad to capacity (GShard's and
-                      Switch's own code) send and compute E x capacity rows (eval/steptime.py, padding)
+                      Switch's own code) send and compute E x capacity rows (eval/flops/steptime.py, padding)
     placement:        the default sparse placement (`LMConfig.placement` for sparse_placement="auto")
     learned_scores:   the layer scores tokens with a D x E projection (router multiply-adds S x D x E);
                       False: a fixed table of token ids (no multiply-adds; TMoEConfig needs vocab_size)
