@@ -182,8 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run(args) -> dict:
+    from fairseq_plugins.prefix_fill import routing_prefix_fill
+
     from .scoring import world
-    from .text import routing_prefix_fill
     from .zeroshot import init_distributed, load_model
 
     for name in ("max_new_tokens", "beam", "batch_size"):
@@ -205,7 +206,7 @@ def run(args) -> dict:
     fill, fill_note = None, None
     if P:
         if args.prefix_fill == "text":
-            fill, source = routing_prefix_fill(encoder, P)
+            fill, source = routing_prefix_fill(encoder.dictionary, encoder.data_dir, P)
             fill_note = f"the last {P} tokens of {source}"
         else:
             fill, fill_note = [encoder.eos] * P, "</s> repeated (--prefix-fill eos)"

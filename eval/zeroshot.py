@@ -94,7 +94,7 @@ from .tasks import (
     load_examples,
     render,
 )
-from .text import DataPrepError, Encoder, routing_prefix_fill
+from .text import DataPrepError, Encoder
 
 PROG = "smlp-zeroshot"
 SCORINGS = ("auto", "mean", "sum", "suffix", "unconditional")
@@ -191,7 +191,9 @@ def build_scorer(model, encoder: Encoder, *, device, batch_size: int = 16, progr
     info = {"positions": P, "of": scorer.max_positions, "fill": None, "source": None}
     if P > 0:
         if prefix_fill == "text":
-            tokens, source = routing_prefix_fill(encoder, P)
+            from fairseq_plugins.prefix_fill import routing_prefix_fill
+
+            tokens, source = routing_prefix_fill(encoder.dictionary, encoder.data_dir, P)
             scorer.prefix_fill = tokens
             info.update(fill="text", source=source)
         else:

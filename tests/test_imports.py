@@ -75,6 +75,16 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+def folder_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The import graph between top-level folders (installed names: smlp, fairseq_plugins, smlp_eval, ...):
+    folder A imports folder B when any module of A imports any module of B, at file or function level."""
+    folders: dict[str, set[str]] = {}
+    for name, deps in graph.items():
+        top = name.split(".")[0]
+        folders.setdefault(top, set()).update(d.split(".")[0] for d in deps if d.split(".")[0] != top)
+    return folders
+
+
 def test_the_cycle_finder_finds_a_circle_and_accepts_a_tree():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
@@ -94,6 +104,32 @@ def test_no_import_circle_among_our_modules():
     assert "smlp_eval.flops.counting" in graph["smlp_eval.flops"]  # the walk resolves relative imports
     cycle = find_cycle(graph)
     assert cycle is None, "import circle: " + " -> ".join(cycle)
+
+
+def test_the_folder_graph_sees_a_circle_that_no_two_modules_form(tmp_path):
+    """A function-level import of smlp_eval from a plugin module, while smlp_eval imports another plugin
+    module: no module-level circle, but a circle between the two folders."""
+    sources = {"fairseq_plugins.generation": "def fill():\n    from smlp_eval.text import Encoder\n",
+               "fairseq_plugins.checkpoints": "import torch\n",
+               "smlp_eval.zeroshot": "from fairseq_plugins.checkpoints import load_for_eval\n",
+               "smlp_eval.text": "import os\n"}
+    known = {}
+    for name, source in sources.items():
+        known[name] = tmp_path / f"{name}.py"
+        known[name].write_text(source)
+    graph = {name: imports_of(name, path, known) for name, path in known.items()}
+    assert find_cycle(graph) is None
+    assert find_cycle(folder_graph(graph)) == ["fairseq_plugins", "smlp_eval", "fairseq_plugins"]
+
+
+def test_no_import_circle_between_top_level_folders():
+    """The folders depend on each other one way (issue 27): smlp <- fairseq_plugins <- smlp_eval <- smlp_launch
+    <- smlp_bench, whether through file-level or function-level imports of the installed names."""
+    known = modules()
+    folders = folder_graph({name: imports_of(name, path, known) for name, path in known.items()})
+    cycle = find_cycle(folders)
+    assert cycle is None, "import circle between folders: " + " -> ".join(cycle)
+    assert folders["smlp"] == set()  # the core imports only itself
 
 
 def test_evaluation_and_the_core_import_no_launcher_and_data_preparation_no_model_code():
