@@ -51,7 +51,8 @@ would send O(1) per row and step, but every reorder (beam search, finished rows)
 to be all-gathered and replayed on every expert's copy, for each source rank: more state to keep
 consistent, while the O(t) per step of the design here matches the step's O(t) compute.
 
-Shapes: B batch, k new positions, t positions in the cache, D model width.
+Shapes: the core's legend (smlp/__init__.py); here B batch, k new positions, t positions in the cache,
+D model width.
 """
 from __future__ import annotations
 

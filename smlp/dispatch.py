@@ -3,13 +3,13 @@
 Shapes: the core's legend (smlp/__init__.py); here S rows to dispatch on this rank (tokens for
 tMoE, hidden-dimension vectors for sMoE), R rows received by this rank's experts (grouped by local
 expert), D row width (M positions for sMoE rows), E experts, L local experts (E / W), W ranks of
-the expert-parallel group, X values each rank sends every other rank with its counts, Q values of
-a router's fault record (FAULT_WIDTH, routing/plan.py).
+the expert-parallel group, X values each rank sends every other rank with its counts (its row
+counts, a router's fault record of FAULT_WIDTH values, routing/plan.py, and its row width).
 
 Both dispatchers share one interface, so every expert-parallel layer has a single-process
 twin (LocalDispatcher holding all experts) to test against:
 
-    x_RD, counts_L, state = dispatcher.dispatch(x_SD, expert_S, fault_Q=plan.fault_Q, layer=name)
+    x_RD, counts_L, state = dispatcher.dispatch(x_SD, expert_S, fault=plan.fault, layer=name)
     y_RD = experts(x_RD, counts_L)
     y_SD = dispatcher.combine(y_RD, state)
 
@@ -229,7 +229,7 @@ class LocalDispatcher:
         return y_SD
 
     def dispatch(self, x_SD: Tensor, expert_S: Tensor, *, presorted: bool = False, counts_E1: Tensor | None = None,
-                 host_counts_E: list[int] | None = None, fault_Q: Tensor | None = None, layer: str = "",
+                 host_counts_E: list[int] | None = None, fault: Tensor | None = None, layer: str = "",
                  common_width: bool = False) -> tuple[Tensor, list[int], DispatchState]:
         """Sort the rows by expert; rows of expert -1 (dropped slots) come first and are cut off.
 
@@ -237,7 +237,7 @@ class LocalDispatcher:
         counts_E1:     `count_rows(expert_S, E)` if the caller has it (on the device).
         host_counts_E: rows per expert when the caller knows them on the host (no dropped rows):
                        then nothing is read from the device unless there is a fault record.
-        fault_Q:       the router's fault record (routing/plan.py), read with the counts; a fault
+        fault:       the router's fault record (routing/plan.py), read with the counts; a fault
                        raises the router's error naming `layer`.
         common_width:  the ranks' rows may differ in width (sMoE rows are as long as the local
                        sequence): zero-pad them on the right to the widest (nothing to do here).
@@ -246,13 +246,13 @@ class LocalDispatcher:
         order_S, x_sorted = _sort_rows(x_SD, expert_S, presorted)
         if host_counts_E is not None:
             counts, dropped = list(host_counts_E), 0
-            if fault_Q is not None:
-                raise_on_fault([fault_Q.tolist()], layer)
+            if fault is not None:
+                raise_on_fault([fault.tolist()], layer)
         else:
             counts_E1 = count_rows(expert_S, E) if counts_E1 is None else counts_E1
-            parts = [counts_E1] if fault_Q is None else [counts_E1, fault_Q.to(counts_E1.device)]
+            parts = [counts_E1] if fault is None else [counts_E1, fault.to(counts_E1.device)]
             host = torch.cat(parts).tolist()  # the one host read of a dispatch
-            if fault_Q is not None:
+            if fault is not None:
                 raise_on_fault([host[E + 1:]], layer)
             dropped, counts = host[0], host[1:E + 1]
         return x_sorted[dropped:], counts, DispatchState(order_S, dropped=dropped)
@@ -372,25 +372,25 @@ class AllToAllDispatcher(LocalDispatcher):
         return collective_device(self.ep_group)
 
     def dispatch(self, x_SD: Tensor, expert_S: Tensor, *, presorted: bool = False, counts_E1: Tensor | None = None,
-                 host_counts_E: list[int] | None = None, fault_Q: Tensor | None = None, layer: str = "",
+                 host_counts_E: list[int] | None = None, fault: Tensor | None = None, layer: str = "",
                  common_width: bool = False) -> tuple[Tensor, list[int], DispatchState]:
         """As LocalDispatcher.dispatch, over the group (host_counts_E is not needed: the counts are
         exchanged on the device either way). With common_width every rank's row width travels with
         its counts, and the rows are zero-padded on the right to the widest before they move: no
         collective of its own."""
-        W, L, E, Q = self.world_size, self.num_local_experts, self.num_experts, FAULT_WIDTH
-        X = L + Q + (1 if common_width else 0)  # values each rank sends every other rank
+        W, L, E, width = self.world_size, self.num_local_experts, self.num_experts, FAULT_WIDTH
+        X = L + width + (1 if common_width else 0)  # values each rank sends every other rank
         # 1. Sort rows by global expert: rows for rank w are then contiguous, ordered by local expert
         #    (already so when the caller says expert_S is non-decreasing, e.g. deterministic sMoE);
         #    dropped rows (expert -1) come first.
         order_S, x_sorted = _sort_rows(x_SD, expert_S, presorted)
         counts_E1 = count_rows(expert_S, E) if counts_E1 is None else counts_E1
-        if fault_Q is None:
-            fault_Q = torch.zeros(Q, dtype=torch.long, device=counts_E1.device)
+        if fault is None:
+            fault = torch.zeros(width, dtype=torch.long, device=counts_E1.device)
         with self.timer(x_SD.device):
             # 2. Tell every rank how many rows it will get for each of its local experts, and
-            #    every rank this rank's fault record (the same Q values to each).
-            parts = [counts_E1[1:].view(W, L), fault_Q.to(counts_E1.device).view(1, Q).expand(W, Q)]
+            #    every rank this rank's fault record (the same FAULT_WIDTH values to each).
+            parts = [counts_E1[1:].view(W, L), fault.to(counts_E1.device).view(1, width).expand(W, width)]
             if common_width:  # and the row width: the widest pads every rank's rows
                 parts.append(counts_E1.new_full((W, 1), x_SD.shape[-1]))
             recv_WX = self._exchange_counts(torch.cat(parts, 1))
@@ -398,7 +398,7 @@ class AllToAllDispatcher(LocalDispatcher):
             #    records, widths). Every rank raises the same error on a fault, before the rows move.
             host = torch.cat([counts_E1.to(recv_WX.device), recv_WX.reshape(-1)]).tolist()
             recv = [host[E + 1 + w * X:E + 1 + (w + 1) * X] for w in range(W)]
-            raise_on_fault([row[L:L + Q] for row in recv], layer, self.group_ranks)
+            raise_on_fault([row[L:L + width] for row in recv], layer, self.group_ranks)
             dropped, sent_E = host[0], host[1:E + 1]
             send_splits = [sum(sent_E[w * L:(w + 1) * L]) for w in range(W)]
             recv_splits = [sum(row[:L]) for row in recv]

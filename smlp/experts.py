@@ -1,7 +1,8 @@
 """Experts: the parameters that live on one rank only.
 
-Shape legend: R rows received (grouped by local expert), L local experts, D model width,
-F FFN width, M row length of an sMoE row (positions), T expert spatial size.
+Shapes: the core's legend (smlp/__init__.py); here R rows received (grouped by local expert), L
+local experts, c rows of one expert when all hold as many, D model width, F FFN width, M row
+length of an sMoE row (positions), k positions of a decoding step, T expert spatial size, W ranks.
 
 Initialization does not depend on the world size: expert e of a layer gets the same initial
 weights whether it lives in a single process holding all experts or on any rank of an
@@ -239,24 +240,24 @@ class SpatialExperts(nn.Module):
         return torch.cat(outs, dim=0)
 
     def step(self, x_RM: Tensor, counts_LW: list[list[int]], spans_W: list[tuple[int, int]]) -> Tensor:
-        """Cached decoding: only the positions each row's source rank asked for, (R, K).
+        """Cached decoding: only the positions each row's source rank asked for, (R, k).
 
         Rows arrive grouped by local expert, then by source rank (counts_LW[l][w] rows); the rows
         of source rank w hold its positions 0..hi_w-1 (zero-padded to the common width) and want
         outputs at positions lo_w..hi_w-1: W[lo:hi, :hi] (diagonal shifted by lo) times the row,
-        O(hi) per output position. K = the widest span; narrower spans are zero-padded on the right.
+        O(hi) per output position. k = the widest span; narrower spans are zero-padded on the right.
         Like `forward` it returns the gate minus one, W x + (b - 1).
         """
-        K = max((hi - lo for lo, hi in spans_W), default=0)
+        k = max((hi - lo for lo, hi in spans_W), default=0)
         if sum(map(sum, counts_LW)) != x_RM.shape[0]:
             raise ValueError(f"expert counts {counts_LW} do not add up to the {x_RM.shape[0]} rows received")
-        y_RK = x_RM.new_zeros(x_RM.shape[0], K)
+        y_Rk = x_RM.new_zeros(x_RM.shape[0], k)
         r = 0
         for l, counts_W in enumerate(counts_LW):
             for (lo, hi), c in zip(spans_W, counts_W):
                 if c and hi > lo:
                     check_length(hi, self.size, "sMoE row")
                     w_kM = torch.tril(self.weight[l, lo:hi, :hi], diagonal=lo)
-                    y_RK[r:r + c, :hi - lo] = x_RM[r:r + c, :hi] @ w_kM.t() + (self.bias[l, lo:hi] - 1)
+                    y_Rk[r:r + c, :hi - lo] = x_RM[r:r + c, :hi] @ w_kM.t() + (self.bias[l, lo:hi] - 1)
                 r += c
-        return y_RK
+        return y_Rk

@@ -33,7 +33,8 @@ Generation: `model(tokens_Bk, cache=model.new_cache())` decodes incrementally, p
 new positions with per-layer caches (smlp/decoding_cache.py has the API and what each layer keeps;
 smlp/generation.py the decoding loops).
 
-Shapes: B batch, N positions, k new positions, D model width, V vocabulary.
+Shapes: the core's legend (smlp/__init__.py); here B batch, N positions, k new positions, D model
+width, V vocabulary.
 """
 from __future__ import annotations
 

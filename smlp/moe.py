@@ -119,7 +119,7 @@ class TMoE(nn.Module):
 
         Returns:
             RoutingPlan: experts_SK (S, K) expert per slot (-1: dropped), weights_SK (S, K) combine
-            weights, aux_loss (scalar or None), fault_Q (the deferred check or None)
+            weights, aux_loss (scalar or None), fault (the deferred check or None)
         """
         return self.token_router.route(self, x_SD, token_ids_S, defer_checks)
 
@@ -189,7 +189,7 @@ class TMoE(nn.Module):
         self.dropped, self.slots = (counts_E1[0].detach(), S * K) if self.token_router.drops else (None, 0)
         row_SK = torch.arange(S, device=x_SD.device).repeat_interleave(K) if K > 1 else None
         x_RD, counts_L, state = self.dispatcher.dispatch(x_SD if row_SK is None else x_SD[row_SK], expert_SK,
-                                                         counts_E1=counts_E1, fault_Q=plan.fault_Q,
+                                                         counts_E1=counts_E1, fault=plan.fault,
                                                          layer=self.layer_name)
         return x_RD, counts_L, TokenSlots(state, row_SK, plan.weights_SK.reshape(-1).to(x_SD.dtype))
 
@@ -352,7 +352,7 @@ class SMoE(nn.Module):
 
         Returns:
             SMoERows: rows_SM (S, M), expert_S (S,), weight_S (S,) or None, and what the dispatcher
-            reads with the counts (fault_Q, host_counts_E)
+            reads with the counts (fault, host_counts_E)
         """
         B, n, C = v_BNC.shape
         E = self.cfg.num_experts
@@ -375,7 +375,7 @@ class SMoE(nn.Module):
                 prefix_SP = v_BNC[:, :P, :].transpose(1, 2).reshape(B * C, P)
                 logits_SE = router_logits(prefix_SP, self.router)
             plan = self.routing.route(logits_SE, training=training, layer=self.layer_name, defer_checks=defer_checks)
-        rows = SMoERows(rows_SM, plan.experts_SK[:, 0], plan.weights_SK[:, 0].to(dtype), fault_Q=plan.fault_Q)
+        rows = SMoERows(rows_SM, plan.experts_SK[:, 0], plan.weights_SK[:, 0].to(dtype), fault=plan.fault)
         if decided is not None:  # the routing prefix is complete: the decision holds for every later step
             decided["expert_BC"], decided["weight_BC"] = rows.expert_S.reshape(B, C), rows.weight_S.reshape(B, C)
         return rows
@@ -401,7 +401,7 @@ class SMoE(nn.Module):
         counts_E1 = count_rows(rows.expert_S, self.cfg.num_experts)
         self.load_E = counts_E1[1:].detach()
         return self.dispatcher.dispatch(rows.rows_SM, rows.expert_S, presorted=self.deterministic,
-                                        counts_E1=counts_E1, host_counts_E=rows.host_counts_E, fault_Q=rows.fault_Q,
+                                        counts_E1=counts_E1, host_counts_E=rows.host_counts_E, fault=rows.fault,
                                         layer=self.layer_name, common_width=True)
 
     def run_experts(self, x_RM: Tensor, counts_L: list[int], *, dstate: DispatchState | None = None,
@@ -446,14 +446,14 @@ class SMoERows:
                    (sequence, channel) (routed)
     expert_S:      (S,) the expert of each row
     weight_S:      (S,) its combine weight p_e (eq. 7), or None (deterministic: weight 1)
-    fault_Q:       the router's input check left for the dispatcher, or None
+    fault:       the router's input check left for the dispatcher, or None
     host_counts_E: rows per expert when known on the host from the shapes (deterministic), or None
     """
 
     rows_SM: Tensor
     expert_S: Tensor
     weight_S: Tensor | None = None
-    fault_Q: Tensor | None = None
+    fault: Tensor | None = None
     host_counts_E: list[int] | None = None
 
 

@@ -222,9 +222,9 @@ class _CausalRows(torch.autograd.Function):
         w_LMM = torch.tril(w_LTT[:, :M, :M])
         y_RM = torch.empty_like(x_RM)
         for l, (r0, r1) in _row_ranges(counts_L):
-            xt_Mr, yt_Mr = x_RM[r0:r1].t(), y_RM[r0:r1].t()
+            xt_Mc, yt_Mc = x_RM[r0:r1].t(), y_RM[r0:r1].t()
             for start, end in _blocks(M, block):
-                torch.mm(w_LMM[l, start:end, :end], xt_Mr[:end], out=yt_Mr[start:end])
+                torch.mm(w_LMM[l, start:end, :end], xt_Mc[:end], out=yt_Mc[start:end])
         ctx.save_for_backward(w_LMM, x_RM)
         ctx.counts, ctx.block, ctx.T = counts_L, block, w_LTT.shape[-1]
         return y_RM
@@ -237,19 +237,19 @@ class _CausalRows(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             grad_x = torch.empty_like(x_RM)
             for l, (r0, r1) in _row_ranges(ctx.counts):
-                gt_Mr, gxt_Mr = g_RM[r0:r1].t(), grad_x[r0:r1].t()
+                gt_Mc, gxt_Mc = g_RM[r0:r1].t(), grad_x[r0:r1].t()
                 for start, end in _blocks(M, ctx.block):
-                    torch.mm(w_LMM[l, start:, start:end].t(), gt_Mr[start:], out=gxt_Mr[start:end])
+                    torch.mm(w_LMM[l, start:, start:end].t(), gt_Mc[start:], out=gxt_Mc[start:end])
         if ctx.needs_input_grad[0]:
             acc_dtype = accumulation_dtype(x_RM.dtype)
             acc_LMM = torch.zeros(L, M, M, dtype=acc_dtype, device=x_RM.device)
             for l, (r0, r1) in _row_ranges(ctx.counts):
-                gt_Mr = g_RM[r0:r1].t()
+                gt_Mc = g_RM[r0:r1].t()
                 for start, end in _blocks(M, ctx.block):  # each block written once: no sum in half precision
                     if x_RM.dtype == acc_dtype:
-                        torch.mm(gt_Mr[start:end], x_RM[r0:r1, :end], out=acc_LMM[l, start:end, :end])
+                        torch.mm(gt_Mc[start:end], x_RM[r0:r1, :end], out=acc_LMM[l, start:end, :end])
                     else:
-                        acc_LMM[l, start:end, :end] = torch.mm(gt_Mr[start:end], x_RM[r0:r1, :end])
+                        acc_LMM[l, start:end, :end] = torch.mm(gt_Mc[start:end], x_RM[r0:r1, :end])
             acc_LMM.tril_()
             grad_w = acc_LMM.new_zeros(L, ctx.T, ctx.T) if M < ctx.T else acc_LMM
             if M < ctx.T:

@@ -236,7 +236,7 @@ def test_a_deferred_check_raises_what_the_router_raises_on_its_own(router):
     with pytest.raises((NonFiniteScoresError, ValueError)) as own:
         layer.route(x, ids)  # read at once
     plan = layer.route(x, ids, defer_checks=True)
-    assert plan.fault_Q is not None and plan.fault_Q[0] != 0  # left on the device
+    assert plan.fault is not None and plan.fault[0] != 0  # left on the device
     with HostSyncCounter() as c, pytest.raises(type(own.value)) as deferred:
         layer(x, ids)  # read with the split sizes
     assert str(deferred.value) == str(own.value) and str(own.value).startswith("layers.1.ffn (TMoE): ")

@@ -4,7 +4,7 @@ by training-time sMoE routing (sec. 3.2.2).
 
 Shapes: the core's legend (smlp/__init__.py); here S rows to assign (tokens for tMoE,
 hidden-dimension vectors for sMoE), E experts, Z the integer key table's rows (E padded to a power
-of two, at least 2), Y rows of step 4's working set.
+of two, at least 2), s rows of step 4's working set (a part of S).
 
 The problem is a linear assignment with capacities: maximise sum_s scores[s, expert[s]] subject
 to expert e receiving exactly capacity[e] rows. Base Layers solves it with an auction
@@ -308,20 +308,20 @@ def _solve(ops, key_ZS, E: int, sh: int, levels: int, eps_q: int, max_rounds: in
     if unassigned:
         # Step 4: continue on a working set: the unassigned rows and the held rows with the
         # smallest margins; the others keep their expert and their slots.
-        Y = min(S, max(work_rows, 4 * tail_rows))
+        s = min(S, max(work_rows, 4 * tail_rows))
         # (smallest margin first, unassigned rows before all, ties by row) as unique int64 keys
         pos_bits = max(1, (S - 1).bit_length())
         rank_S = ops.where(expert_S < 0, ops.const(-levels - 1, ops.int32), margin_S)
-        work_Y = ops.sort((ops.as_int64(rank_S) << ops.const(pos_bits, ops.int64)) | row_S)[:Y]
-        work_Y = work_Y & ops.const((1 << pos_bits) - 1, ops.int64)
-        expert_Y = ops.take(expert_S, work_Y)
+        work_s = ops.sort((ops.as_int64(rank_S) << ops.const(pos_bits, ops.int64)) | row_S)[:s]
+        work_s = work_s & ops.const((1 << pos_bits) - 1, ops.int64)
+        expert_s = ops.take(expert_S, work_s)
         # Free slots of each expert for the working set (bin 0 counts the unassigned rows).
-        cap_work_Z = cap_Z - ops.bincount(expert_S + 1, Z + 1)[1:] + ops.bincount(expert_Y + 1, Z + 1)[1:]
-        key_ZY = ops.where((cap_work_Z == 0)[:, None], neg_key, ops.take_columns(key_ZS, work_Y))
-        expert_Y, _, _, _, unassigned = _auction(
-            ops, key_ZY, cap_work_Z, work_Y, expert_Y, price_Z, E, sh, levels, eps_q, max_rounds - rounds,
+        cap_work_Z = cap_Z - ops.bincount(expert_S + 1, Z + 1)[1:] + ops.bincount(expert_s + 1, Z + 1)[1:]
+        key_Zs = ops.where((cap_work_Z == 0)[:, None], neg_key, ops.take_columns(key_ZS, work_s))
+        expert_s, _, _, _, unassigned = _auction(
+            ops, key_Zs, cap_work_Z, work_s, expert_s, price_Z, E, sh, levels, eps_q, max_rounds - rounds,
             check_every, 0)
-        ops.put(expert_S, work_Y, expert_Y)
+        ops.put(expert_S, work_s, expert_s)
     return ops.tensor(expert_S), unassigned
 
 

@@ -5,7 +5,7 @@ CPU, where numpy dispatches the ~30 small array operations of a round in about a
 time, and `_TorchOps` on accelerators, without a host read except the completion checks. After
 step 0 everything is integer arithmetic, so both give bitwise the same assignment
 (tests/test_assignment.py). Shapes: the core's legend (smlp/__init__.py); here S rows, E experts,
-Z the key table's rows (E padded to a power of two), Y rows of the working set; `table`, `out`
+Z the key table's rows (E padded to a power of two), s rows of the working set; `table`, `out`
 and `index` operands of any length.
 """
 from __future__ import annotations
@@ -150,8 +150,8 @@ class _TorchOps:
         return table.index_select(0, index_Z.clamp(0, table.shape[0] - 1))
 
     @staticmethod
-    def take_columns(x_ZS: Tensor, index_Y: Tensor) -> Tensor:
-        return x_ZS.index_select(1, index_Y)
+    def take_columns(x_ZS: Tensor, index_s: Tensor) -> Tensor:
+        return x_ZS.index_select(1, index_s)
 
     @staticmethod
     def bincount(x_S: Tensor, n: int) -> Tensor:
@@ -314,8 +314,8 @@ class _NumpyOps:
         return table.take(index_Z, mode="clip")
 
     @staticmethod
-    def take_columns(x_ZS: np.ndarray, index_Y: np.ndarray) -> np.ndarray:
-        return x_ZS.take(index_Y, axis=1)
+    def take_columns(x_ZS: np.ndarray, index_s: np.ndarray) -> np.ndarray:
+        return x_ZS.take(index_s, axis=1)
 
     @staticmethod
     def bincount(x_S: np.ndarray, n: int) -> np.ndarray:

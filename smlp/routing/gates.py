@@ -123,7 +123,7 @@ def _open_gate(fn: str, logits_SE: Tensor, noise_SE: Tensor | None, layer: str,
     compute in (at least) fp32 (Switch sec. 2.4, "selective precision"; fp64 stays fp64).
 
     Returns:
-        fault_Q:   the fault record to leave in the plan (defer_checks), or None once read
+        fault:   the fault record to leave in the plan (defer_checks), or None once read
         logits_SE: the logits in the compute dtype, (S, E)
         probs_SE:  their softmax, (S, E)
     """
@@ -137,9 +137,9 @@ def _open_gate(fn: str, logits_SE: Tensor, noise_SE: Tensor | None, layer: str,
     if noise_SE is not None and (not isinstance(noise_SE, Tensor) or noise_SE.shape != logits_SE.shape):
         shape = tuple(noise_SE.shape) if isinstance(noise_SE, Tensor) else type(noise_SE).__name__
         raise ValueError(f"{fn}: noise_SE must have the logits' shape {tuple(logits_SE.shape)}, got {shape}")
-    fault_Q = deferred_or_raised(nonfinite_fault(logits_SE, allow_neg_inf=True), layer, defer_checks)
+    fault = deferred_or_raised(nonfinite_fault(logits_SE, allow_neg_inf=True), layer, defer_checks)
     logits_SE = logits_SE.to(accumulation_dtype(logits_SE.dtype))
-    return fault_Q, logits_SE, torch.softmax(logits_SE, dim=-1)
+    return fault, logits_SE, torch.softmax(logits_SE, dim=-1)
 
 
 def _slot_positions(mask_SE: Tensor) -> Tensor:
@@ -147,10 +147,10 @@ def _slot_positions(mask_SE: Tensor) -> Tensor:
     return torch.cumsum(mask_SE, dim=0) - 1
 
 
-def _empty_plan(logits_SE: Tensor, k: int, fault_Q: Tensor | None) -> RoutingPlan:
+def _empty_plan(logits_SE: Tensor, k: int, fault: Tensor | None) -> RoutingPlan:
     # S = 0 (e.g. a rank with no tokens): a zero loss that still belongs to the graph.
     return RoutingPlan(torch.empty(0, k, dtype=torch.long, device=logits_SE.device),
-                       logits_SE.new_zeros(0, k), logits_SE.sum() * 0, fault_Q)
+                       logits_SE.new_zeros(0, k), logits_SE.sum() * 0, fault)
 
 
 # ---------------------------------------------------------------- Switch
@@ -202,10 +202,10 @@ def switch_top1(
     if eval_capacity_factor is not None:
         _check_capacity_factor("eval_capacity_factor", eval_capacity_factor)
     _check_min_capacity(min_capacity)
-    fault_Q, logits_SE, probs_SE = _open_gate("switch_top1", logits_SE, noise_SE, layer, defer_checks)
+    fault, logits_SE, probs_SE = _open_gate("switch_top1", logits_SE, noise_SE, layer, defer_checks)
     S, E = logits_SE.shape
     if S == 0:
-        return _empty_plan(logits_SE, 1, fault_Q)
+        return _empty_plan(logits_SE, 1, fault)
 
     with torch.no_grad():
         choice_scores = probs_SE if noise_SE is None else logits_SE + noise_SE.to(logits_SE.device)
@@ -221,7 +221,7 @@ def switch_top1(
     aux_loss = E * torch.sum(fraction_E * probs_SE.mean(dim=0))     # E * sum f_e P_e
     weight_S = probs_SE.gather(1, expert_S[:, None]).squeeze(1) * kept_S
     experts_S = torch.where(kept_S, expert_S, -1)
-    return RoutingPlan(experts_S[:, None], weight_S[:, None], aux_loss, fault_Q)
+    return RoutingPlan(experts_S[:, None], weight_S[:, None], aux_loss, fault)
 
 
 # ---------------------------------------------------------------- GShard
@@ -297,10 +297,10 @@ def gshard_top2(
         eval_capacity_factor if eval_capacity_factor is not None else capacity_factor if drop_in_eval else None)
     if aux_loss not in GSHARD_AUX_LOSSES:
         raise ValueError(f"aux_loss={aux_loss!r} is unknown: valid values are {', '.join(GSHARD_AUX_LOSSES)}")
-    fault_Q, logits_SE, probs_SE = _open_gate("gshard_top2", logits_SE, noise_SE, layer, defer_checks)
+    fault, logits_SE, probs_SE = _open_gate("gshard_top2", logits_SE, noise_SE, layer, defer_checks)
     S, E = logits_SE.shape
     if S == 0:
-        return _empty_plan(logits_SE, 2, fault_Q)
+        return _empty_plan(logits_SE, 2, fault)
 
     with torch.no_grad():
         first_S = probs_SE.argmax(dim=-1)
@@ -332,4 +332,4 @@ def gshard_top2(
     denom_S = torch.clamp(gate1_S + gate2_S, min=torch.finfo(probs_SE.dtype).eps)
     weights_SK = torch.stack([gate1_S / denom_S, gate2_S / denom_S], dim=1)
     experts_SK = torch.stack([torch.where(kept1_S, first_S, -1), torch.where(kept2_S, second_S, -1)], dim=1)
-    return RoutingPlan(experts_SK, weights_SK, loss, fault_Q)
+    return RoutingPlan(experts_SK, weights_SK, loss, fault)

@@ -12,8 +12,8 @@ routers through the registry's route functions (registry.py), the sMoE router (m
 token-routed gMLP (token_routed.py); the rules that turn logits into a plan are routes.py and
 gates.py (Megatron-Core's `routing()`).
 
-Shapes: the core's legend (smlp/__init__.py); here S rows, D input width (the positions P an
-sMoE router reads), E experts.
+Shapes: the core's legend (smlp/__init__.py); here S rows, D their width (the model width; for the
+sMoE router the P prefix positions it reads), E experts.
 """
 from __future__ import annotations
 

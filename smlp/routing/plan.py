@@ -3,8 +3,8 @@
 A router (routes.py, gates.py) never calls a collective and never owns parameters: the layer
 computes the logits with its own weights (logits.py), the router turns them into a `RoutingPlan`,
 and the dispatcher moves rows accordingly. That keeps every routing rule testable in one process.
-Shapes: the core's legend (smlp/__init__.py); here S rows, E experts, K slots per row, Q values
-of a fault record.
+Shapes: the core's legend (smlp/__init__.py); here S rows, E experts, K slots per row. A fault
+record is a vector of FAULT_WIDTH int64 values (`fault`).
 
 Non-finite router scores (NaN, +-inf) are refused with `NonFiniteScoresError`, which names the
 layer: they come from a diverged model or an overflow, and any expert choice made from them would
@@ -13,7 +13,7 @@ refused with ValueError.
 
 Where the checks are read: called on its own, a router reads its check on the host and raises at
 once (one host sync). Inside a layer (`defer_checks=True`) it leaves the verdict on the device as
-a fault record in the plan (`RoutingPlan.fault_Q`, FAULT_WIDTH int64 values, all 0 when the input
+a fault record in the plan (`RoutingPlan.fault`, FAULT_WIDTH int64 values, all 0 when the input
 was fine), and the dispatcher reads it together with the split sizes it must read anyway: no sync
 of its own. With expert parallelism the record travels with the counts every rank sends to every
 other rank, so all ranks of the group learn of a fault in the same collective and raise the same
@@ -39,14 +39,14 @@ class RoutingPlan:
     weights_SK: combine weight per (row, slot); differentiable w.r.t. the router's scores.
                 A dropped slot has weight 0.
     aux_loss:   auxiliary load-balancing loss (scalar) or None when the router has none.
-    fault_Q:    the router's input check left on the device (`defer_checks=True`): a fault
+    fault:    the router's input check left on the device (`defer_checks=True`): a fault
                 record (see `routing_error`), or None when the check was read already.
     """
 
     experts_SK: Tensor
     weights_SK: Tensor
     aux_loss: Tensor | None = None
-    fault_Q: Tensor | None = None
+    fault: Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.experts_SK.dim() != 2 or self.experts_SK.shape != self.weights_SK.shape:
@@ -155,8 +155,8 @@ def raise_on_fault(records: list[list[int]], layer: str, ranks: list[int] | None
         raise error
 
 
-def _raise_now(fault_Q: Tensor, layer: str) -> None:
-    raise_on_fault([fault_Q.tolist()], layer)  # one host read
+def _raise_now(fault: Tensor, layer: str) -> None:
+    raise_on_fault([fault.tolist()], layer)  # one host read
 
 
 def check_finite_scores(scores_SE: Tensor, layer: str, *, allow_neg_inf: bool = False) -> None:
@@ -168,9 +168,9 @@ def check_finite_scores(scores_SE: Tensor, layer: str, *, allow_neg_inf: bool = 
     _raise_now(nonfinite_fault(scores_SE, allow_neg_inf=allow_neg_inf), layer)
 
 
-def deferred_or_raised(fault_Q: Tensor, layer: str, defer: bool) -> Tensor | None:
+def deferred_or_raised(fault: Tensor, layer: str, defer: bool) -> Tensor | None:
     """The record to leave in the plan (`defer`), or None after reading it (and raising if it is a fault)."""
     if defer:
-        return fault_Q
-    _raise_now(fault_Q, layer)
+        return fault
+    _raise_now(fault, layer)
     return None

@@ -39,7 +39,7 @@ def base_route(scores_SE: Tensor, *, training: bool, layer: str = "base router",
     row together with the rows of the rank its scores were sent to; moe.TMoE).
     """
     scores_SE = scores_SE.float()
-    fault_Q = deferred_or_raised(nonfinite_fault(scores_SE), layer, defer_checks)
+    fault = deferred_or_raised(nonfinite_fault(scores_SE), layer, defer_checks)
     if expert_S is not None:
         expert_S = expert_S.reshape(-1).long()
     else:
@@ -47,7 +47,7 @@ def base_route(scores_SE: Tensor, *, training: bool, layer: str = "base router",
             expert_S = balanced_assignment(scores_SE.detach()) if training else scores_SE.detach().argmax(dim=-1)
     chosen_S = scores_SE.gather(1, expert_S[:, None]).squeeze(1)
     weight_S = torch.sigmoid(chosen_S)
-    return RoutingPlan(expert_S[:, None], weight_S[:, None], fault_Q=fault_Q)
+    return RoutingPlan(expert_S[:, None], weight_S[:, None], fault=fault)
 
 
 def hash_route(token_ids_S: Tensor, table_V: Tensor, *, layer: str = "hash router",
@@ -58,12 +58,12 @@ def hash_route(token_ids_S: Tensor, table_V: Tensor, *, layer: str = "hash route
     plan's fault record with defer_checks=True; the lookup clamps them meanwhile, so no
     out-of-range index reaches the device)."""
     V = table_V.numel()
-    fault_Q = deferred_or_raised(hash_fault(token_ids_S, V), layer, defer_checks)
+    fault = deferred_or_raised(hash_fault(token_ids_S, V), layer, defer_checks)
     ids_S = token_ids_S.long()
     if defer_checks:
         ids_S = ids_S.clamp(0, max(V - 1, 0))  # valid ids are unchanged
     expert_S = table_V[ids_S]
-    return RoutingPlan(expert_S[:, None], torch.ones(expert_S.shape[0], 1, device=expert_S.device), fault_Q=fault_Q)
+    return RoutingPlan(expert_S[:, None], torch.ones(expert_S.shape[0], 1, device=expert_S.device), fault=fault)
 
 
 def smoe_deterministic_experts(num_channels: int, num_experts: int, device=None) -> Tensor:
@@ -89,9 +89,9 @@ def smoe_partial_route(logits_SE: Tensor, *, training: bool, layer: str = "sMoE 
     defer_checks=True).
     """
     logits_SE = logits_SE.float()
-    fault_Q = deferred_or_raised(nonfinite_fault(logits_SE), layer, defer_checks)
+    fault = deferred_or_raised(nonfinite_fault(logits_SE), layer, defer_checks)
     probs_SE = torch.softmax(logits_SE, dim=-1)
     with torch.no_grad():
         expert_S = balanced_assignment(logits_SE.detach()) if training else logits_SE.detach().argmax(dim=-1)
     weight_S = probs_SE.gather(1, expert_S[:, None]).squeeze(1)
-    return RoutingPlan(expert_S[:, None], weight_S[:, None], fault_Q=fault_Q)
+    return RoutingPlan(expert_S[:, None], weight_S[:, None], fault=fault)
