@@ -90,7 +90,7 @@ def encode_pair(encoder: Encoder, context: str, continuation: str) -> tuple[list
 def common_prefix_suffix(token_lists: Sequence[Sequence[int]]) -> tuple[int, int]:
     """(common prefix length, common suffix length) of the candidates' token sequences.
 
-    The few-shot harness's rule (predictors.py `get_common_prefix_and_suffix_lengths`): both are
+    The few-shot harness's rule (its `get_common_prefix_and_suffix_lengths`): both are
     measured within the length n of the shortest sequence, so neither exceeds n.
     """
     n = min(len(t) for t in token_lists)

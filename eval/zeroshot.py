@@ -9,9 +9,9 @@
 Every candidate answer of an example is scored by the LM and the best one is the prediction, as
 in Artetxe et al. (2021), which the paper follows (section 4.5).
 
-Paper template (default): the few-shot harness of Artetxe et al. (2021) (fairseq
-`examples/few_shot`: templates.py for the strings, predictors.py `CLMPromptingPredictor` for the
-scores). Each candidate's whole text (tasks.py) is encoded; the tokens all candidates of an
+Paper template (default): the few-shot harness of Artetxe et al. (2021) (in fairseq's examples:
+its templates for the strings, `CLMPromptingPredictor` for the scores). Each candidate's whole
+text (tasks.py) is encoded; the tokens all candidates of an
 example share at the start (their longest common token prefix) or at the end (common suffix) are
 what the scoring rules leave out or keep:
     mean           mean log-probability of the tokens after the common prefix: shared leading

@@ -149,7 +149,7 @@ FIELDS: tuple[Field, ...] = (
           "balanced assignment (fairseq's --base-shuffle); 0 turns it off", "base_shuffle", SPARSE,
           to_core=_base_shuffle, from_core=lambda core: int(core.base_shuffle), sparse=True),
     # fairseq writes per-rank checkpoints and loads them on every rank when cfg.model.base_layers > 0
-    # (trainer.py, distributed/utils.py): it must equal the number of sparse layers. Only fairseq reads it.
+    # (fairseq.trainer, fairseq.distributed.utils): it must equal the number of sparse layers. Only fairseq reads it.
     Field("base_layers", int, II("model.sparse_layers"), "", None, SPARSE),
     # Read so the model can warn when the criterion would ignore its auxiliary loss or prefix.
     Field("criterion_name", str, II("criterion._name"), "", None, SPARSE),

@@ -3,7 +3,7 @@
 fairseq's own files are not changed: each patch replaces one module attribute, marks its wrapper
 (`_smlp_patch`) so that installing twice changes nothing, and keeps the original as `__wrapped__`.
 
-1. numpy 2 (`numpy_compat_long`): `fairseq/data/token_block_dataset.py` builds its block index with
+1. numpy 2 (`numpy_compat_long`): `fairseq.data.token_block_dataset` builds its block index with
    `np.compat.long`, which numpy 2 removed. Every fairseq-interactive run (and the hub's `sample`)
    goes through it (`LanguageModelingTask.build_dataset_for_inference`, break mode "eos") and died
    with `AttributeError: module 'numpy' has no attribute 'compat'`. The patch gives that module
@@ -74,7 +74,7 @@ class _NumpyWithCompat(types.ModuleType):
 
 
 def numpy_compat_long() -> bool:
-    """Give fairseq/data/token_block_dataset.py a numpy with np.compat.long (see the module docstring)."""
+    """Give fairseq.data.token_block_dataset a numpy with np.compat.long (see the module docstring)."""
     from fairseq.data import token_block_dataset
 
     current = token_block_dataset.np

@@ -82,7 +82,7 @@ _CLI_MODULES = ("fairseq_cli.eval_lm", "fairseq_cli.validate", "fairseq_cli.gene
 def restore_fairseq_cli_logging() -> bool:
     """Give fairseq-eval-lm / fairseq-validate back the INFO logging they ask for.
 
-    Importing fairseq runs `logging.debug(...)` in fairseq/file_io.py (its FB-only S3 handler is
+    Importing fairseq runs `logging.debug(...)` in `fairseq.file_io` (its FB-only S3 handler is
     missing), which installs Python's default root handler at WARNING. Programs that call
     `logging.basicConfig` after importing fairseq (eval_lm, validate, ...) then log nothing at INFO,
     results included ("Loss (base 2): ..."). This redoes their configuration, only when the

@@ -8,7 +8,7 @@ patches, in this order; each is idempotent, and none changes an fp32 run: patche
 act only when --bf16, --fp16, --amp (or their memory-efficient forms) is set, and patch 3
 changes one expression on the overflow path, which only the fp16 loss scaler reaches.
 
-1. `--bf16` without a TPU (`fairseq.distributed.utils.call_main`). fairseq/options.py turns
+1. `--bf16` without a TPU (`fairseq.distributed.utils.call_main`). `fairseq.options` turns
    --tpu on whenever --bf16 is given; the trainer then asks torch_xla for a device and fails
    ("'NoneType' object has no attribute 'xrt_world_size'"), on CPU and on a GPU without
    torch_xla alike. Unless --tpu is on the command line, the run is put back on its real

@@ -11,8 +11,8 @@ either way, so every later parameter is the same too. That makes a seeded W-rank
 exactly the model a seeded single-process run starts from (tests compare the two).
 
 Every expert parameter carries `param.expert = True`: fairseq's legacy_ddp then skips it in the
-gradient all-reduce (fairseq 0.12 `legacy_distributed_data_parallel.py`; c10d would average it over
-the ranks) and clip_grad_norm_ treats it per rank (`fairseq/utils.py`).
+gradient all-reduce (fairseq 0.12 `fairseq.distributed.legacy_distributed_data_parallel`; c10d would
+average it over the ranks) and clip_grad_norm_ treats it per rank (`fairseq.utils.clip_grad_norm_`).
 
 Several experts on one rank (more experts than ranks, or a consolidated model evaluated on one
 process) run as one product, not one small matmul each: with equal counts (balanced routing,

@@ -180,7 +180,7 @@ class LMConfig:
         if self.sparse_placement != "auto":
             return self.sparse_placement
         if self.family == "transformer":
-            return TOKEN_ROUTERS[self.moe_router].placement  # the router registry (routers.py)
+            return TOKEN_ROUTERS[self.moe_router].placement  # the router registry (routing/registry.py)
         return "paper"  # sMLP's sparse blocks: sec. 4.1
 
     @property

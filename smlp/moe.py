@@ -1,4 +1,4 @@
-"""MoE layers as four named stages: route -> dispatch -> experts -> combine (Megatron-Core's moe_layer.py).
+"""MoE layers as four named stages: route -> dispatch -> experts -> combine (Megatron-Core's MoELayer).
 
 tMoE (token-routed FFN experts, sMLP section 2.2 / 3.1) and sMoE (hidden-dimension-routed
 spatial experts, sections 3.1-3.2), and the sMLP sparse block that stacks them. Each layer's

@@ -319,7 +319,8 @@ def _sgu_macs(sgu: SpatialGatingUnit, n: int) -> int:
 
 
 def _token_mixer_macs(mixer: nn.Module, n: int) -> int:
-    """The gMLP block's token mixer: SGU, causal HyperMixing or NiNformer gating (token_mixers.py)."""
+    """The gMLP block's token mixer: SGU, causal HyperMixing or NiNformer gating (smlp/hypermixer.py,
+    smlp/ninformer.py)."""
     if isinstance(mixer, SpatialGatingUnit):
         return _sgu_macs(mixer, n)
     if isinstance(mixer, HyperMixingUnit):

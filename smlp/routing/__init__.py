@@ -1,8 +1,8 @@
 """Where does a row go: the routers of the tMoE and sMoE layers, as pure functions, and their registry.
 
-As Megatron-Core's `moe/router.py` separates `gating()` (the fp32 projection to logits) from
-`routing()` (the rule that turns logits into a plan), the logits are computed in one place and
-each rule lives apart from it:
+As Megatron-Core's router (`megatron.core.transformer.moe.router`) separates `gating()` (the fp32
+projection to logits) from `routing()` (the rule that turns logits into a plan), the logits are
+computed in one place and each rule lives apart from it:
 
     registry.py        every token router and sMoE routing with all its facts (top-k, capacity,
                        auxiliary loss, placement, FLOP accounting): the one table the layers, the

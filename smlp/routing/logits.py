@@ -9,7 +9,7 @@ routers derive from them (softmax, assignment scores, load-balancing losses), ar
 the model's dtype (fairseq --fp16 / --bf16 halve every parameter) or autocast context (--amp).
 The cost is one small matmul (S x D x E) in fp32. Every learned router calls it: the token
 routers through the registry's route functions (registry.py), the sMoE router (moe.SMoE) and the
-token-routed gMLP (token_routed.py); the rules that turn logits into a plan are routes.py and
+token-routed gMLP (smlp/token_routed.py); the rules that turn logits into a plan are routes.py and
 gates.py (Megatron-Core's `routing()`).
 
 Shapes: the core's legend (smlp/__init__.py); here S rows, D their width (the model width; for the
