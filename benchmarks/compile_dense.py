@@ -1,4 +1,6 @@
 """Deprecated path of `smlp_bench.micro.compile_dense` (issue 27), kept for one release."""
-from smlp_bench.moved import moved
+import sys
 
-moved(__spec__.name, "smlp_bench.micro.compile_dense", main=__name__ == "__main__")
+from smlp.deprecation import moved
+
+sys.modules[__spec__.name] = moved(__spec__.name, "smlp_bench.micro.compile_dense", main=__name__ == "__main__")

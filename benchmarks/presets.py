@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from smlp.routers import SMOE_ROUTINGS, TOKEN_ROUTERS
+from smlp.routing.registry import SMOE_ROUTINGS, TOKEN_ROUTERS
 
 # The target and its width (CPU scale that still means something: d_model >= 256, sequence >= 256).
 TARGET = dict(d_model=256, d_ffn=1024, seq_len=256, dense=9, sparse=3)

@@ -23,7 +23,7 @@ different numbers of rows and batches. So that every exchange has all its ranks:
     1. before each model call a rank all-reduces (max) a flag "I still generate" = 1;
     2. a rank whose prompts are all done keeps answering with flag 0 and, while the maximum is 1,
        makes an empty step (`model(tokens[:0], cache=cache)`: it joins the expert exchanges and
-       reads no position, smlp/decoding.py);
+       reads no position, smlp/decoding_cache.py);
     3. when the maximum is 0 every rank is done; the continuations are all-gathered and rank 0
        prints them in the order of the prompts.
 Every rank therefore makes the same number of model calls (reported as `steps`), and the output
@@ -182,8 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run(args) -> dict:
+    from fairseq_plugins.prefix_fill import routing_prefix_fill
+
     from .scoring import world
-    from .text import routing_prefix_fill
     from .zeroshot import init_distributed, load_model
 
     for name in ("max_new_tokens", "beam", "batch_size"):
@@ -205,7 +206,7 @@ def run(args) -> dict:
     fill, fill_note = None, None
     if P:
         if args.prefix_fill == "text":
-            fill, source = routing_prefix_fill(encoder, P)
+            fill, source = routing_prefix_fill(encoder.dictionary, encoder.data_dir, P)
             fill_note = f"the last {P} tokens of {source}"
         else:
             fill, fill_note = [encoder.eos] * P, "</s> repeated (--prefix-fill eos)"

@@ -90,7 +90,7 @@ def encode_pair(encoder: Encoder, context: str, continuation: str) -> tuple[list
 def common_prefix_suffix(token_lists: Sequence[Sequence[int]]) -> tuple[int, int]:
     """(common prefix length, common suffix length) of the candidates' token sequences.
 
-    The few-shot harness's rule (predictors.py `get_common_prefix_and_suffix_lengths`): both are
+    The few-shot harness's rule (its `get_common_prefix_and_suffix_lengths`): both are
     measured within the length n of the shortest sequence, so neither exceeds n.
     """
     n = min(len(t) for t in token_lists)
@@ -287,7 +287,7 @@ class LMScorer:
         arguments: rank 0's choice of each token is broadcast, so all ranks run the same forward
         calls even if their logits differ in the last bit.
 
-        With `use_cache` (and a model with the core's decoding cache, smlp/decoding.py) the row
+        With `use_cache` (and a model with the core's decoding cache, smlp/decoding_cache.py) the row
         `fill + </s> + context` is run once and each new token costs one position; when the next
         token would not fit the model's T positions, decoding goes on as without the cache: the
         last T tokens, recomputed at every step (a sliding window). Without the cache every step

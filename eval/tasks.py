@@ -22,8 +22,8 @@ Templates render an example into candidates (context, continuation): the LM scor
 continuation given the context. A newline in either becomes </s> when encoded (how fairseq
 stored line breaks in training). Two template sets:
 
-paper (the few-shot harness of Artetxe et al. 2021, fairseq `examples/few_shot/templates.py`,
-which the sMLP paper's evaluation follows; the default). context + continuation is the
+paper (the few-shot harness of Artetxe et al. 2021 in fairseq's examples, its templates, which the
+sMLP paper's evaluation follows; the default). context + continuation is the
 candidate's whole text; which of its tokens count is the scoring rule's business (zeroshot.py:
 the tokens after the candidates' common prefix, or their common suffix):
     copa        "{premise without its final '.'} because|so {choice}", the choice's first word
@@ -477,8 +477,8 @@ def _record_examples(path: str, rows: list[tuple[str, dict]]) -> list[Example]:
 # ------------------------------------------------------------------------------------ templates
 
 # How each task's candidates are compared under the paper template (--scoring auto), and why:
-# the rule of the few-shot harness of Artetxe et al. (2021) (fairseq `examples/few_shot`,
-# predictors.py `CLMPromptingPredictor.get_candidate_score`) with the per-task choice GPT-3 made
+# the rule of the few-shot harness of Artetxe et al. (2021) (in fairseq's examples:
+# `CLMPromptingPredictor.get_candidate_score`) with the per-task choice GPT-3 made
 # (Brown et al. 2020, section 2: per-token likelihood for most tasks, Winogrande's "partial
 # evaluation" of the part after the blank), which the papers compare against. See zeroshot.py.
 PAPER_SCORING = {"copa": "mean", "piqa": "mean", "hellaswag": "mean", "storycloze": "mean",
@@ -549,7 +549,7 @@ def render(example: Example, template: str) -> list[Candidate]:
 
 
 def _render_paper(task: str, d: dict) -> list[Candidate]:
-    # Each branch restates the harness's template (fairseq examples/few_shot/templates.py) for
+    # Each branch restates the harness's template (its `*Template` classes in fairseq's examples) for
     # the task: encode() builds the prompt around <mask>, verbalize() the candidate.
     if task == "copa":  # COPATemplate: premise without its final ".", " because " / " so "
         premise = d["premise"].rstrip()

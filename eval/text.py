@@ -1,7 +1,7 @@
 """Text handling shared by data preparation, evaluation and generation: the project's one text <->
 fairseq token ids path (`Encoder`, the tokenizer of a data folder and its dictionary), the corpus
 normalization of a line, and reading a data folder's binarized text back (fairseq's reader; the
-routing-prefix fill of partial prediction, sMLP section 3.2.1).
+routing-prefix fill of partial prediction, sMLP section 3.2.2, reads it in fairseq_plugins/prefix_fill.py).
 
 Data preparation (smlp_launch.data, `smlp-prepare-data`), evaluation (smlp_eval.scoring, zeroshot,
 generate) and the fairseq generation patches import it; it imports neither of them, nor any model
@@ -9,13 +9,11 @@ code (sentencepiece and fairseq's Dictionary / data reader are imported on first
 """
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 __all__ = ["SPM_MODEL", "DICT", "BOS_ID", "PAD_ID", "EOS_ID", "UNK_ID", "N_SPECIAL", "DataPrepError",
-           "TokenizerMismatchError", "Encoder", "load_encoder", "normalize_line", "load_binarized",
-           "routing_prefix_fill"]
+           "TokenizerMismatchError", "Encoder", "load_encoder", "normalize_line", "load_binarized"]
 
 SPM_MODEL = "spm.model"
 DICT = "dict.txt"
@@ -204,26 +202,3 @@ def load_binarized(prefix: str | Path, dictionary=None):
     """fairseq's own reader of a binarized split PREFIX.bin/.idx (MMapIndexedDataset), or None."""
     from fairseq.data import data_utils
     return data_utils.load_indexed_dataset(str(prefix), dictionary)
-
-
-def routing_prefix_fill(encoder: Encoder, positions: int) -> tuple[list[int], str]:
-    """(tokens, where from): the last `positions` tokens of the data folder's valid split (test,
-    train if it has none), read with fairseq's own reader. They end with the </s> of a line end."""
-    if positions <= 0:
-        return [], ""
-    folder = encoder.data_dir
-    for split in ("valid", "test", "train"):
-        prefix = os.path.join(str(folder), split)
-        ds = load_binarized(prefix, encoder.dictionary) if folder is not None else None
-        if ds is None or int(ds.sizes.sum()) < positions:
-            continue
-        out: list[int] = []
-        for i in range(len(ds) - 1, -1, -1):  # from the end: a few sentences suffice
-            out = ds[i].tolist() + out
-            if len(out) >= positions:
-                return out[-positions:], prefix
-    raise FileNotFoundError(
-        f"the model routes on its first {positions} positions and prompts shorter than that are preceded by "
-        f"real text from the data folder, but {folder} has no binarized valid/test/train split with "
-        f"{positions} tokens; pass --data-dir with the binarized data folder, or --prefix-fill eos to fill "
-        f"with </s> (a prefix the router never saw in training)")

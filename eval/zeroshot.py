@@ -9,9 +9,9 @@
 Every candidate answer of an example is scored by the LM and the best one is the prediction, as
 in Artetxe et al. (2021), which the paper follows (section 4.5).
 
-Paper template (default): the few-shot harness of Artetxe et al. (2021) (fairseq
-`examples/few_shot`: templates.py for the strings, predictors.py `CLMPromptingPredictor` for the
-scores). Each candidate's whole text (tasks.py) is encoded; the tokens all candidates of an
+Paper template (default): the few-shot harness of Artetxe et al. (2021) (in fairseq's examples:
+its templates for the strings, `CLMPromptingPredictor` for the scores). Each candidate's whole
+text (tasks.py) is encoded; the tokens all candidates of an
 example share at the start (their longest common token prefix) or at the end (common suffix) are
 what the scoring rules leave out or keep:
     mean           mean log-probability of the tokens after the common prefix: shared leading
@@ -94,7 +94,7 @@ from .tasks import (
     load_examples,
     render,
 )
-from .text import DataPrepError, Encoder, routing_prefix_fill
+from .text import DataPrepError, Encoder
 
 PROG = "smlp-zeroshot"
 SCORINGS = ("auto", "mean", "sum", "suffix", "unconditional")
@@ -128,8 +128,8 @@ class CheckpointMismatchError(ValueError):
 def load_model(path: str, data_dir: str | None = None, device: str | torch.device = "cpu"):
     """(model, fairseq task, Encoder) of a checkpoint of any of our model families."""
     import fairseq_plugins  # noqa: F401  (registers our models)
+    from fairseq_plugins.checkpoint_sets import rank_shards
     from fairseq_plugins.checkpoints import load_for_eval
-    from fairseq_plugins.shard_sets import rank_shards
 
     stem = path[:-3] if path.endswith(".pt") else path
     if not os.path.isfile(path) and not rank_shards(path):
@@ -191,7 +191,9 @@ def build_scorer(model, encoder: Encoder, *, device, batch_size: int = 16, progr
     info = {"positions": P, "of": scorer.max_positions, "fill": None, "source": None}
     if P > 0:
         if prefix_fill == "text":
-            tokens, source = routing_prefix_fill(encoder, P)
+            from fairseq_plugins.prefix_fill import routing_prefix_fill
+
+            tokens, source = routing_prefix_fill(encoder.dictionary, encoder.data_dir, P)
             scorer.prefix_fill = tokens
             info.update(fill="text", source=source)
         else:

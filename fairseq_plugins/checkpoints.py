@@ -12,7 +12,7 @@ each holding that rank's experts. Here:
   expert, written atomically; it loads on any world size that divides the number of experts
   (fairseq-eval-lm, smlp-zeroshot). With expert-data parallelism (--expert-parallel-size G < W)
   ranks r and r + G write identical expert shards: the first G are merged and the replicas are
-  checked to agree (`saved_ep_size`, `smlp.sharding.check_replicas`).
+  checked to agree (`saved_ep_size`, `smlp.resharding.check_replicas`).
 """
 from __future__ import annotations
 
@@ -24,9 +24,9 @@ from collections.abc import Mapping
 
 import torch
 
-from smlp.sharding import merge_expert_shards, slice_expert_shard
+from smlp.resharding import merge_expert_shards, slice_expert_shard
 
-from .shard_sets import rank_shards
+from .checkpoint_sets import rank_shards
 
 EXPERT_KEY = re.compile(r"(^|\.)experts\.")
 
@@ -147,8 +147,8 @@ def shard_paths(path: str) -> list[str]:
 
 
 def check_one_save(path: str, shards: list[str]) -> None:
-    """ValueError naming every shard and its update unless the shards are one save (shard_sets tags)."""
-    from .shard_sets import read_shard, set_problem
+    """ValueError naming every shard and its update unless the shards are one save (checkpoint_sets tags)."""
+    from .checkpoint_sets import read_shard, set_problem
 
     infos = [read_shard(p) for p in shards]
     problem = set_problem(infos, len(shards), sharded=True)
@@ -176,7 +176,7 @@ def consolidate(path: str, out: str | None = None) -> str:
         cfg["model"]["num_experts"] = int(merged["model"][keys[0]].shape[0])
         merged["cfg"] = cfg  # stored as plain containers, as fairseq stores it
     out = out or path
-    from .shard_sets import atomic_torch_save
+    from .checkpoint_sets import atomic_torch_save
 
     atomic_torch_save(merged, out)
     return out

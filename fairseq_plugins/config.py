@@ -2,7 +2,7 @@
 
 `FIELDS` lists each field of the three model configurations (smlp_lm, gmlp_lm, moe_transformer_lm)
 once: its name (the flag is --name-with-dashes), type, default, help, the valid values (taken from
-the core's constants: the router registry smlp/routers.py, smlp/lm.py PLACEMENTS, ...), the core
+the core's constants: the router registry smlp/routing/registry.py, smlp/lm.py PLACEMENTS, ...), the core
 field it sets and how its value converts each way. Everything else is derived from it:
 
     SMLPConfig, GMLPConfig, MoETransformerConfig  the FairseqDataclasses fairseq registers
@@ -27,12 +27,11 @@ from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 from omegaconf import II
 
 from smlp.config import ACTIVATIONS
-from smlp.dispatch import expert_parallel_layout
-from smlp.gates import GSHARD_AUX_LOSSES
+from smlp.expert_data_parallel import ExpertDataLayout, expert_parallel_layout, valid_ep_sizes
+from smlp.gmlp import TOKEN_MIXERS
 from smlp.lm import PLACEMENTS, LMConfig
-from smlp.parallel import ExpertDataLayout, valid_ep_sizes
-from smlp.routers import SMOE_ROUTINGS, TOKEN_ROUTERS
-from smlp.token_mixers import TOKEN_MIXERS
+from smlp.routing.gates import GSHARD_AUX_LOSSES
+from smlp.routing.registry import SMOE_ROUTINGS, TOKEN_ROUTERS
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +121,7 @@ FIELDS: tuple[Field, ...] = (
     # Read from the trainer's config so the model can refuse a wrong setup before training starts.
     Field("ddp_backend", str, II("distributed_training.ddp_backend"), "", None, ALL),
     Field("distributed_world_size", int, II("distributed_training.distributed_world_size"), "", None, ALL),
-    # the token mixer of the dense gMLP blocks (smlp/token_mixers.py)
+    # the token mixer of the dense gMLP blocks (smlp/gmlp.py TOKEN_MIXERS)
     Field("token_mixer", str, "sgu", "token mixer of the dense gMLP blocks: sgu (gMLP's spatial gating unit), "
           "hypermixer (causal HyperMixing) or ninformer (NiNformer's gating unit, causal token MLP)",
           "token_mixer", MIXER, choices=TOKEN_MIXERS),
@@ -143,14 +142,14 @@ FIELDS: tuple[Field, ...] = (
           "--num-experts)", None, SPARSE),
     Field("sparse_placement", str, "auto",
           "where the sparse blocks sit: paper (sec. 4.1, spread evenly over the depth), every_other (GShard, "
-          "Switch), fairseq (fairseq's --base-layers insertion); auto = the router's default (smlp/routers.py: "
-          "every_other for gshard/switch, paper otherwise)", "sparse_placement", SPARSE,
+          "Switch), fairseq (fairseq's --base-layers insertion); auto = the router's default "
+          "(smlp/routing/registry.py: every_other for gshard/switch, paper otherwise)", "sparse_placement", SPARSE,
           choices=("auto", *PLACEMENTS), sparse=True),
     Field("base_shuffle", int, 1, "Base Layers tMoE: in training, shuffle tokens to random ranks before the "
           "balanced assignment (fairseq's --base-shuffle); 0 turns it off", "base_shuffle", SPARSE,
           to_core=_base_shuffle, from_core=lambda core: int(core.base_shuffle), sparse=True),
     # fairseq writes per-rank checkpoints and loads them on every rank when cfg.model.base_layers > 0
-    # (trainer.py, distributed/utils.py): it must equal the number of sparse layers. Only fairseq reads it.
+    # (fairseq.trainer, fairseq.distributed.utils): it must equal the number of sparse layers. Only fairseq reads it.
     Field("base_layers", int, II("model.sparse_layers"), "", None, SPARSE),
     # Read so the model can warn when the criterion would ignore its auxiliary loss or prefix.
     Field("criterion_name", str, II("criterion._name"), "", None, SPARSE),
@@ -171,7 +170,7 @@ FIELDS: tuple[Field, ...] = (
     # moe_transformer_lm
     Field("decoder_attention_heads", int, 8, "attention heads", "heads", ("transformer",), always=True),
     Field("moe_router", str, "switch", "token router of the sparse FFN layers: " + ", ".join(
-          f"{r.name} ({r.title}, top-{r.top_k})" for r in TOKEN_ROUTERS.values()) + " (smlp/routers.py)",
+          f"{r.name} ({r.title}, top-{r.top_k})" for r in TOKEN_ROUTERS.values()) + " (smlp/routing/registry.py)",
           "moe_router", ("transformer",), choices=tuple(TOKEN_ROUTERS), always=True, sparse=True),
     Field("capacity_factor", float, 1.0, "capacity factor in training: Switch's expert capacity is cf x S/E "
           "tokens, GShard's cf x 2S/E (1: the paper's 2S/E)", "capacity_factor", ("transformer",), sparse=True),

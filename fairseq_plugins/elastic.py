@@ -7,7 +7,7 @@ the optimizer state. Before fairseq loads anything, `reshard_for_resume` rewrite
 into the layout of this run:
 
 - model: the experts of every sparse layer are re-sliced for each rank's position in its
-  expert-parallel group (smlp.sharding; replicas of expert-data parallelism get identical files);
+  expert-parallel group (smlp.resharding; replicas of expert-data parallelism get identical files);
 - optimizer: the per-parameter state of expert parameters (Adam's exp_avg and exp_avg_sq) moves
   with its experts; the state of shared parameters is the same on every rank and is kept;
 - data position: fairseq counts the batches each rank consumed (`iterations_in_epoch`), and rank r
@@ -40,12 +40,12 @@ from dataclasses import dataclass
 
 import torch
 
-from smlp.parallel import ExpertDataLayout
+from smlp.expert_data_parallel import ExpertDataLayout
+from smlp.experts import is_expert
 from smlp.process_group import rank_and_world
-from smlp.sharding import reshard_model_state, reshard_optimizer_state, source_positions
+from smlp.resharding import reshard_model_state, reshard_optimizer_state, source_positions
 
-from .checkpoints import is_expert_key
-from .shard_sets import (
+from .checkpoint_sets import (
     DEFAULT_RESTORE,
     SHARD_KEY,
     _broadcast,
@@ -56,6 +56,7 @@ from .shard_sets import (
     set_problem,
     shard_path,
 )
+from .checkpoints import is_expert_key
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +125,7 @@ def inspect_saved(base: str) -> SavedSet | None:
         missing = [r for r in range(max(max(shards) + 1, writer or 0)) if r not in shards]
         problem = (f"rank(s) {missing} are missing ({len(shards)} found)" if missing
                    else set_problem(infos, len(files), sharded=True))
-        if problem:  # raised only if this set must be resharded: on its own world size shard_sets falls back
+        if problem:  # raised only if this set must be resharded: on its own world size checkpoint_sets falls back
             problem = (f"the rank shards of {base} are not one save ({problem}): "
                        f"{'; '.join(i.describe(len(files)) for i in infos)}; resume from a complete save "
                        f"(--restore-file checkpoint_<epoch>_<update>.pt) or on the world size that wrote it")
@@ -132,7 +133,7 @@ def inspect_saved(base: str) -> SavedSet | None:
     elif os.path.isfile(base):
         files = (base,)
         if not read_shard(base).readable:
-            return None  # damaged: shard_sets refuses it (naming the file) or falls back to an older save
+            return None  # damaged: checkpoint_sets refuses it (naming the file) or falls back to an older save
     else:
         return None
     first = _load(files[0])
@@ -170,12 +171,12 @@ def plan_resume(base: str, *, world_size: int, sharded: bool, layout: ExpertData
     targets = tuple(shard_name(base, r) for r in range(world_size)) if sharded else (base,)
     if saved.problem:
         if sharded and saved.world_size == world_size:
-            return None  # written by this world size: shard_sets refuses it or falls back to a complete save
+            return None  # written by this world size: checkpoint_sets refuses it or falls back to a complete save
         raise ReshardError(saved.problem)
     same_files = saved.files == targets and saved.world_size == world_size
     if saved.num_experts != num_experts:
         if same_files:
-            return None  # nothing to reshard: shard_sets says how the checkpoint does not fit this model
+            return None  # nothing to reshard: checkpoint_sets says how the checkpoint does not fit this model
         raise ReshardError(
             f"{saved.describe()} holds {saved.num_experts} experts per sparse layer but this run builds "
             f"{num_experts}; resuming cannot change the number of experts. Pass --num-experts {saved.num_experts}"
@@ -210,7 +211,7 @@ def resharded_state(plan: Plan, rank: int, sources: dict[int, dict], expert_para
                     f"{len(expert_params)}: it is not kept per parameter (--fp16 flattens the parameters into one; "
                     f"train with --fp16-no-flatten-grads or --memory-efficient-fp16 to resume on another world size, "
                     f"or resume with --reset-optimizer)")
-            experts = {idx for idx, is_expert in zip(indices, expert_params) if is_expert}
+            experts = {idx for idx, expert in zip(indices, expert_params) if expert}
             state["last_optimizer_state"] = reshard_optimizer_state(
                 {i: s["last_optimizer_state"] for i, s in sources.items()}, experts, saved.local_experts, first, L)
     state["extra_state"] = _moved_iterator(base.get("extra_state"), saved.world_size, plan.world_size)
@@ -347,7 +348,7 @@ def reshard_for_resume(cfg, trainer) -> Plan | None:
         return None
     criterion = trainer.get_criterion()
     params = [p for p in list(model.parameters()) + list(criterion.parameters()) if p.requires_grad]
-    reshard_checkpoint(plan, rank, [bool(getattr(p, "expert", False)) for p in params])
+    reshard_checkpoint(plan, rank, [is_expert(p) for p in params])
     return plan
 
 

@@ -3,7 +3,7 @@
 fairseq's own files are not changed: each patch replaces one module attribute, marks its wrapper
 (`_smlp_patch`) so that installing twice changes nothing, and keeps the original as `__wrapped__`.
 
-1. numpy 2 (`numpy_compat_long`): `fairseq/data/token_block_dataset.py` builds its block index with
+1. numpy 2 (`numpy_compat_long`): `fairseq.data.token_block_dataset` builds its block index with
    `np.compat.long`, which numpy 2 removed. Every fairseq-interactive run (and the hub's `sample`)
    goes through it (`LanguageModelingTask.build_dataset_for_inference`, break mode "eos") and died
    with `AttributeError: module 'numpy' has no attribute 'compat'`. The patch gives that module
@@ -29,7 +29,7 @@ fairseq's own files are not changed: each patch replaces one module attribute, m
    - Partial prediction (sMLP section 3.2.2). Such a model predicts nothing from its first P
      positions (the routing prefix). A prompt whose last token sits before position P is
      left-filled with the last tokens of real text (the data folder's valid split, ending at a
-     line end, read by `smlp_eval.text.routing_prefix_fill`; </s> repeated if the folder has
+     line end, read by `prefix_fill.routing_prefix_fill`; </s> repeated if the folder has
      none) using `smlp.generation.fill_prefix`, the rule smlp-zeroshot and `smlp.generation`
      use: the model reads `fill </s> prompt`. The fill goes to the decoder
      (`CoreLMDecoder.routing_prefix`), not to the generator: fairseq ends a hypothesis at every
@@ -74,7 +74,7 @@ class _NumpyWithCompat(types.ModuleType):
 
 
 def numpy_compat_long() -> bool:
-    """Give fairseq/data/token_block_dataset.py a numpy with np.compat.long (see the module docstring)."""
+    """Give fairseq.data.token_block_dataset a numpy with np.compat.long (see the module docstring)."""
     from fairseq.data import token_block_dataset
 
     current = token_block_dataset.np
@@ -219,12 +219,12 @@ def _task_prefix_fill(task, positions: int) -> list[int]:
     cached = getattr(task, "_smlp_prefix_fill", None)
     if cached is not None and len(cached) >= positions:
         return cached
-    from smlp_eval.text import Encoder, routing_prefix_fill
+    from .prefix_fill import routing_prefix_fill
 
     data = str(getattr(task.args, "data", "") or "").split(os.pathsep)[0]
     dictionary = task.target_dictionary
     try:
-        fill, where = routing_prefix_fill(Encoder(dictionary, data_dir=data or None), positions)
+        fill, where = routing_prefix_fill(dictionary, data or None, positions)
         what = f"the last {positions} tokens of {where} (real text ending at a line end)"
     except (FileNotFoundError, ValueError) as exc:
         fill, what = [dictionary.eos()] * positions, f"</s> repeated ({exc})"

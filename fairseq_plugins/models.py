@@ -2,7 +2,7 @@
 
 The models are thin wrappers around `smlp.lm.LanguageModel`; the fairseq-specific parts are
 the expert-parallel contract (expert parameters marked, legacy_ddp required, gradient scale), the
-expert-data-parallel process groups (--expert-parallel-size, smlp/parallel.py) and checkpoint
+expert-data-parallel process groups (--expert-parallel-size, smlp/expert_data_parallel.py) and checkpoint
 loading across world sizes.
 """
 from __future__ import annotations
@@ -15,10 +15,10 @@ import torch
 from fairseq.models import FairseqIncrementalDecoder, FairseqLanguageModel, register_model, register_model_architecture
 
 from smlp.dispatch import AllToAllDispatcher, LocalDispatcher
+from smlp.expert_data_parallel import ExpertDataLayout, average_expert_gradients, expert_data_groups
 from smlp.lm import LanguageModel
-from smlp.parallel import ExpertDataLayout, average_expert_gradients, expert_data_groups
 from smlp.process_group import rank_and_world
-from smlp.routers import TOKEN_ROUTERS
+from smlp.routing.registry import TOKEN_ROUTERS
 
 from . import step_profiler
 from .checkpoints import adapt_expert_state
@@ -43,7 +43,7 @@ class CoreLMDecoder(FairseqIncrementalDecoder):
 
     Incremental (fairseq's SequenceGenerator: fairseq-interactive, fairseq-generate, the hub's
     sample): with `incremental_state`, only the positions after those already decoded go through
-    the core, with its decoding cache (smlp/decoding.py) kept under one key of incremental_state;
+    the core, with its decoding cache (smlp/decoding_cache.py) kept under one key of incremental_state;
     beam search and finished sentences reorder it. Without it (training, validation, scoring) the
     whole sequence runs through the core's full forward, as before.
 
@@ -326,7 +326,7 @@ def gmlp_lm_tiny(args):
     _preset(args, decoder_embed_dim=64, decoder_ffn_embed_dim=128, decoder_layers=4, dropout=0.0)
 
 
-# The SGU of the dense gMLP blocks replaced (smlp/token_mixers.py). Paper-small presets: D=1024,
+# The SGU of the dense gMLP blocks replaced (smlp/hypermixer.py, smlp/ninformer.py). Paper-small presets: D=1024,
 # F=4096, T=1024 and the layer counts `smlp-flops --arch smlp_lm_paper_small --match` picks (HyperMixer
 # within 1.5% of the small sMLP's FLOPs, NiNformer the nearest at -2.2%); tests/test_token_mixers.py
 # re-derives them.

@@ -7,9 +7,9 @@ package (`--user-dir fairseq_plugins`, or `import fairseq_plugins`) calls `apply
 nothing else installs a patch. The code of each patch lives with the concept it serves (the module
 named in the table); the two small ones without such a module live here.
 
-Order matters in one place: `shard_sets` and `elastic` both wrap `checkpoint_utils.load_checkpoint`;
+Order matters in one place: `checkpoint_sets` and `elastic` both wrap `checkpoint_utils.load_checkpoint`;
 elastic's wrapper must be the outer one (it reshards the checkpoint to this run's layout first, then
-shard_sets checks that the rank shards form one save), so elastic is applied after shard_sets. The
+checkpoint_sets checks that the rank shards form one save), so elastic is applied after checkpoint_sets. The
 logging repair runs last, after every import that could have configured logging.
 """
 from __future__ import annotations
@@ -82,7 +82,7 @@ _CLI_MODULES = ("fairseq_cli.eval_lm", "fairseq_cli.validate", "fairseq_cli.gene
 def restore_fairseq_cli_logging() -> bool:
     """Give fairseq-eval-lm / fairseq-validate back the INFO logging they ask for.
 
-    Importing fairseq runs `logging.debug(...)` in fairseq/file_io.py (its FB-only S3 handler is
+    Importing fairseq runs `logging.debug(...)` in `fairseq.file_io` (its FB-only S3 handler is
     missing), which installs Python's default root handler at WARNING. Programs that call
     `logging.basicConfig` after importing fairseq (eval_lm, validate, ...) then log nothing at INFO,
     results included ("Loss (base 2): ..."). This redoes their configuration, only when the
@@ -107,15 +107,15 @@ PATCHES = (
     Patch("allow_fairseq_checkpoints", "checkpoints", "allow_fairseq_checkpoints",
           "torch >= 2.6 loads with weights_only=True and refuses the omegaconf, numpy and argparse objects fairseq "
           "stores in a checkpoint: they are allowlisted"),
-    Patch("shard_sets", "shard_sets", "install",
+    Patch("checkpoint_sets", "checkpoint_sets", "install",
           "fairseq writes rank shards non-atomically and resumes each rank from whatever file it finds: atomic "
           "tagged writes, and only a whole set of rank shards is loaded"),
     Patch("guard_language_modeling_data", "patches", "guard_language_modeling_data",
           "language_modeling reads a missing or unbinarized --data with an obscure error: checked first"),
     Patch("elastic", "elastic", "install",
           "resuming on another number of ranks loads rank shards of the old layout: resharded first (after "
-          "shard_sets, so that its wrapper is the outer one)"),
-    Patch("sharded_optim", "sharded_optim", "install",
+          "checkpoint_sets, so that its wrapper is the outer one)"),
+    Patch("zero_optimizer", "zero_optimizer", "install",
           "--zero-sharding os (fairscale OSS) would overwrite every rank's experts with one rank's: expert "
           "parameters keep their optimizer state on their rank"),
     Patch("precision", "precision", "install",

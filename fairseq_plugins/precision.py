@@ -8,7 +8,7 @@ patches, in this order; each is idempotent, and none changes an fp32 run: patche
 act only when --bf16, --fp16, --amp (or their memory-efficient forms) is set, and patch 3
 changes one expression on the overflow path, which only the fp16 loss scaler reaches.
 
-1. `--bf16` without a TPU (`fairseq.distributed.utils.call_main`). fairseq/options.py turns
+1. `--bf16` without a TPU (`fairseq.distributed.utils.call_main`). `fairseq.options` turns
    --tpu on whenever --bf16 is given; the trainer then asks torch_xla for a device and fails
    ("'NoneType' object has no attribute 'xrt_world_size'"), on CPU and on a GPU without
    torch_xla alike. Unless --tpu is on the command line, the run is put back on its real
@@ -32,7 +32,7 @@ changes one expression on the overflow path, which only the fp16 loss scaler rea
    fairseq leaves expert gradients out of the norm, which is also the fp16 loss scaler's only
    overflow test: an inf in one expert's gradient was applied as an update (the weight became
    NaN). Under mixed precision, for models with experts, the norm that is clipped, logged and
-   tested for overflow is `smlp.parallel.grad_norm_with_experts`: shared gradients once, every
+   tested for overflow is `smlp.expert_data_parallel.grad_norm_with_experts`: shared gradients once, every
    expert once (replicas of expert-data parallelism once), one all-reduce of a scalar on the
    backend's device, the same on every rank. An overflow anywhere (any rank, any expert) is then
    seen by every rank: all skip the step and lower the loss scale together. (fp32 keeps
@@ -61,7 +61,8 @@ import textwrap
 
 import torch
 
-from smlp.parallel import grad_norm_with_experts
+from smlp.expert_data_parallel import grad_norm_with_experts
+from smlp.experts import is_expert
 
 logger = logging.getLogger(__name__)
 
@@ -69,10 +70,6 @@ __all__ = ["WholeModelGradNorm", "install"]
 
 FAIRSEQ_TARGET = "fairseq-fixed 0.12.3.1"
 _MARK = "_smlp_precision"
-
-
-def _is_expert(p) -> bool:
-    return bool(getattr(p, "expert", False))
 
 
 def _mixed_precision(common) -> bool:
@@ -151,7 +148,7 @@ def _install_fp16_master_weights() -> None:
 
         def build_optimizer(cls, cfg, params, **kwargs):
             params = list(params)
-            experts = [p for p in params if _is_expert(p)]
+            experts = [p for p in params if is_expert(p)]
             common = cfg.common
             if experts and not getattr(common, "fp16_no_flatten_grads", False) and not getattr(common, "bf16", False):
                 from omegaconf import open_dict
@@ -230,8 +227,8 @@ class WholeModelGradNorm:
 
     def clip_(self, params, max_norm: float, shared_norm_fn) -> torch.Tensor:
         params = [p for p in params if p is not None and getattr(p, "grad", None) is not None]
-        shared = [p for p in params if not _is_expert(p)]
-        experts = [p.grad.detach() for p in params if _is_expert(p)]
+        shared = [p for p in params if not is_expert(p)]
+        experts = [p.grad.detach() for p in params if is_expert(p)]
         shared_norm = shared_norm_fn(shared, 0)  # fairseq's own norm (fused kernel where available)
         if not shared:
             shared_norm = torch.zeros((), device=experts[0].device if experts else "cpu")
@@ -249,11 +246,11 @@ def whole_model_norm_for(trainer) -> WholeModelGradNorm | None:
     """The norm aggregator a mixed-precision trainer of an expert model uses; None: fairseq's norm.
 
     Decided once per trainer (the model's parameters do not change). The group is the default one:
-    the experts are spread over all W ranks (smlp.parallel.ExpertDataLayout)."""
+    the experts are spread over all W ranks (smlp.expert_data_parallel.ExpertDataLayout)."""
     if "_smlp_whole_model_norm" not in trainer.__dict__:
         aggregate = None
         model = trainer.get_model()
-        if _mixed_precision(trainer.cfg.common) and not trainer.is_fsdp and any(map(_is_expert, model.parameters())):
+        if _mixed_precision(trainer.cfg.common) and not trainer.is_fsdp and any(map(is_expert, model.parameters())):
             layout = getattr(model, "expert_layout", None)
             aggregate = WholeModelGradNorm(replicas=layout.replicas if layout is not None else 1, group=None)
         trainer._smlp_whole_model_norm = aggregate

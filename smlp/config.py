@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .gates import GSHARD_AUX_LOSSES
-from .routers import SMOE_ROUTINGS, TOKEN_ROUTERS  # router names and per-router defaults: the registry
+from .routing.gates import GSHARD_AUX_LOSSES
+from .routing.registry import SMOE_ROUTINGS, TOKEN_ROUTERS  # router names and per-router defaults: the registry
 
 ACTIVATIONS = ("gelu", "relu")
 

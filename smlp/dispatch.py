@@ -1,16 +1,15 @@
 """Dispatchers: move routed rows to the experts that own them and bring the results back.
 
-Shape legend:
-    S  rows to dispatch on this rank (tokens for tMoE, hidden-dimension vectors for sMoE)
-    R  rows received by this rank's experts, grouped by local expert
-    D  row width
-    E  experts (global), L local experts (E / W), W ranks in the expert-parallel group
-    F  FAULT_WIDTH, the values of a router's fault record (routing.py)
+Shapes: the core's legend (smlp/__init__.py); here S rows to dispatch on this rank (tokens for
+tMoE, hidden-dimension vectors for sMoE), R rows received by this rank's experts (grouped by local
+expert), D row width (M positions for sMoE rows), E experts, L local experts (E / W), W ranks of
+the expert-parallel group, X values each rank sends every other rank with its counts (its row
+counts, a router's fault record of FAULT_WIDTH values, routing/plan.py, and its row width).
 
 Both dispatchers share one interface, so every expert-parallel layer has a single-process
 twin (LocalDispatcher holding all experts) to test against:
 
-    x_RD, counts_L, state = dispatcher.dispatch(x_SD, expert_S, fault_F=plan.fault_F, layer=name)
+    x_RD, counts_L, state = dispatcher.dispatch(x_SD, expert_S, fault=plan.fault, layer=name)
     y_RD = experts(x_RD, counts_L)
     y_SD = dispatcher.combine(y_RD, state)
 
@@ -28,7 +27,7 @@ was dropped (expert -1) are sorted first and cut off by the count read with the 
 router's fault record (a NaN check, a vocabulary check) is read in the same copy. With expert
 parallelism that record is appended to the counts every rank sends to every other rank, so a
 fault seen by one rank makes every rank raise the same error in the same collective
-(`routing.routing_error`), where otherwise the others would wait in the all2all until the timeout.
+(`routing_error`, routing/plan.py), where otherwise the others would wait in the all2all until the timeout.
 
 All2all time (`CommTimer`) is measured only when asked for (`timer.enabled`, the criterion's
 --log-a2a-time): on an accelerator with timing events recorded on the device's stream and read
@@ -48,31 +47,14 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.profiler import record_function
 
+from . import expert_data_parallel
+from .deprecation import moved_names
 from .process_group import collective_device
 from .profiling import RANGES
-from .routing import FAULT_WIDTH, count_rows, routing_error
+from .routing.plan import FAULT_WIDTH, count_rows, raise_on_fault
 
 __all__ = ["LocalDispatcher", "AllToAllDispatcher", "OneGPUDispatcher", "CommTimer", "CommTime", "ShuffleState",
-           "all_to_all", "check_experts_per_gpu", "expert_parallel_layout", "synchronize"]
-
-
-def expert_parallel_layout(num_experts: int, world_size: int) -> int:
-    """Local experts per rank for E experts on W ranks; ValueError when they do not fit."""
-    if num_experts < 1 or world_size < 1:
-        raise ValueError(f"num_experts={num_experts} and world_size={world_size} must both be >= 1")
-    if num_experts % world_size:
-        if world_size % num_experts == 0:
-            raise ValueError(
-                f"num_experts={num_experts} is smaller than the expert-parallel world size {world_size}: an "
-                f"expert-parallel group holds at most one rank per expert; on more ranks, replicate the experts "
-                f"over groups of {num_experts} (expert-data parallelism, smlp.parallel.ExpertDataLayout) or use "
-                f"num_experts equal to a multiple of {world_size}"
-            )
-        raise ValueError(
-            f"num_experts={num_experts} cannot be spread evenly over {world_size} ranks: it must be a "
-            f"multiple of the world size (e.g. {world_size} or {2 * world_size})"
-        )
-    return num_experts // world_size
+           "all_to_all", "check_experts_per_gpu", "synchronize"]
 
 
 def synchronize(device: torch.device) -> None:
@@ -235,9 +217,6 @@ class LocalDispatcher:
     def comm_seconds(self) -> float:
         return self.timer.seconds
 
-    def common_width(self, width: int) -> int:
-        return width
-
     def shuffle(self, x_SD: Tensor) -> tuple[Tensor, ShuffleState | None]:
         """One process: every row stays here, so the shuffle is the identity.
 
@@ -250,7 +229,7 @@ class LocalDispatcher:
         return y_SD
 
     def dispatch(self, x_SD: Tensor, expert_S: Tensor, *, presorted: bool = False, counts_E1: Tensor | None = None,
-                 host_counts_E: list[int] | None = None, fault_F: Tensor | None = None, layer: str = "",
+                 host_counts_E: list[int] | None = None, fault: Tensor | None = None, layer: str = "",
                  common_width: bool = False) -> tuple[Tensor, list[int], DispatchState]:
         """Sort the rows by expert; rows of expert -1 (dropped slots) come first and are cut off.
 
@@ -258,7 +237,7 @@ class LocalDispatcher:
         counts_E1:     `count_rows(expert_S, E)` if the caller has it (on the device).
         host_counts_E: rows per expert when the caller knows them on the host (no dropped rows):
                        then nothing is read from the device unless there is a fault record.
-        fault_F:       the router's fault record (routing.py), read with the counts; a fault
+        fault:       the router's fault record (routing/plan.py), read with the counts; a fault
                        raises the router's error naming `layer`.
         common_width:  the ranks' rows may differ in width (sMoE rows are as long as the local
                        sequence): zero-pad them on the right to the widest (nothing to do here).
@@ -267,21 +246,21 @@ class LocalDispatcher:
         order_S, x_sorted = _sort_rows(x_SD, expert_S, presorted)
         if host_counts_E is not None:
             counts, dropped = list(host_counts_E), 0
-            if fault_F is not None:
-                _raise_on_fault([fault_F.tolist()], layer)
+            if fault is not None:
+                raise_on_fault([fault.tolist()], layer)
         else:
             counts_E1 = count_rows(expert_S, E) if counts_E1 is None else counts_E1
-            parts = [counts_E1] if fault_F is None else [counts_E1, fault_F.to(counts_E1.device)]
+            parts = [counts_E1] if fault is None else [counts_E1, fault.to(counts_E1.device)]
             host = torch.cat(parts).tolist()  # the one host read of a dispatch
-            if fault_F is not None:
-                _raise_on_fault([host[E + 1:]], layer)
+            if fault is not None:
+                raise_on_fault([host[E + 1:]], layer)
             dropped, counts = host[0], host[1:E + 1]
         return x_sorted[dropped:], counts, DispatchState(order_S, dropped=dropped)
 
     def combine(self, y_RD: Tensor, state: DispatchState) -> Tensor:
         return _unsort_rows(_restore_dropped(y_RD, state.dropped), state.order_S)
 
-    # -- cached decoding (smlp/decoding.py): the sMoE experts compute only the positions asked for
+    # -- cached decoding (smlp/decoding_cache.py): the sMoE experts compute only the positions asked for
 
     def gather_spans(self, lo: int, hi: int) -> list[tuple[int, int]]:
         """Every rank's span [lo, hi) of positions its sMoE rows want computed, by rank."""
@@ -302,7 +281,7 @@ def check_experts_per_gpu(num_experts: int, experts_per_gpu: int) -> None:
 class OneGPUDispatcher(LocalDispatcher):
     """One GPU's view of expert parallelism: the routed rows all computed by this rank's experts.
 
-    The FLOPs calculator (smlp_eval.flop_count) and the step-time model (smlp_eval.steptime) count
+    The FLOPs calculator and the step-time model (smlp_eval.flops) count
     one GPU of an expert-parallel group with it, in one process.
 
     Holds `experts_per_gpu` local experts of `num_experts`; every row is computed by one of them
@@ -346,7 +325,7 @@ class AllToAllDispatcher(LocalDispatcher):
                 "use LocalDispatcher for single-process runs"
             )
         world = dist.get_world_size(ep_group)
-        local = expert_parallel_layout(num_experts, world)
+        local = expert_data_parallel.expert_parallel_layout(num_experts, world)
         super().__init__(num_experts, timing=timing)
         self.ep_group = ep_group
         self.world_size = world
@@ -356,12 +335,6 @@ class AllToAllDispatcher(LocalDispatcher):
         # global ranks of the group, named in routing errors
         self.group_ranks = (list(range(world)) if ep_group is None
                             else [dist.get_global_rank(ep_group, r) for r in range(world)])
-
-    def common_width(self, width: int) -> int:
-        """The largest row width in the group (sMoE rows are as long as the local sequence)."""
-        t = torch.tensor([width], dtype=torch.long, device=self._device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.ep_group)
-        return int(t.item())
 
     def _exchange_counts(self, counts_WX: Tensor) -> Tensor:
         """counts_WX[w] goes to rank w; returns what arrives from each rank, on the collective's device."""
@@ -399,25 +372,25 @@ class AllToAllDispatcher(LocalDispatcher):
         return collective_device(self.ep_group)
 
     def dispatch(self, x_SD: Tensor, expert_S: Tensor, *, presorted: bool = False, counts_E1: Tensor | None = None,
-                 host_counts_E: list[int] | None = None, fault_F: Tensor | None = None, layer: str = "",
+                 host_counts_E: list[int] | None = None, fault: Tensor | None = None, layer: str = "",
                  common_width: bool = False) -> tuple[Tensor, list[int], DispatchState]:
         """As LocalDispatcher.dispatch, over the group (host_counts_E is not needed: the counts are
         exchanged on the device either way). With common_width every rank's row width travels with
         its counts, and the rows are zero-padded on the right to the widest before they move: no
-        collective of its own (`common_width()` is one, with a host read)."""
-        W, L, E, F = self.world_size, self.num_local_experts, self.num_experts, FAULT_WIDTH
-        X = L + F + (1 if common_width else 0)  # values each rank sends every other rank
+        collective of its own."""
+        W, L, E, width = self.world_size, self.num_local_experts, self.num_experts, FAULT_WIDTH
+        X = L + width + (1 if common_width else 0)  # values each rank sends every other rank
         # 1. Sort rows by global expert: rows for rank w are then contiguous, ordered by local expert
         #    (already so when the caller says expert_S is non-decreasing, e.g. deterministic sMoE);
         #    dropped rows (expert -1) come first.
         order_S, x_sorted = _sort_rows(x_SD, expert_S, presorted)
         counts_E1 = count_rows(expert_S, E) if counts_E1 is None else counts_E1
-        if fault_F is None:
-            fault_F = torch.zeros(F, dtype=torch.long, device=counts_E1.device)
+        if fault is None:
+            fault = torch.zeros(width, dtype=torch.long, device=counts_E1.device)
         with self.timer(x_SD.device):
             # 2. Tell every rank how many rows it will get for each of its local experts, and
-            #    every rank this rank's fault record (the same F values to each).
-            parts = [counts_E1[1:].view(W, L), fault_F.to(counts_E1.device).view(1, F).expand(W, F)]
+            #    every rank this rank's fault record (the same FAULT_WIDTH values to each).
+            parts = [counts_E1[1:].view(W, L), fault.to(counts_E1.device).view(1, width).expand(W, width)]
             if common_width:  # and the row width: the widest pads every rank's rows
                 parts.append(counts_E1.new_full((W, 1), x_SD.shape[-1]))
             recv_WX = self._exchange_counts(torch.cat(parts, 1))
@@ -425,7 +398,7 @@ class AllToAllDispatcher(LocalDispatcher):
             #    records, widths). Every rank raises the same error on a fault, before the rows move.
             host = torch.cat([counts_E1.to(recv_WX.device), recv_WX.reshape(-1)]).tolist()
             recv = [host[E + 1 + w * X:E + 1 + (w + 1) * X] for w in range(W)]
-            _raise_on_fault([row[L:L + F] for row in recv], layer, self.group_ranks)
+            raise_on_fault([row[L:L + width] for row in recv], layer, self.group_ranks)
             dropped, sent_E = host[0], host[1:E + 1]
             send_splits = [sum(sent_E[w * L:(w + 1) * L]) for w in range(W)]
             recv_splits = [sum(row[:L]) for row in recv]
@@ -472,12 +445,6 @@ class AllToAllDispatcher(LocalDispatcher):
         return out
 
 
-def _raise_on_fault(records: list[list[int]], layer: str, ranks: list[int] | None = None) -> None:
-    error = routing_error(records, layer, ranks)
-    if error is not None:
-        raise error
-
-
 def _sort_rows(x_SD: Tensor, expert_S: Tensor, presorted: bool) -> tuple[Tensor | None, Tensor]:
     if presorted:
         return None, x_SD
@@ -513,3 +480,7 @@ def _block_transpose(counts_WL: Tensor, num_rows: int) -> Tensor:
     offset_R = torch.arange(num_rows, device=flat.device) - out_starts[block_R]
     l_R, w_R = block_R // W, block_R % W
     return starts[w_R * L + l_R] + offset_R
+
+
+# names that moved to another module, importable from here for one release (smlp/deprecation.py)
+__getattr__ = moved_names(__name__, {"expert_parallel_layout": "smlp.expert_data_parallel"})

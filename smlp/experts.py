@@ -1,7 +1,8 @@
 """Experts: the parameters that live on one rank only.
 
-Shape legend: R rows received (grouped by local expert), L local experts, D model width,
-F FFN width, M row length of an sMoE row (positions), T expert spatial size.
+Shapes: the core's legend (smlp/__init__.py); here R rows received (grouped by local expert), L
+local experts, c rows of one expert when all hold as many, D model width, F FFN width, M row
+length of an sMoE row (positions), k positions of a decoding step, T expert spatial size, W ranks.
 
 Initialization does not depend on the world size: expert e of a layer gets the same initial
 weights whether it lives in a single process holding all experts or on any rank of an
@@ -10,8 +11,8 @@ either way, so every later parameter is the same too. That makes a seeded W-rank
 exactly the model a seeded single-process run starts from (tests compare the two).
 
 Every expert parameter carries `param.expert = True`: fairseq's legacy_ddp then skips it in the
-gradient all-reduce (fairseq 0.12 `legacy_distributed_data_parallel.py`; c10d would average it over
-the ranks) and clip_grad_norm_ treats it per rank (`fairseq/utils.py`).
+gradient all-reduce (fairseq 0.12 `fairseq.distributed.legacy_distributed_data_parallel`; c10d would
+average it over the ranks) and clip_grad_norm_ treats it per rank (`fairseq.utils.clip_grad_norm_`).
 
 Several experts on one rank (more experts than ranks, or a consolidated model evaluated on one
 process) run as one product, not one small matmul each: with equal counts (balanced routing,
@@ -19,7 +20,7 @@ deterministic sMoE) the L experts' rows are an (L, c, ...) batch for one batched
 unequal counts the FFN experts run torch's grouped matmul on accelerators (F.grouped_mm: recent
 GPUs in bf16; on the CPU it runs too but measured no faster than the loop, which is used there)
 and otherwise loop over the experts; the spatial experts run one blocked causal product for all
-of them (causal.py). Where they loop, the stacked weights are unbound
+of them (spatial.py). Where they loop, the stacked weights are unbound
 once: indexing them expert by expert made every expert's gradient a zero-filled copy of the whole
 stack (L^2 memory traffic: 1.2 s of a 32-expert FFN step, against 0.1 s). benchmarks/local_experts.py
 measures 32 experts of the paper-small shapes (scaled down) before and after.
@@ -30,16 +31,22 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .causal import causal_product_rows
-from .mixers import causal_weight, check_length, init_spatial_, uniform_per_slice_
+from .spatial import causal_product_rows, causal_weight, check_length, init_spatial_, uniform_per_slice_
 
-__all__ = ["mark_expert", "FFNExperts", "SpatialExperts"]
+__all__ = ["mark_expert", "is_expert", "FFNExperts", "SpatialExperts"]
 
 
 def mark_expert(module: nn.Module) -> nn.Module:
+    """Mark every parameter of `module` as an expert parameter (`is_expert`): it lives on one rank only."""
     for p in module.parameters():
         p.expert = True
     return module
+
+
+def is_expert(param) -> bool:
+    """Whether `param` is an expert parameter (`mark_expert`): held by one rank, left out of the data-parallel
+    all-reduce, resharded by expert, optimized locally (the one test every layer and plugin uses)."""
+    return bool(getattr(param, "expert", False))
 
 
 def _expert_generators(num_local_experts: int, first_expert: int) -> list[torch.Generator]:
@@ -196,7 +203,7 @@ class SpatialExperts(nn.Module):
     """L sMoE experts, each one causal spatial projection over positions (one SGU head).
 
     A row is one hidden dimension of one sequence: a vector over M <= T positions. An expert
-    returns its gate minus one, W x + (b - 1), as the SGU's projection does (mixers.py): at the
+    returns its gate minus one, W x + (b - 1), as the SGU's projection does (gmlp.py): at the
     near-identity init W x is ~1e-5 and 1 + W x would round to exactly 1 in bf16 and fp16, in
     the expert and in the all2all that carries the rows back. The sMoE adds the one.
     """
@@ -208,7 +215,7 @@ class SpatialExperts(nn.Module):
         self.bias = nn.Parameter(torch.empty(num_local_experts, size))
         init_spatial_(self.weight, self.bias, init_eps, _expert_generators(num_local_experts, first_expert))
         mark_expert(self)
-        self.explicit_spatial = False  # the masked dense product, for FLOP counting (causal.explicit_spatial)
+        self.explicit_spatial = False  # the masked dense product, for FLOP counting (flop_forms.py)
 
     def forward(self, x_RM: Tensor, counts_L: list[int]) -> Tensor:
         M = x_RM.shape[-1]
@@ -233,24 +240,24 @@ class SpatialExperts(nn.Module):
         return torch.cat(outs, dim=0)
 
     def step(self, x_RM: Tensor, counts_LW: list[list[int]], spans_W: list[tuple[int, int]]) -> Tensor:
-        """Cached decoding: only the positions each row's source rank asked for, (R, K).
+        """Cached decoding: only the positions each row's source rank asked for, (R, k).
 
         Rows arrive grouped by local expert, then by source rank (counts_LW[l][w] rows); the rows
         of source rank w hold its positions 0..hi_w-1 (zero-padded to the common width) and want
         outputs at positions lo_w..hi_w-1: W[lo:hi, :hi] (diagonal shifted by lo) times the row,
-        O(hi) per output position. K = the widest span; narrower spans are zero-padded on the right.
+        O(hi) per output position. k = the widest span; narrower spans are zero-padded on the right.
         Like `forward` it returns the gate minus one, W x + (b - 1).
         """
-        K = max((hi - lo for lo, hi in spans_W), default=0)
+        k = max((hi - lo for lo, hi in spans_W), default=0)
         if sum(map(sum, counts_LW)) != x_RM.shape[0]:
             raise ValueError(f"expert counts {counts_LW} do not add up to the {x_RM.shape[0]} rows received")
-        y_RK = x_RM.new_zeros(x_RM.shape[0], K)
+        y_Rk = x_RM.new_zeros(x_RM.shape[0], k)
         r = 0
         for l, counts_W in enumerate(counts_LW):
             for (lo, hi), c in zip(spans_W, counts_W):
                 if c and hi > lo:
                     check_length(hi, self.size, "sMoE row")
                     w_kM = torch.tril(self.weight[l, lo:hi, :hi], diagonal=lo)
-                    y_RK[r:r + c, :hi - lo] = x_RM[r:r + c, :hi] @ w_kM.t() + (self.bias[l, lo:hi] - 1)
+                    y_Rk[r:r + c, :hi - lo] = x_RM[r:r + c, :hi] @ w_kM.t() + (self.bias[l, lo:hi] - 1)
                 r += c
-        return y_RK
+        return y_Rk

@@ -5,7 +5,7 @@
     generate(..., beam_size=4)                                        beam search (best beam)
     generate(..., use_cache=False)                                    full recompute at every step
 
-`use_cache=True` decodes incrementally (smlp/decoding.py): the prompt is prefilled in one call and
+`use_cache=True` decodes incrementally (smlp/decoding_cache.py): the prompt is prefilled in one call and
 every later token costs one position per layer; `use_cache=False` runs the whole prefix through
 the model at each step. Both give the same tokens (the logits agree to float rounding).
 
@@ -27,9 +27,10 @@ zero-shot scorer uses for its rows), or refused with a message when no fill is g
 Expert parallelism: every rank of an expert-parallel group must make the same sequence of model
 calls (each sMoE/tMoE step exchanges rows). This loop stops when this rank's rows are done; the
 lockstep driver (fairseq side) keeps a finished rank stepping with an empty batch
-(`model(tokens[:0], cache=cache)`, see smlp/decoding.py) until every rank is done.
+(`model(tokens[:0], cache=cache)`, see smlp/decoding_cache.py) until every rank is done.
 
-Shapes: B prompts (rows), K beams, V vocabulary.
+Shapes: the core's legend (smlp/__init__.py); here B prompts, Q beams per prompt, Y = B x Q rows of
+the beam batch, N positions, V vocabulary.
 """
 from __future__ import annotations
 
@@ -103,8 +104,8 @@ def _choose(logits_BV: Tensor, sample: bool, temperature: float, top_k: int, gen
         return logits_BV.argmax(dim=-1)
     logits_BV = logits_BV / temperature
     if top_k:
-        kth_B1 = logits_BV.topk(top_k, dim=-1).values[:, -1:]
-        logits_BV = logits_BV.masked_fill(logits_BV < kth_B1, float("-inf"))
+        kth_B = logits_BV.topk(top_k, dim=-1).values[:, -1:]  # (B, 1)
+        logits_BV = logits_BV.masked_fill(logits_BV < kth_B, float("-inf"))
     probs_BV = torch.softmax(logits_BV, dim=-1)
     return torch.multinomial(probs_BV, 1, generator=generator).squeeze(1)
 
@@ -191,58 +192,58 @@ def _padded(filled: list[list[int]], max_new_tokens: int, device) -> tuple[torch
     return seq_BN, lengths
 
 
-def _beam_search(run: _Runner, filled: list[list[int]], max_new_tokens: int, K: int, eos: int | None,
+def _beam_search(run: _Runner, filled: list[list[int]], max_new_tokens: int, Q: int, eos: int | None,
                  device) -> list[list[int]]:
     """Beam search over a batch of prompts; returns each prompt's best beam (see the module docstring)."""
     B = len(filled)
     seq_BN, lengths = _padded(filled, max_new_tokens, device)
     pos = min(lengths)
     logits_BV = run(seq_BN[:, :pos], 0)
-    # K copies of every prompt (the prefill ran once per prompt); only beam 0 may expand at first
-    expand = torch.arange(B, device=device).repeat_interleave(K)
-    seq_RN, logits_RV = seq_BN[expand], logits_BV[expand]
+    # Q copies of every prompt (the prefill ran once per prompt); only beam 0 may expand at first
+    expand = torch.arange(B, device=device).repeat_interleave(Q)
+    seq_YN, logits_YV = seq_BN[expand], logits_BV[expand]
     run.reorder(expand)
-    score_BK = torch.full((B, K), float("-inf"), dtype=torch.float64)
-    score_BK[:, 0] = 0.0
-    done_BK = torch.zeros(B, K, dtype=torch.bool)
+    score_BQ = torch.full((B, Q), float("-inf"), dtype=torch.float64)
+    score_BQ[:, 0] = 0.0
+    done_BQ = torch.zeros(B, Q, dtype=torch.bool)
     new = [0] * B  # tokens generated for each prompt so far
-    V = logits_RV.shape[-1]
+    V = logits_YV.shape[-1]
     while True:
-        logp_BKV = torch.log_softmax(logits_RV.float(), dim=-1).double().cpu().view(B, K, V)
-        order_BK = torch.arange(B * K).view(B, K).clone()
-        token_BK = torch.zeros(B, K, dtype=torch.long)
+        logp_BQV = torch.log_softmax(logits_YV.float(), dim=-1).double().cpu().view(B, Q, V)
+        order_BQ = torch.arange(B * Q).view(B, Q).clone()
+        token_BQ = torch.zeros(B, Q, dtype=torch.long)
         active = False
         for b in range(B):
             if pos < lengths[b]:  # inside its prompt: every beam takes the prompt's token
-                token_BK[b] = filled[b][pos]
+                token_BQ[b] = filled[b][pos]
                 active = True
                 continue
-            if new[b] >= max_new_tokens or bool(done_BK[b].all()):
-                token_BK[b] = eos if eos is not None else 0  # finished prompt: rows ride along
+            if new[b] >= max_new_tokens or bool(done_BQ[b].all()):
+                token_BQ[b] = eos if eos is not None else 0  # finished prompt: rows ride along
                 continue
-            cand_KV = score_BK[b][:, None] + logp_BKV[b]
-            if done_BK[b].any():  # a finished beam continues only as itself, at no cost
-                cand_KV[done_BK[b]] = float("-inf")
-                cand_KV[done_BK[b], eos] = score_BK[b][done_BK[b]]
-            top = cand_KV.reshape(-1).topk(K)
-            origin_K, token_K = top.indices // V, top.indices % V
-            order_BK[b] = b * K + origin_K
-            token_BK[b] = token_K
-            score_BK[b] = top.values
-            done_BK[b] = done_BK[b][origin_K] | (token_K == eos if eos is not None else False)
+            cand_QV = score_BQ[b][:, None] + logp_BQV[b]
+            if done_BQ[b].any():  # a finished beam continues only as itself, at no cost
+                cand_QV[done_BQ[b]] = float("-inf")
+                cand_QV[done_BQ[b], eos] = score_BQ[b][done_BQ[b]]
+            top = cand_QV.reshape(-1).topk(Q)
+            origin_Q, token_Q = top.indices // V, top.indices % V
+            order_BQ[b] = b * Q + origin_Q
+            token_BQ[b] = token_Q
+            score_BQ[b] = top.values
+            done_BQ[b] = done_BQ[b][origin_Q] | (token_Q == eos if eos is not None else False)
             new[b] += 1
-            active = active or (new[b] < max_new_tokens and not bool(done_BK[b].all()))
-        order_R = order_BK.reshape(-1).to(device)
-        seq_RN = seq_RN[order_R]
-        seq_RN[:, pos] = token_BK.reshape(-1).to(device)
-        run.reorder(order_R)
+            active = active or (new[b] < max_new_tokens and not bool(done_BQ[b].all()))
+        order_Y = order_BQ.reshape(-1).to(device)
+        seq_YN = seq_YN[order_Y]
+        seq_YN[:, pos] = token_BQ.reshape(-1).to(device)
+        run.reorder(order_Y)
         if not active:
             break
         pos += 1
-        logits_RV = run(seq_RN[:, :pos], pos - 1)
+        logits_YV = run(seq_YN[:, :pos], pos - 1)
     out = []
     for b in range(B):
-        best = int(score_BK[b].argmax())
-        tokens = seq_RN[b * K + best, lengths[b]:lengths[b] + new[b]].tolist()
+        best = int(score_BQ[b].argmax())
+        tokens = seq_YN[b * Q + best, lengths[b]:lengths[b] + new[b]].tolist()
         out.append(tokens[:tokens.index(eos)] if eos is not None and eos in tokens else tokens)
     return out

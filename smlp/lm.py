@@ -30,10 +30,11 @@ Sparse-layer placement (`layer_plan`, `LMConfig.sparse_placement`):
                  to reproduce fairseq runs.
 
 Generation: `model(tokens_Bk, cache=model.new_cache())` decodes incrementally, processing only the
-new positions with per-layer caches (smlp/decoding.py has the API and what each layer keeps;
+new positions with per-layer caches (smlp/decoding_cache.py has the API and what each layer keeps;
 smlp/generation.py the decoding loops).
 
-Shapes: B batch, N positions, k new positions, D model width, V vocabulary.
+Shapes: the core's legend (smlp/__init__.py); here B batch, N positions, k new positions, D model
+width, V vocabulary.
 """
 from __future__ import annotations
 
@@ -53,16 +54,18 @@ from .config import (
     _positive,
     _probability,
 )
-from .decoding import DecodingCache
+from .decoding_cache import DecodingCache
 from .dispatch import LocalDispatcher
-from .mixers import GMLPBlock, check_length
+from .gmlp import TOKEN_MIXERS, GMLPBlock
+from .hypermixer import HyperMixerConfig, HyperMixingUnit
 from .moe import SMoE, SparseBlock, TMoE
-from .routers import LEAKY_SMOE_ROUTING, SMOE_ROUTINGS, TOKEN_ROUTERS
-from .token_mixers import TOKEN_MIXERS, HyperMixerConfig, NiNformerConfig, make_token_mixer
+from .ninformer import NiNformerConfig, NiNformerGatingUnit
+from .routing.registry import LEAKY_SMOE_ROUTING, SMOE_ROUTINGS, TOKEN_ROUTERS
+from .spatial import check_length
 from .token_routed import TokenRoutedGMLPBlock
 from .transformer import TransformerBlock, sinusoidal_positions
 
-__all__ = ["FAMILIES", "PLACEMENTS", "LMConfig", "LanguageModel", "layer_plan"]
+__all__ = ["FAMILIES", "PLACEMENTS", "LMConfig", "LanguageModel", "layer_plan", "make_token_mixer"]
 
 FAMILIES = ("smlp", "gmlp", "transformer")
 
@@ -116,7 +119,7 @@ class LMConfig:
     sparse_placement: str = "auto"   # "auto" = every_other for gshard/switch, paper otherwise
     gshard_aux_loss: str = "normalized"
     base_shuffle: bool = True
-    # token mixer of the dense gMLP blocks (smlp, gmlp): sgu, or hypermixer / ninformer (token_mixers.py)
+    # token mixer of the dense gMLP blocks (smlp, gmlp): sgu, or hypermixer / ninformer (hypermixer.py, ninformer.py)
     token_mixer: str = "sgu"
     mixer_dim: int = 0  # HyperMixer d' / NiNformer channel-MLP hidden width; 0 = the gated width F/2
     hypermixer_tied: bool = True
@@ -177,7 +180,7 @@ class LMConfig:
         if self.sparse_placement != "auto":
             return self.sparse_placement
         if self.family == "transformer":
-            return TOKEN_ROUTERS[self.moe_router].placement  # the router registry (routers.py)
+            return TOKEN_ROUTERS[self.moe_router].placement  # the router registry (routing/registry.py)
         return "paper"  # sMLP's sparse blocks: sec. 4.1
 
     @property
@@ -242,6 +245,15 @@ class LMConfig:
         return replace(self, dense_layers=dense, sparse_layers=sparse)
 
 
+def make_token_mixer(cfg: HyperMixerConfig | NiNformerConfig) -> nn.Module:
+    """The token mixer a dense gMLP block holds in the SGU's place, from its config."""
+    if isinstance(cfg, HyperMixerConfig):
+        return HyperMixingUnit(cfg)
+    if isinstance(cfg, NiNformerConfig):
+        return NiNformerGatingUnit(cfg)
+    raise TypeError(f"no token mixer for a config of type {type(cfg).__name__}")
+
+
 class LanguageModel(nn.Module):
     """Token ids (B, N) -> next-token logits (B, N, V); embeddings tied with the output projection."""
 
@@ -293,7 +305,7 @@ class LanguageModel(nn.Module):
         return self.features(tokens_BN) @ self.embed.weight.t()
 
     def new_cache(self) -> DecodingCache:
-        """An empty decoding cache for this model (smlp/decoding.py)."""
+        """An empty decoding cache for this model (smlp/decoding_cache.py)."""
         return DecodingCache(len(self.layers))
 
     @property

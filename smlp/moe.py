@@ -1,40 +1,48 @@
-"""MoE layers composed as router -> dispatch -> experts -> combine.
+"""MoE layers as four named stages: route -> dispatch -> experts -> combine (Megatron-Core's MoELayer).
 
 tMoE (token-routed FFN experts, sMLP section 2.2 / 3.1) and sMoE (hidden-dimension-routed
-spatial experts, sections 3.1-3.2), and the sMLP sparse block that stacks them.
+spatial experts, sections 3.1-3.2), and the sMLP sparse block that stacks them. Each layer's
+`forward` lists its stages; the sMoE's cached decoding `step` runs the same stage methods and
+differs only where decoding differs (the cached routing decision, the span of positions each
+rank wants computed). The tMoE routes every row on its own in eval mode, so cached decoding
+calls its `forward` on the new rows.
 
-Shape legend:
-    B batch, N positions (n <= T), D model width, C gated channels of the sMoE,
-    S rows routed on this rank, E experts (global), P routing-prefix positions (partial prediction).
+Shapes: the core's legend (smlp/__init__.py); here B batch, N positions (n <= T), k new
+positions, D model width, F the sMoE's input width, C gated channels, S rows routed on this
+rank, K slots per row, R rows a rank's experts receive, E experts, L local experts, P routing-
+prefix positions (partial prediction), M = n - P positions the sMoE experts mix (m of them in a
+decoding step).
 
 Auxiliary losses, load and all2all time are kept on the module after each forward
 (`aux_loss`, `z_loss`, `load_E`, `dropped`, `comm_seconds`) for the criterion and the logs to
-read; nothing lives in globals. They stay on the device (load_E) or as timing events (comm_seconds, read when it is
-asked for): a forward reads nothing on the host but the split sizes of its dispatches
-(dispatch.py), and the routers' input checks travel with those (routing.py).
+read; nothing lives in globals. They stay on the device (load_E) or as timing events
+(comm_seconds, read when it is asked for): a forward reads nothing on the host but the split
+sizes of its dispatches (dispatch.py), and the routers' input checks travel with those
+(routing/plan.py).
 """
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.profiler import record_function
 
-from .assignment import balanced_assignment
 from .config import SMoEConfig, SparseBlockConfig, TMoEConfig
-from .decoding import cache_append
-from .dispatch import LocalDispatcher
+from .decoding_cache import cache_append
+from .dispatch import DispatchState, LocalDispatcher
 from .experts import FFNExperts, SpatialExperts
-from .gates import router_z_loss
-from .mixers import check_length
-from .numerics import router_logits
 from .profiling import RANGES
-from .routers import SMOE_ROUTINGS, TOKEN_ROUTERS, hash_table  # noqa: F401  (hash_table: re-exported)
-from .routing import RoutingPlan, count_rows
+from .routing.assignment import balanced_assignment
+from .routing.gates import router_z_loss
+from .routing.logits import router_logits
+from .routing.plan import RoutingPlan, count_rows
+from .routing.registry import SMOE_ROUTINGS, TOKEN_ROUTERS, hash_table  # noqa: F401  (hash_table: re-exported)
+from .spatial import check_length
 
-__all__ = ["TMoE", "SMoE", "SparseBlock", "hash_table", "LEAKY_ROUTING_WARNING"]
+__all__ = ["TMoE", "SMoE", "SparseBlock", "SMoERows", "TokenSlots", "hash_table", "LEAKY_ROUTING_WARNING"]
 
 logger = logging.getLogger(__name__)
 LEAKY_ROUTING_WARNING = (
@@ -79,7 +87,7 @@ class TMoE(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.dispatcher = _check_dispatcher(dispatcher, cfg.num_experts)
-        self.token_router = TOKEN_ROUTERS[cfg.router]  # the registry entry: parameters, route, capacity (routers.py)
+        self.token_router = TOKEN_ROUTERS[cfg.router]  # the registry entry: parameters, route, capacity
         self.token_router.init(self, cfg)
         D = cfg.d_model
         self.experts = FFNExperts(self.dispatcher.num_local_experts, D, cfg.d_ffn, activation=cfg.activation,
@@ -105,10 +113,14 @@ class TMoE(nn.Module):
         return router_z_loss(self.logits_SE) if self.logits_SE is not None else None
 
     def route(self, x_SD: Tensor, token_ids_S: Tensor | None = None, *, defer_checks: bool = False) -> RoutingPlan:
-        """The routing plan of the rows; defer_checks leaves the router's input check in the plan
-        (read by the dispatcher) instead of reading it here. router_logits computes the gate
-        projection itself in fp32, whatever the model dtype (numerics.py); the router's route
-        function is in the registry (routers.py)."""
+        """Stage 1: the routing plan of the rows (the registry's route function: the router logits in
+        fp32, routing/logits.py, then the rule). defer_checks leaves the router's input check in the
+        plan (read by the dispatcher) instead of reading it here.
+
+        Returns:
+            RoutingPlan: experts_SK (S, K) expert per slot (-1: dropped), weights_SK (S, K) combine
+            weights, aux_loss (scalar or None), fault (the deferred check or None)
+        """
         return self.token_router.route(self, x_SD, token_ids_S, defer_checks)
 
     def _shuffled_assignment(self, scores_SE: Tensor) -> Tensor:
@@ -122,7 +134,7 @@ class TMoE(nn.Module):
         2. assign with exact balance over the rows that arrive, as fairseq assigns the tokens
            that arrive (the same scores in the same order: the same assignment);
         3. send each row's expert back to its home rank (dispatcher.unshuffle).
-        The tokens then go from home straight to their expert and back (`_route_and_compute`);
+        The tokens then go from home straight to their expert and back (`dispatch`, `combine`);
         the combine weight sigmoid(score) is taken at home, where the scores have their gradient.
         """
         with torch.no_grad():
@@ -131,36 +143,81 @@ class TMoE(nn.Module):
             return self.dispatcher.unshuffle(expert_S, shuffle)
 
     def forward(self, x_SD: Tensor, token_ids_S: Tensor | None = None) -> Tensor:
+        """The expert branch of every row; the caller adds the residual. Cached decoding calls it too
+        (on the new rows only): in eval mode every row is routed on its own.
+
+        1. route     (`route`) the plan: expert and combine weight per (row, slot); the auxiliary
+                     loss is kept on the module
+        2. dispatch  (`dispatch`) every (row, slot) to the rank of its expert; rows and slots per
+                     expert are counted on the device (load_E, dropped), dropped slots cut off there
+        3. experts   (`run_experts`) the FFN experts on the rows they received
+        4. combine   (`combine`) the results back home in their order, weighted, summed per row
+
+        Args:
+            x_SD: (S, D) the rows (tokens)
+            token_ids_S: (S,) their token ids (the HASH router reads them), or None
+
+        Returns:
+            y_SD: (S, D) sum over the row's slots of weight x expert(row); 0 for a dropped slot
+        """
         if x_SD.dim() != 2 or x_SD.shape[-1] != self.cfg.d_model:
             raise ValueError(f"TMoE expects rows of shape (S, {self.cfg.d_model}), got {tuple(x_SD.shape)}")
-        mark = self.dispatcher.timer.mark()
-        y_SD = self._route_and_compute(x_SD, token_ids_S)
-        self.comm_time = self.dispatcher.timer.take(mark)
-        return y_SD
-
-    def _route_and_compute(self, x_SD: Tensor, token_ids_S: Tensor | None) -> Tensor:
+        mark = self.dispatcher.timer.mark()  # Base Layers' shuffle (in route) is timed too
         with record_function(RANGES["routing"]):
             plan = self.route(x_SD, token_ids_S, defer_checks=True)
         self.aux_loss = plan.aux_loss
+        x_RD, counts_L, slots = self.dispatch(x_SD, plan)
+        y_RD = self.run_experts(x_RD, counts_L)
+        y_SD = self.combine(y_RD, slots, x_SD)
+        self.comm_time = self.dispatcher.timer.take(mark)
+        return y_SD
+
+    def dispatch(self, x_SD: Tensor, plan: RoutingPlan) -> tuple[Tensor, list[int], TokenSlots]:
+        """Stage 2: every (row, slot) to its expert. Dropped slots (expert -1) are dispatched too: the
+        dispatcher sorts them first and cuts them off with the counts it reads anyway, where a boolean
+        mask here would read the number kept on the host. Their weight is 0 and they combine as zeros.
+
+        Returns:
+            x_RD:     (R, D) the rows this rank's experts compute, grouped by local expert
+            counts_L: rows per local expert (host ints)
+            slots:    what `combine` needs (the dispatcher's state, each slot's row and weight)
+        """
         S, K = plan.experts_SK.shape
-        # Every (row, slot) pair is dispatched, dropped slots (expert -1) too: the dispatcher sorts
-        # them first and cuts them off with the count it reads anyway, where a boolean mask here
-        # would read the number kept on the host. Their weight is 0 and they combine as zeros.
-        expert_idx = plan.experts_SK.reshape(-1)
-        weight = plan.weights_SK.reshape(-1).to(x_SD.dtype)
-        counts_E1 = count_rows(expert_idx, self.cfg.num_experts)
+        expert_SK = plan.experts_SK.reshape(-1)  # flattened (S * K,), slot-major per row
+        counts_E1 = count_rows(expert_SK, self.cfg.num_experts)
         self.load_E = counts_E1[1:].detach()
         self.dropped, self.slots = (counts_E1[0].detach(), S * K) if self.token_router.drops else (None, 0)
-        row_idx = torch.arange(S, device=x_SD.device).repeat_interleave(K) if K > 1 else None
-        x_rows = x_SD if row_idx is None else x_SD[row_idx]
-        x_RD, counts_L, state = self.dispatcher.dispatch(x_rows, expert_idx, counts_E1=counts_E1,
-                                                         fault_F=plan.fault_F, layer=self.layer_name)
+        row_SK = torch.arange(S, device=x_SD.device).repeat_interleave(K) if K > 1 else None
+        x_RD, counts_L, state = self.dispatcher.dispatch(x_SD if row_SK is None else x_SD[row_SK], expert_SK,
+                                                         counts_E1=counts_E1, fault=plan.fault,
+                                                         layer=self.layer_name)
+        return x_RD, counts_L, TokenSlots(state, row_SK, plan.weights_SK.reshape(-1).to(x_SD.dtype))
+
+    def run_experts(self, x_RD: Tensor, counts_L: list[int]) -> Tensor:
+        """Stage 3: the FFN experts on the rows they received, (R, D)."""
         with record_function(RANGES["experts"]):
-            y_RD = self.experts(x_RD, counts_L)
-        y_rows = self.dispatcher.combine(y_RD, state)
-        if row_idx is None:  # one slot per token: the rows are the tokens, in order
-            return y_rows * weight[:, None]
-        return torch.zeros_like(x_SD).index_add(0, row_idx, y_rows * weight[:, None])
+            return self.experts(x_RD, counts_L)
+
+    def combine(self, y_RD: Tensor, slots: TokenSlots, x_SD: Tensor) -> Tensor:
+        """Stage 4: the results back home, weighted, each row's slots summed.
+
+        Returns:
+            y_SD: (S, D), the rows in `x_SD`'s order
+        """
+        y_SKD = self.dispatcher.combine(y_RD, slots.state) * slots.weight_SK[:, None]
+        if slots.row_SK is None:  # one slot per row: the slots are the rows, in order
+            return y_SKD
+        return torch.zeros_like(x_SD).index_add(0, slots.row_SK, y_SKD)
+
+
+@dataclass
+class TokenSlots:
+    """What the tMoE's combine needs of its dispatch: the dispatcher's state, and per (row, slot),
+    flattened to S * K, the slot's row (None: one slot per row) and its combine weight."""
+
+    state: DispatchState
+    row_SK: Tensor | None
+    weight_SK: Tensor
 
 
 class SMoE(nn.Module):
@@ -189,7 +246,7 @@ class SMoE(nn.Module):
         self.norm = nn.LayerNorm(cfg.gated_dim)
         self.experts = SpatialExperts(self.dispatcher.num_local_experts, cfg.expert_len, cfg.init_eps,
                                       first_expert=self.dispatcher.first_expert)
-        self.routing = routing = SMOE_ROUTINGS[cfg.routing]  # the registry entry (routers.py)
+        self.routing = routing = SMOE_ROUTINGS[cfg.routing]  # the registry entry (routing/registry.py)
         if routing.router_reads != "none":
             P = cfg.router_len
             self.router = nn.Parameter(torch.randn(P, cfg.num_experts) * P ** -0.5)
@@ -209,123 +266,195 @@ class SMoE(nn.Module):
         """All2all time of the last forward (0 unless the dispatcher's timer is enabled)."""
         return self.comm_time.seconds if self.comm_time is not None else 0.0
 
+    @property
+    def deterministic(self) -> bool:
+        """Hidden chunk i -> expert i: no router (sMLP sec. 3.2.1)."""
+        return self.routing.router_reads == "none"
+
     def forward(self, z_BNF: Tensor) -> Tensor:
+        """out = z1 * gate over positions, each hidden dimension's gate computed by its expert.
+
+        1. route     (`route`) LayerNorm(z2) as rows, one per (sequence, hidden dimension), over the
+                     positions the experts mix; their experts and weights (a router reads the
+                     prefix: partial; chunks: deterministic)
+        2. dispatch  (`dispatch`) the rows to their experts' ranks, padded to the widest rank's
+                     sequence; rows per expert counted on the device (load_E)
+        3. experts   (`run_experts`) each expert mixes the positions of its rows (causal)
+        4. combine   (`combine`) the rows back home, weighted, turned into the gate of z1;
+                     positions before the routing prefix's end keep gate 1
+
+        Args:
+            z_BNF: (B, n, F) with n <= T
+
+        Returns:
+            (B, n, C): the gated channels
+        """
         cfg = self.cfg
         if z_BNF.dim() != 3 or z_BNF.shape[-1] != cfg.dim:
             raise ValueError(f"SMoE expects (batch, length, {cfg.dim}), got {tuple(z_BNF.shape)}")
-        B, n, _ = z_BNF.shape
+        n = z_BNF.shape[1]
         check_length(n, cfg.seq_len)
         P = min(cfg.prefix_len, n)  # a sequence no longer than the routing prefix has nothing to predict
-        z1, z2 = z_BNF.chunk(2, dim=-1) if cfg.split else (z_BNF, z_BNF)
-        v_BNC = self.norm(z2)
-        C, M = v_BNC.shape[-1], n - P
-        deterministic = self.routing.router_reads == "none"
-        fault_F, host_counts_E = None, None
-        if deterministic:
-            # rows ordered (channel, sequence): channel chunk i -> expert i, so the rows come sorted
-            # by expert and the dispatcher neither sorts nor gathers them, and how many each expert
-            # gets is known from the shapes (nothing to read from the device)
-            rows_SM = v_BNC.permute(2, 0, 1).reshape(C * B, M)
-            expert_S, weight_S = self.channel_expert_C.repeat_interleave(B), None
-            host_counts_E = [C // cfg.num_experts * B] * cfg.num_experts
-        elif M == 0:  # still take part in the exchange (other ranks may have rows), inside the graph:
-            rows_SM = v_BNC[:, P:, :].reshape(B * C, 0)[:0]  # backward runs the matching exchange
-            expert_S, weight_S = self.channel_expert_C.new_zeros(0), None
-        else:
-            rows_SM = v_BNC[:, P:, :].transpose(1, 2).reshape(B * C, M)  # one row per (sequence, channel)
-            with record_function(RANGES["routing"]):
-                if self.routing.router_reads == "all":  # Appendix B: every position, the future ones too
-                    logits_SE = router_logits(rows_SM, self.router[:n])
-                else:
-                    prefix_SP = v_BNC[:, :P, :].transpose(1, 2).reshape(B * C, P)
-                    logits_SE = router_logits(prefix_SP, self.router)
-                plan = self.routing.route(logits_SE, training=self.training, layer=self.layer_name, defer_checks=True)
-            expert_S, weight_S, fault_F = plan.experts_SK[:, 0], plan.weights_SK[:, 0].to(z_BNF.dtype), plan.fault_F
-        counts_E1 = count_rows(expert_S, cfg.num_experts)
-        self.load_E = counts_E1[1:].detach()
+        z1_BNC, z2_BNC = z_BNF.chunk(2, dim=-1) if cfg.split else (z_BNF, z_BNF)
+        rows = self.route(self.norm(z2_BNC), P, training=self.training, dtype=z_BNF.dtype, defer_checks=True)
         mark = self.dispatcher.timer.mark()
-        # ranks may hold sequences of different lengths: the dispatcher pads every rank's rows to the
-        # widest (zero positions appended at the end never reach earlier outputs: causal)
-        x_RM, counts_L, state = self.dispatcher.dispatch(rows_SM, expert_S, presorted=deterministic,
-                                                         counts_E1=counts_E1, host_counts_E=host_counts_E,
-                                                         fault_F=fault_F, layer=self.layer_name, common_width=True)
-        with record_function(RANGES["token_mixing"]):  # the sMoE's experts mix positions
-            y_RM = self.experts(x_RM, counts_L)
-        y_SM = self.dispatcher.combine(y_RM, state)[:, :M]  # rows: gate minus one, W x + (b - 1) (SpatialExperts)
+        x_RM, counts_L, dstate = self.dispatch(rows)
+        y_RM = self.run_experts(x_RM, counts_L)
+        out_BNC = self.combine(y_RM, dstate, rows, z1_BNC, n - P)
         self.comm_time = self.dispatcher.timer.take(mark)
-        if weight_S is not None:
-            y_SM = y_SM * weight_S[:, None]
-        if deterministic:
-            dev_BMC = y_SM.reshape(C, B, M).permute(1, 2, 0)
-        else:
-            dev_BMC = y_SM.reshape(B, C, M).transpose(1, 2)
-        # gate = p (1 + dev): z1 p + z1 (p dev), the spatial term kept apart from the one (half precision)
-        z1_BMC = z1[:, P:] if weight_S is None else z1[:, P:] * weight_S.reshape(B, 1, C)
-        out_BMC = z1_BMC + z1[:, P:] * dev_BMC
-        return torch.cat([z1[:, :P], out_BMC], dim=1) if P else out_BMC
+        return out_BNC
 
     def step(self, z_BkF: Tensor, state: dict, start: int) -> Tensor:
-        """Cached decoding of positions start..t-1 (eval routing; smlp/decoding.py), (B, k, F or C).
+        """Cached decoding of positions start..t-1 (eval routing; smlp/decoding_cache.py): `forward`'s
+        stages on the cached rows, where the experts compute only the new positions.
 
         The normalized rows stay here, at the source rank; every step sends each row's prefix to
         its expert, which computes only the new positions (O(t) per row, like the compute).
-        1. Append the new positions' LayerNorm(z2) to the cache.
-        2. Rows: deterministic, one per (channel, sequence), positions 0..t-1; partial, one per
-           (sequence, channel), positions P..t-1, routed once when the prefix is complete (the
-           decision is cached); before that the rank sends no rows (positions < P: gate 1).
-        3. All-gather every rank's span [lo, hi) of wanted row positions (ranks may be at
-           different positions); pad the rows to the widest hi.
-        4. Dispatch, run the experts on their spans, combine; every rank joins every exchange.
+        1. route     append the new positions' LayerNorm(z2) to the cache; the rows are positions
+                     0..t-1 (deterministic) or P..t-1 (partial), routed once when the routing
+                     prefix is complete (the decision is cached); before that the rank sends no
+                     rows (positions < P: gate 1)
+        2. dispatch  all-gather every rank's span [lo, hi) of wanted row positions (ranks may be at
+                     different positions), pad the rows to the widest hi, dispatch; every rank joins
+                     every exchange
+        3. experts   each expert computes the spans of its rows only
+        4. combine   as `forward`, for the m predicted new positions
+
+        Returns:
+            (B, k, C): the gated channels of the k new positions
         """
         cfg = self.cfg
-        B, k, _ = z_BkF.shape
+        k = z_BkF.shape[1]
         t = start + k
         P = cfg.prefix_len
-        z1, z2 = z_BkF.chunk(2, dim=-1) if cfg.split else (z_BkF, z_BkF)
-        v_BtC = cache_append(state, "v", self.norm(z2), start, limit=cfg.seq_len)
-        C = v_BtC.shape[-1]
-        deterministic = self.routing.router_reads == "none"
-        weight_S = None
-        if deterministic:
-            rows_SM = v_BtC.permute(2, 0, 1).reshape(C * B, t)
-            expert_S, lo, hi = self.channel_expert_C.repeat_interleave(B), start, t
-        elif t <= P:
-            rows_SM = v_BtC.new_zeros(0, 0)
-            expert_S, lo, hi = self.channel_expert_C.new_zeros(0), 0, 0
-        else:
-            if "expert_BC" not in state:  # the routing prefix is complete: route once, per row
-                prefix_SP = v_BtC[:, :P, :].transpose(1, 2).reshape(B * C, P)
-                with record_function(RANGES["routing"]):
-                    plan = self.routing.route(router_logits(prefix_SP, self.router), training=False,
-                                              layer=self.layer_name)
-                state["expert_BC"] = plan.experts_SK[:, 0].reshape(B, C)
-                state["weight_BC"] = plan.weights_SK[:, 0].to(z_BkF.dtype).reshape(B, C)
-            rows_SM = v_BtC[:, P:, :].transpose(1, 2).reshape(B * C, t - P)
-            expert_S, weight_S = state["expert_BC"].reshape(-1), state["weight_BC"].reshape(-1)
-            lo, hi = max(start - P, 0), t - P
-        if rows_SM.shape[0] == 0:  # nothing wanted from here (an empty batch): no span
+        z1_BkC, z2_BkC = z_BkF.chunk(2, dim=-1) if cfg.split else (z_BkF, z_BkF)
+        v_BtC = cache_append(state, "v", self.norm(z2_BkC), start, limit=cfg.seq_len)
+        rows = self.route(v_BtC, P, training=False, dtype=z_BkF.dtype, decided=state)
+        lo, hi = (start, t) if self.deterministic else (max(start - P, 0), max(t - P, 0))
+        if rows.rows_SM.shape[0] == 0:  # nothing wanted from here (an empty batch): no span
             lo = hi = 0
         mark = self.dispatcher.timer.mark()
         spans_W = self.dispatcher.gather_spans(lo, hi)
-        width = max(h for _, h in spans_W)
-        if rows_SM.shape[1] != width:  # another rank is further on: zeros after hi never reach outputs <= hi
-            rows_SM = F.pad(rows_SM[:, :hi], (0, width - hi))
-        x_RM, counts_L, dstate = self.dispatcher.dispatch(rows_SM, expert_S, presorted=deterministic)
-        with record_function(RANGES["token_mixing"]):
-            y_RK = self.experts.step(x_RM, self.dispatcher.received_counts(dstate, counts_L), spans_W)
-        y_Sk = self.dispatcher.combine(y_RK, dstate)[:, :hi - lo]
+        x_RM, counts_L, dstate = self.dispatch(rows, hi=hi, width=max(h for _, h in spans_W))
+        y_Rk = self.run_experts(x_RM, counts_L, dstate=dstate, spans_W=spans_W)
+        out_BkC = self.combine(y_Rk, dstate, rows, z1_BkC, hi - lo)
         self.comm_time = self.dispatcher.timer.take(mark)
-        if weight_S is not None:
-            y_Sk = y_Sk * weight_S[:, None]
-        m = hi - lo  # rows: gate minus one, as in forward; the last m of the k new positions are predicted
-        if deterministic:
-            dev_BmC = y_Sk.reshape(C, B, m).permute(1, 2, 0)
+        return out_BkC
+
+    def route(self, v_BNC: Tensor, P: int, *, training: bool, dtype: torch.dtype, defer_checks: bool = False,
+              decided: dict | None = None) -> SMoERows:
+        """Stage 1: the rows over positions P..n-1 (P = 0 without a router), their experts and weights.
+
+        The router's logits are computed from the prefix's positions (partial) or from all n (leaky),
+        in fp32 (routing/logits.py), and the registry's rule turns them into a plan (training:
+        balanced, eval: each row's most probable expert). `decided` (cached decoding) keeps the
+        decision of each row once made, so later steps route nothing.
+
+        Returns:
+            SMoERows: rows_SM (S, M), expert_S (S,), weight_S (S,) or None, and what the dispatcher
+            reads with the counts (fault, host_counts_E)
+        """
+        B, n, C = v_BNC.shape
+        E = self.cfg.num_experts
+        if self.deterministic:
+            # rows ordered (channel, sequence): channel chunk i -> expert i, so the rows come sorted
+            # by expert and the dispatcher neither sorts nor gathers them, and how many each expert
+            # gets is known from the shapes (nothing to read from the device)
+            return SMoERows(v_BNC.permute(2, 0, 1).reshape(C * B, n), self.channel_expert_C.repeat_interleave(B),
+                            host_counts_E=[C // E * B] * E)
+        if n <= P:  # still take part in the exchange (other ranks may have rows), inside the graph:
+            # backward runs the matching exchange
+            return SMoERows(v_BNC[:, P:, :].reshape(B * C, 0)[:0], self.channel_expert_C.new_zeros(0))
+        rows_SM = v_BNC[:, P:, :].transpose(1, 2).reshape(B * C, n - P)  # one row per (sequence, channel)
+        if decided is not None and "expert_BC" in decided:
+            return SMoERows(rows_SM, decided["expert_BC"].reshape(-1), decided["weight_BC"].reshape(-1))
+        with record_function(RANGES["routing"]):
+            if self.routing.router_reads == "all":  # Appendix B: every position, the future ones too
+                logits_SE = router_logits(rows_SM, self.router[:n])
+            else:
+                prefix_SP = v_BNC[:, :P, :].transpose(1, 2).reshape(B * C, P)
+                logits_SE = router_logits(prefix_SP, self.router)
+            plan = self.routing.route(logits_SE, training=training, layer=self.layer_name, defer_checks=defer_checks)
+        rows = SMoERows(rows_SM, plan.experts_SK[:, 0], plan.weights_SK[:, 0].to(dtype), fault=plan.fault)
+        if decided is not None:  # the routing prefix is complete: the decision holds for every later step
+            decided["expert_BC"], decided["weight_BC"] = rows.expert_S.reshape(B, C), rows.weight_S.reshape(B, C)
+        return rows
+
+    def dispatch(self, rows: SMoERows, *, hi: int | None = None,
+                 width: int | None = None) -> tuple[Tensor, list[int], DispatchState]:
+        """Stage 2: the rows to their experts' ranks.
+
+        Ranks may hold sequences of different lengths: the dispatcher pads every rank's rows to the
+        widest (zero positions appended at the end never reach earlier outputs: causal). In cached
+        decoding the rows are cut at `hi` and padded to the widest rank's span end `width` here.
+
+        Returns:
+            x_RM:     (R, width) the rows this rank's experts receive, grouped by local expert
+            counts_L: rows per local expert (host ints)
+            dstate:   the dispatcher's state, for `combine`
+        """
+        if width is not None:  # cached decoding: the spans were all-gathered, no counts or checks travel
+            rows_SM = rows.rows_SM
+            if rows_SM.shape[1] != width:  # another rank is further on: zeros after hi never reach outputs <= hi
+                rows_SM = F.pad(rows_SM[:, :hi], (0, width - hi))
+            return self.dispatcher.dispatch(rows_SM, rows.expert_S, presorted=self.deterministic)
+        counts_E1 = count_rows(rows.expert_S, self.cfg.num_experts)
+        self.load_E = counts_E1[1:].detach()
+        return self.dispatcher.dispatch(rows.rows_SM, rows.expert_S, presorted=self.deterministic,
+                                        counts_E1=counts_E1, host_counts_E=rows.host_counts_E, fault=rows.fault,
+                                        layer=self.layer_name, common_width=True)
+
+    def run_experts(self, x_RM: Tensor, counts_L: list[int], *, dstate: DispatchState | None = None,
+                    spans_W: list[tuple[int, int]] | None = None) -> Tensor:
+        """Stage 3: each expert mixes the positions of its rows, all of them (R, M), or in cached
+        decoding only each source rank's span (R, k)."""
+        with record_function(RANGES["token_mixing"]):  # the sMoE's experts mix positions
+            if spans_W is None:
+                return self.experts(x_RM, counts_L)
+            return self.experts.step(x_RM, self.dispatcher.received_counts(dstate, counts_L), spans_W)
+
+    def combine(self, y_RM: Tensor, dstate: DispatchState, rows: SMoERows, z1_BNC: Tensor, m: int) -> Tensor:
+        """Stage 4: the rows back home, weighted by p_e (eq. 7), as the gate of the last m positions of z1.
+
+        The experts return the gate minus one, W x + (b - 1) (SpatialExperts); with p the routing
+        weight the gate is p (1 + dev), computed as z1 p + z1 (p dev): the spatial term is kept
+        apart from the one (half precision). Earlier positions (the routing prefix) keep gate 1.
+
+        Returns:
+            (B, n, C): z1 gated
+        """
+        B, n, C = z1_BNC.shape
+        y_Sm = self.dispatcher.combine(y_RM, dstate)[:, :m]
+        if rows.weight_S is not None:
+            y_Sm = y_Sm * rows.weight_S[:, None]
+        if self.deterministic:
+            dev_BmC = y_Sm.reshape(C, B, m).permute(1, 2, 0)
         else:
-            dev_BmC = y_Sk.reshape(B, C, m).transpose(1, 2)
-        z1_pred = z1[:, k - m:]
-        z1_BmC = z1_pred if weight_S is None else z1_pred * weight_S.reshape(B, 1, C)
-        out_BmC = z1_BmC + z1_pred * dev_BmC
-        return torch.cat([z1[:, :k - m], out_BmC], dim=1) if m < k else out_BmC  # positions < P: gate 1
+            dev_BmC = y_Sm.reshape(B, C, m).transpose(1, 2)
+        z1_BmC = z1_BNC[:, n - m:]
+        gated_BmC = z1_BmC if rows.weight_S is None else z1_BmC * rows.weight_S.reshape(B, 1, C)
+        out_BmC = gated_BmC + z1_BmC * dev_BmC
+        return torch.cat([z1_BNC[:, :n - m], out_BmC], dim=1) if m < n else out_BmC
+
+
+@dataclass
+class SMoERows:
+    """The sMoE's route stage: the rows (hidden-dimension vectors over the positions the experts mix),
+    where they go, and what the dispatcher reads with its counts.
+
+    rows_SM:       (S, M) one row per (channel, sequence) (deterministic: sorted by expert) or per
+                   (sequence, channel) (routed)
+    expert_S:      (S,) the expert of each row
+    weight_S:      (S,) its combine weight p_e (eq. 7), or None (deterministic: weight 1)
+    fault:       the router's input check left for the dispatcher, or None
+    host_counts_E: rows per expert when known on the host from the shapes (deterministic), or None
+    """
+
+    rows_SM: Tensor
+    expert_S: Tensor
+    weight_S: Tensor | None = None
+    fault: Tensor | None = None
+    host_counts_E: list[int] | None = None
 
 
 class SparseBlock(nn.Module):

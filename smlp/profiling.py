@@ -1,4 +1,4 @@
-"""Where a training step's time goes, from torch.profiler (STYLE.md: breakdowns come from a profiler).
+"""Where a training step's time goes, from torch.profiler (breakdowns come from a profiler, not stopwatches).
 
 The model marks its regions with `torch.profiler.record_function` ranges named below (cheap when no
 profiler runs). A forward range covers the forward ops called inside it; the backward of those ops

@@ -1,6 +1,6 @@
 """Start-up settings for the third-party libraries our console programs import through fairseq.
 
-Importing fairseq imports DeepSpeed (fairseq/optim/cpu_adam.py), which on a machine without an
+Importing fairseq imports DeepSpeed (`fairseq.optim.cpu_adam`), which on a machine without an
 accelerator logs "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to
 detect it." from its own accelerator detection, and fairscale, whose offload module raises a
 FutureWarning for torch.cuda.amp's decorators. Neither concerns a run: the warnings are silenced at

@@ -27,10 +27,10 @@ capacity limit would couple the tokens of a batch.
 Computation, with shapes that never depend on later tokens (the causality check compares
 outputs bit for bit, and a matrix product of another shape may round differently: on some CPUs a
 product with 1-3 rows takes another kernel than one with more):
-1. Channel projections, per expert, in tiles of R rows: the rows are sorted by expert and each
-   expert's rows padded to whole tiles; every tile is one (R x D) @ (D x F) product of a batched
+1. Channel projections, per expert, in tiles of TILE_ROWS rows: the rows are sorted by expert and
+   each expert's rows padded to whole tiles; every tile is one (TILE_ROWS x D) @ (D x F) product of a batched
    product (`_TiledExpertLinear`), so a row's result depends on its own values only, whatever
-   the number of rows routed with it. Padding costs at most E (R - 1) rows.
+   the number of rows routed with it. Padding costs at most E (TILE_ROWS - 1) rows.
 2. Spatial mixing in the positions' own layout: row t of the mixing matrix of a sequence is row t
    of W_e(t), kept where s <= t and e(s) = e(t), so one (n x n) @ (n x C) product per sequence
    mixes every expert at once: the dense SGU's cost, whatever the routing.
@@ -38,13 +38,14 @@ product with 1-3 rows takes another kernel than one with more):
    step 1), so an expert that receives no token still gets a (zero) gradient: DDP's
    `pytorch_ddp` backend sees no unused parameter.
 The SGU returns the gate minus one, W v + (b - 1), and the unit computes z1 + z1 * (W v + (b - 1))
-as the dense SGU does (mixers.py, half precision). The experts are replicated on every rank
+as the dense SGU does (gmlp.py, half precision). The experts are replicated on every rank
 (data parallel, no all2all): Table 7 is a claim about quality, not speed. Under
 `explicit_spatial` (the FLOP counter) the projections run on exactly the routed rows, so the
 count is the padding-free one the analytic formula gives.
 
-Shapes: B batch, N positions (n <= T), S = B n rows, D model width, F channel-projection width,
-C = F/2, E experts, R rows per tile.
+Shapes: the core's legend (smlp/__init__.py); here B batch, N positions (n <= T), S = B n rows,
+D model width, F channel-projection width, C = F/2, E experts, R rows the experts compute (S
+padded to whole tiles of TILE_ROWS rows).
 """
 from __future__ import annotations
 
@@ -54,14 +55,15 @@ from torch import Tensor, nn
 from torch.profiler import record_function
 
 from .config import TokenRoutedGMLPConfig
-from .gates import switch_top1
-from .mixers import SpatialGatingUnit, check_length
-from .numerics import router_logits
+from .gmlp import SpatialGatingUnit
 from .profiling import RANGES
+from .routing.gates import switch_top1
+from .routing.logits import router_logits
+from .spatial import check_length
 
 __all__ = ["TokenRoutedGMLPBlock", "GMLPExpert", "TILE_ROWS", "tile_slots"]
 
-TILE_ROWS = 16  # R: a multiple of the CPU GEMM kernels' row blocks; padding at most E (R - 1) rows
+TILE_ROWS = 16  # a multiple of the CPU GEMM kernels' row blocks; padding at most E (TILE_ROWS - 1) rows
 
 
 def tile_slots(expert_S: Tensor, num_experts: int, rows: int = TILE_ROWS) -> tuple[Tensor, list[int]]:
@@ -87,41 +89,42 @@ def tile_slots(expert_S: Tensor, num_experts: int, rows: int = TILE_ROWS) -> tup
 class _TiledExpertLinear(torch.autograd.Function):
     """y[tile] = x[tile] @ W_e^T + b_e for expert e's tiles, as one fixed-shape product per tile.
 
-    Forward: a batched (k, R, D) @ (D, F) product per expert (the weight broadcast, not copied).
+    Forward: a batched (k, TILE_ROWS, D) @ (D, F) product per expert with k tiles (the weight broadcast,
+    not copied).
     Backward: the weight gradient as one (D x kR) @ (kR x F) product per expert (the broadcast's
     own backward would materialize k copies of it), zeros for an expert without tiles."""
 
     @staticmethod
-    def forward(ctx, x_XD: Tensor, tiles_E: list[int], rows: int, *params: Tensor) -> Tensor:
+    def forward(ctx, x_RD: Tensor, tiles_E: list[int], rows: int, *params: Tensor) -> Tensor:
         E = len(tiles_E)
         weights, biases = params[:E], params[E:]
-        D, Fo = x_XD.shape[1], weights[0].shape[0]
+        D, Fo = x_RD.shape[1], weights[0].shape[0]
         out = []
         first = 0
         for e, k in enumerate(tiles_E):
             if k:
-                x_kRD = x_XD[first * rows:(first + k) * rows].view(k, rows, D)
-                y_kRF = torch.bmm(x_kRD, weights[e].t().expand(k, D, Fo)) + biases[e]
-                out.append(y_kRF.reshape(k * rows, Fo))
+                x_tiles = x_RD[first * rows:(first + k) * rows].view(k, rows, D)
+                y_tiles = torch.bmm(x_tiles, weights[e].t().expand(k, D, Fo)) + biases[e]
+                out.append(y_tiles.reshape(k * rows, Fo))
             first += k
-        ctx.save_for_backward(x_XD, *weights)
+        ctx.save_for_backward(x_RD, *weights)
         ctx.tiles_E, ctx.rows = tiles_E, rows
-        return torch.cat(out) if out else x_XD.new_zeros(0, Fo)
+        return torch.cat(out) if out else x_RD.new_zeros(0, Fo)
 
     @staticmethod
-    def backward(ctx, grad_XF: Tensor):
-        x_XD, *weights = ctx.saved_tensors
+    def backward(ctx, grad_RF: Tensor):
+        x_RD, *weights = ctx.saved_tensors
         rows = ctx.rows
-        grad_x = x_XD.new_empty(x_XD.shape) if ctx.needs_input_grad[0] else None
+        grad_x = x_RD.new_empty(x_RD.shape) if ctx.needs_input_grad[0] else None
         grad_w, grad_b = [], []
         first = 0
         for e, k in enumerate(ctx.tiles_E):
             sl = slice(first * rows, (first + k) * rows)
-            g_XF, x_XD_e = grad_XF[sl], x_XD[sl]
+            g_RF, x_RD_e = grad_RF[sl], x_RD[sl]
             if grad_x is not None:
-                grad_x[sl] = g_XF @ weights[e]
-            grad_w.append(g_XF.t() @ x_XD_e)  # (F, D); zeros for k = 0
-            grad_b.append(g_XF.sum(0))
+                grad_x[sl] = g_RF @ weights[e]
+            grad_w.append(g_RF.t() @ x_RD_e)  # (F, D); zeros for k = 0
+            grad_b.append(g_RF.sum(0))
             first += k
         return (grad_x, None, None, *grad_w, *grad_b)
 
@@ -129,9 +132,9 @@ class _TiledExpertLinear(torch.autograd.Function):
 def _expert_linear(x_SD: Tensor, slot_S: Tensor, tiles_E: list[int], linears: list[nn.Linear],
                    rows: int = TILE_ROWS) -> Tensor:
     """Row s through linears[e(s)] (slot_S, tiles_E from `tile_slots`), in tiles of `rows` rows."""
-    x_XD = x_SD.new_zeros(sum(tiles_E) * rows, x_SD.shape[1]).index_copy(0, slot_S, x_SD)
+    x_RD = x_SD.new_zeros(sum(tiles_E) * rows, x_SD.shape[1]).index_copy(0, slot_S, x_SD)
     params = [m.weight for m in linears] + [m.bias for m in linears]
-    return _TiledExpertLinear.apply(x_XD, tiles_E, rows, *params)[slot_S]
+    return _TiledExpertLinear.apply(x_RD, tiles_E, rows, *params)[slot_S]
 
 
 class GMLPExpert(nn.Module):

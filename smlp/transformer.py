@@ -4,14 +4,14 @@ Pre-norm decoder block: x = x + Attn(LN(x)); x = x + FFN(LN(x)), where FFN is de
 (GShard, Switch, Base Layers, HASH). Attention runs as torch's fused scaled_dot_product_attention
 (is_causal) in training and inference, as fairseq's own transformer_lm does, so the baseline is not
 slowed by a hand-written mask; fvcore has no rule for fused SDPA (it counts 0 for it), so
-`explicit_attention()` switches every attention module to the same maths written as matmuls for
-FLOP counting (the FLOPs calculator uses it, and a test checks both forms agree).
+`flop_forms.explicit_attention()` switches every attention module to the same maths written as
+matmuls for FLOP counting (the FLOPs calculator uses it, and a test checks both forms agree).
 
-Shapes: B batch, N positions, D model width, H heads, d = D / H.
+Shapes: the core's legend (smlp/__init__.py); here B batch, N positions, k new positions, t cached
+positions, D model width, H heads, d = D / H.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 
@@ -21,11 +21,12 @@ from torch import Tensor, nn
 from torch.profiler import record_function
 
 from .config import TMoEConfig
-from .decoding import cache_append
+from .decoding_cache import cache_append
+from .deprecation import moved_names
 from .moe import TMoE
 from .profiling import RANGES
 
-__all__ = ["CausalSelfAttention", "DenseFFN", "TransformerBlock", "explicit_attention", "sinusoidal_positions"]
+__all__ = ["CausalSelfAttention", "DenseFFN", "TransformerBlock", "sinusoidal_positions"]
 
 
 def sinusoidal_positions(n: int, dim: int, device=None, dtype=torch.float32, start: int = 0) -> Tensor:
@@ -90,7 +91,7 @@ class CausalSelfAttention(nn.Module):
         return self.dropout(scores.masked_fill(hidden, float("-inf")).softmax(-1)) @ v
 
     def step(self, x_BkD: Tensor, state: dict, start: int) -> Tensor:
-        """Cached decoding (smlp/decoding.py): keys and values of past positions are kept."""
+        """Cached decoding (smlp/decoding_cache.py): keys and values of past positions are kept."""
         B, k, D = x_BkD.shape
         q, key, value = self.qkv(x_BkD).view(B, k, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
         key_BHtd = cache_append(state, "k", key, start, dim=2)
@@ -106,20 +107,6 @@ class CausalSelfAttention(nn.Module):
             hidden = torch.zeros((), dtype=torch.bool, device=q.device) if mask_kt is None else ~mask_kt
             y_BHkd = self._explicit(q, key_BHtd, value_BHtd, hidden)
         return self.out(y_BHkd.transpose(1, 2).reshape(B, k, D))
-
-
-@contextlib.contextmanager
-def explicit_attention(module: nn.Module):
-    """Within the block, every CausalSelfAttention in `module` runs as explicit matmuls (FLOP counters)."""
-    attn = [m for m in module.modules() if isinstance(m, CausalSelfAttention)]
-    before = [m.explicit for m in attn]
-    for m in attn:
-        m.explicit = True
-    try:
-        yield module
-    finally:
-        for m, b in zip(attn, before):
-            m.explicit = b
 
 
 class DenseFFN(nn.Module):
@@ -160,3 +147,7 @@ class TransformerBlock(nn.Module):
         h = self.norm2(x_BkD).reshape(-1, self.d_model)
         ids = token_ids_Bk.reshape(-1) if token_ids_Bk is not None else None
         return x_BkD + self.ffn(h, ids).view_as(x_BkD)
+
+
+# names that moved to another module, importable from here for one release (smlp/deprecation.py)
+__getattr__ = moved_names(__name__, {"explicit_attention": "smlp.flop_forms"})

@@ -15,8 +15,8 @@ import pytest
 import torch
 from scipy.optimize import linear_sum_assignment
 
-import smlp.assignment as assignment
-from smlp.assignment import balanced_assignment, expert_capacities
+import smlp.routing.assignment as assignment
+from smlp.routing.assignment import balanced_assignment, expert_capacities
 
 
 def _scores(S, E, kind="uniform", seed=0):

@@ -1,4 +1,4 @@
-"""The blocked causal product (smlp/causal.py) against the masked dense form it replaces."""
+"""The blocked causal product (smlp/spatial.py) against the masked dense form it replaces."""
 from __future__ import annotations
 
 import contextlib
@@ -6,10 +6,11 @@ import contextlib
 import pytest
 import torch
 
-from smlp.causal import causal_product, causal_product_rows, executed_pairs, explicit_spatial, masked_dense_product
 from smlp.config import SGUConfig
 from smlp.experts import SpatialExperts
-from smlp.mixers import SpatialGatingUnit
+from smlp.flop_forms import explicit_spatial
+from smlp.gmlp import SpatialGatingUnit
+from smlp.spatial import causal_product, causal_product_rows, executed_pairs, masked_dense_product
 from tolerance import assert_orders_agree, within_bound
 
 torch.set_num_threads(1)

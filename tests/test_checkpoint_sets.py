@@ -1,4 +1,4 @@
-"""Rank shards are one checkpoint: atomic writes, tags, and the resume decision (fairseq_plugins/shard_sets.py).
+"""Rank shards are one checkpoint: atomic writes, tags, and the resume decision (fairseq_plugins/checkpoint_sets.py).
 
 One process, real files: each test writes the files a crash would leave (shards of different
 updates or runs, a truncated copy, a missing rank, another world size) and checks what every rank
@@ -15,8 +15,7 @@ import pytest
 import torch
 
 import fairseq_plugins  # noqa: F401  (installs the hooks)
-from fairseq_plugins.checkpoints import consolidate
-from fairseq_plugins.shard_sets import (
+from fairseq_plugins.checkpoint_sets import (
     SHARD_KEY,
     CheckpointSetError,
     _candidates_here,
@@ -27,6 +26,7 @@ from fairseq_plugins.shard_sets import (
     read_shard,
     shape_mismatch,
 )
+from fairseq_plugins.checkpoints import consolidate
 
 
 def fake_state(updates: int, *, rank: int = 0, world: int = 2, run: str = "run1", experts: int = 1, sharded=True):
@@ -243,7 +243,7 @@ def test_rank_shards_finds_what_the_glob_rules_it_replaced_found(tmp_path, monke
     import glob
     import re
 
-    from fairseq_plugins.shard_sets import rank_shards
+    from fairseq_plugins.checkpoint_sets import rank_shards
 
     for name in ("x.pt", "x-rank-0.pt", "x-rank-1.pt", "x-rank-10.pt", "x-rank-1-rank-2.pt", "xy-rank-3.pt",
                  "x-rank-a.pt", "y-rank-0.pt"):

@@ -2,8 +2,8 @@
 
 NCCL rejects CPU tensors; a CPU-only machine runs gloo, which accepts them. The collectives of the
 project (audited: smlp/dispatch.py's all2all and its split/width exchanges, Base Layers' token shuffle
-and unshuffle with their backward, smlp/parallel.py's replica all-reduce of expert gradients, the zero-shot scorer's
-batch-count max and score sum, the generation token broadcast, the end-of-run barrier, and
+and unshuffle with their backward, smlp/expert_data_parallel.py's replica all-reduce of expert gradients,
+the zero-shot scorer's batch-count max and score sum, the generation token broadcast, the end-of-run barrier, and
 smlp-launch's graceful-stop vote; fairseq_plugins calls none itself) run here on 2 gloo ranks under
 `tests/fake_nccl.pretend_nccl()`, which reports an NCCL backend and fails on any CPU tensor that
 reaches a collective. A negative control shows the check fails on the mistake it exists for.
@@ -43,6 +43,16 @@ class TinyLM(torch.nn.Module):
         return sum(float(lp[seq[i - 1], seq[i]]) for i in range(1 + len(context), len(seq)))
 
 
+def _common_width(dispatcher, width: int) -> int:
+    """The largest row width in the dispatcher's group: an all-reduce (MAX) on the backend's device, as
+    AllToAllDispatcher.common_width did before the dispatch exchanged the widths with the counts."""
+    from smlp.process_group import collective_device
+
+    t = torch.tensor([width], dtype=torch.long, device=collective_device(dispatcher.ep_group))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=dispatcher.ep_group)
+    return int(t.item())
+
+
 def _worker(rank: int, world: int, init: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
@@ -51,9 +61,9 @@ def _worker(rank: int, world: int, init: str, out: str) -> None:
     try:
         from smlp.config import TMoEConfig
         from smlp.dispatch import AllToAllDispatcher
+        from smlp.expert_data_parallel import average_expert_gradients
         from smlp.experts import FFNExperts
         from smlp.moe import TMoE
-        from smlp.parallel import average_expert_gradients
         from smlp_eval.scoring import LMScorer
         from smlp_eval.zeroshot import barrier
         from smlp_launch.worker import _StopFlag
@@ -100,7 +110,7 @@ def _worker(rank: int, world: int, init: str, out: str) -> None:
             x_SD = torch.randn(10, 3, generator=torch.Generator().manual_seed(rank)).to("cuda")
             expert_S = torch.tensor([(3 * i + rank) % 4 for i in range(10)]).to("cuda")
             n0 = len(calls)
-            width = disp.common_width(5 + rank)
+            width = _common_width(disp, 5 + rank)
             x_RD, counts_L, state = disp.dispatch(x_SD, expert_S)
             y_SD = disp.combine(x_RD * 2, state)
             report["dispatch"] = {"width": width, "collectives": len(calls) - n0,
@@ -200,7 +210,8 @@ def test_collective_device_follows_the_backend(monkeypatch):
 def test_every_caller_follows_one_collective_device_rule(monkeypatch):
     """The dispatchers, expert-data parallelism and evaluation ask one function (smlp/process_group.py),
     and the dispatcher's device follows its group's backend as that function says."""
-    from smlp import parallel, process_group
+    from smlp import expert_data_parallel as parallel
+    from smlp import process_group
     from smlp.dispatch import AllToAllDispatcher
     from smlp_eval import scoring
 

@@ -24,7 +24,7 @@ from fairseq.models import ARCH_MODEL_NAME_REGISTRY, MODEL_DATACLASS_REGISTRY, M
 import fairseq_plugins  # noqa: E402,F401  (registration)
 from fairseq_plugins import config as table  # noqa: E402
 from smlp.lm import LMConfig  # noqa: E402
-from smlp.routers import SMOE_ROUTINGS, TOKEN_ROUTERS  # noqa: E402
+from smlp.routing.registry import SMOE_ROUTINGS, TOKEN_ROUTERS  # noqa: E402
 
 PLUGINS = str(Path(fairseq_plugins.__file__).parent)
 VOCAB, PAD = 101, 1
@@ -160,7 +160,7 @@ def test_registered_dataclasses_are_the_table():
             assert fields[row.name].default == row.default, row.name
             if row.choices is not None:
                 assert [c.value for c in fields[row.name].type] == list(row.choices), row.name
-    # the router flags offer exactly the router registry's names (smlp/routers.py)
+    # the router flags offer exactly the router registry's names (smlp/routing/registry.py)
     choices = {name: [c.value for c in f.type] for model in table.FAMILIES_BY_MODEL
                for name, f in MODEL_DATACLASS_REGISTRY[model].__dataclass_fields__.items()
                if name in ("moe_router", "smoe_routing")}

@@ -6,12 +6,13 @@ import torch
 import torch.nn.functional as F
 
 from causality import assert_causal, earlier_outputs_unchanged
-from smlp.assignment import sanitize_scores
 from smlp.config import GMLPConfig, SGUConfig, SMoEConfig, SparseBlockConfig, TMoEConfig
-from smlp.dispatch import LocalDispatcher, expert_parallel_layout
-from smlp.mixers import GMLPBlock, SpatialGatingUnit
+from smlp.dispatch import LocalDispatcher
+from smlp.expert_data_parallel import expert_parallel_layout
+from smlp.gmlp import GMLPBlock, SpatialGatingUnit
 from smlp.moe import SMoE, SparseBlock, TMoE, hash_table
 from smlp.routing import base_route, smoe_partial_route
+from smlp.routing.assignment import sanitize_scores
 from tolerance import within_bound
 
 torch.set_num_threads(1)

@@ -23,9 +23,9 @@ import torch.multiprocessing as mp
 
 from smlp.config import SGUConfig, SMoEConfig, SparseBlockConfig, TMoEConfig
 from smlp.dispatch import AllToAllDispatcher
-from smlp.mixers import SpatialGatingUnit
+from smlp.gmlp import SpatialGatingUnit
 from smlp.moe import SMoE, SparseBlock, TMoE
-from smlp.sharding import expert_keys, slice_expert_shard
+from smlp.resharding import expert_keys, slice_expert_shard
 from tolerance import assert_orders_agree, within_bound
 
 pytestmark = pytest.mark.slow
@@ -372,7 +372,7 @@ class _SameAssignment:
 
     @staticmethod
     def balanced_assignment(scores):
-        from smlp.assignment import balanced_assignment
+        from smlp.routing.assignment import balanced_assignment
 
         return torch.argsort(balanced_assignment(scores), stable=True)
 

@@ -386,3 +386,28 @@ def test_readme_results_paragraph_says_what_the_published_record_says():
     ppl = {k: m["valid_ppl"] for k, m in rec["models"].items()}
     assert "ended below every Transformer-MoE baseline in perplexity" in " ".join(section.split())
     assert all(ppl["smlp_det"] < ppl[k] for k in ("gshard", "switch", "base", "hash"))
+
+
+CITED_FILE = re.compile(r"(?<![\w./-])([\w./-]+\.(?:py|md|sh|sbatch))\b")
+
+
+def cited_files_missing(source: str, folder: Path) -> list[str]:
+    """File names cited in `source` (a module of `folder`) that the repository does not hold: a path is read
+    from the repository root or from the module's folder (a sibling named alone)."""
+    return [path for path in CITED_FILE.findall(source)
+            if not (REPO / path).exists() and not (folder / path).exists()]
+
+
+def test_the_code_cites_only_files_of_the_repository():
+    """Docstrings and comments of the packages name files that exist (issue 27): after a move, a stale path
+    fails here; code outside the repository is named by its module (`fairseq.utils`), not a file."""
+    assert cited_files_missing("see routes.py and smlp/dispatch.py", REPO / "smlp" / "routing") == []
+    assert cited_files_missing("(smlp/routers_old.py, token_routed.py)", REPO / "smlp" / "routing") == [
+        "smlp/routers_old.py", "token_routed.py"]
+    missing = {}
+    for package in ("smlp", "fairseq_plugins", "eval"):
+        for path in sorted((REPO / package).rglob("*.py")):
+            found = cited_files_missing(path.read_text(), path.parent)
+            if found:
+                missing[str(path.relative_to(REPO))] = found
+    assert not missing, missing

@@ -16,9 +16,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from smlp.dispatch import AllToAllDispatcher, LocalDispatcher
+from smlp.expert_data_parallel import ExpertDataLayout, average_expert_gradients, expert_data_groups, valid_ep_sizes
 from smlp.lm import LanguageModel, LMConfig
-from smlp.parallel import ExpertDataLayout, average_expert_gradients, expert_data_groups, valid_ep_sizes
-from smlp.sharding import (
+from smlp.resharding import (
     check_replicas,
     expert_keys,
     expert_slice,
@@ -245,7 +245,7 @@ def test_four_ranks_in_groups_of_two_equal_one_process():
 def _oss_worker(rank, world, init_file):
     """ExpertLocalOSS (shared parameters' Adam state split over the ranks, experts' local) steps like plain
     Adam on every rank, and its checkpoint state is plain Adam's: it round-trips into a fresh one."""
-    from fairseq_plugins.sharded_optim import ExpertLocalOSS
+    from fairseq_plugins.zero_optimizer import ExpertLocalOSS
     from test_distributed import _finish, _init
 
     _init(rank, world, init_file)

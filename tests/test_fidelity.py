@@ -371,7 +371,8 @@ def test_attention_without_the_fused_kernel_equals_it(monkeypatch):
 
 def test_fused_attention_equals_the_explicit_form_the_flops_calculator_counts():
     """Training uses fused SDPA (as fairseq); the FLOP counter sees the same maths as matmuls."""
-    from smlp.transformer import CausalSelfAttention, explicit_attention
+    from smlp.flop_forms import explicit_attention
+    from smlp.transformer import CausalSelfAttention
 
     torch.manual_seed(0)
     attn = CausalSelfAttention(32, 4).eval()

@@ -17,7 +17,7 @@ import torch
 from smlp.dispatch import LocalDispatcher
 from smlp.lm import LanguageModel, LMConfig
 from smlp_eval import flops as F
-from smlp_eval.flop_count import _tokens
+from smlp_eval.flops.counting import _tokens
 
 M, G, T_ = 1e6, 1e9, 1e12
 PARAMS_TOL, FLOPS_TOL = 0.01, 0.03

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from smlp.gates import gshard_capacity, gshard_top2, switch_capacity, switch_top1
+from smlp.routing.gates import gshard_capacity, gshard_top2, switch_capacity, switch_top1
 
 
 def _logits(S, E, seed, skew=0.0):

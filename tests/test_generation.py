@@ -1,4 +1,4 @@
-"""Cached incremental decoding and generation against full recomputation (smlp/decoding.py, smlp/generation.py).
+"""Cached incremental decoding and generation against full recomputation (smlp/decoding_cache.py, smlp/generation.py).
 
 References: the full forward of the same model on the same token histories (logits at every position,
 fp32, within the rounding bound of two computation orders: tests/tolerance.py), a per-prompt greedy loop
@@ -18,10 +18,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from smlp.decoding import DecodingCache
+from smlp.decoding_cache import DecodingCache
 from smlp.generation import fill_prefix, generate
+from smlp.hypermixer import hypermixing, hypermixing_step
 from smlp.lm import LanguageModel, LMConfig
-from smlp.token_mixers import CausalTokenMLP, hypermixing, hypermixing_step
+from smlp.ninformer import CausalTokenMLP
 from tolerance import assert_orders_agree, orders_agree
 
 T = 24
@@ -128,7 +129,7 @@ def test_cached_steps_keep_the_spatial_term_in_half_precision(dtype):
     the step's term equals the fp32 forward's within 10%, and z1 + z1 * term is the SGU's cached output."""
     from smlp.config import SGUConfig
     from smlp.experts import SpatialExperts
-    from smlp.mixers import SpatialGatingUnit
+    from smlp.gmlp import SpatialGatingUnit
 
     torch.manual_seed(0)
     n, start = 256, 250
@@ -354,7 +355,7 @@ def _ep_worker(rank, world, init_file, failures):
     from datetime import timedelta
 
     from smlp.dispatch import AllToAllDispatcher
-    from smlp.sharding import expert_keys, slice_expert_shard
+    from smlp.resharding import expert_keys, slice_expert_shard
 
     torch.set_num_threads(1)
     # an exception on one rank leaves the other waiting in a collective: the timeout ends it

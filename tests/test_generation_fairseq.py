@@ -114,14 +114,14 @@ def test_fairseq_greedy_equals_smlp_generation_and_fills_the_routing_prefix(tiny
     an independent loop. For partial prediction (P = 6 of 32) prompts of 2 and 5 tokens are left-filled
     with the end of the valid split, read independently here (smlp-zeroshot's reader), and the fill is
     logged, never printed: the hypotheses start with the prompt."""
+    from fairseq_plugins.prefix_fill import routing_prefix_fill
     from smlp.generation import generate
-    from smlp_eval.text import Encoder, routing_prefix_fill
 
     model, task = _model(tiny_lm_data, arch, extra)
     core, eos = model.decoder.core, task.target_dictionary.eos()
     P = core.cfg.prediction_start
     assert (P > 0) == ("partial" in extra)
-    fill = routing_prefix_fill(Encoder(task.target_dictionary, data_dir=tiny_lm_data), P)[0] if P else None
+    fill = routing_prefix_fill(task.target_dictionary, tiny_lm_data, P)[0] if P else None
     prompts = _prompts(len(task.target_dictionary))
     gen = _generator(task, model, max_len_b=16)
     with caplog.at_level(logging.INFO, logger="fairseq_plugins.generation_patches"):
@@ -269,7 +269,7 @@ def _ep_worker(rank, world, init_file, failures):
     from smlp.dispatch import AllToAllDispatcher
     from smlp.generation import generate
     from smlp.lm import LanguageModel, LMConfig
-    from smlp.sharding import expert_keys, slice_expert_shard
+    from smlp.resharding import expert_keys, slice_expert_shard
     from smlp_eval.generate import generate_lockstep
     from smlp_eval.scoring import LMScorer
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from smlp import assignment
 from smlp.config import TMoEConfig
 from smlp.dispatch import CommTimer, LocalDispatcher
 from smlp.lm import LanguageModel
@@ -25,6 +24,7 @@ from smlp.moe import TMoE
 from smlp.routing import (
     FAULT_WIDTH,
     NonFiniteScoresError,
+    assignment,
     base_route,
     hash_fault,
     hash_route,
@@ -78,7 +78,7 @@ def test_the_counted_path_is_the_accelerator_path_of_balanced_assignment():
 # ---------------------------------------------------------------- the budget
 
 DISPATCH_READ = "tolist @ smlp/dispatch.py"
-AUCTION_CHECK = "@ smlp/assignment.py"
+AUCTION_CHECK = "@ smlp/routing/assignment.py"
 AUCTION_FAMILIES = {"sMLP-det", "sMLP-partial", "Base"}
 
 
@@ -236,7 +236,7 @@ def test_a_deferred_check_raises_what_the_router_raises_on_its_own(router):
     with pytest.raises((NonFiniteScoresError, ValueError)) as own:
         layer.route(x, ids)  # read at once
     plan = layer.route(x, ids, defer_checks=True)
-    assert plan.fault_F is not None and plan.fault_F[0] != 0  # left on the device
+    assert plan.fault is not None and plan.fault[0] != 0  # left on the device
     with HostSyncCounter() as c, pytest.raises(type(own.value)) as deferred:
         layer(x, ids)  # read with the split sizes
     assert str(deferred.value) == str(own.value) and str(own.value).startswith("layers.1.ffn (TMoE): ")

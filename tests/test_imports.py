@@ -4,7 +4,11 @@ hidden), with a module named by its installed name (`launch/` is `smlp_launch`, 
 from __future__ import annotations
 
 import ast
+import importlib
+import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"smlp": "smlp", "fairseq_plugins": "fairseq_plugins", "smlp_launch": "launch", "smlp_eval": "eval",
@@ -71,6 +75,16 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+def folder_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The import graph between top-level folders (installed names: smlp, fairseq_plugins, smlp_eval, ...):
+    folder A imports folder B when any module of A imports any module of B, at file or function level."""
+    folders: dict[str, set[str]] = {}
+    for name, deps in graph.items():
+        top = name.split(".")[0]
+        folders.setdefault(top, set()).update(d.split(".")[0] for d in deps if d.split(".")[0] != top)
+    return folders
+
+
 def test_the_cycle_finder_finds_a_circle_and_accepts_a_tree():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
@@ -87,9 +101,35 @@ def test_no_import_circle_among_our_modules():
     known = modules()
     assert {"smlp.dispatch", "smlp_eval.flops", "fairseq_plugins", "smlp_launch.data"} <= set(known)
     graph = {name: imports_of(name, path, known) for name, path in known.items()}
-    assert "smlp_eval.flop_count" in graph["smlp_eval.flops"]  # the walk resolves relative imports
+    assert "smlp_eval.flops.counting" in graph["smlp_eval.flops"]  # the walk resolves relative imports
     cycle = find_cycle(graph)
     assert cycle is None, "import circle: " + " -> ".join(cycle)
+
+
+def test_the_folder_graph_sees_a_circle_that_no_two_modules_form(tmp_path):
+    """A function-level import of smlp_eval from a plugin module, while smlp_eval imports another plugin
+    module: no module-level circle, but a circle between the two folders."""
+    sources = {"fairseq_plugins.generation": "def fill():\n    from smlp_eval.text import Encoder\n",
+               "fairseq_plugins.checkpoints": "import torch\n",
+               "smlp_eval.zeroshot": "from fairseq_plugins.checkpoints import load_for_eval\n",
+               "smlp_eval.text": "import os\n"}
+    known = {}
+    for name, source in sources.items():
+        known[name] = tmp_path / f"{name}.py"
+        known[name].write_text(source)
+    graph = {name: imports_of(name, path, known) for name, path in known.items()}
+    assert find_cycle(graph) is None
+    assert find_cycle(folder_graph(graph)) == ["fairseq_plugins", "smlp_eval", "fairseq_plugins"]
+
+
+def test_no_import_circle_between_top_level_folders():
+    """The folders depend on each other one way (issue 27): smlp <- fairseq_plugins <- smlp_eval <- smlp_launch
+    <- smlp_bench, whether through file-level or function-level imports of the installed names."""
+    known = modules()
+    folders = folder_graph({name: imports_of(name, path, known) for name, path in known.items()})
+    cycle = find_cycle(folders)
+    assert cycle is None, "import circle between folders: " + " -> ".join(cycle)
+    assert folders["smlp"] == set()  # the core imports only itself
 
 
 def test_evaluation_and_the_core_import_no_launcher_and_data_preparation_no_model_code():
@@ -115,3 +155,100 @@ def test_evaluation_and_the_core_import_no_launcher_and_data_preparation_no_mode
     for entry in ("smlp_launch.data", "smlp_launch.local", "smlp_eval.text"):
         model_code = {m for m in reach(entry) if m.startswith(("smlp.", "fairseq_plugins")) and m not in NOT_MODELS}
         assert not model_code, (entry, model_code)
+
+
+
+# ---------------------------------------------------------------- old paths, kept for one release (issue 27)
+
+# module path -> the module it moved to whole (the same module object under both names)
+OLD_MODULES = {
+    "smlp.routers": "smlp.routing.registry", "smlp.gates": "smlp.routing.gates",
+    "smlp.assignment": "smlp.routing.assignment", "smlp.decoding": "smlp.decoding_cache",
+    "smlp.parallel": "smlp.expert_data_parallel", "smlp.sharding": "smlp.resharding",
+    "fairseq_plugins.shard_sets": "fairseq_plugins.checkpoint_sets",
+    "fairseq_plugins.sharded_optim": "fairseq_plugins.zero_optimizer",
+    "smlp_eval.flop_count": "smlp_eval.flops.counting", "smlp_eval.flop_match": "smlp_eval.flops.matching",
+    "smlp_eval.flop_tables": "smlp_eval.flops.tables", "smlp_eval.paper_tables": "smlp_eval.flops.paper_figures",
+    "smlp_eval.model_spec": "smlp_eval.flops.model_spec", "smlp_eval.steptime": "smlp_eval.flops.steptime",
+    **{f"smlp_bench.{name}": f"smlp_bench.micro.{name}" for name in (
+        "balanced_assignment", "causal_product", "compile_dense", "generation", "host_syncs", "hot_path",
+        "local_experts", "memory_growth", "sparse_profile")},
+    "smlp_bench.records": "smlp_bench.micro.harness",
+}
+# module path -> {name: where it went}, for a module split over several homes
+OLD_SPLIT = {
+    "smlp.numerics": {"router_logits": "smlp.routing.logits", "no_autocast": "smlp.precision"},
+    "smlp.causal": {**dict.fromkeys(("BLOCK", "causal_product", "causal_product_rows", "default_block",
+                                     "executed_pairs", "masked_dense_product"), "smlp.spatial"),
+                    "explicit_spatial": "smlp.flop_forms"},
+    "smlp.mixers": {**dict.fromkeys(("check_length", "causal_weight", "init_spatial_", "uniform_per_slice_"),
+                                    "smlp.spatial"),
+                    **dict.fromkeys(("SpatialProjection", "SpatialGatingUnit", "GMLPBlock"), "smlp.gmlp")},
+    "smlp.token_mixers": {
+        **dict.fromkeys(("CHUNK_ELEMENTS", "HyperMixerConfig", "hypermixing", "hypermixing_step", "HyperMixingUnit"),
+                        "smlp.hypermixer"),
+        **dict.fromkeys(("NiNformerConfig", "CausalTokenMLP", "MixerSubUnit", "NiNformerGatingUnit"),
+                        "smlp.ninformer"),
+        "TOKEN_MIXERS": "smlp.gmlp", "make_token_mixer": "smlp.lm"},
+}
+# a module that stays -> {name that left it: where it went}
+OLD_NAMES = {
+    "smlp.transformer": {"explicit_attention": "smlp.flop_forms"},
+    "smlp.dispatch": {"expert_parallel_layout": "smlp.expert_data_parallel"},
+}
+
+
+def _fresh_import(name: str):
+    """Import `name` anew (it may have been imported by another test), returning the module and the
+    DeprecationWarnings that name it."""
+    sys.modules.pop(name, None)
+    with pytest.warns(DeprecationWarning) as caught:
+        module = importlib.import_module(name)
+    return module, [w for w in caught if f"{name} is deprecated" in str(w.message)]
+
+
+@pytest.mark.parametrize("old", OLD_MODULES)
+def test_a_module_moved_whole_is_the_new_module_under_its_old_name_with_a_warning(old):
+    """For one release: the old path imports, warns once naming the new path (attributed to the importing
+    line), and is the new module object itself, so its classes, pickles and monkeypatches are the same."""
+    module, (warning,) = _fresh_import(old)
+    assert f"import {OLD_MODULES[old]} instead" in str(warning.message)
+    assert warning.filename == __file__, warning.filename
+    assert module is importlib.import_module(OLD_MODULES[old])
+
+
+@pytest.mark.parametrize("old", OLD_SPLIT)
+def test_a_split_module_re_exports_every_name_from_its_new_home_with_a_warning(old):
+    module, (warning,) = _fresh_import(old)
+    assert warning.filename == __file__, warning.filename
+    assert sorted(module.__all__) == sorted(OLD_SPLIT[old])
+    for name, home in OLD_SPLIT[old].items():
+        assert home in str(warning.message), (name, home)
+        assert getattr(module, name) is getattr(importlib.import_module(home), name), name
+
+
+@pytest.mark.parametrize("module, name", [(m, n) for m, names in OLD_NAMES.items() for n in names])
+def test_a_name_that_left_a_module_still_imports_from_it_with_a_warning(module, name):
+    home = OLD_NAMES[module][name]
+    with pytest.warns(DeprecationWarning, match=f"{module}.{name} is deprecated.*from {home}") as caught:
+        value = getattr(importlib.import_module(module), name)
+    assert caught[0].filename == __file__
+    assert value is getattr(importlib.import_module(home), name)
+    with pytest.raises(AttributeError):
+        _ = importlib.import_module(module).no_such_name
+
+
+def test_every_old_path_in_the_tree_is_checked_here():
+    """Each module that declares itself an old path (calls `moved` or `warn_moved`, or serves moved names)
+    is listed above: no deprecated path goes untested."""
+    declared_old, declared_names = set(), set()
+    for name, path in modules().items():
+        for node in ast.parse(path.read_text()).body:  # module-level calls
+            call = getattr(node, "value", None)
+            called = getattr(getattr(call, "func", None), "id", None)
+            if called in ("moved", "warn_moved"):
+                declared_old.add(name)
+            elif called == "moved_names":
+                declared_names.add(name)
+    assert declared_old == set(OLD_MODULES) | set(OLD_SPLIT)
+    assert declared_names == set(OLD_NAMES)

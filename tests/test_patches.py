@@ -28,7 +28,7 @@ def _patched():
 
 def test_every_listed_patch_names_code_that_exists_and_says_what_it_fixes():
     assert [p.name for p in patches.PATCHES] == [
-        "allow_fairseq_checkpoints", "shard_sets", "guard_language_modeling_data", "elastic", "sharded_optim",
+        "allow_fairseq_checkpoints", "checkpoint_sets", "guard_language_modeling_data", "elastic", "zero_optimizer",
         "precision", "generation_patches", "restore_fairseq_cli_logging"]
     for p in patches.PATCHES:
         assert callable(getattr(importlib.import_module(f"fairseq_plugins.{p.module}"), p.function)), p
@@ -41,10 +41,10 @@ def test_every_listed_patch_names_code_that_exists_and_says_what_it_fixes():
 def test_the_import_applied_them_in_order_and_again_changes_nothing():
     from fairseq import checkpoint_utils
 
-    # elastic after shard_sets: its wrapper is the outer one (reshard first, then check the set)
+    # elastic after checkpoint_sets: its wrapper is the outer one (reshard first, then check the set)
     outer = checkpoint_utils.load_checkpoint
     assert outer.__module__ == "fairseq_plugins.elastic"
-    assert outer.__wrapped__.__module__ == "fairseq_plugins.shard_sets"
+    assert outer.__wrapped__.__module__ == "fairseq_plugins.checkpoint_sets"
     assert outer.__wrapped__.__wrapped__.__module__ == "fairseq.checkpoint_utils"
     before = _patched()
     # wrappers defined by our modules (train_step is recompiled from fairseq's source, precision.py patch 3)

@@ -17,13 +17,13 @@ import torch.nn.functional as F
 
 from fairseq_helpers import PLUGINS
 from smlp.config import SGUConfig, TMoEConfig
+from smlp.expert_data_parallel import grad_norm_with_experts
 from smlp.experts import SpatialExperts
+from smlp.gmlp import SpatialGatingUnit
+from smlp.hypermixer import hypermixing
 from smlp.lm import LanguageModel, LMConfig
-from smlp.mixers import SpatialGatingUnit
 from smlp.moe import TMoE
-from smlp.numerics import router_logits
-from smlp.parallel import grad_norm_with_experts
-from smlp.token_mixers import hypermixing
+from smlp.routing.logits import router_logits
 
 HALF = (torch.bfloat16, torch.float16)
 
@@ -85,7 +85,7 @@ def test_router_logits_are_the_fp32_product_of_the_upcast_inputs(autocast):
 @pytest.mark.parametrize("router", ["switch", "gshard", "base"])
 def test_a_half_precision_tmoe_routes_on_fp32_logits(monkeypatch, router):
     """The layer's gate projection goes through router_logits; the plan's weights and aux loss are fp32."""
-    import smlp.routers as routers  # the token routers' route functions (the registry)
+    import smlp.routing.logits as routers  # the router logits, which the registry's route functions call
 
     calls = []
 

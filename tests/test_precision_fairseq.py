@@ -16,7 +16,7 @@
    What the CPU --amp run covers: fp16 autocast of the forward (torch.autocast on CPU), fairseq's
    AMPOptimizer with a real GradScaler (scaling, unscale, skip, backoff) and its agreement across
    ranks. Not covered: CUDA kernels and NCCL (the code paths are device-generic; NCCL collectives
-   get CUDA tensors by construction, smlp.parallel.collective_device).
+   get CUDA tensors by construction, smlp.expert_data_parallel.collective_device).
 2. `fairseq-train` on 2 gloo ranks with `smlp_lm_tiny` (sMoE and Base Layers experts), one training
    per flag (module-scoped fixture), checked several ways: losses near the fp32 run's, the log
    lines, and a resume that logs the uninterrupted run's losses.

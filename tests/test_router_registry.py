@@ -1,4 +1,4 @@
-"""The router registry (smlp/routers.py): every consumer reads its routers from it.
+"""The router registry (smlp/routing/registry.py): every consumer reads its routers from it.
 
 The layer, the core config, the FLOPs calculator, the step-time model and the benchmark see exactly
 the registry's routers, with the facts the registry gives (checked against hand computations); a
@@ -14,7 +14,7 @@ import torch
 from smlp.config import TMoEConfig
 from smlp.lm import LanguageModel, LMConfig
 from smlp.moe import TMoE
-from smlp.routers import SMOE_ROUTINGS, TOKEN_ROUTERS, TokenRouter
+from smlp.routing.registry import SMOE_ROUTINGS, TOKEN_ROUTERS, TokenRouter
 from smlp_eval import flop_count, flop_match, steptime
 
 COMMON = dict(vocab_size=53, d_model=16, d_ffn=32, seq_len=12, dense_layers=2)
@@ -96,8 +96,8 @@ def test_the_layer_the_config_the_calculator_and_the_step_time_model_read_the_en
 
 def _route_greedy(layer, x_SD, token_ids_S, defer_checks):
     """A test router: greedy top-1 on a learned gate, sigmoid weight, no capacity (Base Layers' eval rule)."""
-    from smlp.numerics import router_logits
     from smlp.routing import base_route
+    from smlp.routing.logits import router_logits
 
     return base_route(router_logits(x_SD, layer.gate.weight.t()), training=False, layer=layer.layer_name,
                       defer_checks=defer_checks)

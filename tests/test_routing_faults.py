@@ -6,7 +6,7 @@
   error within seconds instead of one waiting in the all2all until the collective timeout.
 - Degenerate but finite scores (all equal, one expert preferred by every token) are still assigned
   with exact balance by Base Layers, at any token count, and the auction ends within its round
-  budget on adversarial scores (smlp/assignment.py is tested from outside here).
+  budget on adversarial scores (smlp/routing/assignment.py is tested from outside here).
 - A rank with zero tokens, and token counts divisible by neither ranks nor experts, give exactly the
   single-process layer's outputs and gradients on 2 gloo ranks (the reference of test_distributed.py).
 """
@@ -24,13 +24,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from smlp.assignment import balanced_assignment, expert_capacities
 from smlp.config import SparseBlockConfig, TMoEConfig
 from smlp.dispatch import AllToAllDispatcher
 from smlp.lm import LanguageModel, LMConfig
 from smlp.moe import SparseBlock, TMoE
+from smlp.resharding import expert_keys, slice_expert_shard
 from smlp.routing import NonFiniteScoresError
-from smlp.sharding import expert_keys, slice_expert_shard
+from smlp.routing.assignment import balanced_assignment, expert_capacities
 
 # ---------------------------------------------------------------- non-finite scores
 
@@ -69,7 +69,7 @@ def test_non_finite_router_scores_raise_naming_the_layer(family, router, routing
 
 
 def test_gates_accept_minus_inf_as_a_mask_but_not_a_row_without_any_expert():
-    from smlp.gates import gshard_top2, switch_top1
+    from smlp.routing.gates import gshard_top2, switch_top1
 
     logits = torch.randn(6, 4)
     logits[:, 3] = float("-inf")  # expert 3 masked for every row: allowed

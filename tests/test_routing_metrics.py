@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from smlp.config import TMoEConfig
-from smlp.gates import gshard_capacity, router_z_loss, switch_capacity
 from smlp.lm import LanguageModel
 from smlp.moe import TMoE
+from smlp.routing.gates import gshard_capacity, router_z_loss, switch_capacity
 
 torch.set_num_threads(1)
 
@@ -47,12 +47,12 @@ def _tiny_core(router, **kw):
 
 
 def test_the_criterion_adds_the_weighted_z_loss_only_when_asked(monkeypatch):
-    import smlp.routers  # the token routers' route functions (the registry)
+    import smlp.routing.logits  # the router logits, which the registry's route functions call
     from smlp_bench.micro.hot_path import criterion, fairseq_model, lm_sample, tokens
 
     captured = []
-    real = smlp.routers.router_logits
-    monkeypatch.setattr(smlp.routers, "router_logits", lambda x, w: captured.append(real(x, w)) or captured[-1])
+    real = smlp.routing.logits.router_logits
+    monkeypatch.setattr(smlp.routing.logits, "router_logits", lambda x, w: captured.append(real(x, w)) or captured[-1])
     core = _tiny_core("Switch")
     model, dictionary = fairseq_model(core)
     sample = lm_sample(tokens(), dictionary.pad())

@@ -114,7 +114,7 @@ def test_sharded_optimizer_state_checkpoint_resumes_on_one_process(runs):
 def test_resume_that_would_change_the_number_of_experts_is_refused(runs):
     """--num-experts 0 means one per rank: on 2 ranks that is 2 experts, not the checkpoint's 4."""
     from fairseq_plugins.elastic import ReshardError, plan_resume
-    from smlp.parallel import ExpertDataLayout
+    from smlp.expert_data_parallel import ExpertDataLayout
 
     base = str(runs["root"] / "elastic" / "checkpoint_last.pt")
     with pytest.raises(ReshardError,

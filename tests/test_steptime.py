@@ -1,4 +1,4 @@
-"""The step-time model (eval/steptime.py): all2all bytes against what gloo ranks send, activation
+"""The step-time model (eval/flops/steptime.py): all2all bytes against what gloo ranks send, activation
 bytes against the autograd graph, memory and time bookkeeping, the Table 4 comparison."""
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from smlp.dispatch import AllToAllDispatcher
+from smlp.expert_data_parallel import ExpertDataLayout, expert_data_groups
 from smlp.lm import LanguageModel, LMConfig
-from smlp.parallel import ExpertDataLayout, expert_data_groups
 from smlp_eval import flops as FL
 from smlp_eval import steptime as S
 
@@ -166,8 +166,7 @@ def _graph_saved_bytes(root, exclude: set[int]) -> tuple[int, int]:
 ], ids=["smlp", "switch", "gmlp"])
 def test_activation_bytes_equal_the_autograd_graph(flags):
     """The hook measurement (attributed per layer) equals a walk of the autograd graph."""
-    from smlp.causal import explicit_spatial
-    from smlp.transformer import explicit_attention
+    from smlp.flop_forms import explicit_attention, explicit_spatial
 
     cfg = LMConfig(**TINY, **flags)
     measured = S.activation_bytes(cfg, 12)

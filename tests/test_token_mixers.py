@@ -1,4 +1,4 @@
-"""Causal HyperMixer and NiNformer token mixers (smlp/token_mixers.py), single process.
+"""Causal HyperMixer and NiNformer token mixers (smlp/hypermixer.py, smlp/ninformer.py), single process.
 
 References: plain per-position loops written from the papers' equations (HyperMixer section 2.3 and
 Appendix F, MLP-Mixer's token MLP as NiNformer's eq. 8 uses it), the paper's non-causal form at the
@@ -15,19 +15,10 @@ import torch.nn.functional as F
 
 from causality import assert_causal, earlier_outputs_unchanged
 from smlp.config import GMLPConfig
+from smlp.gmlp import GMLPBlock
+from smlp.hypermixer import CHUNK_ELEMENTS, HyperMixerConfig, HyperMixingUnit, _chunk_len, _outer, hypermixing
 from smlp.lm import LanguageModel, LMConfig
-from smlp.mixers import GMLPBlock
-from smlp.token_mixers import (
-    CHUNK_ELEMENTS,
-    CausalTokenMLP,
-    HyperMixerConfig,
-    HyperMixingUnit,
-    NiNformerConfig,
-    NiNformerGatingUnit,
-    _chunk_len,
-    _outer,
-    hypermixing,
-)
+from smlp.ninformer import CausalTokenMLP, NiNformerConfig, NiNformerGatingUnit
 from smlp.transformer import sinusoidal_positions
 from tolerance import within_bound
 

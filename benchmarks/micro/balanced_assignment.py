@@ -1,4 +1,4 @@
-"""Benchmark: smlp.assignment.balanced_assignment against fairseq's C++ libbase auction.
+"""Benchmark: smlp.routing.assignment.balanced_assignment against fairseq's C++ libbase auction.
 
     python -m smlp_bench.micro.balanced_assignment [--out results/bench_balanced_assignment.json] [--repeats N]
 
@@ -29,7 +29,7 @@ import time
 import numpy as np
 import torch
 
-from smlp.assignment import balanced_assignment, expert_capacities
+from smlp.routing.assignment import balanced_assignment, expert_capacities
 
 from .harness import environment, parser, time_in_turns, write_record
 

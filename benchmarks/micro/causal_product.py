@@ -23,8 +23,7 @@ import sys
 
 import torch
 
-from smlp.causal import causal_product, executed_pairs
-from smlp.mixers import causal_weight
+from smlp.spatial import causal_product, causal_weight, executed_pairs
 
 from .harness import environment, parser, summary_ms, time_in_turns, write_record
 

@@ -24,7 +24,7 @@ import torch
 import torch._inductor.config
 
 from smlp.config import GMLPConfig
-from smlp.mixers import GMLPBlock
+from smlp.gmlp import GMLPBlock
 from smlp.transformer import TransformerBlock
 
 from .harness import environment, parser, time_in_turns, write_record

@@ -115,7 +115,7 @@ class HostSyncCounter(TorchFunctionMode):
 @contextlib.contextmanager
 def torch_assignment_path():
     """balanced_assignment on its torch path with the accelerator's completion-check interval."""
-    from smlp import assignment
+    from smlp.routing import assignment
 
     with mock.patch.object(assignment, "_array_ops", lambda device: assignment._TorchOps(device)), \
             mock.patch.object(assignment, "_check_interval", lambda device: assignment.ACCELERATOR_CHECK_EVERY):

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from smlp.experts import FFNExperts, SpatialExperts, grouped_mm_supported
-from smlp.mixers import causal_weight
+from smlp.spatial import causal_weight
 
 from .harness import environment, parser, summary_ms, time_in_turns, write_record
 

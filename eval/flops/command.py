@@ -1,21 +1,5 @@
-"""smlp-flops: FLOPs and parameters of our models, and FLOP-matched layer counts (sMLP section 4.1,
-Tables 3, 5, 8-10).
-
-    smlp-flops --arch NAME [fairseq model flags] [--tokens-per-sample T] [--vocab-size V]
-               [--distributed-world-size W] [--method fvcore|fvcore-full|analytic] [--json | --markdown]
-    smlp-flops --match --arch TARGET [flags] [--match-tolerance 0.015] [--smlp-sparse-layers N] [--json | --markdown]
-    smlp-flops --paper-tables [--json | --markdown]
-    smlp-flops --step-time --arch NAME [model and training flags] [--cluster v100-dgx1 ...] [--json]
-    smlp-flops --table4 top|bottom|both [--cluster ...] [--json | --markdown]   (eval/steptime.py)
-
-`--arch` and the model flags go through fairseq's own parser and our registered presets, then
-`fairseq_plugins.config.to_core_config`, so they mean exactly what they mean in training.
-
-This module is the command line; it re-exports the calculator's names for existing callers.
-Counting, with the FLOPs convention and the methods: eval/flop_count.py; a model given as fairseq
-flags: eval/model_spec.py; matching and its rule: eval/flop_match.py; the printed tables:
-eval/flop_tables.py; the step-time model: eval/steptime.py.
-"""
+"""The `smlp-flops` command line: argument parsing, dispatch to the calculator, the step-time model and the
+printed tables (the package docstring, eval/flops/__init__.py, lists the commands)."""
 from __future__ import annotations
 
 import argparse
@@ -23,54 +7,17 @@ import json
 import sys
 from collections.abc import Sequence
 
-from smlp.dispatch import OneGPUDispatcher
 from smlp.third_party import quiet_imports
 
-from .flop_count import (
-    CONVENTION,
-    FAMILY_NAMES,
-    METHODS,
-    CostModel,
-    Count,
-    LayerCost,
-    cost_model,
-    count,
-    count_module,
-    executed_macs,
-    family_key,
-    fvcore_by_module,
-    table3,
-    table3_module,
-)
-from .flop_match import MATCH_FAMILIES, MIXER_FAMILIES, MatchRow, family_config, match
-from .flop_tables import (
-    describe,
-    format_count,
-    format_match,
-    format_paper_tables,
-    format_step_time,
-    format_table4,
-    paper_tables,
-    table5_comparison,
-)
-from .model_spec import DEFAULT_VOCAB, ModelSpec, count_spec, fairseq_flags, parse_model, plugin_archs
-from .paper_tables import TABLE3_DIMS
+from .counting import METHODS
+from .matching import match
+from .model_spec import DEFAULT_VOCAB, count_spec, parse_model
 from .steptime import step_time_for, table4
+from .tables import format_count, format_match, format_paper_tables, format_step_time, format_table4, paper_tables
 
-# the calculator's names, re-exported for callers of `smlp_eval.flops` (each lives in the module it is imported from)
-__all__ = [
-    "CONVENTION", "DEFAULT_VOCAB", "FAMILY_NAMES", "MATCH_FAMILIES", "METHODS", "MIXER_FAMILIES", "TABLE3_DIMS",
-    "CostModel", "Count", "LayerCost", "MatchRow", "ModelSpec", "OneGPUDispatcher", "cost_model", "count",
-    "count_module", "count_spec", "describe", "executed_macs", "fairseq_flags", "family_config", "family_key",
-    "format_count", "format_match", "format_paper_tables", "format_step_time", "format_table4", "fvcore_by_module",
-    "match", "paper_tables", "parse_model", "plugin_archs", "step_time_for", "table3", "table3_module", "table4",
-    "table5_comparison", "build_parser", "run", "main",
-]
+__all__ = ["PROG", "build_parser", "cli", "cluster_from_args", "main", "run"]
 
 PROG = "smlp-flops"
-
-
-# ---------------------------------------------------------------- CLI
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -88,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sparse blocks of the sMLP row of --match (default: the target's; "
                         "without it a dense target gets no sMLP row)")
     p.add_argument("--paper-tables", action="store_true", help="our figures for the paper's Tables 3, 5, 8-10")
-    st = p.add_argument_group("step-time model (eval/steptime.py)")
+    st = p.add_argument_group("step-time model (eval/flops/steptime.py)")
     st.add_argument("--step-time", action="store_true",
                     help="all2all / all-reduce bytes, memory per GPU and the time of one update of --arch on "
                          "--cluster; training flags as in fairseq-train (--distributed-world-size, "
@@ -191,7 +138,3 @@ def cli() -> None:
     optimizer is built here) and without third-party import warnings (smlp/third_party.py)."""
     quiet_imports(deepspeed=False)
     sys.exit(main())
-
-
-if __name__ == "__main__":
-    cli()

@@ -1,18 +1,10 @@
-"""Routers as pure functions: scores in, a routing plan out.
+"""The routing plan (where each row goes, with what weight) and the routers' input checks.
 
-Shape legend (as in torchtitan's moe.py):
-    S  rows to route (tokens for tMoE, hidden-dimension vectors for sMoE)
-    E  experts (global)
-    K  expert slots per row (1 for top-1 routers, 2 for GShard)
-    V  vocabulary size (HASH layers)
-
-A router never calls a collective and never owns parameters: the layer computes the
-scores with its own weights, the router turns them into a `RoutingPlan`, and the
-dispatcher moves rows accordingly. That keeps every routing rule testable in one process.
-
-Token routers that balance or cap load in training (balanced assignment, capacity dropping)
-couple the tokens of a batch by design: the expert a token gets depends on the other tokens.
-They are causal per position only in eval mode, where each row is routed on its own scores.
+A router (routes.py, gates.py) never calls a collective and never owns parameters: the layer
+computes the logits with its own weights (logits.py), the router turns them into a `RoutingPlan`,
+and the dispatcher moves rows accordingly. That keeps every routing rule testable in one process.
+Shapes: the core's legend (smlp/__init__.py); here S rows, E experts, K slots per row. A fault
+record is a vector of FAULT_WIDTH int64 values (`fault`).
 
 Non-finite router scores (NaN, +-inf) are refused with `NonFiniteScoresError`, which names the
 layer: they come from a diverged model or an overflow, and any expert choice made from them would
@@ -21,7 +13,7 @@ refused with ValueError.
 
 Where the checks are read: called on its own, a router reads its check on the host and raises at
 once (one host sync). Inside a layer (`defer_checks=True`) it leaves the verdict on the device as
-a fault record in the plan (`RoutingPlan.fault_F`, FAULT_WIDTH int64 values, all 0 when the input
+a fault record in the plan (`RoutingPlan.fault`, FAULT_WIDTH int64 values, all 0 when the input
 was fine), and the dispatcher reads it together with the split sizes it must read anyway: no sync
 of its own. With expert parallelism the record travels with the counts every rank sends to every
 other rank, so all ranks of the group learn of a fault in the same collective and raise the same
@@ -35,22 +27,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .assignment import balanced_assignment
-
-__all__ = [
-    "RoutingPlan",
-    "NonFiniteScoresError",
-    "FAULT_WIDTH",
-    "count_rows",
-    "nonfinite_fault",
-    "hash_fault",
-    "routing_error",
-    "check_finite_scores",
-    "base_route",
-    "hash_route",
-    "smoe_deterministic_experts",
-    "smoe_partial_route",
-]
+__all__ = ["RoutingPlan", "NonFiniteScoresError", "FAULT_WIDTH", "count_rows", "nonfinite_fault", "hash_fault",
+           "routing_error", "raise_on_fault", "check_finite_scores", "deferred_or_raised"]
 
 
 @dataclass(frozen=True)
@@ -61,14 +39,14 @@ class RoutingPlan:
     weights_SK: combine weight per (row, slot); differentiable w.r.t. the router's scores.
                 A dropped slot has weight 0.
     aux_loss:   auxiliary load-balancing loss (scalar) or None when the router has none.
-    fault_F:    the router's input check left on the device (`defer_checks=True`): a fault
+    fault:    the router's input check left on the device (`defer_checks=True`): a fault
                 record (see `routing_error`), or None when the check was read already.
     """
 
     experts_SK: Tensor
     weights_SK: Tensor
     aux_loss: Tensor | None = None
-    fault_F: Tensor | None = None
+    fault: Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.experts_SK.dim() != 2 or self.experts_SK.shape != self.weights_SK.shape:
@@ -170,10 +148,15 @@ def routing_error(records: list[list[int]], layer: str, ranks: list[int] | None 
     return error_type(message)
 
 
-def _raise_now(fault_F: Tensor, layer: str) -> None:
-    error = routing_error([fault_F.tolist()], layer)  # one host read
+def raise_on_fault(records: list[list[int]], layer: str, ranks: list[int] | None = None) -> None:
+    """Raise `routing_error`'s error for fault records read on the host, if there is one."""
+    error = routing_error(records, layer, ranks)
     if error is not None:
         raise error
+
+
+def _raise_now(fault: Tensor, layer: str) -> None:
+    raise_on_fault([fault.tolist()], layer)  # one host read
 
 
 def check_finite_scores(scores_SE: Tensor, layer: str, *, allow_neg_inf: bool = False) -> None:
@@ -185,81 +168,9 @@ def check_finite_scores(scores_SE: Tensor, layer: str, *, allow_neg_inf: bool = 
     _raise_now(nonfinite_fault(scores_SE, allow_neg_inf=allow_neg_inf), layer)
 
 
-def _check(fault_F: Tensor, layer: str, defer: bool) -> Tensor | None:
-    """The record to defer, or None after reading it (and raising if it is a fault)."""
+def deferred_or_raised(fault: Tensor, layer: str, defer: bool) -> Tensor | None:
+    """The record to leave in the plan (`defer`), or None after reading it (and raising if it is a fault)."""
     if defer:
-        return fault_F
-    _raise_now(fault_F, layer)
+        return fault
+    _raise_now(fault, layer)
     return None
-
-
-def base_route(scores_SE: Tensor, *, training: bool, layer: str = "base router",
-               defer_checks: bool = False, expert_S: Tensor | None = None) -> RoutingPlan:
-    """Base Layers (Lewis et al. 2021): balanced assignment in training, greedy top-1 at inference.
-
-    The combine weight is sigmoid(x . c_e) of the chosen expert, so the layer output
-    sigmoid * expert(x) + (1 - sigmoid) * x gives the centroids a gradient. Degenerate but
-    finite scores (all equal, one expert preferred by every row) are still assigned with exact
-    balance; non-finite scores raise NonFiniteScoresError naming `layer` (at once, or where the
-    dispatcher reads the plan's fault record with defer_checks=True).
-
-    expert_S: an assignment made elsewhere, used instead (Base Layers' shuffle balances each
-    row together with the rows of the rank its scores were sent to; moe.TMoE).
-    """
-    scores_SE = scores_SE.float()
-    fault_F = _check(nonfinite_fault(scores_SE), layer, defer_checks)
-    if expert_S is not None:
-        expert_S = expert_S.reshape(-1).long()
-    else:
-        with torch.no_grad():
-            expert_S = balanced_assignment(scores_SE.detach()) if training else scores_SE.detach().argmax(dim=-1)
-    chosen_S = scores_SE.gather(1, expert_S[:, None]).squeeze(1)
-    weight_S = torch.sigmoid(chosen_S)
-    return RoutingPlan(expert_S[:, None], weight_S[:, None], fault_F=fault_F)
-
-
-def hash_route(token_ids_S: Tensor, table_V: Tensor, *, layer: str = "hash router",
-               defer_checks: bool = False) -> RoutingPlan:
-    """HASH Layers (Roller et al. 2021): a fixed token-id -> expert table, weight 1.
-
-    Token ids outside the table raise ValueError (at once, or where the dispatcher reads the
-    plan's fault record with defer_checks=True; the lookup clamps them meanwhile, so no
-    out-of-range index reaches the device)."""
-    V = table_V.numel()
-    fault_F = _check(hash_fault(token_ids_S, V), layer, defer_checks)
-    ids_S = token_ids_S.long()
-    if defer_checks:
-        ids_S = ids_S.clamp(0, max(V - 1, 0))  # valid ids are unchanged
-    expert_S = table_V[ids_S]
-    return RoutingPlan(expert_S[:, None], torch.ones(expert_S.shape[0], 1, device=expert_S.device), fault_F=fault_F)
-
-
-def smoe_deterministic_experts(num_channels: int, num_experts: int, device=None) -> Tensor:
-    """sMoE deterministic routing (sec. 3.2.1): hidden chunk i -> expert i. Returns expert per channel."""
-    if num_channels % num_experts:
-        raise ValueError(
-            f"sMoE deterministic routing splits {num_channels} hidden dimensions into {num_experts} "
-            f"equal chunks: the number of experts must divide the hidden size"
-        )
-    return torch.arange(num_experts, device=device).repeat_interleave(num_channels // num_experts)
-
-
-def smoe_partial_route(logits_SE: Tensor, *, training: bool, layer: str = "sMoE router",
-                       defer_checks: bool = False) -> RoutingPlan:
-    """sMoE partial prediction routing (sec. 3.2.2, eq. 5).
-
-    logits_SE are the router logits of each hidden-dimension vector, computed from the first
-    20% of positions only. Training uses balanced assignment (every expert gets the same number
-    of hidden dimensions); inference routes each vector to its most probable expert, so the
-    result does not depend on the batch. The combine weight is the softmax probability of the
-    chosen expert (eq. 7), which trains the router. Non-finite logits raise
-    NonFiniteScoresError naming `layer` (at once, or through the plan's fault record with
-    defer_checks=True).
-    """
-    logits_SE = logits_SE.float()
-    fault_F = _check(nonfinite_fault(logits_SE), layer, defer_checks)
-    probs_SE = torch.softmax(logits_SE, dim=-1)
-    with torch.no_grad():
-        expert_S = balanced_assignment(logits_SE.detach()) if training else logits_SE.detach().argmax(dim=-1)
-    weight_S = probs_SE.gather(1, expert_S[:, None]).squeeze(1)
-    return RoutingPlan(expert_S[:, None], weight_S[:, None], fault_F=fault_F)

@@ -1,0 +1,4 @@
+"""`python -m smlp_eval.flops`: the smlp-flops command line."""
+from .command import cli
+
+cli()

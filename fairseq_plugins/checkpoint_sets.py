@@ -1,0 +1,541 @@
+"""A checkpoint of an expert-parallel model is a set of rank shards: write each atomically, tag it
+with its save, and load only whole sets.
+
+fairseq writes one file per rank when cfg.model.base_layers > 0 (`checkpoint_last-rank-R.pt`), each
+rank on its own, then copies it to the other names (checkpoint_last, checkpoint_best) with a plain,
+non-atomic copy. A crash or a SLURM requeue while the ranks save can therefore leave
+`checkpoint_last-rank-0.pt` at update N and `-rank-1.pt` at N-k (or cut short, or missing), and
+fairseq would resume each rank from its own file: experts of different updates, or one rank from
+scratch, with no error. Here:
+
+- Writing (`torch_persistent_save`, the copies inside `save_checkpoint`): temporary file in the same
+  directory, fsync, rename, fsync of the directory, so a file is either the old one or the whole new
+  one. A failed write (disk full) removes its temporary file, keeps the previous checkpoint and says so.
+- Tagging: every trainer state records under `smlp_shard` its rank, world size, update, epoch and a
+  set id `<run id>:<update>` (the run id is drawn by rank 0 when training starts and broadcast), so
+  the shards of one save carry the same id and shards of different saves or runs never do.
+- Loading (`load_checkpoint`, before fairseq reads anything): every rank reads the tag of the shard
+  it would load (cheap: torch.load with mmap), the ranks exchange what they found, and all of them
+  take the same decision. A complete set (every rank's shard present, readable, same set id, written
+  by this world size) loads as fairseq would. Anything else is refused with an error that names each
+  shard and its update; when resuming from the default `checkpoint_last.pt`, the newest complete set
+  in the save directory (e.g. `checkpoint_1_800-rank-*.pt`) is loaded instead, with a warning.
+- Also refused before any work: `--restore-file` naming one rank's shard or a file that does not
+  exist (fairseq would start from scratch and overwrite checkpoint_last), a save directory holding
+  another layout's checkpoint (rank shards on one process, or the reverse), a checkpoint whose
+  tensors do not fit the model being trained (another architecture, expert count or dictionary),
+  and a --save-dir that cannot be created or written (said in those words).
+
+fairseq's own files are not changed: `install()` wraps three functions of `fairseq.checkpoint_utils`
+(looked up as module attributes by fairseq_cli.train and the trainer) when the plugins are imported.
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import re
+import shutil
+import tempfile
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from smlp.process_group import rank_and_world
+
+logger = logging.getLogger(__name__)
+
+SHARD_KEY = "smlp_shard"
+DEFAULT_RESTORE = "checkpoint_last.pt"
+_RANK_FILE = re.compile(r"^(?P<stem>.*)-rank-(?P<rank>\d+)\.pt$")
+_MAX_LISTED = 8
+
+
+class CheckpointSetError(ValueError):
+    """The checkpoint to resume from is not one consistent save, or does not fit this run."""
+
+
+# ----------------------------------------------------------------------------- atomic writes
+
+
+def _fsync_dir(directory: str) -> None:
+    try:
+        fd = os.open(directory or ".", os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some filesystems refuse fsync on directories; the rename is still atomic
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: str, write: Callable[[object], None]) -> None:
+    """write(f) into a temporary file next to `path`, fsync it, rename it over `path`.
+
+    A reader sees the old file or the whole new one, never a part. If anything fails (disk full,
+    quota, I/O error) the temporary file is removed, `path` is left as it was, and the error names
+    the file and the free space.
+    """
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            try:
+                free = f"{shutil.disk_usage(directory).free / 2 ** 20:.1f} MiB free"
+            except OSError:
+                free = "free space unknown"
+            raise OSError(exc.errno, f"could not write checkpoint {path}: {os.strerror(exc.errno)} ({free} in "
+                                     f"{directory}). The previous {os.path.basename(path)} is unchanged and no "
+                                     f"partial file was left; free space (or use --keep-interval-updates / "
+                                     f"--no-epoch-checkpoints) and resume") from exc
+        raise
+    _fsync_dir(directory)
+
+
+def atomic_torch_save(obj, path: str) -> None:
+    atomic_write(path, lambda f: torch.save(obj, f))
+
+
+def atomic_copy(src: str, dst: str) -> None:
+    def write(f):
+        with open(src, "rb") as s:
+            shutil.copyfileobj(s, f, 16 * 2 ** 20)
+    atomic_write(dst, write)
+
+
+# ----------------------------------------------------------------------------- tags
+
+
+_RUN_ID: str | None = None  # drawn by rank 0 when training starts (load_checkpoint), the same on every rank
+
+
+def shard_tag(state: dict, path: str, run_id: str | None) -> dict:
+    """What `smlp_shard` records for a trainer state about to be written to `path`."""
+    rank, world = rank_and_world()
+    m = _RANK_FILE.match(os.path.basename(path))
+    history = state.get("optimizer_history") or [{}]
+    updates = history[-1].get("num_updates")
+    itr = (state.get("extra_state") or {}).get("train_iterator") or {}
+    return {
+        "format": 1,
+        "rank": int(m.group("rank")) if m else rank,
+        "world_size": world if m else 1,
+        "sharded": bool(m),
+        "num_updates": updates,
+        "epoch": itr.get("epoch"),
+        "iterations_in_epoch": itr.get("iterations_in_epoch"),
+        "set_id": f"{run_id}:{updates}" if run_id else None,
+    }
+
+
+@dataclass
+class ShardInfo:
+    """What one rank found in one checkpoint file (a plain, picklable record exchanged between ranks)."""
+
+    path: str
+    exists: bool = False
+    readable: bool = False
+    error: str | None = None
+    num_updates: int | None = None
+    epoch: int | None = None
+    world_size: int | None = None
+    set_id: str | None = None
+    arch: str | None = None
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+
+    def describe(self, world: int | None = None) -> str:
+        name = os.path.basename(self.path)
+        if not self.exists:
+            return f"{name}: missing"
+        if not self.readable:
+            return f"{name}: unreadable ({self.error})"
+        extra = f", written by a {self.world_size}-rank run" if self.world_size not in (None, world) else ""
+        return f"{name}: update {self.num_updates}{extra}"
+
+    @property
+    def save_key(self):
+        """Shards of one save agree on this: the set id when recorded, else the update."""
+        return self.set_id if self.set_id else ("update", self.num_updates)
+
+
+def read_shard(path: str, with_shapes: bool = False) -> ShardInfo:
+    """The tag of a checkpoint file; tensors are memory-mapped, not read."""
+    info = ShardInfo(path=path, exists=os.path.isfile(path))
+    if not info.exists:
+        return info
+    try:
+        state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except Exception as exc:  # truncated, corrupt, not a checkpoint
+        info.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}".rstrip(": ")
+        if "zip archive" in str(exc) or "central directory" in str(exc) or isinstance(exc, EOFError):
+            info.error = "truncated or corrupt file, cut short while it was written?"
+        return info
+    if not isinstance(state, dict) or "model" not in state:
+        info.error = "not a fairseq checkpoint (no 'model' entry)"
+        return info
+    info.readable = True
+    tag = state.get(SHARD_KEY) or {}
+    history = state.get("optimizer_history") or [{}]
+    info.num_updates = tag.get("num_updates", history[-1].get("num_updates"))
+    info.epoch = tag.get("epoch", ((state.get("extra_state") or {}).get("train_iterator") or {}).get("epoch"))
+    info.world_size = tag.get("world_size") if tag.get("sharded") else None
+    info.set_id = tag.get("set_id")
+    cfg = state.get("cfg")
+    model_cfg = cfg.get("model") if isinstance(cfg, dict) else None
+    if isinstance(model_cfg, dict):
+        info.arch = model_cfg.get("arch") or model_cfg.get("_name")
+    if with_shapes:
+        info.shapes = {k: tuple(v.shape) for k, v in state["model"].items() if isinstance(v, torch.Tensor)}
+    return info
+
+
+# ----------------------------------------------------------------------------- decisions (pure)
+
+
+def shard_path(base: str, suffix: str) -> str:
+    """fairseq's name of this rank's file for checkpoint `base` (it inserts the suffix before .pt)."""
+    return base.replace(".pt", suffix + ".pt")
+
+
+def rank_shards(base: str) -> dict[int, str]:
+    """Rank -> path of each rank shard `X-rank-R.pt` of checkpoint `X.pt` that exists (fairseq's
+    names: `shard_path(base, f"-rank-{R}")`); empty when there is none."""
+    stem = base[:-3] if base.endswith(".pt") else base
+    directory, name = os.path.split(stem)
+    try:
+        listed = os.listdir(directory or ".")
+    except OSError:
+        return {}
+    found = {}
+    for entry in listed:
+        m = _RANK_FILE.match(entry)
+        if m and m.group("stem") == name:
+            found[int(m.group("rank"))] = os.path.join(directory, entry)
+    return found
+
+
+def _listing(infos: list[ShardInfo], world: int | None = None) -> str:
+    lines = [i.describe(world) for i in infos[:_MAX_LISTED]]
+    if len(infos) > _MAX_LISTED:
+        lines.append(f"... and {len(infos) - _MAX_LISTED} more")
+    return "; ".join(lines)
+
+
+def set_problem(infos: list[ShardInfo], world: int, sharded: bool) -> str | None:
+    """Why the files (one per rank, or one) are not one loadable save; None when they are."""
+    if not all(i.exists for i in infos):
+        return "some shards are missing"
+    if not all(i.readable for i in infos):
+        return "some files cannot be read"
+    if sharded:
+        worlds = {i.world_size for i in infos if i.world_size is not None}
+        if worlds and worlds != {world}:
+            return f"the shards were written by a {max(worlds)}-rank run and this run has {world} ranks"
+        if len({i.save_key for i in infos}) > 1:
+            return "the shards come from different saves"
+    return None
+
+
+@dataclass(frozen=True)
+class ResumePlan:
+    restore_file: str | None   # None: let fairseq do what it would; else the checkpoint name to load
+    message: str | None = None  # a warning to log (rank 0)
+
+
+def decide_resume(requested: list[ShardInfo], candidates: dict[str, list[ShardInfo]], *, world: int,
+                  sharded: bool, default_restore: bool, restore_name: str, single_file_exists: bool = False
+                  ) -> ResumePlan:
+    """What to load, from what every rank found. Raises CheckpointSetError when nothing consistent is.
+
+    requested:  the file each rank would load (one entry when the checkpoint is not sharded).
+    candidates: checkpoint base path -> the files of that save, one per rank (for the fallback).
+    single_file_exists: `restore_name` itself exists as one file (consolidated, or from one process).
+    """
+    if not any(i.exists for i in requested):
+        if not default_restore and sharded and single_file_exists:
+            raise CheckpointSetError(
+                f"--restore-file {restore_name} is one file (a consolidated or one-process checkpoint) but this "
+                f"{world}-rank expert-parallel run resumes from rank shards ({_listing(requested)}); to start "
+                f"from it, pass --finetune-from-model {restore_name} instead (each rank takes its experts)")
+        if not default_restore:
+            raise CheckpointSetError(
+                f"--restore-file {restore_name}: {_listing(requested)}. fairseq would silently start from "
+                f"scratch and then overwrite the checkpoints in --save-dir; pass an existing checkpoint"
+                + (" name without the -rank-R suffix (each rank adds its own)" if sharded else ""))
+        return ResumePlan(None)
+    problem = set_problem(requested, world, sharded)
+    if problem is None:
+        return ResumePlan(None)
+    what = (f"{restore_name} is not one consistent save ({problem}): {_listing(requested, world)}" if sharded
+            else f"{restore_name} cannot be resumed from: {_listing(requested, world)}")
+    hint = ("A crash or requeue while the ranks were saving leaves shards of different updates; resume from "
+            "a save whose shards all exist (checkpoint_<epoch>_<update>-rank-*.pt, written with "
+            "--save-interval-updates N --keep-interval-updates 2 or more)")
+    if not sharded:
+        hint = ("The file is damaged; resume from another checkpoint of the save directory "
+                "(checkpoint_<epoch>_<update>.pt, written with --save-interval-updates N)")
+    if "-rank run" in problem:
+        hint = ("Resume on the world size that wrote them, or merge them with `smlp-consolidate` and start "
+                "from the result with --finetune-from-model (it loads on any world size dividing the expert count)")
+    if not default_restore:
+        raise CheckpointSetError(f"{what}. {hint}.")
+    complete = [(infos[0].num_updates or 0, infos[0].epoch or 0, base) for base, infos in candidates.items()
+                if len(infos) == len(requested) and set_problem(infos, world, sharded) is None]
+    if not complete:
+        raise CheckpointSetError(f"{what}, and no complete older save was found in the save directory. {hint}.")
+    updates, _, base = max(complete)
+    shown = os.path.basename(shard_path(base, "-rank-*" if sharded else ""))
+    return ResumePlan(base, f"{what}. Resuming from the newest complete save, {shown} (update {updates}).")
+
+
+def shape_mismatch(ckpt: dict[str, tuple[int, ...]], model: dict[str, tuple[int, ...]]) -> list[str]:
+    """Human-readable differences between a checkpoint's tensors and the model's (empty if they fit)."""
+    out = []
+    missing = [k for k in model if k not in ckpt]
+    unexpected = [k for k in ckpt if k not in model]
+    differ = [k for k in model if k in ckpt and ckpt[k] != model[k]]
+    for k in differ[:4]:
+        out.append(f"{k}: checkpoint {ckpt[k]}, model {model[k]}")
+    if missing:
+        out.append(f"{len(missing)} tensor(s) of the model are not in the checkpoint (e.g. {missing[0]})")
+    if unexpected:
+        out.append(f"{len(unexpected)} tensor(s) of the checkpoint are not in the model (e.g. {unexpected[0]})")
+    return out
+
+
+def explain_mismatch(ckpt: dict, model: dict) -> str:
+    """Say what most likely differs: the dictionary, the experts per rank, or the architecture."""
+    for k in ckpt:
+        if k.endswith("embed.weight") and k in model and ckpt[k][0] != model[k][0] and ckpt[k][1:] == model[k][1:]:
+            return (f"the checkpoint was trained with a {ckpt[k][0]}-symbol dictionary and the data directory's "
+                    f"dict.txt has {model[k][0]} symbols: use the data directory the checkpoint was trained on")
+    for k in ckpt:
+        if ".experts." in k and k in model and ckpt[k][0] != model[k][0] and ckpt[k][1:] == model[k][1:]:
+            return (f"the checkpoint holds {ckpt[k][0]} expert(s) per file and this run {model[k][0]} "
+                    f"(--num-experts or the world size differ)")
+    return "the checkpoint is of another architecture or size (--arch, --decoder-layers, --sparse-layers, widths)"
+
+
+# ----------------------------------------------------------------------------- fairseq hooks
+
+
+def _gather(obj) -> list:
+    import torch.distributed as dist
+
+    rank, world = rank_and_world()
+    if world == 1:
+        return [obj]
+    out = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _broadcast(obj):
+    import torch.distributed as dist
+
+    if rank_and_world()[1] == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _suffix_info(trainer) -> tuple[str, bool]:
+    suffix = trainer.checkpoint_suffix or ""
+    return suffix, bool(re.fullmatch(r"-rank-\d+", suffix))
+
+
+def _candidates_here(save_dir: str, suffix: str) -> dict[str, ShardInfo]:
+    """Checkpoint base path -> this rank's file of that save, for every save in save_dir."""
+    found = {}
+    try:
+        names = os.listdir(save_dir)
+    except OSError:
+        return found
+    end = suffix + ".pt"
+    for name in names:
+        if not name.startswith("checkpoint") or not name.endswith(end):
+            continue
+        stem = name[: -len(end)]
+        if "-rank-" in stem or not stem:
+            continue
+        base = os.path.join(save_dir, stem + ".pt")
+        found[base] = read_shard(os.path.join(save_dir, name))
+    return found
+
+
+def _foreign_layout(save_dir: str, sharded: bool, world: int) -> str | None:
+    """A checkpoint_last of the other layout in save_dir (fairseq would ignore it and start over)."""
+    if not os.path.isdir(save_dir):
+        return None
+    names = set(os.listdir(save_dir))
+    shards = sorted(n for n in names if re.fullmatch(r"checkpoint_last-rank-\d+\.pt", n))
+    if not sharded and shards:
+        return (f"{save_dir} holds the expert-parallel checkpoint {', '.join(shards[:4])}"
+                f"{' ...' if len(shards) > 4 else ''} (one file per rank) but this run is one process: resume it "
+                f"on {len(shards)} ranks, or merge it with `smlp-consolidate` and start from it with "
+                f"--finetune-from-model in another --save-dir")
+    if sharded and not shards and "checkpoint_last.pt" in names:
+        return (f"{save_dir} holds checkpoint_last.pt of a single-file run but this {world}-rank expert-parallel "
+                f"run looks for checkpoint_last-rank-R.pt and would start from scratch, overwriting it; start from "
+                f"it with --finetune-from-model in another --save-dir")
+    return None
+
+
+def plan_and_check_resume(cfg, trainer) -> ResumePlan:
+    """Every rank calls this before fairseq loads anything; all of them return or raise the same."""
+    global _RUN_ID
+    rank, world = rank_and_world()
+    _RUN_ID = _broadcast(uuid.uuid4().hex[:12] if rank == 0 else None)
+    suffix, sharded = _suffix_info(trainer)
+    default_restore = cfg.restore_file == DEFAULT_RESTORE
+    restore_base = os.path.join(cfg.save_dir, DEFAULT_RESTORE) if default_restore else cfg.restore_file
+    m = _RANK_FILE.match(os.path.basename(str(cfg.restore_file)))
+    if not default_restore and m:
+        raise CheckpointSetError(
+            f"--restore-file {cfg.restore_file} names one rank's shard; fairseq adds each rank's -rank-R suffix "
+            f"itself (this would look for {os.path.basename(shard_path(cfg.restore_file, suffix or '-rank-R'))}). "
+            f"Pass the checkpoint name without the suffix: --restore-file "
+            f"{os.path.join(os.path.dirname(cfg.restore_file), m.group('stem') + '.pt')}")
+    reads_file = sharded or rank == 0  # without shards only rank 0 reads (and broadcasts) the checkpoint
+    mine = read_shard(shard_path(restore_base, suffix)) if reads_file else None
+    foreign = _foreign_layout(cfg.save_dir, sharded, world) if rank == 0 and default_restore else None
+    gathered = _gather((mine, foreign))
+    requested = [g[0] for g in gathered if g[0] is not None]
+    foreign = gathered[0][1]
+    if foreign and not any(i.exists for i in requested) and cfg.finetune_from_model is None:
+        raise CheckpointSetError(foreign)
+    needs_fallback = (default_restore and any(i.exists for i in requested)
+                      and set_problem(requested, world, sharded) is not None)
+    candidates: dict[str, list[ShardInfo]] = {}
+    if needs_fallback:
+        local = _candidates_here(cfg.save_dir, suffix) if reads_file else None
+        per_rank = [c for c in _gather(local) if c is not None]
+        for base in set().union(*[set(c) for c in per_rank]):
+            if os.path.basename(base) == DEFAULT_RESTORE:
+                continue
+            if all(base in c for c in per_rank):
+                candidates[base] = [c[base] for c in per_rank]
+    single = _broadcast(os.path.isfile(restore_base) if rank == 0 else None)
+    plan = decide_resume(requested, candidates, world=world, sharded=sharded, default_restore=default_restore,
+                         restore_name=os.path.basename(restore_base) if default_restore else cfg.restore_file,
+                         single_file_exists=single)
+    _check_fits_model(plan, restore_base, suffix, trainer, reads_file)
+    if plan.message and rank == 0:
+        logger.warning(plan.message)
+    return plan
+
+
+def _check_fits_model(plan: ResumePlan, restore_base: str, suffix: str, trainer, reads_file: bool) -> None:
+    """Refuse a checkpoint whose tensors do not fit our model (only our models: fairseq's own may
+    upgrade old key names while loading)."""
+    model = trainer.get_model() if hasattr(trainer, "get_model") else trainer.model
+    ours = hasattr(model, "core")
+    problem = None
+    if ours and reads_file:
+        path = shard_path(plan.restore_file or restore_base, suffix)
+        if os.path.isfile(path):
+            info = read_shard(path, with_shapes=True)
+            own = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+            diff = shape_mismatch(info.shapes, own) if info.readable else []
+            if diff:
+                model_cfg = getattr(getattr(trainer, "cfg", None), "model", None)
+                arch = getattr(model_cfg, "arch", None) or getattr(model_cfg, "_name", None) or "?"
+                problem = (f"{path} does not fit the model of this run: {explain_mismatch(info.shapes, own)} "
+                           f"(checkpoint: --arch {info.arch or '?'}, this run: --arch {arch}; {'; '.join(diff)})")
+    problems = [p for p in _gather(problem) if p]
+    if problems:
+        raise CheckpointSetError(problems[0])
+
+
+_SAVING = False
+
+
+class _AtomicCopies:
+    """fairseq's PathManager, except that local copies are atomic (used while a checkpoint is saved)."""
+
+    def __init__(self, real):
+        self._real = real
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    def copy(self, src_path: str, dst_path: str, overwrite: bool = False, **kwargs) -> bool:
+        if "://" in src_path or "://" in dst_path or kwargs:
+            return self._real.copy(src_path, dst_path, overwrite, **kwargs)
+        if not overwrite and os.path.exists(dst_path):
+            return False
+        atomic_copy(src_path, dst_path)
+        return True
+
+
+def install() -> bool:
+    """Wrap fairseq.checkpoint_utils' save, copy, load and save-dir check entry points (once per process)."""
+    from fairseq import checkpoint_utils
+
+    if getattr(checkpoint_utils, "_smlp_checkpoint_sets", False):
+        return False
+    original_persist = checkpoint_utils.torch_persistent_save
+    original_save = checkpoint_utils.save_checkpoint
+    original_load = checkpoint_utils.load_checkpoint
+
+    def torch_persistent_save(obj, filename, async_write: bool = False):
+        if async_write or "://" in str(filename):
+            return original_persist(obj, filename, async_write=async_write)
+        if isinstance(obj, dict) and "model" in obj and "optimizer_history" in obj:
+            obj = {**obj, SHARD_KEY: shard_tag(obj, str(filename), _RUN_ID)}
+        atomic_torch_save(obj, str(filename))
+
+    def save_checkpoint(cfg, trainer, epoch_itr, val_loss):
+        real = checkpoint_utils.PathManager
+        checkpoint_utils.PathManager = _AtomicCopies(real)
+        try:
+            return original_save(cfg, trainer, epoch_itr, val_loss)
+        finally:
+            checkpoint_utils.PathManager = real
+
+    def load_checkpoint(cfg, trainer, **passthrough_args):
+        plan = plan_and_check_resume(cfg, trainer)
+        if plan.restore_file is None:
+            return original_load(cfg, trainer, **passthrough_args)
+        previous = cfg.restore_file
+        cfg.restore_file = plan.restore_file
+        try:
+            return original_load(cfg, trainer, **passthrough_args)
+        finally:
+            cfg.restore_file = previous
+
+    for wrapper, original in ((save_checkpoint, original_save), (load_checkpoint, original_load),
+                              (torch_persistent_save, original_persist)):
+        wrapper.__wrapped__ = original
+        wrapper.__doc__ = original.__doc__
+    original_verify = checkpoint_utils.verify_checkpoint_directory
+
+    def verify_checkpoint_directory(save_dir: str) -> None:
+        try:
+            original_verify(save_dir)
+        except OSError as exc:
+            raise OSError(exc.errno, f"--save-dir {save_dir} cannot be created or written ({exc.strerror}: "
+                                     f"{exc.filename}); training would fail at its first save. Choose a "
+                                     f"writable directory") from exc
+
+    verify_checkpoint_directory.__wrapped__ = original_verify
+    checkpoint_utils.verify_checkpoint_directory = verify_checkpoint_directory
+    checkpoint_utils.torch_persistent_save = torch_persistent_save
+    checkpoint_utils.save_checkpoint = save_checkpoint
+    checkpoint_utils.load_checkpoint = load_checkpoint
+    checkpoint_utils._smlp_checkpoint_sets = True
+    return True

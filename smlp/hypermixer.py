@@ -1,0 +1,309 @@
+"""The causal HyperMixer token mixer, in the SGU's place inside a gMLP block.
+
+Like the Spatial Gating Unit (gMLP section 2.1) the unit maps the F-wide channel projection z of
+a gMLP block to F/2 channels: z is split into halves z1, z2 of C = F/2 channels, z2 is mixed over
+positions into a gate, and the output is z1 * gate. The paper gives no decoder form; the causal
+form below is ours.
+
+HyperMixer (Mai et al. 2023, "HyperMixer: An MLP-based Low Cost Alternative to Transformers",
+section 2.3, Algorithm 1, Appendices D.2 and F). HyperMixing is MLP-Mixer's token-mixing MLP
+TM-MLP(x_c) = W2 GELU(W1^T x_c), applied to every channel c, with the rows of W1, W2 (N x d')
+generated per token by hypernetworks: W1[s] = MLP1(x_s + p_s), W2[t] = MLP2(x_t + p_t), where
+p is a position embedding (here fixed sinusoids) and MLP_i: C -> C -> d' with GELU. Tied: W2 = W1.
+The paper's output LayerNorm (Appendix F) is kept; its bias starts at one so the gate starts
+near one, as the SGU's does (gMLP 2.1).
+
+    paper (encoder):  y_t = W2[t] . GELU( (1/N) sum_{s<N} W1[s]^T x_s )      (length-normalised, App. F)
+    causal (ours):    y_t = W2[t] . GELU( (1/(t+1)) sum_{s<=t} W1[s]^T x_s )   (positions 0..N-1)
+
+The hidden layer of the token-mixing MLP is accumulated over the prefix and normalised by the
+number of positions it holds (Appendix F's length normalisation, with the length each position
+sees), then passed through GELU. Output t depends only on positions <= t; with t = N-1 it is the
+paper's form. The prefix state S_t = sum_{s<=t} W1[s] (x) x_s is a d' x C matrix per position,
+and GELU sits between the prefix sum and W2, so (unlike linear attention) the states cannot be
+folded into the output. Computing them for all positions at once would hold N x d' x C numbers.
+Instead positions go in chunks of I (`chunk_size`; 0 picks I so a chunk's (B, I, d', C) tensors
+stay under CHUNK_ELEMENTS): a running d' x C carry plus an in-chunk cumulative sum gives the I states
+of a chunk, which are used and dropped. Training uses a custom autograd function that saves only
+its inputs and the final carry; the backward pass walks the chunks in reverse, rebuilding each
+chunk's carry by subtracting the chunk's sum from the next carry, and accumulates from the end
+the suffix sums the outer products need (dL/dA_s = sum_{t>=s} dL/dS_t). The carry is kept in
+float64, so the subtraction recovers the earlier carry to float64 precision instead of cancelling
+catastrophically (a float32 carry would lose ~n/t ulps at position t); HyperMixing runs in one
+dtype with autocast off, so the backward rebuilds the states the forward used. Half-precision
+inputs (fairseq --fp16 / --bf16, autocast) are mixed in fp32: each chunk is upcast, its prefix sums,
+1/(t+1) (an arange in bf16 is wrong past 256) and GELU run in fp32, and only the outputs and input
+gradients are stored in the input dtype (in bf16 the prefix sums alone cost 7% relative error).
+
+Cost per sequence of n positions (d' = U hidden units, C channels, hypernetwork hidden width h):
+    multiply-adds  n (C h + h U) per hypernetwork (1 tied, 2 untied)
+                   + 2 n U C for the mixing (outer products W1[s] x_s^T, then W2[t] . H_t),
+                   the paper's count (D.2: 4 N d' d operations = 2 N d' d multiply-adds),
+                   + n U C additions (prefix sums) and n U C GELUs, which the encoder form
+                   needs only U C times: the price of causality;
+    memory         O(n (C + U)) for inputs and outputs + O(B I U C) working memory per chunk
+                   + O(B U C) carry, whatever n is. Compute is linear in n.
+The n U C elementwise work (prefix sums, GELU, and about 15 passes over (B, I, U, C) tensors in
+training), not the multiply-adds, sets the wall-clock time: per FLOP this mixer is much slower than
+the SGU or attention (3-4x per step for the tiny preset on CPU; memory-bandwidth bound on GPUs).
+A fused kernel that keeps each state tile in registers would remove the passes; not written here.
+
+Shapes: the core's legend (smlp/__init__.py); here B batch, N positions (n <= T), k new positions,
+F mixer input width, C = F/2 gated channels, U hidden units of the generated token-mixing MLP
+(d'), I positions of one chunk.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
+from torch.profiler import record_function
+
+from .config import _positive
+from .gmlp import MLP, check_decodable
+from .precision import accumulation_dtype, no_autocast
+from .profiling import RANGES
+from .transformer import sinusoidal_positions
+
+__all__ = ["CHUNK_ELEMENTS", "HyperMixerConfig", "hypermixing", "hypermixing_step", "HyperMixingUnit"]
+
+CHUNK_ELEMENTS = 1 << 24  # auto chunk: at most this many elements per (B, I, U, C) tensor (64 MB in float32)
+
+
+@dataclass(frozen=True, kw_only=True)
+class HyperMixerConfig:
+    """Causal HyperMixing in the SGU's place (see the module docstring).
+
+    dim:          mixer input width F, split into z1 and z2 of C = F/2 channels each.
+    hidden_dim:   d', hidden units of the generated token-mixing MLP (hypernetwork output width).
+    hyper_hidden: hidden width of each hypernetwork MLP (Algorithm 1: MLP([d, d, d']), i.e. C).
+    tied:         one hypernetwork for W1 and W2 (W2 = W1, section 2.3), else two.
+    chunk_size:   positions per chunk of the causal prefix computation; 0 = automatic.
+    causal:       False gives the paper's encoder form (every position sees every position);
+                  it exists as the negative control of the causality tests, not for language models.
+    """
+
+    dim: int
+    hidden_dim: int
+    hyper_hidden: int
+    tied: bool = True
+    chunk_size: int = 0
+    causal: bool = True
+
+    def __post_init__(self) -> None:
+        _positive("dim", self.dim)
+        _positive("hidden_dim", self.hidden_dim)
+        _positive("hyper_hidden", self.hyper_hidden)
+        if self.dim % 2:
+            raise ValueError(f"dim={self.dim} must be even: HyperMixing splits it into two halves")
+        if not isinstance(self.chunk_size, int) or isinstance(self.chunk_size, bool) or self.chunk_size < 0:
+            raise ValueError(f"chunk_size={self.chunk_size!r} is invalid: it must be 0 (automatic) or a positive "
+                             "integer")
+        for name in ("tied", "causal"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} is invalid: it must be True or False")
+
+    @property
+    def gated_dim(self) -> int:
+        return self.dim // 2
+
+
+# ---------------------------------------------------------------- HyperMixing, causal prefix form
+
+
+def _chunk_len(chunk_size: int, B: int, U: int, C: int, n: int) -> int:
+    if chunk_size:
+        return min(chunk_size, n)
+    return max(1, min(n, CHUNK_ELEMENTS // max(1, B * U * C)))
+
+
+def _carry_dtype(x: Tensor) -> torch.dtype:
+    # float64 makes the backward's carry reconstruction exact (module docstring); MPS has none.
+    return torch.float32 if x.device.type == "mps" else torch.float64
+
+
+def _outer(u_BIU: Tensor, v_BIC: Tensor) -> Tensor:
+    """A_s = W1[s]^T x_s for every position of a chunk, (B, I, U, C).
+
+    Under tracing (fvcore, the FLOPs calculator) a matmul with inner size 1, so that these
+    multiply-adds are counted; otherwise a broadcast multiply, 5-10x faster on CPU. Each entry is
+    one product either way: the same numbers (tests/test_token_mixers.py checks it).
+    """
+    if torch.jit.is_tracing():
+        return torch.matmul(u_BIU.unsqueeze(-1), v_BIC.unsqueeze(-2))
+    return u_BIU.unsqueeze(-1) * v_BIC.unsqueeze(-2)
+
+
+def _states_(A_BIUC: Tensor, carry_BUC: Tensor, start: int) -> tuple[Tensor, Tensor]:
+    """In place: A_s -> Z_t = (carry + sum_{a<=s<=t} A_s) / (t+1); returns Z and 1/(t+1), (I, 1, 1).
+
+    A loop of in-place adds over contiguous (B, U, C) slices: torch.cumsum along dim 1 is about 15x
+    slower on CPU here. Forward and backward both use this, so their states agree bitwise.
+    """
+    I = A_BIUC.shape[1]
+    A_BIUC[:, 0].add_(carry_BUC.to(A_BIUC.dtype))
+    for i in range(1, I):
+        A_BIUC[:, i].add_(A_BIUC[:, i - 1])
+    inv_I = 1.0 / torch.arange(start + 1, start + I + 1, device=A_BIUC.device, dtype=A_BIUC.dtype)[:, None, None]
+    return A_BIUC.mul_(inv_I), inv_I
+
+
+def _causal_forward(u_BNU: Tensor, v_BNC: Tensor, w_BNU: Tensor, chunk_size: int) -> tuple[Tensor, Tensor]:
+    """y_t = w_t . GELU(S_t / (t+1)) chunk by chunk; returns y and the final carry S_{n-1}."""
+    B, n, U = u_BNU.shape
+    C = v_BNC.shape[-1]
+    # meta tensors (the FLOPs calculator's trace) hold no memory: one chunk, a short trace, the same count
+    I = n if v_BNC.is_meta else _chunk_len(chunk_size, B, U, C, n)
+    carry_BUC = torch.zeros(B, U, C, device=v_BNC.device, dtype=_carry_dtype(v_BNC))
+    acc = accumulation_dtype(v_BNC.dtype)
+    ys = []
+    for a in range(0, n, I):
+        b = min(a + I, n)
+        A_BIUC = _outer(u_BNU[:, a:b].to(acc), v_BNC[:, a:b].to(acc))
+        chunk_BUC = A_BIUC.sum(dim=1).to(carry_BUC.dtype)
+        Z_BIUC, _ = _states_(A_BIUC, carry_BUC, a)
+        y_BIC = torch.matmul(w_BNU[:, a:b].to(acc).unsqueeze(-2), F.gelu(Z_BIUC)).squeeze(-2)
+        ys.append(y_BIC.to(v_BNC.dtype))  # (B, I, C)
+        carry_BUC = carry_BUC + chunk_BUC
+    return torch.cat(ys, dim=1), carry_BUC
+
+
+class _CausalHyperMixing(torch.autograd.Function):
+    """Chunked causal HyperMixing whose backward recomputes the states (memory independent of n)."""
+
+    @staticmethod
+    def forward(ctx, u_BNU, v_BNC, w_BNU, chunk_size):
+        y_BNC, carry_BUC = _causal_forward(u_BNU, v_BNC, w_BNU, chunk_size)
+        ctx.save_for_backward(u_BNU, v_BNC, w_BNU, carry_BUC)
+        ctx.chunk_size = chunk_size
+        return y_BNC
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy_BNC):
+        u_BNU, v_BNC, w_BNU, carry_BUC = ctx.saved_tensors
+        B, n, U = u_BNU.shape
+        C = v_BNC.shape[-1]
+        I = _chunk_len(ctx.chunk_size, B, U, C, n)
+        du, dv, dw = torch.empty_like(u_BNU), torch.empty_like(v_BNC), torch.empty_like(w_BNU)
+        later_BUC = torch.zeros_like(carry_BUC)  # sum of dL/dS_t over the positions after this chunk
+        acc = accumulation_dtype(v_BNC.dtype)
+        with no_autocast(u_BNU.device):
+            for a in reversed(range(0, n, I)):
+                b = min(a + I, n)
+                u, v, w, dy = (t[:, a:b].to(acc) for t in (u_BNU, v_BNC, w_BNU, dy_BNC))
+                A_BIUC = _outer(u, v)
+                carry_BUC = carry_BUC - A_BIUC.sum(dim=1).to(carry_BUC.dtype)  # the carry before this chunk
+                Z_BIUC, inv_I = _states_(A_BIUC, carry_BUC, a)
+                H_BIUC = F.gelu(Z_BIUC)
+                dw[:, a:b] = (H_BIUC * dy.unsqueeze(-2)).sum(-1)  # a batched matrix-vector bmm is slower on CPU
+                dH_BIUC = torch.mul(w.unsqueeze(-1), dy.unsqueeze(-2), out=H_BIUC)
+                dS_BIUC = torch.ops.aten.gelu_backward(dH_BIUC, Z_BIUC).mul_(inv_I)
+                del A_BIUC, Z_BIUC, H_BIUC, dH_BIUC
+                # S_t sums A_s over s <= t, so dL/dA_s = sum over t >= s of dL/dS_t: suffix sums in place
+                for i in range(b - a - 2, -1, -1):
+                    dS_BIUC[:, i].add_(dS_BIUC[:, i + 1])
+                chunk_BUC = dS_BIUC[:, 0].to(later_BUC.dtype, copy=True)  # this chunk's sum
+                dA_BIUC = dS_BIUC.add_(later_BUC.to(dS_BIUC.dtype).unsqueeze(1))
+                later_BUC = later_BUC + chunk_BUC
+                du[:, a:b] = (dA_BIUC * v.unsqueeze(-2)).sum(-1)
+                dv[:, a:b] = torch.matmul(u.unsqueeze(-2), dA_BIUC).squeeze(-2)
+        return du, dv, dw, None
+
+
+def hypermixing(u_BNU: Tensor, v_BNC: Tensor, w_BNU: Tensor, *, causal: bool = True, chunk_size: int = 0) -> Tensor:
+    """HyperMixing of values v with generated weights u = W1 and w = W2 (module docstring).
+
+    causal: y_t = w_t . GELU(sum_{s<=t} u_s v_s^T / (t+1)), chunked, memory independent of n.
+    not causal (the paper's encoder form): y_t = w_t . GELU(sum_{s<n} u_s v_s^T / n).
+    """
+    if u_BNU.dim() != 3 or u_BNU.shape != w_BNU.shape or v_BNC.shape[:2] != u_BNU.shape[:2]:
+        raise ValueError(f"hypermixing expects u and w of shape (B, N, R) and v of shape (B, N, C) (R hidden units, "
+                         f"C channels), got "
+                         f"{tuple(u_BNU.shape)}, {tuple(w_BNU.shape)}, {tuple(v_BNC.shape)}")
+    if not causal:
+        n = v_BNC.shape[1]
+        H_BUC = F.gelu(torch.matmul(u_BNU.transpose(1, 2), v_BNC) / n)
+        return torch.matmul(w_BNU, H_BUC)
+    # One dtype, no autocast: the backward must rebuild exactly the forward's states.
+    dtype = torch.promote_types(torch.promote_types(u_BNU.dtype, v_BNC.dtype), w_BNU.dtype)
+    u_BNU, v_BNC, w_BNU = u_BNU.to(dtype), v_BNC.to(dtype), w_BNU.to(dtype)
+    with no_autocast(v_BNC.device):
+        if torch.is_grad_enabled() and (u_BNU.requires_grad or v_BNC.requires_grad or w_BNU.requires_grad):
+            return _CausalHyperMixing.apply(u_BNU, v_BNC, w_BNU, chunk_size)
+        return _causal_forward(u_BNU, v_BNC, w_BNU, chunk_size)[0]
+
+
+def hypermixing_step(u_BkU: Tensor, v_BkC: Tensor, w_BkU: Tensor, carry_BUC: Tensor | None, start: int, *,
+                     chunk_size: int = 0) -> tuple[Tensor, Tensor]:
+    """Causal HyperMixing of positions start..start+k-1 given the prefix sum of the earlier ones.
+
+    carry_BUC = S_{start-1} = sum_{s<start} u_s v_s^T (None: start = 0), kept in float64 as the
+    full forward keeps its carry. Returns y (B, k, C) and the new carry S_{start+k-1}: O(k U C)
+    per call whatever `start` is (cached decoding, smlp/decoding_cache.py).
+    """
+    dtype = torch.promote_types(torch.promote_types(u_BkU.dtype, v_BkC.dtype), w_BkU.dtype)
+    u_BkU, v_BkC, w_BkU = u_BkU.to(dtype), v_BkC.to(dtype), w_BkU.to(dtype)
+    B, k, U = u_BkU.shape
+    C = v_BkC.shape[-1]
+    if carry_BUC is None:
+        carry_BUC = torch.zeros(B, U, C, device=v_BkC.device, dtype=_carry_dtype(v_BkC))
+    I = _chunk_len(chunk_size, B, U, C, k)
+    ys = []
+    with no_autocast(v_BkC.device):
+        for a in range(0, k, I):
+            b = min(a + I, k)
+            A_BIUC = _outer(u_BkU[:, a:b], v_BkC[:, a:b])
+            chunk_BUC = A_BIUC.sum(dim=1).to(carry_BUC.dtype)
+            Z_BIUC, _ = _states_(A_BIUC, carry_BUC, start + a)
+            ys.append(torch.matmul(w_BkU[:, a:b].unsqueeze(-2), F.gelu(Z_BIUC)).squeeze(-2))
+            carry_BUC = carry_BUC + chunk_BUC
+    return torch.cat(ys, dim=1), carry_BUC
+
+
+class HyperMixingUnit(nn.Module):
+    """out = z1 * LayerNorm(HyperMixing(LayerNorm(z2))), causal; the gMLP block's SGU replaced."""
+
+    def __init__(self, cfg: HyperMixerConfig):
+        super().__init__()
+        self.cfg = cfg
+        C = cfg.gated_dim
+        self.norm = nn.LayerNorm(C)
+        self.hyper_in = MLP(C, cfg.hyper_hidden, cfg.hidden_dim)  # generates W1 (and W2 when tied)
+        self.hyper_out = None if cfg.tied else MLP(C, cfg.hyper_hidden, cfg.hidden_dim)
+        self.out_norm = nn.LayerNorm(C)
+        with torch.no_grad():
+            self.out_norm.bias.fill_(1.0)  # gate near one at the start, as the SGU's bias (gMLP 2.1)
+
+    def forward(self, z_BNF: Tensor) -> Tensor:
+        with record_function(RANGES["token_mixing"]):
+            return self._forward(z_BNF)
+
+    def _forward(self, z_BNF: Tensor) -> Tensor:
+        if z_BNF.dim() != 3 or z_BNF.shape[-1] != self.cfg.dim:
+            raise ValueError(f"HyperMixingUnit expects (batch, length, {self.cfg.dim}), got {tuple(z_BNF.shape)}")
+        z1_BNC, z2_BNC = z_BNF.chunk(2, dim=-1)
+        v_BNC = self.norm(z2_BNC)
+        n, C = v_BNC.shape[1:]
+        h_BNC = v_BNC + sinusoidal_positions(n, C, v_BNC.device, v_BNC.dtype)  # x_j + p_j (section 2.3)
+        u_BNU = self.hyper_in(h_BNC)
+        w_BNU = u_BNU if self.hyper_out is None else self.hyper_out(h_BNC)
+        m_BNC = hypermixing(u_BNU, v_BNC, w_BNU, causal=self.cfg.causal, chunk_size=self.cfg.chunk_size)
+        return z1_BNC * self.out_norm(m_BNC)
+
+    def step(self, z_BkF: Tensor, state: dict, start: int) -> Tensor:
+        """Cached decoding (smlp/decoding_cache.py): the running prefix sum S is kept, (B, U, C) float64."""
+        check_decodable(self, self.cfg.causal)
+        with record_function(RANGES["token_mixing"]):
+            z1_BkC, z2_BkC = z_BkF.chunk(2, dim=-1)
+            v_BkC = self.norm(z2_BkC)
+            k, C = v_BkC.shape[1:]
+            h_BkC = v_BkC + sinusoidal_positions(k, C, v_BkC.device, v_BkC.dtype, start=start)
+            u_BkU = self.hyper_in(h_BkC)
+            w_BkU = u_BkU if self.hyper_out is None else self.hyper_out(h_BkC)
+            m_BkC, state["carry"] = hypermixing_step(u_BkU, v_BkC, w_BkU, state.get("carry"), start,
+                                                     chunk_size=self.cfg.chunk_size)
+            return z1_BkC * self.out_norm(m_BkC)

@@ -1,0 +1,146 @@
+"""Moving expert weights (and their optimizer state) between layouts.
+
+Every expert parameter (marked `param.expert = True`) is stacked with the local-expert index
+first, and the rank at position j of an expert-parallel group of G ranks owns experts
+[j*E/G, (j+1)*E/G). So the full model's expert tensor is the concatenation of the G positions'
+tensors along dim 0, and re-sharding to G' positions is a slice. With expert-data parallelism
+(smlp/expert_data_parallel.py) the W = R x G ranks hold R identical copies: rank r's shard is position r % G's.
+
+The same holds for optimizer state that has the shape of its parameter (Adam's moments, SGD's
+momentum): `reshard_optimizer_state` moves it with the weights, so a resumed run continues with
+the moments it would have had.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from .expert_data_parallel import expert_parallel_layout
+from .experts import is_expert
+
+__all__ = ["expert_keys", "merge_expert_shards", "slice_expert_shard", "check_replicas",
+           "source_positions", "expert_slice", "reshard_model_state", "reshard_optimizer_state"]
+
+
+def expert_keys(model: nn.Module) -> list[str]:
+    """state_dict keys of the expert parameters of `model`."""
+    return [name for name, p in model.named_parameters() if is_expert(p)]
+
+
+def check_replicas(states: Sequence[Mapping[str, Tensor]], keys: Sequence[str], ep_size: int,
+                   rtol: float = 1e-5, atol: float = 1e-7) -> None:
+    """ValueError unless rank r's expert tensors equal those of rank r % ep_size (the replicas agree).
+
+    Replicas receive the same all-reduced gradients, so they stay equal; a difference means the
+    shards come from different runs or the expert gradients were not averaged over the replicas."""
+    if ep_size < 1 or len(states) % ep_size:
+        raise ValueError(f"{len(states)} rank shards cannot form replicas of an expert-parallel group of {ep_size}")
+    for r in range(ep_size, len(states)):
+        for k in keys:
+            a, b = states[r].get(k), states[r % ep_size].get(k)
+            if a is None or b is None:
+                raise ValueError(f"expert weight {k!r} is missing from the shard of rank "
+                                 f"{r if a is None else r % ep_size}")
+            if a.shape != b.shape or not torch.allclose(a.float(), b.float(), rtol=rtol, atol=atol):
+                diff = (a.float() - b.float()).abs().max().item() if a.shape == b.shape else "shape"
+                raise ValueError(
+                    f"rank {r} should hold a replica of rank {r % ep_size}'s experts but {k!r} differs "
+                    f"(max difference {diff}): the shards are not one save of one expert-data-parallel run")
+
+
+def merge_expert_shards(states: Sequence[Mapping[str, Tensor]], keys: Sequence[str],
+                        ep_size: int | None = None) -> dict[str, Tensor]:
+    """Full state from per-rank states (rank order): expert tensors of the first `ep_size` ranks
+    (default: all of them) concatenated, the rest from rank 0; replicas are checked, not merged."""
+    if not states:
+        raise ValueError("merge_expert_shards needs at least one rank's state")
+    ep_size = len(states) if ep_size is None else ep_size
+    check_replicas(states, keys, ep_size)
+    full = dict(states[0])
+    for k in keys:
+        missing = [r for r, s in enumerate(states[:ep_size]) if k not in s]
+        if missing:
+            raise ValueError(f"expert weight {k!r} is missing from the checkpoint shard(s) of rank(s) {missing}")
+        full[k] = torch.cat([s[k] for s in states[:ep_size]], dim=0)
+    return full
+
+
+def slice_expert_shard(full: Mapping[str, Tensor], keys: Sequence[str], rank: int,
+                       world_size: int) -> dict[str, Tensor]:
+    """The state of position `rank` of an expert-parallel group of `world_size`, from a full state."""
+    out = dict(full)
+    for k in keys:
+        num_experts = full[k].shape[0]
+        local = expert_parallel_layout(num_experts, world_size)
+        out[k] = full[k][rank * local:(rank + 1) * local].clone()
+    return out
+
+
+# ---------------------------------------------------------------- resharding without the full model
+
+
+def source_positions(first: int, count: int, source_local: int) -> list[int]:
+    """Positions of the source layout (source_local experts each) that hold experts [first, first+count)."""
+    if count < 1 or first < 0 or source_local < 1:
+        raise ValueError(f"invalid expert range first={first} count={count} for {source_local} local experts")
+    return list(range(first // source_local, (first + count - 1) // source_local + 1))
+
+
+def expert_slice(pieces: Mapping[int, Tensor], source_local: int, first: int, count: int) -> Tensor:
+    """Experts [first, first+count) stacked, from {source position: its tensor of source_local experts}."""
+    need = source_positions(first, count, source_local)
+    missing = [i for i in need if i not in pieces]
+    if missing:
+        raise ValueError(f"experts [{first}, {first + count}) need the shards of positions {need}; missing {missing}")
+    for i in need:
+        if pieces[i].shape[0] != source_local:
+            raise ValueError(f"the shard of position {i} holds {pieces[i].shape[0]} experts, expected {source_local}")
+    stacked = torch.cat([pieces[i] for i in need], dim=0)
+    offset = first - need[0] * source_local
+    return stacked[offset:offset + count].clone()
+
+
+def reshard_model_state(sources: Mapping[int, Mapping[str, Tensor]], keys: Sequence[str], source_local: int,
+                        first: int, count: int) -> dict[str, Tensor]:
+    """A model state holding experts [first, first+count), from the shards {source position: state}
+    that hold them (every non-expert tensor is the same in every shard: taken from the first)."""
+    out = dict(sources[min(sources)])
+    for k in keys:
+        out[k] = expert_slice({i: s[k] for i, s in sources.items()}, source_local, first, count)
+    return out
+
+
+def reshard_optimizer_state(sources: Mapping[int, Mapping], expert_indices: set[int] | Sequence[int],
+                            source_local: int, first: int, count: int) -> dict:
+    """The optimizer state (torch's `state_dict()` format, per-parameter entries) for a rank holding
+    experts [first, first+count), from the source positions' optimizer states.
+
+    Entries of an expert parameter that are tensors stacked like it (local expert first: Adam's
+    exp_avg and exp_avg_sq, momentum buffers) are re-sliced; scalars (`step`) and the entries of
+    non-expert parameters are the same on every rank and are taken from the first source."""
+    base = sources[min(sources)]
+    if not isinstance(base, Mapping) or "state" not in base or "param_groups" not in base:
+        raise ValueError("the optimizer state is not a torch optimizer state_dict (no 'state' / 'param_groups')")
+    expert_indices = set(expert_indices)
+    state = {}
+    for idx, entry in base["state"].items():
+        if idx not in expert_indices:
+            state[idx] = entry
+            continue
+        new = {}
+        for name, value in entry.items():
+            if torch.is_tensor(value) and value.dim() >= 1:
+                pieces = {}
+                for i, s in sources.items():
+                    if idx not in s["state"] or name not in s["state"][idx]:
+                        raise ValueError(f"optimizer state {name!r} of parameter {idx} is missing from position {i}")
+                    pieces[i] = s["state"][idx][name]
+                new[name] = expert_slice(pieces, source_local, first, count)
+            else:
+                new[name] = value
+        state[idx] = new
+    out = dict(base)
+    out["state"] = state
+    return out

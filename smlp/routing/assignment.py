@@ -1,0 +1,424 @@
+"""Balanced assignment of rows to experts: BASE Layers (Lewis et al. 2021, "BASE Layers:
+Simplifying Training of Large, Sparse Models"), as used by the sMLP paper's tMoE (sec. 3.1) and
+by training-time sMoE routing (sec. 3.2.2).
+
+Shapes: the core's legend (smlp/__init__.py); here S rows to assign (tokens for tMoE,
+hidden-dimension vectors for sMoE), E experts, Z the integer key table's rows (E padded to a power
+of two, at least 2), s rows of step 4's working set (a part of S).
+
+The problem is a linear assignment with capacities: maximise sum_s scores[s, expert[s]] subject
+to expert e receiving exactly capacity[e] rows. Base Layers solves it with an auction
+(Bertsekas 1988, "The auction algorithm: a distributed relaxation method for the assignment
+problem"; the variant for objects with several identical slots is Bertsekas & Castanon 1989,
+"The auction algorithm for the transportation problem"). This file is the auction used by the
+routers in `routes.py`: vectorised array code that runs on torch tensors on the input's device,
+and on numpy arrays on the CPU (the same integer rounds, bitwise the same result; the two array
+backends are auction_arrays.py). fairseq's C++
+`libbase.balanced_assignment` is the speed and quality reference it is benchmarked against
+(`benchmarks/balanced_assignment.py`).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+from .auction_arrays import _NumpyOps, _TorchOps, sanitize_scores
+
+__all__ = ["balanced_assignment", "expert_capacities", "sanitize_scores"]
+
+# Scores are normalised to "gain units": after removing row and column offsets (which change no
+# balanced assignment's ranking), one unit is the median over rows of (best score - mean score),
+# i.e. how much a typical row gains by going to its best expert rather than a random one.
+# Scores further than _CLIP_GAINS units below a row's best are clipped there: such an expert is
+# never wanted by that row, and the clip keeps every key inside int32.
+_CLIP_GAINS = 64.0
+# Integer key budget: a key is value * Z + priority (0 <= priority < E <= Z) with
+# |value| < 3 * levels and levels = 2**_KEY_BITS / Z, so keys (and keys minus prices) stay far
+# from the int32 limits.
+_KEY_BITS = 27
+_NEG_KEY = -(1 << 30)  # key of padding experts and experts with capacity 0: never anyone's best
+# The quantisation step is 64 * Z / 2**27 gain units: 3e-5 for 64 experts, 5e-4 for 1024,
+# 0.03 for 65536. Beyond that the step would approach eps.
+_MAX_EXPERTS = 1 << 16
+_MIN_WORKING_ROWS = 1024  # below this, step 4's smaller rounds cost as much as full ones
+_MIN_TAIL_KEYS = 1 << 16  # below this many keys (S * Z) a full round costs less than step 4's set-up
+# Rounds between completion checks on an accelerator, where each check is a host sync.
+ACCELERATOR_CHECK_EVERY = 4
+
+
+def expert_capacities(num_rows: int, num_experts: int, device=None) -> Tensor:
+    """Rows each expert receives: S // E, plus one for the first S % E experts. (E,) int64."""
+    if num_rows < 0 or num_experts < 1:
+        raise ValueError(
+            f"need num_rows >= 0 and num_experts >= 1, got num_rows={num_rows}, num_experts={num_experts}")
+    e_E = torch.arange(num_experts, device=device)
+    return num_rows // num_experts + (e_E < num_rows % num_experts).long()
+
+
+@torch.no_grad()
+def balanced_assignment(
+    scores_SE: Tensor,
+    *,
+    eps: float = 0.03,
+    tail_fraction: float = 1 / 128,
+    working_fraction: float = 1 / 16,
+    max_rounds: int | None = None,
+    check_every: int | None = None,
+) -> Tensor:
+    """Assign each row to one expert with exact balance, maximising the total affinity.
+
+    Balance rule: expert e receives exactly S // E + (1 if e < S % E else 0) rows, so every expert
+    gets the same number of rows when E divides S (the Base Layers setting); S not divisible by
+    E, S < E, S = 0 and E = 1 are all valid.
+
+    Algorithm: Bertsekas' auction in Jacobi form (all rows bid at once), with experts as objects
+    that hold several identical slots (Bertsekas & Castanon 1989). Vectorised: torch tensors on
+    the input's device, numpy arrays on the CPU. A round is about 30 array operations whatever
+    the size, and at router sizes (thousands of rows, a few experts) their dispatch is the whole
+    cost of a round; numpy dispatches one in about a third of torch's time (see _NumpyOps).
+    E = 2 is solved exactly instead, by one threshold selection (_two_experts); eps,
+    tail_fraction, working_fraction and max_rounds do not apply there.
+      0. Normalise: remove row and column offsets (each adds the same amount to every balanced
+         assignment) so that each row's best score is 0, measure scores in gain units (1 =
+         median over rows of best minus mean score), clip at -64 units and quantise to int32
+         keys value * Z + priority. One int32 max then yields both the best value and the best
+         expert; the priority breaks ties in a per-row rotated order, so indifferent rows spread
+         over the experts at once instead of queueing for expert 0. Its sums are float64
+         (exact in practice for float32 scores), so numpy and torch make the same keys.
+         Everything after this step is exact integer arithmetic: bitwise deterministic on any
+         device and backend.
+      1. Each round every row finds its best expert at the current prices (a max over the
+         experts). Unassigned rows bid for their best expert, assigned rows re-bid for the expert
+         they hold. A bid is the price at which the row would be indifferent: price + (its value
+         there - the best value elsewhere, a max over the experts with the target masked).
+      2. An over-subscribed expert keeps the highest bids up to its capacity and raises its price
+         to max(price, lowest kept bid) + eps, pricing the others out: they bid elsewhere next
+         round. An expert loses a row only when it is over-subscribed and refills at once, so the
+         number of assigned rows never falls.
+      3. Repeat until at most tail_fraction * S rows are unassigned (all rows, when step 4 is
+         skipped). That count is read only every `check_every` rounds, never inside a round;
+         once every row is assigned, further rounds change nothing.
+      4. The last few rows take many cheap-to-resolve but full-cost rounds (an evicted row
+         evicts another, one step per round). So continue the same auction, with its prices and
+         assignments, on a working set only: the unassigned rows plus the working_fraction * S
+         held rows with the smallest margins, the only ones those chains are likely to move;
+         the other rows keep their expert. Skipped when the working set would not be small, or
+         below 65536 keys (S * Z), where a full round costs less than setting the step up.
+    With one eps (no eps-scaling), eps = 0.03 gain units, 4096 x 32 and 8192 x 64 random score
+    matrices take about 5-10 full rounds and end within about 0.05% of the optimal gain over a
+    random assignment (benchmarks/balanced_assignment.py measures it against scipy's exact
+    solver and fairseq's C++ auction).
+
+    Termination is guaranteed whatever the input: a round either raises some price by at least
+    eps or assigns at least one more row, and prices stay bounded (no row bids above the clipped
+    score range while some expert still has its initial price). Independently of that, after
+    `max_rounds` rounds any row still unassigned is put into the remaining free capacity (a
+    deterministic fill in row order), so the balance is exact even if the budget runs out.
+    Non-finite scores are treated defensively: NaN and -inf count as the lowest finite score,
+    +inf as the highest, and a matrix with no finite entry as all zeros.
+
+    In training this couples the rows of a batch: the expert a row gets depends on every other
+    row's scores, so the routing is not causal per position by design (the routers use greedy
+    top-1 at inference for that reason).
+
+    Args:
+        scores_SE: (S, E) affinities, higher is better. Any real dtype, any device.
+        eps: auction price step in gain units, in (0, 64]. Rows end within about eps of their
+            best choice at the final prices, so the total is within about S * eps gain units of
+            the optimum (far closer in practice). Smaller is more exact and takes more rounds.
+        tail_fraction: step 4 starts when at most this fraction of rows is unassigned; 0 runs
+            the full auction to the end (slower, slightly closer to the optimum).
+        working_fraction: held rows in step 4's working set, as a fraction of S (at least
+            1024 rows; step 4 is skipped if that is more than half of the rows, or if S * Z is
+            below 65536).
+        max_rounds: auction round budget, steps 1-4 together, before the fill; default
+            max(64, 4 * E, 4 / eps) (random scores take 5-20 rounds at the default eps).
+        check_every: rounds between completion checks (each check is a host sync); default 1 on
+            CPU, where a check costs nothing, and 4 on accelerators.
+
+    Returns:
+        (S,) int64 expert index per row, on the input's device.
+    """
+    if scores_SE.dim() != 2:
+        raise ValueError(f"balanced_assignment expects scores of shape (S, E), got {tuple(scores_SE.shape)}")
+    S, E = scores_SE.shape
+    if not 1 <= E <= _MAX_EXPERTS:
+        raise ValueError(f"balanced_assignment supports 1 to {_MAX_EXPERTS} experts, got scores of shape {(S, E)}")
+    if not 0 < eps <= _CLIP_GAINS:
+        raise ValueError(f"eps={eps} must be in (0, {_CLIP_GAINS:g}] (the auction's price step in gain units)")
+    if not 0 <= tail_fraction < 1:
+        raise ValueError(f"tail_fraction={tail_fraction} must be in [0, 1)")
+    if not 0 < working_fraction <= 1:
+        raise ValueError(f"working_fraction={working_fraction} must be in (0, 1]")
+    device = scores_SE.device
+    if S == 0 or E == 1:
+        return torch.zeros(S, dtype=torch.long, device=device)
+    if max_rounds is None:
+        max_rounds = max(64, 4 * E, int(4 / eps))
+    if check_every is None:
+        check_every = _check_interval(device)
+    if max_rounds < 0 or check_every < 1:
+        raise ValueError(f"need max_rounds >= 0 and check_every >= 1, got {max_rounds} and {check_every}")
+
+    ops = _array_ops(device)
+    if E == 2:
+        return _two_experts(scores_SE, S - S // 2, ops)
+    sh = max(1, (E - 1).bit_length())
+    levels = (1 << _KEY_BITS) >> sh
+    eps_q = max(1, round(eps * levels / _CLIP_GAINS))  # eps in quantisation steps
+    key_ZS = _integer_keys(_finite_scores(scores_SE, ops), sh, levels, ops)
+    # Step 4 pays off only when the working set is a small part of the rows and a full round
+    # costs much more than setting it up.
+    work_rows = max(int(working_fraction * S), _MIN_WORKING_ROWS)
+    tail_rows = int(tail_fraction * S) if 2 * work_rows <= S and S << sh >= _MIN_TAIL_KEYS else 0
+    expert_S, unassigned = _solve(ops, key_ZS, E, sh, levels, eps_q, max_rounds, check_every, tail_rows, work_rows)
+    # unassigned is 0 if the last completion check found every row assigned, None if the
+    # round budget ran out first: then fill the free capacity.
+    return expert_S if unassigned == 0 else _fill_free_capacity(expert_S, expert_capacities(S, E, device))
+
+
+def _check_interval(device: torch.device) -> int:
+    """Default rounds between completion checks: every round on the CPU (numpy arrays, a check costs
+    nothing), every ACCELERATOR_CHECK_EVERY rounds elsewhere (each check is a host sync)."""
+    return 1 if device.type == "cpu" else ACCELERATOR_CHECK_EVERY
+
+
+def _finite_scores(scores_SE: Tensor, ops):
+    """(E, S) float32 (float64 for float64 input) copy of the scores as an array of the `ops`
+    backend, contiguous, every entry finite (see sanitize_scores) and of a magnitude whose row shifts
+    cannot overflow."""
+    x_SE = scores_SE.detach()
+    if x_SE.dtype not in (torch.float32, torch.float64):
+        x_SE = x_SE.float()
+    return ops.finite_rescaled(ops.transposed_copy(ops.array(x_SE)))
+
+
+def _two_experts(scores_SE: Tensor, cap0: int, ops) -> Tensor:
+    """E = 2, solved exactly: the total is sum_s score[s, 1] + sum over expert 0's rows of
+    (score[s, 0] - score[s, 1]), so expert 0 takes the cap0 rows with the largest difference;
+    among rows tied at the threshold, the earliest.
+
+    The difference of two float32 scores is exact in float64; non-finite or overflowing
+    differences are redone on the sanitised, rescaled scores (see _finite_scores).
+    """
+    x_SE = scores_SE.detach()
+    if x_SE.dtype not in (torch.float32, torch.float64):
+        x_SE = x_SE.float()
+    x_SE = ops.array(x_SE)
+    d_S = ops.difference64(x_SE[:, 0], x_SE[:, 1])
+
+    def redone():
+        x_ES = _finite_scores(scores_SE, ops)
+        return ops.difference64(x_ES[0], x_ES[1])
+
+    d_S = ops.where_all_finite(d_S, redone)
+    threshold = ops.kth_largest(d_S, cap0)
+    expert1_S = d_S < threshold
+    # rows tied at the threshold beyond capacity go to expert 1, the latest first; with no
+    # surplus the comparison below is False everywhere (no branch: on the torch path the
+    # surplus stays on the device)
+    surplus = d_S.shape[0] - ops.count(expert1_S) - cap0
+    tied_S = d_S == threshold
+    expert1_S |= tied_S & (ops.cumsum(tied_S) > ops.count(tied_S) - surplus)
+    return ops.tensor(ops.as_int64(expert1_S))
+
+
+def _integer_keys(x_ES, sh: int, levels: int, ops):
+    """Step 0: (Z, S) int32 keys value * Z + priority, value in [-levels, 0] quantised gain units.
+
+    x_ES are the finite scores from _finite_scores, as an array of the `ops` backend. Padding
+    experts (E <= e < Z) get _NEG_KEY. Works in the (E, S) layout throughout, so every pass is
+    contiguous.
+    """
+    E, S = x_ES.shape
+    Z = 1 << sh
+    # Row and column offsets add the same amount to every balanced assignment (each row is used
+    # once, each expert exactly capacity times), so both are removed: rows first (best = 0), then
+    # scores far below a row's best are clipped so an outlier row cannot move a column mean,
+    # then columns (mean accumulated in float64, so identical rows cancel exactly), rows again.
+    y_ES = x_ES - ops.amax(x_ES, 0, keepdims=True)
+    ops.clip(y_ES, -_CLIP_GAINS * _gain_unit(y_ES, ops), None)
+    y_ES -= ops.cast(ops.mean(y_ES, 1, keepdims=True, dtype=ops.float64), y_ES)
+    y_ES -= ops.amax(y_ES, 0, keepdims=True)
+    # One gain unit becomes levels / _CLIP_GAINS steps (the scale is capped so that a tiny gain
+    # cannot make 0 * inf); anything below -levels is clipped there.
+    y_ES *= ops.at_most((levels / _CLIP_GAINS) / _gain_unit(y_ES, ops), ops.float_max(y_ES))
+    ops.clip(ops.floor_(y_ES), -levels, None)
+    key_ZS = ops.empty((Z, S), ops.int32)
+    key_ES = key_ZS[:E]
+    key_ES[...] = y_ES
+    key_ES *= Z
+    key_ES += ops.array(_priorities(E, S, ops.device))
+    key_ZS[E:] = _NEG_KEY
+    return key_ZS
+
+
+@functools.lru_cache(maxsize=8)
+def _priorities(E: int, S: int, device: torch.device) -> Tensor:
+    """(E, S) int32 tie priority of expert e for row s: (s - 1 - e) mod E, so that rows that are
+    indifferent start out spread evenly over the experts instead of all bidding for expert 0.
+    Cached: the routers call with the same shape every step. Never modified in place."""
+    e_E = torch.arange(E, device=device, dtype=torch.int32)
+    rotation_S = torch.remainder(torch.arange(S, device=device, dtype=torch.int32) - 1, E)
+    return _wrap(rotation_S - e_E[:, None], E)
+
+
+def _wrap(d, E: int):
+    """d mod E for d in (-E, E), without an integer division over a large array (torch or numpy)."""
+    return d + ((d >> (8 * d.itemsize - 1)) & E)
+
+
+def _gain_unit(y_ES, ops):
+    """Median over rows of (best - mean score) for rows shifted to best 0: a few outlier rows
+    cannot flatten all the others. The mean if most rows are constant, 1 if all are.
+
+    Row sums in float64 (exact in practice for float32 scores, so every backend and device
+    rounds alike); the median of -sum / E is -(upper median of the sums) / E, the same number.
+    A float on numpy, a float64 0-d tensor on the torch path (no host sync).
+    """
+    E = y_ES.shape[0]
+    sum_S = ops.sum(y_ES, 0, dtype=ops.float64)
+    return ops.first_positive(-ops.upper_median(sum_S) / E, lambda: -ops.mean(sum_S, 0) / E)
+
+
+def _array_ops(device: torch.device):
+    """numpy on the CPU, torch on accelerators (see _NumpyOps)."""
+    return _NumpyOps() if device.type == "cpu" else _TorchOps(device)
+
+
+def _solve(ops, key_ZS, E: int, sh: int, levels: int, eps_q: int, max_rounds: int, check_every: int,
+           tail_rows: int, work_rows: int) -> tuple[Tensor, int | None]:
+    """Steps 1-4 on the keys (an array of the `ops` backend). Returns the (S,) int64 expert per
+    row as a tensor on the keys' device (-1: unassigned) and the number of unassigned rows if the
+    last completion check saw it (None if the round budget ran out first)."""
+    Z, S = key_ZS.shape
+    cap_Z = ops.full(Z, 0, ops.int64)  # see expert_capacities; 0 for padding experts
+    cap_Z[:E] = S // E
+    cap_Z[:S % E] += 1
+    neg_key = ops.const(_NEG_KEY, ops.int32)
+    if S < E:  # experts with capacity 0: no row may bid for them
+        key_ZS = ops.where((cap_Z == 0)[:, None], neg_key, key_ZS)
+    row_S = ops.arange(S, ops.int64)
+    expert_S = ops.full(S, -1, ops.int64)
+    price_Z = ops.full(Z, 0, ops.int32)
+    expert_S, price_Z, margin_S, rounds, unassigned = _auction(
+        ops, key_ZS, cap_Z, row_S, expert_S, price_Z, E, sh, levels, eps_q, max_rounds, check_every, tail_rows)
+    if unassigned:
+        # Step 4: continue on a working set: the unassigned rows and the held rows with the
+        # smallest margins; the others keep their expert and their slots.
+        s = min(S, max(work_rows, 4 * tail_rows))
+        # (smallest margin first, unassigned rows before all, ties by row) as unique int64 keys
+        pos_bits = max(1, (S - 1).bit_length())
+        rank_S = ops.where(expert_S < 0, ops.const(-levels - 1, ops.int32), margin_S)
+        work_s = ops.sort((ops.as_int64(rank_S) << ops.const(pos_bits, ops.int64)) | row_S)[:s]
+        work_s = work_s & ops.const((1 << pos_bits) - 1, ops.int64)
+        expert_s = ops.take(expert_S, work_s)
+        # Free slots of each expert for the working set (bin 0 counts the unassigned rows).
+        cap_work_Z = cap_Z - ops.bincount(expert_S + 1, Z + 1)[1:] + ops.bincount(expert_s + 1, Z + 1)[1:]
+        key_Zs = ops.where((cap_work_Z == 0)[:, None], neg_key, ops.take_columns(key_ZS, work_s))
+        expert_s, _, _, _, unassigned = _auction(
+            ops, key_Zs, cap_work_Z, work_s, expert_s, price_Z, E, sh, levels, eps_q, max_rounds - rounds,
+            check_every, 0)
+        ops.put(expert_S, work_s, expert_s)
+    return ops.tensor(expert_S), unassigned
+
+
+def _auction(ops, key_ZS, cap_Z, row_S, expert_S, price_Z, E: int, sh: int, levels: int, eps_q: int,
+             max_rounds: int, check_every: int, stop_at: int):
+    """Steps 1-3 on keys (Z, S) from the given state: expert per row (-1: unassigned), prices.
+
+    Arrays of the `ops` backend. row_S are the rows' indices in the full problem (they set the
+    tie priorities of step 0); cap_Z the capacities (0 for padding experts). Stops at a check
+    that finds at most `stop_at` rows unassigned, or after max_rounds rounds. Returns the expert
+    per row, the prices, the margins of the last round (bid - price, in quantisation steps), the
+    number of rounds run and the number of rows left unassigned if the last check saw it (None
+    if the round budget ran out first).
+    """
+    Z, S = key_ZS.shape
+    i32, i64 = ops.int32, ops.int64
+    # Best expert of a row = (rotation - priority) mod E with rotation = (row - 1) mod E (see
+    # _priorities), looked up in a table at rotation * Z + priority.
+    rotation_S = ((row_S - 1) % E) * Z
+    expert_of_EZ = ((ops.arange(E, i64)[:, None] - ops.arange(Z, i64)) % E).reshape(-1)
+    # Sort key of a bid for expert e with margin m: band_Z[e] - m. The bands [e << margin_bits,
+    # (e + 1) << margin_bits) hold the margins in [-levels, levels] in descending order, so one
+    # sort groups the bids by expert, highest first, and a search for the band edges finds the
+    # groups.
+    # The sort itself runs on the int64 keys (sort key << pos_bits) | position: unique, so any
+    # sort orders them as a stable sort of the sort keys would (numpy's and torch's plain int64
+    # sorts are several times faster than their stable ones).
+    margin_bits = (2 * levels).bit_length()
+    pos_bits = max(1, (S - 1).bit_length())
+    edge_Z1 = ops.arange(Z + 1, i32) << ops.const(margin_bits, i32)
+    band_Z = edge_Z1[:Z] + ops.const(levels, i32)
+    band_eps_Z = band_Z + ops.const(eps_q, i32)
+    edge_Z1 = ops.as_int64(edge_Z1) << ops.const(pos_bits, i64)
+    shift, low_t = ops.const(sh, i32), ops.const(Z - 1, i32)
+    zero_t, one_t, none_t = ops.const(0, i64), ops.const(1, i64), ops.const(-1, i64)
+    pos_shift, pos_mask = ops.const(pos_bits, i64), ops.const((1 << pos_bits) - 1, i64)
+    price_sh_Z = price_Z << shift  # the price in key units
+    margin_S = ops.full(S, 0, i32)
+    pos_S = ops.arange(S, i64)
+    rank_S = ops.full(S, 0, i64)
+    net_ZS = key_ZS * 1
+    net_flat = net_ZS.reshape(-1)  # a view
+    S_t, min_key = ops.const(S, i64), -(1 << 31)  # min_key a Python int: index_fill_ takes it as is
+    bound_Z1 = limit_Z = over_Z = None  # of the last round, read by the completion check
+    rounds = 0
+    unassigned = None
+    while rounds < max_rounds:
+        if rounds and rounds % check_every == 0:
+            # Rows not kept by the last round (each row bid for exactly one expert): none if
+            # no expert was over-subscribed.
+            if stop_at == 0:
+                unassigned = None if bool(over_Z.any()) else 0
+            else:
+                unassigned = int(ops.clip(bound_Z1[1:] - limit_Z, 0, None).sum())
+                unassigned = unassigned if unassigned <= stop_at else None
+            if unassigned is not None:
+                break
+        rounds += 1
+        ops.sub_out(key_ZS, price_sh_Z[:, None], net_ZS)
+        best_expert_S = ops.take(expert_of_EZ, rotation_S + (ops.amax0(net_ZS) & low_t))
+        target_S = ops.where(expert_S >= zero_t, expert_S, best_expert_S)
+        # A row bids price[target] + margin: the price at which it would be indifferent, with
+        # margin = net value at the target - the best net value elsewhere.
+        at_S = target_S * S_t + pos_S  # flat index of (target, row) in net_ZS
+        own_S = ops.take(net_flat, at_S)
+        ops.put(net_flat, at_S, min_key)
+        margin_S = ops.clip((own_S >> shift) - (ops.amax0(net_ZS) >> shift), -levels, levels)
+        # ties keep the earlier row
+        sorted_S = ops.sort((ops.as_int64(ops.take(band_Z, target_S) - margin_S) << pos_shift) | pos_S)
+        bound_Z1 = ops.searchsorted(sorted_S, edge_Z1)  # expert e's bids are sorted_S[bound[e]:bound[e + 1]]
+        limit_Z = bound_Z1[:-1] + cap_Z  # and it keeps those before its limit
+        ops.put(rank_S, sorted_S & pos_mask, pos_S)
+        expert_S = ops.where(rank_S < ops.take(limit_Z, target_S), target_S, none_t)
+        # Over-subscribed experts: new price = max(old price, lowest kept bid) + eps, i.e. the
+        # price plus max(0, margin of the lowest kept bid) + eps.
+        last_kept_Z = ops.as_int32(ops.take_clipped(sorted_S, limit_Z - one_t) >> pos_shift)
+        over_Z = bound_Z1[1:] > limit_Z
+        price_sh_Z = ops.where(over_Z, price_sh_Z + ((band_eps_Z - ops.minimum(last_kept_Z, band_Z)) << shift),
+                               price_sh_Z)
+    return expert_S, price_sh_Z >> shift, margin_S, rounds, unassigned
+
+
+def _fill_free_capacity(expert_S: Tensor, cap_E: Tensor) -> Tensor:
+    """Put rows still unassigned (-1) into the free capacity, in row order, without a host sync."""
+    S = expert_S.shape[0]
+    E = cap_E.shape[0]
+    device = expert_S.device
+    assigned_S = expert_S >= 0
+    count_E = torch.zeros(E, dtype=torch.long, device=device).scatter_add_(
+        0, expert_S.clamp(min=0), assigned_S.long())
+    # Slot j of the layout [expert 0's slots, expert 1's slots, ...] is free if it lies past the
+    # rows its expert already holds. Free slots and unassigned rows are equally many.
+    slot_expert_S = torch.repeat_interleave(torch.arange(E, device=device), cap_E, output_size=S)
+    first_slot_E = torch.cumsum(cap_E, 0) - cap_E
+    free_S = (torch.arange(S, device=device) - first_slot_E[slot_expert_S]) >= count_E[slot_expert_S]
+    free_rank_S = torch.cumsum(free_S.long(), 0) - 1
+    expert_of_free_rank = torch.zeros(S + 1, dtype=torch.long, device=device).scatter_(
+        0, torch.where(free_S, free_rank_S, S), slot_expert_S)
+    unassigned_rank_S = torch.cumsum((~assigned_S).long(), 0) - 1
+    return torch.where(assigned_S, expert_S, expert_of_free_rank[unassigned_rank_S.clamp(min=0)])

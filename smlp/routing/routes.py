@@ -1,0 +1,97 @@
+"""Route functions without a capacity: Base Layers, HASH Layers and the sMoE routings (logits in, plan out).
+
+    base_route                  Base Layers (Lewis et al. 2021): balanced assignment in training,
+                                greedy top-1 at inference
+    hash_route                  HASH Layers (Roller et al. 2021): a fixed token-id -> expert table
+    smoe_deterministic_experts  sMLP sec. 3.2.1: hidden chunk i -> expert i
+    smoe_partial_route          sMLP sec. 3.2.2: balanced in training, greedy at inference
+
+The capacity-limited softmax gates (Switch, GShard) are in gates.py; the registry (registry.py)
+says which layer uses which. Token routers that balance or cap load in training (balanced
+assignment, capacity dropping) couple the tokens of a batch by design: the expert a token gets
+depends on the other tokens. They are causal per position only in eval mode, where each row is
+routed on its own scores. The input checks and where they are read: plan.py.
+
+Shapes: the core's legend (smlp/__init__.py); here S rows, E experts, V vocabulary.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .assignment import balanced_assignment
+from .plan import RoutingPlan, deferred_or_raised, hash_fault, nonfinite_fault
+
+__all__ = ["base_route", "hash_route", "smoe_deterministic_experts", "smoe_partial_route"]
+
+
+def base_route(scores_SE: Tensor, *, training: bool, layer: str = "base router",
+               defer_checks: bool = False, expert_S: Tensor | None = None) -> RoutingPlan:
+    """Base Layers (Lewis et al. 2021): balanced assignment in training, greedy top-1 at inference.
+
+    The combine weight is sigmoid(x . c_e) of the chosen expert, so the layer output
+    sigmoid * expert(x) + (1 - sigmoid) * x gives the centroids a gradient. Degenerate but
+    finite scores (all equal, one expert preferred by every row) are still assigned with exact
+    balance; non-finite scores raise NonFiniteScoresError naming `layer` (at once, or where the
+    dispatcher reads the plan's fault record with defer_checks=True).
+
+    expert_S: an assignment made elsewhere, used instead (Base Layers' shuffle balances each
+    row together with the rows of the rank its scores were sent to; moe.TMoE).
+    """
+    scores_SE = scores_SE.float()
+    fault = deferred_or_raised(nonfinite_fault(scores_SE), layer, defer_checks)
+    if expert_S is not None:
+        expert_S = expert_S.reshape(-1).long()
+    else:
+        with torch.no_grad():
+            expert_S = balanced_assignment(scores_SE.detach()) if training else scores_SE.detach().argmax(dim=-1)
+    chosen_S = scores_SE.gather(1, expert_S[:, None]).squeeze(1)
+    weight_S = torch.sigmoid(chosen_S)
+    return RoutingPlan(expert_S[:, None], weight_S[:, None], fault=fault)
+
+
+def hash_route(token_ids_S: Tensor, table_V: Tensor, *, layer: str = "hash router",
+               defer_checks: bool = False) -> RoutingPlan:
+    """HASH Layers (Roller et al. 2021): a fixed token-id -> expert table, weight 1.
+
+    Token ids outside the table raise ValueError (at once, or where the dispatcher reads the
+    plan's fault record with defer_checks=True; the lookup clamps them meanwhile, so no
+    out-of-range index reaches the device)."""
+    V = table_V.numel()
+    fault = deferred_or_raised(hash_fault(token_ids_S, V), layer, defer_checks)
+    ids_S = token_ids_S.long()
+    if defer_checks:
+        ids_S = ids_S.clamp(0, max(V - 1, 0))  # valid ids are unchanged
+    expert_S = table_V[ids_S]
+    return RoutingPlan(expert_S[:, None], torch.ones(expert_S.shape[0], 1, device=expert_S.device), fault=fault)
+
+
+def smoe_deterministic_experts(num_channels: int, num_experts: int, device=None) -> Tensor:
+    """sMoE deterministic routing (sec. 3.2.1): hidden chunk i -> expert i. Returns expert per channel."""
+    if num_channels % num_experts:
+        raise ValueError(
+            f"sMoE deterministic routing splits {num_channels} hidden dimensions into {num_experts} "
+            f"equal chunks: the number of experts must divide the hidden size"
+        )
+    return torch.arange(num_experts, device=device).repeat_interleave(num_channels // num_experts)
+
+
+def smoe_partial_route(logits_SE: Tensor, *, training: bool, layer: str = "sMoE router",
+                       defer_checks: bool = False) -> RoutingPlan:
+    """sMoE partial prediction routing (sec. 3.2.2, eq. 5).
+
+    logits_SE are the router logits of each hidden-dimension vector, computed from the first
+    20% of positions only. Training uses balanced assignment (every expert gets the same number
+    of hidden dimensions); inference routes each vector to its most probable expert, so the
+    result does not depend on the batch. The combine weight is the softmax probability of the
+    chosen expert (eq. 7), which trains the router. Non-finite logits raise
+    NonFiniteScoresError naming `layer` (at once, or through the plan's fault record with
+    defer_checks=True).
+    """
+    logits_SE = logits_SE.float()
+    fault = deferred_or_raised(nonfinite_fault(logits_SE), layer, defer_checks)
+    probs_SE = torch.softmax(logits_SE, dim=-1)
+    with torch.no_grad():
+        expert_S = balanced_assignment(logits_SE.detach()) if training else logits_SE.detach().argmax(dim=-1)
+    weight_S = probs_SE.gather(1, expert_S[:, None]).squeeze(1)
+    return RoutingPlan(expert_S[:, None], weight_S[:, None], fault=fault)
