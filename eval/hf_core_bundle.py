@@ -17,11 +17,14 @@ own sources in the file it writes:
    quoting problems, and transformers' scan for `from .x import` lines, which would otherwise ask for
    sibling files, does not see them) and a small importer that registers them at import time under a
    private package `_smlp_core_<digest of the sources>`. Relative imports inside the core keep
-   working, private names of different modules stay in their own modules, and two folders exported
-   from different versions of the core load side by side in one process.
+   working; absolute ones (`from smlp.x import y`, `import smlp.x`) are pointed at the private
+   package when a module is compiled (an AST rewrite of the import statements only: the embedded text
+   and its line numbers stay the original's). Private names of different modules stay in their own
+   modules, and two folders exported from different versions of the core load side by side in one
+   process, beside an installed smlp or without one.
 
-Tracebacks from the embedded code name the original file (e.g. `smlp/lm.py`) and show its lines (the
-importer is the modules' `__loader__` and answers `get_source`).
+Tracebacks from the embedded code name the original file (`smlp/lm.py (embedded)`) and show its
+lines (the importer is the modules' `__loader__` and answers `get_source`).
 """
 from __future__ import annotations
 
@@ -34,7 +37,6 @@ from pathlib import Path
 
 __all__ = ["CoreModule", "BundleError", "core_modules", "bundle_source", "bundle_package", "ALLOWED_EXTERNAL"]
 
-ROOT_PACKAGE = "smlp"
 # Imports the embedded core may make besides the standard library: what transformers needs anyway.
 ALLOWED_EXTERNAL = ("torch", "numpy")
 
@@ -48,16 +50,16 @@ class CoreModule:
     name: str          # e.g. "smlp.lm", "smlp.routing.gates"
     source: str
     is_package: bool   # an __init__.py
-    path: str          # where it was read, relative to the folder holding the `smlp` package
+    path: str          # where it was read, relative to the folder holding its top package
 
     @property
     def relative(self) -> str:
-        """The name inside the package: "" for `smlp` itself, "lm", "routing.gates"."""
-        return self.name[len(ROOT_PACKAGE) + 1:] if self.name != ROOT_PACKAGE else ""
+        """The name inside the top package: "" for `smlp` itself, "lm", "routing.gates"."""
+        return self.name.partition(".")[2]
 
 
-def _is_core(name: str) -> bool:
-    return name == ROOT_PACKAGE or name.startswith(ROOT_PACKAGE + ".")
+def _in_package(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
 
 
 def _spec(name: str):
@@ -86,22 +88,25 @@ def _resolve(module: CoreModule, node: ast.ImportFrom) -> str:
     parts = package.split(".")
     if node.level - 1 >= len(parts):
         raise BundleError(f"{module.path}: `from {'.' * node.level}{node.module or ''} import ...` goes above the "
-                          f"{ROOT_PACKAGE} package")
+                          f"{parts[0]} package")
     base = ".".join(parts[:len(parts) - (node.level - 1)])
     return f"{base}.{node.module}" if node.module else base
 
 
 def _imports(module: CoreModule) -> tuple[set[str], set[tuple[str, int]]]:
-    """(core modules `module` imports, (external top-level name, line) pairs)."""
+    """(modules of its own package that `module` imports, (external top-level name, line) pairs)."""
+    package = module.name.partition(".")[0]
     core, external = set(), set()
     for node in ast.walk(ast.parse(module.source, module.path)):
         if isinstance(node, ast.Import):
             for alias in node.names:
-                (core.add(alias.name) if _is_core(alias.name) else external.add((alias.name.split(".")[0],
-                                                                                  node.lineno)))
+                if _in_package(alias.name, package):
+                    core.add(alias.name)
+                else:
+                    external.add((alias.name.split(".")[0], node.lineno))
         elif isinstance(node, ast.ImportFrom):
             target = _resolve(module, node)
-            if not _is_core(target):
+            if not _in_package(target, package):
                 if target != "__future__":
                     external.add((target.split(".")[0], node.lineno))
                 continue
@@ -122,9 +127,8 @@ def _spec_is_module(name: str) -> bool:
 
 
 def core_modules(root: str) -> list[CoreModule]:
-    """`root` and every core module it needs, in name order (see the module docstring)."""
-    if not _is_core(root):
-        raise BundleError(f"{root} is not a module of the {ROOT_PACKAGE} package")
+    """`root` (a module of the smlp package) and every module of its package it needs, in name order
+    (see the module docstring)."""
     found: dict[str, CoreModule] = {}
     todo = [root]
     while todo:
@@ -148,15 +152,47 @@ def bundle_package(modules: list[CoreModule]) -> str:
     digest = hashlib.sha256()
     for m in modules:
         digest.update(f"{m.name}\0{int(m.is_package)}\0{m.source}\0".encode())
-    return f"_{ROOT_PACKAGE}_core_{digest.hexdigest()[:16]}"
+    return f"_{modules[0].name.partition('.')[0]}_core_{digest.hexdigest()[:16]}"
 
 
 _IMPORTER = '''
-class _EmbeddedCore(importlib.abc.MetaPathFinder, importlib.abc.InspectLoader):
-    """Imports the embedded smlp modules (_CORE_SOURCES) as the package _CORE_PACKAGE."""
+class _PrivateImports(ast.NodeTransformer):
+    """Absolute imports of the original package (`from smlp.x import y`, `import smlp.x`) in the embedded
+    code name the private package instead; line numbers stay those of the embedded source."""
 
-    def __init__(self, package, sources):
-        self.package, self.sources = package, sources
+    def __init__(self, original, package):
+        self.original, self.package = original, package
+
+    def _private(self, name):
+        if name == self.original or name.startswith(self.original + "."):
+            return self.package + name[len(self.original):]
+        return None
+
+    def visit_ImportFrom(self, node):
+        if not node.level and node.module and self._private(node.module):
+            node.module = self._private(node.module)
+        return node
+
+    def visit_Import(self, node):
+        kept, bound = [], []
+        for alias in node.names:
+            private = self._private(alias.name)
+            if private is None:
+                kept.append(alias)
+            elif alias.asname:  # `import smlp.x as y` binds the submodule
+                kept.append(ast.alias(private, alias.asname))
+            else:  # `import smlp.x` binds the top package to the name smlp
+                call = ast.Call(ast.Name("__import__", ast.Load()), [ast.Constant(private)], [])
+                bound.append(ast.Assign([ast.Name(alias.name.split(".")[0], ast.Store())], call))
+        out = ([ast.Import(kept)] if kept else []) + bound
+        return [ast.copy_location(stmt, node) for stmt in out]
+
+
+class _EmbeddedCore(importlib.abc.MetaPathFinder, importlib.abc.InspectLoader):
+    """Imports the embedded modules (_CORE_SOURCES) of package _CORE_ORIGINAL as the package _CORE_PACKAGE."""
+
+    def __init__(self, original, package, sources):
+        self.original, self.package, self.sources = original, package, sources
 
     def _entry(self, fullname):
         if fullname == self.package:
@@ -169,7 +205,8 @@ class _EmbeddedCore(importlib.abc.MetaPathFinder, importlib.abc.InspectLoader):
         entry = self._entry(fullname)
         if entry is None:
             return None
-        spec = importlib.util.spec_from_loader(fullname, self, origin=entry[1], is_package=entry[0])
+        spec = importlib.util.spec_from_loader(fullname, self, origin=entry[1] + " (embedded)",
+                                               is_package=entry[0])
         spec.has_location = False
         return spec
 
@@ -180,22 +217,24 @@ class _EmbeddedCore(importlib.abc.MetaPathFinder, importlib.abc.InspectLoader):
         return "\\n".join(self._entry(fullname)[2]) + "\\n"
 
     def get_code(self, fullname):
-        return compile(self.get_source(fullname), self._entry(fullname)[1], "exec", dont_inherit=True)
+        filename = self._entry(fullname)[1] + " (embedded)"
+        tree = _PrivateImports(self.original, self.package).visit(ast.parse(self.get_source(fullname), filename))
+        return compile(ast.fix_missing_locations(tree), filename, "exec", dont_inherit=True)
 
 
 def _import_core(module):
     """The embedded core module `module` (e.g. "lm"), registering the package on first use."""
     if not any(getattr(f, "package", None) == _CORE_PACKAGE for f in sys.meta_path):
-        sys.meta_path.append(_EmbeddedCore(_CORE_PACKAGE, _CORE_SOURCES))
+        sys.meta_path.append(_EmbeddedCore(_CORE_ORIGINAL, _CORE_PACKAGE, _CORE_SOURCES))
     return importlib.import_module(f"{_CORE_PACKAGE}.{module}" if module else _CORE_PACKAGE)
 '''
 
 
 def bundle_source(modules: list[CoreModule]) -> str:
-    """Python source defining _CORE_PACKAGE, _CORE_SOURCES and `_import_core(relative_name)`."""
+    """Python source defining _CORE_ORIGINAL, _CORE_PACKAGE, _CORE_SOURCES and `_import_core(relative_name)`."""
     package = bundle_package(modules)
-    out = ["import importlib", "import importlib.abc", "import importlib.util", "import sys", "",
-           f"_CORE_PACKAGE = {package!r}",
+    out = ["import ast", "import importlib", "import importlib.abc", "import importlib.util", "import sys", "",
+           f"_CORE_ORIGINAL = {modules[0].name.partition('.')[0]!r}", f"_CORE_PACKAGE = {package!r}",
            "# relative module name -> (is a package, file it was read from, its lines)",
            "_CORE_SOURCES = {"]
     for m in modules:

@@ -144,8 +144,14 @@ class SMLPForCausalLM(PreTrainedModel, GenerationMixin):
         # transformers builds the model on the meta device and, after loading the weights, gives the
         # buffers that are not saved (non-persistent: e.g. the deterministic sMoE routing map) empty
         # storage for `_init_weights` to fill. Built on the CPU here, their values are kept to put back.
-        with torch.device("cpu"):
-            self.model = LanguageModel(core)
+        # (in fp32: some initializers, e.g. orthogonal_, have no half-precision CPU kernel; then cast)
+        dtype = torch.get_default_dtype()
+        torch.set_default_dtype(torch.float32)
+        try:
+            with torch.device("cpu"):
+                self.model = LanguageModel(core).to(dtype)
+        finally:
+            torch.set_default_dtype(dtype)
         self._derived_buffers = {name: buf.detach().clone() for name, buf in _non_persistent_buffers(self)}
         self.post_init()
 

@@ -18,7 +18,7 @@ unused). Text is never searched for special-token strings (split_special_tokens=
 Decoding inverts it as the Encoder does: </s> is a line break, <s> and <pad> are dropped, each
 line's pieces are decoded by sentencepiece; `skip_special_tokens=True` also drops </s> and <unk>.
 
-Imports: the standard library, transformers and sentencepiece (for a folder with spm.model).
+Imports: the standard library, transformers and, for a folder with spm.model, sentencepiece.
 """
 from __future__ import annotations
 
@@ -55,8 +55,11 @@ class SMLPTokenizer(PreTrainedTokenizer):
         self.vocab_file, self.spm_file = vocab_file, spm_file if spm_file and os.path.isfile(spm_file) else None
         self.sp = None
         if self.spm_file is not None:
-            import sentencepiece
-
+            try:  # a folder of whitespace tokens (no spm.model) does not need it
+                import sentencepiece
+            except ImportError as exc:
+                raise ImportError(f"this tokenizer reads {self.spm_file} with sentencepiece: pip install "
+                                  f"sentencepiece") from exc
             self.sp = sentencepiece.SentencePieceProcessor(model_file=self.spm_file)
         kwargs.setdefault("split_special_tokens", True)
         kwargs.setdefault("clean_up_tokenization_spaces", False)
