@@ -304,12 +304,20 @@ def verify_folder(folder: Path, core, encoder, dtype: str) -> float:
     import copy
 
     import torch
+    from transformers.utils import logging as hf_logging
 
     tag = f"_smlp_export_verify_{os.getpid()}_{id(folder)}"
     modeling = _import_file(folder / MODELING_FILE, tag + "_modeling")
     tokenization = _import_file(folder / TOKENIZER_FILE, tag + "_tokenization")
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # no "Loading weights" bar in the export's output
     try:
-        hf = modeling.SMLPForCausalLM.from_pretrained(str(folder), dtype=getattr(torch, dtype)).eval()
+        hf, info = modeling.SMLPForCausalLM.from_pretrained(str(folder), dtype=getattr(torch, dtype),
+                                                            output_loading_info=True)
+        hf.eval()
+        unread = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
+        if unread:
+            raise ExportError(f"loading the folder back left weights unread or uninitialized: {unread}")
         tok = tokenization.SMLPTokenizer.from_pretrained(str(folder))
         theirs = tok(VERIFY_TEXT)["input_ids"]
         ours = [encoder.eos, *encoder.encode_ids(VERIFY_TEXT)]
@@ -332,6 +340,8 @@ def verify_folder(folder: Path, core, encoder, dtype: str) -> float:
                               f"{bound:.1g}): the folder was not installed")
         return diff
     finally:
+        if bars:
+            hf_logging.enable_progress_bar()
         sys.modules.pop(tag + "_modeling", None)
         sys.modules.pop(tag + "_tokenization", None)
 
@@ -422,7 +432,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
     checked = ("" if result.max_logit_difference is None else
-               f"; loaded back: logits within {result.max_logit_difference:.1g} of the checkpoint's, tokenizer equal")
+               f"; loaded back: its logits differ from the checkpoint's by at most {result.max_logit_difference:.2g}, "
+               f"its tokenizer equals the pipeline's")
     prefix = f", routing prefix {result.routing_prefix}" if result.routing_prefix else ""
     print(f"wrote {result.folder} ({result.family}{prefix}; {', '.join(result.files)}){checked}")
     print(f"load it with: AutoModelForCausalLM.from_pretrained({str(result.folder)!r}, trust_remote_code=True)")
