@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import importlib.util
 import json
 import os
@@ -74,8 +75,10 @@ def _source_of(module: str) -> str:
     return Path(spec.origin).read_text(encoding="utf-8")
 
 
+@functools.cache
 def modeling_source() -> str:
-    """modeling_smlp.py: smlp_eval.hf_modeling with its core block replaced by the embedded core."""
+    """modeling_smlp.py: smlp_eval.hf_modeling with its core block replaced by the embedded core (made once
+    per process: it depends only on the installed sources)."""
     from smlp.lm import LanguageModel, LMConfig
 
     from .hf_core_bundle import bundle_package, bundle_source, core_modules

@@ -128,6 +128,18 @@ def long_model(demo_data, tmp_path_factory) -> tuple[Path, Path]:
     return ckpt, hf_export.export(str(ckpt), tmp_path_factory.mktemp("hf_long") / "hf-long", verify=False).folder
 
 
+@pytest.fixture(scope="module")
+def loaded(folders):
+    """family -> (model, tokenizer) loaded from the folder with trust_remote_code, once per family."""
+    cache: dict = {}
+
+    def get(family: str):
+        if family not in cache:
+            cache[family] = _hf(folders[family]), _tokenizer(folders[family])
+        return cache[family]
+    return get
+
+
 def _fairseq_model(ckpt: Path):
     from fairseq_plugins.checkpoints import load_for_eval
 
@@ -162,9 +174,9 @@ def _encoder(demo_data: Path):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_exported_logits_equal_the_checkpoints_on_held_out_text(family, folders, checkpoints, demo_data):
+def test_exported_logits_equal_the_checkpoints_on_held_out_text(family, loaded, checkpoints, demo_data):
     """fp32, within 1e-5, every family; the folder runs its own embedded copy of the core."""
-    hf, tok = _hf(folders[family]), _tokenizer(folders[family])
+    hf, tok = loaded(family)
     assert type(hf).__module__.startswith("transformers_modules.")  # the folder's modeling_smlp.py
     assert type(hf.model).__module__.startswith("_smlp_core_")  # the core embedded in it, not smlp/
     tokens = _held_out(demo_data, tok)
@@ -191,12 +203,12 @@ def _smlp_generate(ckpt: Path, tmp: Path, max_new: int) -> list[int]:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_generate_with_and_without_cache_equals_smlp_generate(family, folders, checkpoints, tmp_path):
+def test_generate_with_and_without_cache_equals_smlp_generate(family, loaded, checkpoints, tmp_path):
     """Greedy `generate()` through the folder, with the core's cache and recomputing, gives the tokens
     smlp-generate gives (up to </s>); sMLP-partial's prompt is left-filled by with_routing_prefix."""
     max_new = 6
     expected = _smlp_generate(checkpoints[family], tmp_path, max_new)
-    hf, tok = _hf(folders[family]), _tokenizer(folders[family])
+    hf, tok = loaded(family)
     prompt = tok(PROMPT, return_tensors="pt")["input_ids"]
     ids = hf.with_routing_prefix(prompt)  # partial: the fill, then the prompt, whose last token sits at position P
     assert ids.shape[1] == max(prompt.shape[1], hf.config.routing_prefix + 1) and torch.equal(ids[:, -6:], prompt)
@@ -209,9 +221,9 @@ def test_generate_with_and_without_cache_equals_smlp_generate(family, folders, c
 
 
 @pytest.mark.parametrize("family", ["smlp-det", "transformer", "gmlp-token-routed"])
-def test_beam_search_reorders_the_cache(family, folders):
+def test_beam_search_reorders_the_cache(family, loaded):
     """Beam search reorders past_key_values (reorder_cache): every returned beam equals the recomputing run."""
-    hf, tok = _hf(folders[family]), _tokenizer(folders[family])
+    hf, tok = loaded(family)
     rows = tok(["To be, or not to be", "Full fathom five thy father lies"])["input_ids"]
     ids = torch.tensor([row[:6] for row in rows])  # one length: rows start at position 0
     runs = [hf.generate(ids, max_new_tokens=6, num_beams=3, num_return_sequences=3, do_sample=False,
@@ -341,8 +353,8 @@ def test_lm_eval_hf_model_scores_the_folder_as_our_adapter_scores_the_checkpoint
 # ============================================================================ the model class
 
 
-def test_padding_labels_and_half_precision(folders, checkpoints, demo_data):
-    hf, tok = _hf(folders["smlp-partial"]), _tokenizer(folders["smlp-partial"])
+def test_padding_labels_and_half_precision(folders, loaded, checkpoints, demo_data):
+    hf, tok = loaded("smlp-partial")
     tokens = _held_out(demo_data, tok)
     P = hf.config.routing_prefix
     with torch.no_grad():
