@@ -179,10 +179,9 @@ def _load(path: str, data_dir: str | None):
 
 
 def check_representable(core) -> None:
-    from smlp.routers import SMOE_ROUTINGS
-
-    if core.cfg.family == "smlp" and core.cfg.sparse_layers and not SMOE_ROUTINGS[core.cfg.smoe_routing].causal:
-        raise ExportError(f"sMoE routing {core.cfg.smoe_routing!r} reads every position, future ones included (sMLP "
+    cfg = core.cfg
+    if cfg.family == "smlp" and cfg.sparse_layers and cfg.sparse_block.smoe.leaky:
+        raise ExportError(f"sMoE routing {cfg.smoe_routing!r} reads every position, future ones included (sMLP "
                           f"Appendix B): the model is not a causal language model, and a folder loaded as one would "
                           f"score and generate with text it should not see. Export a deterministic or partial model")
 
@@ -431,7 +430,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         result = export(args.checkpoint, args.hf, data_dir=args.data_dir, dtype=args.dtype,
                         prefix_fill=args.prefix_fill, force=args.force, verify=not args.no_verify)
-    except (ExportError, CheckpointMismatchError, DataPrepError, FileNotFoundError) as exc:
+    except (ExportError, CheckpointMismatchError, DataPrepError, FileNotFoundError, ValueError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
     checked = ("" if result.max_logit_difference is None else
