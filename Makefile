@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --upgrade pip
 	# torch first (CPU wheel, pinned), then build fairseq and deepspeed against it without isolation.
 	$(PY) -m pip install torch==2.13.0 cython==3.3.1 numpy==2.4.6 setuptools wheel
-	$(PY) -m pip install --no-build-isolation -e '.[test]'
+	$(PY) -m pip install --no-build-isolation -e '.[test,hf]'
 	$(PY) -c "import torch, fairseq; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	touch $(STAMP)
 

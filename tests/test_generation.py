@@ -433,9 +433,10 @@ def test_generation_benchmark_records_both_modes_per_position(tmp_path):
 @torch.no_grad()
 def test_models_without_a_cached_path_refuse_cached_decoding_and_still_generate_without_it(overrides):
     """The token-routed gMLP experiment and the leaky (non-causal) sMoE router have no cached step:
-    asking for one names the model and the way out; full-recompute generation works."""
+    asking for one names the model and the way out; generation recomputes, asked for the cache or not."""
     model = build("gmlp", **overrides)
     with pytest.raises(NotImplementedError, match="use_cache=False"):
         model(_tokens((1, 3), seed=0), cache=model.new_cache())
     out = generate(model, [[3, 4, 5]], 4, use_cache=False)
     assert out == [reference_greedy(model, [3, 4, 5], 4)]
+    assert generate(model, [[3, 4, 5]], 4) == out  # the default use_cache=True recomputes (smlp-generate)
