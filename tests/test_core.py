@@ -5,8 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from causality import assert_causal, earlier_outputs_unchanged
 from smlp.assignment import sanitize_scores
+from smlp.causality import assert_causal, earlier_outputs_unchanged
 from smlp.config import GMLPConfig, SGUConfig, SMoEConfig, SparseBlockConfig, TMoEConfig
 from smlp.dispatch import LocalDispatcher, expert_parallel_layout
 from smlp.mixers import GMLPBlock, SpatialGatingUnit
