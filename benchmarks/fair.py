@@ -65,7 +65,7 @@ from pathlib import Path
 
 from . import schedule as S
 from .plan import run_schedule
-from .presets import LONG_TARGET, MOE_BASELINES, NAMES, BenchError, Model, plan_models
+from .presets import LONG_TARGET, MOE_BASELINES, NAMES, BenchError, Model, plan_models, target_flags
 from .report import report
 from .schedule import atomic_write_json
 from .verdicts import SEED_RULE, compare, describe, pooled_log_sd
@@ -86,6 +86,7 @@ STAGE_SETTINGS = {
     "experts": dict(COMMON, seeds=1, updates=500, profile_steps=0),
     "table7": dict(COMMON, seeds=1, updates=150, validate_every=25, warmup=25, profile_steps=0),
     "figure4": dict(COMMON, seeds=1, updates=150, validate_every=25, warmup=25, profile_steps=0),
+    "figure7": dict(COMMON, seeds=1, updates=150, validate_every=25, warmup=25, profile_steps=0),
 }
 STAGES = tuple(STAGE_SETTINGS)
 
@@ -105,13 +106,12 @@ class Context:
         return self.records["deciding"]["fair"]["best_moe"]
 
 
-def criterion_flags(target: dict, vocab_size: int) -> list[str]:
+def criterion_flags(target: dict, vocab_size: int, nproc: int) -> list[str]:
     """Every run also scores the positions sMLP-partial predicts and its balanced routers' training assignment."""
     from smlp_eval import flops as F
 
-    flags = ["--arch", "smlp_lm", "--decoder-embed-dim", str(target["d_model"]), "--decoder-ffn-embed-dim",
-             str(target["d_ffn"]), "--tokens-per-sample", str(target["seq_len"]), "--smoe-routing", "partial"]
-    start = F.parse_model("smlp_lm", flags[2:], vocab_size=vocab_size).cfg.prediction_start
+    flags = [*target_flags(target, nproc)[2:], "--smoe-routing", "partial"]
+    start = F.parse_model("smlp_lm", flags, vocab_size=vocab_size).cfg.prediction_start
     return ["--valid-suffix-from", str(start), "--valid-trained-routing"]
 
 
@@ -163,7 +163,7 @@ def _experiment_models(name: str, families: dict[str, str]) -> Callable[[Context
     def build(ctx: Context) -> list[Model]:
         from .experiments import get_experiment
 
-        models, _ = get_experiment(name).plan_models(ctx.vocab_size, ctx.nproc)
+        models, _ = get_experiment(name).plan_models(ctx.vocab_size, ctx.nproc, FAIR_TARGET)
         out = []
         for m in models:
             family = next(f for prefix, f in families.items() if m.key.startswith(prefix))
@@ -180,9 +180,13 @@ BUILDERS: dict[str, Callable[[Context], list[Model]]] = {
     "table7": _experiment_models("table7-token-routed-gmlp", {"gmlp": "gmlp"}),
     "figure4": _experiment_models("figure4-dense", {"gmlp": "gmlp", "transformer": "transformer",
                                                     "smlp_det": "smlp_det"}),
+    "figure7": _experiment_models("figure7-routing", {"smlp_det": "smlp_det", "smlp_partial": "smlp_partial",
+                                                      "smlp_leaky": "smlp_det"}),
 }
 TARGETS = {"lr-sweep": FAIR_TARGET, "deciding": FAIR_TARGET, "width": WIDE_TARGET, "experts": FAIR_TARGET,
-           "table7": FAIR_TARGET, "figure4": FAIR_TARGET}
+           "table7": FAIR_TARGET, "figure4": FAIR_TARGET, "figure7": FAIR_TARGET}
+# the stages that are one of the paper's experiments (benchmarks/experiments.py), by their experiment name
+EXPERIMENT_STAGES = {"table7": "table7-token-routed-gmlp", "figure4": "figure4-dense", "figure7": "figure7-routing"}
 
 
 # ---------------------------------------------------------------- the sweep: choose, widen
@@ -243,15 +247,15 @@ def widen_sweep(store: S.RunStore, ctx: Context, record: dict) -> list[Model]:
 # ---------------------------------------------------------------- running the stages
 
 
-def run_stage(stage: str, ctx: Context, data: Path, out_dir: Path, *, resume: bool, order_seed: int = 1) -> dict:
+def run_stage(stage: str, ctx: Context, data: Path, out_dir: Path, *, order_seed: int = 1) -> dict:
     """Train one stage (resuming where it stopped) and return its report record with the stage's analysis."""
     models = BUILDERS[stage](ctx)
     settings = dict(STAGE_SETTINGS[stage], target=TARGETS[stage],
-                    criterion_flags=criterion_flags(TARGETS[stage], ctx.vocab_size))
+                    criterion_flags=criterion_flags(TARGETS[stage], ctx.vocab_size, ctx.nproc))
     settings["models"] = tuple(m.key for m in models)
     reference = models[0].key
     out_dir.mkdir(parents=True, exist_ok=True)
-    resume = resume or (out_dir / "runs.json").exists()
+    resume = (out_dir / "runs.json").exists()  # main() asked for --resume before continuing a started benchmark
     while True:
         store = run_schedule(f"fair/{stage}", settings, models, {"stage": stage}, data, ctx.nproc, out_dir,
                              resume=resume, order_seed=order_seed, reference=reference)
@@ -262,6 +266,12 @@ def run_stage(stage: str, ctx: Context, data: Path, out_dir: Path, *, resume: bo
         print(f"   widening the sweep: {', '.join(m.key for m in added)}", flush=True)
         resume = True
     record["fair"] = analyse_stage(stage, record, store)
+    if stage in EXPERIMENT_STAGES:
+        from .experiments import get_experiment
+
+        record["plan_experiment"] = EXPERIMENT_STAGES[stage]
+        return get_experiment(EXPERIMENT_STAGES[stage]).finish(
+            record, out_dir, seed_spread=ctx.records["deciding"]["fair"]["seed_spread"])
     atomic_write_json(out_dir / "results.json", record)
     return record
 
@@ -451,6 +461,8 @@ def final_report(records: dict, out_dir: Path, long_record: dict | None) -> dict
         rec["seed_spread"] = d["fair"]["seed_spread"]
         rec["verdicts"] = verdicts(d)
         rec["ratios"] = d["ratios"]
+    if "deciding" in records:
+        rec["table4"] = table4_stage(records["deciding"], out_dir / "table4")
     if "deciding" in records and "width" in records:
         rec["width"] = width_trend(records["deciding"], records["width"])
         plot_width(rec["width"], out_dir / "width.png")
@@ -459,6 +471,31 @@ def final_report(records: dict, out_dir: Path, long_record: dict | None) -> dict
         plot_experts(rec["experts"], out_dir / "experts.png")
     atomic_write_json(out_dir / "results.json", rec)
     return rec
+
+
+def table4_stage(deciding: dict, out_dir: Path) -> str:
+    """Table 4 from the deciding comparison's speeds (runs adjacent in time) and the step-time model:
+    OUTPUT_DIR/table4/results.json, an experiment record (`table4-speed`) of the claims table."""
+    from .experiments import EXPERIMENTS, plot_table4, table4_claims, table4_markdown, table4_record
+
+    try:
+        from smlp_eval.flops import table4
+        from smlp_eval.steptime import CLUSTERS
+
+        step_rows = table4("top", CLUSTERS["v100-dgx1"])
+    except Exception as exc:  # noqa: BLE001  the CPU ratios stand without the model
+        print(f"   step-time model unavailable: {exc}")
+        step_rows = None
+    t4 = table4_record(deciding, step_rows)
+    record = {"kind": "experiment", "experiment": "table4-speed", "title": EXPERIMENTS["table4-speed"].title,
+              "complete": bool(deciding.get("complete")), "source": "the deciding comparison (smlp-bench --fair)",
+              "table4": t4, "models": {}, "settings": deciding.get("settings"), "nproc": deciding.get("nproc")}
+    record["claims"] = table4_claims(record)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out_dir / "results.json", record)
+    (out_dir / "table.md").write_text(table4_markdown(t4) + "\n")
+    plot_table4(t4, out_dir / "figure.png")
+    return "table4/results.json"
 
 
 def plot_sweep(rates: dict, path: Path) -> None:
@@ -539,6 +576,10 @@ def main(args, data: Path, vocab_size: int) -> int:
     if unknown:
         raise BenchError(f"--stages: unknown {', '.join(unknown)}; valid: {', '.join(STAGES)}")
     out = args.output_dir
+    started = sorted(str(p.relative_to(out)) for p in out.glob("*/runs.json"))
+    if started and not args.resume:
+        raise BenchError(f"{out} holds a started benchmark ({', '.join(started)}); pass --resume to continue it, "
+                         f"or choose another --output-dir")
     records = {}
     for name in STAGES:
         path = out / name / "results.json"
@@ -548,8 +589,7 @@ def main(args, data: Path, vocab_size: int) -> int:
     long_record = json.loads(long_path.read_text()) if long_path.exists() else None
     t0 = time.time()
     for i, name in enumerate(stages, 1):
-        needs = {"deciding": ["lr-sweep"], "width": ["lr-sweep", "deciding"], "experts": ["lr-sweep", "deciding"],
-                 "table7": ["lr-sweep"], "figure4": ["lr-sweep"]}.get(name, [])
+        needs = [] if name == "lr-sweep" else (["lr-sweep"] if name == "deciding" else ["lr-sweep", "deciding"])
         missing = [n for n in needs if not (n in records and records[n].get("complete"))]
         if missing:
             raise BenchError(f"stage {name} is planned from {', '.join(missing)}, which has not finished: "
@@ -559,7 +599,7 @@ def main(args, data: Path, vocab_size: int) -> int:
             continue
         print(f"== fair {i}/{len(stages)} {name}", flush=True)
         ctx = Context(vocab_size, args.nproc, records)
-        records[name] = run_stage(name, ctx, data, out / name, resume=args.resume, order_seed=args.order_seed)
+        records[name] = run_stage(name, ctx, data, out / name, order_seed=args.order_seed)
         final_report(records, out, long_record)
     rec = final_report(records, out, long_record)
     print_summary(rec)
