@@ -47,11 +47,10 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from . import machine
 from . import schedule as S
 from .experiments import EXPERIMENTS, finish, get_experiment
-from .plan import execute, initial_schedule, make_plan
-from .presets import MODEL_ORDER, PRESETS, REFERENCE, BenchError, plan_models
+from .plan import run_schedule
+from .presets import MODEL_ORDER, PRESETS, BenchError, plan_models
 from .publish import FIGURE_DIR, PAGE, publish
 from .report import fmt, report
 
@@ -66,6 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--experiment", default=None, metavar="NAME",
                    help="one of the paper's other experiments (benchmarks/experiments.py): "
                         "figure7-routing, table7-token-routed-gmlp, figure4-dense, table4-speed")
+    p.add_argument("--fair", action="store_true",
+                   help="the deciding benchmark (benchmarks/fair.py): a learning-rate sweep per family, then every "
+                        "family at its rate with 8 experts and 2 seeds, a second width, an expert sweep, Table 7 "
+                        "and Figure 4; each stage resumable (results/fair)")
+    p.add_argument("--stages", default=None,
+                   help="with --fair: a comma-separated subset of its stages, in order (default: all)")
     p.add_argument("--output-dir", type=Path, default=None,
                    help="where results go (results/bench, or results/<experiment>)")
     p.add_argument("--resume", action="store_true",
@@ -171,6 +176,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 finish(record, args.report)
             print(f"   results: {args.report / 'results.json'} ({'complete' if record['complete'] else 'PARTIAL'})")
             return 0
+        if args.fair:
+            from . import fair
+
+            args.output_dir = (args.output_dir or Path("results/fair")).expanduser().absolute()
+            args.output_dir.mkdir(parents=True, exist_ok=True)
+            previous_sigterm = _stop_on_sigterm()
+            data = prepare(args)
+            return fair.main(args, data, vocab_size(data))
         if args.experiment:
             exp = get_experiment(args.experiment)
             args.output_dir = (args.output_dir or Path("results") / exp.name).expanduser().absolute()
@@ -188,9 +201,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         t0 = time.time()
         print(f"== {PROG} ({name}): {len(settings['models'])} models x {settings['seeds']} seed(s), "
               f"{settings['updates']} updates each, {args.nproc} ranks, output {args.output_dir}", flush=True)
-        print("== 1/5 data", flush=True)
+        print("== 1/4 data", flush=True)
         data = prepare(args)
-        print("== 2/5 models", flush=True)
+        print("== 2/4 models", flush=True)
         if args.experiment:
             models, matching = exp.plan_models(vocab_size(data), args.nproc)
         else:
@@ -198,27 +211,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                  settings["target"])
         for m in models:
             print(f"   {m.title:<40} {m.layers:>6}  {m.fwd_flops_per_seq / 1e9:.3f} GFLOPs/seq  {m.note}")
-        by_key = {m.key: m for m in models}
-        reference = REFERENCE if REFERENCE in by_key else models[0].key
-        plan = make_plan(name, settings, models, args.nproc, args.order_seed, reference,
-                         experiment=args.experiment and exp.name)
-        store = S.RunStore.open(args.output_dir / "runs.json", plan, resume=args.resume)
-        if not store.slots:
-            store.slots = initial_schedule(plan)
-            store.extra["matching"] = matching
-        store.extra["machine"] = machine.machine_info()
-        print(f"== 3/5 dense matmul peak ({args.nproc} processes x 1 thread)", flush=True)
-        peak = machine.matmul_peak(args.nproc)
-        store.extra.setdefault("peaks", []).append({"total": peak["total"], "at": time.time()})
-        store.save()
-        print(f"   {peak['total'] / 1e9:.1f} GFLOP/s in total", flush=True)
-        for rid in store.prepare_resume():
-            print(f"   resuming: the probe before the next run is measured again ({rid})", flush=True)
-        print(f"== 4/5 training: {len(store.pending())} of {len(store.slots)} runs to go "
-              f"({len([s for s in store.slots if s.kind == S.PROBE])} of them probes)", flush=True)
-        execute(store, by_key, data, args, out_dir=args.output_dir,
-                      on_recorded=lambda: report(store, args.output_dir, quiet=True))
-        print("== 5/5 report", flush=True)
+        print("== 3/4 training", flush=True)
+        store = run_schedule(name, settings, models, matching, data, args.nproc, args.output_dir,
+                             resume=args.resume, order_seed=args.order_seed,
+                             experiment=args.experiment and exp.name)
+        print("== 4/4 report", flush=True)
         record = report(store, args.output_dir)
         if args.experiment:
             exp.finish(record, args.output_dir)

@@ -17,9 +17,10 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from . import machine, training
 from . import schedule as S
-from . import training
-from .presets import REFERENCE, Model
+from .presets import REFERENCE, Model, models_from_plan
+from .report import report
 from .training import final_ppl, run_record
 
 
@@ -115,3 +116,45 @@ def _print_eta(store: S.RunStore, last: float) -> None:
         return
     est = sum(statistics.mean(by_kind[s.kind]) if by_kind[s.kind] else last for s in left)
     print(f"   {len(left)} runs left, about {est / 60:.0f} min", flush=True)
+
+
+def open_store(plan: dict, path: Path, *, resume: bool) -> S.RunStore:
+    """The run store of `plan`: new, or with resume the recorded one. Models a stage appended to its own
+    plan while it ran (store.extra["added_models"], the learning-rate sweep's widening) are not part of
+    the plan it was started with, so they do not count as a different plan."""
+    if resume and path.exists():
+        store = S.RunStore.load(path)
+        added = set(store.extra.get("added_models", ()))
+        started = {**store.plan, "models": [m for m in store.plan["models"] if m["key"] not in added]}
+        diff = S.plan_differences(started, plan)
+        if diff:
+            raise S.ScheduleError(f"--resume: the recorded benchmark in {path.parent} was planned differently "
+                                  f"({'; '.join(diff)}); rerun with its settings, or choose another --output-dir")
+        return store
+    return S.RunStore.open(path, plan, resume=resume)
+
+
+def run_schedule(name: str, settings: dict, models: Sequence[Model], matching: dict, data: Path, nproc: int,
+                 out_dir: Path, *, resume: bool, order_seed: int = 1, reference: str | None = None,
+                 experiment: str | None = None) -> S.RunStore:
+    """Plan, open (or resume) the run store in out_dir, measure the matmul peak and train every pending run."""
+    by_key = {m.key: m for m in models}
+    reference = reference or (REFERENCE if REFERENCE in by_key else models[0].key)
+    plan = make_plan(name, settings, models, nproc, order_seed, reference, experiment=experiment)
+    store = open_store(plan, out_dir / "runs.json", resume=resume)
+    if not store.slots:
+        store.slots = initial_schedule(plan)
+        store.extra["matching"] = matching
+    store.extra["machine"] = machine.machine_info()
+    print(f"   dense matmul peak ({nproc} processes x 1 thread) ...", flush=True)
+    peak = machine.matmul_peak(nproc)
+    store.extra.setdefault("peaks", []).append({"total": peak["total"], "at": time.time()})
+    store.save()
+    print(f"   {peak['total'] / 1e9:.1f} GFLOP/s in total", flush=True)
+    for rid in store.prepare_resume():
+        print(f"   resuming: the probe before the next run is measured again ({rid})", flush=True)
+    print(f"   training: {len(store.pending())} of {len(store.slots)} runs to go "
+          f"({len([s for s in store.slots if s.kind == S.PROBE])} of them probes)", flush=True)
+    execute(store, {m.key: m for m in models_from_plan(store.plan)}, data, None, out_dir=out_dir,
+            on_recorded=lambda: report(store, out_dir, quiet=True))
+    return store

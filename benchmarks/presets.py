@@ -84,6 +84,7 @@ class Model:
     seq_len: int = TARGET["seq_len"]
     name: str = ""                    # display name (default NAMES[key])
     executed_fwd_flops_per_seq: int | None = None  # without the causal zero triangles (None: as counted)
+    lr: float | None = None           # its own peak learning rate (None: the preset's)
 
     @property
     def train_flops_per_token(self) -> float:
@@ -100,14 +101,15 @@ class Model:
     def as_dict(self) -> dict:
         return {"key": self.key, "flags": self.flags, "fwd_flops_per_seq": self.fwd_flops_per_seq,
                 "layers": self.layers, "ours": self.ours, "note": self.note, "seq_len": self.seq_len,
-                "name": self.title, "executed_fwd_flops_per_seq": self.executed_fwd_flops_per_seq}
+                "name": self.title, "executed_fwd_flops_per_seq": self.executed_fwd_flops_per_seq,
+                **({"lr": self.lr} if self.lr is not None else {})}
 
 
 def target_flags(target: dict, nproc: int) -> list[str]:
     t = target
     return ["--arch", "smlp_lm", "--decoder-embed-dim", str(t["d_model"]), "--decoder-ffn-embed-dim",
             str(t["d_ffn"]), "--tokens-per-sample", str(t["seq_len"]), "--decoder-layers", str(t["dense"]),
-            "--sparse-layers", str(t["sparse"]), "--num-experts", str(nproc)]
+            "--sparse-layers", str(t["sparse"]), "--num-experts", str(t.get("experts", nproc))]
 
 
 def plan_models(vocab_size: int, nproc: int, keys: Sequence[str], target: dict = TARGET) -> tuple[list[Model], dict]:
@@ -156,7 +158,7 @@ def plan_models(vocab_size: int, nproc: int, keys: Sequence[str], target: dict =
     unknown = [k for k in keys if k not in by_key]
     if unknown:
         raise BenchError(f"--models: unknown {', '.join(unknown)}; valid: {', '.join(MODEL_ORDER)}")
-    matching = {"target": {"arch": "smlp_lm", **t, "experts": nproc, "flops": tcount.flops},
+    matching = {"target": {"arch": "smlp_lm", **t, "experts": t.get("experts", nproc), "flops": tcount.flops},
                 "tolerance": MATCH_TOLERANCE, "matches": [r.as_dict() for r in rows.values()]}
     return [by_key[k] for k in keys], matching
 
@@ -176,4 +178,5 @@ def _fairseq_base_layers_flops(rows, base_cfg, target: dict = TARGET) -> int:
 def models_from_plan(plan: dict) -> list[Model]:
     return [Model(key=m["key"], flags=list(m["flags"]), fwd_flops_per_seq=m["fwd_flops_per_seq"], layers=m["layers"],
                   ours=m["ours"], note=m["note"], seq_len=m["seq_len"], name=m["name"],
-                  executed_fwd_flops_per_seq=m.get("executed_fwd_flops_per_seq")) for m in plan["models"]]
+                  executed_fwd_flops_per_seq=m.get("executed_fwd_flops_per_seq"), lr=m.get("lr"))
+            for m in plan["models"]]

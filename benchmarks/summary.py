@@ -21,6 +21,10 @@ from . import schedule as S
 from .presets import MOE_BASELINES, REFERENCE, Model
 from .training import final_ppl
 
+# validation perplexities besides `ppl` that runs may log (fairseq_plugins/criterion.py): on the positions
+# sMLP-partial scores, and with balanced routers assigning as in training
+EXTRA_METRICS = ("suffix_ppl", "trained_routing_ppl")
+
 
 def _runs_of(store: S.RunStore, key: str) -> list[tuple[S.Slot, dict]]:
     return [(s, store.records[s.run_id]) for s in store.slots
@@ -58,10 +62,18 @@ def summarise(store: S.RunStore, models: Sequence[Model], peak: dict | None) -> 
             tokens = [u * tpu for u in ups]
             nv = norms.get(s.run_id)
             speed = nv["norm"] * meter if nv and meter else r.get("wps")
-            curves.append({"seed": r["seed"], "updates": ups, "tokens": tokens,
-                           "wall": [v["wall"] for v in r["valid"]],
-                           "time": [t / speed for t in tokens] if speed else [],
-                           "ppl": [v["ppl"] for v in r["valid"]]})
+            curve = {"seed": r["seed"], "updates": ups, "tokens": tokens, "wall": [v["wall"] for v in r["valid"]],
+                     "time": [t / speed for t in tokens] if speed else [], "ppl": [v["ppl"] for v in r["valid"]]}
+            for metric in EXTRA_METRICS:  # logged by the criterion where the benchmark asked for them
+                if r["valid"] and all(metric in v for v in r["valid"]):
+                    curve[metric] = [v[metric] for v in r["valid"]]
+            curves.append(curve)
+        extra = {}
+        for metric in EXTRA_METRICS:
+            finals = [final_ppl(r, metric) for _, r in rs if final_ppl(r, metric) is not None]
+            if finals:
+                extra[f"valid_{metric}"] = statistics.mean(finals)
+                extra[f"valid_{metric}_per_seed"] = finals
         out[m.key] = {
             "name": m.title, "layers": m.layers, "fairseq_flags": " ".join(m.flags), "note": m.note,
             "wps": wps, "wps_std": statistics.stdev(wps_seed) if len(wps_seed) > 1 else 0.0,
@@ -78,8 +90,10 @@ def summarise(store: S.RunStore, models: Sequence[Model], peak: dict | None) -> 
             "profiled_seconds_per_step": prof["seconds_per_step"] if prof else None,
             "top_ops": prof["top_ops_rank0"] if prof else None,
             "peak_mem_mb": max((max(r["peak_rss_mb"]) for _, r in rs if r.get("peak_rss_mb")), default=None),
-            "curves": curves, "seconds": [r["seconds"] for _, r in rs],
+            "curves": curves, "seconds": [r["seconds"] for _, r in rs], **extra,
         }
+        if m.lr is not None:
+            out[m.key]["lr"] = m.lr
     return out
 
 

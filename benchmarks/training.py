@@ -67,14 +67,14 @@ class _PeakMemory(threading.Thread):
 def train_command(model: Model, data: Path, settings: dict, nproc: int, seed: int, logdir: Path, *,
                   updates: int | None = None, validate: bool = True, log_interval: int | None = None) -> list[str]:
     p = settings
-    ours = ["--user-dir", str(_plugins_dir()), "--criterion", "smlp_lm_loss"] if model.ours else \
-        ["--criterion", "cross_entropy"]
+    ours = ["--user-dir", str(_plugins_dir()), "--criterion", "smlp_lm_loss", *p.get("criterion_flags", ())] \
+        if model.ours else ["--criterion", "cross_entropy"]
     validate_every = p["validate_every"] if validate else 10 ** 9
     return [
         str(BIN / "smlp-launch"), "--nproc", str(nproc), "--cpu", "--threads", "1", "--log-dir", str(logdir),
         "--", str(data), *ours, *model.flags, "--task", "language_modeling", "--sample-break-mode", "none",
         "--batch-size", str(p["batch_size"]), "--optimizer", "adam", "--adam-betas", "(0.9,0.98)",
-        "--lr", str(p["lr"]), "--lr-scheduler", "inverse_sqrt", "--warmup-updates", str(p["warmup"]),
+        "--lr", str(model.lr or p["lr"]), "--lr-scheduler", "inverse_sqrt", "--warmup-updates", str(p["warmup"]),
         "--warmup-init-lr", "1e-7", "--clip-norm", "1.0", "--dropout", "0",
         "--max-update", str(updates or p["updates"]),
         "--validate-interval-updates", str(validate_every), "--max-valid-steps", str(p["valid_steps"]),
@@ -202,9 +202,11 @@ def input_tokens_per_target(interval: dict, seq_len: int = TARGET["seq_len"]) ->
     return 1.0
 
 
-def final_ppl(record: dict) -> float | None:
-    """The last validation perplexity of a run record (None: it never validated)."""
-    return record["valid"][-1]["ppl"] if record.get("valid") else None
+def final_ppl(record: dict, metric: str = "ppl") -> float | None:
+    """The last validation perplexity of a run record (None: it never validated, or did not log
+    `metric`: `suffix_ppl` the positions sMLP-partial scores, `trained_routing_ppl` balanced routers
+    with their training-time assignment; fairseq_plugins/criterion.py)."""
+    return record["valid"][-1].get(metric) if record.get("valid") else None
 
 
 def run_record(slot: S.Slot, run: Run, settings: dict, nproc: int) -> dict:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from . import curves as C
 from .presets import MOE_BASELINES, NAMES, REFERENCE
@@ -19,6 +19,52 @@ PPL_TARGET_PREFIX = "sMLP-det valid ppl minus the best MoE baseline's"
 # two validation perplexities within 1% of each other count as tied when deciding whether the ranking
 # still changes (the long preset's second seeds differ by about that much)
 RANK_TIE = 0.01
+
+
+# ---------------------------------------------------------------- the one rule for better / tie / worse
+
+SEED_RULE = ("better or worse when the difference of mean log perplexity exceeds twice its standard error, "
+             "sd x sqrt(1/n_a + 1/n_b) with sd the seed-to-seed standard deviation of log perplexity pooled over "
+             "every model of the comparison that has two seeds or more; otherwise a tie")
+
+
+def pooled_log_sd(groups: Iterable[Sequence[float]]) -> dict | None:
+    """The seed spread of a comparison: the standard deviation of log perplexity pooled over the models
+    (groups of per-seed perplexities) with two seeds or more, and its degrees of freedom. None if no
+    model has two seeds."""
+    squares, df = 0.0, 0
+    for g in groups:
+        if len(g) >= 2:
+            logs = [math.log(v) for v in g]
+            m = statistics.mean(logs)
+            squares += sum((x - m) ** 2 for x in logs)
+            df += len(g) - 1
+    return {"sd": math.sqrt(squares / df), "df": df} if df else None
+
+
+def compare(a: Sequence[float], b: Sequence[float], sd: float | None) -> dict:
+    """Model a against model b from their per-seed perplexities, by SEED_RULE: "better" (a lower),
+    "worse", "tie", or "undecided" when no seed spread is known."""
+    if not a or not b:
+        raise ValueError(f"compare needs perplexities on both sides, got {len(a)} and {len(b)}")
+    la, lb = statistics.mean(math.log(v) for v in a), statistics.mean(math.log(v) for v in b)
+    diff = la - lb
+    out = {"ppl_a": math.exp(la), "ppl_b": math.exp(lb), "log_diff": diff, "ratio": math.exp(diff),
+           "seeds": [len(a), len(b)], "se": None, "verdict": "undecided"}
+    if sd is None:
+        return out
+    se = sd * math.sqrt(1 / len(a) + 1 / len(b))
+    out["se"] = se
+    out["verdict"] = "better" if diff < -2 * se else ("worse" if diff > 2 * se else "tie")
+    return out
+
+
+def describe(c: dict, a: str, b: str) -> str:
+    """One comparison in words: "sMLP-det 70.1 vs HASH 81.4: 13.9% lower (± 2.1%, 2 x 2 seeds): better"."""
+    if c["se"] is None:
+        return f"{a} {c['ppl_a']:.1f} vs {b} {c['ppl_b']:.1f}: {c['ratio'] - 1:+.1%} (no seed spread known): undecided"
+    return (f"{a} {c['ppl_a']:.1f} vs {b} {c['ppl_b']:.1f}: {c['ratio'] - 1:+.1%} (2 SE {2 * c['se']:.1%}, "
+            f"{c['seeds'][0]} vs {c['seeds'][1]} seeds): {c['verdict']}")
 
 
 def analyse_curves(results: dict, keys: Sequence[str] | None = None) -> dict:

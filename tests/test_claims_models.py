@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from causality import assert_causal, earlier_outputs_unchanged
+from smlp.causality import assert_causal, earlier_outputs_unchanged, randomized
 from smlp.config import SMoEConfig, TokenRoutedGMLPConfig
 from smlp.lm import LanguageModel, LMConfig
 from smlp.moe import LEAKY_ROUTING_WARNING
@@ -38,18 +38,6 @@ def smlp(routing, **kw):
 
 def tokens(seed=0, B=3, n=24):
     return torch.randint(4, TINY["vocab_size"], (B, n), generator=torch.Generator().manual_seed(seed))
-
-
-def randomized(model: torch.nn.Module, seed: int = 0, std: float = 0.3) -> torch.nn.Module:
-    """Weights far from their near-identity init, so that every path carries signal (LayerNorms kept
-    at their init: a random LayerNorm bias would give every token the same router logits)."""
-    g = torch.Generator().manual_seed(seed)
-    norms = {id(p) for m in model.modules() if isinstance(m, torch.nn.LayerNorm) for p in m.parameters()}
-    with torch.no_grad():
-        for p in model.parameters():
-            if id(p) not in norms:
-                p.copy_(torch.randn(p.shape, generator=g) * std)
-    return model
 
 
 # ---------------------------------------------------------------- Appendix B: the leaky router

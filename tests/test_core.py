@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from causality import assert_causal, earlier_outputs_unchanged
+from smlp.causality import assert_causal, earlier_outputs_unchanged
 from smlp.config import GMLPConfig, SGUConfig, SMoEConfig, SparseBlockConfig, TMoEConfig
 from smlp.dispatch import LocalDispatcher
 from smlp.expert_data_parallel import expert_parallel_layout

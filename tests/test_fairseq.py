@@ -4,7 +4,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from causality import assert_causal
 from fairseq_helpers import (
     PLUGINS,
     TINY_TRAIN,
@@ -16,6 +15,7 @@ from fairseq_helpers import (
     train_losses,
     valid_losses,
 )
+from smlp.causality import assert_causal
 
 
 def routing_logged(log: str) -> dict[int, dict[str, float]]:

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from causality import assert_causal, earlier_outputs_unchanged
+from smlp.causality import assert_causal, earlier_outputs_unchanged
 from smlp.config import GMLPConfig
 from smlp.gmlp import GMLPBlock
 from smlp.hypermixer import CHUNK_ELEMENTS, HyperMixerConfig, HyperMixingUnit, _chunk_len, _outer, hypermixing

@@ -1,7 +1,11 @@
-"""The causality check used across the suite.
+"""The causality check (sMLP Appendix B): changing the input after position t must leave every output
+at positions <= t bit-identical.
 
-Changing the input after position t must leave every output at positions <= t bit-identical.
-`first_checked` lets partial prediction skip the routing prefix, whose positions are not predicted.
+Used by the test suite on every token mixer, router and model, and by the Figure 7 experiment
+(`smlp-bench --experiment figure7-routing`), which records the check's result for each routing it
+trains. `first_checked` lets partial prediction skip the routing prefix, whose positions are not
+predicted. `randomized` moves a model's weights far from their near-identity initialization, so that
+every path carries signal and a leak cannot hide behind a zero weight.
 """
 from __future__ import annotations
 
@@ -37,3 +41,15 @@ def assert_causal(fn, x, *, first_checked: int = 0, positions=None, seed: int = 
         assert earlier_outputs_unchanged(fn, x, t, first_checked=first_checked, seed=seed), (
             f"outputs at positions {first_checked}..{t} changed when positions > {t} changed"
         )
+
+
+def randomized(model: torch.nn.Module, seed: int = 0, std: float = 0.3) -> torch.nn.Module:
+    """Weights far from their near-identity init, so that every path carries signal (LayerNorms kept
+    at their init: a random LayerNorm bias would give every token the same router logits)."""
+    g = torch.Generator().manual_seed(seed)
+    norms = {id(p) for m in model.modules() if isinstance(m, torch.nn.LayerNorm) for p in m.parameters()}
+    with torch.no_grad():
+        for p in model.parameters():
+            if id(p) not in norms:
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+    return model
