@@ -480,7 +480,7 @@ def table4_stage(deciding: dict, out_dir: Path) -> str:
 
     try:
         from smlp_eval.flops import table4
-        from smlp_eval.steptime import CLUSTERS
+        from smlp_eval.flops.steptime import CLUSTERS
 
         step_rows = table4("top", CLUSTERS["v100-dgx1"])
     except Exception as exc:  # noqa: BLE001  the CPU ratios stand without the model
