@@ -29,7 +29,7 @@ from omegaconf import II
 from smlp.config import ACTIVATIONS
 from smlp.expert_data_parallel import ExpertDataLayout, expert_parallel_layout, valid_ep_sizes
 from smlp.gmlp import TOKEN_MIXERS
-from smlp.lm import PLACEMENTS, LMConfig
+from smlp.lm import PLACEMENTS, LMConfig, attention_heads_for
 from smlp.routing.gates import GSHARD_AUX_LOSSES
 from smlp.routing.registry import SMOE_ROUTINGS, TOKEN_ROUTERS
 
@@ -102,6 +102,13 @@ def _eval_capacity_factor(value, read):
     return value or None
 
 
+def _attention_heads(value, read):
+    if value < 0:
+        raise ValueError(f"--decoder-attention-heads {value} is invalid: give a number of heads that divides "
+                         f"--decoder-embed-dim, or 0 for D / 64")
+    return value or attention_heads_for(read("decoder_embed_dim"))
+
+
 def _num_experts(value, read):
     return resolve_num_experts(value, read("distributed_world_size"), int(read("expert_parallel_size") or 0))
 
@@ -168,7 +175,9 @@ FIELDS: tuple[Field, ...] = (
           "of N gMLP experts, whose SGU mixes only the earlier tokens routed to it; 0 = dense gMLP. The experts "
           "are replicated on every rank (no all2all)", "token_routed_experts", ("gmlp",)),
     # moe_transformer_lm
-    Field("decoder_attention_heads", int, 8, "attention heads", "heads", ("transformer",), always=True),
+    Field("decoder_attention_heads", int, 0, "attention heads; 0 (the default): D / 64, heads of the paper's width "
+          "(16 at D=1024, 2 at D=128)", "heads", ("transformer",), always=True,
+          to_core=lambda value, read: _attention_heads(value, read)),
     Field("moe_router", str, "switch", "token router of the sparse FFN layers: " + ", ".join(
           f"{r.name} ({r.title}, top-{r.top_k})" for r in TOKEN_ROUTERS.values()) + " (smlp/routing/registry.py)",
           "moe_router", ("transformer",), choices=tuple(TOKEN_ROUTERS), always=True, sparse=True),

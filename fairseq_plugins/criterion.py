@@ -6,6 +6,11 @@ z-loss (ST-MoE, Switch and GShard; added to the loss with --router-z-loss-weight
 in the sMLP paper). Partial prediction (sMLP 3.2.2) scores only positions after the routing
 prefix.
 
+Validation with --valid-trained-routing also logs `trained_routing_loss` / `trained_routing_ppl`: the
+same targets with every balanced router (Base Layers, sMLP's tMoE, sMLP-partial's sMoE) assigning as
+in training, with exact balance over the batch, instead of greedily (a second forward; models without
+such a router log their own loss): how much the change of routing rule at evaluation costs.
+
 Validation with --valid-suffix-from N also logs `suffix_loss` / `suffix_ppl`: the same figures over
 the target positions >= N only, so that every model can be scored on the positions sMLP-partial
 predicts (N = its routing prefix, 0.2 T): the positions with the least context have the highest
@@ -63,6 +68,13 @@ class SMLPLossConfig(FairseqDataclass):
         metadata={"help": "in validation, also log suffix_loss / suffix_ppl over the target positions >= N only "
                           "(e.g. sMLP-partial's routing prefix, 0.2 x --tokens-per-sample, to score every model on "
                           "the positions partial prediction predicts); 0 (default) logs nothing more"},
+    )
+    valid_trained_routing: bool = field(
+        default=False,
+        metadata={"help": "in validation, also log trained_routing_loss / trained_routing_ppl: the loss with every "
+                          "balanced router (Base Layers, sMLP's tMoE, sMLP-partial's sMoE) assigning as in training "
+                          "(exact balance over the batch) instead of greedily; models without one log their own loss "
+                          "there"},
     )
     sentence_avg: bool = II("optimization.sentence_avg")
 
@@ -124,8 +136,9 @@ def predicted_tokens(sample, target, start: int, pad: int) -> int:
 @register_criterion("smlp_lm_loss", dataclass=SMLPLossConfig)
 class SMLPLanguageModelLoss(FairseqCriterion):
     def __init__(self, task, aux_loss_weight, sentence_avg, log_a2a_time=False, router_z_loss_weight=0.0,
-                 valid_suffix_from=0):
+                 valid_suffix_from=0, valid_trained_routing=False):
         super().__init__(task)
+        self.valid_trained_routing = valid_trained_routing
         if valid_suffix_from < 0:
             raise ValueError(f"--valid-suffix-from {valid_suffix_from} is invalid: a target position >= 0")
         self.valid_suffix_from = valid_suffix_from
@@ -177,7 +190,20 @@ class SMLPLanguageModelLoss(FairseqCriterion):
             logging_output["suffix_loss"] = F.nll_loss(lprobs.view(-1, lprobs.size(-1)), suffix.reshape(-1),
                                                        ignore_index=self.padding_idx, reduction="sum").data
             logging_output["suffix_ntokens"] = predicted_tokens(sample, suffix, suffix_from, self.padding_idx)
+        if self.valid_trained_routing and not model.training:
+            logging_output["trained_routing_loss"] = self._trained_routing_nll(model, core, sample, target, nll)
+            logging_output["trained_routing_ntokens"] = ntokens
         return loss, sample_size, logging_output
+
+    def _trained_routing_nll(self, model, core, sample, target, nll):
+        """The summed nll of the same targets with the balanced routers assigning as in training (a second
+        forward, only for models that have one: the others' routing does not change)."""
+        if not core.has_balanced_routers:
+            return nll.sum().data
+        with core.assigning_as_in_training():
+            lprobs = model.get_normalized_probs(model(**sample["net_input"]), log_probs=True)
+        return F.nll_loss(lprobs.view(-1, lprobs.size(-1)), target.reshape(-1), ignore_index=self.padding_idx,
+                          reduction="sum").data
 
     @staticmethod
     def reduce_metrics(logging_outputs) -> None:
@@ -193,6 +219,13 @@ class SMLPLanguageModelLoss(FairseqCriterion):
             metrics.log_scalar("suffix_loss", suffix_sum / max(suffix_tokens, 1) / math.log(2), suffix_tokens,
                                round=3)
             metrics.log_derived("suffix_ppl", lambda meters: utils.get_perplexity(meters["suffix_loss"].avg))
+        if any("trained_routing_ntokens" in log for log in logging_outputs):
+            routed_tokens = sum(log.get("trained_routing_ntokens", 0) for log in logging_outputs)
+            routed_sum = sum(log.get("trained_routing_loss", 0) for log in logging_outputs)
+            metrics.log_scalar("trained_routing_loss", routed_sum / max(routed_tokens, 1) / math.log(2),
+                               routed_tokens, round=3)
+            metrics.log_derived("trained_routing_ppl",
+                                lambda meters: utils.get_perplexity(meters["trained_routing_loss"].avg))
         count = max(sum(log.get("moe_count", 0) for log in logging_outputs), 1)
         # which models have an auxiliary loss is in the keys (no host read of the values)
         if any("aux_count" in log for log in logging_outputs):

@@ -56,6 +56,7 @@ from .config import (
 )
 from .decoding_cache import DecodingCache
 from .dispatch import LocalDispatcher
+from .flop_forms import flag_set
 from .gmlp import TOKEN_MIXERS, GMLPBlock
 from .hypermixer import HyperMixerConfig, HyperMixingUnit
 from .moe import SMoE, SparseBlock, TMoE
@@ -65,7 +66,8 @@ from .spatial import check_length
 from .token_routed import TokenRoutedGMLPBlock
 from .transformer import TransformerBlock, sinusoidal_positions
 
-__all__ = ["FAMILIES", "PLACEMENTS", "LMConfig", "LanguageModel", "layer_plan", "make_token_mixer"]
+__all__ = ["FAMILIES", "HEAD_DIM", "PLACEMENTS", "LMConfig", "LanguageModel", "attention_heads_for", "layer_plan",
+           "make_token_mixer"]
 
 FAMILIES = ("smlp", "gmlp", "transformer")
 
@@ -94,6 +96,19 @@ def layer_plan(num_dense: int, num_sparse: int, placement: str) -> list[str]:
             )
         return ["dense", "sparse"] * num_sparse + ["dense"] * (num_dense - num_sparse)
     raise ValueError(f"placement={placement!r} is unknown: valid values are {', '.join(PLACEMENTS)}")
+
+
+# the paper's attention head width: 16 heads at D=1024 (Tables 8-10), as in GPT-3 and fairseq's transformer_lm_gpt
+HEAD_DIM = 64
+
+
+def attention_heads_for(d_model: int) -> int:
+    """The default number of attention heads at width D: heads of the paper's width, D / HEAD_DIM (2 at
+    D=128, 4 at D=256, 16 at D=1024); below it one head; when HEAD_DIM does not divide D, the most heads of
+    at least HEAD_DIM channels that divide D."""
+    if d_model < 1:
+        raise ValueError(f"d_model={d_model} is invalid: a width >= 1")
+    return next(h for h in range(max(1, d_model // HEAD_DIM), 0, -1) if d_model % h == 0)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -362,6 +377,20 @@ class LanguageModel(nn.Module):
     def moe_modules(self) -> list[tuple[str, nn.Module]]:
         """(name, module) of every sMoE, tMoE and token-routed gMLP block, in layer order."""
         return [(n, m) for n, m in self.named_modules() if isinstance(m, (SMoE, TMoE, TokenRoutedGMLPBlock))]
+
+    @property
+    def has_balanced_routers(self) -> bool:
+        """Whether a router of this model assigns with exact balance in training and greedily at evaluation
+        (Base Layers and sMLP's tMoE, sMLP-partial's sMoE: the registry's `balanced`)."""
+        return any((isinstance(m, TMoE) and TOKEN_ROUTERS[m.cfg.router].balanced)
+                   or (isinstance(m, SMoE) and SMOE_ROUTINGS[m.cfg.routing].balanced) for _, m in self.moe_modules())
+
+    def assigning_as_in_training(self):
+        """Within the block, evaluation routes with the training-time rule: every balanced router assigns with
+        exact balance over the rows of the batch (without Base Layers' random shuffle of ranks) instead of
+        greedily. The balance couples the tokens of a batch (not causal, docs/training.md); it measures how
+        much the change of rule between training and evaluation costs."""
+        return flag_set(self, "assign_as_in_training")
 
     def aux_loss(self) -> Tensor | None:
         losses = [m.aux_loss for _, m in self.moe_modules() if getattr(m, "aux_loss", None) is not None]

@@ -100,6 +100,9 @@ class TMoE(nn.Module):
         self.slots = 0  # routing slots of the last forward (tokens x choices): the denominator of `dropped`
         self.comm_time = None  # the dispatcher's timed sections of the last forward (CommTime)
         self.layer_name = f"TMoE ({cfg.router} router)"  # LanguageModel sets the module path, for errors
+        # a balanced router (the registry's `balanced`) assigns at evaluation as in training when set
+        # (LanguageModel.assigning_as_in_training)
+        self.assign_as_in_training = False
 
     @property
     def comm_seconds(self) -> float:
@@ -260,6 +263,7 @@ class SMoE(nn.Module):
         self.dropped, self.slots = None, 0  # no capacity: nothing is dropped
         self.comm_time = None  # the dispatcher's timed sections of the last forward (CommTime)
         self.layer_name = f"SMoE ({cfg.routing} routing)"  # LanguageModel sets the module path, for errors
+        self.assign_as_in_training = False  # as TMoE's
 
     @property
     def comm_seconds(self) -> float:
@@ -296,7 +300,8 @@ class SMoE(nn.Module):
         check_length(n, cfg.seq_len)
         P = min(cfg.prefix_len, n)  # a sequence no longer than the routing prefix has nothing to predict
         z1_BNC, z2_BNC = z_BNF.chunk(2, dim=-1) if cfg.split else (z_BNF, z_BNF)
-        rows = self.route(self.norm(z2_BNC), P, training=self.training, dtype=z_BNF.dtype, defer_checks=True)
+        rows = self.route(self.norm(z2_BNC), P, training=self.training or self.assign_as_in_training,
+                          dtype=z_BNF.dtype, defer_checks=True)
         mark = self.dispatcher.timer.mark()
         x_RM, counts_L, dstate = self.dispatch(rows)
         y_RM = self.run_experts(x_RM, counts_L)

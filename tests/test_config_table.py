@@ -244,3 +244,19 @@ def test_models_reads_fairseq_fields_only_through_the_table():
         if any(isinstance(a, ast.Name) and a.id == "cfg" for a in node.args):
             assert node.func.id in ("to_core_config", "plugin_settings"), \
                 f"models.py line {node.lineno} passes the fairseq config to {node.func.id}"
+
+
+@pytest.mark.parametrize("d_model, heads", [(1024, 16), (256, 4), (128, 2), (64, 1), (32, 1), (200, 2), (96, 1)])
+def test_attention_heads_default_to_the_papers_head_width(d_model, heads):
+    """Without --decoder-attention-heads a Transformer gets heads of dimension 64, as the paper's 16 heads at
+    D=1024 (issue 29): D / 64, one head below 64 channels, else the most heads of >= 64 channels dividing D."""
+    from smlp.lm import HEAD_DIM, attention_heads_for
+    from smlp_eval import flops as F
+
+    assert attention_heads_for(d_model) == heads
+    assert d_model % heads == 0 and (heads == 1 or d_model // heads >= HEAD_DIM)
+    flags = ["--decoder-embed-dim", str(d_model), "--decoder-ffn-embed-dim", "64", "--decoder-layers", "1",
+             "--tokens-per-sample", "8", "--sparse-layers", "0"]
+    assert F.parse_model("moe_transformer_lm", flags, vocab_size=20).cfg.heads == heads
+    given = F.parse_model("moe_transformer_lm", [*flags, "--decoder-attention-heads", "1"], vocab_size=20)
+    assert given.cfg.heads == 1

@@ -200,3 +200,56 @@ def test_the_criterion_scores_every_model_on_the_suffix_partial_prediction_predi
         assert float(log["suffix_loss"]) == pytest.approx(float(log["loss"]), rel=1e-6)
     model.train()
     assert "suffix_loss" not in crit(model, sample)[2]
+
+
+@pytest.mark.parametrize("router", ["sMLP-det", "sMLP-partial", "Base", "Switch", "gMLP"])
+def test_the_criterion_scores_balanced_routers_with_their_training_assignment_too(router):
+    """--valid-trained-routing: in validation, trained_routing_loss is the loss of the same targets with every
+    balanced router (Base Layers, sMLP's tMoE, sMLP-partial's sMoE) assigning as in training; a model without
+    one logs its own loss there; nothing is logged in training (issue 29)."""
+    from smlp_bench.micro.hot_path import criterion, fairseq_model, lm_sample, tokens
+
+    core = _tiny_core(router)
+    model, dictionary = fairseq_model(core)
+    model.eval()
+    sample = lm_sample(tokens(), dictionary.pad())
+    crit = criterion(dictionary)
+    crit.valid_trained_routing = True
+    with torch.no_grad():
+        _, _, log = crit(model, sample)
+        with core.assigning_as_in_training():
+            lprobs = model.get_normalized_probs(model(**sample["net_input"]), log_probs=True)
+    assert not any(m.assign_as_in_training for _, m in core.moe_modules() if hasattr(m, "assign_as_in_training"))
+    start = core.cfg.prediction_start
+    want = -lprobs[:, start:].gather(-1, sample["target"][:, start:, None]).sum()
+    assert core.has_balanced_routers == (router in ("sMLP-det", "sMLP-partial", "Base"))
+    if core.has_balanced_routers:
+        assert float(log["trained_routing_loss"]) == pytest.approx(float(want), rel=1e-5)
+        assert float(log["trained_routing_loss"]) != pytest.approx(float(log["loss"]), rel=1e-6)  # routed otherwise
+    else:
+        assert float(log["trained_routing_loss"]) == float(log["loss"])
+    assert log["trained_routing_ntokens"] == log["ntokens"]
+    figures = _log_and_read([log])
+    assert figures["trained_routing_ppl"] == pytest.approx(
+        2 ** (float(log["trained_routing_loss"]) / log["ntokens"] / math.log(2)), rel=1e-2)
+    model.train()
+    assert "trained_routing_loss" not in crit(model, sample)[2]
+
+
+@pytest.mark.parametrize("router", ["Base", "sMLP-partial"])
+def test_evaluation_with_the_training_assignment_balances_every_expert_exactly(router):
+    """Greedy evaluation leaves the experts' loads uneven; within `assigning_as_in_training()` a balanced router
+    gives every expert exactly the same number of rows, as in training, and the flag is restored after."""
+    core = _tiny_core(router).eval()
+    x = torch.randint(4, 64, (4, 20), generator=torch.Generator().manual_seed(3))
+    layer = next(m for _, m in core.moe_modules()
+                 if type(m).__name__ == ("TMoE" if router == "Base" else "SMoE"))
+    with torch.no_grad():
+        core(x)
+        greedy = layer.load_E.tolist()
+        with core.assigning_as_in_training():
+            core(x)
+            balanced = layer.load_E.tolist()
+    assert len(set(balanced)) == 1 and sum(balanced) == sum(greedy)
+    assert len(set(greedy)) > 1, greedy  # greedy routing of this batch is uneven (otherwise the test says nothing)
+    assert layer.assign_as_in_training is False

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from smlp.lm import LMConfig
+from smlp.lm import LMConfig, attention_heads_for
 from smlp.routing.registry import TOKEN_ROUTERS
 
 from .counting import FAMILY_NAMES, Count, cost_model
@@ -57,10 +57,6 @@ class MatchRow:
                 "fairseq_flags": fairseq_flags(c.cfg)}
 
 
-def _heads_for(d_model: int) -> int:
-    return next(h for h in (16, 8, 4, 2, 1) if d_model % h == 0)  # attention FLOPs do not depend on heads
-
-
 LayerSplit = Callable[[int], tuple[int, int]]  # layers -> (dense, sparse)
 
 
@@ -77,7 +73,7 @@ def family_config(target: LMConfig, family: str, smlp_sparse: int | None) -> tup
         cfg = LMConfig(family="gmlp", dense_layers=1, **mixer, mixer_dim=target.mixer_dim if same else 0, **common)
         return cfg, lambda n: (n, 0)
     if family == "transformer":
-        cfg = LMConfig(family="transformer", dense_layers=1, heads=_heads_for(target.d_model), **common)
+        cfg = LMConfig(family="transformer", dense_layers=1, heads=attention_heads_for(target.d_model), **common)
         return cfg, lambda n: (n, 0)
     if family == "gmlp_token_routed":  # the target's expert count (Table 7 compares several: give a gmlp target)
         E = target.token_routed_experts or (target.num_experts if target.sparse_layers else 2)
@@ -90,7 +86,7 @@ def family_config(target: LMConfig, family: str, smlp_sparse: int | None) -> tup
         cfg = LMConfig(family="smlp", dense_layers=1, sparse_layers=smlp_sparse, num_experts=experts, **routing,
                        **common)
         return cfg, lambda n: (n, smlp_sparse)
-    heads = target.heads if target.family == "transformer" else _heads_for(target.d_model)
+    heads = target.heads if target.family == "transformer" else attention_heads_for(target.d_model)
     cfg = LMConfig(family="transformer", dense_layers=1, sparse_layers=1, heads=heads, num_experts=experts,
                    moe_router=family, **common)
     return cfg, lambda n: (n - n // 2, n // 2)

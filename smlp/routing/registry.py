@@ -107,8 +107,8 @@ def _route_base(layer, x_SD: Tensor, token_ids_S: Tensor | None, defer_checks: b
 
     scores_SE = router_logits(x_SD, layer.centroids.t())
     expert_S = layer._shuffled_assignment(scores_SE) if layer.training and layer.cfg.uses_shuffle else None
-    return base_route(scores_SE, training=layer.training, layer=layer.layer_name, defer_checks=defer_checks,
-                      expert_S=expert_S)
+    return base_route(scores_SE, training=layer.training or layer.assign_as_in_training, layer=layer.layer_name,
+                      defer_checks=defer_checks, expert_S=expert_S)
 
 
 def _route_switch(layer, x_SD: Tensor, token_ids_S: Tensor | None, defer_checks: bool) -> RoutingPlan:
@@ -162,6 +162,9 @@ class TokenRouter:
     expert_norm, zero_init_output, shuffle: defaults of the tMoE for this router (TMoEConfig):
                       experts normalize their own input, their second projection starts at zero,
                       tokens go through a random shuffle of ranks before the assignment (Base Layers)
+    balanced:         training assigns with exact balance and evaluation greedily (top-1), so the two
+                      route differently; `LanguageModel.assigning_as_in_training()` evaluates with the
+                      training rule (without the shuffle)
     reference:        where the rule comes from
     """
 
@@ -177,6 +180,7 @@ class TokenRouter:
     expert_norm: bool = False
     zero_init_output: bool = False
     shuffle: bool = False
+    balanced: bool = False
     reference: str = ""
 
     @property
@@ -209,7 +213,7 @@ TOKEN_ROUTERS: dict[str, TokenRouter] = {r.name: r for r in (
                 route=_route_switch, reference="Fedus et al. 2021, sec. 2.1-2.2"),
     TokenRouter("base", "Base Layers", top_k=1, aux_loss=None, capacity=None, placement="paper",
                 learned_scores=True, init=_init_centroids, route=_route_base, expert_norm=True,
-                zero_init_output=True, shuffle=True, reference="Lewis et al. 2021; fairseq BaseLayer"),
+                zero_init_output=True, shuffle=True, balanced=True, reference="Lewis et al. 2021; fairseq BaseLayer"),
     TokenRouter("hash", "HASH Layers", top_k=1, aux_loss=None, capacity=None, placement="paper",
                 learned_scores=False, init=_init_hash_table, route=_route_hash, reference="Roller et al. 2021"),
 )}
@@ -229,6 +233,8 @@ class SMoERouting:
     causal:         the output at position t depends on positions <= t only
     route:          the pure routing function (routes.py): deterministic's channel -> expert
                     table, or the router's logits -> plan
+    balanced:       training assigns hidden dimensions with exact balance, evaluation greedily
+                    (`LanguageModel.assigning_as_in_training()` evaluates with the training rule)
     reference:      where the rule comes from
 
     Accounting (FLOPs, step time) follows from `router_reads`: the experts mix the positions after
@@ -241,6 +247,7 @@ class SMoERouting:
     router_reads: str
     causal: bool
     route: Callable
+    balanced: bool = False
     reference: str = ""
 
     def prefix_len(self, prefix_fraction: float, seq_len: int) -> int:
@@ -276,11 +283,11 @@ LEAKY_SMOE_ROUTING = "leaky-full-sequence"
 SMOE_ROUTINGS: dict[str, SMoERouting] = {r.name: r for r in (
     SMoERouting("deterministic", "sMLP-deterministic", router_reads="none", causal=True,
                 route=_smoe_deterministic, reference="sMLP sec. 3.2.1"),
-    SMoERouting("partial", "sMLP-partial", router_reads="prefix", causal=True, route=_smoe_routed,
+    SMoERouting("partial", "sMLP-partial", router_reads="prefix", causal=True, route=_smoe_routed, balanced=True,
                 reference="sMLP sec. 3.2.2, eq. 5-7"),
     # Appendix B / Figure 7: the paper's first sMoE router. Never a default, accepted only under this
     # exact name (no alias).
     SMoERouting(LEAKY_SMOE_ROUTING, "sMLP, full-sequence router (leaky)", router_reads="all", causal=False,
-                route=_smoe_routed, reference="sMLP Appendix B, Figure 7"),
+                route=_smoe_routed, balanced=True, reference="sMLP Appendix B, Figure 7"),
 )}
 
