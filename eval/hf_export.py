@@ -213,7 +213,7 @@ def _lm_config(core) -> dict:
 
 
 def _routing_prefix_fill(core, encoder, prefix_fill: str) -> list[int]:
-    from .text import routing_prefix_fill
+    from fairseq_plugins.prefix_fill import routing_prefix_fill
 
     P = core.cfg.prediction_start
     if not P:
@@ -221,7 +221,7 @@ def _routing_prefix_fill(core, encoder, prefix_fill: str) -> list[int]:
     if prefix_fill == "eos":
         return [encoder.eos] * P
     try:
-        return [int(i) for i in routing_prefix_fill(encoder, P)[0]]
+        return [int(i) for i in routing_prefix_fill(encoder.dictionary, encoder.data_dir, P)[0]]
     except FileNotFoundError as exc:
         raise ExportError(f"{exc} (smlp-export --prefix-fill eos stores </s> repeated instead)") from None
 

@@ -35,6 +35,7 @@ every layer of a kind has the same shapes):
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import asdict, dataclass, replace
 
 import torch
@@ -240,7 +241,15 @@ def _layer_macs_fvcore(cfg: LMConfig, tokens: int, experts_per_gpu: int) -> tupl
 
 def cost_model(cfg: LMConfig, tokens: int | None = None, *, experts_per_gpu: int = 1,
                method: str = "fvcore") -> CostModel:
-    """Per-kind costs of `cfg` for one sequence of `tokens` tokens (default: cfg.seq_len)."""
+    """Per-kind costs of `cfg` for one sequence of `tokens` tokens (default: cfg.seq_len).
+
+    Remembered per arguments (the config is frozen, the result too): tracing a model with fvcore takes
+    a second, and the FLOP matches, the benchmarks and the step-time model ask for the same ones often."""
+    return _cost_model(cfg, tokens, experts_per_gpu, method)
+
+
+@functools.lru_cache(maxsize=256)
+def _cost_model(cfg: LMConfig, tokens: int | None, experts_per_gpu: int, method: str) -> CostModel:
     if method not in METHODS:
         raise ValueError(f"method={method!r} is unknown: valid values are {', '.join(METHODS)}")
     tokens = cfg.seq_len if tokens is None else tokens

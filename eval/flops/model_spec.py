@@ -9,6 +9,7 @@ benchmarks. fairseq is imported on first use, not at import.
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import sys
 import tempfile
@@ -73,7 +74,16 @@ def plugin_archs() -> dict[str, str]:
 
 
 def parse_model(arch: str, flags: Sequence[str] = (), *, vocab_size: int = DEFAULT_VOCAB) -> ModelSpec:
-    """--arch NAME + fairseq model flags -> the LMConfig training would build (fairseq's own parsing)."""
+    """--arch NAME + fairseq model flags -> the LMConfig training would build (fairseq's own parsing).
+
+    Remembered per (arch, flags, vocab_size): fairseq's parse (argparse, then hydra's compose) takes
+    seconds and gives the same frozen ModelSpec every time; the benchmarks and the FLOP matches ask
+    for the same models again and again."""
+    return _parse_model(arch, tuple(flags), vocab_size)
+
+
+@functools.lru_cache(maxsize=512)
+def _parse_model(arch: str, flags: tuple[str, ...], vocab_size: int) -> ModelSpec:
     # fairseq imports DeepSpeed, whose logger writes to stdout: keep stdout for our output (--json).
     with warnings_off(), contextlib.redirect_stdout(sys.stderr):
         archs = plugin_archs()
