@@ -462,7 +462,7 @@ def final_report(records: dict, out_dir: Path, long_record: dict | None) -> dict
         rec["verdicts"] = verdicts(d)
         rec["ratios"] = d["ratios"]
     if "deciding" in records:
-        rec["table4"] = table4_stage(records["deciding"], out_dir / "table4")
+        rec["table4"] = rec["stages"]["table4"] = table4_stage(records["deciding"], out_dir / "table4")
     if "deciding" in records and "width" in records:
         rec["width"] = width_trend(records["deciding"], records["width"])
         plot_width(rec["width"], out_dir / "width.png")

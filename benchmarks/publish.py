@@ -8,8 +8,10 @@ the claims table (the experiments). Nothing in those sections is typed by hand.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
+import statistics
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -134,7 +136,8 @@ def render_claims(records: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
-SECTION_HEADINGS = {LONG_START: "### Does sMLP beat Transformer-MoE at matched FLOPs here?",
+LONG_HEADING = "### Earlier configuration: 2 experts per sparse layer, one learning rate (long preset)"
+SECTION_HEADINGS = {LONG_START: LONG_HEADING,
                     CLAIMS_START: "### The paper's other experiments"}
 
 
@@ -189,12 +192,17 @@ def render_long_summary(record: dict, figure: str, page: str) -> str:
 
 
 def _publish_readme(readme: Path, long_rec: dict | None, all_exp: list[dict], figure_dir: Path,
-                    page: Path) -> str | None:
+                    page: Path, fair_rec: dict | None = None) -> str | None:
     """Rewrite README's generated summaries (where it has their markers); None when nothing changed."""
     if not readme.exists():
         return None
     text = before = readme.read_text()
     root = readme.parent.resolve()
+    if README_FAIR_START in text:
+        figure = figure_dir / "fair" / "figure5.png"
+        body = render_fair_summary(fair_rec, _link(figure, root) if figure.exists() else None, _link(page, root)) \
+            if fair_rec is not None else FAIR_PENDING.format(page=_link(page, root))
+        text = _replace_section(text, README_FAIR_START, README_FAIR_END, body, readme)
     if long_rec is not None and README_LONG_START in text:
         text = _replace_section(text, README_LONG_START, README_LONG_END, render_long_summary(
             long_rec, _link(figure_dir / "long" / "figure5.png", root), _link(page, root)), readme)
@@ -243,6 +251,13 @@ def publish(results_jsons: Sequence[Path], page: Path, figure_dir: Path,
         text = _replace_section(text, TABLE_START, TABLE_END, render_markdown(rec, figure, long_rec), page)
         done.append(f"{p}: {rec['preset']} preset -> {page.name} benchmark table"
                     + (" (perplexity target from the long preset)" if long_rec else ""))
+    fair_rec = None
+    for p in [p for p, r in records if r.get("kind") == "fair"]:
+        text, fair_rec = publish_fair(p, text, page, figure_dir)
+        done.append(f"{p}: the deciding comparison -> {page.name} 'Does sMLP beat Transformer-MoE at matched FLOPs "
+                    f"here?' and its experiments -> the claims table")
+    if fair_rec is None and (figure_dir / "fair" / "results.json").exists():
+        fair_rec = json.loads((figure_dir / "fair" / "results.json").read_text())
     exps = [(p, r) for p, r in records if r.get("kind") == "experiment"]
     for p, rec in exps:
         dst = figure_dir / "experiments" / rec["experiment"]
@@ -253,11 +268,205 @@ def publish(results_jsons: Sequence[Path], page: Path, figure_dir: Path,
     all_exp = [json.loads(f.read_text()) for f in sorted((figure_dir / "experiments").glob("*/results.json"))]
     order = list(experiment_order)
     all_exp.sort(key=lambda r: order.index(r["experiment"]) if r["experiment"] in order else len(order))
-    if exps:
+    if exps or any(r.get("kind") == "fair" for _, r in records):
         text = _replace_section(text, CLAIMS_START, CLAIMS_END, render_claims(all_exp), page)
     if not done:
         raise BenchError("nothing to publish: each RESULTS_JSON must come from a preset or an experiment")
     page.write_text(text)
-    if readme is not None and (line := _publish_readme(readme, long_rec, all_exp, figure_dir, page)):
+    if readme is not None and (line := _publish_readme(readme, long_rec, all_exp, figure_dir, page, fair_rec)):
         done.append(line)
     return done
+
+
+# ---------------------------------------------------------------- the deciding comparison (smlp-bench --fair)
+
+FAIR_START, FAIR_END = "<!-- smlp-bench-fair:start -->", "<!-- smlp-bench-fair:end -->"
+README_FAIR_START, README_FAIR_END = "<!-- smlp-bench-readme-fair:start -->", "<!-- smlp-bench-readme-fair:end -->"
+FAIR_FIGURES = ("lr_sweep.png", "width.png", "experts.png")
+FAIR_PENDING = ("Not published yet: the deciding comparison (`smlp-bench --fair`: 8 experts per sparse layer, heads of "
+                "dimension 64, a learning rate per family, two seeds, two widths) writes this answer. The earlier runs "
+                "with 2 experts per sparse layer and one learning rate for all families, in [benchmarks.md]({page}), "
+                "cannot test the paper's claim: at 2 experts GShard's top-2 sends every token to both experts, and "
+                "Switch, GShard and Base Layers ended beside the dense Transformer.")
+METRIC_WORDS = {"ppl": "all positions", "suffix_ppl": "the positions after sMLP-partial's routing prefix",
+                "trained_routing_ppl": "balanced routers assigning as in training"}
+
+
+def _pct(c: dict) -> str:
+    se = f", 2 SE {2 * c['se']:.1%}" if c.get("se") is not None else ""
+    return f"{c['ratio'] - 1:+.1%}{se}"
+
+
+def fair_verdicts(record: dict) -> list[str]:
+    """The deciding comparison's answers, one bullet each (docs/benchmarks.md and README)."""
+    names = {k: f["name"] for k, f in (record.get("families") or {}).items()}
+    v = record.get("verdicts") or {}
+    by = {(c["model"], c["against"], c["metric"]): c for c in v.get("comparisons", [])}
+    best = record.get("best_moe")
+    lines = []
+    state = "" if record.get("complete") else " **PARTIAL: the benchmark has not finished; the answers may change.**"
+    answer = {"better": "yes", "worse": "no", "tie": "tied", "undecided": "undecided"}
+    for key, metric in (("smlp_det", "ppl"), ("smlp_partial", "suffix_ppl")):
+        c = by.get((key, best, metric))
+        if not c:
+            continue
+        lines.append(f"- **Does {names[key]} beat the best Transformer-MoE ({names[best]}) at matched FLOPs? "
+                     f"{answer[c['verdict']]}.** On {METRIC_WORDS[metric]}: {c['ppl_a']:.1f} against "
+                     f"{c['ppl_b']:.1f} ({_pct(c)}; {c['seeds'][0]} and {c['seeds'][1]} seeds).")
+    for key, metric in (("smlp_det", "ppl"), ("smlp_det", "suffix_ppl")):
+        c = by.get((key, "gmlp", metric))
+        if c and metric == "ppl":
+            lines.append(f"- Against dense gMLP at the same FLOPs, sMLP-det is {c['verdict']} ({c['ppl_a']:.1f} "
+                         f"against {c['ppl_b']:.1f}, {_pct(c)}): "
+                         + ("the sparsity adds to the all-MLP token mixing." if c["verdict"] == "better" else
+                            "at this scale its lead over the Transformer-MoEs comes with the all-MLP token mixing, "
+                            "not with the sparsity." if c["verdict"] == "worse" else
+                            "the sparsity neither adds nor costs measurably here."))
+    same = by.get(("smlp_det", best, "suffix_ppl"))
+    if same:
+        lines.append(f"- On the positions sMLP-partial scores, sMLP-det against {names[best]}: {same['verdict']} "
+                     f"({_pct(same)}).")
+    routed = [(c, by.get((c["model"], c["against"], "ppl"))) for c in v.get("comparisons", [])
+              if c["metric"] == "trained_routing_ppl"]
+    changed = [f"{names[c['model']]} vs {names[c['against']]} ({p['verdict']} -> {c['verdict']})"
+               for c, p in routed if p and c["verdict"] != p["verdict"]]
+    if routed:
+        lines.append("- Evaluation routing: with Base Layers' and sMLP's balanced routers assigning as in training "
+                     "instead of greedily, " + ("no verdict changes." if not changed else
+                                                "verdicts change: " + "; ".join(changed) + "."))
+    timed = [e for e in v.get("equal_time", []) if e.get("against") == best]
+    for e in timed:
+        lines.append(f"- At equal training time (load-corrected, each seed on its own time axis): {e['text']}.")
+    w = (record.get("width") or {}).get("trend")
+    if w:
+        lines.append(f"- Width: from D={record['target']['d_model']} to D={record['wide_target']['d_model']} "
+                     f"sMLP-det's gap to {names.get(w['against'], w['against'])} **{w['answer']}** (change of the "
+                     f"log-perplexity "
+                     f"gap {w['change']:+.3f}" + (f", 2 SE {2 * w['se']:.3f}" if w.get("se") else "") + ").")
+    rows = (record.get("experts") or {}).get("rows") or []
+    for r in rows:
+        steps = ", ".join(f"{s['from']}->{s['to']}: {s['verdict']}" for s in r["steps"])
+        lines.append(f"- Experts: {r['name']} " + ("gets better with every step in experts" if r["better_with_experts"]
+                                                    else "does not get better at every step") + f" ({steps}).")
+    lines.append(f"- Rule for every verdict: {v.get('rule', record.get('rule'))}.")
+    if state:
+        lines.append(f"-{state}")
+    return lines
+
+
+def render_fair(record: dict, figures: dict[str, str]) -> str:
+    """docs/benchmarks.md section 'Does sMLP beat Transformer-MoE at matched FLOPs here?' from `smlp-bench --fair`."""
+    fam = record.get("families") or {}
+    lines = fair_verdicts(record)
+    t = record["target"]
+    lines += ["", f"Every family FLOP-matched to sMLP-det ({t['dense']}+{t['sparse']} blocks, D={t['d_model']}, "
+                  f"F={t['d_ffn']}, T={t['seq_len']}), {t['experts']} experts per sparse layer on 2 CPU ranks, "
+                  f"Transformers with heads of dimension 64, each family at its own learning rate:", "",
+              "| model | layers | lr | valid ppl (seeds) | on sMLP-partial's positions | balanced routers as in "
+              "training | speed vs sMLP-det [range] |", "|---|---|---:|---:|---:|---:|---:|"]
+    rr = (record.get("ratios") or {}).get("smlp_det_wps_over_range", {})
+
+    def seeds(vals):
+        if not vals:
+            return "-"
+        m = math.exp(statistics.mean(math.log(x) for x in vals))
+        return f"{m:.1f}" + (f" ({', '.join(f'{x:.1f}' for x in vals)})" if len(vals) > 1 else "")
+
+    for key in sorted(fam, key=lambda k: fam[k]["valid_ppl"] or float("inf")):
+        f = fam[key]
+        r = rr.get(key)
+        speed = "1 (reference)" if key == "smlp_det" else (
+            f"{1 / r['ratio']:.2f}x [{1 / r['hi']:.2f}-{1 / r['lo']:.2f}]" if r else "-")
+        lines.append(f"| {f['name']} | {f['layers']} | {f['lr']:g} | {seeds(f['valid_ppl_per_seed'])} | "
+                     f"{seeds(f.get('valid_suffix_ppl_per_seed'))} | "
+                     f"{seeds(f.get('valid_trained_routing_ppl_per_seed'))} | {speed} |")
+    if "figure5.png" in figures:
+        lines += ["", f"![validation perplexity against tokens and against time, the deciding runs]"
+                      f"({figures['figure5.png']})"]
+    rates = record.get("rates") or {}
+    if rates:
+        lines += ["", "Learning rates (inverse-sqrt schedule, the same warmup), chosen by a sweep at a shorter budget; "
+                      "final validation perplexity per rate:", "", "| model | rates tried: ppl | chosen | inside the "
+                      "rates tried |", "|---|---|---:|---|"]
+        for key, c in rates.items():
+            tried = ", ".join(f"{r}: {p:.1f}" for r, p in sorted(c["tried"].items(), key=lambda kv: float(kv[0])))
+            lines.append(f"| {fam.get(key, {}).get('name', key)} | {tried} | {c['chosen']:g} | "
+                         f"{'yes' if c['bracketed'] else 'no (at the edge after widening)'} |")
+        if "lr_sweep.png" in figures:
+            lines += ["", f"![final perplexity against learning rate per family]({figures['lr_sweep.png']})"]
+    bc = record.get("budget_check")
+    if bc:
+        lines += ["", f"Budget: on the earlier long record, every pair of models whose final perplexities differ by "
+                      f"more than {bc['band']:.0%} is in its final order from "
+                      f"{bc['settled_without_ninformer'] / 1e6:.2f}M "
+                      f"tokens on, NiNformer's pairs aside (all pairs: from {bc['settled_all'] / 1e6:.2f}M); the sweep "
+                      f"runs {_stage_tokens(record, 'lr-sweep') / 1e6:.2f}M tokens, the deciding runs "
+                      f"{_stage_tokens(record, 'deciding') / 1e6:.2f}M."]
+    w = record.get("width")
+    if w:
+        lines += ["", "| width | sMLP-det vs " + " | sMLP-det vs ".join(
+            fam.get(k, {}).get("name", k) for k in (w["best_moe"], "gmlp")) + " |", "|---|---:|---:|"]
+        for p in w["points"]:
+            cells = [f"{_pct(p[k])} ({p[k]['verdict']})" if k in p else "-" for k in (w["best_moe"], "gmlp")]
+            lines.append(f"| D={p['d_model']} | " + " | ".join(cells) + " |")
+        if "width.png" in figures:
+            lines += ["", f"![sMLP-det's gap against width]({figures['width.png']})"]
+    e = record.get("experts")
+    if e:
+        es = sorted({int(x) for r in e["rows"] for x in r["ppl"]})
+        lines += ["", "| model | " + " | ".join(f"{x} experts" for x in es) + " |", "|---|" + "---:|" * len(es)]
+        for r in e["rows"]:
+            lines.append(f"| {r['name']} | " + " | ".join(
+                f"{r['ppl'][str(x)] if str(x) in r['ppl'] else r['ppl'].get(x, float('nan')):.1f}" for x in es) + " |")
+        if "experts.png" in figures:
+            lines += ["", f"![perplexity against the number of experts]({figures['experts.png']})"]
+    lines += ["", "Generated by `smlp-bench --fair` from `docs/benchmark/fair/results.json` and its stages' records "
+                  "(`docs/benchmark/fair/<stage>/results.json`)."]
+    return "\n".join(lines)
+
+
+def _stage_tokens(record: dict, stage: str) -> float:
+    s, t = record["settings"][stage], record["target"]
+    return s["updates"] * 2 * s["batch_size"] * t["seq_len"]
+
+
+def render_fair_summary(record: dict, figure: str | None, page: str) -> str:
+    """README's short form: the answers and the curves, the rest on the page."""
+    lines = fair_verdicts(record)
+    if figure:
+        lines += ["", f"![validation perplexity against tokens and against time, the deciding runs]({figure})"]
+    lines += ["", f"The deciding comparison: every family FLOP-matched to sMLP-det with "
+                  f"{record['target']['experts']} experts per sparse layer, heads of dimension 64, a learning rate "
+                  f"per family, two seeds, two widths; tables, rates and the earlier 2-expert runs in "
+                  f"[{Path(page).name}]({page}). Generated by `smlp-bench --publish`."]
+    return "\n".join(lines)
+
+
+def publish_fair(path: Path, page_text: str, page: Path, figure_dir: Path) -> tuple[str, dict]:
+    """Copy a `smlp-bench --fair` output folder (its results.json at `path`) under figure_dir/fair/ (and its
+    experiment stages under figure_dir/experiments/, where the claims table reads them); returns the page
+    with its section rewritten and the record."""
+    src = path.parent
+    record = _docs_record(path)
+    dst = figure_dir / "fair"
+    dst.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(dst / "results.json", record)
+    _copy(src, dst, FAIR_FIGURES)
+    for stage in record.get("stages", {}):
+        rec_path = src / stage / "results.json"
+        if not rec_path.exists():
+            continue
+        stage_rec = _docs_record(rec_path)
+        (dst / stage).mkdir(parents=True, exist_ok=True)
+        atomic_write_json(dst / stage / "results.json", stage_rec)
+        _copy(src / stage, dst / stage, ["figure5.png", "figure.png", "table.md"])
+        if stage_rec.get("kind") == "experiment":
+            exp_dst = figure_dir / "experiments" / stage_rec["experiment"]
+            exp_dst.mkdir(parents=True, exist_ok=True)
+            atomic_write_json(exp_dst / "results.json", stage_rec)
+            _copy(src / stage, exp_dst, ["figure.png", "table.md"])
+    if (src / "deciding" / "figure5.png").exists():
+        shutil.copy2(src / "deciding" / "figure5.png", dst / "figure5.png")
+    root = page.parent.resolve()
+    figures = {name: _link(dst / name, root) for name in (*FAIR_FIGURES, "figure5.png") if (dst / name).exists()}
+    return _replace_section(page_text, FAIR_START, FAIR_END, render_fair(record, figures), page), record

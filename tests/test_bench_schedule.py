@@ -379,7 +379,7 @@ def test_publish_cli_writes_docs_benchmarks_page_and_the_page_is_the_json(tmp_pa
                                                 r"\1STALE\n\2", (repo / "README.md").read_text(), flags=re.S))
     assert cli.main(["--publish", str(figures / "results.json")]) == 0
     assert (tmp_path / "README.md").read_text() == (repo / "README.md").read_text()
-    assert "smlp-bench-readme-long:start -->\n- **Does sMLP-deterministic" in (repo / "README.md").read_text()
+    assert "smlp-bench-readme-fair:start -->\n" in (repo / "README.md").read_text()
     # a checkout without the page: a clear error, nothing written
     page.unlink()
     assert cli.main(["--publish", str(figures / "results.json")]) == 1

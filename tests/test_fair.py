@@ -162,6 +162,33 @@ def test_the_fair_benchmark_sweeps_decides_and_resumes(tmp_path, data, fake_trai
     assert bc["settled_without_ninformer"] == pytest.approx(bc["tokens"][0])
     assert bc["settled_all"] > bc["tokens"][len(bc["tokens"]) // 2]
 
+    # 7. --publish puts the answers, the tables and the figures in the page and README, and the experiment
+    # stages into the claims table
+    from smlp_bench import publish
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    page = docs / "benchmarks.md"
+    page.write_text(f"# b\n{publish.FAIR_START}\nOLD\n{publish.FAIR_END}\n{publish.CLAIMS_START}\nOLD\n"
+                    f"{publish.CLAIMS_END}\n")
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# r\n{publish.README_FAIR_START}\nOLD\n{publish.README_FAIR_END}\n")
+    publish.publish([out / "results.json"], page, docs / "benchmark", experiment_order=["figure7-routing"],
+                    readme=readme)
+    text, summary = page.read_text(), readme.read_text()
+    assert "OLD" not in text and "OLD" not in summary
+    assert "- **Does sMLP-deterministic beat the best Transformer-MoE (HASH Layers) at matched FLOPs? yes.**" in text
+    assert "- **Does sMLP-partial beat the best Transformer-MoE (HASH Layers) at matched FLOPs?" in text
+    assert "gap to HASH Layers **shrinks**" in text and "| sMLP-deterministic | 9+3 | 0.004 |" in text
+    assert "Rule for every verdict: " + V.SEED_RULE in text
+    assert summary.split(publish.README_FAIR_START)[1].startswith("\n- **Does sMLP-deterministic beat")
+    for name in ("figure5.png", "lr_sweep.png", "width.png", "experts.png"):
+        assert (docs / "benchmark" / "fair" / name).is_file(), name
+        assert f"](benchmark/fair/{name})" in text, name
+    claims = text[text.index(publish.CLAIMS_START):text.index(publish.CLAIMS_END)]
+    assert "Table 7" in claims and "Figure 4" in claims and "Table 4" in claims and "App. B" in claims
+    assert (docs / "benchmark" / "experiments" / "table7-token-routed-gmlp" / "results.json").is_file()
+
     # a finished benchmark resumed again trains nothing
     n = len(fake_training)
     assert cli.main([*args, "--resume"]) == 0 and len(fake_training) == n
