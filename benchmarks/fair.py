@@ -55,6 +55,7 @@ docs/benchmarks.md and README).
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import statistics
@@ -116,8 +117,15 @@ def criterion_flags(target: dict, vocab_size: int, nproc: int) -> list[str]:
 
 
 def _matched(ctx: Context, target: dict, keys: Sequence[str]) -> dict[str, Model]:
-    models, _ = plan_models(ctx.vocab_size, ctx.nproc, keys, target)
-    return {m.key: m for m in models}
+    return dict(_plan(ctx.vocab_size, ctx.nproc, tuple(keys), json.dumps(target, sort_keys=True)))
+
+
+@functools.lru_cache(maxsize=32)
+def _plan(vocab_size: int, nproc: int, keys: tuple[str, ...], target: str) -> tuple[tuple[str, Model], ...]:
+    """The FLOP-matched models of a target, planned once per process (every stage asks again; Models are
+    only ever copied with `replace`)."""
+    models, _ = plan_models(vocab_size, nproc, keys, json.loads(target))
+    return tuple((m.key, m) for m in models)
 
 
 def _at_rate(m: Model, lr: float, key: str | None = None, name: str | None = None) -> Model:
@@ -478,15 +486,7 @@ def table4_stage(deciding: dict, out_dir: Path) -> str:
     OUTPUT_DIR/table4/results.json, an experiment record (`table4-speed`) of the claims table."""
     from .experiments import EXPERIMENTS, plot_table4, table4_claims, table4_markdown, table4_record
 
-    try:
-        from smlp_eval.flops import table4
-        from smlp_eval.flops.steptime import CLUSTERS
-
-        step_rows = table4("top", CLUSTERS["v100-dgx1"])
-    except Exception as exc:  # noqa: BLE001  the CPU ratios stand without the model
-        print(f"   step-time model unavailable: {exc}")
-        step_rows = None
-    t4 = table4_record(deciding, step_rows)
+    t4 = table4_record(deciding, _paper_step_rows())
     record = {"kind": "experiment", "experiment": "table4-speed", "title": EXPERIMENTS["table4-speed"].title,
               "complete": bool(deciding.get("complete")), "source": "the deciding comparison (smlp-bench --fair)",
               "table4": t4, "models": {}, "settings": deciding.get("settings"), "nproc": deciding.get("nproc")}
@@ -496,6 +496,19 @@ def table4_stage(deciding: dict, out_dir: Path) -> str:
     (out_dir / "table.md").write_text(table4_markdown(t4) + "\n")
     plot_table4(t4, out_dir / "figure.png")
     return "table4/results.json"
+
+
+@functools.cache
+def _paper_step_rows() -> list[dict] | None:
+    """The step-time model's Table 4 (top) on the paper's 32 V100s (computed once: it does not depend on the runs)."""
+    try:
+        from smlp_eval.flops import table4
+        from smlp_eval.flops.steptime import CLUSTERS
+
+        return table4("top", CLUSTERS["v100-dgx1"])
+    except Exception as exc:  # noqa: BLE001  the CPU ratios stand without the model
+        print(f"   step-time model unavailable: {exc}")
+        return None
 
 
 def plot_sweep(rates: dict, path: Path) -> None:
