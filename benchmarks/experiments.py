@@ -271,7 +271,7 @@ def figure4_claims(record: dict) -> list[dict]:
                      "here": f"{_fmt_ppl(record, sweep)} (head dimension {d} down to "
                              f"{d // FIGURE4_ATTENTION_HEADS[-1]}; {_tokens(record)}); head dimension 64 "
                              f"against one head: {c['verdict']} ({_rule_note(record)})",
-                     "holds": {"better": "yes", "undecided": "undecided"}.get(c["verdict"], "no")})
+                     "holds": _holds_if_better(c)})
     dense = [k for k in record["models"] if k.startswith(("gmlp_h", "transformer_h")) and _ppl(record, k)]
     if "smlp_det" in record["models"] and dense:
         best = min(dense, key=lambda k: _ppl(record, k))
@@ -281,8 +281,13 @@ def figure4_claims(record: dict) -> list[dict]:
                      "here": f"sMLP-det {_ppl(record, 'smlp_det'):.1f} against the best dense model, "
                              f"{record['models'][best]['name']}, {_ppl(record, best):.1f} ({_tokens(record)}): "
                              f"{c['verdict']} ({_rule_note(record)})",
-                     "holds": {"better": "yes", "undecided": "undecided"}.get(c["verdict"], "no")})
+                     "holds": _holds_if_better(c)})
     return rows
+
+
+def _holds_if_better(c: dict) -> str:
+    """A claim that model a is lower than model b holds when the rule says "better"."""
+    return {"better": "yes", "undecided": "undecided"}.get(c["verdict"], "no")
 
 
 # ---------------------------------------------------------------- Table 4 (no training)

@@ -66,6 +66,7 @@ from pathlib import Path
 
 from . import schedule as S
 from .plan import run_schedule
+from .plots import png_axes
 from .presets import LONG_TARGET, MOE_BASELINES, NAMES, BenchError, Model, plan_models, target_flags
 from .report import report
 from .schedule import atomic_write_json
@@ -512,74 +513,35 @@ def _paper_step_rows() -> list[dict] | None:
 
 
 def plot_sweep(rates: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for family, c in rates.items():
-        xs = sorted(float(r) for r in c["tried"])
-        line, = ax.plot(xs, [c["tried"][f"{x:g}"] for x in xs], marker="o", label=NAMES.get(family, family))
-        ax.plot([c["chosen"]], [c["tried"][f"{c['chosen']:g}"]], "*", ms=12, color=line.get_color())
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("peak learning rate (inverse-sqrt schedule)")
-    ax.set_ylabel("validation perplexity after the sweep's budget")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    ax.set_title("learning-rate sweep per family (star: chosen)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
+    with png_axes(path, "learning-rate sweep per family (star: chosen)", "peak learning rate (inverse-sqrt schedule)",
+                  "validation perplexity after the sweep's budget", figsize=(7, 4.5), log2x=True, logy=True,
+                  legend_size=7) as ax:
+        for family, c in rates.items():
+            xs = sorted(float(r) for r in c["tried"])
+            line, = ax.plot(xs, [c["tried"][f"{x:g}"] for x in xs], marker="o", label=NAMES.get(family, family))
+            ax.plot([c["chosen"]], [c["tried"][f"{c['chosen']:g}"]], "*", ms=12, color=line.get_color())
 
 
 def plot_width(width: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4.5))
-    for other, marker in ((width["best_moe"], "o"), ("gmlp", "s")):
-        pts = [p for p in width["points"] if other in p]
-        xs = [p["d_model"] for p in pts]
-        ys = [100 * (p[other]["ratio"] - 1) for p in pts]
-        err = [200 * (p[other]["se"] or 0) for p in pts]
-        ax.errorbar(xs, ys, yerr=err, marker=marker, capsize=4, label=f"sMLP-det vs {NAMES.get(other, other)}")
-    ax.axhline(0, color="grey", lw=0.8)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("model width D")
-    ax.set_ylabel("sMLP-det's perplexity difference (%), ± 2 SE")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    ax.set_title("the gap against width (below 0: sMLP-det lower)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
+    with png_axes(path, "the gap against width (below 0: sMLP-det lower)", "model width D",
+                  "sMLP-det's perplexity difference (%), ± 2 SE", log2x=True) as ax:
+        for other, marker in ((width["best_moe"], "o"), ("gmlp", "s")):
+            pts = [p for p in width["points"] if other in p]
+            ax.errorbar([p["d_model"] for p in pts], [100 * (p[other]["ratio"] - 1) for p in pts],
+                        yerr=[200 * (p[other]["se"] or 0) for p in pts], marker=marker, capsize=4,
+                        label=f"sMLP-det vs {NAMES.get(other, other)}")
+        ax.axhline(0, color="grey", lw=0.8)
 
 
 def plot_experts(experts: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     sd = (experts["seed_spread"] or {}).get("sd", 0.0)
-    fig, ax = plt.subplots(figsize=(6, 4.5))
-    for row in experts["rows"]:
-        es = sorted(int(e) for e in row["ppl"])
-        ys = [row["ppl"][e] for e in es]
-        ax.errorbar(es, ys, yerr=[2 * sd * y for y in ys], marker="o", capsize=4, label=row["name"])
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("experts per sparse layer")
-    ax.set_ylabel("validation perplexity (± 2 seed SD)")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    ax.set_title("more experts: sMLP-det and the best Transformer-MoE")
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
+    with png_axes(path, "more experts: sMLP-det and the best Transformer-MoE", "experts per sparse layer",
+                  "validation perplexity (± 2 seed SD)", log2x=True) as ax:
+        for row in experts["rows"]:
+            ppl = {int(e): v for e, v in row["ppl"].items()}  # int keys in memory, str in the JSON
+            es = sorted(ppl)
+            ys = [ppl[e] for e in es]
+            ax.errorbar(es, ys, yerr=[2 * sd * y for y in ys], marker="o", capsize=4, label=row["name"])
 
 
 def main(args, data: Path, vocab_size: int) -> int:

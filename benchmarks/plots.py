@@ -2,6 +2,8 @@
 (the mean over seeds, with the seeds' range shaded)."""
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 from . import curves as C
@@ -45,3 +47,30 @@ def plot(results: dict, path: Path, title: str, xkeys=("tokens", "time")) -> Pat
     fig.savefig(path, dpi=80)
     plt.close(fig)
     return path
+
+
+@contextlib.contextmanager
+def png_axes(path: Path, title: str, xlabel: str, ylabel: str, *, figsize=(6, 4.5), log2x: bool = False,
+             logy: bool = False, legend_size: int = 8) -> Iterator:
+    """One set of axes that is labelled, gridded, given its legend and written to `path` (PNG) after the block."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=figsize)
+    try:
+        yield ax
+        if log2x:
+            ax.set_xscale("log", base=2)
+        if logy:
+            ax.set_yscale("log")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=legend_size)
+        ax.set_title(title)
+        fig.tight_layout()
+        fig.savefig(path, dpi=80)
+    finally:
+        plt.close(fig)

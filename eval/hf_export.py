@@ -49,6 +49,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from .files import install_dir
+
 PROG = "smlp-export"
 MODELING_FILE = "modeling_smlp.py"
 TOKENIZER_FILE = "tokenization_smlp.py"
@@ -348,21 +350,6 @@ def verify_folder(folder: Path, core, encoder, dtype: str) -> float:
         sys.modules.pop(tag + "_tokenization", None)
 
 
-def _install(tmp: Path, out: Path, replace: bool) -> None:
-    """Rename the finished folder into place (replacing `out` only with replace=True)."""
-    if not replace or not out.exists():
-        os.rename(tmp, out)  # fails rather than overwrite a folder that appeared meanwhile
-        return
-    old = out.parent / f".{out.name}.old-{os.getpid()}"
-    os.rename(out, old)
-    try:
-        os.rename(tmp, out)
-    except BaseException:
-        os.rename(old, out)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
-
-
 @dataclasses.dataclass
 class ExportResult:
     folder: Path
@@ -395,7 +382,7 @@ def export(checkpoint: str, out: str | Path, *, data_dir: str | None = None, dty
     try:
         files = _write_folder(tmp, core, encoder, checkpoint=checkpoint, dtype=dtype, prefix_fill=prefix_fill)
         diff = verify_folder(tmp, core, encoder, dtype) if verify else None
-        _install(tmp, out, replace=force)
+        install_dir(tmp, out, replace=force)
     finally:
         with contextlib.suppress(FileNotFoundError):
             shutil.rmtree(tmp)

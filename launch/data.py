@@ -68,6 +68,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 # the text handling shared with evaluation lives in smlp_eval.text (names re-exported for callers of this module)
+from smlp_eval.files import install_dir
 from smlp_eval.text import (  # noqa: F401
     BOS_ID,
     DICT,
@@ -103,7 +104,6 @@ from .data_dir import (
     PROG,
     build_manifest,
     describe_difference,
-    install,
     is_complete,
     locked,
     read_manifest,
@@ -251,7 +251,7 @@ def prepare_data(out: str | Path, inputs: Sequence[str | Path] | None = None, *,
             manifest = _build(tmp, docs, params, sources, fingerprint, workers=workers, say=say, demo=demo)
             manifest["seconds"] = round(time.time() - t0, 2)
             write_json(tmp / MANIFEST, manifest)   # last: marks the directory complete
-            install(tmp, out, replace)
+            install_dir(tmp, out, replace)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

@@ -117,21 +117,6 @@ def write_json(path: Path, obj) -> None:
         os.fsync(f.fileno())
 
 
-def install(tmp: Path, out: Path, replace: bool) -> None:
-    """Rename the finished build into place; with `replace`, swap out the old directory, put back on failure."""
-    if not replace:
-        os.rename(tmp, out)   # fails (rather than overwriting) if `out` appeared meanwhile
-        return
-    old = out.parent / f".{out.name}.old-{os.getpid()}"
-    os.rename(out, old)
-    try:
-        os.rename(tmp, out)
-    except BaseException:
-        os.rename(old, out)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
-
-
 def build_manifest(tmp: Path, docs: list[Document], params: dict, sources: list[dict], fingerprint: str, *,
                    demo: bool, sp, dict_entries: int, counts: dict, timings: dict[str, float]) -> dict:
     """manifest.json of the build in `tmp`: inputs (sha256), parameters, vocabulary, splits, files and sizes."""
