@@ -2,8 +2,8 @@
 
 `smlp-bench --publish RESULTS_JSON ...` copies each record (without its per-run bookkeeping) and its
 figures under docs/benchmark/ and rewrites the sections between the page's markers: the benchmark
-table (quick/full preset), "Does sMLP beat Transformer-MoE at matched FLOPs here?" (long preset) and
-the claims table (the experiments). Nothing in those sections is typed by hand.
+table (quick/full preset), "Does sMLP beat Transformer-MoE at matched FLOPs here?" (`smlp-bench --fair`),
+the earlier 2-expert long preset's section and the claims table (the experiments). Nothing in those sections is typed by hand.
 """
 from __future__ import annotations
 
@@ -76,8 +76,8 @@ def _long_verdicts(record: dict) -> list[str]:
 
 
 def render_long(record: dict, figure: str) -> str:
-    """docs/benchmarks.md section 'Does sMLP beat Transformer-MoE at matched FLOPs here?' from the long
-    preset's JSON."""
+    """docs/benchmarks.md section on the earlier configuration (LONG_HEADING: 2 experts per sparse layer, one
+    learning rate) from the long preset's JSON."""
     res, an, s = record["models"], record["analysis"], record["settings"]
     tok = an["mean_curves"]["tokens"]
     early = 60 * 2048  # the full preset's budget: 60 updates of 2,048 tokens
@@ -218,8 +218,8 @@ def publish(results_jsons: Sequence[Path], page: Path, figure_dir: Path,
             experiment_order: Sequence[str] = (), readme: Path | None = None) -> list[str]:
     """Copy each run's JSON and figures under figure_dir and rewrite the sections of `page` (the markdown
     page, docs/benchmarks.md) they feed, with figure links relative to the page:
-    quick/full preset -> the benchmark table; long preset -> 'Does sMLP beat Transformer-MoE ...'
-    (and the perplexity target of the benchmark table); experiments -> the claims table. Works on
+    quick/full preset -> the benchmark table; long preset -> its earlier-configuration section
+    (and the perplexity target of the benchmark table); the fair record -> 'Does sMLP beat Transformer-MoE ...'; experiments -> the claims table. Works on
     partial results (the sections then say PARTIAL). The claims table lists the experiments in
     `experiment_order` (benchmarks/experiments.py's, from the CLI), others after them. With `readme`,
     README's two summaries (the long preset's verdict, the claims table) are rewritten too where README
@@ -236,7 +236,7 @@ def publish(results_jsons: Sequence[Path], page: Path, figure_dir: Path,
         _copy(p.parent, dst, ["figure5.png", "table.md"])
         text = _replace_section(text, LONG_START, LONG_END,
                                 render_long(rec, _link(dst / "figure5.png", root)), page)
-        done.append(f"{p}: long preset -> {page.name} 'Does sMLP beat Transformer-MoE at matched FLOPs here?'")
+        done.append(f"{p}: long preset -> {page.name} '{LONG_HEADING.lstrip('# ')}'")
     long_rec = long_recs[-1][1] if long_recs else (
         json.loads((figure_dir / "long" / "results.json").read_text())
         if (figure_dir / "long" / "results.json").exists() else None)

@@ -391,11 +391,25 @@ def test_readme_results_paragraph_says_what_the_published_record_says():
 CITED_FILE = re.compile(r"(?<![\w./-])([\w./-]+\.(?:py|md|sh|sbatch))\b")
 
 
+def exported_file_names() -> set[str]:
+    """The files smlp-export writes into an exported folder (eval/hf_export.py's *_FILE constants): the code
+    names them, the repository does not hold them."""
+    import ast
+
+    tree = ast.parse((REPO / "eval" / "hf_export.py").read_text())
+    return {node.value.value for node in tree.body
+            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)
+            and any(isinstance(t, ast.Name) and t.id.endswith("_FILE") for t in node.targets)
+            and isinstance(node.value.value, str) and node.value.value.endswith(".py")}
+
+
 def cited_files_missing(source: str, folder: Path) -> list[str]:
     """File names cited in `source` (a module of `folder`) that the repository does not hold: a path is read
-    from the repository root or from the module's folder (a sibling named alone)."""
+    from the repository root or from the module's folder (a sibling named alone); the files an export writes
+    are named by the code that writes them."""
+    generated = exported_file_names()
     return [path for path in CITED_FILE.findall(source)
-            if not (REPO / path).exists() and not (folder / path).exists()]
+            if not (REPO / path).exists() and not (folder / path).exists() and path not in generated]
 
 
 def test_the_code_cites_only_files_of_the_repository():
@@ -404,6 +418,9 @@ def test_the_code_cites_only_files_of_the_repository():
     assert cited_files_missing("see routes.py and smlp/dispatch.py", REPO / "smlp" / "routing") == []
     assert cited_files_missing("(smlp/routers_old.py, token_routed.py)", REPO / "smlp" / "routing") == [
         "smlp/routers_old.py", "token_routed.py"]
+    assert exported_file_names() == {"modeling_smlp.py", "tokenization_smlp.py"}
+    assert cited_files_missing("modeling_smlp.py from smlp_eval/hf_modeling.py", REPO / "eval") == [
+        "smlp_eval/hf_modeling.py"]
     missing = {}
     for package in ("smlp", "fairseq_plugins", "eval"):
         for path in sorted((REPO / package).rglob("*.py")):
