@@ -170,7 +170,7 @@ class TMoE(nn.Module):
             plan = self.route(x_SD, token_ids_S, defer_checks=True)
         self.aux_loss = plan.aux_loss
         x_RD, counts_L, slots = self.dispatch(x_SD, plan)
-        y_RD = self.run_experts(x_RD, counts_L)
+        y_RD = self.run_experts(x_RD, counts_L, slots.state)
         y_SD = self.combine(y_RD, slots, x_SD)
         self.comm_time = self.dispatcher.timer.take(mark)
         return y_SD
@@ -196,10 +196,14 @@ class TMoE(nn.Module):
                                                          layer=self.layer_name)
         return x_RD, counts_L, TokenSlots(state, row_SK, plan.weights_SK.reshape(-1).to(x_SD.dtype))
 
-    def run_experts(self, x_RD: Tensor, counts_L: list[int]) -> Tensor:
-        """Stage 3: the FFN experts on the rows they received, (R, D)."""
+    def run_experts(self, x_RD: Tensor, counts_L: list[int], dstate: DispatchState | None = None) -> Tensor:
+        """Stage 3: the FFN experts on the rows they received, (R, D). The counts are fixed by the shapes
+        only for a balanced assignment (evaluating as in training): otherwise evaluation computes the
+        rows in tiles, so that a row's result does not depend on the other rows (FFNExperts)."""
+        fixed = self.token_router.balanced and self.assign_as_in_training
         with record_function(RANGES["experts"]):
-            return self.experts(x_RD, counts_L)
+            return self.experts(x_RD, counts_L, counts_dev_L=dstate.counts_dev_L if dstate is not None else None,
+                                fixed_counts=fixed)
 
     def combine(self, y_RD: Tensor, slots: TokenSlots, x_SD: Tensor) -> Tensor:
         """Stage 4: the results back home, weighted, each row's slots summed.
