@@ -95,7 +95,7 @@ def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
         try:
             x = torch.ones(3, 16, device=device, dtype=dtype, requires_grad=True)
             w = torch.ones(2, 16, 16, device=device, dtype=dtype, requires_grad=True)
-            offs = torch.tensor([1, 3], dtype=torch.int32, device=device)
+            offs = torch.arange(1, 4, 2, dtype=torch.int32, device=device)  # [1, 3], made on the device
             F.grouped_mm(x, w, offs=offs).square().sum().backward()
             _GROUPED_MM[key] = bool(torch.equal(w.grad[1], 2 * 2 * 16 * torch.ones_like(w.grad[1])))
         except (RuntimeError, AttributeError, NotImplementedError, TypeError):
@@ -107,6 +107,11 @@ def _strides_aligned(dtype: torch.dtype, *widths: int) -> bool:
     """grouped_mm needs every row stride a multiple of 16 bytes ("strides should be multiple of 16
     bytes" otherwise, on CUDA as on the CPU): D and F in elements of `dtype`."""
     return all(w * dtype.itemsize % 16 == 0 for w in widths)
+
+
+def _grouped_by_default(device: torch.device) -> bool:
+    """Unequal counts take the grouped product on accelerators; on the CPU it is no faster than the loop."""
+    return device.type != "cpu"
 
 
 def _grouped_matmul(x_RD: Tensor, w_LDF: Tensor, offs_L: Tensor) -> Tensor:
@@ -275,7 +280,7 @@ class FFNExperts(nn.Module):
             return self.forward_tiled(x_RD, counts_L)
         if c is not None:  # balanced (or one expert): one batched product, the weights used whole
             return self._batched(x_RD.reshape(L, c, D)).reshape(R, D)
-        grouped = self.grouped if self.grouped is not None else x_RD.device.type != "cpu"
+        grouped = self.grouped if self.grouped is not None else _grouped_by_default(x_RD.device)
         if grouped and _strides_aligned(x_RD.dtype, D, self.w1.shape[-1]) \
                 and grouped_mm_supported(x_RD.device, x_RD.dtype):  # unequal counts: one grouped product
             return self._grouped(x_RD, counts_L, counts_dev_L)
@@ -367,8 +372,9 @@ class SpatialExperts(nn.Module):
         L, c = len(counts_L), _equal_count(counts_L)
         if c is not None:
             return (y_RM.view(L, c, M) + (self.bias[:, None, :M] - 1)).view(L * c, M)
-        counts = torch.tensor(counts_L, device=x_RM.device)
-        return y_RM + (self.bias[:, :M] - 1).repeat_interleave(counts, dim=0, output_size=x_RM.shape[0])
+        # each expert's bias on its rows: one concatenation of broadcast views (no counts copied to the device)
+        dev_LM = self.bias[:, :M] - 1
+        return y_RM + torch.cat([dev_LM[l].expand(c, M) for l, c in enumerate(counts_L)])
 
     def forward_dense(self, x_RM: Tensor, counts_L: list[int]) -> Tensor:
         """The masked dense form, one matmul per expert (the paper's FLOP convention, and the reference)."""
