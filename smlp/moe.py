@@ -321,8 +321,9 @@ class SMoE(nn.Module):
         its expert, which computes only the new positions (O(t) per row, like the compute).
         1. route     append the new positions' LayerNorm(z2) to the cache; the rows are positions
                      0..t-1 (deterministic) or P..t-1 (partial), routed once when the routing
-                     prefix is complete (the decision is cached); before that the rank sends no
-                     rows (positions < P: gate 1)
+                     prefix is complete (the decision is cached; the router's check is deferred to
+                     the dispatch, as in `forward`); before that the rank sends no rows (positions
+                     < P: gate 1)
         2. dispatch  all-gather every rank's span [lo, hi) of wanted row positions (ranks may be at
                      different positions), pad the rows to the widest hi, dispatch; every rank joins
                      every exchange
@@ -338,7 +339,7 @@ class SMoE(nn.Module):
         P = cfg.prefix_len
         z1_BkC, z2_BkC = z_BkF.chunk(2, dim=-1) if cfg.split else (z_BkF, z_BkF)
         v_BtC = cache_append(state, "v", self.norm(z2_BkC), start, limit=cfg.seq_len)
-        rows = self.route(v_BtC, P, training=False, dtype=z_BkF.dtype, decided=state)
+        rows = self.route(v_BtC, P, training=False, dtype=z_BkF.dtype, defer_checks=True, decided=state)
         lo, hi = (start, t) if self.deterministic else (max(start - P, 0), max(t - P, 0))
         if rows.rows_SM.shape[0] == 0:  # nothing wanted from here (an empty batch): no span
             lo = hi = 0
@@ -406,7 +407,9 @@ class SMoE(nn.Module):
             rows_SM = rows.rows_SM
             if rows_SM.shape[1] != width:  # another rank is further on: zeros after hi never reach outputs <= hi
                 rows_SM = F.pad(rows_SM[:, :hi], (0, width - hi))
-            return self.dispatcher.dispatch(rows_SM, rows.expert_S, presorted=self.deterministic)
+            # the router's check travels with the counts, as in `forward`: a fault on one rank reaches every rank
+            return self.dispatcher.dispatch(rows_SM, rows.expert_S, presorted=self.deterministic, fault=rows.fault,
+                                            layer=self.layer_name)
         counts_E1 = count_rows(rows.expert_S, self.cfg.num_experts)
         self.load_E = counts_E1[1:].detach()
         return self.dispatcher.dispatch(rows.rows_SM, rows.expert_S, presorted=self.deterministic,
