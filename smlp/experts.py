@@ -31,7 +31,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .spatial import causal_product_rows, causal_weight, check_length, init_spatial_, uniform_per_slice_
+from .spatial import (
+    causal_product_rows,
+    causal_weight,
+    check_length,
+    init_spatial_,
+    load_gate_bias_offset,
+    uniform_per_slice_,
+)
 
 __all__ = ["mark_expert", "is_expert", "FFNExperts", "SpatialExperts"]
 
@@ -349,17 +356,22 @@ class SpatialExperts(nn.Module):
     A row is one hidden dimension of one sequence: a vector over M <= T positions. An expert
     returns its gate minus one, W x + (b - 1), as the SGU's projection does (gmlp.py): at the
     near-identity init W x is ~1e-5 and 1 + W x would round to exactly 1 in bf16 and fp16, in
-    the expert and in the all2all that carries the rows back. The sMoE adds the one.
+    the expert and in the all2all that carries the rows back. The sMoE adds the one. The bias is
+    stored as b - 1 (`bias_offset`, as the SGU's: gmlp.py).
     """
 
     def __init__(self, num_local_experts: int, size: int, init_eps: float = 1e-3, first_expert: int = 0):
         super().__init__()
         self.size = size
         self.weight = nn.Parameter(torch.empty(num_local_experts, size, size))
-        self.bias = nn.Parameter(torch.empty(num_local_experts, size))
-        init_spatial_(self.weight, self.bias, init_eps, _expert_generators(num_local_experts, first_expert))
+        self.bias_offset = nn.Parameter(torch.empty(num_local_experts, size))  # b - 1
+        init_spatial_(self.weight, self.bias_offset, init_eps, _expert_generators(num_local_experts, first_expert))
         mark_expert(self)
         self.explicit_spatial = False  # the masked dense product, for FLOP counting (flop_forms.py)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        load_gate_bias_offset(state_dict, prefix)  # checkpoints that stored b itself
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def forward(self, x_RM: Tensor, counts_L: list[int]) -> Tensor:
         M = x_RM.shape[-1]
@@ -371,16 +383,16 @@ class SpatialExperts(nn.Module):
         y_RM = causal_product_rows(self.weight, x_RM, counts_L)
         L, c = len(counts_L), _equal_count(counts_L)
         if c is not None:
-            return (y_RM.view(L, c, M) + (self.bias[:, None, :M] - 1)).view(L * c, M)
+            return (y_RM.view(L, c, M) + self.bias_offset[:, None, :M]).view(L * c, M)
         # each expert's bias on its rows: one concatenation of broadcast views (no counts copied to the device)
-        dev_LM = self.bias[:, :M] - 1
+        dev_LM = self.bias_offset[:, :M]
         return y_RM + torch.cat([dev_LM[l].expand(c, M) for l, c in enumerate(counts_L)])
 
     def forward_dense(self, x_RM: Tensor, counts_L: list[int]) -> Tensor:
         """The masked dense form, one matmul per expert (the paper's FLOP convention, and the reference)."""
         M = x_RM.shape[-1]
-        w_LMM, bias = causal_weight(self.weight, M).unbind(0), self.bias.unbind(0)
-        outs = [chunk @ w_LMM[l].t() + (bias[l][:M] - 1)
+        w_LMM, offset = causal_weight(self.weight, M).unbind(0), self.bias_offset.unbind(0)
+        outs = [chunk @ w_LMM[l].t() + offset[l][:M]
                 for l, chunk in enumerate(_split_rows(x_RM, counts_L))]
         return torch.cat(outs, dim=0)
 
@@ -403,6 +415,6 @@ class SpatialExperts(nn.Module):
                 if c and hi > lo:
                     check_length(hi, self.size, "sMoE row")
                     w_kM = torch.tril(self.weight[l, lo:hi, :hi], diagonal=lo)
-                    y_Rk[r:r + c, :hi - lo] = x_RM[r:r + c, :hi] @ w_kM.t() + (self.bias[l, lo:hi] - 1)
+                    y_Rk[r:r + c, :hi - lo] = x_RM[r:r + c, :hi] @ w_kM.t() + self.bias_offset[l, lo:hi]
                 r += c
         return y_Rk

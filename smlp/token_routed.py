@@ -149,12 +149,12 @@ class TokenRoutedGMLPBlock(nn.Module):
             beta_EC = torch.stack([s.norm.bias for s in sgus])
             v_SC = F.layer_norm(z2_SC, (C,), eps=sgus[0].norm.eps) * gamma_EC[expert_S] + beta_EC[expert_S]
         w_ENN = torch.stack([s.proj.weight[0, :n, :n] for s in sgus])
-        b_EN = torch.stack([s.proj.bias[0, :n] for s in sgus])
+        offset_EN = torch.stack([s.proj.bias_offset[0, :n] for s in sgus])  # b - 1
         pos_N = torch.arange(n, device=z2_SC.device)
         keep_BNN = (expert_BN[:, :, None] == expert_BN[:, None, :]) & (pos_N[:, None] >= pos_N[None, :])
         w_BNN = torch.where(keep_BNN, w_ENN[expert_BN, pos_N], 0)  # row t: W_e(t)[t, s] where it mixes
         v_BNC = v_SC.view(B, n, C)
         # under explicit_spatial the product is counted as the dense SGU's (the same einsum: fvcore's rule)
         mix_BNC = torch.einsum("bts,bsc->btc", w_BNN, v_BNC) if self.explicit_spatial else torch.bmm(w_BNN, v_BNC)
-        dev_BNC = mix_BNC + (b_EN[expert_BN, pos_N] - 1)[..., None]
+        dev_BNC = mix_BNC + offset_EN[expert_BN, pos_N][..., None]
         return dev_BNC.reshape(B * n, C)

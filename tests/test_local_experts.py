@@ -75,7 +75,7 @@ def test_spatial_experts_as_one_product_equal_the_loop(counts):
     experts = SpatialExperts(len(counts), 140)  # two blocks of the causal product (and a partial one)
     with torch.no_grad():
         experts.weight.normal_(0, 140 ** -0.5)
-        experts.bias.normal_(1, 0.1)
+        experts.bias_offset.normal_(0, 0.1)
     x, grad = torch.randn(sum(counts), 133), torch.randn(sum(counts), 133)
     got = _run(experts, experts, x, counts, grad)
     want = _run(experts, experts.forward_dense, x, counts, grad)

@@ -69,6 +69,60 @@ def test_smoe_spatial_experts_keep_their_spatial_term_in_half_precision(dtype):
     assert _rel(got, ref) < 0.10, _rel(got, ref)
 
 
+# ---------------------------------------------------------------- the gate bias in half-precision weights
+
+# trained gate biases b = 1 + offset with offsets of a few 1e-3 (what a few hundred updates move them)
+OFFSETS = torch.linspace(-3e-3, 3e-3, 12)
+
+
+def _old_format_state(module, prefix: str, offsets: torch.Tensor) -> dict:
+    """module's state in the format before issue 28, which stored the gate bias b itself under `bias`."""
+    state = {k: v.clone() for k, v in module.state_dict().items() if not k.endswith("bias_offset")}
+    state[prefix + "weight"] = torch.zeros_like(state[prefix + "weight"])  # the gate is then b - 1 alone
+    state[prefix + "bias"] = (1 + offsets).expand(state[prefix + "weight"].shape[:2]).clone()
+    return state
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_the_gate_bias_keeps_its_offset_from_one_in_half_precision_weights(dtype):
+    """Stored as b, --bf16 weights hold b - 1 only in steps of 2^-7 (fp16: 2^-10): every offset of
+    +-3e-3 here became 0 or +-2^-7 in bf16 (relative error ~100%, issue 28). Stored as b - 1 it keeps the
+    dtype's relative precision. Loaded from the older format (b), as old checkpoints are."""
+    sgu = SpatialGatingUnit(SGUConfig(dim=16, seq_len=12))
+    experts = SpatialExperts(2, 12)
+    sgu.load_state_dict(_old_format_state(sgu, "proj.", OFFSETS))
+    experts.load_state_dict(_old_format_state(experts, "", OFFSETS))
+    v = torch.randn(2, 12, 8)
+    with torch.no_grad():
+        gate_dev = sgu.to(dtype).proj(v.to(dtype))  # W v + (b - 1) with W = 0
+        rows_dev = experts.to(dtype)(torch.randn(4, 12, dtype=dtype), [2, 2])
+    want = OFFSETS[None, :, None].expand(2, 12, 8)
+    assert _rel(gate_dev, want) < torch.finfo(dtype).eps, _rel(gate_dev, want)
+    assert _rel(rows_dev, OFFSETS.expand(4, 12)) < torch.finfo(dtype).eps, _rel(rows_dev, OFFSETS.expand(4, 12))
+
+
+def test_an_older_checkpoint_loads_with_its_gate_biases_converted():
+    """Every spatial gate of a model (dense SGUs, sMoE experts) loads from a state that stored b, strictly,
+    to b - 1 exactly, and computes what the model with those weights computes."""
+    torch.manual_seed(0)
+    cfg = LMConfig(family="smlp", vocab_size=30, d_model=16, d_ffn=32, seq_len=12, dense_layers=1,
+                   sparse_layers=1, num_experts=2)
+    model = LanguageModel(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias_offset"):
+                p.copy_((1 + torch.randn(p.shape) * 1e-2) - 1)  # offsets an fp32 b = 1 + offset holds exactly
+    old = {(k[:-len("_offset")] if k.endswith("bias_offset") else k): (v + 1 if k.endswith("bias_offset") else v)
+           for k, v in model.state_dict().items()}
+    assert {"layers.0.sgu.proj.bias", "layers.1.smoe.experts.bias"} <= set(old)
+    loaded = LanguageModel(cfg)
+    loaded.load_state_dict(old)  # strict: no missing or unexpected key
+    for (name, a), b in zip(model.state_dict().items(), loaded.state_dict().values()):
+        assert torch.equal(a, b), name
+    x = torch.randint(4, 30, (2, 12))
+    assert torch.equal(loaded(x), model(x))
+
+
 # ---------------------------------------------------------------- routers in fp32
 
 

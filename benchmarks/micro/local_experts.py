@@ -60,7 +60,7 @@ def ffn_before(e: FFNExperts, x_RD, counts_L):
 def spatial_before(e: SpatialExperts, x_RM, counts_L):
     M = x_RM.shape[-1]
     w_LMM = causal_weight(e.weight, M)
-    return torch.cat([chunk @ w_LMM[l].t() + (e.bias[l, :M] - 1)
+    return torch.cat([chunk @ w_LMM[l].t() + e.bias_offset[l, :M]
                       for l, chunk in enumerate(torch.split(x_RM, counts_L))])
 
 
