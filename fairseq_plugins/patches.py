@@ -119,7 +119,9 @@ PATCHES = (
           "--zero-sharding os (fairscale OSS) would overwrite every rank's experts with one rank's: expert "
           "parameters keep their optimizer state on their rank"),
     Patch("precision", "precision", "install",
-          "--fp16/--bf16/--amp break with expert parameters and off CUDA (six patches, listed in precision.py)"),
+          "--fp16/--bf16/--amp break with expert parameters and off CUDA, and fairseq's gradient norm leaves the "
+          "experts out (six patches, listed in precision.py; at import only the wrappers that install, when a run's "
+          "configuration is known, the ones it needs)"),
     Patch("generation_patches", "generation_patches", "install",
           "numpy 2 in fairseq-interactive, rank-shard checkpoints on one process, generation limits and the "
           "routing-prefix fill (listed in generation_patches.py)"),

@@ -47,7 +47,7 @@ def test_the_import_applied_them_in_order_and_again_changes_nothing():
     assert outer.__wrapped__.__module__ == "fairseq_plugins.checkpoint_sets"
     assert outer.__wrapped__.__wrapped__.__module__ == "fairseq.checkpoint_utils"
     before = _patched()
-    # wrappers defined by our modules (train_step is recompiled from fairseq's source, precision.py patch 3)
+    # wrappers defined by our modules (train_step is wrapped only by runs that need it, precision.py patch 3)
     assert all(v.__module__.startswith("fairseq_plugins.") for k, v in before.items()
                if k not in ("train_step", "token_block_np")), before
     assert before["token_block_np"].compat.long is __import__("numpy").int64
