@@ -48,7 +48,9 @@ earlier wrapper of the same attribute keeps working. Each is idempotent.
    device, the same on every rank. A non-finite gradient anywhere (any rank, any expert) is then
    seen by every rank: with a loss scale all skip the step and lower the scale together; in fp32
    and with --bf16 every rank stops together ("gradients are Nan/Inf"), as fairseq does for a
-   non-finite norm.
+   non-finite norm (fairseq's comparison of the ranks' norms, `Trainer._check_grad_norms`, is not
+   asked to compare equal non-finite norms: inf - inf would read as "gradients are inconsistent
+   between workers").
 5. AMP's GradScaler (`AMPOptimizer`; --amp). (a) It is built as `torch.amp.GradScaler(device)`
    on the parameters' device type: on CUDA the same scaler as fairseq's
    `torch.cuda.amp.GradScaler`; on CPU an enabled one (fairseq's is disabled there, so --amp was
@@ -87,7 +89,14 @@ _MARK = "_smlp_precision"
 
 
 def _patched(obj) -> bool:
-    return bool(getattr(obj, _MARK, False))
+    """Whether obj, or a function it wraps (another patch may wrap the same attribute since), is ours."""
+    seen = set()
+    while obj is not None and id(obj) not in seen:
+        if getattr(obj, _MARK, False):
+            return True
+        seen.add(id(obj))
+        obj = getattr(obj, "__wrapped__", None)
+    return False
 
 
 def _mark(fn, original):
@@ -351,6 +360,19 @@ def _install_grad_norm() -> None:
             return self.optimizer.clip_grad_norm(clip_norm, aggregate_norm_fn=aggregate)
 
         Trainer.clip_grad_norm = _mark(clip_grad_norm, original)
+
+    if not _patched(Trainer._check_grad_norms):
+        original_check = Trainer._check_grad_norms
+
+        def _check_grad_norms(self, grad_norm):
+            if whole_model_norm_for(self) is not None and not bool(torch.isfinite(grad_norm).all()):
+                # all-reduced: every rank holds the same non-finite norm, which fairseq's comparison of the
+                # ranks' norms (inf - inf) would report as "gradients are inconsistent between workers";
+                # the trainer raises "gradients are Nan/Inf" (or skips the step under --amp) right after
+                return None
+            return original_check(self, grad_norm)
+
+        Trainer._check_grad_norms = _mark(_check_grad_norms, original_check)
 
 
 # ------------------------------------------------------------------ 5. AMP's GradScaler
