@@ -151,6 +151,8 @@ class SMLPLanguageModelLoss(FairseqCriterion):
         core = model.decoder.core
         if self.log_a2a_time and getattr(core, "dispatcher", None) is not None:
             core.dispatcher.timer.enabled = True  # timing is the logs' request, made before the forward
+        if "net_input" not in sample:
+            return self._empty_batch(model, core)
         net_output = model(**sample["net_input"])
         lprobs = model.get_normalized_probs(net_output, log_probs=True)
         target = model.get_targets(sample, net_output)
@@ -194,6 +196,20 @@ class SMLPLanguageModelLoss(FairseqCriterion):
             logging_output["trained_routing_loss"] = self._trained_routing_nll(model, core, sample, target, nll)
             logging_output["trained_routing_ntokens"] = ntokens
         return loss, sample_size, logging_output
+
+    def _empty_batch(self, model, core):
+        """A batch without sequences: fairseq-validate (and fairseq-eval-lm) shard the batches over the ranks
+        and hand a rank whose shard is shorter an empty sample ({}, fairseq's ShardedIterator fill). An
+        expert-parallel model still runs a forward of no sequence, so that this rank takes part in every
+        expert exchange its peers make (they would wait for it in the all2all otherwise), and logs nothing:
+        no tokens, no loss, no routing counts beyond the zeros the forward routed."""
+        device = next(model.parameters()).device
+        tokens = torch.zeros((0, 1), dtype=torch.long, device=device)
+        net_output = model(src_tokens=tokens, src_lengths=tokens.new_zeros(0))
+        loss = net_output[0].float().sum()  # 0, on the device
+        logging_output = {"loss": loss.data, "aux_loss": 0.0, "ntokens": 0, "nsentences": 0, "sample_size": 0,
+                          "moe_count": 0, **moe_stats(core, a2a_time=self.log_a2a_time)}
+        return loss, 0, logging_output
 
     def _trained_routing_nll(self, model, core, sample, target, nll):
         """The summed nll of the same targets with the balanced routers assigning as in training (a second

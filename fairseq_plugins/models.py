@@ -76,8 +76,8 @@ class CoreLMDecoder(FairseqIncrementalDecoder):
         f = 0 if self._fill is None else self._fill.numel()
         if incremental_state is not None and not self.core.supports_cached_decoding:
             if not self._warned_recompute:
-                logger.warning("this model has no cached decoding step (token-routed gMLP or leaky sMoE routing): "
-                               "generation recomputes the whole prefix at every position")
+                logger.warning("this model has no cached decoding step (%s): generation recomputes the whole prefix "
+                               "at every position", self.core.no_cached_decoding)
                 self._warned_recompute = True
             incremental_state = None
         if incremental_state is None:

@@ -5,7 +5,7 @@ files are never edited: each patch replaces module attributes (functions, method
 keep the original as `__wrapped__`, and applying a patch twice changes nothing. Importing the plugin
 package (`--user-dir fairseq_plugins`, or `import fairseq_plugins`) calls `apply_patches()` once;
 nothing else installs a patch. The code of each patch lives with the concept it serves (the module
-named in the table); the two small ones without such a module live here.
+named in the table); the small ones without such a module live here.
 
 Order matters in one place: `checkpoint_sets` and `elastic` both wrap `checkpoint_utils.load_checkpoint`;
 elastic's wrapper must be the outer one (it reshards the checkpoint to this run's layout first, then
@@ -14,13 +14,15 @@ logging repair runs last, after every import that could have configured logging.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import os
 import sys
 from dataclasses import dataclass
 
-__all__ = ["FAIRSEQ_VERSION", "PATCHES", "Patch", "apply_patches", "check_data_dir", "guard_language_modeling_data",
+__all__ = ["FAIRSEQ_VERSION", "PATCHES", "Patch", "apply_patches", "check_data_dir", "ddp_on_cpu",
+           "evaluate_every_sequence", "gather_lists_off_cuda", "guard_language_modeling_data",
            "restore_fairseq_cli_logging"]
 
 FAIRSEQ_VERSION = "0.12"  # the release these patches were written against (fairseq-fixed 0.12.3.1)
@@ -38,7 +40,7 @@ class Patch:
         return getattr(importlib.import_module(f"{__package__}.{self.module}"), self.function)()
 
 
-# ------------------------------------------------------------------ the two patches that live here
+# ------------------------------------------------------------------ the patches that live here
 
 
 def check_data_dir(data) -> None:
@@ -72,6 +74,110 @@ def guard_language_modeling_data() -> bool:
     setup_task._smlp_checked = True
     setup_task.__wrapped__ = original
     LanguageModelingTask.setup_task = classmethod(setup_task)
+    return True
+
+
+@contextlib.contextmanager
+def _batches_of_any_size(cfg):
+    """cfg.dataset.required_batch_size_multiple = 1 for the block (restored after)."""
+    from omegaconf import open_dict
+
+    dataset = cfg.dataset
+    saved = dataset.required_batch_size_multiple
+    with open_dict(dataset):
+        dataset.required_batch_size_multiple = 1
+    try:
+        yield
+    finally:
+        with open_dict(dataset):
+            dataset.required_batch_size_multiple = saved
+
+
+def evaluate_every_sequence() -> bool:
+    """fairseq 0.12's `data_utils.batch_by_size` drops the last batch when its number of sequences is not a
+    multiple of --required-batch-size-multiple (default 8), although fairseq's validation iterators ask to
+    keep the remainder (skip_remainder_batch=False): fairseq-validate and the validation inside fairseq-train
+    left out up to 7 sequences, how many depending on --batch-size (2 of the 74 tiny validation blocks, 64 of
+    2364 tokens: 4.7e-3 of loss apart from fairseq-eval-lm after 50 updates, which batches with multiple 1).
+    Validation batches with multiple 1, as fairseq-eval-lm: every sequence is scored, whatever the batch size.
+    Training batches are left as fairseq makes them. Wrappers of Trainer.get_valid_iterator and, for
+    fairseq-validate, of call_main (its program module is not imported here)."""
+    from fairseq.distributed import utils as distributed_utils
+    from fairseq.trainer import Trainer
+
+    if getattr(Trainer.get_valid_iterator, "_smlp_checked", False):
+        return False
+    original_valid, original_call_main = Trainer.get_valid_iterator, distributed_utils.call_main
+
+    def get_valid_iterator(self, subset, disable_iterator_cache=False):
+        with _batches_of_any_size(self.cfg):
+            return original_valid(self, subset, disable_iterator_cache)
+
+    def call_main(cfg, main, **kwargs):
+        if getattr(main, "__module__", None) == "fairseq_cli.validate":
+            with _batches_of_any_size(cfg):
+                return original_call_main(cfg, main, **kwargs)
+        return original_call_main(cfg, main, **kwargs)
+
+    for fn, original in ((get_valid_iterator, original_valid), (call_main, original_call_main)):
+        fn._smlp_checked = True
+        fn.__wrapped__ = original
+    Trainer.get_valid_iterator = get_valid_iterator
+    distributed_utils.call_main = call_main
+    return True
+
+
+def gather_lists_off_cuda() -> bool:
+    """fairseq-validate on several ranks gathers the logging outputs with `all_gather_list`, which builds
+    `torch.cuda.ByteTensor` buffers and so fails on CPU (gloo) ranks: off NCCL, the lists are gathered with
+    `torch.distributed.all_gather_object` (the same result, pickled objects in rank order). A wrapper:
+    NCCL groups keep fairseq's function."""
+    from fairseq.distributed import utils as distributed_utils
+
+    original = distributed_utils.all_gather_list
+    if getattr(original, "_smlp_checked", False):
+        return False
+
+    def all_gather_list(data, group=None, max_size=16384):
+        import torch.distributed as dist
+
+        from smlp.process_group import collective_device
+
+        group = distributed_utils.get_global_group() if group is None else group
+        if collective_device(group).type == "cuda":
+            return original(data, group=group, max_size=max_size)
+        out = [None] * dist.get_world_size(group)
+        dist.all_gather_object(out, data, group=group)
+        return out
+
+    all_gather_list._smlp_checked = True
+    all_gather_list.__wrapped__ = original
+    distributed_utils.all_gather_list = all_gather_list
+    return True
+
+
+def ddp_on_cpu() -> bool:
+    """--ddp-backend pytorch_ddp (fairseq's default) or c10d on CPU ranks: fairseq builds torch's
+    DistributedDataParallel with device_ids=[--device-id], which torch refuses for a module on the CPU
+    ("device_ids and output_device arguments only work with single-device/multiple-device GPU modules").
+    A subclass that leaves them out for a CPU module replaces the class fairseq uses; GPU modules are
+    built as fairseq builds them."""
+    from fairseq.models import distributed_fairseq_model
+
+    original = distributed_fairseq_model.DistributedDataParallel
+    if getattr(original, "_smlp_checked", False):
+        return False
+
+    class DistributedDataParallel(original):
+        _smlp_checked = True
+        __wrapped__ = original
+
+        def __init__(self, module, device_ids=None, output_device=None, **kwargs):
+            if all(p.device.type == "cpu" for p in module.parameters()):  # torch takes no device ids here
+                device_ids = output_device = None
+            super().__init__(module, device_ids=device_ids, output_device=output_device, **kwargs)
+
+    distributed_fairseq_model.DistributedDataParallel = DistributedDataParallel
     return True
 
 
@@ -119,10 +225,22 @@ PATCHES = (
           "--zero-sharding os (fairscale OSS) would overwrite every rank's experts with one rank's: expert "
           "parameters keep their optimizer state on their rank"),
     Patch("precision", "precision", "install",
-          "--fp16/--bf16/--amp break with expert parameters and off CUDA (six patches, listed in precision.py)"),
+          "--fp16/--bf16/--amp break with expert parameters and off CUDA, and fairseq's gradient norm leaves the "
+          "experts out (six patches, listed in precision.py; at import only the wrappers that install, when a run's "
+          "configuration is known, the ones it needs)"),
     Patch("generation_patches", "generation_patches", "install",
           "numpy 2 in fairseq-interactive, rank-shard checkpoints on one process, generation limits and the "
           "routing-prefix fill (listed in generation_patches.py)"),
+    Patch("evaluate_every_sequence", "patches", "evaluate_every_sequence",
+          "fairseq-validate and fairseq-train's validation drop the last batch when its size is not a multiple of "
+          "--required-batch-size-multiple, so the figure left out sequences and depended on --batch-size: "
+          "validation batches with multiple 1, as fairseq-eval-lm"),
+    Patch("gather_lists_off_cuda", "patches", "gather_lists_off_cuda",
+          "fairseq-validate on several CPU (gloo) ranks gathers its logging outputs into torch.cuda.ByteTensor "
+          "buffers and fails: gathered as Python objects off NCCL"),
+    Patch("ddp_on_cpu", "patches", "ddp_on_cpu",
+          "--ddp-backend pytorch_ddp (fairseq's default) and c10d fail on CPU ranks: torch's DistributedDataParallel "
+          "refuses the device ids fairseq passes for a CPU module"),
     Patch("restore_fairseq_cli_logging", "patches", "restore_fairseq_cli_logging",
           "fairseq-eval-lm / fairseq-validate log nothing at INFO after fairseq's import set up logging"),
 )

@@ -1,63 +1,79 @@
-"""Mixed precision (--fp16, --bf16, --amp, --memory-efficient-fp16/-bf16) for expert-parallel models.
+"""Mixed precision (--fp16, --bf16, --amp, --memory-efficient-fp16/-bf16) for expert-parallel models,
+and the whole model's gradient norm in every precision.
 
-fairseq 0.12 (fairseq-fixed 0.12.3.1, the version these patches target; those that rely on its
-source text check it and raise FairseqChanged naming the version) trains half precision on one
+fairseq 0.12 (fairseq-fixed 0.12.3.1, the version these patches target) trains half precision on one
 device or on data-parallel ranks that hold the same parameters. With experts (`param.expert =
-True`, one set per rank) and on CPU it breaks in the ways listed below. `install()` applies the
-patches, in this order; each is idempotent, and none changes an fp32 run: patches 1, 2, 4, 5, 6
-act only when --bf16, --fp16, --amp (or their memory-efficient forms) is set, and patch 3
-changes one expression on the overflow path, which only the fp16 loss scaler reaches.
+True`, one set per rank) and on CPU it breaks in the ways listed below.
+
+When they are installed (issue 28): importing the plugins installs only wrappers that cannot fail
+and change nothing by themselves: `fairseq.distributed.utils.call_main` and `Trainer.__init__`,
+which call `prepare(cfg)` once the run's configuration is known, and the gradient norm (patch 4,
+which every precision uses). `prepare` installs the patches that configuration needs, each only
+where it is needed: 2 and 5 with their precision flag, 3 and 6 only off CUDA. Patches 2 and 5
+replace fairseq code they were written against and first check its source; where it differs (a
+cluster's own fairseq build) or is not installed, the run that needs the patch stops in `prepare`,
+before any work, with `FairseqChanged` naming the flag, the installed fairseq version and the
+target, while fp32 runs (and the runs of other flags) go on. Nothing is recompiled from fairseq's
+source: every patch wraps or replaces an attribute and keeps the original as `__wrapped__`, so an
+earlier wrapper of the same attribute keeps working. Each is idempotent.
 
 1. `--bf16` without a TPU (`fairseq.distributed.utils.call_main`). `fairseq.options` turns
    --tpu on whenever --bf16 is given; the trainer then asks torch_xla for a device and fails
    ("'NoneType' object has no attribute 'xrt_world_size'"), on CPU and on a GPU without
    torch_xla alike. Unless --tpu is on the command line, the run is put back on its real
    device (one log line). --amp with --bf16 is refused here, before any work.
-2. Flattened fp32 master weights (`FP16Optimizer.build_optimizer`, `build_fp32_params`).
-   --fp16 copies every parameter into one flat fp32 tensor, which drops `param.expert`: the
-   gradient norm then mixes each rank's own expert gradients into the "shared" norm, differs
+2. Flattened fp32 master weights (`FP16Optimizer.build_optimizer`, `build_fp32_params`; --fp16,
+   --bf16). --fp16 copies every parameter into one flat fp32 tensor, which drops `param.expert`:
+   the gradient norm then mixes each rank's own expert gradients into the "shared" norm, differs
    between ranks, and fairseq's "gradients are inconsistent between workers" check (CUDA only)
    stops training at the first update. A model with expert parameters gets per-parameter
    master weights instead (as --fp16-no-flatten-grads, one log line): the same memory, and the
    optimizer state stays per parameter, which resuming on another world size (elastic.py) and
-   --zero-sharding os need. A flat buffer on a non-CUDA device (a dense model with --fp16 on
-   CPU) is built on the parameters' device instead of `torch.cuda.current_device()`; CUDA
-   keeps fairseq's code.
-3. Gradient overflow off CUDA (`Trainer.train_step`): the overflow handler creates the logged
-   norm with `torch.tensor(0.0).cuda()`, which raises on CPU. The method is recompiled from
-   fairseq's own source with that one expression replaced by `torch.tensor(0.0,
-   device=self.device)` (the same tensor on CUDA); line numbers and the module's globals are
-   fairseq's.
-4. The whole model's gradient norm (`Trainer.clip_grad_norm`, `fairseq.utils.clip_grad_norm_`).
-   fairseq leaves expert gradients out of the norm, which is also the fp16 loss scaler's only
-   overflow test: an inf in one expert's gradient was applied as an update (the weight became
-   NaN). Under mixed precision, for models with experts, the norm that is clipped, logged and
-   tested for overflow is `smlp.expert_data_parallel.grad_norm_with_experts`: shared gradients once, every
-   expert once (replicas of expert-data parallelism once), one all-reduce of a scalar on the
-   backend's device, the same on every rank. An overflow anywhere (any rank, any expert) is then
-   seen by every rank: all skip the step and lower the loss scale together. (fp32 keeps
-   fairseq's norm; with --bf16 a non-finite norm stops every rank, as fairseq does.)
-5. AMP's GradScaler (`AMPOptimizer`). (a) It is built as `torch.amp.GradScaler(device)` on the
-   parameters' device type: on CUDA the same scaler as fairseq's `torch.cuda.amp.GradScaler`;
-   on CPU an enabled one (fairseq's is disabled there, so --amp was plain fp32). (b) fairseq
-   unscales the gradients of `self.optimizer` and then steps `self.fp32_optimizer`, another
-   object to the scaler, which therefore unscales the same gradients a second time; here the
-   step's object is unscaled, once. (c) The scaler's skip decision (found_inf) is set from the
-   whole-model norm of patch 4, so ranks do not decide on their own experts (on GPUs an inf on
-   one rank skipped the step there only, and the shared weights drifted apart). (d)
-   --amp-scale-window sets the growth interval (fairseq passed --amp-init-scale).
-6. Autocast for --amp off CUDA (`FairseqTask.train_step`): fairseq enters
+   --zero-sharding os need. Off CUDA, a flat buffer (a dense model with --fp16 on CPU) is built
+   on the parameters' device instead of `torch.cuda.current_device()` (that part checks fairseq's
+   source, and only off CUDA).
+3. Gradient overflow off CUDA (`Trainer.train_step`; --fp16, --memory-efficient-fp16, off CUDA
+   only). fairseq's overflow handler creates the logged norm with `torch.tensor(0.0).cuda()`,
+   which raises off CUDA. train_step is wrapped: when that expression fails while an
+   OverflowError is being handled, the wrapper finishes fairseq's overflow branch (gradients
+   zeroed, no update, the loss scale logged) as fairseq does after that line.
+4. The whole model's gradient norm (`Trainer.clip_grad_norm`, `fairseq.utils.clip_grad_norm_`;
+   every precision, fp32 included). fairseq leaves expert gradients out of the norm, so its
+   clip coefficient scaled the experts by a norm that did not count them, `gnorm` meant
+   something else in fp32 than under --bf16, and an inf or NaN in one expert's gradient was
+   applied as an update (the weight became NaN); it is also the fp16 loss scaler's only overflow
+   test. For models with experts, the norm that is clipped, logged and tested is
+   `smlp.expert_data_parallel.grad_norm_with_experts`: shared gradients once, every expert once
+   (replicas of expert-data parallelism once), one all-reduce of a scalar on the backend's
+   device, the same on every rank. A non-finite gradient anywhere (any rank, any expert) is then
+   seen by every rank: with a loss scale all skip the step and lower the scale together; in fp32
+   and with --bf16 every rank stops together ("gradients are Nan/Inf"), as fairseq does for a
+   non-finite norm (fairseq's comparison of the ranks' norms, `Trainer._check_grad_norms`, is not
+   asked to compare equal non-finite norms: inf - inf would read as "gradients are inconsistent
+   between workers").
+5. AMP's GradScaler (`AMPOptimizer`; --amp). (a) It is built as `torch.amp.GradScaler(device)`
+   on the parameters' device type: on CUDA the same scaler as fairseq's
+   `torch.cuda.amp.GradScaler`; on CPU an enabled one (fairseq's is disabled there, so --amp was
+   plain fp32). (b) fairseq unscales the gradients of `self.optimizer` and then steps
+   `self.fp32_optimizer`, another object to the scaler, which therefore unscales the same
+   gradients a second time; here the step's object is unscaled, once. (c) The scaler's skip
+   decision (found_inf) is set from the whole-model norm of patch 4, so ranks do not decide on
+   their own experts (on GPUs an inf on one rank skipped the step there only, and the shared
+   weights drifted apart). (d) --amp-scale-window sets the growth interval (fairseq passed
+   --amp-init-scale). (e) The scaler's state (scale, growth tracker) is saved with the
+   optimizer's and restored on resume: fairseq saved none, so every resume restarted at
+   --fp16-init-scale.
+6. Autocast for --amp off CUDA (`FairseqTask.train_step`; off CUDA only): fairseq enters
    `torch.cuda.amp.autocast`, a no-op on CPU; on another device the forward runs under
    `torch.autocast(device, float16)`, so a CPU run exercises what --amp does on GPUs (fp16
-   matmuls, fp32 routers and reductions, dynamic loss scaling). On CUDA nothing changes.
+   matmuls, fp32 routers and reductions, dynamic loss scaling).
 """
 from __future__ import annotations
 
-import ast
 import inspect
 import logging
 import sys
-import textwrap
+import traceback
 
 import torch
 
@@ -66,18 +82,21 @@ from smlp.experts import is_expert
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["WholeModelGradNorm", "install"]
+__all__ = ["FairseqChanged", "WholeModelGradNorm", "install", "prepare"]
 
 FAIRSEQ_TARGET = "fairseq-fixed 0.12.3.1"
 _MARK = "_smlp_precision"
 
 
-def _mixed_precision(common) -> bool:
-    return bool(getattr(common, "fp16", False) or getattr(common, "bf16", False) or getattr(common, "amp", False))
-
-
 def _patched(obj) -> bool:
-    return bool(getattr(obj, _MARK, False))
+    """Whether obj, or a function it wraps (another patch may wrap the same attribute since), is ours."""
+    seen = set()
+    while obj is not None and id(obj) not in seen:
+        if getattr(obj, _MARK, False):
+            return True
+        seen.add(id(obj))
+        obj = getattr(obj, "__wrapped__", None)
+    return False
 
 
 def _mark(fn, original):
@@ -88,6 +107,41 @@ def _mark(fn, original):
 
 class FairseqChanged(RuntimeError):
     """The fairseq code a patch replaces is not the code it was written for."""
+
+
+def _source(fn) -> str | None:
+    """fairseq's source of `fn` (wrappers unwrapped), or None where fairseq is installed without it."""
+    try:
+        return inspect.getsource(fn)
+    except (OSError, TypeError):
+        return None
+
+
+def _check_source(fn, expected: str, what: str) -> None:
+    """FairseqChanged unless fairseq's source of `fn` contains `expected` (the code a patch replaces)."""
+    source = _source(fn)
+    if source is None:
+        raise FairseqChanged(f"{what}: fairseq is installed without its source, which the patch checks")
+    if expected not in source:
+        raise FairseqChanged(f"{what} is not {FAIRSEQ_TARGET}'s (expected `{expected}`)")
+
+
+def _fairseq_version() -> str:
+    import fairseq
+
+    return getattr(fairseq, "__version__", "unknown")
+
+
+def _off_cuda(common) -> bool:
+    return bool(getattr(common, "cpu", False)) or not torch.cuda.is_available()
+
+
+def _flag(common) -> str:
+    """The precision flag of a run, as typed (fairseq sets fp16 / bf16 for the memory-efficient forms too)."""
+    for name in ("amp", "memory_efficient_fp16", "memory_efficient_bf16", "fp16", "bf16"):
+        if getattr(common, name, False):
+            return "--" + name.replace("_", "-")
+    return "fp32"
 
 
 # ------------------------------------------------------------------ 1. --bf16 without --tpu
@@ -132,6 +186,7 @@ def _install_call_main() -> None:
 
     def call_main(cfg, main, **kwargs):
         bf16_without_tpu(cfg)
+        prepare(cfg)  # the patches this run needs, or a clear stop before any work
         return original(cfg, main, **kwargs)
 
     distributed_utils.call_main = _mark(call_main, original)
@@ -141,7 +196,7 @@ def _install_call_main() -> None:
 
 
 def _install_fp16_master_weights() -> None:
-    from fairseq.optim.fp16_optimizer import FP16Optimizer, _FP16OptimizerMixin
+    from fairseq.optim.fp16_optimizer import FP16Optimizer
 
     if not _patched(FP16Optimizer.__dict__["build_optimizer"].__func__):
         original_build = FP16Optimizer.__dict__["build_optimizer"].__func__
@@ -162,10 +217,13 @@ def _install_fp16_master_weights() -> None:
 
         FP16Optimizer.build_optimizer = classmethod(_mark(build_optimizer, original_build))
 
+
+def _install_fp32_flat_buffer_off_cuda() -> None:
+    from fairseq.optim.fp16_optimizer import _FP16OptimizerMixin
+
     if not _patched(_FP16OptimizerMixin.__dict__["build_fp32_params"].__func__):
         original_fp32 = _FP16OptimizerMixin.__dict__["build_fp32_params"].__func__
-        if "torch.cuda.current_device()" not in inspect.getsource(original_fp32):
-            raise FairseqChanged(f"fairseq's build_fp32_params is not {FAIRSEQ_TARGET}'s: the CPU patch does not apply")
+        _check_source(original_fp32, "torch.cuda.current_device()", "fairseq's build_fp32_params")
 
         def build_fp32_params(cls, args, params, flatten=True):
             pipeline = getattr(args, "pipeline_model_parallel", False) and getattr(args, "distributed_no_spawn", False)
@@ -188,26 +246,44 @@ def _install_fp16_master_weights() -> None:
 
 # ------------------------------------------------------------------ 3. overflow off CUDA
 
-_CUDA_ZERO = "torch.tensor(0.0).cuda()"
-_DEVICE_ZERO = "torch.tensor(0.0, device=self.device)"
+
+def _overflow_buffer_failed(exc: BaseException, trainer_file: str) -> bool:
+    """Whether `exc` is fairseq's `torch.tensor(0.0).cuda()` failing off CUDA: raised in Trainer.train_step
+    while an OverflowError was being handled (its context), by the CUDA initialization."""
+    frames = [frame for frame, _ in traceback.walk_tb(exc.__traceback__)]
+    in_train_step = any(f.f_code.co_name == "train_step" and f.f_code.co_filename == trainer_file for f in frames)
+    return isinstance(exc.__context__, OverflowError) and in_train_step and "cuda" in str(exc).lower()
 
 
-def _install_train_step() -> None:
+def _install_overflow_off_cuda() -> None:
     from fairseq import trainer as trainer_module
+    from fairseq.logging import metrics
 
     Trainer = trainer_module.Trainer
     if _patched(Trainer.train_step):
         return
     original = Trainer.train_step
-    source = inspect.getsource(original)
-    if source.count(_CUDA_ZERO) != 1:
-        raise FairseqChanged(f"Trainer.train_step is not {FAIRSEQ_TARGET}'s (expected one `{_CUDA_ZERO}`)")
-    _, first_line = inspect.getsourcelines(original)
-    tree = ast.parse(textwrap.dedent(source.replace(_CUDA_ZERO, _DEVICE_ZERO)))
-    ast.increment_lineno(tree, first_line - 1)  # tracebacks keep pointing at fairseq's lines
-    namespace: dict = {}
-    exec(compile(tree, inspect.getsourcefile(original), "exec"), trainer_module.__dict__, namespace)
-    Trainer.train_step = _mark(namespace["train_step"], original)
+    trainer_file = trainer_module.__file__
+
+    def train_step(self, samples, raise_oom=False):
+        if self.cuda:
+            return original(self, samples, raise_oom)
+        try:
+            return original(self, samples, raise_oom)
+        except (AssertionError, RuntimeError) as exc:
+            if not _overflow_buffer_failed(exc, trainer_file):
+                raise
+        # the rest of fairseq's overflow branch after that line: the step is skipped, nothing is updated
+        with metrics.aggregate("train"):
+            self.zero_grad()
+            if self.cfg.common.fp16 or self.cfg.common.amp:
+                scaler = self.optimizer.scaler
+                metrics.log_scalar("loss_scale", scaler.loss_scale if self.cfg.common.fp16 else scaler.get_scale(),
+                                   priority=700, round=4, weight=0)
+            metrics.log_stop_time("train_wall")
+        return None
+
+    Trainer.train_step = _mark(train_step, original)
 
 
 # ------------------------------------------------------------------ 4. whole-model gradient norm
@@ -243,14 +319,14 @@ class WholeModelGradNorm:
 
 
 def whole_model_norm_for(trainer) -> WholeModelGradNorm | None:
-    """The norm aggregator a mixed-precision trainer of an expert model uses; None: fairseq's norm.
+    """The norm aggregator a trainer of an expert model uses, in every precision; None: fairseq's norm.
 
     Decided once per trainer (the model's parameters do not change). The group is the default one:
     the experts are spread over all W ranks (smlp.expert_data_parallel.ExpertDataLayout)."""
     if "_smlp_whole_model_norm" not in trainer.__dict__:
         aggregate = None
         model = trainer.get_model()
-        if _mixed_precision(trainer.cfg.common) and not trainer.is_fsdp and any(map(is_expert, model.parameters())):
+        if not trainer.is_fsdp and any(map(is_expert, model.parameters())):
             layout = getattr(model, "expert_layout", None)
             aggregate = WholeModelGradNorm(replicas=layout.replicas if layout is not None else 1, group=None)
         trainer._smlp_whole_model_norm = aggregate
@@ -285,6 +361,19 @@ def _install_grad_norm() -> None:
 
         Trainer.clip_grad_norm = _mark(clip_grad_norm, original)
 
+    if not _patched(Trainer._check_grad_norms):
+        original_check = Trainer._check_grad_norms
+
+        def _check_grad_norms(self, grad_norm):
+            if whole_model_norm_for(self) is not None and not bool(torch.isfinite(grad_norm).all()):
+                # all-reduced: every rank holds the same non-finite norm, which fairseq's comparison of the
+                # ranks' norms (inf - inf) would report as "gradients are inconsistent between workers";
+                # the trainer raises "gradients are Nan/Inf" (or skips the step under --amp) right after
+                return None
+            return original_check(self, grad_norm)
+
+        Trainer._check_grad_norms = _mark(_check_grad_norms, original_check)
+
 
 # ------------------------------------------------------------------ 5. AMP's GradScaler
 
@@ -311,6 +400,9 @@ def agree_on_overflow(scaler, optimizer, grad_norm: torch.Tensor) -> None:
         t.copy_(overflow.to(t.device))
 
 
+AMP_SCALER_KEY = "amp_scaler"  # the GradScaler's state in the optimizer's saved state
+
+
 def _install_amp() -> None:
     from fairseq import optim
     from fairseq.optim.amp_optimizer import AMPOptimizer
@@ -318,8 +410,8 @@ def _install_amp() -> None:
     if _patched(AMPOptimizer.__init__):
         return
     original_init, original_clip = AMPOptimizer.__init__, AMPOptimizer.clip_grad_norm
-    if "self.scaler.unscale_(self.optimizer)" not in inspect.getsource(original_clip):
-        raise FairseqChanged(f"AMPOptimizer.clip_grad_norm is not {FAIRSEQ_TARGET}'s")
+    original_state, original_load = AMPOptimizer.state_dict, AMPOptimizer.load_state_dict
+    _check_source(original_clip, "self.scaler.unscale_(self.optimizer)", "AMPOptimizer.clip_grad_norm")
 
     def __init__(self, cfg, params, fp32_optimizer, **kwargs):
         optim.FairseqOptimizer.__init__(self, cfg.optimizer)
@@ -343,8 +435,22 @@ def _install_amp() -> None:
             logger.info(f"AMP: overflow detected, setting scale to {new_loss_scale}")
         return grad_norm
 
+    def state_dict(self):
+        state = dict(self.fp32_optimizer.state_dict())
+        state[AMP_SCALER_KEY] = self.scaler.state_dict()  # scale and growth tracker: a resume continues them
+        return state
+
+    def load_state_dict(self, state_dict, optimizer_overrides=None):
+        state_dict = dict(state_dict)
+        scaler = state_dict.pop(AMP_SCALER_KEY, None)
+        self.fp32_optimizer.load_state_dict(state_dict, optimizer_overrides)
+        if scaler:
+            self.scaler.load_state_dict(scaler)
+
     AMPOptimizer.__init__ = _mark(__init__, original_init)
     AMPOptimizer.clip_grad_norm = _mark(clip_grad_norm, original_clip)
+    AMPOptimizer.state_dict = _mark(state_dict, original_state)
+    AMPOptimizer.load_state_dict = _mark(load_state_dict, original_load)
 
 
 # ------------------------------------------------------------------ 6. autocast for --amp off CUDA
@@ -369,11 +475,64 @@ def _install_amp_autocast() -> None:
     FairseqTask.train_step = _mark(train_step, original)
 
 
+def _install_trainer_init() -> None:
+    from fairseq.trainer import Trainer
+
+    if _patched(Trainer.__init__):
+        return
+    original = Trainer.__init__
+
+    def __init__(self, cfg, *args, **kwargs):
+        prepare(cfg)  # trainers built without call_main (in-process runs) get their patches too
+        original(self, cfg, *args, **kwargs)
+
+    Trainer.__init__ = _mark(__init__, original)
+
+
+def _needed(common) -> list[tuple[str, str, object]]:
+    """(patch, the flag that needs it, its installer) for a run's `common` config, in order."""
+    flag, off_cuda = _flag(common), _off_cuda(common)
+    fp16, bf16, amp = (bool(getattr(common, k, False)) for k in ("fp16", "bf16", "amp"))
+    memory_efficient = bool(getattr(common, "memory_efficient_fp16", False)
+                            or getattr(common, "memory_efficient_bf16", False))
+    needed = []
+    if (fp16 or bf16) and not memory_efficient:  # fairseq's FP16Optimizer holds fp32 master weights
+        needed.append(("2. per-parameter fp32 master weights", flag, _install_fp16_master_weights))
+        if off_cuda:
+            needed.append(("2. the flat fp32 buffer off CUDA", flag, _install_fp32_flat_buffer_off_cuda))
+    if fp16 and off_cuda:  # the loss scaler's overflow reaches the .cuda() buffer
+        needed.append(("3. the gradient overflow off CUDA", flag, _install_overflow_off_cuda))
+    if amp:
+        needed.append(("5. AMP's GradScaler", flag, _install_amp))
+        if off_cuda:
+            needed.append(("6. autocast for --amp off CUDA", flag, _install_amp_autocast))
+    return needed
+
+
+def prepare(cfg) -> list[str]:
+    """Install the patches the run of `cfg` needs (module docstring), or stop it before any work.
+
+    Returns the patches installed (or already installed). Raises FairseqChanged, naming the flag, the
+    installed fairseq version and the version the patch targets, when one cannot apply; a run that
+    needs none (fp32) is never stopped here."""
+    common = getattr(cfg, "common", cfg)
+    done = []
+    for name, flag, installer in _needed(common):
+        try:
+            installer()
+        except FairseqChanged as exc:
+            raise FairseqChanged(
+                f"{flag} cannot run with the installed fairseq {_fairseq_version()}: the sMLP plugins' patch "
+                f"{name} (fairseq_plugins/precision.py) was written for {FAIRSEQ_TARGET}, and {exc}. Runs "
+                f"without {flag} (fp32) are not affected; install {FAIRSEQ_TARGET} or train without {flag}") from exc
+        done.append(name)
+    return done
+
+
 def install() -> None:
-    """Apply patches 1-6 of the module docstring (idempotent)."""
+    """At plugin import: the wrappers that install the rest once a run's configuration is known
+    (`prepare`, from call_main and Trainer.__init__), and the whole-model gradient norm (patch 4,
+    every precision). None checks fairseq's source: importing the plugins cannot fail here."""
     _install_call_main()
-    _install_fp16_master_weights()
-    _install_train_step()
+    _install_trainer_init()
     _install_grad_norm()
-    _install_amp()
-    _install_amp_autocast()

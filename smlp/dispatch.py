@@ -201,6 +201,8 @@ class DispatchState:
     recv_splits: list[int] = field(default_factory=list)
     by_expert_R: Tensor | None = None  # permutation from (source rank, local expert) to (local expert, source rank)
     dropped: int = 0  # rows routed nowhere (expert -1): sorted first, kept home, combined as zeros
+    # rows per local expert on the device (the experts' grouped product reads its offsets there), or None
+    counts_dev_L: Tensor | None = None
 
 
 class LocalDispatcher:
@@ -244,6 +246,7 @@ class LocalDispatcher:
         """
         E = self.num_experts
         order_S, x_sorted = _sort_rows(x_SD, expert_S, presorted)
+        counts_dev_L = None
         if host_counts_E is not None:
             counts, dropped = list(host_counts_E), 0
             if fault is not None:
@@ -255,7 +258,8 @@ class LocalDispatcher:
             if fault is not None:
                 raise_on_fault([host[E + 1:]], layer)
             dropped, counts = host[0], host[1:E + 1]
-        return x_sorted[dropped:], counts, DispatchState(order_S, dropped=dropped)
+            counts_dev_L = counts_E1[1:]
+        return x_sorted[dropped:], counts, DispatchState(order_S, dropped=dropped, counts_dev_L=counts_dev_L)
 
     def combine(self, y_RD: Tensor, state: DispatchState) -> Tensor:
         return _unsort_rows(_restore_dropped(y_RD, state.dropped), state.order_S)
@@ -410,10 +414,11 @@ class AllToAllDispatcher(LocalDispatcher):
         # 5. Regroup by (local expert, source rank) so each local expert sees one contiguous block
         #    (nothing to do with one local expert per rank, the paper's layout).
         counts_L = [sum(row[l] for row in recv) for l in range(L)]
+        counts_dev_L = recv_WX[:, :L].sum(0)  # on the collective's device, for the experts' grouped product
         if L == 1:
-            return x_recv, counts_L, DispatchState(order_S, send_splits, recv_splits, None, dropped)
+            return x_recv, counts_L, DispatchState(order_S, send_splits, recv_splits, None, dropped, counts_dev_L)
         by_expert_R = _block_transpose(recv_WX[:, :L].to(x_SD.device), sum(recv_splits))
-        state = DispatchState(order_S, send_splits, recv_splits, by_expert_R, dropped)
+        state = DispatchState(order_S, send_splits, recv_splits, by_expert_R, dropped, counts_dev_L)
         return x_recv[by_expert_R], counts_L, state
 
     def combine(self, y_RD: Tensor, state: DispatchState) -> Tensor:

@@ -31,7 +31,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .spatial import causal_product_rows, causal_weight, check_length, init_spatial_, uniform_per_slice_
+from .spatial import (
+    causal_product_rows,
+    causal_weight,
+    check_length,
+    init_spatial_,
+    load_gate_bias_offset,
+    uniform_per_slice_,
+)
 
 __all__ = ["mark_expert", "is_expert", "FFNExperts", "SpatialExperts"]
 
@@ -95,7 +102,7 @@ def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
         try:
             x = torch.ones(3, 16, device=device, dtype=dtype, requires_grad=True)
             w = torch.ones(2, 16, 16, device=device, dtype=dtype, requires_grad=True)
-            offs = torch.tensor([1, 3], dtype=torch.int32, device=device)
+            offs = torch.arange(1, 4, 2, dtype=torch.int32, device=device)  # [1, 3], made on the device
             F.grouped_mm(x, w, offs=offs).square().sum().backward()
             _GROUPED_MM[key] = bool(torch.equal(w.grad[1], 2 * 2 * 16 * torch.ones_like(w.grad[1])))
         except (RuntimeError, AttributeError, NotImplementedError, TypeError):
@@ -109,8 +116,115 @@ def _strides_aligned(dtype: torch.dtype, *widths: int) -> bool:
     return all(w * dtype.itemsize % 16 == 0 for w in widths)
 
 
+def _grouped_by_default(device: torch.device) -> bool:
+    """Unequal counts take the grouped product on accelerators; on the CPU it is no faster than the loop."""
+    return device.type != "cpu"
+
+
 def _grouped_matmul(x_RD: Tensor, w_LDF: Tensor, offs_L: Tensor) -> Tensor:
     return _DenseGrad.apply(F.grouped_mm(x_RD, w_LDF, offs=offs_L))
+
+
+# ---------------------------------------------------------------- rows in fixed-shape tiles
+
+TILE_ROWS = 16  # a multiple of the CPU GEMM kernels' row blocks; padding at most L (TILE_ROWS - 1) rows
+
+
+def tile_slots(expert_S: Tensor, num_experts: int, rows: int = TILE_ROWS) -> tuple[Tensor, list[int]]:
+    """Where each row goes when the rows are sorted by expert and each expert's rows padded to tiles.
+
+    Returns (slot_S, tiles_E): row s sits at slot slot_S[s] of a (sum(tiles_E) * rows)-row buffer,
+    expert e's tiles are the tiles_E[e] after those of experts < e, rows in their original order.
+    tiles_E is read on the host (the number of tiles sets the products' batch sizes): one read.
+    """
+    S = expert_S.shape[0]
+    counts_E = torch.bincount(expert_S, minlength=num_experts)
+    tiles_E = (counts_E + rows - 1) // rows
+    order_S = torch.argsort(expert_S, stable=True)
+    sorted_expert_S = expert_S[order_S]
+    first_row_E = torch.cumsum(counts_E, 0) - counts_E
+    first_slot_E = (torch.cumsum(tiles_E, 0) - tiles_E) * rows
+    rank_S = torch.arange(S, device=expert_S.device) - first_row_E[sorted_expert_S]
+    slot_S = torch.empty_like(expert_S)
+    slot_S[order_S] = first_slot_E[sorted_expert_S] + rank_S
+    return slot_S, tiles_E.tolist()
+
+
+def pad_to_tiles(chunks_L: list[Tensor], rows: int = TILE_ROWS) -> tuple[Tensor, list[int]]:
+    """Rows already grouped by expert (chunks_L[l] of expert l) as whole tiles: each chunk followed
+    by zero rows up to a multiple of `rows`, in one concatenation (no index built on the host).
+
+    Returns (x_RD, tiles_L): the padded rows and the tiles of each expert."""
+    zeros = chunks_L[0].new_zeros((rows - 1,) + tuple(chunks_L[0].shape[1:]))
+    parts, tiles_L = [], []
+    for chunk in chunks_L:
+        pad = -chunk.shape[0] % rows
+        parts += [chunk, zeros[:pad]] if pad else [chunk]
+        tiles_L.append((chunk.shape[0] + pad) // rows)
+    return torch.cat(parts), tiles_L
+
+
+def unpad_tiles(y_RD: Tensor, counts_L: list[int], tiles_L: list[int], rows: int = TILE_ROWS) -> Tensor:
+    """The rows of `pad_to_tiles`'s output that hold data (counts_L[l] of expert l), in order."""
+    parts, first = [], 0
+    for c, k in zip(counts_L, tiles_L):
+        parts.append(y_RD[first:first + c])
+        first += k * rows
+    return torch.cat(parts)
+
+
+class _TiledExpertLinear(torch.autograd.Function):
+    """y[tile] = x[tile] @ W_e + b_e for expert e's tiles, as one fixed-shape product per tile.
+
+    Forward: a batched (k, rows, D) @ (D, F) product per expert with k tiles (the weight broadcast,
+    not copied): the product of a row does not depend on how many rows share its expert.
+    Backward: the weight gradient as one (D x k rows) @ (k rows x F) product per expert (the
+    broadcast's own backward would materialize k copies of it), zeros for an expert without tiles,
+    so every expert's parameters take part in every backward."""
+
+    @staticmethod
+    def forward(ctx, x_RD: Tensor, tiles_E: list[int], rows: int, *params: Tensor) -> Tensor:
+        E = len(tiles_E)
+        weights, biases = params[:E], params[E:]
+        D, Fo = x_RD.shape[1], weights[0].shape[1]
+        out = []
+        first = 0
+        for e, k in enumerate(tiles_E):
+            if k:
+                x_tiles = x_RD[first * rows:(first + k) * rows].view(k, rows, D)
+                y_tiles = torch.bmm(x_tiles, weights[e].expand(k, D, Fo)) + biases[e]
+                out.append(y_tiles.reshape(k * rows, Fo))
+            first += k
+        ctx.save_for_backward(x_RD, *weights)
+        ctx.tiles_E, ctx.rows = tiles_E, rows
+        return torch.cat(out) if out else x_RD.new_zeros(0, Fo)
+
+    @staticmethod
+    def backward(ctx, grad_RF: Tensor):
+        x_RD, *weights = ctx.saved_tensors
+        rows = ctx.rows
+        grad_x = x_RD.new_empty(x_RD.shape) if ctx.needs_input_grad[0] else None
+        grad_w, grad_b = [], []
+        first = 0
+        for e, k in enumerate(ctx.tiles_E):
+            sl = slice(first * rows, (first + k) * rows)
+            g_RF, x_RD_e = grad_RF[sl], x_RD[sl]
+            if grad_x is not None:
+                grad_x[sl] = g_RF @ weights[e].t()
+            grad_w.append(x_RD_e.t() @ g_RF)  # (D, F); zeros for k = 0
+            grad_b.append(g_RF.sum(0))
+            first += k
+        return (grad_x, None, None, *grad_w, *grad_b)
+
+
+def tiled_expert_linear(x_RD: Tensor, tiles_E: list[int], weights_E: list[Tensor], biases_E: list[Tensor],
+                        rows: int = TILE_ROWS) -> Tensor:
+    """x @ weights_E[e] + biases_E[e] for the tiles_E[e] tiles of `rows` rows of expert e (rows sorted
+    by expert and padded to whole tiles: `pad_to_tiles`, `tile_slots`); weights (D, F) each."""
+    return _TiledExpertLinear.apply(x_RD, tiles_E, rows, *weights_E, *biases_E)
+
+
+# ---------------------------------------------------------------- the experts
 
 
 class FFNExperts(nn.Module):
@@ -149,18 +263,34 @@ class FFNExperts(nn.Module):
         # faster than the loop and gathers biases per row: benchmarks/local_experts.py); True / False force it
         self.grouped: bool | None = None
 
-    def forward(self, x_RD: Tensor, counts_L: list[int]) -> Tensor:
+    def forward(self, x_RD: Tensor, counts_L: list[int], *, counts_dev_L: Tensor | None = None,
+                fixed_counts: bool = False) -> Tensor:
+        """The experts on the rows they received, grouped by local expert (counts_L[l] rows of expert l).
+
+        Args:
+            x_RD:         (R, D) the rows
+            counts_L:     rows per local expert (host ints)
+            counts_dev_L: (L,) the same counts on the rows' device, where the dispatcher has them: the
+                          grouped product's offsets without a host-to-device copy
+            fixed_counts: the counts do not depend on the rows' values (a balanced assignment). At
+                          evaluation, unless they are, the rows are computed in tiles (`forward_tiled`)
+
+        Returns:
+            y_RD: (R, D)
+        """
         _check_counts(x_RD, counts_L)
         L, R, D = len(counts_L), x_RD.shape[0], x_RD.shape[-1]
         c = _equal_count(counts_L)
         if torch.jit.is_tracing():  # FLOP counters (fvcore) count the loop's matmuls
             return self.forward_loop(x_RD, counts_L)
+        if not self.training and not fixed_counts:  # a row's result must not depend on the other rows
+            return self.forward_tiled(x_RD, counts_L)
         if c is not None:  # balanced (or one expert): one batched product, the weights used whole
             return self._batched(x_RD.reshape(L, c, D)).reshape(R, D)
-        grouped = self.grouped if self.grouped is not None else x_RD.device.type != "cpu"
+        grouped = self.grouped if self.grouped is not None else _grouped_by_default(x_RD.device)
         if grouped and _strides_aligned(x_RD.dtype, D, self.w1.shape[-1]) \
                 and grouped_mm_supported(x_RD.device, x_RD.dtype):  # unequal counts: one grouped product
-            return self._grouped(x_RD, counts_L)
+            return self._grouped(x_RD, counts_L, counts_dev_L)
         return self.forward_loop(x_RD, counts_L)
 
     def _batched(self, x_LcD: Tensor) -> Tensor:
@@ -171,17 +301,38 @@ class FFNExperts(nn.Module):
         h_LcF = self.activation(torch.baddbmm(self.b1[:, None], x_LcD, self.w1))
         return torch.baddbmm(self.b2[:, None], h_LcF, self.w2)
 
-    def _grouped(self, x_RD: Tensor, counts_L: list[int]) -> Tensor:
+    def _grouped(self, x_RD: Tensor, counts_L: list[int], counts_dev_L: Tensor | None = None) -> Tensor:
         """Rows grouped by expert (counts_L rows each) through one grouped matmul per projection; the
-        biases and LayerNorm affines are gathered per row."""
+        biases and LayerNorm affines are gathered per row. The offsets come from the counts on the
+        device (counts_dev_L); without them the host counts are copied there (a copy that waits)."""
         L, R = len(counts_L), x_RD.shape[0]
-        counts = torch.tensor(counts_L, device=x_RD.device)
+        counts = counts_dev_L.to(x_RD.device) if counts_dev_L is not None else torch.tensor(counts_L,
+                                                                                            device=x_RD.device)
         offs_L = torch.cumsum(counts, 0).to(torch.int32)
         expert_R = torch.repeat_interleave(torch.arange(L, device=x_RD.device), counts, output_size=R)
         if self.norm_weight is not None:
             x_RD = F.layer_norm(x_RD, x_RD.shape[-1:]) * self.norm_weight[expert_R] + self.norm_bias[expert_R]
         h_RF = self.activation(_grouped_matmul(x_RD, self.w1, offs_L) + self.b1[expert_R])
         return _grouped_matmul(h_RF, self.w2, offs_L) + self.b2[expert_R]
+
+    def forward_tiled(self, x_RD: Tensor, counts_L: list[int]) -> Tensor:
+        """Each expert's rows in tiles of TILE_ROWS rows, one fixed-shape product per tile
+        (`tiled_expert_linear`, as the token-routed gMLP computes its experts): the result of a row
+        depends on its own values only. Evaluation uses it wherever the counts depend on the data
+        (greedy Base Layers and sMLP tMoE routing, HASH, Switch and GShard without an evaluation
+        capacity, and the rows other ranks send through the all2all): a product over another number
+        of rows may round differently, and later tokens, which change the counts, would then change
+        earlier outputs (the bit-exact causality check, smlp/causality.py). Costs the padding, at
+        most L (TILE_ROWS - 1) rows, and thinner products than the loop's."""
+        D = x_RD.shape[-1]
+        chunks_L = _split_rows(x_RD, counts_L)
+        if self.norm_weight is not None:  # each expert's LayerNorm, row by row
+            chunks_L = [F.layer_norm(chunk, (D,), w, b)
+                        for chunk, w, b in zip(chunks_L, self.norm_weight.unbind(0), self.norm_bias.unbind(0))]
+        x_PD, tiles_L = pad_to_tiles(chunks_L)
+        h_PF = self.activation(tiled_expert_linear(x_PD, tiles_L, self.w1.unbind(0), self.b1.unbind(0)))
+        y_PD = tiled_expert_linear(h_PF, tiles_L, self.w2.unbind(0), self.b2.unbind(0))
+        return unpad_tiles(y_PD, counts_L, tiles_L)
 
     def forward_loop(self, x_RD: Tensor, counts_L: list[int]) -> Tensor:
         """One matmul per local expert: the reference the batched and grouped forms are tested against,
@@ -205,17 +356,22 @@ class SpatialExperts(nn.Module):
     A row is one hidden dimension of one sequence: a vector over M <= T positions. An expert
     returns its gate minus one, W x + (b - 1), as the SGU's projection does (gmlp.py): at the
     near-identity init W x is ~1e-5 and 1 + W x would round to exactly 1 in bf16 and fp16, in
-    the expert and in the all2all that carries the rows back. The sMoE adds the one.
+    the expert and in the all2all that carries the rows back. The sMoE adds the one. The bias is
+    stored as b - 1 (`bias_offset`, as the SGU's: gmlp.py).
     """
 
     def __init__(self, num_local_experts: int, size: int, init_eps: float = 1e-3, first_expert: int = 0):
         super().__init__()
         self.size = size
         self.weight = nn.Parameter(torch.empty(num_local_experts, size, size))
-        self.bias = nn.Parameter(torch.empty(num_local_experts, size))
-        init_spatial_(self.weight, self.bias, init_eps, _expert_generators(num_local_experts, first_expert))
+        self.bias_offset = nn.Parameter(torch.empty(num_local_experts, size))  # b - 1
+        init_spatial_(self.weight, self.bias_offset, init_eps, _expert_generators(num_local_experts, first_expert))
         mark_expert(self)
         self.explicit_spatial = False  # the masked dense product, for FLOP counting (flop_forms.py)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        load_gate_bias_offset(state_dict, prefix)  # checkpoints that stored b itself
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def forward(self, x_RM: Tensor, counts_L: list[int]) -> Tensor:
         M = x_RM.shape[-1]
@@ -227,15 +383,16 @@ class SpatialExperts(nn.Module):
         y_RM = causal_product_rows(self.weight, x_RM, counts_L)
         L, c = len(counts_L), _equal_count(counts_L)
         if c is not None:
-            return (y_RM.view(L, c, M) + (self.bias[:, None, :M] - 1)).view(L * c, M)
-        counts = torch.tensor(counts_L, device=x_RM.device)
-        return y_RM + (self.bias[:, :M] - 1).repeat_interleave(counts, dim=0, output_size=x_RM.shape[0])
+            return (y_RM.view(L, c, M) + self.bias_offset[:, None, :M]).view(L * c, M)
+        # each expert's bias on its rows: one concatenation of broadcast views (no counts copied to the device)
+        dev_LM = self.bias_offset[:, :M]
+        return y_RM + torch.cat([dev_LM[l].expand(c, M) for l, c in enumerate(counts_L)])
 
     def forward_dense(self, x_RM: Tensor, counts_L: list[int]) -> Tensor:
         """The masked dense form, one matmul per expert (the paper's FLOP convention, and the reference)."""
         M = x_RM.shape[-1]
-        w_LMM, bias = causal_weight(self.weight, M).unbind(0), self.bias.unbind(0)
-        outs = [chunk @ w_LMM[l].t() + (bias[l][:M] - 1)
+        w_LMM, offset = causal_weight(self.weight, M).unbind(0), self.bias_offset.unbind(0)
+        outs = [chunk @ w_LMM[l].t() + offset[l][:M]
                 for l, chunk in enumerate(_split_rows(x_RM, counts_L))]
         return torch.cat(outs, dim=0)
 
@@ -258,6 +415,6 @@ class SpatialExperts(nn.Module):
                 if c and hi > lo:
                     check_length(hi, self.size, "sMoE row")
                     w_kM = torch.tril(self.weight[l, lo:hi, :hi], diagonal=lo)
-                    y_Rk[r:r + c, :hi - lo] = x_RM[r:r + c, :hi] @ w_kM.t() + (self.bias[l, lo:hi] - 1)
+                    y_Rk[r:r + c, :hi - lo] = x_RM[r:r + c, :hi] @ w_kM.t() + self.bias_offset[l, lo:hi]
                 r += c
         return y_Rk

@@ -14,11 +14,15 @@ are here (`MLP`, `check_decodable`).
 
 Half precision: at that init (W ~ U(+-1e-3/T), b = 1) W Z2 is ~1e-5, and W Z2 + b rounds to
 exactly 1 in bf16 (8 bits of mantissa) and fp16 (11): the spatial term would vanish from the
-gate. The projection therefore returns the gate minus one, W Z2 + (b - 1) (b - 1 is exact), and
-the unit computes Z1 + Z1 * (W Z2 + (b - 1)): the spatial term keeps its own relative precision
+gate. The projection therefore returns the gate minus one, W Z2 + (b - 1), and the unit computes
+Z1 + Z1 * (W Z2 + (b - 1)): the spatial term keeps its own relative precision
 (tests/test_precision.py). Added to Z1 it is still below the output's rounding at init, as any
 half-precision activation would hold it, but it is no longer lost inside the gate; dL/dW never
-depended on it. In fp32 the two forms agree to rounding.
+depended on it. In fp32 the two forms agree to rounding. The bias itself is stored as its offset
+from one, `bias_offset` = b - 1 (spatial.load_gate_bias_offset converts older checkpoints): stored
+as b, half-precision weights (--bf16, --fp16) would hold b - 1 only in steps of 2^-7 (bf16) or
+2^-10 (fp16), and its updates, smaller than that, would be lost. Weight decay, if used, pulls b
+towards 1 (the init) instead of 0.
 
 Shapes: the core's legend (smlp/__init__.py); here B batch, N positions (n <= T), k new and t
 cached positions, D model width, F channel-projection width, C = F/2 gated channels, H heads,
@@ -34,7 +38,7 @@ from torch.profiler import record_function
 from .config import GMLPConfig, SGUConfig
 from .decoding_cache import cache_append
 from .profiling import RANGES
-from .spatial import causal_product, causal_weight, check_length, init_spatial_
+from .spatial import causal_product, causal_weight, check_length, init_spatial_, load_gate_bias_offset
 
 __all__ = ["TOKEN_MIXERS", "MLP", "check_decodable", "SpatialProjection", "SpatialGatingUnit", "GMLPBlock"]
 
@@ -58,16 +62,21 @@ def check_decodable(module: nn.Module, causal: bool) -> None:
 class SpatialProjection(nn.Module):
     """Causal multi-head spatial projection: head h mixes positions of its channel chunk with W_h.
 
-    Returns W_h x + (b_h - 1), the gate minus one (see the module docstring on half precision).
+    Returns W_h x + (b_h - 1), the gate minus one (see the module docstring on half precision); the bias
+    is stored as b_h - 1 (`bias_offset`).
     """
 
     def __init__(self, heads: int, seq_len: int, init_eps: float = 1e-3):
         super().__init__()
         self.heads, self.seq_len = heads, seq_len
         self.weight = nn.Parameter(torch.empty(heads, seq_len, seq_len))
-        self.bias = nn.Parameter(torch.empty(heads, seq_len))
-        init_spatial_(self.weight, self.bias, init_eps)
+        self.bias_offset = nn.Parameter(torch.empty(heads, seq_len))  # b - 1
+        init_spatial_(self.weight, self.bias_offset, init_eps)
         self.explicit_spatial = False  # the masked dense product, for FLOP counting (flop_forms.py)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        load_gate_bias_offset(state_dict, prefix)  # checkpoints that stored b itself
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def forward(self, x_BNC: Tensor) -> Tensor:
         B, n, C = x_BNC.shape
@@ -77,7 +86,7 @@ class SpatialProjection(nn.Module):
             y_BNHc = torch.einsum("hts,bshc->bthc", causal_weight(self.weight, n), x_BNHc)
         else:  # blocked: the zero triangle is skipped (spatial.py)
             y_BNHc = causal_product(self.weight, x_BNHc)
-        y_BNHc = y_BNHc + (self.bias[:, :n] - 1).t()[None, :, :, None]
+        y_BNHc = y_BNHc + self.bias_offset[:, :n].t()[None, :, :, None]
         return y_BNHc.reshape(B, n, C)
 
     def step(self, x_BtC: Tensor, start: int) -> Tensor:
@@ -93,10 +102,10 @@ class SpatialProjection(nn.Module):
         if t - start > 1:  # one new position reads every cached one: nothing to mask
             w_HkT = torch.tril(w_HkT, diagonal=start)
         if self.heads == 1:  # a plain matmul: einsum's planning costs more than the product at one position
-            return torch.matmul(w_HkT[0], x_BtC) + (self.bias[0, start:t, None] - 1)
+            return torch.matmul(w_HkT[0], x_BtC) + self.bias_offset[0, start:t, None]
         x_BtHc = x_BtC.reshape(B, t, self.heads, C // self.heads)
         y_BkHc = torch.einsum("hts,bshc->bthc", w_HkT, x_BtHc)
-        y_BkHc = y_BkHc + (self.bias[:, start:t] - 1).t()[None, :, :, None]
+        y_BkHc = y_BkHc + self.bias_offset[:, start:t].t()[None, :, :, None]
         return y_BkHc.reshape(B, t - start, C)
 
 

@@ -325,9 +325,31 @@ class LanguageModel(nn.Module):
 
     @property
     def supports_cached_decoding(self) -> bool:
-        """False for the two paper experiments without a per-position step: the token-routed gMLP
-        (token_routed_experts) and the non-causal leaky sMoE routing. They generate by recomputing."""
-        return not (self.cfg.token_routed_experts or not SMOE_ROUTINGS[self.cfg.smoe_routing].causal)
+        """False for the two paper experiments without a per-position step (the token-routed gMLP,
+        token_routed_experts, and the non-causal leaky sMoE routing) and for a tMoE with a capacity
+        at evaluation (eval_capacity_factor): they generate by recomputing (`no_cached_decoding`)."""
+        return self.no_cached_decoding is None
+
+    @property
+    def no_cached_decoding(self) -> str | None:
+        """Why this model has no cached decoding step, or None."""
+        if self.cfg.token_routed_experts:
+            return "the token-routed gMLP experiment (token_routed_experts)"
+        if not SMOE_ROUTINGS[self.cfg.smoe_routing].causal:
+            return f"sMoE routing {LEAKY_SMOE_ROUTING!r}, whose router reads future positions (not causal)"
+        capped = [m for _, m in self.moe_modules()
+                  if isinstance(m, TMoE) and m.token_router.drops and m.cfg.eval_capacity_factor is not None]
+        if capped:
+            # a step's capacity comes from its B x k rows, the full forward's from B x N, and which rows a
+            # capacity keeps depends on the rows before them in the flattened batch (later positions of
+            # earlier sequences included): no cached step can drop what the full forward drops
+            return (f"a capacity at evaluation (eval_capacity_factor={capped[0].cfg.eval_capacity_factor}, "
+                    f"--eval-capacity-factor): whether a token is dropped depends on the other tokens of the batch, "
+                    f"later positions of other sequences included, and a decoding step's capacity would be counted "
+                    f"over its B x k new tokens instead of the B x N of the full forward, so cached steps could "
+                    f"not drop what the full forward drops; evaluate without --eval-capacity-factor for a "
+                    f"cached step")
+        return None
 
     def step(self, tokens_Bk: Tensor, cache: DecodingCache) -> Tensor:
         """Cached decoding: the logits of positions cache.length..cache.length+k-1, (B, k, V).
@@ -339,9 +361,8 @@ class LanguageModel(nn.Module):
         if self.training:
             raise RuntimeError("cached decoding needs eval mode (model.eval()): training-time routing (balanced "
                                "assignment, capacities, token shuffle) and dropout couple the rows of a batch")
-        if not self.supports_cached_decoding:
-            what = ("the token-routed gMLP experiment (token_routed_experts)" if self.cfg.token_routed_experts else
-                    f"sMoE routing {LEAKY_SMOE_ROUTING!r}, whose router reads future positions (not causal)")
+        what = self.no_cached_decoding
+        if what is not None:
             raise NotImplementedError(f"cached decoding is not available for {what}: generate with the full "
                                       f"forward (generate(..., use_cache=False))")
         if tokens_Bk.dim() != 2 or tokens_Bk.shape[1] < 1:

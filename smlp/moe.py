@@ -170,7 +170,7 @@ class TMoE(nn.Module):
             plan = self.route(x_SD, token_ids_S, defer_checks=True)
         self.aux_loss = plan.aux_loss
         x_RD, counts_L, slots = self.dispatch(x_SD, plan)
-        y_RD = self.run_experts(x_RD, counts_L)
+        y_RD = self.run_experts(x_RD, counts_L, slots.state)
         y_SD = self.combine(y_RD, slots, x_SD)
         self.comm_time = self.dispatcher.timer.take(mark)
         return y_SD
@@ -196,10 +196,14 @@ class TMoE(nn.Module):
                                                          layer=self.layer_name)
         return x_RD, counts_L, TokenSlots(state, row_SK, plan.weights_SK.reshape(-1).to(x_SD.dtype))
 
-    def run_experts(self, x_RD: Tensor, counts_L: list[int]) -> Tensor:
-        """Stage 3: the FFN experts on the rows they received, (R, D)."""
+    def run_experts(self, x_RD: Tensor, counts_L: list[int], dstate: DispatchState | None = None) -> Tensor:
+        """Stage 3: the FFN experts on the rows they received, (R, D). The counts are fixed by the shapes
+        only for a balanced assignment (evaluating as in training): otherwise evaluation computes the
+        rows in tiles, so that a row's result does not depend on the other rows (FFNExperts)."""
+        fixed = self.token_router.balanced and self.assign_as_in_training
         with record_function(RANGES["experts"]):
-            return self.experts(x_RD, counts_L)
+            return self.experts(x_RD, counts_L, counts_dev_L=dstate.counts_dev_L if dstate is not None else None,
+                                fixed_counts=fixed)
 
     def combine(self, y_RD: Tensor, slots: TokenSlots, x_SD: Tensor) -> Tensor:
         """Stage 4: the results back home, weighted, each row's slots summed.
@@ -317,8 +321,9 @@ class SMoE(nn.Module):
         its expert, which computes only the new positions (O(t) per row, like the compute).
         1. route     append the new positions' LayerNorm(z2) to the cache; the rows are positions
                      0..t-1 (deterministic) or P..t-1 (partial), routed once when the routing
-                     prefix is complete (the decision is cached); before that the rank sends no
-                     rows (positions < P: gate 1)
+                     prefix is complete (the decision is cached; the router's check is deferred to
+                     the dispatch, as in `forward`); before that the rank sends no rows (positions
+                     < P: gate 1)
         2. dispatch  all-gather every rank's span [lo, hi) of wanted row positions (ranks may be at
                      different positions), pad the rows to the widest hi, dispatch; every rank joins
                      every exchange
@@ -334,7 +339,7 @@ class SMoE(nn.Module):
         P = cfg.prefix_len
         z1_BkC, z2_BkC = z_BkF.chunk(2, dim=-1) if cfg.split else (z_BkF, z_BkF)
         v_BtC = cache_append(state, "v", self.norm(z2_BkC), start, limit=cfg.seq_len)
-        rows = self.route(v_BtC, P, training=False, dtype=z_BkF.dtype, decided=state)
+        rows = self.route(v_BtC, P, training=False, dtype=z_BkF.dtype, defer_checks=True, decided=state)
         lo, hi = (start, t) if self.deterministic else (max(start - P, 0), max(t - P, 0))
         if rows.rows_SM.shape[0] == 0:  # nothing wanted from here (an empty batch): no span
             lo = hi = 0
@@ -402,7 +407,9 @@ class SMoE(nn.Module):
             rows_SM = rows.rows_SM
             if rows_SM.shape[1] != width:  # another rank is further on: zeros after hi never reach outputs <= hi
                 rows_SM = F.pad(rows_SM[:, :hi], (0, width - hi))
-            return self.dispatcher.dispatch(rows_SM, rows.expert_S, presorted=self.deterministic)
+            # the router's check travels with the counts, as in `forward`: a fault on one rank reaches every rank
+            return self.dispatcher.dispatch(rows_SM, rows.expert_S, presorted=self.deterministic, fault=rows.fault,
+                                            layer=self.layer_name)
         counts_E1 = count_rows(rows.expert_S, self.cfg.num_experts)
         self.load_E = counts_E1[1:].detach()
         return self.dispatcher.dispatch(rows.rows_SM, rows.expert_S, presorted=self.deterministic,

@@ -75,9 +75,10 @@ def uniform_per_slice_(param: Tensor, bound: float, generators: list[torch.Gener
 
 
 @torch.no_grad()
-def init_spatial_(weight: Tensor, bias: Tensor, init_eps: float,
+def init_spatial_(weight: Tensor, bias_offset: Tensor, init_eps: float,
                   generators: list[torch.Generator] | None = None) -> None:
-    """Near-identity init (gMLP 2.1): weight ~ U(-eps/T, eps/T), bias = 1.
+    """Near-identity init (gMLP 2.1): weight ~ U(-eps/T, eps/T), bias b = 1, stored as its offset b - 1 = 0
+    (`load_gate_bias_offset`).
 
     With `generators`, slice l of the weight (one expert) is drawn from generators[l].
     """
@@ -86,7 +87,18 @@ def init_spatial_(weight: Tensor, bias: Tensor, init_eps: float,
         weight.uniform_(-bound, bound)
     else:
         uniform_per_slice_(weight, bound, generators)
-    bias.fill_(1.0)
+    bias_offset.zero_()
+
+
+def load_gate_bias_offset(state_dict: dict, prefix: str) -> None:
+    """A spatial gate's bias b is stored as its offset from one, `bias_offset` = b - 1 (issue 28): in bf16
+    weights b near 1 has a resolution of 2^-7, which its offset from one keeps (fp16: 2^-10). A state of
+    the older format, with `bias` = b, is converted in place (b - 1 is exact for b in [0.5, 2]); called by
+    the modules' `_load_from_state_dict`, so every loading path (fairseq checkpoints, consolidated or
+    resharded ones, exported folders) reads both formats."""
+    old, new = prefix + "bias", prefix + "bias_offset"
+    if old in state_dict and new not in state_dict:
+        state_dict[new] = state_dict.pop(old) - 1
 
 
 # ---------------------------------------------------------------- causal products

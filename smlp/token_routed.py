@@ -29,8 +29,9 @@ outputs bit for bit, and a matrix product of another shape may round differently
 product with 1-3 rows takes another kernel than one with more):
 1. Channel projections, per expert, in tiles of TILE_ROWS rows: the rows are sorted by expert and
    each expert's rows padded to whole tiles; every tile is one (TILE_ROWS x D) @ (D x F) product of a batched
-   product (`_TiledExpertLinear`), so a row's result depends on its own values only, whatever
-   the number of rows routed with it. Padding costs at most E (TILE_ROWS - 1) rows.
+   product (`tiled_expert_linear`, experts.py, which the FFN experts use at evaluation too), so a
+   row's result depends on its own values only, whatever the number of rows routed with it.
+   Padding costs at most E (TILE_ROWS - 1) rows.
 2. Spatial mixing in the positions' own layout: row t of the mixing matrix of a sequence is row t
    of W_e(t), kept where s <= t and e(s) = e(t), so one (n x n) @ (n x C) product per sequence
    mixes every expert at once: the dense SGU's cost, whatever the routing.
@@ -55,6 +56,7 @@ from torch import Tensor, nn
 from torch.profiler import record_function
 
 from .config import TokenRoutedGMLPConfig
+from .experts import TILE_ROWS, tile_slots, tiled_expert_linear
 from .gmlp import SpatialGatingUnit
 from .profiling import RANGES
 from .routing.gates import switch_top1
@@ -63,78 +65,13 @@ from .spatial import check_length
 
 __all__ = ["TokenRoutedGMLPBlock", "GMLPExpert", "TILE_ROWS", "tile_slots"]
 
-TILE_ROWS = 16  # a multiple of the CPU GEMM kernels' row blocks; padding at most E (TILE_ROWS - 1) rows
-
-
-def tile_slots(expert_S: Tensor, num_experts: int, rows: int = TILE_ROWS) -> tuple[Tensor, list[int]]:
-    """Where each row goes when the rows are sorted by expert and each expert's rows padded to tiles.
-
-    Returns (slot_S, tiles_E): row s sits at slot slot_S[s] of a (sum(tiles_E) * rows)-row buffer,
-    expert e's tiles are the tiles_E[e] after those of experts < e, rows in their original order.
-    tiles_E is read on the host (the number of tiles sets the products' batch sizes): one read.
-    """
-    S = expert_S.shape[0]
-    counts_E = torch.bincount(expert_S, minlength=num_experts)
-    tiles_E = (counts_E + rows - 1) // rows
-    order_S = torch.argsort(expert_S, stable=True)
-    sorted_expert_S = expert_S[order_S]
-    first_row_E = torch.cumsum(counts_E, 0) - counts_E
-    first_slot_E = (torch.cumsum(tiles_E, 0) - tiles_E) * rows
-    rank_S = torch.arange(S, device=expert_S.device) - first_row_E[sorted_expert_S]
-    slot_S = torch.empty_like(expert_S)
-    slot_S[order_S] = first_slot_E[sorted_expert_S] + rank_S
-    return slot_S, tiles_E.tolist()
-
-
-class _TiledExpertLinear(torch.autograd.Function):
-    """y[tile] = x[tile] @ W_e^T + b_e for expert e's tiles, as one fixed-shape product per tile.
-
-    Forward: a batched (k, TILE_ROWS, D) @ (D, F) product per expert with k tiles (the weight broadcast,
-    not copied).
-    Backward: the weight gradient as one (D x kR) @ (kR x F) product per expert (the broadcast's
-    own backward would materialize k copies of it), zeros for an expert without tiles."""
-
-    @staticmethod
-    def forward(ctx, x_RD: Tensor, tiles_E: list[int], rows: int, *params: Tensor) -> Tensor:
-        E = len(tiles_E)
-        weights, biases = params[:E], params[E:]
-        D, Fo = x_RD.shape[1], weights[0].shape[0]
-        out = []
-        first = 0
-        for e, k in enumerate(tiles_E):
-            if k:
-                x_tiles = x_RD[first * rows:(first + k) * rows].view(k, rows, D)
-                y_tiles = torch.bmm(x_tiles, weights[e].t().expand(k, D, Fo)) + biases[e]
-                out.append(y_tiles.reshape(k * rows, Fo))
-            first += k
-        ctx.save_for_backward(x_RD, *weights)
-        ctx.tiles_E, ctx.rows = tiles_E, rows
-        return torch.cat(out) if out else x_RD.new_zeros(0, Fo)
-
-    @staticmethod
-    def backward(ctx, grad_RF: Tensor):
-        x_RD, *weights = ctx.saved_tensors
-        rows = ctx.rows
-        grad_x = x_RD.new_empty(x_RD.shape) if ctx.needs_input_grad[0] else None
-        grad_w, grad_b = [], []
-        first = 0
-        for e, k in enumerate(ctx.tiles_E):
-            sl = slice(first * rows, (first + k) * rows)
-            g_RF, x_RD_e = grad_RF[sl], x_RD[sl]
-            if grad_x is not None:
-                grad_x[sl] = g_RF @ weights[e]
-            grad_w.append(g_RF.t() @ x_RD_e)  # (F, D); zeros for k = 0
-            grad_b.append(g_RF.sum(0))
-            first += k
-        return (grad_x, None, None, *grad_w, *grad_b)
-
 
 def _expert_linear(x_SD: Tensor, slot_S: Tensor, tiles_E: list[int], linears: list[nn.Linear],
                    rows: int = TILE_ROWS) -> Tensor:
     """Row s through linears[e(s)] (slot_S, tiles_E from `tile_slots`), in tiles of `rows` rows."""
     x_RD = x_SD.new_zeros(sum(tiles_E) * rows, x_SD.shape[1]).index_copy(0, slot_S, x_SD)
-    params = [m.weight for m in linears] + [m.bias for m in linears]
-    return _TiledExpertLinear.apply(x_RD, tiles_E, rows, *params)[slot_S]
+    return tiled_expert_linear(x_RD, tiles_E, [m.weight.t() for m in linears], [m.bias for m in linears],
+                               rows)[slot_S]
 
 
 class GMLPExpert(nn.Module):
@@ -212,12 +149,12 @@ class TokenRoutedGMLPBlock(nn.Module):
             beta_EC = torch.stack([s.norm.bias for s in sgus])
             v_SC = F.layer_norm(z2_SC, (C,), eps=sgus[0].norm.eps) * gamma_EC[expert_S] + beta_EC[expert_S]
         w_ENN = torch.stack([s.proj.weight[0, :n, :n] for s in sgus])
-        b_EN = torch.stack([s.proj.bias[0, :n] for s in sgus])
+        offset_EN = torch.stack([s.proj.bias_offset[0, :n] for s in sgus])  # b - 1
         pos_N = torch.arange(n, device=z2_SC.device)
         keep_BNN = (expert_BN[:, :, None] == expert_BN[:, None, :]) & (pos_N[:, None] >= pos_N[None, :])
         w_BNN = torch.where(keep_BNN, w_ENN[expert_BN, pos_N], 0)  # row t: W_e(t)[t, s] where it mixes
         v_BNC = v_SC.view(B, n, C)
         # under explicit_spatial the product is counted as the dense SGU's (the same einsum: fvcore's rule)
         mix_BNC = torch.einsum("bts,bsc->btc", w_BNN, v_BNC) if self.explicit_spatial else torch.bmm(w_BNN, v_BNC)
-        dev_BNC = mix_BNC + (b_EN[expert_BN, pos_N] - 1)[..., None]
+        dev_BNC = mix_BNC + offset_EN[expert_BN, pos_N][..., None]
         return dev_BNC.reshape(B * n, C)

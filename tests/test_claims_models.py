@@ -155,7 +155,7 @@ def naive_token_routed(block: TokenRoutedGMLPBlock, x_BND: torch.Tensor) -> torc
             z1, z2 = z.chunk(2, dim=-1)
             v = ex.sgu.norm(z2)
             w = ex.sgu.proj.weight[0, t, mine]
-            gate = w @ v + ex.sgu.proj.bias[0, t]
+            gate = w @ v + (1 + ex.sgu.proj.bias_offset[0, t])
             out[b, t] = x_BND[b, t] + probs[b, t, e] * ex.proj_out(z1[-1] * gate)
     return out
 

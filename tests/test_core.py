@@ -33,9 +33,9 @@ def randomize_spatial_(module, seed=0):
 @pytest.mark.parametrize("split", [True, False])
 def test_sgu_initial_state_is_identity_gate(split):
     sgu = SpatialGatingUnit(SGUConfig(dim=16, seq_len=12, split=split))
-    # the near-zero init is small but not zero, and bias starts at one
+    # the near-zero init is small but not zero, and bias starts at one (stored as its offset from one)
     assert 0 < sgu.proj.weight.abs().max() <= 1e-3 / 12
-    assert torch.equal(sgu.proj.bias, torch.ones_like(sgu.proj.bias))
+    assert torch.equal(sgu.proj.bias_offset, torch.zeros_like(sgu.proj.bias_offset))
     with torch.no_grad():
         sgu.proj.weight.zero_()
     z = torch.randn(2, 9, 16)
@@ -57,7 +57,7 @@ def test_multihead_sgu_matches_explicit_loops(heads):
     for b in range(3):
         for h in range(heads):
             for t in range(7):
-                acc = sgu.proj.bias[h, t].expand(c).clone()
+                acc = (1 + sgu.proj.bias_offset[h, t]).expand(c).clone()
                 for s in range(t + 1):
                     acc = acc + sgu.proj.weight[h, t, s] * v[b, s, h * c:(h + 1) * c]
                 out[b, t, h * c:(h + 1) * c] = z1[b, t, h * c:(h + 1) * c] * acc
@@ -96,7 +96,7 @@ def copy_smoe_into_sgu(smoe: SMoE, sgu: SpatialGatingUnit) -> None:
     with torch.no_grad():
         sgu.norm.load_state_dict(smoe.norm.state_dict())
         sgu.proj.weight.copy_(smoe.experts.weight)
-        sgu.proj.bias.copy_(smoe.experts.bias)
+        sgu.proj.bias_offset.copy_(smoe.experts.bias_offset)
 
 
 @pytest.mark.parametrize("split", [True, False])
@@ -315,7 +315,7 @@ def test_wrong_input_width_is_refused():
 def test_expert_parameters_are_marked_and_others_are_not():
     block = SparseBlock(SparseBlockConfig(d_model=8, d_ffn=16, seq_len=10, num_experts=2))
     marked = {n for n, p in block.named_parameters() if getattr(p, "expert", False)}
-    assert marked == {"smoe.experts.weight", "smoe.experts.bias", "tmoe.experts.w1", "tmoe.experts.b1",
+    assert marked == {"smoe.experts.weight", "smoe.experts.bias_offset", "tmoe.experts.w1", "tmoe.experts.b1",
                       "tmoe.experts.w2", "tmoe.experts.b2", "tmoe.experts.norm_weight", "tmoe.experts.norm_bias"}
 
 

@@ -167,12 +167,12 @@ def _smoe_worker(rank, world, init_file, split, lengths):
         with torch.no_grad():
             model.norm.load_state_dict(ref.norm.state_dict())
             model.experts.weight.copy_(ref.proj.weight[rank:rank + 1])
-            model.experts.bias.copy_(ref.proj.bias[rank:rank + 1])
+            model.experts.bias_offset.copy_(ref.proj.bias_offset[rank:rank + 1])
         xs = _inputs(world, lambda r: (2 + r % 2, lengths[r], 16))
         gs = _inputs(world, lambda r: (2 + r % 2, lengths[r], 16 // 2 if split else 16), seed=200)
         _run_pair(model, ref, xs, gs, rank, world)
         assert within_bound(model.experts.weight.grad, ref.proj.weight.grad[rank:rank + 1], **RULE)
-        assert within_bound(model.experts.bias.grad, ref.proj.bias.grad[rank:rank + 1], **RULE)
+        assert within_bound(model.experts.bias_offset.grad, ref.proj.bias_offset.grad[rank:rank + 1], **RULE)
         _check_shared_grads(model, _sgu_as_smoe_names(ref))
     finally:
         _finish()
@@ -533,7 +533,7 @@ def test_planted_error_fails_the_rule_of_this_file():
     with torch.no_grad():
         model.norm.load_state_dict(ref.norm.state_dict())
         model.experts.weight.copy_(ref.proj.weight)
-        model.experts.bias.copy_(ref.proj.bias)
+        model.experts.bias_offset.copy_(ref.proj.bias_offset)
     x = torch.randn(3, 12, 16)
     assert within_bound(model(x), ref(x), **RULE)
     with torch.no_grad():

@@ -440,3 +440,22 @@ def test_models_without_a_cached_path_refuse_cached_decoding_and_still_generate_
     out = generate(model, [[3, 4, 5]], 4, use_cache=False)
     assert out == [reference_greedy(model, [3, 4, 5], 4)]
     assert generate(model, [[3, 4, 5]], 4) == out  # the default use_cache=True recomputes (smlp-generate)
+
+
+@torch.no_grad()
+def test_an_evaluation_capacity_refuses_cached_decoding_and_generates_by_recomputing():
+    """With --eval-capacity-factor the full forward keeps a token by the capacity of its B x N rows and the
+    tokens before it in the flattened batch (later positions of earlier sequences included); a decoding
+    step would count its own B x k rows (issue 28: before, the cached logits silently differed from the
+    full forward's). The step is refused with the reason, and generation recomputes the prefix."""
+    model = build("switch", eval_capacity_factor=0.5)
+    x = _tokens((3, T), seed=1)
+    model(x)
+    assert sum(int(m.dropped) for _, m in model.moe_modules()) > 0  # the capacity drops tokens here
+    assert not model.supports_cached_decoding
+    with pytest.raises(NotImplementedError, match=r"eval_capacity_factor=0\.5, --eval-capacity-factor\).*"
+                                                  r"use_cache=False"):
+        model(x[:, :5], cache=model.new_cache())
+    out = generate(model, [[3, 4, 5]], 4)  # use_cache=True: recomputes, as for the models without a step
+    assert out == [reference_greedy(model, [3, 4, 5], 4)]
+    assert build("switch").supports_cached_decoding  # no capacity at evaluation: every token on its own

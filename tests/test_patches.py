@@ -16,6 +16,8 @@ def _patched():
     """The fairseq attributes our patches replace (one or more per patch)."""
     from fairseq import checkpoint_utils, optim, trainer
     from fairseq.data import token_block_dataset
+    from fairseq.distributed import utils as distributed_utils
+    from fairseq.models import distributed_fairseq_model
     from fairseq.tasks.language_modeling import LanguageModelingTask
 
     return {"load_checkpoint": checkpoint_utils.load_checkpoint, "save_checkpoint": checkpoint_utils.save_checkpoint,
@@ -23,13 +25,16 @@ def _patched():
             "setup_task": LanguageModelingTask.__dict__["setup_task"].__func__,
             "inference_step": LanguageModelingTask.inference_step, "shard_": optim.shard_,
             "train_step": trainer.Trainer.train_step, "clip_grad_norm": trainer.Trainer.clip_grad_norm,
-            "token_block_np": token_block_dataset.np}
+            "token_block_np": token_block_dataset.np, "get_valid_iterator": trainer.Trainer.get_valid_iterator,
+            "call_main": distributed_utils.call_main, "all_gather_list": distributed_utils.all_gather_list,
+            "DistributedDataParallel": distributed_fairseq_model.DistributedDataParallel}
 
 
 def test_every_listed_patch_names_code_that_exists_and_says_what_it_fixes():
     assert [p.name for p in patches.PATCHES] == [
         "allow_fairseq_checkpoints", "checkpoint_sets", "guard_language_modeling_data", "elastic", "zero_optimizer",
-        "precision", "generation_patches", "restore_fairseq_cli_logging"]
+        "precision", "generation_patches", "evaluate_every_sequence", "gather_lists_off_cuda", "ddp_on_cpu",
+        "restore_fairseq_cli_logging"]
     for p in patches.PATCHES:
         assert callable(getattr(importlib.import_module(f"fairseq_plugins.{p.module}"), p.function)), p
         assert len(p.fixes) > 40, p
@@ -47,7 +52,7 @@ def test_the_import_applied_them_in_order_and_again_changes_nothing():
     assert outer.__wrapped__.__module__ == "fairseq_plugins.checkpoint_sets"
     assert outer.__wrapped__.__wrapped__.__module__ == "fairseq.checkpoint_utils"
     before = _patched()
-    # wrappers defined by our modules (train_step is recompiled from fairseq's source, precision.py patch 3)
+    # wrappers defined by our modules (train_step is wrapped only by runs that need it, precision.py patch 3)
     assert all(v.__module__.startswith("fairseq_plugins.") for k, v in before.items()
                if k not in ("train_step", "token_block_np")), before
     assert before["token_block_np"].compat.long is __import__("numpy").int64

@@ -6,6 +6,7 @@ under AMP), and fairseq's own per-parameter FP16 optimizer (its flat buffer on C
 """
 from __future__ import annotations
 
+import inspect
 import os
 import tempfile
 
@@ -67,6 +68,60 @@ def test_smoe_spatial_experts_keep_their_spatial_term_in_half_precision(dtype):
         got = experts.to(dtype)(x.to(dtype), [3, 3])
     assert ref.abs().max() < 1e-3
     assert _rel(got, ref) < 0.10, _rel(got, ref)
+
+
+# ---------------------------------------------------------------- the gate bias in half-precision weights
+
+# trained gate biases b = 1 + offset with offsets of a few 1e-3 (what a few hundred updates move them)
+OFFSETS = torch.linspace(-3e-3, 3e-3, 12)
+
+
+def _old_format_state(module, prefix: str, offsets: torch.Tensor) -> dict:
+    """module's state in the format before issue 28, which stored the gate bias b itself under `bias`."""
+    state = {k: v.clone() for k, v in module.state_dict().items() if not k.endswith("bias_offset")}
+    state[prefix + "weight"] = torch.zeros_like(state[prefix + "weight"])  # the gate is then b - 1 alone
+    state[prefix + "bias"] = (1 + offsets).expand(state[prefix + "weight"].shape[:2]).clone()
+    return state
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_the_gate_bias_keeps_its_offset_from_one_in_half_precision_weights(dtype):
+    """Stored as b, --bf16 weights hold b - 1 only in steps of 2^-7 (fp16: 2^-10): every offset of
+    +-3e-3 here became 0 or +-2^-7 in bf16 (relative error ~100%, issue 28). Stored as b - 1 it keeps the
+    dtype's relative precision. Loaded from the older format (b), as old checkpoints are."""
+    sgu = SpatialGatingUnit(SGUConfig(dim=16, seq_len=12))
+    experts = SpatialExperts(2, 12)
+    sgu.load_state_dict(_old_format_state(sgu, "proj.", OFFSETS))
+    experts.load_state_dict(_old_format_state(experts, "", OFFSETS))
+    v = torch.randn(2, 12, 8)
+    with torch.no_grad():
+        gate_dev = sgu.to(dtype).proj(v.to(dtype))  # W v + (b - 1) with W = 0
+        rows_dev = experts.to(dtype)(torch.randn(4, 12, dtype=dtype), [2, 2])
+    want = OFFSETS[None, :, None].expand(2, 12, 8)
+    assert _rel(gate_dev, want) < torch.finfo(dtype).eps, _rel(gate_dev, want)
+    assert _rel(rows_dev, OFFSETS.expand(4, 12)) < torch.finfo(dtype).eps, _rel(rows_dev, OFFSETS.expand(4, 12))
+
+
+def test_an_older_checkpoint_loads_with_its_gate_biases_converted():
+    """Every spatial gate of a model (dense SGUs, sMoE experts) loads from a state that stored b, strictly,
+    to b - 1 exactly, and computes what the model with those weights computes."""
+    torch.manual_seed(0)
+    cfg = LMConfig(family="smlp", vocab_size=30, d_model=16, d_ffn=32, seq_len=12, dense_layers=1,
+                   sparse_layers=1, num_experts=2)
+    model = LanguageModel(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias_offset"):
+                p.copy_((1 + torch.randn(p.shape) * 1e-2) - 1)  # offsets an fp32 b = 1 + offset holds exactly
+    old = {(k[:-len("_offset")] if k.endswith("bias_offset") else k): (v + 1 if k.endswith("bias_offset") else v)
+           for k, v in model.state_dict().items()}
+    assert {"layers.0.sgu.proj.bias", "layers.1.smoe.experts.bias"} <= set(old)
+    loaded = LanguageModel(cfg)
+    loaded.load_state_dict(old)  # strict: no missing or unexpected key
+    for (name, a), b in zip(model.state_dict().items(), loaded.state_dict().values()):
+        assert torch.equal(a, b), name
+    x = torch.randint(4, 30, (2, 12))
+    assert torch.equal(loaded(x), model(x))
 
 
 # ---------------------------------------------------------------- routers in fp32
@@ -259,11 +314,14 @@ def test_fp16_flat_master_weights_work_on_cpu_as_the_per_parameter_ones():
     used torch.cuda.current_device()). One Adam step equals the per-parameter optimizer's, bitwise."""
     from fairseq.optim.fp16_optimizer import FP16Optimizer
 
+    from fairseq_plugins.precision import prepare
+
     torch.manual_seed(0)
     weights = [torch.randn(5, 3), torch.randn(7)]
     runs = {}
     for flat in (True, False):
         cfg, _ = _cfg("--fp16", *([] if flat else ["--fp16-no-flatten-grads"]), arch="gmlp_lm_tiny")
+        prepare(cfg)  # what a run does first (call_main, Trainer): the patches --fp16 needs off CUDA
         params = [torch.nn.Parameter(w.clone().half()) for w in weights]
         opt = FP16Optimizer.build_optimizer(cfg, params)
         assert opt.has_flat_params == flat
@@ -282,7 +340,10 @@ def test_amp_unscales_once_and_steps_on_cpu():
     self.optimizer, once more when stepping fp32_optimizer, another object to the scaler): w - x / 128."""
     from fairseq.optim.amp_optimizer import AMPOptimizer
 
+    from fairseq_plugins.precision import prepare
+
     cfg, _ = _cfg("--amp", "--optimizer", "sgd", "--lr", "1.0", "--momentum", "0")
+    prepare(cfg)
     w = torch.nn.Parameter(torch.ones(3))
     x = torch.tensor([0.5, -2.0, 3.0])
     opt = AMPOptimizer.build_optimizer(cfg, [w])
@@ -295,21 +356,114 @@ def test_amp_unscales_once_and_steps_on_cpu():
     assert torch.equal(w.detach(), torch.ones(3) - x)
 
 
-def test_precision_patches_install_once():
+def test_amp_saves_and_restores_its_scaler_state():
+    """The GradScaler's scale and growth tracker travel with the optimizer's state (fairseq saved none: every
+    resume restarted at --fp16-init-scale)."""
+    from fairseq.optim.amp_optimizer import AMPOptimizer
+
+    from fairseq_plugins.precision import AMP_SCALER_KEY, prepare
+
+    cfg, _ = _cfg("--amp", "--optimizer", "sgd", "--lr", "0.1", "--amp-scale-window", "1")
+    prepare(cfg)
+    w = torch.nn.Parameter(torch.ones(3))
+    opt = AMPOptimizer.build_optimizer(cfg, [w])
+    for _ in range(3):  # three clean steps: the scale doubles after each (growth interval 1)
+        opt.backward((w * 2).sum())
+        opt.clip_grad_norm(0.0)
+        opt.step()
+        opt.zero_grad()
+    scale = opt.scaler.get_scale()
+    assert scale == cfg.common.fp16_init_scale * 8
+    state = opt.state_dict()
+    assert state[AMP_SCALER_KEY]["scale"] == scale and "state" in state and "param_groups" in state
+    resumed = AMPOptimizer.build_optimizer(cfg, [torch.nn.Parameter(torch.ones(3))])
+    assert resumed.scaler.get_scale() == cfg.common.fp16_init_scale
+    resumed.load_state_dict(state)
+    assert resumed.scaler.get_scale() == scale and resumed.scaler.state_dict() == opt.scaler.state_dict()
+    assert AMP_SCALER_KEY in state  # loading did not consume the caller's state
+
+
+def test_precision_patches_install_only_what_a_run_needs_and_once():
     from fairseq import utils
     from fairseq.distributed import utils as distributed_utils
     from fairseq.optim.amp_optimizer import AMPOptimizer
-    from fairseq.optim.fp16_optimizer import FP16Optimizer
+    from fairseq.optim.fp16_optimizer import FP16Optimizer, _FP16OptimizerMixin
     from fairseq.tasks.fairseq_task import FairseqTask
     from fairseq.trainer import Trainer
 
     from fairseq_plugins import precision
 
     def targets():
-        return (distributed_utils.call_main, FP16Optimizer.__dict__["build_optimizer"], Trainer.train_step,
-                Trainer.clip_grad_norm, utils.clip_grad_norm_, AMPOptimizer.__init__, FairseqTask.train_step)
+        return (distributed_utils.call_main, Trainer.__init__, Trainer.clip_grad_norm, utils.clip_grad_norm_,
+                FP16Optimizer.__dict__["build_optimizer"], _FP16OptimizerMixin.__dict__["build_fp32_params"],
+                Trainer.train_step, AMPOptimizer.__init__, AMPOptimizer.state_dict, FairseqTask.train_step)
+
+    def marked(t):  # ours, or wrapped by another patch of the list since (call_main)
+        return precision._patched(getattr(t, "__func__", t))
 
     before = targets()
     precision.install()
-    assert targets() == before
-    assert all(getattr(getattr(t, "__func__", t), "_smlp_precision", False) for t in before)
+    assert targets() == before and all(marked(t) for t in before[:4])  # at import: the wrappers only
+    assert precision.prepare(_cfg()[0]) == []  # fp32: nothing more
+    assert len(precision.prepare(_cfg("--fp16")[0])) == 3  # off CUDA: master weights, flat buffer, overflow
+    assert precision.prepare(_cfg("--memory-efficient-bf16")[0]) == []
+    assert len(precision.prepare(_cfg("--amp")[0])) == 2  # the scaler, and autocast off CUDA
+    after = targets()
+    assert all(marked(t) for t in after)
+    for flags in ((), ("--fp16",), ("--amp",), ("--bf16",)):
+        precision.prepare(_cfg(*flags)[0])
+    precision.install()
+    assert targets() == after
+    # train_step is wrapped, not recompiled from fairseq's source: the code is ours, the original kept
+    assert Trainer.train_step.__code__.co_filename == precision.__file__
+    assert inspect.unwrap(Trainer.train_step).__code__.co_filename.endswith("fairseq/trainer.py")
+
+
+def _unpatched(monkeypatch, cls, *names):
+    """cls's attributes as fairseq (or an earlier wrapper) defines them, for this test only."""
+    for name in names:
+        attr = cls.__dict__[name]
+        fn = getattr(attr, "__func__", attr)
+        while getattr(fn, "_smlp_precision", False):
+            fn = fn.__wrapped__
+        monkeypatch.setattr(cls, name, classmethod(fn) if isinstance(attr, classmethod) else fn)
+
+
+def test_a_fairseq_that_differs_stops_only_the_runs_that_need_the_patch(monkeypatch):
+    """A planted difference in the fairseq code a patch replaces (a cluster's own fairseq build): importing
+    the plugins and fp32 runs go on; a run with the flag that needs the patch stops before any work, with
+    the flag, the installed fairseq version and the version the patch targets. Before issue 28 the import
+    itself raised FairseqChanged, so fp32 training and evaluation broke too."""
+    import fairseq
+    from fairseq.distributed import utils as distributed_utils
+    from fairseq.optim.amp_optimizer import AMPOptimizer
+    from fairseq.optim.fp16_optimizer import _FP16OptimizerMixin
+
+    from fairseq_plugins import precision
+
+    _unpatched(monkeypatch, AMPOptimizer, "__init__", "clip_grad_norm", "state_dict", "load_state_dict")
+
+    def clip_grad_norm(self, max_norm, aggregate_norm_fn=None):  # the planted difference
+        return self.fp32_optimizer.clip_grad_norm(max_norm, aggregate_norm_fn)
+
+    monkeypatch.setattr(AMPOptimizer, "clip_grad_norm", clip_grad_norm)
+    precision.install()  # the plugins' import
+    assert precision.prepare(_cfg()[0]) == []
+    with pytest.raises(precision.FairseqChanged) as stopped:
+        precision.prepare(_cfg("--amp")[0])
+    message = str(stopped.value)
+    assert message.startswith(f"--amp cannot run with the installed fairseq {fairseq.__version__}: ")
+    assert "AMPOptimizer.clip_grad_norm is not fairseq-fixed 0.12.3.1's" in message
+    assert "Runs without --amp (fp32) are not affected" in message
+    assert AMPOptimizer.clip_grad_norm is clip_grad_norm  # nothing replaced
+
+    work = []
+    with pytest.raises(precision.FairseqChanged, match="--amp cannot run"):  # before the program's main
+        distributed_utils.call_main(_cfg("--amp")[0], lambda cfg, **kw: work.append(cfg))
+    assert work == []
+    # fairseq installed without its source: the patch that checks it cannot apply either
+    _unpatched(monkeypatch, _FP16OptimizerMixin, "build_fp32_params")
+    monkeypatch.setattr(precision.inspect, "getsource", lambda fn: (_ for _ in ()).throw(OSError("no source")))
+    with pytest.raises(precision.FairseqChanged, match=r"--fp16 cannot run .* installed without its source"):
+        precision.prepare(_cfg("--fp16")[0])
+    assert precision.prepare(_cfg("--bf16", "--memory-efficient-bf16")[0]) == []

@@ -41,6 +41,7 @@ ARCH = ["--arch", "smlp_lm_tiny", "--clip-norm", "1.0", "--disable-validation"]
 # Base Layers tMoE makes, balances each rank's tokens on 2 ranks and all of them in one process)
 TRAINER_ARCH = ["--arch", "hash_layers_lm_tiny", "--num-experts", "2", "--clip-norm", "1.0", "--disable-validation"]
 VARIANTS = {
+    "fp32": [],  # the whole model's norm in fp32 too (issue 28)
     "fp16": ["--fp16"],  # flattened master weights asked for: per parameter with experts
     "memory_efficient_fp16": ["--memory-efficient-fp16"],
     "amp": ["--amp", "--amp-batch-retries", "0"],
@@ -48,8 +49,9 @@ VARIANTS = {
     "memory_efficient_bf16": ["--memory-efficient-bf16"],
 }
 LOSS_SCALED = ("fp16", "memory_efficient_fp16", "amp")
+STOPPING = ("fp32", "bf16")  # no loss scale: a non-finite gradient norm stops the run (fairseq's FloatingPointError)
 # bytes per parameter: weights + gradients (+ fp32 master weights and their gradients) + Adam's 2 fp32 moments
-BYTES_PER_PARAM = {"fp16": 2 + 2 + 4 + 4 + 8, "memory_efficient_fp16": 2 + 2 + 8, "amp": 4 + 4 + 8,
+BYTES_PER_PARAM = {"fp32": 4 + 4 + 8, "fp16": 2 + 2 + 4 + 4 + 8, "memory_efficient_fp16": 2 + 2 + 8, "amp": 4 + 4 + 8,
                    "bf16": 2 + 2 + 4 + 4 + 8, "memory_efficient_bf16": 2 + 2 + 8}
 
 
@@ -118,10 +120,13 @@ def _bytes_per_param(trainer) -> float:
 
 def _run_variant(name, data, save_dir, world, rank, port, inject_rank) -> dict:
     trainer, batches = _trainer(data, save_dir, VARIANTS[name], world, rank, port)
-    norms = []
+    norms, by_hand = [], []
     clip = trainer.clip_grad_norm
 
     def capture(clip_norm):
+        if name == "fp32":  # every gradient of this process's model, before clipping
+            grads = [p.grad for p in trainer.get_model().parameters() if p.grad is not None]
+            by_hand.append(float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))))
         try:
             norm = clip(clip_norm)
         except OverflowError:  # fairseq's fp16 loss scaler raises on a non-finite norm
@@ -135,9 +140,25 @@ def _run_variant(name, data, save_dir, world, rank, port, inject_rank) -> dict:
     trainer.train_step(next(batches))
     out.update(bytes_per_param=_bytes_per_param(trainer), updates=[trainer.get_num_updates()])
     if world == 1:
-        return {**out, "norms": norms}
+        return {**out, "norms": norms, "by_hand": by_hand}
     before, scale = _weights(trainer), _loss_scale(trainer)
     handle = None
+    if name in STOPPING:  # an inf in rank 1's expert: every rank stops before updating anything
+        if rank == inject_rank:
+            expert = next(p for p in trainer.get_model().parameters() if getattr(p, "expert", False))
+            handle = expert.register_hook(lambda g: torch.full_like(g, float("inf")))
+        try:
+            trainer.train_step(next(batches))
+            out["stopped"] = None
+        except FloatingPointError as exc:
+            out["stopped"] = str(exc)
+        finally:
+            if handle is not None:
+                handle.remove()
+        after = _weights(trainer)
+        out.update(unchanged=sorted(k for k in before if torch.equal(before[k], after[k])), weights=sorted(before),
+                   finite=all(bool(torch.isfinite(v).all()) for v in after.values()), norms=norms)
+        return out
     if name in LOSS_SCALED:
         if rank == inject_rank:  # an overflow in one expert's gradient on one rank only
             expert = next(p for p in trainer.get_model().parameters() if getattr(p, "expert", False))
@@ -192,6 +213,18 @@ def test_gradient_norm_is_the_whole_models_and_the_same_on_every_rank(trainers, 
     for step in range(len(ranks[0]["norms"])):
         assert ranks[0]["norms"][step] == ranks[1]["norms"][step], (name, step, ranks[0]["norms"], ranks[1]["norms"])
     assert ranks[0]["norms"][0] == pytest.approx(twin["norms"][0], rel=1e-4), (name, ranks[0]["norms"], twin["norms"])
+    if name == "fp32":  # the norm of every gradient (issue 28: fairseq's left the experts out, 0.93x of it)
+        assert twin["norms"][0] == pytest.approx(twin["by_hand"][0], rel=1e-6), (twin["norms"], twin["by_hand"])
+
+
+@pytest.mark.parametrize("name", STOPPING)
+def test_an_inf_in_one_ranks_expert_stops_every_rank_without_a_loss_scale(trainers, name):
+    """fp32 and bf16: every rank raises fairseq's "gradients are Nan/Inf" before any weight changes (issue 28:
+    in fp32 rank 1 applied the inf to its expert and rank 0 went on)."""
+    for rank, r in enumerate(t[name] for t in trainers["ranks"]):
+        assert r["stopped"] is not None and "gradients are Nan/Inf" in r["stopped"], (name, rank, r["stopped"])
+        assert r["norms"][-1] == float("inf"), (name, rank, r["norms"])
+        assert r["unchanged"] == r["weights"] and r["finite"], (name, rank)
 
 
 @pytest.mark.parametrize("name", LOSS_SCALED)
@@ -246,7 +279,30 @@ def runs(tiny_lm_data, tmp_path_factory):
     second = _train(tiny_lm_data, root / "fp16", "--fp16")  # resumes from checkpoint_last (update 2)
     out["fp16"] = ({**first[0], **second[0]}, first[1] + second[1])
     out["fp16_halves"] = (first, second)
+    # --amp with the scale doubling after every clean step: saved after update 1, resumed for update 2
+    out["amp_halves"] = (_train(tiny_lm_data, root / "amp", *AMP_GROWING, updates=1),
+                         _train(tiny_lm_data, root / "amp", *AMP_GROWING, updates=2))
     return out
+
+
+AMP_GROWING = ["--amp", "--amp-scale-window", "1", "--amp-batch-retries", "0"]
+
+
+def _loss_scales(log: str) -> dict[int, float]:
+    from smlp_launch.fairseq_log import train_records
+
+    return {int(r["num_updates"]): float(r["loss_scale"]) for r in train_records(log) if "loss_scale" in r}
+
+
+def test_amp_resumed_on_two_ranks_continues_its_loss_scale(runs):
+    """The GradScaler's scale and growth tracker are saved with the checkpoint and restored on resume:
+    the scale logged after each update doubles at every clean step, across the save too (issue 28: the
+    resumed run restarted at --fp16-init-scale, 128, and logged 256 after update 2 instead of 512)."""
+    (first, first_text), (second, second_text) = runs["amp_halves"]
+    assert sorted(first) == [1] and sorted(second) == [2], (first, second, second_text[-3000:])
+    assert "Loaded checkpoint" in second_text and "(epoch 1 @ 1 updates)" in second_text, second_text[-3000:]
+    scales = {**_loss_scales(first_text), **_loss_scales(second_text)}
+    assert scales == {1: 256.0, 2: 512.0}, scales
 
 
 @pytest.mark.parametrize("name", list(LOSS_BOUND))

@@ -106,7 +106,24 @@ def _fault_cases(rank):
     if rank == 1:
         x[0, 1] = float("nan")  # inside the routing prefix: the router's logits of sequence 0
     cases.append(("smoe-partial", block, (x,), 1))
+    # cached decoding (issue 28): the same fault in the step that completes the routing prefix; before, the
+    # faulty rank raised at once while its peer waited in the step's exchanges
+    step_block = SparseBlock(SparseBlockConfig(d_model=16, d_ffn=24, seq_len=20, num_experts=2,
+                                               smoe_routing="partial"), AllToAllDispatcher(2)).eval()
+    step_block.smoe.layer_name = "layers.2.smoe (SMoE)"
+    cases.append(("smoe-partial-step", _WholeSequenceStep(step_block), (x,), 1))
     return cases
+
+
+class _WholeSequenceStep:
+    """A cached decoding step over the whole sequence, from an empty cache at every call."""
+
+    def __init__(self, block):
+        self.block = block
+
+    def __call__(self, x):
+        with torch.no_grad():
+            return self.block.step(x, {}, 0)
 
 
 def _faults_on_one_rank(rank, world, init_file, results):
@@ -175,12 +192,13 @@ def test_nan_on_one_rank_raises_there_and_its_peer_does_not_hang():
     assert got[1][2] < 60, got
     expected = {"base": ("NonFiniteScoresError", 0), "base-shuffle": ("NonFiniteScoresError", None),
                 "switch": ("NonFiniteScoresError", 1), "gshard": ("NonFiniteScoresError", 0),
-                "hash": ("ValueError", 0), "smoe-partial": ("NonFiniteScoresError", 1)}
+                "hash": ("ValueError", 0), "smoe-partial": ("NonFiniteScoresError", 1),
+                "smoe-partial-step": ("NonFiniteScoresError", 1)}
     for case, (kind, seen) in expected.items():
         (kind0, message0, took0), (kind1, message1, took1) = reports[0][case], reports[1][case]
         assert kind0 == kind1 == kind and message0 == message1, (case, reports[0][case], reports[1][case])
         assert took0 < 10 and took1 < 10, (case, took0, took1)  # not the 600 s collective timeout
-        layer = "layers.2.smoe (SMoE)" if case == "smoe-partial" else "layers.1.moe (TMoE)"
+        layer = "layers.2.smoe (SMoE)" if case.startswith("smoe-partial") else "layers.1.moe (TMoE)"
         assert message0.startswith(f"{layer}: "), message0
         assert "every rank of the expert-parallel group raises this error" in message0, message0
         if seen is not None:  # with the shuffle the NaN row travels to a random rank

@@ -275,7 +275,7 @@ def test_language_models_with_the_new_mixers_are_causal(family, mixer, kw):
 
 def test_sgu_block_keeps_its_checkpoint_keys():
     keys = set(GMLPBlock(GMLPConfig(d_model=8, d_ffn=16, seq_len=6)).state_dict())
-    assert {"sgu.proj.weight", "sgu.proj.bias", "sgu.norm.weight"} <= keys
+    assert {"sgu.proj.weight", "sgu.proj.bias_offset", "sgu.norm.weight"} <= keys
     assert not any(k.startswith("mixer.") for k in keys)
 
 

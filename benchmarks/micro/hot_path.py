@@ -25,7 +25,7 @@ import torch
 from smlp.lm import LanguageModel, LMConfig
 
 from .harness import environment, parser, write_record
-from .host_syncs import HostSyncCounter, torch_assignment_path
+from .host_syncs import HostSyncCounter, accelerator_paths, torch_assignment_path
 
 FAMILIES = {
     "sMLP-det": dict(family="smlp", smoe_routing="deterministic"),
@@ -106,7 +106,7 @@ def count_step(name: str, seed: int = 0) -> dict:
     crit = criterion(dictionary)
     sample = lm_sample(tokens(seed=seed), dictionary.pad())
     out = {}
-    with torch_assignment_path():
+    with accelerator_paths():
         with HostSyncCounter() as fwd:
             net_output = model(**sample["net_input"])
         with HostSyncCounter() as crit_count:

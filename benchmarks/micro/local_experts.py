@@ -20,9 +20,14 @@ same inputs (median of --iters, after a warm-up; one thread):
               masked dense T x T product per expert): the layers before this issue
     loop      the loop as the layers run it where no grouped matmul exists (weights unbound once)
     grouped   the FFN experts through torch's grouped matmul (F.grouped_mm; unequal counts)
-    after     what the layers run now: the FFN experts one batched matmul (equal counts), the loop
-              on the CPU for unequal counts (grouped on accelerators); the spatial experts one
-              blocked causal product for all experts (one autograd node, equal or unequal counts)
+    tiled     the FFN experts' rows in tiles of 16 rows, one fixed-shape product per tile (issue 28:
+              what evaluation runs wherever the counts depend on the data, so that a row's result
+              does not depend on the rows routed with it)
+    after     what the layers run now: in training the FFN experts one batched matmul (equal
+              counts), the loop on the CPU for unequal counts (grouped on accelerators); at
+              evaluation the batched matmul for counts fixed by the shapes (equal: a balanced
+              assignment) and the tiles for the others (unequal); the spatial experts one blocked
+              causal product for all experts (one autograd node, equal or unequal counts)
 
 Every form is checked against "before" (outputs and gradients) first. Writes a JSON record.
 """
@@ -55,7 +60,7 @@ def ffn_before(e: FFNExperts, x_RD, counts_L):
 def spatial_before(e: SpatialExperts, x_RM, counts_L):
     M = x_RM.shape[-1]
     w_LMM = causal_weight(e.weight, M)
-    return torch.cat([chunk @ w_LMM[l].t() + (e.bias[l, :M] - 1)
+    return torch.cat([chunk @ w_LMM[l].t() + e.bias_offset[l, :M]
                       for l, chunk in enumerate(torch.split(x_RM, counts_L))])
 
 
@@ -74,8 +79,11 @@ def measure(kind: str, counts: list[int], mode: str, iters: int, warmup: int) ->
     if kind == "ffn":
         module = FFNExperts(L, S["d_model"], S["d_ffn"], norm=True)  # Base Layers' experts: the most work
         width = S["d_model"]
+        module.train(mode == "train")  # evaluation computes data-dependent counts in tiles
+        fixed = len(set(counts)) == 1  # "equal" stands for a balanced assignment: counts fixed by the shapes
         forms = {"before": lambda x: ffn_before(module, x, counts), "loop": lambda x: module.forward_loop(x, counts),
-                 "after": lambda x: module(x, counts)}
+                 "tiled": lambda x: module.forward_tiled(x, counts),
+                 "after": lambda x: module(x, counts, fixed_counts=fixed)}
         if len(set(counts)) > 1 and grouped_mm_supported(torch.device("cpu"), torch.float32):
             forms["grouped"] = lambda x: module._grouped(x, counts)
     else:
@@ -108,9 +116,13 @@ def measure(kind: str, counts: list[int], mode: str, iters: int, warmup: int) ->
             if err > 1e-4:
                 raise AssertionError(f"{kind} {mode} {name}: differs from the loop by {err:.2e} (relative)")
     times = time_in_turns({name: lambda fn=fn: step(fn) for name, fn in forms.items()}, iters, warmup)
-    out = {name: summary_ms(t.wall) for name, t in times.items()}
+    # CPU time of the timing thread too: steadier than the wall clock when other processes share the cores
+    out = {name: {**summary_ms(t.wall), "median_cpu_ms": summary_ms(t.cpu)["median_ms"]} for name, t in times.items()}
     out["speedup_after_over_before"] = out["before"]["median_ms"] / out["after"]["median_ms"]
     out["speedup_after_over_loop"] = out["loop"]["median_ms"] / out["after"]["median_ms"]
+    if "tiled" in out:
+        out["speedup_tiled_over_loop"] = out["loop"]["median_ms"] / out["tiled"]["median_ms"]
+        out["cpu_speedup_tiled_over_loop"] = out["loop"]["median_cpu_ms"] / out["tiled"]["median_cpu_ms"]
     return out
 
 
@@ -130,6 +142,7 @@ def main(argv=None) -> int:
                 results[key] = {"counts": counts, **measure(kind, counts, mode, args.iters, args.warmup)}
                 r = results[key]
                 grouped = f"grouped {r['grouped']['median_ms']:8.1f} ms  " if "grouped" in r else ""
+                grouped += f"tiled {r['tiled']['median_ms']:8.1f} ms  " if "tiled" in r else ""
                 print(f"{key:<22} before {r['before']['median_ms']:8.1f} ms  loop {r['loop']['median_ms']:8.1f} ms  "
                       f"{grouped}after {r['after']['median_ms']:8.1f} ms  ({r['speedup_after_over_before']:.1f}x, "
                       f"{r['speedup_after_over_loop']:.2f}x over the loop)", flush=True)

@@ -10,6 +10,7 @@ and `index` operands of any length.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -36,10 +37,18 @@ def sanitize_scores(x: Tensor) -> Tensor:
     return torch.where(finite, x, torch.where(torch.isposinf(x), hi, lo))
 
 
+@functools.lru_cache(maxsize=256)
+def _device_constant(value: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A 0-d tensor filled on the device (torch.full: no copy from the host; torch.tensor(value,
+    device=...) would be a pageable host-to-device copy that waits for the stream), made once per
+    value, dtype and device: every round of every layer reuses it. Never modified in place."""
+    return torch.full((), value, dtype=dtype, device=device)
+
+
 class _TorchOps:
     """The operations of steps 0-4 on torch tensors, on any device (see _NumpyOps for the CPU).
-    Constants are 0-d tensors of the operand's dtype: a Python scalar operand would be converted
-    to a tensor on every call."""
+    Constants are 0-d tensors of the operand's dtype, filled on the device once (`_device_constant`):
+    a Python scalar operand would be converted to a tensor on every call."""
 
     minimum, where, searchsorted = map(staticmethod, (torch.minimum, torch.where, torch.searchsorted))
     int32, int64, float64 = torch.int32, torch.int64, torch.float64
@@ -135,7 +144,7 @@ class _TorchOps:
         return torch.full((n,), value, dtype=dtype, device=self.device)
 
     def const(self, value: int, dtype):
-        return torch.tensor(value, dtype=dtype, device=self.device)
+        return _device_constant(value, dtype, self.device)
 
     @staticmethod
     def clip(x: Tensor, lo, hi) -> Tensor:
