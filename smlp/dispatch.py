@@ -204,13 +204,20 @@ class DispatchState:
 
 
 class LocalDispatcher:
-    """All experts live in this process: sorting rows by expert is the whole dispatch."""
+    """All experts live in this process: sorting rows by expert is the whole dispatch.
 
-    def __init__(self, num_experts: int, *, timing: bool = False):
+    replicated: this process is one of several data-parallel ranks that each hold a copy of every
+    expert of the layer (the sMoE's replicated layout, expert_data_parallel.py): no collective,
+    and the experts built on it are ordinary data-parallel parameters (not marked expert), whose
+    gradients the data-parallel all-reduce averages with the others.
+    """
+
+    def __init__(self, num_experts: int, *, timing: bool = False, replicated: bool = False):
         self.num_experts = num_experts
         self.num_local_experts = num_experts
         self.first_expert = 0
         self.world_size = 1
+        self.replicated = replicated
         self.timer = CommTimer(timing)
 
     @property

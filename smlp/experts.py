@@ -208,13 +208,15 @@ class SpatialExperts(nn.Module):
     the expert and in the all2all that carries the rows back. The sMoE adds the one.
     """
 
-    def __init__(self, num_local_experts: int, size: int, init_eps: float = 1e-3, first_expert: int = 0):
+    def __init__(self, num_local_experts: int, size: int, init_eps: float = 1e-3, first_expert: int = 0, *,
+                 replicated: bool = False):
         super().__init__()
         self.size = size
         self.weight = nn.Parameter(torch.empty(num_local_experts, size, size))
         self.bias = nn.Parameter(torch.empty(num_local_experts, size))
         init_spatial_(self.weight, self.bias, init_eps, _expert_generators(num_local_experts, first_expert))
-        mark_expert(self)
+        if not replicated:  # replicated: every rank holds every expert, averaged as data-parallel parameters
+            mark_expert(self)
         self.explicit_spatial = False  # the masked dense product, for FLOP counting (flop_forms.py)
 
     def forward(self, x_RM: Tensor, counts_L: list[int]) -> Tensor:

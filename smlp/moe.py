@@ -248,7 +248,8 @@ class SMoE(nn.Module):
         self.dispatcher = _check_dispatcher(dispatcher, cfg.num_experts)
         self.norm = nn.LayerNorm(cfg.gated_dim)
         self.experts = SpatialExperts(self.dispatcher.num_local_experts, cfg.expert_len, cfg.init_eps,
-                                      first_expert=self.dispatcher.first_expert)
+                                      first_expert=self.dispatcher.first_expert,
+                                      replicated=getattr(self.dispatcher, "replicated", False))
         self.routing = routing = SMOE_ROUTINGS[cfg.routing]  # the registry entry (routing/registry.py)
         if routing.router_reads != "none":
             P = cfg.router_len
@@ -463,14 +464,19 @@ class SMoERows:
 
 
 class SparseBlock(nn.Module):
-    """sMLP sparse block (Fig. 2): sMoE token mixing, then Base Layers tMoE; no dense projections."""
+    """sMLP sparse block (Fig. 2): sMoE token mixing, then Base Layers tMoE; no dense projections.
 
-    def __init__(self, cfg: SparseBlockConfig, dispatcher=None):
+    The two layers share `dispatcher` unless `smoe_dispatcher` gives the sMoE its own: a parallel
+    layout per layer type (expert_data_parallel.py), e.g. the sMoE's experts replicated on every rank
+    (LocalDispatcher(E, replicated=True)) and the tMoE's spread over the expert-parallel group.
+    """
+
+    def __init__(self, cfg: SparseBlockConfig, dispatcher=None, smoe_dispatcher=None):
         super().__init__()
         self.cfg = cfg
         self.norm = nn.LayerNorm(cfg.d_model)
-        self.smoe = SMoE(cfg.smoe, dispatcher)
-        self.tmoe = TMoE(cfg.tmoe, self.smoe.dispatcher)
+        self.smoe = SMoE(cfg.smoe, smoe_dispatcher if smoe_dispatcher is not None else dispatcher)
+        self.tmoe = TMoE(cfg.tmoe, dispatcher if smoe_dispatcher is not None else self.smoe.dispatcher)
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x_BND: Tensor) -> Tensor:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from smlp.config import SGUConfig, SMoEConfig, SparseBlockConfig, TMoEConfig
-from smlp.dispatch import AllToAllDispatcher
+from smlp.dispatch import AllToAllDispatcher, LocalDispatcher
 from smlp.gmlp import SpatialGatingUnit
 from smlp.moe import SMoE, SparseBlock, TMoE
 from smlp.resharding import expert_keys, slice_expert_shard
@@ -270,6 +270,52 @@ def _block_worker(rank, world, init_file, routing, lengths=None, training=True):
         _finish()
 
 
+def _replicated_smoe_worker(rank, world, init_file, routing):
+    """The sMoE's replicated layout: every rank holds all E spatial experts (LocalDispatcher(E, replicated=True),
+    not marked expert, so the data-parallel all-reduce averages their gradients) and the tMoE stays expert-
+    parallel. Equal to the single-process block and to the all-expert-parallel block; the sMoE calls no
+    collective."""
+    _init(rank, world, init_file)
+    try:
+        E = 2 * world
+        cfg = SparseBlockConfig(d_model=16, d_ffn=24, seq_len=20, num_experts=E, smoe_routing=routing,
+                                base_shuffle=False)
+        torch.manual_seed(0)
+        ref = SparseBlock(cfg).train()
+        _randomize_spatial(ref)
+        _randomize_expert_output(ref)
+        model = SparseBlock(cfg, AllToAllDispatcher(E), LocalDispatcher(E, replicated=True)).train()
+        spread = SparseBlock(cfg, AllToAllDispatcher(E)).train()  # both layers expert-parallel
+        assert not any(getattr(p, "expert", False) for p in model.smoe.parameters())
+        assert expert_keys(model) == [k for k in expert_keys(ref) if k.startswith("tmoe.")]
+        model.load_state_dict(slice_expert_shard(ref.state_dict(), expert_keys(model), rank, world))
+        spread.load_state_dict(slice_expert_shard(ref.state_dict(), expert_keys(ref), rank, world))
+        xs = _inputs(world, lambda r: (2, 20, 16))
+        gs = _inputs(world, lambda r: (2, 20, 16), seed=200)
+        calls, real = [], dist.all_to_all_single
+        dist.all_to_all_single = lambda *a, **k: calls.append(1) or real(*a, **k)
+        try:
+            model.smoe(model.norm(xs[rank]))
+        finally:
+            dist.all_to_all_single = real
+        assert not calls, f"the replicated sMoE exchanged {len(calls)} times"
+        y = _run_pair(model, ref, xs, gs, rank, world)
+        _check_expert_grads(model, ref, rank, world)
+        _check_shared_grads(model, ref)  # the sMoE's spatial weights among them, summed over the ranks
+        x = xs[rank].clone().requires_grad_(True)
+        y_spread = spread(x)
+        assert within_bound(y, y_spread.detach(), **RULE), "replicated and expert-parallel sMoE differ"
+        y_spread.backward(gs[rank])
+        for name in ("smoe.experts.weight", "smoe.experts.bias"):
+            mine = dict(model.named_parameters())[name].grad.clone()
+            dist.all_reduce(mine)  # the data-parallel sum; the expert-parallel rank holds its experts' sum
+            theirs = dict(spread.named_parameters())[name].grad
+            local = E // world
+            assert within_bound(mine[rank * local:(rank + 1) * local], theirs, **RULE), name
+    finally:
+        _finish()
+
+
 def _randomize_expert_output(module, seed=1):
     """Base Layers' zero-initialised second projection would leave the first projection without gradient."""
     g = torch.Generator().manual_seed(seed)
@@ -281,6 +327,13 @@ def _randomize_expert_output(module, seed=1):
 
 @pytest.mark.parametrize("routing", ["deterministic", "partial"])
 def test_sparse_block_matches_single_process(routing, spawned, request):
+    spawned.check(request.node.name)
+
+
+@pytest.mark.parametrize("routing", ["deterministic", "partial"])
+def test_replicated_smoe_with_expert_parallel_tmoe_matches_single_process(routing, spawned, request):
+    """--smoe-parallel replicated: outputs and gradients equal the single-process block and the block with
+    both layers expert-parallel; the sMoE runs no collective."""
     spawned.check(request.node.name)
 
 
@@ -481,6 +534,9 @@ def _case_table() -> dict[str, list[tuple[int, object, tuple]]]:
         t[f"test_sparse_block_matches_single_process[{routing}]"] = [(2, _block_worker, (routing,))]
         t[f"test_sparse_block_eval_outputs_equal_one_process[{routing}]"] = [
             (2, _block_worker, (routing, [20, 11], False))]
+    for routing in ("deterministic", "partial"):
+        t[f"test_replicated_smoe_with_expert_parallel_tmoe_matches_single_process[{routing}]"] = [
+            (2, _replicated_smoe_worker, (routing,))]
     for name, lengths in (("different-lengths", [20, 9]), ("one-rank-within-prefix", [20, 3])):
         t[f"test_partial_routing_with_uneven_sequences_matches_single_process[{name}]"] = [
             (2, _block_worker, ("partial", lengths))]
