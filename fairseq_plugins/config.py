@@ -148,6 +148,11 @@ FIELDS: tuple[Field, ...] = (
           "and replicated W/G times, the replicas' expert gradients averaged (expert-data parallelism, as "
           "DeepSpeed's ep_size); must divide the world size and --num-experts; 0 means min(world size, "
           "--num-experts)", None, SPARSE),
+    Field("all2all_chunks", int, 1,
+          "each sparse layer's rows in this many chunks, one chunk's all2all overlapped with another's experts "
+          "(async collectives: gloo runs them on its own thread, NCCL on its own stream); 1: no overlap. Measured on "
+          "2 CPU gloo ranks (loaded) it did not pay (docs/benchmarks.md); the step-time model predicts what it hides on "
+          "GPUs (smlp-flops --step-time ... --all2all-chunks 2)", None, SPARSE),
     Field("sparse_placement", str, "auto",
           "where the sparse blocks sit: paper (sec. 4.1, spread evenly over the depth), every_other (GShard, "
           "Switch), fairseq (fairseq's --base-layers insertion); auto = the router's default "
@@ -256,6 +261,7 @@ class PluginSettings:
     ep_size: int
     criterion_name: str | None
     smoe_parallel: str = "auto"  # --smoe-parallel (sMLP); "auto" where the config has no such field
+    all2all_chunks: int = 1  # --all2all-chunks
     batch_size: int | None = None  # sequences per rank and micro-batch (--batch-size, else --max-tokens / T)
     update_freq: int = 1  # micro-batches per update (--update-freq, its first value)
 
@@ -278,7 +284,14 @@ def plugin_settings(cfg) -> PluginSettings:
                           ep_size=configured_ep_size(cfg),
                           criterion_name=None if criterion is None else str(criterion),
                           smoe_parallel=str(read(cfg, "smoe_parallel", default=None) or "auto"),
-                          batch_size=_sequences_per_batch(cfg), update_freq=int(update_freq or 1))
+                          batch_size=_sequences_per_batch(cfg), update_freq=int(update_freq or 1),
+                          all2all_chunks=_all2all_chunks(read(cfg, "all2all_chunks")))
+
+
+def _all2all_chunks(value) -> int:
+    if not isinstance(value, int) or value < 1:
+        raise ValueError(f"--all2all-chunks {value} is invalid: give 1 (no overlap) or more chunks")
+    return value
 
 
 def resolve_num_experts(requested: int, world_size: int, ep_size: int = 0) -> int:

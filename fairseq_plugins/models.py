@@ -158,7 +158,8 @@ def make_dispatcher(core_cfg, settings: PluginSettings):
             smoe_dispatcher = LocalDispatcher(core_cfg.num_experts, replicated=True)
     if layout.ep_size == 1:
         return LocalDispatcher(core_cfg.num_experts), smoe_dispatcher, layout, replica_group
-    return AllToAllDispatcher(core_cfg.num_experts, ep_group=ep_group), smoe_dispatcher, layout, replica_group
+    return (AllToAllDispatcher(core_cfg.num_experts, ep_group=ep_group, chunks=settings.all2all_chunks),
+            smoe_dispatcher, layout, replica_group)
 
 
 def scale_expert_gradients(model: torch.nn.Module, layout: ExpertDataLayout, replica_group=None) -> None:

@@ -183,6 +183,13 @@ class FFNExperts(nn.Module):
         h_RF = self.activation(_grouped_matmul(x_RD, self.w1, offs_L) + self.b1[expert_R])
         return _grouped_matmul(h_RF, self.w2, offs_L) + self.b2[expert_R]
 
+    def expert_rows(self, x_RD: Tensor, l: int) -> Tensor:
+        """Local expert l on rows x, (R, D): the cached decoding step's product (moe.TMoE.step), on views
+        of the stacked weights (decoding has no backward pass to pay for indexing them)."""
+        if self.norm_weight is not None:
+            x_RD = F.layer_norm(x_RD, x_RD.shape[-1:], self.norm_weight[l], self.norm_bias[l])
+        return torch.addmm(self.b2[l], self.activation(torch.addmm(self.b1[l], x_RD, self.w1[l])), self.w2[l])
+
     def forward_loop(self, x_RD: Tensor, counts_L: list[int]) -> Tensor:
         """One matmul per local expert: the reference the batched and grouped forms are tested against,
         and the form where grouped_mm does not run. The weights are unbound once (indexing them per

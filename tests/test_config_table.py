@@ -56,6 +56,7 @@ EXAMPLES = {
     "num_experts": ("smlp", ["--num-experts", "2"], {"num_experts": 2}),
     "expert_parallel_size": ("transformer", ["--expert-parallel-size", "2"], {"ep_size": 2}),
     "sparse_placement": ("smlp", ["--sparse-placement", "fairseq"], {"sparse_placement": "fairseq"}),
+    "all2all_chunks": ("transformer", ["--all2all-chunks", "2"], {"all2all_chunks": 2}),
     "base_shuffle": ("smlp", ["--base-shuffle", "0"], {"base_shuffle": False}),
     "base_layers": ("smlp", ["--sparse-layers", "1"], {"sparse_layers": 1}),  # fairseq's: = --sparse-layers
     "criterion_name": ("transformer", ["--criterion", "smlp_lm_loss"], {"criterion_name": "smlp_lm_loss"}),

@@ -396,7 +396,7 @@ def _write_layout_set(directory, smoe_replicated, E=4, world=2):
     shared = torch.randn(5, generator=g)
     L = E // world
     for r in range(world):
-        def mine(t, whole):
+        def mine(t, whole, r=r):
             return t.clone() if whole else t[r * L:(r + 1) * L].clone()
         state = {
             "cfg": {"model": {"_name": "smlp_lm", "num_experts": E, "expert_parallel_size": world,

@@ -288,6 +288,34 @@ def test_default_smoe_layout_follows_the_step_time_model():
     assert choose(cpu, world_size=2, ep_size=2, batch_size=16, tokens=128, device_type="cpu")[0] == "replicated"
 
 
+def test_overlapped_exchanges_hide_behind_the_experts_up_to_one_half_exchange_per_pass():
+    """2 chunks: with experts much slower than the link only the first chunk's rows out and the last
+    chunk's results back stay exposed (2 half-exchanges per pass); with experts taking no time the
+    pipeline costs the whole exchange plus one latency more per half; never the full 2 x 2 exchanges
+    when the experts can hide them."""
+    ex = S.Exchange("tmoe-base", rows=4096, row_bytes=2048, ep_size=32)
+    cfg = PAPER_SMALL
+    v100 = S.CLUSTERS["v100-dgx1"]
+    a, h = S.a2a_seconds(ex, v100), S.a2a_seconds(S.Exchange("tmoe-base", 2048, 2048, 32), v100)
+    assert S.exposed_a2a_seconds(cfg, ex, v100, chunks=1, dtype_bytes=2) == 4 * a
+    slow = S.with_cluster_overrides(v100, peak_flops=1e9)  # experts far slower than the exchange
+    assert S.exposed_a2a_seconds(cfg, ex, slow, chunks=2, dtype_bytes=2) == pytest.approx(4 * h)
+    fast = S.with_cluster_overrides(v100, peak_flops=1e30)  # experts take no time: nothing to hide behind
+    assert S.exposed_a2a_seconds(cfg, ex, fast, chunks=2, dtype_bytes=2) == pytest.approx(8 * h)
+    assert 8 * h == pytest.approx(4 * a + 4 * v100.ib_latency)
+    shuffle = S.Exchange("base-shuffle-scores", rows=4096, row_bytes=128, ep_size=32, times=1)
+    assert S.exposed_a2a_seconds(cfg, shuffle, slow, chunks=2, dtype_bytes=2) == S.a2a_seconds(shuffle, slow)
+    c = FL.count(cfg, 1024, method="analytic")
+    steps = {n: S.step_time("x", cfg, flops_per_sequence=c.flops, params_non_expert=c.params_non_expert,
+                            params_expert_per_gpu=c.params_expert_per_gpu, activations={}, cluster=v100,
+                            train=S.Training(world_size=32, ep_size=32, batch_size=4, update_freq=4, all2all_chunks=n))
+             for n in (1, 2)}
+    assert steps[2].seconds["all2all"] < 0.8 * steps[1].seconds["all2all"]
+    assert steps[2].seconds["compute"] == steps[1].seconds["compute"]
+    with pytest.raises(ValueError, match="all2all_chunks=3 is not modelled"):
+        S.Training(world_size=2, ep_size=2, batch_size=1, all2all_chunks=3)
+
+
 def test_step_time_cli_on_a_tiny_model(capsys):
     argv = ["--step-time", "--arch", "smlp_lm_tiny", "--tokens-per-sample", "32", "--distributed-world-size", "4",
             "--expert-parallel-size", "2", "--num-experts", "2", "--batch-size", "8", "--vocab-size", "500",

@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the sMLP's sMoE layout in --step-time and --table4: expert (spread over the expert-"
                          "parallel group, all2all), replicated (every expert on every rank), or faster (default: "
                          "--step-time prints both, --table4 ranks the faster)")
+    st.add_argument("--all2all-chunks", type=int, choices=(1, 2),
+                    help="--table4: every model's all2all overlapped with its experts in 2 chunks (default 1: none); "
+                         "--step-time takes the model flag of the same name")
     st.add_argument("--cluster", default="v100-dgx1",
                     help="cluster preset: v100-dgx1 (the paper's 32 V100s; default), a100-dgx, cpu-gloo "
                          "(smlp-bench's 2 gloo ranks of one thread)")
@@ -144,11 +147,13 @@ def _run_step_time(args, flags) -> str:
             raise ValueError("--table4 predicts the paper's runs, whose GShard / Switch pad to capacity; "
                              "use --step-time --capacity-padding off for our dispatcher")
         rows = table4(args.table4, cluster, "analytic" if args.method == "analytic" else "fvcore",
-                      smoe_layout=args.smoe_parallel)
+                      smoe_layout=args.smoe_parallel, all2all_chunks=args.all2all_chunks or 1)
         return json.dumps(rows, indent=2) if args.json else format_table4(rows, args.markdown)
     if not args.arch:
         raise ValueError("--step-time needs --arch (and --batch-size); e.g. --arch smlp_lm_paper_small "
                          "--distributed-world-size 32 --batch-size 4 --update-freq 4 --fp16")
+    if args.all2all_chunks is not None:  # fairseq's flag of the model
+        flags = [*flags, "--all2all-chunks", str(args.all2all_chunks)]
     spec = parse_model(args.arch, flags, vocab_size=args.vocab_size)
     method = "analytic" if args.method == "analytic" else "fvcore"
     padding = args.capacity_padding == "on"

@@ -48,7 +48,8 @@ once per call, not per sequence; counting it B times overstates a gMLP block's a
 about (B - 1) / (15 B) at D = 1024, F = 4096 (n^2 against ~15 n D floats per sequence).
 
 Step time per update (no overlap of communication with compute, as legacy_ddp and the
-dispatcher run):
+dispatcher run by default; with `Training.all2all_chunks` 2 each sparse layer's all2all is pipelined
+with its experts in two chunks and only what they do not hide counts, `exposed_a2a_seconds`):
     U x [ 3 x FLOPs / (peak x matmul efficiency)          compute: forward + 2 x forward backward
           + 4 x activation bytes / HBM bandwidth          memory-bound ops (norms, softmax, GELU,
                                                           dropout): each saved byte is written and
@@ -150,6 +151,7 @@ class Training:
     optimizer_sharding: bool = False   # --zero-sharding os: non-expert Adam moments split over W
     padding: bool = False              # GShard / Switch send E x capacity buffers (their implementations)
     smoe_layout: str = "expert"        # the sMoE's experts: spread over the group, or replicated on every rank
+    all2all_chunks: int = 1            # 2: each layer's rows in 2 chunks, exchanges overlapped with the experts
 
     def __post_init__(self) -> None:
         for name in ("world_size", "ep_size", "batch_size", "update_freq", "tokens"):
@@ -160,6 +162,8 @@ class Training:
             raise ValueError(f"ep_size={self.ep_size} must divide world_size={self.world_size}")
         if self.smoe_layout not in SMOE_LAYOUTS:
             raise ValueError(f"smoe_layout={self.smoe_layout!r} is unknown: valid values are {', '.join(SMOE_LAYOUTS)}")
+        if self.all2all_chunks not in (1, 2):
+            raise ValueError(f"all2all_chunks={self.all2all_chunks!r} is not modelled: 1 (no overlap) or 2")
 
     @property
     def dtype_bytes(self) -> int:
@@ -241,6 +245,32 @@ def a2a_seconds(ex: Exchange, cluster: Cluster) -> float:
     t_inter = inter / (cluster.ib_bandwidth / cluster.gpus_per_node)  # every GPU of the node sends at once
     latency = cluster.ib_latency if G > local else cluster.nvlink_latency
     return latency + max(t_intra, t_inter)
+
+
+def expert_seconds(cfg: LMConfig, ex: Exchange, dtype_bytes: int, cluster: Cluster) -> float:
+    """Forward time of the experts between an exchange's dispatch and combine, on one GPU: the sMoE's rows
+    times the M x M spatial product (the paper's convention), the tMoE's rows (slots) times the FFN."""
+    if ex.name == "smoe":
+        M = ex.row_bytes // dtype_bytes
+        macs = ex.rows * M * M
+    else:
+        macs = ex.rows * 2 * cfg.d_model * cfg.d_ffn
+    return 2 * macs / (cluster.peak_flops * cluster.matmul_efficiency)
+
+
+def exposed_a2a_seconds(cfg: LMConfig, ex: Exchange, cluster: Cluster, *, chunks: int, dtype_bytes: int) -> float:
+    """All2all time of one exchange per micro-batch (its `times` passes) that compute does not hide.
+
+    Without chunks: all of it. With 2 chunks (dispatch.Chunks; an exchange of a dispatch and a combine,
+    `times` 4) each direction is a pipeline on one link: chunk 0's rows out, then chunk 1's rows out
+    beside chunk 0's experts, chunk 0's results back beside chunk 1's experts, chunk 1's results back:
+    2 h + 2 max(h, x / 2) - x exposed, h one half-exchange (its latency and half the bytes), x the
+    experts' time (forward x, backward 2 x)."""
+    if chunks == 1 or ex.times != 4:
+        return ex.times * a2a_seconds(ex, cluster)
+    h = a2a_seconds(replace(ex, rows=math.ceil(ex.rows / 2)), cluster)
+    x = expert_seconds(cfg, ex, dtype_bytes, cluster)
+    return sum(2 * h + 2 * max(h, xd / 2) - xd for xd in (x, 2 * x))
 
 
 # ---------------------------------------------------------------- all-reduce
@@ -434,7 +464,9 @@ def step_time(name: str, cfg: LMConfig, *, flops_per_sequence: float, params_non
     seconds = {
         "compute": U * 3 * B * (flops_per_sequence + pad_flops) / (cluster.peak_flops * cluster.matmul_efficiency),
         "memory_bound": U * 4 * memory["activations"] / cluster.hbm_bandwidth,
-        "all2all": U * cfg.sparse_layers * sum(e.times * a2a_seconds(e, cluster) for e in exchanges),
+        "all2all": U * cfg.sparse_layers * sum(
+            exposed_a2a_seconds(cfg, e, cluster, chunks=train.all2all_chunks, dtype_bytes=train.dtype_bytes)
+            for e in exchanges),
         "allreduce_non_expert": allreduce_seconds(ar["non_expert_bytes"], train.world_size, cluster),
         "allreduce_expert": U * allreduce_seconds(ar["expert_bytes"], train.replicas, cluster, strided=train.ep_size),
         "optimizer": 32 * (params_non_expert + params_expert_per_gpu) / cluster.hbm_bandwidth,
@@ -491,8 +523,9 @@ def with_cluster_overrides(cluster: Cluster, **overrides) -> Cluster:
 
 
 def step_time_for(spec: ModelSpec, cluster, *, name: str | None = None, padding: bool = False,
-                  method: str = "fvcore", smoe_layout: str = "expert"):
-    """The step-time model of a model given as fairseq flags (with --batch-size etc.) on `cluster`."""
+                  method: str = "fvcore", smoe_layout: str = "expert", all2all_chunks: int | None = None):
+    """The step-time model of a model given as fairseq flags (with --batch-size etc.) on `cluster`;
+    all2all_chunks: the flags' --all2all-chunks unless given."""
     if not spec.batch_size:
         raise ValueError("the step-time model needs --batch-size (sequences per GPU per micro-batch), e.g. "
                          "--batch-size 4 --update-freq 4 --distributed-world-size 32 --fp16")
@@ -500,31 +533,36 @@ def step_time_for(spec: ModelSpec, cluster, *, name: str | None = None, padding:
     train = Training(world_size=spec.world_size, ep_size=spec.ep_size if spec.cfg.sparse_layers else 1,
                               batch_size=spec.batch_size, update_freq=spec.update_freq, tokens=spec.tokens,
                               fp16=spec.fp16, optimizer_sharding=spec.zero_sharding, padding=padding,
-                              smoe_layout=smoe_layout if smoe_expert_params(spec.cfg, 1) else "expert")
+                              smoe_layout=smoe_layout if smoe_expert_params(spec.cfg, 1) else "expert",
+                              all2all_chunks=spec.all2all_chunks if all2all_chunks is None else all2all_chunks)
     acts = activation_bytes(spec.cfg, spec.tokens, max(spec.experts_per_gpu, 1))
     return step_time(name or spec.arch, spec.cfg, flops_per_sequence=c.flops,
                               params_non_expert=c.params_non_expert, params_expert_per_gpu=c.params_expert_per_gpu,
                               train=train, cluster=cluster, activations=acts)
 
 
-def table4(which: str, cluster, method: str = "fvcore", smoe_layout: str = "faster") -> list[dict]:
+def table4(which: str, cluster, method: str = "fvcore", smoe_layout: str = "faster",
+           all2all_chunks: int = 1) -> list[dict]:
     """Predicted words/s of the paper's 32-GPU Table 4 configurations beside the paper's, ranked.
 
     smoe_layout: the sMLP rows' sMoE layout, "expert", "replicated" or "faster" (the better of the two;
-    the row's `smoe_layouts` holds both step times)."""
+    the row's `smoe_layouts` holds both step times). all2all_chunks: every model's exchanges overlapped
+    with its experts in 2 chunks, or not (1)."""
     rows = []
     for part in (("top", "bottom") if which == "both" else (which,)):
         for row in TABLE4[part]:
             spec = parse_model(row.arch, list(row.flags))
             note = row.note
             if smoe_expert_params(spec.cfg, 1) and smoe_layout == "faster":
-                both = compare_smoe_layouts(spec, cluster, name=row.name, padding=True, method=method)
+                both = compare_smoe_layouts(spec, cluster, name=row.name, padding=True, method=method,
+                                            all2all_chunks=all2all_chunks)
                 st = both["step_times"][both["faster"]]
                 note = (f"{note}; " if note else "") + smoe_layout_sentence(both)
                 extra = {"smoe_layouts": {k: v.step_seconds for k, v in both["step_times"].items()}}
             else:
                 st = step_time_for(spec, cluster, name=row.name, padding=True, method=method,
-                                   smoe_layout="expert" if smoe_layout == "faster" else smoe_layout)
+                                   smoe_layout="expert" if smoe_layout == "faster" else smoe_layout,
+                                   all2all_chunks=all2all_chunks)
                 extra = {}
             rows.append({"part": part, "name": row.name, "arch": row.arch, "flags": " ".join(row.flags),
                          "paper_wps": row.paper_wps, "note": note, **st.as_dict(), **extra})
@@ -544,13 +582,13 @@ def table4(which: str, cluster, method: str = "fvcore", smoe_layout: str = "fast
 
 
 def compare_smoe_layouts(spec: ModelSpec, cluster, *, name: str | None = None, padding: bool = False,
-                         method: str = "fvcore") -> dict:
+                         method: str = "fvcore", all2all_chunks: int | None = None) -> dict:
     """Both sMoE layouts of an sMLP given as fairseq flags on `cluster`: {"step_times": {layout:
     StepTime}, "faster": the layout of the shorter step, "speedup": slower step / faster step}."""
     if not smoe_expert_params(spec.cfg, 1):
         raise ValueError(f"{spec.arch} has no sMoE: only the sMLP's sparse blocks have a layout to choose")
-    times = {layout: step_time_for(spec, cluster, name=name, padding=padding, method=method, smoe_layout=layout)
-             for layout in SMOE_LAYOUTS}
+    times = {layout: step_time_for(spec, cluster, name=name, padding=padding, method=method, smoe_layout=layout,
+                                   all2all_chunks=all2all_chunks) for layout in SMOE_LAYOUTS}
     faster = min(SMOE_LAYOUTS, key=lambda k: times[k].step_seconds)
     slower = max(SMOE_LAYOUTS, key=lambda k: times[k].step_seconds)
     return {"step_times": times, "faster": faster, "speedup": times[slower].step_seconds / times[faster].step_seconds}
