@@ -12,7 +12,10 @@ each holding that rank's experts. Here:
   expert, written atomically; it loads on any world size that divides the number of experts
   (fairseq-eval-lm, smlp-zeroshot). With expert-data parallelism (--expert-parallel-size G < W)
   ranks r and r + G write identical expert shards: the first G are merged and the replicas are
-  checked to agree (`saved_ep_size`, `smlp.resharding.check_replicas`).
+  checked to agree (`saved_ep_size`, `smlp.resharding.check_replicas`). The sMoE's replicated layout
+  (--smoe-parallel replicated) puts all E of its experts in every rank's file: those keys are taken
+  once (`smlp.resharding.replicated_keys`), so a merged checkpoint is the same whichever layout wrote it
+  and loads into either.
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ from collections.abc import Mapping
 
 import torch
 
-from smlp.resharding import merge_expert_shards, slice_expert_shard
+from smlp.resharding import merge_expert_shards, replicated_keys, slice_expert_shard
 
 from .checkpoint_sets import rank_shards
 
@@ -83,16 +86,27 @@ def load_checkpoint(path: str, arg_overrides: dict | None = None) -> dict:
 
 
 def adapt_expert_state(model, state: Mapping[str, torch.Tensor], rank: int, world: int) -> Mapping[str, torch.Tensor]:
+    """`state` fitted to this rank's model, key by key: a key that holds every expert (a consolidated
+    checkpoint, or a layer the saving run replicated) is sliced to this rank's experts where this model
+    spreads that layer over `world` positions; a shard that holds fewer experts than this model keeps of
+    that layer (another world size, or a layer this run replicates) is refused with the command that fixes it."""
     own = model.state_dict()
     keys = [k for k in own if is_expert_key(k)]
     mismatched = [k for k in keys if k in state and state[k].shape[0] != own[k].shape[0]]
     if not mismatched:
         return state
-    k = mismatched[0]
+    spread = [k for k in keys if k not in replicated_keys(own, keys)]  # this model's layers over the group
+    total = min(own[k].shape[0] for k in keys) * world  # experts of a layer
+    if all(state[k].shape[0] == total for k in mismatched) and all(k in spread for k in mismatched):
+        return slice_expert_shard(state, mismatched, rank, world)  # whole layers: take this rank's experts
+    k = next(k for k in mismatched if state[k].shape[0] != total or k not in spread)
     local, saved = own[k].shape[0], state[k].shape[0]
-    total = local * world
-    if saved == total:  # a consolidated checkpoint: take this rank's experts
-        return slice_expert_shard(state, keys, rank, world)
+    if local == total and saved < total:  # a replicated layer here, one rank's shard of it in the file
+        raise ValueError(
+            f"the checkpoint holds one rank's shard of {k} ({saved} of {total} experts, written with the layer "
+            f"spread over an expert-parallel group) but this run holds all {total} on every rank (--smoe-parallel "
+            f"replicated). Merge the shards first with `smlp-consolidate <checkpoint.pt>` (it loads into either "
+            f"layout), or pass --smoe-parallel expert; fairseq-train resumes across layouts by itself.")
     raise ValueError(
         f"the checkpoint holds {saved} of the {total} experts of each sparse layer (one rank's shard of a "
         f"{total // saved if saved and total % saved == 0 else '?'}-rank run; e.g. {k} has shape "
@@ -118,7 +132,8 @@ def saved_ep_size(state, num_shards: int, keys=()) -> int:
     from .config import expert_layout, read, resolve_num_experts
 
     model_cfg = _model_cfg(state)
-    local = int(state["model"][keys[0]].shape[0]) if keys else None
+    # the layers spread over the group hold the fewest experts per file (a replicated sMoE holds all E)
+    local = min(int(state["model"][k].shape[0]) for k in keys) if keys else None
     if model_cfg is None:
         return num_shards
     ep_cfg = int(read(model_cfg, "expert_parallel_size") or 0)  # the flag table (a saved config may lack it)
@@ -167,7 +182,8 @@ def consolidate(path: str, out: str | None = None) -> str:
     models = [s["model"] for s in states]
     keys = [k for k in models[0] if is_expert_key(k)]
     merged = dict(states[0])
-    merged["model"] = merge_expert_shards(models, keys, saved_ep_size(states[0], len(states), keys))
+    merged["model"] = merge_expert_shards(models, keys, saved_ep_size(states[0], len(states), keys),
+                                          replicated_keys(models[0], keys))
     merged["last_optimizer_state"] = None  # per-rank optimizer states are not mergeable; this is for evaluation
     merged["smlp_consolidated_from"] = len(shards)
     if keys and merged.get("cfg") is not None:
@@ -213,7 +229,8 @@ def read_checkpoint_any_layout(path: str, arg_overrides: dict | None = None) -> 
     merged = dict(states[0])
     models = [s["model"] for s in states]
     keys = [k for k in models[0] if is_expert_key(k)]
-    merged["model"] = merge_expert_shards(models, keys, saved_ep_size(states[0], len(states), keys))
+    merged["model"] = merge_expert_shards(models, keys, saved_ep_size(states[0], len(states), keys),
+                                          replicated_keys(models[0], keys))
     return merged, shards[0]
 
 

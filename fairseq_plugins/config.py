@@ -36,6 +36,7 @@ from smlp.routing.registry import SMOE_ROUTINGS, TOKEN_ROUTERS
 logger = logging.getLogger(__name__)
 
 FAMILIES_BY_MODEL = {"smlp_lm": "smlp", "gmlp_lm": "gmlp", "moe_transformer_lm": "transformer"}
+SMOE_PARALLEL_CHOICES = ("auto", "expert", "replicated")  # --smoe-parallel (models.smoe_layout)
 ALL, MIXER, SPARSE = ("smlp", "gmlp", "transformer"), ("smlp", "gmlp"), ("smlp", "transformer")
 # LMConfig fields that no flag sets: the model class gives the family, the dictionary the other two.
 CORE_FIELDS_NOT_FLAGS = ("family", "vocab_size", "padding_idx")
@@ -147,6 +148,11 @@ FIELDS: tuple[Field, ...] = (
           "and replicated W/G times, the replicas' expert gradients averaged (expert-data parallelism, as "
           "DeepSpeed's ep_size); must divide the world size and --num-experts; 0 means min(world size, "
           "--num-experts)", None, SPARSE),
+    Field("all2all_chunks", int, 1,
+          "each sparse layer's rows in this many chunks, one chunk's all2all overlapped with another's experts "
+          "(async collectives: gloo runs them on its own thread, NCCL on its own stream); 1: no overlap. Measured on "
+          "2 CPU gloo ranks (loaded) it did not pay (docs/benchmarks.md); the step-time model predicts what it hides on "
+          "GPUs (smlp-flops --step-time ... --all2all-chunks 2)", None, SPARSE),
     Field("sparse_placement", str, "auto",
           "where the sparse blocks sit: paper (sec. 4.1, spread evenly over the depth), every_other (GShard, "
           "Switch), fairseq (fairseq's --base-layers insertion); auto = the router's default "
@@ -167,6 +173,18 @@ FIELDS: tuple[Field, ...] = (
           "over all positions, which SEES THE FUTURE (not causal; only to reproduce Figure 7)",
           "smoe_routing", ("smlp",), choices=tuple(SMOE_ROUTINGS), always=True),
     Field("prefix_fraction", float, 0.2, "routing prefix of partial prediction", "prefix_fraction", ("smlp",)),
+    Field("smoe_parallel", str, "auto",
+          "where the sMoE's experts live: expert (spread over the expert-parallel group, the rows travel by "
+          "all2all, as the paper), replicated (every rank holds all E spatial weights and mixes its own sequences: "
+          "no sMoE all2all; their gradients join the data-parallel all-reduce), or auto (the layout the step-time "
+          "model predicts faster for this run's ranks, batch and update frequency where it is clear-cut, "
+          "expert otherwise; logged at start). The tMoE stays expert-parallel", None, ("smlp",),
+          choices=SMOE_PARALLEL_CHOICES),
+    # Read so that --smoe-parallel auto can weigh the sMoE's all2all (per micro-batch) against the replicated
+    # weights' all-reduce (per update). Only the plugin reads them.
+    Field("batch_size", Any, II("dataset.batch_size"), "", None, ("smlp",)),
+    Field("max_tokens", Any, II("dataset.max_tokens"), "", None, ("smlp",)),
+    Field("update_freq", Any, II("optimization.update_freq"), "", None, ("smlp",)),
     # gmlp_lm
     Field("sgu_heads", int, 1, "heads of the spatial gating unit (multi-head SGU)", "heads", ("gmlp",),
           always=True),
@@ -242,14 +260,38 @@ class PluginSettings:
     world_size: int | None  # the world --expert-parallel-size was set for (None: not recorded)
     ep_size: int
     criterion_name: str | None
+    smoe_parallel: str = "auto"  # --smoe-parallel (sMLP); "auto" where the config has no such field
+    all2all_chunks: int = 1  # --all2all-chunks
+    batch_size: int | None = None  # sequences per rank and micro-batch (--batch-size, else --max-tokens / T)
+    update_freq: int = 1  # micro-batches per update (--update-freq, its first value)
+
+
+def _sequences_per_batch(cfg) -> int | None:
+    batch, max_tokens = read(cfg, "batch_size", default=None), read(cfg, "max_tokens", default=None)
+    if batch:
+        return int(batch)
+    tokens = read(cfg, "tokens_per_sample", default=None)
+    return int(max_tokens) // int(tokens) if max_tokens and tokens and int(max_tokens) >= int(tokens) else None
 
 
 def plugin_settings(cfg) -> PluginSettings:
     criterion, world = read(cfg, "criterion_name"), read(cfg, "distributed_world_size")
+    update_freq = read(cfg, "update_freq", default=None)
+    if update_freq is not None and not isinstance(update_freq, int):  # fairseq's is a list (one per epoch)
+        update_freq = list(update_freq)[0] if len(update_freq) else 1
     return PluginSettings(ddp_backend=str(read(cfg, "ddp_backend") or "legacy_ddp"),
                           world_size=None if world is None else int(world),
                           ep_size=configured_ep_size(cfg),
-                          criterion_name=None if criterion is None else str(criterion))
+                          criterion_name=None if criterion is None else str(criterion),
+                          smoe_parallel=str(read(cfg, "smoe_parallel", default=None) or "auto"),
+                          batch_size=_sequences_per_batch(cfg), update_freq=int(update_freq or 1),
+                          all2all_chunks=_all2all_chunks(read(cfg, "all2all_chunks")))
+
+
+def _all2all_chunks(value) -> int:
+    if not isinstance(value, int) or value < 1:
+        raise ValueError(f"--all2all-chunks {value} is invalid: give 1 (no overlap) or more chunks")
+    return value
 
 
 def resolve_num_experts(requested: int, world_size: int, ep_size: int = 0) -> int:

@@ -8,6 +8,9 @@ into the layout of this run:
 
 - model: the experts of every sparse layer are re-sliced for each rank's position in its
   expert-parallel group (smlp.resharding; replicas of expert-data parallelism get identical files);
+  a layer replicated on every rank (the sMoE's --smoe-parallel replicated) gets all its experts in
+  every file, merged from the source shards when the saving run spread it, and is sliced again
+  when this run spreads a layer the saving run replicated;
 - optimizer: the per-parameter state of expert parameters (Adam's exp_avg and exp_avg_sq) moves
   with its experts; the state of shared parameters is the same on every rank and is kept;
 - data position: fairseq counts the batches each rank consumed (`iterations_in_epoch`), and rank r
@@ -43,7 +46,7 @@ import torch
 from smlp.expert_data_parallel import ExpertDataLayout
 from smlp.experts import is_expert
 from smlp.process_group import rank_and_world
-from smlp.resharding import reshard_model_state, reshard_optimizer_state, source_positions
+from smlp.resharding import replicated_keys, reshard_model_state, reshard_optimizer_state, source_positions
 
 from .checkpoint_sets import (
     DEFAULT_RESTORE,
@@ -80,6 +83,7 @@ class SavedSet:
     local_experts: int        # experts per file
     num_updates: int | None
     problem: str | None = None  # why the shards are not one save (then the other fields are not read)
+    replicated: tuple[str, ...] = ()  # expert keys every file holds whole (a replicated layer)
 
     def describe(self) -> str:
         what = (f"{len(self.files)} rank shards" if self.sharded else "one file")
@@ -147,9 +151,10 @@ def inspect_saved(base: str) -> SavedSet | None:
                            f"move its files back")
     if not keys:
         return SavedSet(base, files, bool(shards), saved_world if not shards else W, 1, 0, 0, _updates(first))
-    local = int(first["model"][keys[0]].shape[0])
+    local = min(int(first["model"][k].shape[0]) for k in keys)  # a spread layer's experts per file
     G = saved_ep_size(first, W, keys) if shards else 1
-    return SavedSet(base, files, bool(shards), W if shards else saved_world, G, local * G, local, _updates(first))
+    return SavedSet(base, files, bool(shards), W if shards else saved_world, G, local * G, local, _updates(first),
+                    replicated=tuple(replicated_keys(first["model"], keys)) if shards else ())
 
 
 @dataclass(frozen=True)
@@ -159,12 +164,14 @@ class Plan:
     world_size: int
     sharded: bool                     # this run writes / reads one file per rank
     targets: tuple[str, ...]          # the file of each rank of this run
+    replicated: tuple[str, ...] = ()  # expert keys this run holds whole on every rank (a replicated layer)
 
 
 def plan_resume(base: str, *, world_size: int, sharded: bool, layout: ExpertDataLayout | None,
-                num_experts: int) -> Plan | None:
-    """What must change for a run of `world_size` ranks (expert layout `layout`) to resume `base`;
-    None when fairseq can load it as it is (or there is nothing to load)."""
+                num_experts: int, replicated: tuple[str, ...] = ()) -> Plan | None:
+    """What must change for a run of `world_size` ranks (expert layout `layout`; `replicated`: the expert
+    keys of its layers replicated on every rank) to resume `base`; None when fairseq can load it as it is
+    (or there is nothing to load)."""
     saved = inspect_saved(base)
     if saved is None:
         return None
@@ -182,17 +189,39 @@ def plan_resume(base: str, *, world_size: int, sharded: bool, layout: ExpertData
             f"{num_experts}; resuming cannot change the number of experts. Pass --num-experts {saved.num_experts}"
             + (" (--num-experts 0 means one per rank)" if saved.num_experts else ""))
     same = same_files
+    target_replicated = tuple(replicated) if sharded and layout is not None and layout.ep_size > 1 else ()
     if num_experts:
         same = same and saved.ep_size == (layout.ep_size if layout is not None else 1)
+        same = same and set(saved.replicated) == set(target_replicated)
     if same:
         return None
-    return Plan(saved, layout, world_size, sharded, targets)
+    return Plan(saved, layout, world_size, sharded, targets, target_replicated)
 
 
-def resharded_state(plan: Plan, rank: int, sources: dict[int, dict], expert_params: list[bool]) -> dict:
+def _ranges(plan: Plan, keys) -> dict[str, tuple[int, int | None, int]]:
+    """{key: (source experts per file, first, count)} of the keys laid out otherwise than the spread layers
+    (smlp.resharding.reshard_model_state): replicated in the saved files (each holds all E) or in this run
+    (first 0, count E); first None: the rank's own first expert (`_rank_ranges`)."""
+    saved, E = plan.saved, plan.saved.num_experts
+    L = plan.target.num_local_experts if plan.target is not None else E
+    out = {}
+    for k in keys:
+        whole_there, whole_here = k in saved.replicated, k in plan.replicated
+        if whole_there or whole_here:
+            out[k] = (E if whole_there else saved.local_experts, 0 if whole_here else None, E if whole_here else L)
+    return out
+
+
+def _rank_ranges(plan: Plan, rank: int, keys) -> dict[str, tuple[int, int, int]]:
+    first = plan.target.first_expert(rank) if plan.target is not None else 0
+    return {k: (local, first if f is None else f, count) for k, (local, f, count) in _ranges(plan, keys).items()}
+
+
+def resharded_state(plan: Plan, rank: int, sources: dict[int, dict], expert_params: list) -> dict:
     """Rank `rank`'s checkpoint in the new layout, from the source files {source position: state}.
 
-    expert_params: for each parameter in the optimizer's order, whether it is an expert parameter."""
+    expert_params: for each parameter in the optimizer's order, whether it is an expert parameter: True /
+    False, or its state_dict key (an expert key: one of a layer that may be replicated) or None."""
     saved = plan.saved
     base = sources[min(sources)]
     state = dict(base)
@@ -200,8 +229,9 @@ def resharded_state(plan: Plan, rank: int, sources: dict[int, dict], expert_para
         L = plan.target.num_local_experts if plan.target is not None else saved.num_experts
         first = (plan.target.first_expert(rank) if plan.target is not None else 0)
         keys = [k for k in base["model"] if is_expert_key(k)]
+        ranges = _rank_ranges(plan, rank, keys)
         state["model"] = reshard_model_state({i: s["model"] for i, s in sources.items()}, keys,
-                                             saved.local_experts, first, L)
+                                             saved.local_experts, first, L, ranges)
         optim = base.get("last_optimizer_state")
         if isinstance(optim, dict) and "state" in optim:
             indices = [i for g in optim["param_groups"] for i in g["params"]]
@@ -212,8 +242,10 @@ def resharded_state(plan: Plan, rank: int, sources: dict[int, dict], expert_para
                     f"train with --fp16-no-flatten-grads or --memory-efficient-fp16 to resume on another world size, "
                     f"or resume with --reset-optimizer)")
             experts = {idx for idx, expert in zip(indices, expert_params) if expert}
+            by_index = {idx: ranges[key] for idx, key in zip(indices, expert_params) if key in ranges}
             state["last_optimizer_state"] = reshard_optimizer_state(
-                {i: s["last_optimizer_state"] for i, s in sources.items()}, experts, saved.local_experts, first, L)
+                {i: s["last_optimizer_state"] for i, s in sources.items()}, experts, saved.local_experts, first, L,
+                by_index)
     state["extra_state"] = _moved_iterator(base.get("extra_state"), saved.world_size, plan.world_size)
     state["cfg"] = _retagged_cfg(base.get("cfg"), plan, rank)
     if isinstance(base.get(SHARD_KEY), dict):
@@ -262,7 +294,10 @@ def sources_for(plan: Plan, rank: int) -> dict[int, str]:
         return {0: saved.files[0]}
     L = plan.target.num_local_experts if plan.target is not None else saved.num_experts
     first = plan.target.first_expert(rank) if plan.target is not None else 0
-    return {i: saved.files[i] for i in source_positions(first, L, saved.local_experts)}
+    positions = set(source_positions(first, L, saved.local_experts))
+    if set(plan.replicated) - set(saved.replicated):  # a layer replicated here but spread in the files
+        positions = set(range(saved.ep_size))
+    return {i: saved.files[i] for i in sorted(positions)}
 
 
 def _link_or_copy(src: str, dst: str) -> None:
@@ -280,7 +315,7 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def reshard_checkpoint(plan: Plan, rank: int, expert_params: list[bool]) -> None:
+def reshard_checkpoint(plan: Plan, rank: int, expert_params: list) -> None:
     """Every rank of the new run calls this with the same plan (see the module docstring)."""
     error = None
     if rank < len(plan.targets):  # one file per rank, or one file written by rank 0
@@ -335,10 +370,12 @@ def reshard_for_resume(cfg, trainer) -> Plan | None:
         layout = ExpertDataLayout(world_size=1, ep_size=1, num_experts=num_experts)
     sharded = bool(trainer.checkpoint_suffix)
     plan, error = None, None
+    # the expert keys of layers this run replicates (the sMoE's --smoe-parallel replicated: not marked expert)
+    replicated = tuple(n for n, p in model.named_parameters() if is_expert_key(n) and not is_expert(p))
     if rank == 0:
         try:
             plan = plan_resume(_restore_base(cfg), world_size=world, sharded=sharded, layout=layout,
-                               num_experts=num_experts)
+                               num_experts=num_experts, replicated=replicated)
         except ReshardError as exc:
             error = str(exc)
     plan, error = _broadcast((plan, error))
@@ -347,8 +384,8 @@ def reshard_for_resume(cfg, trainer) -> Plan | None:
     if plan is None:
         return None
     criterion = trainer.get_criterion()
-    params = [p for p in list(model.parameters()) + list(criterion.parameters()) if p.requires_grad]
-    reshard_checkpoint(plan, rank, [is_expert(p) for p in params])
+    named = [(n, p) for n, p in list(model.named_parameters()) + list(criterion.named_parameters()) if p.requires_grad]
+    reshard_checkpoint(plan, rank, [n if is_expert_key(n) else None for n, p in named])
     return plan
 
 

@@ -17,7 +17,7 @@ from fairseq.models import FairseqIncrementalDecoder, FairseqLanguageModel, regi
 from smlp.dispatch import AllToAllDispatcher, LocalDispatcher
 from smlp.expert_data_parallel import ExpertDataLayout, average_expert_gradients, expert_data_groups
 from smlp.lm import LanguageModel
-from smlp.process_group import rank_and_world
+from smlp.process_group import collective_device, rank_and_world
 from smlp.routing.registry import TOKEN_ROUTERS
 
 from . import step_profiler
@@ -113,14 +113,32 @@ def runtime_layout(core_cfg, settings: PluginSettings, world: int) -> ExpertData
     return expert_layout(core_cfg.num_experts, world, ep_size)
 
 
+def smoe_layout(core_cfg, settings: PluginSettings, layout: ExpertDataLayout | None) -> tuple[str, str]:
+    """(the sMoE's layout, why): --smoe-parallel, or for auto the step-time model's choice for this run
+    (smlp_eval.flops.steptime.choose_smoe_layout: the ranks, the expert-parallel group, the batch, the
+    update frequency and the collectives' device)."""
+    if core_cfg.family != "smlp" or not core_cfg.sparse_layers or layout is None:
+        return "expert", "one process holds every expert" if layout is None else "no sMoE"
+    if settings.smoe_parallel != "auto":
+        return settings.smoe_parallel, f"--smoe-parallel {settings.smoe_parallel}"
+    from smlp_eval.flops.steptime import choose_smoe_layout
+
+    choice, why = choose_smoe_layout(core_cfg, world_size=layout.world_size, ep_size=layout.ep_size,
+                                     batch_size=settings.batch_size, tokens=core_cfg.seq_len,
+                                     update_freq=settings.update_freq, device_type=collective_device().type)
+    return choice, f"--smoe-parallel auto: {why}"
+
+
 def make_dispatcher(core_cfg, settings: PluginSettings):
-    """(dispatcher, layout, replica group): LocalDispatcher on one process (or when each group is one
-    rank holding every expert), otherwise all2all inside this rank's expert-parallel group."""
+    """(dispatcher, sMoE dispatcher or None, layout, replica group): LocalDispatcher on one process (or when
+    each group is one rank holding every expert), otherwise all2all inside this rank's expert-parallel
+    group; the sMoE gets its own replicated LocalDispatcher when its layout is "replicated" (`smoe_layout`,
+    logged on rank 0)."""
     if not core_cfg.sparse_layers:
-        return None, None, None
+        return None, None, None, None
     rank, world = rank_and_world()
     if world == 1:
-        return LocalDispatcher(core_cfg.num_experts), None, None
+        return LocalDispatcher(core_cfg.num_experts), None, None, None
     backend = settings.ddp_backend
     if backend not in EXPERT_PARALLEL_DDP_BACKENDS:
         raise ValueError(
@@ -129,9 +147,19 @@ def make_dispatcher(core_cfg, settings: PluginSettings):
         )
     layout = runtime_layout(core_cfg, settings, world)  # clear error when experts do not fit
     ep_group, replica_group = expert_data_groups(layout, rank)
+    smoe_dispatcher = None
+    if core_cfg.family == "smlp":
+        choice, why = smoe_layout(core_cfg, settings, layout)
+        if rank == 0:
+            logger.info("sMoE experts: %s (%s); tMoE experts: spread over expert-parallel groups of %d",
+                        "replicated on every rank" if choice == "replicated" else "spread over expert-parallel "
+                        f"groups of {layout.ep_size}", why, layout.ep_size)
+        if choice == "replicated":
+            smoe_dispatcher = LocalDispatcher(core_cfg.num_experts, replicated=True)
     if layout.ep_size == 1:
-        return LocalDispatcher(core_cfg.num_experts), layout, replica_group
-    return AllToAllDispatcher(core_cfg.num_experts, ep_group=ep_group), layout, replica_group
+        return LocalDispatcher(core_cfg.num_experts), smoe_dispatcher, layout, replica_group
+    return (AllToAllDispatcher(core_cfg.num_experts, ep_group=ep_group, chunks=settings.all2all_chunks),
+            smoe_dispatcher, layout, replica_group)
 
 
 def scale_expert_gradients(model: torch.nn.Module, layout: ExpertDataLayout, replica_group=None) -> None:
@@ -240,8 +268,8 @@ class _CoreLanguageModel(FairseqLanguageModel):
         refuse_eval_lm_longer_than_model(core_cfg, task)
         if rank_and_world()[0] == 0:
             warn_if_criterion_ignores_routing(core_cfg, settings.criterion_name)
-        dispatcher, layout, replica_group = make_dispatcher(core_cfg, settings)
-        model = cls(CoreLMDecoder(dictionary, LanguageModel(core_cfg, dispatcher)))
+        dispatcher, smoe_dispatcher, layout, replica_group = make_dispatcher(core_cfg, settings)
+        model = cls(CoreLMDecoder(dictionary, LanguageModel(core_cfg, dispatcher, smoe_dispatcher=smoe_dispatcher)))
         step_profiler.install(model.decoder)  # only when SMLP_PROFILE_STEPS is set (smlp-bench)
         rank, world = rank_and_world()
         if layout is not None:

@@ -54,7 +54,8 @@ from .profiling import RANGES
 from .routing.plan import FAULT_WIDTH, count_rows, raise_on_fault
 
 __all__ = ["LocalDispatcher", "AllToAllDispatcher", "OneGPUDispatcher", "CommTimer", "CommTime", "ShuffleState",
-           "all_to_all", "check_experts_per_gpu", "synchronize"]
+           "Chunks", "ExchangedChunks", "all_to_all", "start_all_to_all", "wait_all_to_all", "check_experts_per_gpu",
+           "synchronize"]
 
 
 def synchronize(device: torch.device) -> None:
@@ -194,6 +195,75 @@ def all_to_all(x: Tensor, out_splits: list[int], in_splits: list[int], group=Non
     return _AllToAll.apply(x, list(out_splits), list(in_splits), group)
 
 
+class _Flight:
+    """One exchange in flight: started by `_Start`, completed by `_Wait`; in the backward pass the reverse
+    exchange is started by `_Wait.backward` and completed by `_Start.backward`. Holds the tensors the
+    collective reads and writes until it is waited for."""
+
+    __slots__ = ("out_splits", "in_splits", "group", "work", "keep", "grad", "grad_work", "grad_keep")
+
+    def __init__(self, out_splits: list[int], in_splits: list[int], group):
+        self.out_splits, self.in_splits, self.group = out_splits, in_splits, group
+        self.work = self.keep = self.grad = self.grad_work = self.grad_keep = None
+
+
+def _start_exchange(x: Tensor, out_splits: list[int], in_splits: list[int], group):
+    x = x.contiguous()
+    out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+    return out, x, dist.all_to_all_single(out, x, out_splits, in_splits, group=group, async_op=True)
+
+
+class _Start(torch.autograd.Function):
+    """Start an all2all (async_op: gloo runs it on its own thread, NCCL on its own stream); the output
+    is not to be read before `_Wait`. Backward: wait for the reverse exchange `_Wait.backward` started."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, flight: _Flight) -> Tensor:
+        ctx.flight = flight
+        out, flight.keep, flight.work = _start_exchange(x, flight.out_splits, flight.in_splits, flight.group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        flight = ctx.flight
+        flight.grad_work.wait()
+        grad, flight.grad, flight.grad_keep, flight.grad_work = flight.grad, None, None, None
+        return grad, None
+
+
+class _Wait(torch.autograd.Function):
+    """Wait for the exchange `_Start` began. Backward: start the reverse exchange of the gradient (its
+    result is the gradient of `_Start`'s input, returned by `_Start.backward` once it has arrived)."""
+
+    @staticmethod
+    def forward(ctx, out: Tensor, flight: _Flight) -> Tensor:
+        ctx.flight = flight
+        flight.work.wait()
+        flight.work = flight.keep = None
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        flight = ctx.flight
+        flight.grad, flight.grad_keep, flight.grad_work = _start_exchange(grad, flight.in_splits, flight.out_splits,
+                                                                           flight.group)
+        return grad, None  # the received rows' gradient, unchanged: `_Start.backward` returns the exchanged one
+
+
+def start_all_to_all(x: Tensor, out_splits: list[int], in_splits: list[int], group=None) -> tuple[Tensor, _Flight]:
+    """`all_to_all` begun without waiting: (the output, not to be read yet, its flight). The work between
+    this and `wait_all_to_all(output, flight)` overlaps the exchange, in the forward pass and, reversed,
+    in the backward pass (autograd runs the later-created of two ready nodes first: the reverse exchange
+    started by the wait's backward overlaps what the forward did between start and wait)."""
+    flight = _Flight(list(out_splits), list(in_splits), group)
+    return _Start.apply(x, flight), flight
+
+
+def wait_all_to_all(out: Tensor, flight: _Flight) -> Tensor:
+    """The received rows of an exchange begun by `start_all_to_all`."""
+    return _Wait.apply(out, flight)
+
+
 @dataclass
 class DispatchState:
     order_S: Tensor | None  # permutation that sorted the rows by expert (None: they came sorted)
@@ -206,13 +276,23 @@ class DispatchState:
 
 
 class LocalDispatcher:
-    """All experts live in this process: sorting rows by expert is the whole dispatch."""
+    """All experts live in this process: sorting rows by expert is the whole dispatch.
 
-    def __init__(self, num_experts: int, *, timing: bool = False):
+    replicated: this process is one of several data-parallel ranks that each hold a copy of every
+    expert of the layer (the sMoE's replicated layout, expert_data_parallel.py): no collective,
+    and the experts built on it are ordinary data-parallel parameters (not marked expert), whose
+    gradients the data-parallel all-reduce averages with the others.
+    """
+
+    def __init__(self, num_experts: int, *, timing: bool = False, replicated: bool = False, chunks: int = 1):
+        if not isinstance(chunks, int) or chunks < 1:
+            raise ValueError(f"chunks={chunks!r} is invalid: the rows of a layer go in 1 piece (no overlap) or more")
         self.num_experts = num_experts
         self.num_local_experts = num_experts
         self.first_expert = 0
         self.world_size = 1
+        self.replicated = replicated
+        self.chunks = chunks  # > 1: the layers pipeline their rows in as many chunks (dispatch_chunks)
         self.timer = CommTimer(timing)
 
     @property
@@ -264,6 +344,17 @@ class LocalDispatcher:
     def combine(self, y_RD: Tensor, state: DispatchState) -> Tensor:
         return _unsort_rows(_restore_dropped(y_RD, state.dropped), state.order_S)
 
+    def dispatch_chunks(self, chunks: list[tuple[Tensor, Tensor]], *, presorted: bool = False,
+                        host_counts: list[list[int]] | None = None, fault: Tensor | None = None, layer: str = "",
+                        common_width: bool = False) -> Chunks:
+        """`dispatch` of each chunk (x_SD, expert_S) of a layer's rows, for a pipelined layer (module
+        docstring): in one process each chunk is dispatched at once. `host_counts`: rows per expert of
+        each chunk when known on the host; `fault` (one record for all chunks) is read with the first."""
+        parts = [self.dispatch(x, e, presorted=presorted, host_counts_E=None if host_counts is None else host_counts[i],
+                               fault=fault if i == 0 else None, layer=layer, common_width=common_width)
+                 for i, (x, e) in enumerate(chunks)]
+        return Chunks(self, parts)
+
     # -- cached decoding (smlp/decoding_cache.py): the sMoE experts compute only the positions asked for
 
     def gather_spans(self, lo: int, hi: int) -> list[tuple[int, int]]:
@@ -273,6 +364,63 @@ class LocalDispatcher:
     def received_counts(self, state: DispatchState, counts_L: list[int]) -> list[list[int]]:
         """Rows received per (local expert, source rank), in the order the experts see them."""
         return [[c] for c in counts_L]
+
+
+class Chunks:
+    """The chunks of one pipelined dispatch (`dispatch_chunks`), as the layer's experts take them:
+
+        chunks = dispatcher.dispatch_chunks([(x0_SD, e0_S), (x1_SD, e1_S)], ...)
+        for i in range(2):
+            x_RD, counts_L = chunks.rows(i)        # chunk i's rows (waits for their exchange)
+            chunks.send_back(i, experts(x_RD, counts_L))   # starts their way home
+        y0_SD, y1_SD = chunks.results()            # every chunk home, in its rows' order
+
+    In one process (this class) nothing is exchanged; `ExchangedChunks` overlaps the exchanges."""
+
+    def __init__(self, dispatcher, parts: list):
+        self.dispatcher, self.parts = dispatcher, parts
+        self.back: list[Tensor | None] = [None] * len(parts)
+
+    def rows(self, i: int) -> tuple[Tensor, list[int]]:
+        return self.parts[i][0], self.parts[i][1]
+
+    def send_back(self, i: int, y_RD: Tensor) -> None:
+        self.back[i] = y_RD
+
+    def results(self) -> list[Tensor]:
+        return [self.dispatcher.combine(y, part[2]) for y, part in zip(self.back, self.parts)]
+
+
+class ExchangedChunks(Chunks):
+    """The chunks of a pipelined dispatch over the expert-parallel group: every chunk's rows are sent at
+    once (async), `rows(i)` waits only for chunk i, `send_back(i, y)` starts its way home at once, and
+    `results()` waits for the rest. What the layer computes between these calls overlaps the exchanges
+    (the experts of chunk 0 with the rows of chunk 1 arriving, those of chunk 1 with chunk 0's results
+    leaving; in the backward pass the same, reversed)."""
+
+    def __init__(self, dispatcher, states: list[DispatchState], flights: list, counts: list[list[int]]):
+        super().__init__(dispatcher, [])
+        self.states, self.flights, self.counts = states, flights, counts
+        self.back = [None] * len(states)
+
+    def rows(self, i: int) -> tuple[Tensor, list[int]]:
+        state = self.states[i]
+        with self.dispatcher.timer(self.flights[i][0].device):  # the exchange's time not hidden by compute
+            x_recv = wait_all_to_all(*self.flights[i])
+        return (x_recv if state.by_expert_R is None else x_recv[state.by_expert_R]), self.counts[i]
+
+    def send_back(self, i: int, y_RD: Tensor) -> None:
+        state = self.states[i]
+        y_recv = y_RD if state.by_expert_R is None else _unsort_rows(y_RD, state.by_expert_R)
+        self.back[i] = start_all_to_all(y_recv, state.send_splits, state.recv_splits, self.dispatcher.ep_group)
+
+    def results(self) -> list[Tensor]:
+        out = []
+        for state, (y_sorted, flight) in zip(self.states, self.back):
+            with self.dispatcher.timer(y_sorted.device):
+                y_sorted = wait_all_to_all(y_sorted, flight)
+            out.append(_unsort_rows(_restore_dropped(y_sorted, state.dropped), state.order_S))
+        return out
 
 
 def check_experts_per_gpu(num_experts: int, experts_per_gpu: int) -> None:
@@ -322,7 +470,7 @@ class OneGPUDispatcher(LocalDispatcher):
 class AllToAllDispatcher(LocalDispatcher):
     """Expert parallelism over a process group: rank r of `ep_group` owns experts [r*L, (r+1)*L)."""
 
-    def __init__(self, num_experts: int, ep_group=None, *, timing: bool = False):
+    def __init__(self, num_experts: int, ep_group=None, *, timing: bool = False, chunks: int = 1):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "AllToAllDispatcher needs an initialized torch.distributed process group; "
@@ -330,7 +478,7 @@ class AllToAllDispatcher(LocalDispatcher):
             )
         world = dist.get_world_size(ep_group)
         local = expert_data_parallel.expert_parallel_layout(num_experts, world)
-        super().__init__(num_experts, timing=timing)
+        super().__init__(num_experts, timing=timing, chunks=chunks)
         self.ep_group = ep_group
         self.world_size = world
         self.rank = dist.get_rank(ep_group)
@@ -420,6 +568,51 @@ class AllToAllDispatcher(LocalDispatcher):
         by_expert_R = _block_transpose(recv_WX[:, :L].to(x_SD.device), sum(recv_splits))
         state = DispatchState(order_S, send_splits, recv_splits, by_expert_R, dropped, counts_dev_L)
         return x_recv[by_expert_R], counts_L, state
+
+    def dispatch_chunks(self, chunks: list[tuple[Tensor, Tensor]], *, presorted: bool = False,
+                        host_counts: list[list[int]] | None = None, fault: Tensor | None = None, layer: str = "",
+                        common_width: bool = False) -> ExchangedChunks:
+        """As `dispatch` for each chunk (x_SD, expert_S) of a layer's rows, every chunk's rows sent at once
+        without waiting (`ExchangedChunks`). host_counts is not needed (the counts are exchanged anyway).
+
+        1. Sort each chunk's rows by global expert (dropped rows first), count them on the device.
+        2. One exchange of every chunk's counts per local expert, the fault record (one for the layer)
+           and, with common_width, the row width: one host read for all chunks; a fault raises on
+           every rank before any row moves.
+        3. Start every chunk's row exchange (async); `ExchangedChunks.rows(i)` waits for chunk i."""
+        W, L, E, width = self.world_size, self.num_local_experts, self.num_experts, FAULT_WIDTH
+        n = len(chunks)
+        X = n * L + width + (1 if common_width else 0)
+        sorted_rows = [_sort_rows(x, e, presorted) for x, e in chunks]
+        counts = [count_rows(e, E) for _, e in chunks]
+        device = chunks[0][0].device
+        if fault is None:
+            fault = torch.zeros(width, dtype=torch.long, device=counts[0].device)
+        with self.timer(device):
+            parts = [c[1:].view(W, L) for c in counts]
+            parts.append(fault.to(counts[0].device).view(1, width).expand(W, width))
+            if common_width:
+                parts.append(counts[0].new_full((W, 1), max(x.shape[-1] for x, _ in chunks)))
+            recv_WX = self._exchange_counts(torch.cat(parts, 1))
+            host = torch.cat([*(c.to(recv_WX.device) for c in counts), recv_WX.reshape(-1)]).tolist()
+        mine, recv = host[:n * (E + 1)], [host[n * (E + 1) + w * X:n * (E + 1) + (w + 1) * X] for w in range(W)]
+        raise_on_fault([row[n * L:n * L + width] for row in recv], layer, self.group_ranks)
+        widest = max(row[-1] for row in recv) if common_width else None
+        states, flights, counts_L = [], [], []
+        for i, (order_S, x_sorted) in enumerate(sorted_rows):
+            dropped, sent_E = mine[i * (E + 1)], mine[i * (E + 1) + 1:(i + 1) * (E + 1)]
+            recv_L = [row[i * L:(i + 1) * L] for row in recv]
+            send_splits = [sum(sent_E[w * L:(w + 1) * L]) for w in range(W)]
+            recv_splits = [sum(r) for r in recv_L]
+            x_send = x_sorted[dropped:]
+            if widest is not None and widest > x_send.shape[-1]:
+                x_send = torch.nn.functional.pad(x_send, (0, widest - x_send.shape[-1]))
+            flights.append(start_all_to_all(x_send, recv_splits, send_splits, self.ep_group))
+            by_expert_R = None if L == 1 else _block_transpose(recv_WX[:, i * L:(i + 1) * L].to(device),
+                                                               sum(recv_splits))
+            states.append(DispatchState(order_S, send_splits, recv_splits, by_expert_R, dropped))
+            counts_L.append([sum(r[l] for r in recv_L) for l in range(L)])
+        return ExchangedChunks(self, states, flights, counts_L)
 
     def combine(self, y_RD: Tensor, state: DispatchState) -> Tensor:
         # Reverse of dispatch: undo the regrouping, send rows home, undo the sort.

@@ -334,6 +334,13 @@ class FFNExperts(nn.Module):
         y_PD = tiled_expert_linear(h_PF, tiles_L, self.w2.unbind(0), self.b2.unbind(0))
         return unpad_tiles(y_PD, counts_L, tiles_L)
 
+    def expert_rows(self, x_RD: Tensor, l: int) -> Tensor:
+        """Local expert l on rows x, (R, D): the cached decoding step's product (moe.TMoE.step), on views
+        of the stacked weights (decoding has no backward pass to pay for indexing them)."""
+        if self.norm_weight is not None:
+            x_RD = F.layer_norm(x_RD, x_RD.shape[-1:], self.norm_weight[l], self.norm_bias[l])
+        return torch.addmm(self.b2[l], self.activation(torch.addmm(self.b1[l], x_RD, self.w1[l])), self.w2[l])
+
     def forward_loop(self, x_RD: Tensor, counts_L: list[int]) -> Tensor:
         """One matmul per local expert: the reference the batched and grouped forms are tested against,
         and the form where grouped_mm does not run. The weights are unbound once (indexing them per
@@ -360,13 +367,15 @@ class SpatialExperts(nn.Module):
     stored as b - 1 (`bias_offset`, as the SGU's: gmlp.py).
     """
 
-    def __init__(self, num_local_experts: int, size: int, init_eps: float = 1e-3, first_expert: int = 0):
+    def __init__(self, num_local_experts: int, size: int, init_eps: float = 1e-3, first_expert: int = 0, *,
+                 replicated: bool = False):
         super().__init__()
         self.size = size
         self.weight = nn.Parameter(torch.empty(num_local_experts, size, size))
         self.bias_offset = nn.Parameter(torch.empty(num_local_experts, size))  # b - 1
         init_spatial_(self.weight, self.bias_offset, init_eps, _expert_generators(num_local_experts, first_expert))
-        mark_expert(self)
+        if not replicated:  # replicated: every rank holds every expert, averaged as data-parallel parameters
+            mark_expert(self)
         self.explicit_spatial = False  # the masked dense product, for FLOP counting (flop_forms.py)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):

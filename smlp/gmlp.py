@@ -38,7 +38,7 @@ from torch.profiler import record_function
 from .config import GMLPConfig, SGUConfig
 from .decoding_cache import cache_append
 from .profiling import RANGES
-from .spatial import causal_product, causal_weight, check_length, init_spatial_, load_gate_bias_offset
+from .spatial import causal_product, causal_step, causal_weight, check_length, init_spatial_, load_gate_bias_offset
 
 __all__ = ["TOKEN_MIXERS", "MLP", "check_decodable", "SpatialProjection", "SpatialGatingUnit", "GMLPBlock"]
 
@@ -96,17 +96,8 @@ class SpatialProjection(nn.Module):
         by `start` is the slice of the full product these positions need (O(t) per position).
         Like `forward` it returns the gate minus one, W x + (b - 1).
         """
-        B, t, C = x_BtC.shape
-        check_length(t, self.seq_len)
-        w_HkT = self.weight[:, start:t, :t]
-        if t - start > 1:  # one new position reads every cached one: nothing to mask
-            w_HkT = torch.tril(w_HkT, diagonal=start)
-        if self.heads == 1:  # a plain matmul: einsum's planning costs more than the product at one position
-            return torch.matmul(w_HkT[0], x_BtC) + self.bias_offset[0, start:t, None]
-        x_BtHc = x_BtC.reshape(B, t, self.heads, C // self.heads)
-        y_BkHc = torch.einsum("hts,bshc->bthc", w_HkT, x_BtHc)
-        y_BkHc = y_BkHc + self.bias_offset[:, start:t].t()[None, :, :, None]
-        return y_BkHc.reshape(B, t - start, C)
+        check_length(x_BtC.shape[1], self.seq_len)
+        return causal_step(self.weight, self.bias_offset, x_BtC, start)
 
 
 class SpatialGatingUnit(nn.Module):

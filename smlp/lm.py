@@ -272,12 +272,13 @@ def make_token_mixer(cfg: HyperMixerConfig | NiNformerConfig) -> nn.Module:
 class LanguageModel(nn.Module):
     """Token ids (B, N) -> next-token logits (B, N, V); embeddings tied with the output projection."""
 
-    def __init__(self, cfg: LMConfig, dispatcher=None):
+    def __init__(self, cfg: LMConfig, dispatcher=None, *, smoe_dispatcher=None):
         super().__init__()
         self.cfg = cfg
         if cfg.sparse_layers:
             dispatcher = dispatcher if dispatcher is not None else LocalDispatcher(cfg.num_experts)
         self.dispatcher = dispatcher
+        self.smoe_dispatcher = smoe_dispatcher  # the sMoE's own layout (SparseBlock), or None: `dispatcher`
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model, padding_idx=cfg.padding_idx)
         nn.init.normal_(self.embed.weight, mean=0.0, std=cfg.d_model ** -0.5)
         with torch.no_grad():
@@ -297,7 +298,7 @@ class LanguageModel(nn.Module):
             if kind == "dense":
                 mixer = cfg.dense_mixer
                 return GMLPBlock(cfg.dense_block, None if mixer is None else make_token_mixer(mixer))
-            return SparseBlock(cfg.sparse_block, self.dispatcher)
+            return SparseBlock(cfg.sparse_block, self.dispatcher, self.smoe_dispatcher)
         moe = cfg.tmoe if kind == "sparse" else None
         return TransformerBlock(cfg.d_model, cfg.d_ffn, cfg.heads, dropout=cfg.dropout, activation=cfg.activation,
                                 moe=moe, dispatcher=self.dispatcher if moe else None)

@@ -38,9 +38,9 @@ from .profiling import RANGES
 from .routing.assignment import balanced_assignment
 from .routing.gates import router_z_loss
 from .routing.logits import router_logits
-from .routing.plan import RoutingPlan, count_rows
+from .routing.plan import RoutingPlan, count_rows, raise_on_fault
 from .routing.registry import SMOE_ROUTINGS, TOKEN_ROUTERS, hash_table  # noqa: F401  (hash_table: re-exported)
-from .spatial import check_length
+from .spatial import causal_step, check_length
 
 __all__ = ["TMoE", "SMoE", "SparseBlock", "SMoERows", "TokenSlots", "hash_table", "LEAKY_ROUTING_WARNING"]
 
@@ -169,10 +169,56 @@ class TMoE(nn.Module):
         with record_function(RANGES["routing"]):
             plan = self.route(x_SD, token_ids_S, defer_checks=True)
         self.aux_loss = plan.aux_loss
-        x_RD, counts_L, slots = self.dispatch(x_SD, plan)
-        y_RD = self.run_experts(x_RD, counts_L, slots.state)
-        y_SD = self.combine(y_RD, slots, x_SD)
+        if self.dispatcher.chunks > 1:  # the exchanges overlapped with the experts (`pipelined`)
+            y_SD = self.pipelined(x_SD, plan)
+        else:
+            x_RD, counts_L, slots = self.dispatch(x_SD, plan)
+            y_RD = self.run_experts(x_RD, counts_L, slots.state)
+            y_SD = self.combine(y_RD, slots, x_SD)
         self.comm_time = self.dispatcher.timer.take(mark)
+        return y_SD
+
+    def pipelined(self, x_SD: Tensor, plan: RoutingPlan) -> Tensor:
+        """Stages 2-4 with the rows in `dispatcher.chunks` chunks (consecutive slots), each chunk's exchange
+        overlapped with another's experts (dispatch.Chunks): the same rows, experts and weights as
+        `dispatch`, `run_experts`, `combine`."""
+        slots, x_slots, expert_SK = self._slots(x_SD, plan)
+        n = self.dispatcher.chunks
+        chunks = self.dispatcher.dispatch_chunks(list(zip(x_slots.tensor_split(n), expert_SK.tensor_split(n))),
+                                                 fault=plan.fault, layer=self.layer_name)
+        for i in range(n):
+            chunks.send_back(i, self.run_experts(*chunks.rows(i)))
+        return self._weighted_sum(torch.cat(chunks.results()), slots, x_SD)
+
+    def step(self, x_SD: Tensor, token_ids_S: Tensor | None = None) -> Tensor:
+        """Cached decoding (eval mode): the expert branch of the new rows, as `forward`.
+
+        With every expert on this rank (one process) and no more (row, slot) pairs than local experts
+        (decoding a few sequences), each pair goes straight to its expert's weights: the plan's experts
+        are read once (the read a dispatch makes), and nothing is sorted, gathered or exchanged.
+        Otherwise (expert parallelism, training, larger batches) `forward`."""
+        S = x_SD.shape[0]
+        L = self.dispatcher.num_local_experts
+        if self.training or L != self.cfg.num_experts or S * self.token_router.top_k > L or torch.jit.is_tracing():
+            return self(x_SD, token_ids_S)
+        plan = self.route(x_SD, token_ids_S, defer_checks=True)  # no profiler range: a decoding step is not profiled
+        self.aux_loss, self.load_E, self.comm_time = plan.aux_loss, None, None  # load is counted by `forward` only
+        S, K = plan.experts_SK.shape
+        expert_SK, weight_SK = plan.experts_SK, plan.weights_SK
+        if plan.fault is None:
+            host = expert_SK.view(-1).tolist()  # the one host read
+        else:
+            host = torch.cat([expert_SK.view(-1), plan.fault.to(expert_SK.device)]).tolist()
+            raise_on_fault([host[S * K:]], self.layer_name)
+        if weight_SK.dtype != x_SD.dtype:
+            weight_SK = weight_SK.to(x_SD.dtype)
+        if S * K == 1:  # one token, one slot: batch-1 decoding
+            return self.experts.expert_rows(x_SD, host[0]) * weight_SK if host[0] >= 0 else torch.zeros_like(x_SD)
+        y_SD = torch.zeros_like(x_SD)
+        for i, e in enumerate(host[:S * K]):
+            if e >= 0:  # a dropped slot (over an evaluation capacity) contributes nothing
+                s, slot = divmod(i, K)
+                y_SD[s:s + 1] += self.experts.expert_rows(x_SD[s:s + 1], e) * weight_SK[s:s + 1, slot:slot + 1]
         return y_SD
 
     def dispatch(self, x_SD: Tensor, plan: RoutingPlan) -> tuple[Tensor, list[int], TokenSlots]:
@@ -185,16 +231,22 @@ class TMoE(nn.Module):
             counts_L: rows per local expert (host ints)
             slots:    what `combine` needs (the dispatcher's state, each slot's row and weight)
         """
+        slots, x_slots, expert_SK = self._slots(x_SD, plan)
+        x_RD, counts_L, slots.state = self.dispatcher.dispatch(x_slots, expert_SK, counts_E1=slots.counts_E1,
+                                                               fault=plan.fault, layer=self.layer_name)
+        return x_RD, counts_L, slots
+
+    def _slots(self, x_SD: Tensor, plan: RoutingPlan) -> tuple[TokenSlots, Tensor, Tensor]:
+        """(TokenSlots without a dispatch state yet, the rows of the S * K slots, their experts); the slots
+        are counted per expert on the device (load_E, dropped)."""
         S, K = plan.experts_SK.shape
         expert_SK = plan.experts_SK.reshape(-1)  # flattened (S * K,), slot-major per row
         counts_E1 = count_rows(expert_SK, self.cfg.num_experts)
         self.load_E = counts_E1[1:].detach()
         self.dropped, self.slots = (counts_E1[0].detach(), S * K) if self.token_router.drops else (None, 0)
         row_SK = torch.arange(S, device=x_SD.device).repeat_interleave(K) if K > 1 else None
-        x_RD, counts_L, state = self.dispatcher.dispatch(x_SD if row_SK is None else x_SD[row_SK], expert_SK,
-                                                         counts_E1=counts_E1, fault=plan.fault,
-                                                         layer=self.layer_name)
-        return x_RD, counts_L, TokenSlots(state, row_SK, plan.weights_SK.reshape(-1).to(x_SD.dtype))
+        slots = TokenSlots(None, row_SK, plan.weights_SK.reshape(-1).to(x_SD.dtype), counts_E1)
+        return slots, (x_SD if row_SK is None else x_SD[row_SK]), expert_SK
 
     def run_experts(self, x_RD: Tensor, counts_L: list[int], dstate: DispatchState | None = None) -> Tensor:
         """Stage 3: the FFN experts on the rows they received, (R, D). The counts are fixed by the shapes
@@ -211,7 +263,12 @@ class TMoE(nn.Module):
         Returns:
             y_SD: (S, D), the rows in `x_SD`'s order
         """
-        y_SKD = self.dispatcher.combine(y_RD, slots.state) * slots.weight_SK[:, None]
+        return self._weighted_sum(self.dispatcher.combine(y_RD, slots.state), slots, x_SD)
+
+    @staticmethod
+    def _weighted_sum(y_SKD: Tensor, slots: TokenSlots, x_SD: Tensor) -> Tensor:
+        """The slots' results (home, in slot order) weighted and summed per row, (S, D)."""
+        y_SKD = y_SKD * slots.weight_SK[:, None]
         if slots.row_SK is None:  # one slot per row: the slots are the rows, in order
             return y_SKD
         return torch.zeros_like(x_SD).index_add(0, slots.row_SK, y_SKD)
@@ -220,11 +277,13 @@ class TMoE(nn.Module):
 @dataclass
 class TokenSlots:
     """What the tMoE's combine needs of its dispatch: the dispatcher's state, and per (row, slot),
-    flattened to S * K, the slot's row (None: one slot per row) and its combine weight."""
+    flattened to S * K, the slot's row (None: one slot per row) and its combine weight; the slots
+    counted per expert (`count_rows`)."""
 
-    state: DispatchState
+    state: DispatchState | None
     row_SK: Tensor | None
     weight_SK: Tensor
+    counts_E1: Tensor | None = None
 
 
 class SMoE(nn.Module):
@@ -252,7 +311,8 @@ class SMoE(nn.Module):
         self.dispatcher = _check_dispatcher(dispatcher, cfg.num_experts)
         self.norm = nn.LayerNorm(cfg.gated_dim)
         self.experts = SpatialExperts(self.dispatcher.num_local_experts, cfg.expert_len, cfg.init_eps,
-                                      first_expert=self.dispatcher.first_expert)
+                                      first_expert=self.dispatcher.first_expert,
+                                      replicated=getattr(self.dispatcher, "replicated", False))
         self.routing = routing = SMOE_ROUTINGS[cfg.routing]  # the registry entry (routing/registry.py)
         if routing.router_reads != "none":
             P = cfg.router_len
@@ -307,11 +367,40 @@ class SMoE(nn.Module):
         rows = self.route(self.norm(z2_BNC), P, training=self.training or self.assign_as_in_training,
                           dtype=z_BNF.dtype, defer_checks=True)
         mark = self.dispatcher.timer.mark()
-        x_RM, counts_L, dstate = self.dispatch(rows)
-        y_RM = self.run_experts(x_RM, counts_L)
-        out_BNC = self.combine(y_RM, dstate, rows, z1_BNC, n - P)
+        if self.dispatcher.chunks > 1:  # the exchanges overlapped with the experts (`pipelined`)
+            out_BNC = self.pipelined(rows, z1_BNC, n - P)
+        else:
+            x_RM, counts_L, dstate = self.dispatch(rows)
+            y_RM = self.run_experts(x_RM, counts_L)
+            out_BNC = self.combine(y_RM, dstate, rows, z1_BNC, n - P)
         self.comm_time = self.dispatcher.timer.take(mark)
         return out_BNC
+
+    def pipelined(self, rows: SMoERows, z1_BNC: Tensor, m: int) -> Tensor:
+        """Stages 2-4 with the sequences in `dispatcher.chunks` chunks, each chunk's exchange overlapped with
+        another's experts (dispatch.Chunks): every chunk holds rows of every channel, so every expert
+        works on every chunk. The same rows, experts and weights as `dispatch`, `run_experts`, `combine`."""
+        B, _, C = z1_BNC.shape
+        E, M = self.cfg.num_experts, rows.rows_SM.shape[-1]
+        self.load_E = count_rows(rows.expert_S, E)[1:].detach()
+        bounds = [(int(b[0]), int(b[-1]) + 1) if len(b) else (0, 0)
+                  for b in torch.arange(B).tensor_split(self.dispatcher.chunks)]
+        parts = []
+        for b0, b1 in bounds:
+            if self.deterministic:  # rows (channel, sequence): this chunk's sequences of every channel
+                parts.append(SMoERows(rows.rows_SM.view(C, B, M)[:, b0:b1].reshape(-1, M),
+                                      self.channel_expert_C.repeat_interleave(b1 - b0),
+                                      host_counts_E=[C // E * (b1 - b0)] * E))
+            else:  # rows (sequence, channel): a consecutive range
+                parts.append(SMoERows(rows.rows_SM[b0 * C:b1 * C], rows.expert_S[b0 * C:b1 * C],
+                                      None if rows.weight_S is None else rows.weight_S[b0 * C:b1 * C]))
+        chunks = self.dispatcher.dispatch_chunks([(p.rows_SM, p.expert_S) for p in parts], presorted=self.deterministic,
+                                                 host_counts=[p.host_counts_E for p in parts], fault=rows.fault,
+                                                 layer=self.layer_name, common_width=True)
+        for i in range(len(parts)):
+            chunks.send_back(i, self.run_experts(*chunks.rows(i)))
+        return torch.cat([self._gate(y_S, p, z1_BNC[b0:b1], m)
+                          for y_S, p, (b0, b1) in zip(chunks.results(), parts, bounds)])
 
     def step(self, z_BkF: Tensor, state: dict, start: int) -> Tensor:
         """Cached decoding of positions start..t-1 (eval routing; smlp/decoding_cache.py): `forward`'s
@@ -339,6 +428,23 @@ class SMoE(nn.Module):
         P = cfg.prefix_len
         z1_BkC, z2_BkC = z_BkF.chunk(2, dim=-1) if cfg.split else (z_BkF, z_BkF)
         v_BtC = cache_append(state, "v", self.norm(z2_BkC), start, limit=cfg.seq_len)
+        if self.deterministic and self.dispatcher.num_local_experts == cfg.num_experts:
+            # every expert is here (one process, or the replicated layout): chunk i -> expert i is a
+            # multi-head spatial step over the cache in place, as the SGU's; no rows to sort or exchange
+            check_length(t, self.experts.size, "sMoE row")
+            with record_function(RANGES["token_mixing"]):
+                return z1_BkC + z1_BkC * causal_step(self.experts.weight, self.experts.bias_offset, v_BtC, start)
+        if (k == 1 and "expert_BC" in state and start >= P and self.routing.causal
+                and self.dispatcher.num_local_experts == cfg.num_experts):
+            # partial prediction, every expert here, the routing decided: the new position of row (b, c) is
+            # W_e[i, :m] . v[b, P:t, c] with e its expert, read in place, each row's weight row gathered
+            m = t - P
+            check_length(m, self.experts.size, "sMoE row")
+            with record_function(RANGES["token_mixing"]):
+                expert_BC, weight_BC = state["expert_BC"], state["weight_BC"]
+                w_BCm = self.experts.weight[expert_BC, m - 1, :m]
+                dev_BC = (w_BCm * v_BtC[:, P:t].transpose(1, 2)).sum(-1) + self.experts.bias_offset[expert_BC, m - 1]
+                return z1_BkC * weight_BC[:, None] + z1_BkC * (weight_BC * dev_BC)[:, None]
         rows = self.route(v_BtC, P, training=False, dtype=z_BkF.dtype, defer_checks=True, decided=state)
         lo, hi = (start, t) if self.deterministic else (max(start - P, 0), max(t - P, 0))
         if rows.rows_SM.shape[0] == 0:  # nothing wanted from here (an empty batch): no span
@@ -435,8 +541,12 @@ class SMoE(nn.Module):
         Returns:
             (B, n, C): z1 gated
         """
+        return self._gate(self.dispatcher.combine(y_RM, dstate), rows, z1_BNC, m)
+
+    def _gate(self, y_SM: Tensor, rows: SMoERows, z1_BNC: Tensor, m: int) -> Tensor:
+        """The rows' results (home, in their order) as the gate of the last m positions of z1, (B, n, C)."""
         B, n, C = z1_BNC.shape
-        y_Sm = self.dispatcher.combine(y_RM, dstate)[:, :m]
+        y_Sm = y_SM[:, :m]
         if rows.weight_S is not None:
             y_Sm = y_Sm * rows.weight_S[:, None]
         if self.deterministic:
@@ -470,14 +580,19 @@ class SMoERows:
 
 
 class SparseBlock(nn.Module):
-    """sMLP sparse block (Fig. 2): sMoE token mixing, then Base Layers tMoE; no dense projections."""
+    """sMLP sparse block (Fig. 2): sMoE token mixing, then Base Layers tMoE; no dense projections.
 
-    def __init__(self, cfg: SparseBlockConfig, dispatcher=None):
+    The two layers share `dispatcher` unless `smoe_dispatcher` gives the sMoE its own: a parallel
+    layout per layer type (expert_data_parallel.py), e.g. the sMoE's experts replicated on every rank
+    (LocalDispatcher(E, replicated=True)) and the tMoE's spread over the expert-parallel group.
+    """
+
+    def __init__(self, cfg: SparseBlockConfig, dispatcher=None, smoe_dispatcher=None):
         super().__init__()
         self.cfg = cfg
         self.norm = nn.LayerNorm(cfg.d_model)
-        self.smoe = SMoE(cfg.smoe, dispatcher)
-        self.tmoe = TMoE(cfg.tmoe, self.smoe.dispatcher)
+        self.smoe = SMoE(cfg.smoe, smoe_dispatcher if smoe_dispatcher is not None else dispatcher)
+        self.tmoe = TMoE(cfg.tmoe, dispatcher if smoe_dispatcher is not None else self.smoe.dispatcher)
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x_BND: Tensor) -> Tensor:
@@ -488,4 +603,4 @@ class SparseBlock(nn.Module):
     def step(self, x_BkD: Tensor, state: dict, start: int) -> Tensor:
         """Cached decoding of positions start..start+k-1 (eval mode): the tMoE routes the new tokens alone."""
         x_BkD = x_BkD + self.smoe.step(self.norm(x_BkD), state, start)
-        return x_BkD + self.tmoe(x_BkD.reshape(-1, self.cfg.d_model)).view_as(x_BkD)
+        return x_BkD + self.tmoe.step(x_BkD.reshape(-1, self.cfg.d_model)).view_as(x_BkD)

@@ -9,6 +9,12 @@ tensors along dim 0, and re-sharding to G' positions is a slice. With expert-dat
 The same holds for optimizer state that has the shape of its parameter (Adam's moments, SGD's
 momentum): `reshard_optimizer_state` moves it with the weights, so a resumed run continues with
 the moments it would have had.
+
+A layer type may be replicated instead (the sMoE's replicated layout, fairseq's --smoe-parallel): every
+rank then holds all E experts of its layers, so a rank's file holds more experts for those keys than
+for the spread ones (`replicated_keys`). Merging takes one copy of them (checking the ranks agree),
+and moving between the layouts is a per-key range: all E experts for a replicated key, the rank's
+slice for a spread one (`ranges` of `reshard_model_state` and `reshard_optimizer_state`).
 """
 from __future__ import annotations
 
@@ -20,7 +26,7 @@ from torch import Tensor, nn
 from .expert_data_parallel import expert_parallel_layout
 from .experts import is_expert
 
-__all__ = ["expert_keys", "merge_expert_shards", "slice_expert_shard", "check_replicas",
+__all__ = ["expert_keys", "merge_expert_shards", "slice_expert_shard", "check_replicas", "replicated_keys",
            "source_positions", "expert_slice", "reshard_model_state", "reshard_optimizer_state"]
 
 
@@ -50,13 +56,26 @@ def check_replicas(states: Sequence[Mapping[str, Tensor]], keys: Sequence[str], 
                     f"(max difference {diff}): the shards are not one save of one expert-data-parallel run")
 
 
+def replicated_keys(state: Mapping[str, Tensor], keys: Sequence[str]) -> list[str]:
+    """The expert keys of one rank's `state` that hold more experts than the fewest any expert key holds:
+    the layers replicated on every rank (all E experts) while the others are spread over the group. On a
+    single-process or consolidated state every key holds all E, and none is called replicated."""
+    counts = {k: state[k].shape[0] for k in keys if k in state}
+    fewest = min(counts.values(), default=0)
+    return [k for k, n in counts.items() if n > fewest]
+
+
 def merge_expert_shards(states: Sequence[Mapping[str, Tensor]], keys: Sequence[str],
-                        ep_size: int | None = None) -> dict[str, Tensor]:
+                        ep_size: int | None = None, replicated: Sequence[str] = ()) -> dict[str, Tensor]:
     """Full state from per-rank states (rank order): expert tensors of the first `ep_size` ranks
-    (default: all of them) concatenated, the rest from rank 0; replicas are checked, not merged."""
+    (default: all of them) concatenated, the rest from rank 0; replicas are checked, not merged. The
+    `replicated` keys (every rank holds all experts) are checked to agree on every rank and taken whole."""
     if not states:
         raise ValueError("merge_expert_shards needs at least one rank's state")
     ep_size = len(states) if ep_size is None else ep_size
+    replicated = [k for k in replicated if k in keys]
+    check_replicas(states, replicated, 1)
+    keys = [k for k in keys if k not in replicated]
     check_replicas(states, keys, ep_size)
     full = dict(states[0])
     for k in keys:
@@ -102,24 +121,44 @@ def expert_slice(pieces: Mapping[int, Tensor], source_local: int, first: int, co
     return stacked[offset:offset + count].clone()
 
 
+def _range_of(ranges: Mapping | None, key, source_local: int, first: int, count: int) -> tuple[int, int, int]:
+    return ranges.get(key, (source_local, first, count)) if ranges else (source_local, first, count)
+
+
+def _by_position(pieces: Mapping[int, Tensor], local: int, source_local: int) -> dict[int, Tensor]:
+    """The source tensors by position. A key whose files hold `local` != `source_local` experts is a layer
+    replicated in the source: every file holds all of them, so any one file serves, as position 0."""
+    if local == source_local:
+        return dict(pieces)
+    return {0: pieces[min(pieces)]}
+
+
 def reshard_model_state(sources: Mapping[int, Mapping[str, Tensor]], keys: Sequence[str], source_local: int,
-                        first: int, count: int) -> dict[str, Tensor]:
+                        first: int, count: int, ranges: Mapping[str, tuple[int, int, int]] | None = None
+                        ) -> dict[str, Tensor]:
     """A model state holding experts [first, first+count), from the shards {source position: state}
-    that hold them (every non-expert tensor is the same in every shard: taken from the first)."""
+    that hold them (every non-expert tensor is the same in every shard: taken from the first).
+
+    ranges: {key: (source experts per file, first, count)} for the keys laid out otherwise than
+    (source_local, first, count): a layer replicated in the source (every file holds all E: source
+    experts per file E, read from any one file) or in the target (first 0, count E)."""
     out = dict(sources[min(sources)])
     for k in keys:
-        out[k] = expert_slice({i: s[k] for i, s in sources.items()}, source_local, first, count)
+        local, f, c = _range_of(ranges, k, source_local, first, count)
+        out[k] = expert_slice(_by_position({i: s[k] for i, s in sources.items()}, local, source_local), local, f, c)
     return out
 
 
 def reshard_optimizer_state(sources: Mapping[int, Mapping], expert_indices: set[int] | Sequence[int],
-                            source_local: int, first: int, count: int) -> dict:
+                            source_local: int, first: int, count: int,
+                            ranges: Mapping[int, tuple[int, int, int]] | None = None) -> dict:
     """The optimizer state (torch's `state_dict()` format, per-parameter entries) for a rank holding
     experts [first, first+count), from the source positions' optimizer states.
 
     Entries of an expert parameter that are tensors stacked like it (local expert first: Adam's
     exp_avg and exp_avg_sq, momentum buffers) are re-sliced; scalars (`step`) and the entries of
-    non-expert parameters are the same on every rank and are taken from the first source."""
+    non-expert parameters are the same on every rank and are taken from the first source. `ranges`:
+    {parameter index: (source experts per file, first, count)} as for `reshard_model_state`."""
     base = sources[min(sources)]
     if not isinstance(base, Mapping) or "state" not in base or "param_groups" not in base:
         raise ValueError("the optimizer state is not a torch optimizer state_dict (no 'state' / 'param_groups')")
@@ -130,6 +169,7 @@ def reshard_optimizer_state(sources: Mapping[int, Mapping], expert_indices: set[
             state[idx] = entry
             continue
         new = {}
+        local, f, c = _range_of(ranges, idx, source_local, first, count)
         for name, value in entry.items():
             if torch.is_tensor(value) and value.dim() >= 1:
                 pieces = {}
@@ -137,7 +177,7 @@ def reshard_optimizer_state(sources: Mapping[int, Mapping], expert_indices: set[
                     if idx not in s["state"] or name not in s["state"][idx]:
                         raise ValueError(f"optimizer state {name!r} of parameter {idx} is missing from position {i}")
                     pieces[i] = s["state"][idx][name]
-                new[name] = expert_slice(pieces, source_local, first, count)
+                new[name] = expert_slice(_by_position(pieces, local, source_local), local, f, c)
             else:
                 new[name] = value
         state[idx] = new

@@ -43,8 +43,8 @@ from torch import Tensor
 
 from .precision import accumulation_dtype, autocast_enabled
 
-__all__ = ["BLOCK", "causal_product", "causal_product_rows", "causal_weight", "check_length", "default_block",
-           "executed_pairs", "init_spatial_", "masked_dense_product", "uniform_per_slice_"]
+__all__ = ["BLOCK", "causal_product", "causal_product_rows", "causal_step", "causal_weight", "check_length",
+           "default_block", "executed_pairs", "init_spatial_", "masked_dense_product", "uniform_per_slice_"]
 
 
 def check_length(n: int, max_len: int, what: str = "sequence") -> None:
@@ -54,6 +54,30 @@ def check_length(n: int, max_len: int, what: str = "sequence") -> None:
             f"most {max_len} positions; use shorter sequences (e.g. --tokens-per-sample {max_len}) or build "
             f"the model with a longer seq_len"
         )
+
+
+def causal_step(weight_GTT: Tensor, bias_offset_GT: Tensor, x_BtC: Tensor, start: int) -> Tensor:
+    """Cached decoding of a causal spatial product with G weight groups (heads, or the sMoE's experts
+    with deterministic routing: group g mixes channel chunk g): W x + (b - 1) at positions start..t-1,
+    the bias stored as its offset from one (`bias_offset`, b - 1),
+    from all t positions of x, (B, k, C), O(t) per position.
+
+    Row s of the causal weight reads positions <= s: W[start:t, :t] with the diagonal shifted by
+    `start` is the slice of the full product these positions need. One new position reads every
+    cached one (nothing to mask), and one sequence's chunks are read in place (no copy of the cache)."""
+    B, t, C = x_BtC.shape
+    G = weight_GTT.shape[0]
+    w_GkT = weight_GTT[:, start:t, :t]
+    if t - start > 1:
+        w_GkT = torch.tril(w_GkT, diagonal=start)
+    if G == 1:  # a plain matmul: einsum's planning costs more than the product at one position
+        return torch.matmul(w_GkT[0], x_BtC) + bias_offset_GT[0, start:t, None]
+    if B == 1:  # (G, k, t) x (G, t, c): the chunks as strided matrices of the cache, one batched product
+        y_Gkc = torch.matmul(w_GkT, x_BtC[0].reshape(t, G, C // G).transpose(0, 1)) + bias_offset_GT[:, start:t, None]
+        return y_Gkc.transpose(0, 1).reshape(1, t - start, C)
+    y_BkGc = torch.einsum("hts,bshc->bthc", w_GkT, x_BtC.reshape(B, t, G, C // G))
+    y_BkGc = y_BkGc + bias_offset_GT[:, start:t].t()[None, :, :, None]
+    return y_BkGc.reshape(B, t - start, C)
 
 
 def causal_weight(weight_GTT: Tensor, n: int) -> Tensor:

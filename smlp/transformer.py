@@ -146,7 +146,8 @@ class TransformerBlock(nn.Module):
             x_BkD = x_BkD + self.attn.step(self.norm1(x_BkD), state, start)
         h = self.norm2(x_BkD).reshape(-1, self.d_model)
         ids = token_ids_Bk.reshape(-1) if token_ids_Bk is not None else None
-        return x_BkD + self.ffn(h, ids).view_as(x_BkD)
+        ffn = self.ffn.step if isinstance(self.ffn, TMoE) else self.ffn  # the tMoE's decoding fast path
+        return x_BkD + ffn(h, ids).view_as(x_BkD)
 
 
 # names that moved to another module, importable from here for one release (smlp/deprecation.py)

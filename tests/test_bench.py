@@ -117,3 +117,29 @@ def test_the_moved_micro_benchmark_runs_as_the_new_one():
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("usage: python -m smlp_bench.micro.causal_product") and "--blocks" in done.stdout
     assert "DeprecationWarning: smlp_bench.causal_product is deprecated" in done.stderr
+
+
+def test_speed_record_gives_each_smlp_layout_against_gmlp_and_the_fastest_moe(tmp_path):
+    """smlp_bench.speed: a variant's ratio to another model is the probe-normalized ratios divided (reference
+    over the other / reference over the variant), the targets read sMLP-det's row, and --publish rewrites
+    exactly its section of the page."""
+    from smlp_bench import speed
+
+    record = {"complete": True, "machine": {"cpu": "x"}, "settings": {"updates": 30, "seeds": 2}, "seconds": 1.0,
+              "models": {k: {"wps": w, "speed_vs_reference": v, "name": k, "breakdown": None}
+                         for k, w, v in (("smlp_det", 100.0, 1.0), ("smlp_det_expert", 90.0, 0.9),
+                                         ("gmlp", 110.0, 1.1), ("switch", 95.0, 0.95), ("hash", 99.0, 0.99))},
+              "ratios": {"smlp_det_wps_over": {"smlp_det_expert": 1.1, "gmlp": 0.9, "switch": 1.05, "hash": 1.01}}}
+    out = speed.analyse(record)
+    assert out["fastest_moe"] == "hash"
+    det, expert = out["rows"]
+    assert det["gMLP"] == pytest.approx(0.9) and det["fastest Transformer-MoE"] == pytest.approx(1.01)
+    assert expert["gMLP"] == pytest.approx(0.9 / 1.1) and expert["fastest Transformer-MoE"] == pytest.approx(1.01 / 1.1)
+    assert [t["met"] for t in out["targets"]] == [True, False]  # >= 1.0x the fastest MoE; >= 0.92x gMLP
+    (tmp_path / "s.json").write_text(__import__("json").dumps(out))
+    page = tmp_path / "page.md"
+    page.write_text(f"before\n{speed.START}\nold\n{speed.END}\nafter\n")
+    speed.publish(tmp_path / "s.json", page)
+    text = page.read_text()
+    assert text.startswith("before\n") and text.endswith("after\n") and "old" not in text
+    assert "| smlp_det_expert | 90 | 0.818x | 0.918x | - |" in text and "| **no** |" in text

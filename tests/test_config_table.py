@@ -56,12 +56,17 @@ EXAMPLES = {
     "num_experts": ("smlp", ["--num-experts", "2"], {"num_experts": 2}),
     "expert_parallel_size": ("transformer", ["--expert-parallel-size", "2"], {"ep_size": 2}),
     "sparse_placement": ("smlp", ["--sparse-placement", "fairseq"], {"sparse_placement": "fairseq"}),
+    "all2all_chunks": ("transformer", ["--all2all-chunks", "2"], {"all2all_chunks": 2}),
     "base_shuffle": ("smlp", ["--base-shuffle", "0"], {"base_shuffle": False}),
     "base_layers": ("smlp", ["--sparse-layers", "1"], {"sparse_layers": 1}),  # fairseq's: = --sparse-layers
     "criterion_name": ("transformer", ["--criterion", "smlp_lm_loss"], {"criterion_name": "smlp_lm_loss"}),
     "smoe_routing": ("smlp", ["--smoe-routing", "leaky-full-sequence"], {"smoe_routing": "leaky-full-sequence"}),
     "prefix_fraction": ("smlp", ["--smoe-routing", "partial", "--prefix-fraction", "0.25"],
                         {"smoe_routing": "partial", "prefix_fraction": 0.25}),
+    "smoe_parallel": ("smlp", ["--smoe-parallel", "replicated"], {"smoe_parallel": "replicated"}),
+    "batch_size": ("smlp", ["--batch-size", "3"], {"batch_size": 3}),
+    "max_tokens": ("smlp", ["--max-tokens", "48"], {"batch_size": 2}),  # 48 tokens of 24-token sequences
+    "update_freq": ("smlp", ["--update-freq", "2"], {"update_freq": 2}),
     "sgu_heads": ("gmlp", ["--sgu-heads", "2"], {"heads": 2}),
     "token_routed_experts": ("gmlp", ["--token-routed-experts", "2"], {"token_routed_experts": 2}),
     "decoder_attention_heads": ("transformer", ["--decoder-attention-heads", "2"], {"heads": 2}),

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from smlp.config import SGUConfig, SMoEConfig, SparseBlockConfig, TMoEConfig
-from smlp.dispatch import AllToAllDispatcher
+from smlp.dispatch import AllToAllDispatcher, LocalDispatcher
 from smlp.gmlp import SpatialGatingUnit
 from smlp.moe import SMoE, SparseBlock, TMoE
 from smlp.resharding import expert_keys, slice_expert_shard
@@ -198,14 +198,15 @@ def test_smoe_ranks_with_different_sequence_lengths(spawned, request):
 # ---------------------------------------------------------------- tMoE
 
 
-def check_tmoe_against_one_process(rank, world, router, E, tokens):
-    """The expert-parallel tMoE (E experts over `world` ranks, tokens[r] rows on rank r) equals its
-    single-process twin with the same weights: outputs and every gradient. Returns the parallel layer."""
+def check_tmoe_against_one_process(rank, world, router, E, tokens, chunks=1):
+    """The expert-parallel tMoE (E experts over `world` ranks, tokens[r] rows on rank r; its exchanges
+    overlapped in `chunks` chunks) equals its single-process twin with the same weights: outputs and
+    every gradient. Returns the parallel layer."""
     cfg = TMoEConfig(d_model=8, d_ffn=16, num_experts=E, router=router, vocab_size=40, capacity_factor=1.5,
                      shuffle=False, zero_init_output=False)
     torch.manual_seed(0)
     ref = TMoE(cfg).train()
-    model = TMoE(cfg, AllToAllDispatcher(E)).train()
+    model = TMoE(cfg, AllToAllDispatcher(E, chunks=chunks)).train()
     model.load_state_dict(slice_expert_shard(ref.state_dict(), expert_keys(ref), rank, world))
     xs = _inputs(world, lambda r: (tokens[r], 8))
     gs = _inputs(world, lambda r: (tokens[r], 8), seed=200)
@@ -217,11 +218,11 @@ def check_tmoe_against_one_process(rank, world, router, E, tokens):
     return model
 
 
-def _tmoe_worker(rank, world, init_file, router, experts_per_rank, tokens):
+def _tmoe_worker(rank, world, init_file, router, experts_per_rank, tokens, chunks=1):
     _init(rank, world, init_file)
     try:
         E = world * experts_per_rank
-        model = check_tmoe_against_one_process(rank, world, router, E, tokens)
+        model = check_tmoe_against_one_process(rank, world, router, E, tokens, chunks)
         if router == "base":
             counts = model.load_E.tolist()
             assert sum(counts) == tokens[rank]
@@ -249,7 +250,7 @@ def test_token_counts_not_divisible_by_experts_do_not_hang(spawned, request):
 # ---------------------------------------------------------------- the sparse block
 
 
-def _block_worker(rank, world, init_file, routing, lengths=None, training=True):
+def _block_worker(rank, world, init_file, routing, lengths=None, training=True, chunks=1, batch=2):
     _init(rank, world, init_file)
     try:
         cfg = SparseBlockConfig(d_model=16, d_ffn=24, seq_len=20, num_experts=2 * world, smoe_routing=routing,
@@ -259,13 +260,59 @@ def _block_worker(rank, world, init_file, routing, lengths=None, training=True):
         ref = SparseBlock(cfg).train(training)
         _randomize_spatial(ref)
         _randomize_expert_output(ref)
-        model = SparseBlock(cfg, AllToAllDispatcher(2 * world)).train(training)
+        model = SparseBlock(cfg, AllToAllDispatcher(2 * world, chunks=chunks)).train(training)
         model.load_state_dict(slice_expert_shard(ref.state_dict(), expert_keys(ref), rank, world))
-        xs = _inputs(world, lambda r: (2, lengths[r], 16))
-        gs = _inputs(world, lambda r: (2, lengths[r], 16), seed=200)
+        xs = _inputs(world, lambda r: (batch, lengths[r], 16))
+        gs = _inputs(world, lambda r: (batch, lengths[r], 16), seed=200)
         _run_pair(model, ref, xs, gs, rank, world)
         _check_expert_grads(model, ref, rank, world)
         _check_shared_grads(model, ref)
+    finally:
+        _finish()
+
+
+def _replicated_smoe_worker(rank, world, init_file, routing):
+    """The sMoE's replicated layout: every rank holds all E spatial experts (LocalDispatcher(E, replicated=True),
+    not marked expert, so the data-parallel all-reduce averages their gradients) and the tMoE stays expert-
+    parallel. Equal to the single-process block and to the all-expert-parallel block; the sMoE calls no
+    collective."""
+    _init(rank, world, init_file)
+    try:
+        E = 2 * world
+        cfg = SparseBlockConfig(d_model=16, d_ffn=24, seq_len=20, num_experts=E, smoe_routing=routing,
+                                base_shuffle=False)
+        torch.manual_seed(0)
+        ref = SparseBlock(cfg).train()
+        _randomize_spatial(ref)
+        _randomize_expert_output(ref)
+        model = SparseBlock(cfg, AllToAllDispatcher(E), LocalDispatcher(E, replicated=True)).train()
+        spread = SparseBlock(cfg, AllToAllDispatcher(E)).train()  # both layers expert-parallel
+        assert not any(getattr(p, "expert", False) for p in model.smoe.parameters())
+        assert expert_keys(model) == [k for k in expert_keys(ref) if k.startswith("tmoe.")]
+        model.load_state_dict(slice_expert_shard(ref.state_dict(), expert_keys(model), rank, world))
+        spread.load_state_dict(slice_expert_shard(ref.state_dict(), expert_keys(ref), rank, world))
+        xs = _inputs(world, lambda r: (2, 20, 16))
+        gs = _inputs(world, lambda r: (2, 20, 16), seed=200)
+        calls, real = [], dist.all_to_all_single
+        dist.all_to_all_single = lambda *a, **k: calls.append(1) or real(*a, **k)
+        try:
+            model.smoe(model.norm(xs[rank]))
+        finally:
+            dist.all_to_all_single = real
+        assert not calls, f"the replicated sMoE exchanged {len(calls)} times"
+        y = _run_pair(model, ref, xs, gs, rank, world)
+        _check_expert_grads(model, ref, rank, world)
+        _check_shared_grads(model, ref)  # the sMoE's spatial weights among them, summed over the ranks
+        x = xs[rank].clone().requires_grad_(True)
+        y_spread = spread(x)
+        assert within_bound(y, y_spread.detach(), **RULE), "replicated and expert-parallel sMoE differ"
+        y_spread.backward(gs[rank])
+        for name in ("smoe.experts.weight", "smoe.experts.bias_offset"):
+            mine = dict(model.named_parameters())[name].grad.clone()
+            dist.all_reduce(mine)  # the data-parallel sum; the expert-parallel rank holds its experts' sum
+            theirs = dict(spread.named_parameters())[name].grad
+            local = E // world
+            assert within_bound(mine[rank * local:(rank + 1) * local], theirs, **RULE), name
     finally:
         _finish()
 
@@ -281,6 +328,22 @@ def _randomize_expert_output(module, seed=1):
 
 @pytest.mark.parametrize("routing", ["deterministic", "partial"])
 def test_sparse_block_matches_single_process(routing, spawned, request):
+    spawned.check(request.node.name)
+
+
+@pytest.mark.parametrize("routing", ["deterministic", "partial"])
+def test_replicated_smoe_with_expert_parallel_tmoe_matches_single_process(routing, spawned, request):
+    """--smoe-parallel replicated: outputs and gradients equal the single-process block and the block with
+    both layers expert-parallel; the sMoE runs no collective."""
+    spawned.check(request.node.name)
+
+
+@pytest.mark.parametrize("case", ["smlp-deterministic", "smlp-partial-uneven", "smlp-one-sequence", "base-2-local",
+                                  "gshard"])
+def test_overlapped_exchanges_match_single_process(case, spawned, request):
+    """Rows in 2 chunks, each chunk's all2all overlapped with the other's experts (async collectives): the
+    sparse block (both sMoE routings; a rank with one sequence, so one of its chunks is empty) and tMoEs
+    (2 local experts per rank, GShard's two slots per token) equal their single-process twins."""
     spawned.check(request.node.name)
 
 
@@ -481,6 +544,16 @@ def _case_table() -> dict[str, list[tuple[int, object, tuple]]]:
         t[f"test_sparse_block_matches_single_process[{routing}]"] = [(2, _block_worker, (routing,))]
         t[f"test_sparse_block_eval_outputs_equal_one_process[{routing}]"] = [
             (2, _block_worker, (routing, [20, 11], False))]
+    for routing in ("deterministic", "partial"):
+        t[f"test_replicated_smoe_with_expert_parallel_tmoe_matches_single_process[{routing}]"] = [
+            (2, _replicated_smoe_worker, (routing,))]
+    overlapped = {"smlp-deterministic": (_block_worker, ("deterministic", None, True, 2, 3)),
+                  "smlp-partial-uneven": (_block_worker, ("partial", [20, 9], True, 2, 3)),
+                  "smlp-one-sequence": (_block_worker, ("deterministic", None, True, 2, 1)),
+                  "base-2-local": (_tmoe_worker, ("base", 2, [16, 12], 2)),
+                  "gshard": (_tmoe_worker, ("gshard", 2, [16, 24], 2))}
+    for name, (fn, args) in overlapped.items():
+        t[f"test_overlapped_exchanges_match_single_process[{name}]"] = [(2, fn, args)]
     for name, lengths in (("different-lengths", [20, 9]), ("one-rank-within-prefix", [20, 3])):
         t[f"test_partial_routing_with_uneven_sequences_matches_single_process[{name}]"] = [
             (2, _block_worker, ("partial", lengths))]

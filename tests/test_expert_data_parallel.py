@@ -381,3 +381,96 @@ def test_elastic_reshards_model_optimizer_and_data_position(tmp_path):
     G = saved_ep_size(states[0], 8, keys)
     assert G == 4
     assert torch.equal(merge_expert_shards([s["model"] for s in states], keys, G)[keys[0]], full_w)
+
+
+# ---------------------------------------------------------------- the sMoE's two layouts (--smoe-parallel)
+
+SMOE, TMOE = "decoder.core.layers.1.smoe.experts.weight", "decoder.core.layers.1.tmoe.experts.w1"
+
+
+def _write_layout_set(directory, smoe_replicated, E=4, world=2):
+    """A fake 2-rank set: the tMoE spread over the ranks, the sMoE spread too or whole in every file."""
+    g = torch.Generator().manual_seed(1)
+    full = {SMOE: torch.randn(E, 3, 3, generator=g), TMOE: torch.randn(E, 2, generator=g)}
+    moments = {SMOE: torch.randn(E, 3, 3, generator=g), TMOE: torch.randn(E, 2, generator=g)}
+    shared = torch.randn(5, generator=g)
+    L = E // world
+    for r in range(world):
+        def mine(t, whole, r=r):
+            return t.clone() if whole else t[r * L:(r + 1) * L].clone()
+        state = {
+            "cfg": {"model": {"_name": "smlp_lm", "num_experts": E, "expert_parallel_size": world,
+                              "distributed_world_size": world},
+                    "distributed_training": {"distributed_world_size": world, "distributed_rank": r}},
+            "model": {"decoder.core.embed.weight": shared.clone(), SMOE: mine(full[SMOE], smoe_replicated),
+                      TMOE: mine(full[TMOE], False)},
+            "last_optimizer_state": {"state": {0: {"step": 2, "exp_avg": shared.clone()},
+                                               1: {"step": 2, "exp_avg": mine(moments[SMOE], smoe_replicated)},
+                                               2: {"step": 2, "exp_avg": mine(moments[TMOE], False)}},
+                                     "param_groups": [{"lr": 0.1, "params": [0, 1, 2]}]},
+            "extra_state": {"train_iterator": {"epoch": 1, "iterations_in_epoch": 2, "version": 2}},
+            "optimizer_history": [{"num_updates": 2}],
+        }
+        torch.save(state, directory / f"checkpoint_last-rank-{r}.pt")
+    return full, moments
+
+
+@pytest.mark.parametrize("saved_replicated", [False, True], ids=["expert-to-replicated", "replicated-to-expert"])
+def test_checkpoints_move_between_the_smoe_layouts(tmp_path, saved_replicated):
+    """fairseq-train's resume (elastic.py) rewrites a 2-rank set for the other sMoE layout: the sMoE's weights
+    and Adam moments whole in every file (replicated) or this rank's slice (expert), the tMoE's untouched; a
+    set of either layout consolidates into the same full model, and a rank loads a whole layer by slicing it."""
+    from fairseq_plugins.checkpoints import adapt_expert_state, saved_ep_size
+    from fairseq_plugins.elastic import plan_resume, reshard_checkpoint
+    from smlp.resharding import replicated_keys
+
+    full, moments = _write_layout_set(tmp_path, saved_replicated)
+    base = str(tmp_path / "checkpoint_last.pt")
+    layout = ExpertDataLayout(world_size=2, ep_size=2, num_experts=4)
+    target = () if saved_replicated else (SMOE,)
+    assert plan_resume(base, world_size=2, sharded=True, layout=layout, num_experts=4,
+                       replicated=(SMOE,) if saved_replicated else ()) is None  # its own layout: nothing to do
+    plan = plan_resume(base, world_size=2, sharded=True, layout=layout, num_experts=4, replicated=target)
+    assert plan is not None and plan.saved.replicated == ((SMOE,) if saved_replicated else ())
+    for r in (1, 0):
+        reshard_checkpoint(plan, r, [None, SMOE, TMOE])
+    states = [torch.load(tmp_path / f"checkpoint_last-rank-{r}.pt", weights_only=False) for r in range(2)]
+    for r, st in enumerate(states):
+        for key, whole in ((SMOE, not saved_replicated), (TMOE, False)):
+            want = (full[key], moments[key]) if whole else (full[key][2 * r:2 * r + 2], moments[key][2 * r:2 * r + 2])
+            idx = 1 if key == SMOE else 2
+            assert torch.equal(st["model"][key], want[0]), (r, key)
+            assert torch.equal(st["last_optimizer_state"]["state"][idx]["exp_avg"], want[1]), (r, key)
+    assert replicated_keys(states[0]["model"], [SMOE, TMOE]) == list(target)
+    models, keys = [st["model"] for st in states], [SMOE, TMOE]  # as smlp-consolidate merges them
+    merged = merge_expert_shards(models, keys, saved_ep_size(states[0], 2, keys), replicated_keys(models[0], keys))
+    assert torch.equal(merged[SMOE], full[SMOE]) and torch.equal(merged[TMOE], full[TMOE])
+
+    class Spread(torch.nn.Module):  # rank 1 of a model spreading both layers over 2 positions
+        def state_dict(self):
+            return {SMOE: full[SMOE][2:], TMOE: full[TMOE][2:]}
+
+    got = adapt_expert_state(Spread(), states[1]["model"], 1, 2)
+    assert torch.equal(got[SMOE], full[SMOE][2:]) and torch.equal(got[TMOE], full[TMOE][2:])
+
+
+def test_a_replicated_layer_refuses_one_rank_shard_with_the_fix():
+    from fairseq_plugins.checkpoints import adapt_expert_state
+
+    class Replicated(torch.nn.Module):  # the sMoE whole, the tMoE spread over 2 positions
+        def state_dict(self):
+            return {SMOE: torch.zeros(4, 3, 3), TMOE: torch.zeros(2, 2)}
+
+    with pytest.raises(ValueError, match="one rank.s shard of .*smoe.*smlp-consolidate"):
+        adapt_expert_state(Replicated(), {SMOE: torch.zeros(2, 3, 3), TMOE: torch.zeros(2, 2)}, 0, 2)
+
+
+def test_merge_takes_replicated_layers_once_and_checks_them():
+    full = _full_state(4)
+    spread, whole = "layers.0.experts.w", "layers.0.experts.b"
+    shards = [{**slice_expert_shard(full, [spread], r, 2), whole: full[whole].clone()} for r in range(2)]
+    merged = merge_expert_shards(shards, [spread, whole], 2, replicated=[whole])
+    assert torch.equal(merged[spread], full[spread]) and torch.equal(merged[whole], full[whole])
+    shards[1][whole] = shards[1][whole] + 1e-2
+    with pytest.raises(ValueError, match="should hold a replica"):
+        merge_expert_shards(shards, [spread, whole], 2, replicated=[whole])

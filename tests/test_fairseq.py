@@ -191,7 +191,8 @@ def test_smlp_tiny_lowers_validation_loss(smlp_tiny_two_ranks, routing):
 
 @pytest.mark.slow
 def test_resume_continues_exactly(smlp_tiny_two_ranks, tiny_lm_data, tmp_path):
-    """Stopped after 4 updates and resumed to 8: updates 5-8 log the losses of the uninterrupted run."""
+    """Stopped after 4 updates and resumed to 8: updates 5-8 log the losses of the uninterrupted run; resumed
+    again to 10 in the other sMoE layout, updates 9-10 too."""
     _, full_log = smlp_tiny_two_ranks("deterministic")
     common = smlp_tiny_flags(tiny_lm_data, "deterministic")
     first = run_fairseq("fairseq-train", [*common, "--max-update", "4", "--save-dir", str(tmp_path / "b")], world=2)
@@ -202,6 +203,17 @@ def test_resume_continues_exactly(smlp_tiny_two_ranks, tiny_lm_data, tmp_path):
     expected, got = train_losses(full_log), train_losses(resumed[0].stdout)
     assert sorted(got) == [5, 6, 7, 8]
     assert {u: expected[u] for u in got} == got
+    # --smoe-parallel auto replicates this run's sMoE (the step-time model's choice on 2 CPU ranks, logged);
+    # resumed with the sMoE expert-parallel, the checkpoint is rewritten (each rank's slice of the spatial
+    # weights and their Adam moments) and the losses go on as the replicated run's (another summation order)
+    assert "sMoE experts: replicated on every rank (--smoe-parallel auto: the step-time model predicts it " \
+           "faster (cpu-gloo" in full_log, full_log[:3000]
+    other = run_fairseq("fairseq-train", [*common, "--max-update", "10", "--smoe-parallel", "expert",
+                                          "--save-dir", str(tmp_path / "b")], world=2)
+    assert_ok(other)
+    assert "sMoE experts: spread over expert-parallel groups of 2 (--smoe-parallel expert)" in other[0].stdout
+    got = train_losses(other[0].stdout)
+    assert sorted(got) == [9, 10] and got == pytest.approx({u: expected[u] for u in got}, abs=2e-3), got
 
 
 @pytest.mark.slow

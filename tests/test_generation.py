@@ -153,6 +153,28 @@ def test_cached_steps_keep_the_spatial_term_in_half_precision(dtype):
     assert ref.abs().max() < 1e-3 and _rel(got, ref) < 0.10, _rel(got, ref)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("arch", ["smlp-deterministic", "smlp-partial", "gshard"])
+@torch.no_grad()
+def test_local_decoding_steps_dispatch_nothing_and_hold_in_half_precision(arch, dtype):
+    """Batch-1 steps of a model whose experts are all local take the direct paths (the sMoE's multi-head or
+    gathered-row spatial step, the tMoE's token straight to its expert): no dispatch after the routing
+    decision. In bf16 / fp16 their logits stay within the half format's error of the fp32 full forward."""
+    model = build(arch)
+    tokens = _tokens((1, T), seed=3)
+    full = model(tokens).double()
+    half = model.to(dtype)
+    first, cache = decode(half, tokens, [8])  # the prompt's 8 rows go through the dispatcher
+    dispatches = []
+    real = half.dispatcher.dispatch
+    half.dispatcher.dispatch = lambda *a, **k: dispatches.append(1) or real(*a, **k)
+    rest, _ = decode(half, tokens, [1] * 16, cache)
+    assert not dispatches, f"{len(dispatches)} dispatches in the one-token steps of a one-process model"
+    got = torch.cat([first, rest], dim=1)
+    err = float((got.double() - full).norm() / full.norm())
+    assert err < (0.03 if dtype == torch.bfloat16 else 0.005), err
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.detach().double(), b.detach().double()
     return float((a - b).norm() / b.norm())
@@ -348,13 +370,14 @@ def test_partial_prediction_prompts_shorter_than_the_routing_prefix_are_filled_o
 
 
 EP_ARCHS = [("smlp-deterministic", 2), ("smlp-deterministic", 4), ("smlp-partial", 2), ("smlp-partial", 4),
-            ("gshard", 4), ("switch", 2), ("base", 4), ("hash", 2)]
+            ("gshard", 4), ("switch", 2), ("base", 4), ("hash", 2),
+            ("smlp-deterministic", "replicated"), ("smlp-partial", "replicated")]  # the sMoE replicated, 4 experts
 
 
 def _ep_worker(rank, world, init_file, failures):
     from datetime import timedelta
 
-    from smlp.dispatch import AllToAllDispatcher
+    from smlp.dispatch import AllToAllDispatcher, LocalDispatcher
     from smlp.resharding import expert_keys, slice_expert_shard
 
     torch.set_num_threads(1)
@@ -362,9 +385,15 @@ def _ep_worker(rank, world, init_file, failures):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=120))
     for arch, experts in EP_ARCHS:
+        replicated = experts == "replicated"
+        experts = 4 if replicated else experts
         ref = build(arch, num_experts=experts)
-        model = LanguageModel(ref.cfg, AllToAllDispatcher(experts)).eval()
-        model.load_state_dict(slice_expert_shard(ref.state_dict(), expert_keys(ref), rank, world))
+        smoe = LocalDispatcher(experts, replicated=True) if replicated else None
+        model = LanguageModel(ref.cfg, AllToAllDispatcher(experts), smoe_dispatcher=smoe).eval()
+        model.load_state_dict(slice_expert_shard(ref.state_dict(), expert_keys(model), rank, world))
+        real, calls = dist.all_gather, []  # the replicated sMoE's steps gather no spans (no collective)
+        if replicated:
+            dist.all_gather = lambda *a, calls=calls, real=real, **k: calls.append(1) or real(*a, **k)
         # rank 0: 2 sequences, a prompt of 3 (inside partial prediction's routing prefix), reordered to 3 rows
         # at position 12, decoded to the end; rank 1: 1 sequence, a prompt of 9, done at position 16, then
         # empty steps: both ranks make 1 + 21 calls
@@ -386,6 +415,9 @@ def _ep_worker(rank, world, init_file, failures):
                         cache.reorder(torch.tensor([], dtype=torch.long))
                     model(hist[:0, :1], cache=cache)
             expected = ref(hist[:, :end])
+        dist.all_gather = real
+        if calls:
+            failures.append(f"{arch} replicated rank {rank}: the sMoE steps called all_gather {len(calls)} times")
         ok, err, tol = orders_agree(torch.cat(got, dim=1), expected, **logits_rule(ref))
         if not ok:
             failures.append(f"{arch} E={experts} rank {rank}: max |cached - one process| = {err:.3g} > bound {tol:.3g}")
@@ -395,9 +427,10 @@ def _ep_worker(rank, world, init_file, failures):
 
 @pytest.mark.slow
 def test_expert_parallel_cached_decoding_equals_one_process():
-    """2 gloo ranks through AllToAllDispatcher (1 and 2 local experts per rank): ranks with different
-    batch sizes, prompt lengths, positions, a reorder on one rank and empty steps on the other; every
-    rank's cached logits equal the one-process full forward on its own sequences."""
+    """2 gloo ranks through AllToAllDispatcher (1 and 2 local experts per rank; the sMoE's experts also
+    replicated on both, its steps then without a collective): ranks with different batch sizes, prompt
+    lengths, positions, a reorder on one rank and empty steps on the other; every rank's cached logits
+    equal the one-process full forward on its own sequences."""
     with tempfile.TemporaryDirectory() as tmp, mp.Manager() as manager:
         failures = manager.list()
         mp.spawn(_ep_worker, args=(2, os.path.join(tmp, "rendezvous"), failures), nprocs=2, join=True)

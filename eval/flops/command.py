@@ -12,8 +12,23 @@ from smlp.third_party import quiet_imports
 from .counting import METHODS
 from .matching import match
 from .model_spec import DEFAULT_VOCAB, count_spec, parse_model
-from .steptime import step_time_for, table4
-from .tables import format_count, format_match, format_paper_tables, format_step_time, format_table4, paper_tables
+from .steptime import (
+    compare_smoe_layouts,
+    smoe_expert_params,
+    smoe_layout_report,
+    smoe_layout_sentence,
+    step_time_for,
+    table4,
+)
+from .tables import (
+    format_count,
+    format_match,
+    format_paper_tables,
+    format_smoe_layouts,
+    format_step_time,
+    format_table4,
+    paper_tables,
+)
 
 __all__ = ["PROG", "build_parser", "cli", "cluster_from_args", "main", "run"]
 
@@ -43,8 +58,20 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--table4", choices=("top", "bottom", "both"),
                     help="predicted ranking and words/s of the paper's 32-GPU Table 4 configurations "
                          "beside the paper's")
+    st.add_argument("--smoe-layouts", action="store_true",
+                    help="the sMoE's two parallel layouts (experts spread over the expert-parallel group, or "
+                         "replicated on every rank) compared for the paper's small and large sMLP on 32 V100s and "
+                         "smlp-bench --fair's sMLP-det on 2 CPU ranks: which is faster and by how much")
+    st.add_argument("--smoe-parallel", choices=("faster", "expert", "replicated"), default="faster",
+                    help="the sMLP's sMoE layout in --step-time and --table4: expert (spread over the expert-"
+                         "parallel group, all2all), replicated (every expert on every rank), or faster (default: "
+                         "--step-time prints both, --table4 ranks the faster)")
+    st.add_argument("--all2all-chunks", type=int, choices=(1, 2),
+                    help="--table4: every model's all2all overlapped with its experts in 2 chunks (default 1: none); "
+                         "--step-time takes the model flag of the same name")
     st.add_argument("--cluster", default="v100-dgx1",
-                    help="cluster preset: v100-dgx1 (the paper's 32 V100s; default), a100-dgx")
+                    help="cluster preset: v100-dgx1 (the paper's 32 V100s; default), a100-dgx, cpu-gloo "
+                         "(smlp-bench's 2 gloo ranks of one thread)")
     st.add_argument("--capacity-padding", choices=("auto", "on", "off"), default="auto",
                     help="GShard / Switch send E x capacity buffers (their implementations: on) or the routed rows "
                          "only (ours: off); auto = on for --table4, off for --step-time")
@@ -66,6 +93,12 @@ def build_parser() -> argparse.ArgumentParser:
 def run(argv: Sequence[str] | None = None) -> str:
     parser = build_parser()
     args, flags = parser.parse_known_args(argv)
+    if args.smoe_layouts:
+        if args.arch or args.step_time or args.table4 or args.match or args.paper_tables or flags:
+            raise ValueError("--smoe-layouts takes no --arch, --step-time, --table4, --match, --paper-tables or "
+                             "model flags: it compares its three fixed configurations")
+        rows = smoe_layout_report("analytic" if args.method == "analytic" else "fvcore")
+        return json.dumps(rows, indent=2) if args.json else format_smoe_layouts(rows, args.markdown)
     if args.table4 or args.step_time:
         return _run_step_time(args, flags)
     if args.paper_tables:
@@ -113,14 +146,26 @@ def _run_step_time(args, flags) -> str:
         if args.capacity_padding == "off":
             raise ValueError("--table4 predicts the paper's runs, whose GShard / Switch pad to capacity; "
                              "use --step-time --capacity-padding off for our dispatcher")
-        rows = table4(args.table4, cluster, "analytic" if args.method == "analytic" else "fvcore")
+        rows = table4(args.table4, cluster, "analytic" if args.method == "analytic" else "fvcore",
+                      smoe_layout=args.smoe_parallel, all2all_chunks=args.all2all_chunks or 1)
         return json.dumps(rows, indent=2) if args.json else format_table4(rows, args.markdown)
     if not args.arch:
         raise ValueError("--step-time needs --arch (and --batch-size); e.g. --arch smlp_lm_paper_small "
                          "--distributed-world-size 32 --batch-size 4 --update-freq 4 --fp16")
+    if args.all2all_chunks is not None:  # fairseq's flag of the model
+        flags = [*flags, "--all2all-chunks", str(args.all2all_chunks)]
     spec = parse_model(args.arch, flags, vocab_size=args.vocab_size)
-    st = step_time_for(spec, cluster, padding=args.capacity_padding == "on",
-                       method="analytic" if args.method == "analytic" else "fvcore")
+    method = "analytic" if args.method == "analytic" else "fvcore"
+    padding = args.capacity_padding == "on"
+    if args.smoe_parallel == "faster" and smoe_expert_params(spec.cfg, 1):  # an sMLP: both layouts
+        both = compare_smoe_layouts(spec, cluster, padding=padding, method=method)
+        if args.json:
+            return json.dumps({"faster": both["faster"], "speedup": both["speedup"],
+                               **{k: v.as_dict() for k, v in both["step_times"].items()}}, indent=2)
+        return "\n\n".join([*(f"[sMoE {k}] " + format_step_time(v) for k, v in both["step_times"].items()),
+                             smoe_layout_sentence(both)])
+    layout = "expert" if args.smoe_parallel == "faster" else args.smoe_parallel
+    st = step_time_for(spec, cluster, padding=padding, method=method, smoe_layout=layout)
     return json.dumps(st.as_dict(), indent=2) if args.json else format_step_time(st)
 
 

@@ -42,6 +42,7 @@ class ModelSpec:
     update_freq: int = 1
     fp16: bool = False
     zero_sharding: bool = False
+    all2all_chunks: int = 1  # --all2all-chunks: each sparse layer's exchanges overlapped with its experts
 
 
 def _flag_given(flags: Sequence[str], name: str) -> bool:
@@ -125,7 +126,8 @@ def _parse_model(arch: str, flags: tuple[str, ...], vocab_size: int) -> ModelSpe
     return ModelSpec(arch, core, tokens, experts_per_gpu, world, ep_size=ep_size,
                      batch_size=int(batch) if batch else None, update_freq=int(cfg.optimization.update_freq[0]),
                      fp16=bool(cfg.common.fp16 or cfg.common.memory_efficient_fp16 or cfg.common.bf16),
-                     zero_sharding=str(cfg.distributed_training.zero_sharding) == "os")
+                     zero_sharding=str(cfg.distributed_training.zero_sharding) == "os",
+                     all2all_chunks=int(read(cfg.model, "all2all_chunks", default=1) or 1))
 
 
 def count_spec(spec: ModelSpec, method: str = "fvcore") -> Count:

@@ -28,6 +28,14 @@ gradients over the R replicas, once per micro-batch (smlp/expert_data_parallel.p
 hooks). Ring all-reduce: 2 (n-1)/n of the payload leaves each GPU (NCCL's hierarchical rings:
 inside a node over NVLink, between nodes over the node's InfiniBand links).
 
+The sMoE's parallel layout (`Training.smoe_layout`, fairseq's --smoe-parallel): "expert" spreads its
+E experts over the expert-parallel group as above; "replicated" keeps a copy of every expert (E spatial
+weights of T x T per sparse block) on every rank: no sMoE all2all, the same compute (each rank mixes
+its own sequences' channels with all E experts: B x C rows, as its one expert does with G ranks'
+chunks), and the spatial weights become data-parallel parameters: their gradients join the
+non-expert all-reduce (once per update), their weights, gradients and Adam moments sit on every GPU,
+and the optimizer updates them on every GPU. `compare_smoe_layouts` computes both.
+
 Memory per GPU: weights, gradients and Adam moments (fp16 mixed precision as fairseq's
 FP16Optimizer: fp16 weights and gradients 2 + 2, fp32 master weights and gradients 4 + 4, fp32
 moments 8: 20 bytes per parameter; fp32: 4 + 4 + 8 = 16), with --zero-sharding os the Adam
@@ -40,7 +48,8 @@ once per call, not per sequence; counting it B times overstates a gMLP block's a
 about (B - 1) / (15 B) at D = 1024, F = 4096 (n^2 against ~15 n D floats per sequence).
 
 Step time per update (no overlap of communication with compute, as legacy_ddp and the
-dispatcher run):
+dispatcher run by default; with `Training.all2all_chunks` 2 each sparse layer's all2all is pipelined
+with its experts in two chunks and only what they do not hide counts, `exposed_a2a_seconds`):
     U x [ 3 x FLOPs / (peak x matmul efficiency)          compute: forward + 2 x forward backward
           + 4 x activation bytes / HBM bandwidth          memory-bound ops (norms, softmax, GELU,
                                                           dropout): each saved byte is written and
@@ -72,7 +81,10 @@ from smlp.routing.registry import TOKEN_ROUTERS
 from .model_spec import ModelSpec, count_spec, parse_model
 
 __all__ = ["Cluster", "CLUSTERS", "Training", "Exchange", "sparse_exchanges", "allreduce_payloads",
-           "activation_bytes", "memory_per_gpu", "step_time", "StepTime", "TABLE4"]
+           "activation_bytes", "memory_per_gpu", "step_time", "StepTime", "TABLE4", "SMOE_LAYOUTS",
+           "smoe_expert_params", "compare_smoe_layouts", "choose_smoe_layout", "smoe_layout_report"]
+
+SMOE_LAYOUTS = ("expert", "replicated")  # the sMoE's parallel layouts (fairseq's --smoe-parallel)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -115,7 +127,15 @@ CLUSTERS = {
     "a100-dgx": Cluster(name="a100-dgx", gpus_per_node=8, peak_flops=312e12, matmul_efficiency=0.5,
                         hbm_bandwidth=2.0e12, gpu_memory=80 * 2 ** 30, nvlink_bandwidth=250e9, nvlink_latency=8e-6,
                         ib_bandwidth=8 * 25e9, ib_latency=15e-6),
+    # smlp-bench's machine: 2 gloo ranks of one thread each on one host (a "node" of 2). fp32 matmul peak 61
+    # GFLOP/s per rank (the benchmark measures 123 for both), of which its models reach ~60%; gloo's
+    # all_to_all_single between 2 local processes moves ~1.1 GB/s after ~75 us, all_reduce ~0.75 GB/s after
+    # ~150 us (measured on this host while it was loaded: a quiet one is faster); one thread copies ~3 GB/s.
+    "cpu-gloo": Cluster(name="cpu-gloo", gpus_per_node=2, peak_flops=61e9, matmul_efficiency=0.6,
+                        hbm_bandwidth=3e9, gpu_memory=8 * 2 ** 30, nvlink_bandwidth=1.0e9, nvlink_latency=100e-6,
+                        ib_bandwidth=1.0e9, ib_latency=100e-6),
 }
+GPU_CLUSTERS = ("v100-dgx1", "a100-dgx")  # the presets a GPU run's default layout must agree on
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -130,6 +150,8 @@ class Training:
     fp16: bool = True
     optimizer_sharding: bool = False   # --zero-sharding os: non-expert Adam moments split over W
     padding: bool = False              # GShard / Switch send E x capacity buffers (their implementations)
+    smoe_layout: str = "expert"        # the sMoE's experts: spread over the group, or replicated on every rank
+    all2all_chunks: int = 1            # 2: each layer's rows in 2 chunks, exchanges overlapped with the experts
 
     def __post_init__(self) -> None:
         for name in ("world_size", "ep_size", "batch_size", "update_freq", "tokens"):
@@ -138,6 +160,10 @@ class Training:
                 raise ValueError(f"{name}={v!r} must be a positive integer")
         if self.world_size % self.ep_size:
             raise ValueError(f"ep_size={self.ep_size} must divide world_size={self.world_size}")
+        if self.smoe_layout not in SMOE_LAYOUTS:
+            raise ValueError(f"smoe_layout={self.smoe_layout!r} is unknown: valid values are {', '.join(SMOE_LAYOUTS)}")
+        if self.all2all_chunks not in (1, 2):
+            raise ValueError(f"all2all_chunks={self.all2all_chunks!r} is not modelled: 1 (no overlap) or 2")
 
     @property
     def dtype_bytes(self) -> int:
@@ -182,8 +208,9 @@ class Exchange:
 
 
 def sparse_exchanges(cfg: LMConfig, *, sequences: int, tokens: int, ep_size: int, dtype_bytes: int,
-                     padding: bool = False, training: bool = True) -> list[Exchange]:
-    """The all2all exchanges of one sparse layer for one micro-batch of `sequences` x `tokens` per rank."""
+                     padding: bool = False, training: bool = True, smoe_layout: str = "expert") -> list[Exchange]:
+    """The all2all exchanges of one sparse layer for one micro-batch of `sequences` x `tokens` per rank
+    (a replicated sMoE sends nothing)."""
     if not cfg.sparse_layers:
         return []
     S, D, E = sequences * tokens, cfg.d_model, cfg.num_experts
@@ -192,7 +219,8 @@ def sparse_exchanges(cfg: LMConfig, *, sequences: int, tokens: int, ep_size: int
     if cfg.family == "smlp":
         smoe = cfg.sparse_block.smoe
         M = tokens - min(smoe.prefix_len, tokens)
-        out.append(Exchange("smoe", sequences * smoe.gated_dim, M * dtype_bytes, ep_size))
+        if smoe_layout == "expert":
+            out.append(Exchange("smoe", sequences * smoe.gated_dim, M * dtype_bytes, ep_size))
         router = TOKEN_ROUTERS["base"]  # the sparse block's tMoE (SparseBlockConfig.tmoe)
     else:
         router = TOKEN_ROUTERS[cfg.moe_router]
@@ -217,6 +245,32 @@ def a2a_seconds(ex: Exchange, cluster: Cluster) -> float:
     t_inter = inter / (cluster.ib_bandwidth / cluster.gpus_per_node)  # every GPU of the node sends at once
     latency = cluster.ib_latency if G > local else cluster.nvlink_latency
     return latency + max(t_intra, t_inter)
+
+
+def expert_seconds(cfg: LMConfig, ex: Exchange, dtype_bytes: int, cluster: Cluster) -> float:
+    """Forward time of the experts between an exchange's dispatch and combine, on one GPU: the sMoE's rows
+    times the M x M spatial product (the paper's convention), the tMoE's rows (slots) times the FFN."""
+    if ex.name == "smoe":
+        M = ex.row_bytes // dtype_bytes
+        macs = ex.rows * M * M
+    else:
+        macs = ex.rows * 2 * cfg.d_model * cfg.d_ffn
+    return 2 * macs / (cluster.peak_flops * cluster.matmul_efficiency)
+
+
+def exposed_a2a_seconds(cfg: LMConfig, ex: Exchange, cluster: Cluster, *, chunks: int, dtype_bytes: int) -> float:
+    """All2all time of one exchange per micro-batch (its `times` passes) that compute does not hide.
+
+    Without chunks: all of it. With 2 chunks (dispatch.Chunks; an exchange of a dispatch and a combine,
+    `times` 4) each direction is a pipeline on one link: chunk 0's rows out, then chunk 1's rows out
+    beside chunk 0's experts, chunk 0's results back beside chunk 1's experts, chunk 1's results back:
+    2 h + 2 max(h, x / 2) - x exposed, h one half-exchange (its latency and half the bytes), x the
+    experts' time (forward x, backward 2 x)."""
+    if chunks == 1 or ex.times != 4:
+        return ex.times * a2a_seconds(ex, cluster)
+    h = a2a_seconds(replace(ex, rows=math.ceil(ex.rows / 2)), cluster)
+    x = expert_seconds(cfg, ex, dtype_bytes, cluster)
+    return sum(2 * h + 2 * max(h, xd / 2) - xd for xd in (x, 2 * x))
 
 
 # ---------------------------------------------------------------- all-reduce
@@ -382,20 +436,37 @@ def padding_macs_per_sequence(cfg: LMConfig, tokens: int, padding: bool) -> int:
     return rows * 2 * cfg.d_model * cfg.d_ffn * cfg.sparse_layers
 
 
+def smoe_expert_params(cfg: LMConfig, experts: int) -> int:
+    """Parameters of `experts` sMoE experts (a T x T spatial weight and a bias of T each) over all sparse
+    blocks; 0 for a model without an sMoE."""
+    if cfg.family != "smlp" or not cfg.sparse_layers:
+        return 0
+    Te = cfg.sparse_block.smoe.expert_len
+    return cfg.sparse_layers * experts * (Te * Te + Te)
+
+
 def step_time(name: str, cfg: LMConfig, *, flops_per_sequence: float, params_non_expert: int,
               params_expert_per_gpu: int, train: Training, cluster: Cluster,
               activations: dict[str, tuple[int, int]]) -> StepTime:
+    """The step of one update (module docstring). The parameter counts are those of the expert layout
+    (counting.py marks every expert); with train.smoe_layout "replicated" the sMoE's experts move from
+    one GPU's experts to the data-parallel parameters, all E of them on every GPU."""
     B, U = train.batch_size, train.update_freq
+    if train.smoe_layout == "replicated":
+        params_expert_per_gpu -= smoe_expert_params(cfg, cfg.num_experts // train.ep_size)
+        params_non_expert += smoe_expert_params(cfg, cfg.num_experts)
     pad_flops = 2 * padding_macs_per_sequence(cfg, train.tokens, train.padding)
     exchanges = sparse_exchanges(cfg, sequences=B, tokens=train.tokens, ep_size=train.ep_size,
-                                 dtype_bytes=train.dtype_bytes, padding=train.padding)
+                                 dtype_bytes=train.dtype_bytes, padding=train.padding, smoe_layout=train.smoe_layout)
     memory = memory_per_gpu(cfg, params_non_expert=params_non_expert, params_expert_per_gpu=params_expert_per_gpu,
                             train=train, activations=activations)
     ar = allreduce_payloads(params_non_expert, params_expert_per_gpu, train)
     seconds = {
         "compute": U * 3 * B * (flops_per_sequence + pad_flops) / (cluster.peak_flops * cluster.matmul_efficiency),
         "memory_bound": U * 4 * memory["activations"] / cluster.hbm_bandwidth,
-        "all2all": U * cfg.sparse_layers * sum(e.times * a2a_seconds(e, cluster) for e in exchanges),
+        "all2all": U * cfg.sparse_layers * sum(
+            exposed_a2a_seconds(cfg, e, cluster, chunks=train.all2all_chunks, dtype_bytes=train.dtype_bytes)
+            for e in exchanges),
         "allreduce_non_expert": allreduce_seconds(ar["non_expert_bytes"], train.world_size, cluster),
         "allreduce_expert": U * allreduce_seconds(ar["expert_bytes"], train.replicas, cluster, strided=train.ep_size),
         "optimizer": 32 * (params_non_expert + params_expert_per_gpu) / cluster.hbm_bandwidth,
@@ -452,30 +523,49 @@ def with_cluster_overrides(cluster: Cluster, **overrides) -> Cluster:
 
 
 def step_time_for(spec: ModelSpec, cluster, *, name: str | None = None, padding: bool = False,
-                  method: str = "fvcore"):
-    """The step-time model of a model given as fairseq flags (with --batch-size etc.) on `cluster`."""
+                  method: str = "fvcore", smoe_layout: str = "expert", all2all_chunks: int | None = None):
+    """The step-time model of a model given as fairseq flags (with --batch-size etc.) on `cluster`;
+    all2all_chunks: the flags' --all2all-chunks unless given."""
     if not spec.batch_size:
         raise ValueError("the step-time model needs --batch-size (sequences per GPU per micro-batch), e.g. "
                          "--batch-size 4 --update-freq 4 --distributed-world-size 32 --fp16")
     c = count_spec(spec, method)
     train = Training(world_size=spec.world_size, ep_size=spec.ep_size if spec.cfg.sparse_layers else 1,
                               batch_size=spec.batch_size, update_freq=spec.update_freq, tokens=spec.tokens,
-                              fp16=spec.fp16, optimizer_sharding=spec.zero_sharding, padding=padding)
+                              fp16=spec.fp16, optimizer_sharding=spec.zero_sharding, padding=padding,
+                              smoe_layout=smoe_layout if smoe_expert_params(spec.cfg, 1) else "expert",
+                              all2all_chunks=spec.all2all_chunks if all2all_chunks is None else all2all_chunks)
     acts = activation_bytes(spec.cfg, spec.tokens, max(spec.experts_per_gpu, 1))
     return step_time(name or spec.arch, spec.cfg, flops_per_sequence=c.flops,
                               params_non_expert=c.params_non_expert, params_expert_per_gpu=c.params_expert_per_gpu,
                               train=train, cluster=cluster, activations=acts)
 
 
-def table4(which: str, cluster, method: str = "fvcore") -> list[dict]:
-    """Predicted words/s of the paper's 32-GPU Table 4 configurations beside the paper's, ranked."""
+def table4(which: str, cluster, method: str = "fvcore", smoe_layout: str = "faster",
+           all2all_chunks: int = 1) -> list[dict]:
+    """Predicted words/s of the paper's 32-GPU Table 4 configurations beside the paper's, ranked.
+
+    smoe_layout: the sMLP rows' sMoE layout, "expert", "replicated" or "faster" (the better of the two;
+    the row's `smoe_layouts` holds both step times). all2all_chunks: every model's exchanges overlapped
+    with its experts in 2 chunks, or not (1)."""
     rows = []
     for part in (("top", "bottom") if which == "both" else (which,)):
         for row in TABLE4[part]:
             spec = parse_model(row.arch, list(row.flags))
-            st = step_time_for(spec, cluster, name=row.name, padding=True, method=method)
+            note = row.note
+            if smoe_expert_params(spec.cfg, 1) and smoe_layout == "faster":
+                both = compare_smoe_layouts(spec, cluster, name=row.name, padding=True, method=method,
+                                            all2all_chunks=all2all_chunks)
+                st = both["step_times"][both["faster"]]
+                note = (f"{note}; " if note else "") + smoe_layout_sentence(both)
+                extra = {"smoe_layouts": {k: v.step_seconds for k, v in both["step_times"].items()}}
+            else:
+                st = step_time_for(spec, cluster, name=row.name, padding=True, method=method,
+                                   smoe_layout="expert" if smoe_layout == "faster" else smoe_layout,
+                                   all2all_chunks=all2all_chunks)
+                extra = {}
             rows.append({"part": part, "name": row.name, "arch": row.arch, "flags": " ".join(row.flags),
-                         "paper_wps": row.paper_wps, "note": row.note, **st.as_dict()})
+                         "paper_wps": row.paper_wps, "note": note, **st.as_dict(), **extra})
     for part in {r["part"] for r in rows}:
         mine = [r for r in rows if r["part"] == part]
         for key, rank_key in (("words_per_second", "rank"), ("paper_wps", "paper_rank")):
@@ -485,4 +575,116 @@ def table4(which: str, cluster, method: str = "fvcore") -> list[dict]:
         for r in mine:
             r["vs_smlp"] = r["words_per_second"] / ref["words_per_second"]
             r["paper_vs_smlp"] = r["paper_wps"] / ref["paper_wps"]
+    return rows
+
+
+# ---------------------------------------------------------------- the sMoE's parallel layout
+
+
+def compare_smoe_layouts(spec: ModelSpec, cluster, *, name: str | None = None, padding: bool = False,
+                         method: str = "fvcore", all2all_chunks: int | None = None) -> dict:
+    """Both sMoE layouts of an sMLP given as fairseq flags on `cluster`: {"step_times": {layout:
+    StepTime}, "faster": the layout of the shorter step, "speedup": slower step / faster step}."""
+    if not smoe_expert_params(spec.cfg, 1):
+        raise ValueError(f"{spec.arch} has no sMoE: only the sMLP's sparse blocks have a layout to choose")
+    times = {layout: step_time_for(spec, cluster, name=name, padding=padding, method=method, smoe_layout=layout,
+                                   all2all_chunks=all2all_chunks) for layout in SMOE_LAYOUTS}
+    faster = min(SMOE_LAYOUTS, key=lambda k: times[k].step_seconds)
+    slower = max(SMOE_LAYOUTS, key=lambda k: times[k].step_seconds)
+    return {"step_times": times, "faster": faster, "speedup": times[slower].step_seconds / times[faster].step_seconds}
+
+
+def smoe_layout_sentence(both: dict) -> str:
+    """One line: which sMoE layout is faster, by how much, and both step times."""
+    t, other = both["step_times"], {"replicated": "expert-parallel", "expert": "replicated"}[both["faster"]]
+    return (f"sMoE {both['faster']} ({both['speedup']:.2f}x faster than {other}: {t['expert'].step_seconds:.3f} s "
+            f"expert-parallel, {t['replicated'].step_seconds:.3f} s replicated)")
+
+
+def layout_seconds(cfg: LMConfig, train: Training, cluster: Cluster) -> dict[str, float]:
+    """{layout: seconds of one update spent on what the sMoE's layout changes}: all2all, all-reduces and
+    optimizer (compute and memory-bound terms are the same in both). Each such term is linear in the
+    parameters and rows the layouts move, so the difference of the two is exact without the model's
+    other parameters or FLOPs (one stand-in parameter keeps each all-reduce's latency in both)."""
+    L = cfg.num_experts // train.ep_size
+    out = {}
+    for layout in SMOE_LAYOUTS:
+        st = step_time("", cfg, flops_per_sequence=0, params_non_expert=1,
+                       params_expert_per_gpu=1 + smoe_expert_params(cfg, L), train=replace(train, smoe_layout=layout),
+                       cluster=cluster, activations={})
+        out[layout] = st.step_seconds - st.seconds["compute"] - st.seconds["memory_bound"]
+    return out
+
+
+def choose_smoe_layout(cfg: LMConfig, *, world_size: int, ep_size: int, batch_size: int | None, tokens: int,
+                       device_type: str, update_freq: int = 1, margin: float = 0.1) -> tuple[str, str]:
+    """The default sMoE layout of a training run (fairseq's --smoe-parallel auto) and why: "replicated"
+    where the step-time model predicts it faster on every cluster preset of the device's kind (the CPU
+    preset for a CPU run, the GPU presets otherwise) by at least `margin` of the expert layout's
+    communication and optimizer time, with its extra weights, gradients and Adam moments within a quarter
+    of the preset's memory; "expert" (the paper's layout) where the model predicts that, or is ambiguous.
+    The all2all runs once per micro-batch and the replicated weights' all-reduce once per update, so more
+    micro-batches per update (`update_freq`) favour the replicated layout."""
+    E = cfg.num_experts
+    if cfg.family != "smlp" or not cfg.sparse_layers:
+        return "expert", "no sMoE"
+    if world_size <= 1:
+        return "expert", "one process holds every expert: nothing to choose"
+    if not batch_size:
+        return "expert", ("the sequences per micro-batch are unknown (no --batch-size): the step-time model "
+                          "cannot compare the layouts; expert-parallel as the paper")
+    fp16 = device_type != "cpu"
+    names = ("cpu-gloo",) if device_type == "cpu" else GPU_CLUSTERS
+    train = Training(world_size=world_size, ep_size=ep_size, batch_size=batch_size, tokens=tokens, fp16=fp16,
+                     update_freq=update_freq)
+    extra_bytes = (20 if fp16 else 16) * (smoe_expert_params(cfg, E) - smoe_expert_params(cfg, E // ep_size))
+    verdicts, parts = [], []
+    for name in names:
+        cluster = CLUSTERS[name]
+        sec = layout_seconds(cfg, train, cluster)
+        if extra_bytes > cluster.gpu_memory / 4:
+            verdict = "expert"
+        elif sec["replicated"] < (1 - margin) * sec["expert"]:
+            verdict = "replicated"
+        elif sec["expert"] < (1 - margin) * sec["replicated"]:
+            verdict = "expert"
+        else:
+            verdict = None
+        verdicts.append(verdict)
+        parts.append(f"{name}: expert-parallel {sec['expert'] * 1e3:.1f} ms, replicated {sec['replicated'] * 1e3:.1f} "
+                     f"ms of communication and optimizer per update, replicated weights +{extra_bytes / 2 ** 20:.0f} "
+                     f"MiB per rank")
+    detail = "; ".join(parts)
+    if verdicts[0] is not None and all(v == verdicts[0] for v in verdicts):
+        return verdicts[0], f"the step-time model predicts it faster ({detail})"
+    return "expert", f"the step-time model is not clear-cut ({detail}); expert-parallel as the paper"
+
+
+# the configurations `smlp-flops --smoe-layouts` compares: the paper's two sMLPs on its 32 V100s (Table 4's
+# flags) and smlp-bench --fair's sMLP-det on 2 CPU ranks (benchmarks/fair.py: D=128, F=512, T=128, 9 + 3 blocks,
+# 8 experts, 16 sequences per rank, a vocabulary about the demo corpus's)
+SMOE_LAYOUT_CASES = (
+    ("paper small, 32 V100s", "smlp_lm_paper_small", _SMALL, "v100-dgx1", 51200),
+    ("paper large, 32 V100s", "smlp_lm_paper_large", _LARGE, "v100-dgx1", 51200),
+    ("CPU benchmark, 2 gloo ranks", "smlp_lm",
+     ("--decoder-embed-dim", "128", "--decoder-ffn-embed-dim", "512", "--tokens-per-sample", "128",
+      "--decoder-layers", "9", "--sparse-layers", "3", "--num-experts", "8", "--distributed-world-size", "2",
+      "--batch-size", "16"), "cpu-gloo", 4000),
+)
+
+
+def smoe_layout_report(method: str = "fvcore") -> list[dict]:
+    """Both sMoE layouts of SMOE_LAYOUT_CASES, with the faster one and the default `choose_smoe_layout` gives."""
+    rows = []
+    for title, arch, flags, cluster_name, vocab in SMOE_LAYOUT_CASES:
+        spec = parse_model(arch, list(flags), vocab_size=vocab)
+        cluster = CLUSTERS[cluster_name]
+        both = compare_smoe_layouts(spec, cluster, name=title, method=method)
+        default, why = choose_smoe_layout(spec.cfg, world_size=spec.world_size, ep_size=spec.ep_size,
+                                          batch_size=spec.batch_size, tokens=spec.tokens,
+                                          update_freq=spec.update_freq,
+                                          device_type="cpu" if cluster_name.startswith("cpu") else "cuda")
+        rows.append({"case": title, "arch": arch, "flags": " ".join(flags), "cluster": cluster_name,
+                     "faster": both["faster"], "speedup": both["speedup"], "default": default, "why": why,
+                     "step_times": {k: v.as_dict() for k, v in both["step_times"].items()}})
     return rows

@@ -8,8 +8,8 @@ from .matching import MatchRow
 from .model_spec import parse_model
 from .paper_figures import MATCH_TOLERANCE, PAPER_MODELS, TABLE3_DIMS, TABLE5
 
-__all__ = ["describe", "format_count", "format_match", "format_paper_tables", "format_step_time", "format_table4",
-           "paper_tables", "table5_comparison"]
+__all__ = ["describe", "format_count", "format_match", "format_paper_tables", "format_smoe_layouts", "format_step_time",
+           "format_table4", "paper_tables", "table5_comparison"]
 
 
 def _m(n: int) -> str:
@@ -222,3 +222,26 @@ def format_table4(rows: list[dict], markdown: bool = False) -> str:
                     out.append(f"       {r['note']}")
         out.append("")
     return "\n".join(out).rstrip()
+
+
+def format_smoe_layouts(rows: list[dict], markdown: bool = False) -> str:
+    """`smlp-flops --smoe-layouts`: each configuration's step with the sMoE expert-parallel and replicated."""
+    out = []
+    if markdown:
+        out += ["| configuration | cluster | step, sMoE expert-parallel | step, sMoE replicated | faster | by | "
+                "memory / GPU (expert -> replicated) | default (--smoe-parallel auto) |",
+                "|---|---|---:|---:|---|---:|---:|---|"]
+    for r in rows:
+        e, p = r["step_times"]["expert"], r["step_times"]["replicated"]
+        mem = f"{_gb(e['memory_bytes']['total'])} -> {_gb(p['memory_bytes']['total'])}"
+        if markdown:
+            out.append(f"| {r['case']} | {r['cluster']} | {e['step_seconds']:.3f} s | {p['step_seconds']:.3f} s "
+                       f"| {r['faster']} | {r['speedup']:.2f}x | {mem} | {r['default']} |")
+            continue
+        out.append(f"{r['case']} ({r['cluster']}): {r['faster']} is {r['speedup']:.2f}x faster")
+        for name, st in (("expert-parallel", e), ("replicated", p)):
+            parts = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in st["seconds"].items())
+            out.append(f"  sMoE {name:<16} step {st['step_seconds']:.3f} s ({parts}); "
+                       f"{_gb(st['memory_bytes']['total'])}/GPU")
+        out.append(f"  --smoe-parallel auto: {r['default']} ({r['why']})")
+    return "\n".join(out)

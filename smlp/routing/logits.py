@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..precision import accumulation_dtype, no_autocast
+from ..precision import accumulation_dtype, autocast_enabled, no_autocast
 
 __all__ = ["router_logits"]
 
@@ -28,5 +28,7 @@ __all__ = ["router_logits"]
 def router_logits(x_SD: Tensor, weight_DE: Tensor) -> Tensor:
     """x @ weight in fp32 (fp64 stays fp64), outside autocast: the router's logits, (S, E)."""
     dtype = accumulation_dtype(x_SD.dtype, weight_DE.dtype)
+    if x_SD.dtype == dtype and weight_DE.dtype == dtype and not autocast_enabled(x_SD.device.type):
+        return torch.matmul(x_SD, weight_DE)  # nothing to change (an fp32 model): no casts, no context
     with no_autocast(x_SD.device):
         return torch.matmul(x_SD.to(dtype), weight_DE.to(dtype))
