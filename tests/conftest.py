@@ -24,6 +24,15 @@ def _plays_lines(limit: int) -> list[str]:
     return lines[:limit]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def fork_server():
+    """One process that imports torch and fairseq for the whole session; multi-rank tests fork their ranks from it
+    (fairseq_helpers.start_fork_server) instead of paying those imports in every rank."""
+    from fairseq_helpers import start_fork_server
+
+    start_fork_server()
+
+
 @pytest.fixture(scope="session")
 def tiny_lm_data(tmp_path_factory) -> Path:
     """~6k lines of Gutenberg Shakespeare, whitespace tokens, 2000-word vocabulary, fairseq binary."""

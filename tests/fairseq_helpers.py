@@ -41,31 +41,120 @@ def worker_env(threads: int = 1) -> dict:
     return env
 
 
+CLI_MODULES = {"fairseq-train": "train", "fairseq-validate": "validate", "fairseq-eval-lm": "eval_lm"}
+# What every fairseq rank imports before its first update: fairseq with its tasks and models (~4 s of CPU per
+# process on this machine) and torch._dynamo (imported by torch.optim.Optimizer's constructor: ~3 s). A fork
+# server imports them once per session; each rank is then a fork of it (run_fairseq). The plugins (0.1 s)
+# are imported by each rank, from --user-dir, as in a fresh process.
+FORK_PRELOAD = ["torch", "torch._dynamo", "fairseq_cli.train", "fairseq_cli.validate", "fairseq_cli.eval_lm"]
+# read once, when the preloaded modules are imported: a run that sets them otherwise starts a fresh process
+IMPORT_TIME_ENV = ("ATEN_CPU_CAPABILITY", "LOGLEVEL", "PYTHONHASHSEED", "CUDA_VISIBLE_DEVICES")
+_fork_env: dict = {}
+
+
+def start_fork_server() -> None:
+    """Start the session's fork server (multiprocessing's 'forkserver', FORK_PRELOAD imported once in it) with
+    the session's environment: run_fairseq's ranks and the tests' torch.multiprocessing.spawn(...,
+    start_method="forkserver") workers are forks of it. A forked worker has the server's environment, not the
+    test's (run_fairseq passes its own); tests that change the environment of their workers start processes."""
+    import multiprocessing
+    from multiprocessing import forkserver
+
+    if not _fork_env:
+        multiprocessing.set_forkserver_preload(FORK_PRELOAD)
+        forkserver.ensure_running()
+        _fork_env.update({k: os.environ.get(k) for k in IMPORT_TIME_ENV})
+
+
+def _forks():
+    import multiprocessing
+
+    start_fork_server()
+    return multiprocessing.get_context("forkserver")
+
+
+def _rank_main(program: str, argv: list[str], env: dict, out_path: str, threads: int, cwd) -> None:
+    """One rank in a fork of the preloaded server: the console program's cli_main, as its console script would
+    run it (its environment, arguments, working directory, stdout and stderr into one file, its exit code)."""
+    fd = os.open(out_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    for stream in (sys.stdout, sys.stderr):
+        stream.reconfigure(line_buffering=True)  # as PYTHONUNBUFFERED: a killed rank leaves its last lines
+    os.environ.clear()
+    os.environ.update(env)
+    if cwd is not None:
+        os.chdir(cwd)
+    import importlib
+
+    import torch
+
+    torch.set_num_threads(threads)
+    sys.argv = [program, *argv]
+    importlib.import_module("fairseq_cli." + CLI_MODULES[program]).cli_main()
+
+
+def _start_rank(program: str, argv: list[str], env: dict, threads: int, cwd, out_path: str):
+    """A rank of `program`: forked from the session's preloaded server where it runs the same code as a fresh
+    process would, else a fresh process (another interpreter's environment at import time, or no cli_main)."""
+    if program in CLI_MODULES and all(env.get(k) == _fork_env.get(k, os.environ.get(k)) for k in IMPORT_TIME_ENV):
+        proc = _forks().Process(target=_rank_main, args=(program, argv, env, out_path, threads, cwd), daemon=False)
+        proc.start()
+        return proc
+    out = open(out_path, "w")
+    with out:
+        return subprocess.Popen([str(BIN / program), *argv], stdout=out, stderr=subprocess.STDOUT, text=True,
+                                env=env, cwd=cwd)
+
+
+def _wait(proc, timeout: float) -> int | None:
+    """The rank's exit code, None if it was still running after `timeout` seconds."""
+    if isinstance(proc, subprocess.Popen):
+        try:
+            return proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
+    proc.join(timeout)
+    return proc.exitcode
+
+
 def run_fairseq(program: str, args: list[str], *, world: int = 1, timeout: int = 300,
                 cwd=None) -> list[subprocess.CompletedProcess]:
-    """Run a fairseq console program on `world` CPU gloo ranks (--cpu, gloo, legacy_ddp, env:// rendezvous)."""
-    exe = str(BIN / program)
+    """Run a fairseq console program on `world` CPU gloo ranks (--cpu, gloo, legacy_ddp, tcp rendezvous), each
+    rank's stdout and stderr in its CompletedProcess.stdout. Each rank is a fork of a server that imported
+    fairseq once for the session (FORK_PRELOAD: ~8 s of CPU less per rank than a fresh interpreter, the same
+    code after that); tests/test_launch.py and tests/test_faults.py start real processes through smlp-launch."""
+    import tempfile
+    import time
+
     if world == 1:
-        return [subprocess.run([exe, *args, "--cpu"], capture_output=True, text=True, timeout=timeout,
-                               env=worker_env(2), cwd=cwd)]
-    port = free_port()
-    procs = []
-    for rank in range(world):
-        dist = ["--cpu", "--distributed-backend", "gloo", "--ddp-backend", "legacy_ddp",
-                "--distributed-init-method", f"tcp://127.0.0.1:{port}", "--distributed-world-size", str(world),
-                "--distributed-rank", str(rank), "--device-id", str(rank), "--distributed-no-spawn"]
-        procs.append(subprocess.Popen([exe, *args, *_merge_flags(args, dist)], stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True, env=worker_env(1), cwd=cwd))
-    results = []
-    try:
-        for p in procs:
-            out, _ = p.communicate(timeout=timeout)
-            results.append(subprocess.CompletedProcess(p.args, p.returncode, out, ""))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    return results
+        dists = [["--cpu"]]
+        threads = 2
+    else:
+        port = free_port()
+        dists = [["--cpu", "--distributed-backend", "gloo", "--ddp-backend", "legacy_ddp",
+                  "--distributed-init-method", f"tcp://127.0.0.1:{port}", "--distributed-world-size", str(world),
+                  "--distributed-rank", str(rank), "--device-id", str(rank), "--distributed-no-spawn"]
+                 for rank in range(world)]
+        threads = 1
+    with tempfile.TemporaryDirectory(prefix="fairseq-ranks-") as tmp:
+        outs = [os.path.join(tmp, f"rank{rank}.log") for rank in range(world)]
+        argvs = [[*args, *_merge_flags(args, dist)] for dist in dists]
+        procs = [_start_rank(program, argv, worker_env(threads), threads, cwd, out) for argv, out in zip(argvs, outs)]
+        codes, deadline = [], time.monotonic() + timeout
+        try:
+            for proc in procs:
+                codes.append(_wait(proc, max(0.0, deadline - time.monotonic())))
+        finally:
+            for proc in procs:
+                if _wait(proc, 0) is None:
+                    proc.kill()
+                    _wait(proc, 10)
+        if None in codes:
+            raise subprocess.TimeoutExpired([program, *args], timeout, output=Path(outs[0]).read_text())
+        return [subprocess.CompletedProcess([program, *argv], code, Path(out).read_text(errors="replace"), "")
+                for argv, code, out in zip(argvs, codes, outs)]
 
 
 def run_in_process(program: str, args: list[str], *, threads: int = 2) -> list[subprocess.CompletedProcess]:
@@ -78,8 +167,7 @@ def run_in_process(program: str, args: list[str], *, threads: int = 2) -> list[s
 
     import torch
 
-    module = importlib.import_module("fairseq_cli." + {"fairseq-train": "train", "fairseq-validate": "validate",
-                                                       "fairseq-eval-lm": "eval_lm"}[program])
+    module = importlib.import_module("fairseq_cli." + CLI_MODULES[program])
     lines = []
 
     class Collect(logging.Handler):

@@ -162,7 +162,8 @@ def _worker(rank: int, world: int, init: str, out: str) -> None:
 
 @pytest.mark.slow
 def test_no_cpu_tensor_reaches_a_collective_when_the_backend_is_nccl(tmp_path):
-    torch.multiprocessing.spawn(_worker, args=(2, f"file://{tmp_path}/rdzv", str(tmp_path)), nprocs=2)
+    torch.multiprocessing.spawn(_worker, args=(2, f"file://{tmp_path}/rdzv", str(tmp_path)), nprocs=2,
+            start_method="forkserver")
     for rank in range(2):
         r = json.loads((tmp_path / f"{rank}.json").read_text())
         assert "got a CPU tensor" in r["negative_control"] and r["cpu_trainer"] == "caught"

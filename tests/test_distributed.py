@@ -36,7 +36,8 @@ RULE = dict(reduction=4 * 3 * 20, depth=2)
 
 def run_workers(fn, world: int, *args) -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(fn, args=(world, os.path.join(tmp, "rendezvous"), *args), nprocs=world, join=True)
+        mp.spawn(fn, args=(world, os.path.join(tmp, "rendezvous"), *args), nprocs=world, join=True,
+                start_method="forkserver")
 
 
 def _run_cases(rank: int, world: int, tmp: str, cases: list) -> None:
@@ -60,7 +61,7 @@ def run_cases(world: int, cases: list, timeout: float = 900) -> dict:
     outcome, pending = {}, list(cases)
     while pending:
         with tempfile.TemporaryDirectory() as tmp:
-            ctx = mp.spawn(_run_cases, args=(world, tmp, pending), nprocs=world, join=False)
+            ctx = mp.spawn(_run_cases, args=(world, tmp, pending), nprocs=world, join=False, start_method="forkserver")
             crash = None
             try:
                 deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)

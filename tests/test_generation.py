@@ -433,7 +433,8 @@ def test_expert_parallel_cached_decoding_equals_one_process():
     equal the one-process full forward on its own sequences."""
     with tempfile.TemporaryDirectory() as tmp, mp.Manager() as manager:
         failures = manager.list()
-        mp.spawn(_ep_worker, args=(2, os.path.join(tmp, "rendezvous"), failures), nprocs=2, join=True)
+        mp.spawn(_ep_worker, args=(2, os.path.join(tmp, "rendezvous"), failures), nprocs=2, join=True,
+                start_method="forkserver")
         assert not list(failures), "\n".join(failures)
 
 

@@ -328,5 +328,6 @@ def test_expert_parallel_generation_lockstep_equals_one_process():
     the cache on the expert-parallel model equals the recompute path on one process."""
     with tempfile.TemporaryDirectory() as tmp, mp.Manager() as manager:
         failures = manager.list()
-        mp.spawn(_ep_worker, args=(2, os.path.join(tmp, "rendezvous"), failures), nprocs=2, join=True)
+        mp.spawn(_ep_worker, args=(2, os.path.join(tmp, "rendezvous"), failures), nprocs=2, join=True,
+                start_method="forkserver")
         assert not list(failures), "\n".join(failures)

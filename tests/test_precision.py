@@ -270,7 +270,8 @@ def _norm_worker(rank: int, world: int, init_file: str, out: str) -> None:
 @pytest.mark.slow
 def test_grad_norm_with_experts_counts_each_expert_once_on_every_rank():
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_norm_worker, args=(2, os.path.join(tmp, "rendezvous"), tmp), nprocs=2, join=True)
+        mp.spawn(_norm_worker, args=(2, os.path.join(tmp, "rendezvous"), tmp), nprocs=2, join=True,
+                start_method="forkserver")
         results = [torch.load(os.path.join(tmp, f"{r}.pt")) for r in range(2)]
     assert results[0] == results[1]
     own, replicated, overflow, own_nccl, own_nccl_host, calls = results[0]

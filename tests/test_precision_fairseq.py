@@ -198,7 +198,8 @@ def _worker(i: int, data: str, tmp: str, port: int) -> None:
 @pytest.fixture(scope="module")
 def trainers(tiny_lm_data):
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(str(tiny_lm_data), tmp, free_port()), nprocs=WORLD + 1, join=True)
+        mp.spawn(_worker, args=(str(tiny_lm_data), tmp, free_port()), nprocs=WORLD + 1, join=True,
+                start_method="forkserver")
         results = [torch.load(os.path.join(tmp, f"result-{i}.pt"), weights_only=False) for i in range(WORLD + 1)]
     return {"ranks": results[:WORLD], "twin": results[WORLD]}
 

@@ -517,7 +517,8 @@ def _lockstep_worker(rank, world, init, out):
 
 @pytest.mark.slow
 def test_scorer_on_two_ranks_runs_the_same_forward_calls_and_returns_every_score(tmp_path):
-    torch.multiprocessing.spawn(_lockstep_worker, args=(2, f"file://{tmp_path}/rdzv", str(tmp_path)), nprocs=2)
+    torch.multiprocessing.spawn(_lockstep_worker, args=(2, f"file://{tmp_path}/rdzv", str(tmp_path)), nprocs=2,
+            start_method="forkserver")
     r0, r1 = torch.load(tmp_path / "0.pt"), torch.load(tmp_path / "1.pt")
     assert r0["calls"] == r1["calls"]  # one rank has fewer rows: it ran filler batches
     assert r0["scores"] == r1["scores"]
