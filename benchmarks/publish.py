@@ -3,7 +3,8 @@
 `smlp-bench --publish RESULTS_JSON ...` copies each record (without its per-run bookkeeping) and its
 figures under docs/benchmark/ and rewrites the sections between the page's markers: the benchmark
 table (quick/full preset), "Does sMLP beat Transformer-MoE at matched FLOPs here?" (`smlp-bench --fair`),
-the earlier 2-expert long preset's section and the claims table (the experiments). Nothing in those sections is typed by hand.
+the earlier 2-expert long preset's section and the claims table (the experiments). Nothing in those
+sections is typed by hand.
 """
 from __future__ import annotations
 
@@ -219,8 +220,9 @@ def publish(results_jsons: Sequence[Path], page: Path, figure_dir: Path,
     """Copy each run's JSON and figures under figure_dir and rewrite the sections of `page` (the markdown
     page, docs/benchmarks.md) they feed, with figure links relative to the page:
     quick/full preset -> the benchmark table; long preset -> its earlier-configuration section
-    (and the perplexity target of the benchmark table); the fair record -> 'Does sMLP beat Transformer-MoE ...'; experiments -> the claims table. Works on
-    partial results (the sections then say PARTIAL). The claims table lists the experiments in
+    (and the perplexity target of the benchmark table); the fair record -> 'Does sMLP beat Transformer-MoE
+    ...'; experiments -> the claims table. Works on partial results (the sections then say PARTIAL).
+    The claims table lists the experiments in
     `experiment_order` (benchmarks/experiments.py's, from the CLI), others after them. With `readme`,
     README's two summaries (the long preset's verdict, the claims table) are rewritten too where README
     carries their markers."""

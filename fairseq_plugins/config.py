@@ -150,9 +150,9 @@ FIELDS: tuple[Field, ...] = (
           "--num-experts)", None, SPARSE),
     Field("all2all_chunks", int, 1,
           "each sparse layer's rows in this many chunks, one chunk's all2all overlapped with another's experts "
-          "(async collectives: gloo runs them on its own thread, NCCL on its own stream); 1: no overlap. Measured on "
-          "2 CPU gloo ranks (loaded) it did not pay (docs/benchmarks.md); the step-time model predicts what it hides on "
-          "GPUs (smlp-flops --step-time ... --all2all-chunks 2)", None, SPARSE),
+          "(async collectives: gloo runs them on its own thread, NCCL on its own stream); 1: no overlap. Measured "
+          "on 2 CPU gloo ranks (loaded) it did not pay (docs/benchmarks.md); the step-time model predicts "
+          "what it hides on GPUs (smlp-flops --step-time ... --all2all-chunks 2)", None, SPARSE),
     Field("sparse_placement", str, "auto",
           "where the sparse blocks sit: paper (sec. 4.1, spread evenly over the depth), every_other (GShard, "
           "Switch), fairseq (fairseq's --base-layers insertion); auto = the router's default "

@@ -115,13 +115,13 @@ def runtime_layout(core_cfg, settings: PluginSettings, world: int) -> ExpertData
 
 def smoe_layout(core_cfg, settings: PluginSettings, layout: ExpertDataLayout | None) -> tuple[str, str]:
     """(the sMoE's layout, why): --smoe-parallel, or for auto the step-time model's choice for this run
-    (smlp_eval.flops.steptime.choose_smoe_layout: the ranks, the expert-parallel group, the batch, the
+    (smlp.steptime.choose_smoe_layout: the ranks, the expert-parallel group, the batch, the
     update frequency and the collectives' device)."""
     if core_cfg.family != "smlp" or not core_cfg.sparse_layers or layout is None:
         return "expert", "one process holds every expert" if layout is None else "no sMoE"
     if settings.smoe_parallel != "auto":
         return settings.smoe_parallel, f"--smoe-parallel {settings.smoe_parallel}"
-    from smlp_eval.flops.steptime import choose_smoe_layout
+    from smlp.steptime import choose_smoe_layout
 
     choice, why = choose_smoe_layout(core_cfg, world_size=layout.world_size, ep_size=layout.ep_size,
                                      batch_size=settings.batch_size, tokens=core_cfg.seq_len,
