@@ -24,6 +24,18 @@ def _plays_lines(limit: int) -> list[str]:
     return lines[:limit]
 
 
+SLURM_FIXTURES = {"slurm", "slurm2"}  # tests/test_launch.py: the local clusters, shared by whoever uses them
+
+
+def pytest_collection_modifyitems(config, items):
+    """`make test` runs the suite in 2 pytest-xdist workers (-n 2 --dist loadgroup): the tests of one file go to
+    one worker (its module fixtures are built once), and every test of a local SLURM cluster to one worker (a
+    cluster is started and stopped by the tests that use it: two workers must not share one)."""
+    for item in items:
+        group = "slurm" if SLURM_FIXTURES & set(getattr(item, "fixturenames", ())) else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def fork_server():
     """One process that imports torch and fairseq for the whole session; multi-rank tests fork their ranks from it
