@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 # The suite in 2 pytest-xdist workers: multi-process tests wait on collectives, SLURM and timeouts, and the
-# other worker's tests use that time (tests/conftest.py groups a file's tests, and the SLURM tests, per worker).
+# other worker's tests use that time (tests/conftest.py gives a worker a file's tests, and all SLURM tests).
 TEST_WORKERS ?= 2
 
 .PHONY: install demo lint test test-fast bench bench-quick clean
@@ -32,10 +32,10 @@ lint: install
 	$(VENV)/bin/ruff check .
 
 test: install lint
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 test-fast: install
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not slow" $(PYTEST_ARGS)
 
 # Benchmarks write figures (JSON, PNG, markdown) under results/; they are not tests.
 BENCH_ARGS ?=

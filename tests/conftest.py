@@ -24,16 +24,28 @@ def _plays_lines(limit: int) -> list[str]:
     return lines[:limit]
 
 
-SLURM_FIXTURES = {"slurm", "slurm2"}  # tests/test_launch.py: the local clusters, shared by whoever uses them
+SLURM_TESTS = ("slurm", "sbatch", "scancel")  # names of the tests that use a local SLURM cluster (test_launch.py)
 
 
-def pytest_collection_modifyitems(config, items):
-    """`make test` runs the suite in 2 pytest-xdist workers (-n 2 --dist loadgroup): the tests of one file go to
-    one worker (its module fixtures are built once), and every test of a local SLURM cluster to one worker (a
-    cluster is started and stopped by the tests that use it: two workers must not share one)."""
-    for item in items:
-        group = "slurm" if SLURM_FIXTURES & set(getattr(item, "fixturenames", ())) else item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group(group))
+def xdist_scope(nodeid: str) -> str:
+    """The unit pytest-xdist gives one worker: a file's tests (its module fixtures are built once), and every test
+    of a local SLURM cluster together (a cluster is started and stopped by the tests that use it: two workers
+    must not share one)."""
+    path, _, name = nodeid.partition("::")
+    return "slurm" if any(word in name for word in SLURM_TESTS) else path
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`make test` runs the suite in 2 pytest-xdist workers (-n 2), scheduled by `xdist_scope`: the multi-process
+    tests wait on collectives, SLURM and timeouts, and the other worker's tests use that time."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileAndClusterScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_scope(nodeid)
+
+    return FileAndClusterScheduling(config, log)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -252,3 +252,14 @@ def test_every_old_path_in_the_tree_is_checked_here():
                 declared_names.add(name)
     assert declared_old == set(OLD_MODULES) | set(OLD_SPLIT)
     assert declared_names == set(OLD_NAMES)
+
+
+def test_every_test_of_a_slurm_cluster_is_scheduled_with_the_others(request):
+    """`make test`'s 2 workers (conftest.xdist_scope): a test that uses a local SLURM cluster (the slurm or slurm2
+    fixture) must be in the "slurm" unit, or two workers could start and stop one cluster under each other."""
+    from conftest import xdist_scope
+
+    items = [i for i in request.session.items if {"slurm", "slurm2"} & set(getattr(i, "fixturenames", ()))]
+    assert all(xdist_scope(i.nodeid) == "slurm" for i in items), [i.nodeid for i in items]
+    assert xdist_scope("tests/test_core.py::test_x[a-b]") == "tests/test_core.py"
+    assert xdist_scope("tests/test_faults.py::test_slurm_time_limit") == "slurm"
