@@ -95,7 +95,8 @@ def analyse(record: dict) -> dict:
 
 def markdown(speed: dict) -> str:
     m = speed.get("machine") or {}
-    lines = [f"Measured by `python -m smlp_bench.speed` on {m.get('cpu_model') or m.get('cpu', '?')}, 2 gloo ranks x 1 thread, "
+    cpu = m.get("cpu_model") or m.get("cpu", "?")
+    lines = [f"Measured by `python -m smlp_bench.speed` on {cpu}, 2 gloo ranks x 1 thread, "
              f"{speed['settings']['updates']} updates x {speed['settings']['seeds']} seed(s) per model, fair "
              f"configuration (8 experts); {'complete' if speed['complete'] else 'PARTIAL'}.", "",
              f"| sMLP-det | words/s | over gMLP | over the fastest Transformer-MoE ({speed['fastest_moe']}) "
