@@ -24,7 +24,6 @@ def _plays_lines(limit: int) -> list[str]:
     return lines[:limit]
 
 
-REPO_TESTS = Path(__file__).resolve().parent
 SLURM_TESTS = ("slurm", "sbatch", "scancel")  # names of the tests that use a local SLURM cluster (test_launch.py)
 
 
@@ -36,12 +35,6 @@ def xdist_scope(nodeid: str) -> str:
     return "slurm" if any(word in name for word in SLURM_TESTS) else path
 
 
-# the units that take longest (`--durations`: minutes each, mostly multi-process), started first
-LONGEST_FIRST = ("slurm", "tests/test_generation_docs.py", "tests/test_demo.py", "tests/test_fairseq.py",
-                 "tests/test_faults.py", "tests/test_launch.py", "tests/test_precision_fairseq.py",
-                 "tests/test_zeroshot.py", "tests/test_export_hf.py")
-
-
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """`make test` runs the suite in 2 pytest-xdist workers (-n 2), scheduled by `xdist_scope`: the multi-process
@@ -51,13 +44,6 @@ def pytest_xdist_make_scheduler(config, log):
     class FileAndClusterScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             return xdist_scope(nodeid)
-
-        def _assign_work_unit(self, node) -> None:
-            # the longest units first (xdist's own order is by number of tests): none is left alone at the end
-            first = next((scope for scope in LONGEST_FIRST if scope in self.workqueue), None)
-            if first is not None:
-                self.workqueue.move_to_end(first, last=False)
-            super()._assign_work_unit(node)
 
     return FileAndClusterScheduling(config, log)
 
