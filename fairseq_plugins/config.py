@@ -31,6 +31,7 @@ from smlp.expert_data_parallel import ExpertDataLayout, expert_parallel_layout, 
 from smlp.gmlp import TOKEN_MIXERS
 from smlp.lm import PLACEMENTS, LMConfig, attention_heads_for
 from smlp.routing.gates import GSHARD_AUX_LOSSES
+from smlp.routing.prices import BALANCED_EVAL_ROUTINGS
 from smlp.routing.registry import SMOE_ROUTINGS, TOKEN_ROUTERS
 
 logger = logging.getLogger(__name__)
@@ -161,6 +162,12 @@ FIELDS: tuple[Field, ...] = (
     Field("base_shuffle", int, 1, "Base Layers tMoE: in training, shuffle tokens to random ranks before the "
           "balanced assignment (fairseq's --base-shuffle); 0 turns it off", "base_shuffle", SPARSE,
           to_core=_base_shuffle, from_core=lambda core: int(core.base_shuffle), sparse=True),
+    Field("balanced_eval_routing", str, "priced",
+          "how the balanced routers (Base Layers, the sMLP tMoE, sMLP-partial's sMoE) route at evaluation and in "
+          "generation: priced (each token to argmax of its score minus the expert's price, the balanced "
+          "assignment's prices averaged over training: per token, causal, and as training assigns on average) or "
+          "greedy (argmax of its score, fairseq's BaseLayer); training always assigns with exact balance",
+          "balanced_eval_routing", SPARSE, choices=BALANCED_EVAL_ROUTINGS, sparse=True),
     # fairseq writes per-rank checkpoints and loads them on every rank when cfg.model.base_layers > 0
     # (fairseq.trainer, fairseq.distributed.utils): it must equal the number of sparse layers. Only fairseq reads it.
     Field("base_layers", int, II("model.sparse_layers"), "", None, SPARSE),

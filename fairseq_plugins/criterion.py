@@ -6,10 +6,14 @@ z-loss (ST-MoE, Switch and GShard; added to the loss with --router-z-loss-weight
 in the sMLP paper). Partial prediction (sMLP 3.2.2) scores only positions after the routing
 prefix.
 
-Validation with --valid-trained-routing also logs `trained_routing_loss` / `trained_routing_ppl`: the
-same targets with every balanced router (Base Layers, sMLP's tMoE, sMLP-partial's sMoE) assigning as
-in training, with exact balance over the batch, instead of greedily (a second forward; models without
-such a router log their own loss): how much the change of routing rule at evaluation costs.
+Balanced routers (Base Layers, sMLP's tMoE, sMLP-partial's sMoE) evaluate with their model's
+--balanced-eval-routing (priced by default: smlp/routing/prices.py). Two diagnostics, each a second
+forward (models without such a router log their own loss there):
+--valid-trained-routing logs `trained_routing_loss` / `trained_routing_ppl`, the same targets with every
+balanced router assigning as in training, with exact balance over the batch (not causal: a token's
+expert depends on the rest of the batch); --valid-greedy-routing logs `greedy_routing_loss` /
+`greedy_routing_ppl`, every balanced router routing greedily (fairseq's BaseLayer), with that
+forward's loads (`load_greedy_<i>_<kind>`, ...).
 
 Validation with --valid-suffix-from N also logs `suffix_loss` / `suffix_ppl`: the same figures over
 the target positions >= N only, so that every model can be scored on the positions sMLP-partial
@@ -76,6 +80,13 @@ class SMLPLossConfig(FairseqDataclass):
                           "(exact balance over the batch) instead of greedily; models without one log their own loss "
                           "there"},
     )
+    valid_greedy_routing: bool = field(
+        default=False,
+        metadata={"help": "in validation, also log greedy_routing_loss / greedy_routing_ppl and the loads "
+                          "(load_greedy_*): every balanced router routing greedily (argmax of its scores, fairseq's "
+                          "BaseLayer) instead of by its --balanced-eval-routing; models without one log their own "
+                          "loss there"},
+    )
     sentence_avg: bool = II("optimization.sentence_avg")
 
 
@@ -136,8 +147,9 @@ def predicted_tokens(sample, target, start: int, pad: int) -> int:
 @register_criterion("smlp_lm_loss", dataclass=SMLPLossConfig)
 class SMLPLanguageModelLoss(FairseqCriterion):
     def __init__(self, task, aux_loss_weight, sentence_avg, log_a2a_time=False, router_z_loss_weight=0.0,
-                 valid_suffix_from=0, valid_trained_routing=False):
+                 valid_suffix_from=0, valid_trained_routing=False, valid_greedy_routing=False):
         super().__init__(task)
+        self.valid_greedy_routing = valid_greedy_routing
         self.valid_trained_routing = valid_trained_routing
         if valid_suffix_from < 0:
             raise ValueError(f"--valid-suffix-from {valid_suffix_from} is invalid: a target position >= 0")
@@ -193,8 +205,16 @@ class SMLPLanguageModelLoss(FairseqCriterion):
                                                        ignore_index=self.padding_idx, reduction="sum").data
             logging_output["suffix_ntokens"] = predicted_tokens(sample, suffix, suffix_from, self.padding_idx)
         if self.valid_trained_routing and not model.training:
-            logging_output["trained_routing_loss"] = self._trained_routing_nll(model, core, sample, target, nll)
+            logging_output["trained_routing_loss"], _ = self._rerouted_nll(
+                model, core, sample, target, nll, core.assigning_as_in_training)
             logging_output["trained_routing_ntokens"] = ntokens
+        if self.valid_greedy_routing and not model.training:
+            logging_output["greedy_routing_loss"], stats = self._rerouted_nll(
+                model, core, sample, target, nll, core.routing_greedily)
+            logging_output["greedy_routing_ntokens"] = ntokens
+            # moe_<figure>_<layer> -> moe_<figure>_greedy_<layer>: logged as load_greedy_<layer>, ...
+            logging_output.update({"moe_{}_greedy_{}".format(*k[len("moe_"):].split("_", 1)): v
+                                   for k, v in stats.items() if k.startswith("moe_")})
         return loss, sample_size, logging_output
 
     def _empty_batch(self, model, core):
@@ -211,15 +231,15 @@ class SMLPLanguageModelLoss(FairseqCriterion):
                           "moe_count": 0, **moe_stats(core, a2a_time=self.log_a2a_time)}
         return loss, 0, logging_output
 
-    def _trained_routing_nll(self, model, core, sample, target, nll):
-        """The summed nll of the same targets with the balanced routers assigning as in training (a second
-        forward, only for models that have one: the others' routing does not change)."""
+    def _rerouted_nll(self, model, core, sample, target, nll, routing):
+        """The summed nll of the same targets with the balanced routers routing as `routing()` says (a second
+        forward, only for models that have one: the others' routing does not change), and its routing counts."""
         if not core.has_balanced_routers:
-            return nll.sum().data
-        with core.assigning_as_in_training():
+            return nll.sum().data, {}
+        with routing():
             lprobs = model.get_normalized_probs(model(**sample["net_input"]), log_probs=True)
         return F.nll_loss(lprobs.view(-1, lprobs.size(-1)), target.reshape(-1), ignore_index=self.padding_idx,
-                          reduction="sum").data
+                          reduction="sum").data, moe_stats(core)
 
     @staticmethod
     def reduce_metrics(logging_outputs) -> None:
@@ -235,13 +255,14 @@ class SMLPLanguageModelLoss(FairseqCriterion):
             metrics.log_scalar("suffix_loss", suffix_sum / max(suffix_tokens, 1) / math.log(2), suffix_tokens,
                                round=3)
             metrics.log_derived("suffix_ppl", lambda meters: utils.get_perplexity(meters["suffix_loss"].avg))
-        if any("trained_routing_ntokens" in log for log in logging_outputs):
-            routed_tokens = sum(log.get("trained_routing_ntokens", 0) for log in logging_outputs)
-            routed_sum = sum(log.get("trained_routing_loss", 0) for log in logging_outputs)
-            metrics.log_scalar("trained_routing_loss", routed_sum / max(routed_tokens, 1) / math.log(2),
-                               routed_tokens, round=3)
-            metrics.log_derived("trained_routing_ppl",
-                                lambda meters: utils.get_perplexity(meters["trained_routing_loss"].avg))
+        for routing in ("trained_routing", "greedy_routing"):
+            if any(f"{routing}_ntokens" in log for log in logging_outputs):
+                routed_tokens = sum(log.get(f"{routing}_ntokens", 0) for log in logging_outputs)
+                routed_sum = sum(log.get(f"{routing}_loss", 0) for log in logging_outputs)
+                metrics.log_scalar(f"{routing}_loss", routed_sum / max(routed_tokens, 1) / math.log(2),
+                                   routed_tokens, round=3)
+                metrics.log_derived(f"{routing}_ppl",
+                                    lambda meters, r=routing: utils.get_perplexity(meters[f"{r}_loss"].avg))
         count = max(sum(log.get("moe_count", 0) for log in logging_outputs), 1)
         # which models have an auxiliary loss is in the keys (no host read of the values)
         if any("aux_count" in log for log in logging_outputs):

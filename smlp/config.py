@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .routing.gates import GSHARD_AUX_LOSSES
+from .routing.prices import BALANCED_EVAL_ROUTINGS
 from .routing.registry import SMOE_ROUTINGS, TOKEN_ROUTERS  # router names and per-router defaults: the registry
 
 ACTIVATIONS = ("gelu", "relu")
@@ -102,6 +103,9 @@ class TMoEConfig:
             default there); only the routing scores travel through the shuffle, the tokens go from
             home straight to their expert and back.
     gshard_aux_loss: the scale of GShard's load-balancing loss (GSHARD_AUX_LOSSES).
+    eval_routing: base only: how evaluation routes each token, priced (argmax of score - the
+            experts' prices averaged over training, routing/prices.py) or greedy (argmax of score,
+            fairseq's BaseLayer).
     """
 
     d_model: int
@@ -117,12 +121,14 @@ class TMoEConfig:
     zero_init_output: bool | None = None
     shuffle: bool = True
     gshard_aux_loss: str = "normalized"
+    eval_routing: str = "priced"
 
     def __post_init__(self) -> None:
         _positive("d_model", self.d_model)
         _positive("d_ffn", self.d_ffn)
         _positive("num_experts", self.num_experts)
         _choice("router", self.router, tuple(TOKEN_ROUTERS))
+        _choice("eval_routing", self.eval_routing, BALANCED_EVAL_ROUTINGS)
         _choice("activation", self.activation, ACTIVATIONS)
         _choice("gshard_aux_loss", self.gshard_aux_loss, GSHARD_AUX_LOSSES)
         if not self.capacity_factor > 0:
@@ -159,6 +165,7 @@ class SMoEConfig:
              then mix only the remaining positions, 3.2.2). leaky-full-sequence is Appendix B's
              first design (Figure 7): the router reads all T positions, future ones included, so
              it is NOT causal; only for reproducing Figure 7.
+    eval_routing: a balanced routing's evaluation rule, priced or greedy (TMoEConfig).
     """
 
     dim: int
@@ -168,12 +175,14 @@ class SMoEConfig:
     split: bool = True
     prefix_fraction: float = 0.2
     init_eps: float = 1e-3
+    eval_routing: str = "priced"
 
     def __post_init__(self) -> None:
         _positive("dim", self.dim)
         _positive("seq_len", self.seq_len)
         _positive("num_experts", self.num_experts)
         _choice("routing", self.routing, tuple(SMOE_ROUTINGS))
+        _choice("eval_routing", self.eval_routing, BALANCED_EVAL_ROUTINGS)
         if self.split and self.dim % 2:
             raise ValueError(f"dim={self.dim} must be even: the sMoE splits it into gate and value halves")
         if self.routing == "deterministic" and self.gated_dim % self.num_experts:
@@ -233,6 +242,7 @@ class SparseBlockConfig:
     dropout: float = 0.0
     prefix_fraction: float = 0.2
     base_shuffle: bool = True
+    eval_routing: str = "priced"  # the balanced routers' evaluation rule (TMoEConfig)
 
     def __post_init__(self) -> None:
         _probability("dropout", self.dropout)
@@ -242,12 +252,14 @@ class SparseBlockConfig:
     @property
     def smoe(self) -> SMoEConfig:
         return SMoEConfig(dim=self.d_model, seq_len=self.seq_len, num_experts=self.num_experts,
-                          routing=self.smoe_routing, split=False, prefix_fraction=self.prefix_fraction)
+                          routing=self.smoe_routing, split=False, prefix_fraction=self.prefix_fraction,
+                          eval_routing=self.eval_routing)
 
     @property
     def tmoe(self) -> TMoEConfig:
         return TMoEConfig(d_model=self.d_model, d_ffn=self.d_ffn, num_experts=self.num_experts,
-                          router="base", activation=self.activation, shuffle=self.base_shuffle)
+                          router="base", activation=self.activation, shuffle=self.base_shuffle,
+                          eval_routing=self.eval_routing)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -61,6 +61,7 @@ from .gmlp import TOKEN_MIXERS, GMLPBlock
 from .hypermixer import HyperMixerConfig, HyperMixingUnit
 from .moe import SMoE, SparseBlock, TMoE
 from .ninformer import NiNformerConfig, NiNformerGatingUnit
+from .routing.prices import BALANCED_EVAL_ROUTINGS
 from .routing.registry import LEAKY_SMOE_ROUTING, SMOE_ROUTINGS, TOKEN_ROUTERS
 from .spatial import check_length
 from .token_routed import TokenRoutedGMLPBlock
@@ -134,6 +135,8 @@ class LMConfig:
     sparse_placement: str = "auto"   # "auto" = every_other for gshard/switch, paper otherwise
     gshard_aux_loss: str = "normalized"
     base_shuffle: bool = True
+    # how balanced routers (Base Layers, sMLP's tMoE, sMLP-partial's sMoE) route at evaluation: priced or greedy
+    balanced_eval_routing: str = "priced"
     # token mixer of the dense gMLP blocks (smlp, gmlp): sgu, or hypermixer / ninformer (hypermixer.py, ninformer.py)
     token_mixer: str = "sgu"
     mixer_dim: int = 0  # HyperMixer d' / NiNformer channel-MLP hidden width; 0 = the gated width F/2
@@ -153,6 +156,7 @@ class LMConfig:
             )
         _choice("smoe_routing", self.smoe_routing, tuple(SMOE_ROUTINGS))
         _choice("moe_router", self.moe_router, tuple(TOKEN_ROUTERS))
+        _choice("balanced_eval_routing", self.balanced_eval_routing, BALANCED_EVAL_ROUTINGS)
         _choice("activation", self.activation, ACTIVATIONS)
         _probability("dropout", self.dropout)
         _choice("sparse_placement", self.sparse_placement, ("auto",) + PLACEMENTS)
@@ -238,7 +242,8 @@ class LMConfig:
         return SparseBlockConfig(d_model=self.d_model, d_ffn=self.d_ffn, seq_len=self.seq_len,
                                  num_experts=self.num_experts, smoe_routing=self.smoe_routing,
                                  activation=self.activation, dropout=self.dropout,
-                                 prefix_fraction=self.prefix_fraction, base_shuffle=self.base_shuffle)
+                                 prefix_fraction=self.prefix_fraction, base_shuffle=self.base_shuffle,
+                                 eval_routing=self.balanced_eval_routing)
 
     @property
     def tmoe(self) -> TMoEConfig:
@@ -247,7 +252,7 @@ class LMConfig:
                           capacity_factor=self.capacity_factor, eval_capacity_factor=self.eval_capacity_factor,
                           vocab_size=self.vocab_size,
                           hash_seed=self.hash_seed, gshard_aux_loss=self.gshard_aux_loss,
-                          shuffle=self.base_shuffle)
+                          shuffle=self.base_shuffle, eval_routing=self.balanced_eval_routing)
 
     @property
     def prediction_start(self) -> int:
@@ -413,6 +418,11 @@ class LanguageModel(nn.Module):
         greedily. The balance couples the tokens of a batch (not causal, docs/training.md); it measures how
         much the change of rule between training and evaluation costs."""
         return flag_set(self, "assign_as_in_training")
+
+    def routing_greedily(self):
+        """Within the block, evaluation routes every balanced router's rows greedily (argmax of the scores,
+        fairseq's BaseLayer) instead of by its averaged training prices (routing/prices.py)."""
+        return flag_set(self, "route_greedily")
 
     def aux_loss(self) -> Tensor | None:
         losses = [m.aux_loss for _, m in self.moe_modules() if getattr(m, "aux_loss", None) is not None]

@@ -39,6 +39,7 @@ from .routing.assignment import balanced_assignment
 from .routing.gates import router_z_loss
 from .routing.logits import router_logits
 from .routing.plan import RoutingPlan, count_rows, raise_on_fault
+from .routing.prices import RouterPrices
 from .routing.registry import SMOE_ROUTINGS, TOKEN_ROUTERS, hash_table  # noqa: F401  (hash_table: re-exported)
 from .spatial import causal_step, check_length
 
@@ -89,6 +90,8 @@ class TMoE(nn.Module):
         self.dispatcher = _check_dispatcher(dispatcher, cfg.num_experts)
         self.token_router = TOKEN_ROUTERS[cfg.router]  # the registry entry: parameters, route, capacity
         self.token_router.init(self, cfg)
+        if self.token_router.balanced:  # the prices evaluation routes with (routing/prices.py)
+            self.eval_prices = RouterPrices(cfg.num_experts)
         D = cfg.d_model
         self.experts = FFNExperts(self.dispatcher.num_local_experts, D, cfg.d_ffn, activation=cfg.activation,
                                   norm=cfg.uses_expert_norm, zero_output=cfg.uses_zero_init_output,
@@ -101,8 +104,10 @@ class TMoE(nn.Module):
         self.comm_time = None  # the dispatcher's timed sections of the last forward (CommTime)
         self.layer_name = f"TMoE ({cfg.router} router)"  # LanguageModel sets the module path, for errors
         # a balanced router (the registry's `balanced`) assigns at evaluation as in training when set
-        # (LanguageModel.assigning_as_in_training)
+        # (LanguageModel.assigning_as_in_training), or greedily whatever cfg.eval_routing says
+        # (LanguageModel.routing_greedily)
         self.assign_as_in_training = False
+        self.route_greedily = False
 
     @property
     def comm_seconds(self) -> float:
@@ -126,6 +131,25 @@ class TMoE(nn.Module):
         """
         return self.token_router.route(self, x_SD, token_ids_S, defer_checks)
 
+    def balanced_experts(self, scores_SE: Tensor) -> Tensor | None:
+        """The experts of a balanced router's rows (S,), or None for greedy routing (argmax of the scores).
+
+        Training: the balanced assignment, after Base Layers' shuffle when the layer shuffles
+        (`_shuffled_assignment`); its expert prices join the evaluation prices (`eval_prices`,
+        averaged over every data-parallel rank). Evaluation: argmax(score - price) per row (priced),
+        None (greedy), or the balanced assignment over the batch (`assign_as_in_training`).
+        """
+        if self.training or self.assign_as_in_training:
+            with torch.no_grad():
+                if self.training and self.cfg.uses_shuffle:
+                    return self._shuffled_assignment(scores_SE)
+                expert_S, price_E = balanced_assignment(scores_SE.detach(), with_prices=True)
+                if self.training:
+                    self.eval_prices.observe(price_E, scores_SE.shape[0], self.dispatcher.sum_over_ranks)
+                return expert_S
+        priced = self.cfg.eval_routing == "priced" and not self.route_greedily
+        return self.eval_prices.route(scores_SE.detach()) if priced else None
+
     def _shuffled_assignment(self, scores_SE: Tensor) -> Tensor:
         """Base Layers' training-time assignment (fairseq's `base_shuffle`), moving routing metadata only.
 
@@ -135,14 +159,16 @@ class TMoE(nn.Module):
         1. send the scores (S x E, fp32, no gradient) through the shuffle: the same random
            permutation and split as fairseq's tokens (dispatcher.shuffle);
         2. assign with exact balance over the rows that arrive, as fairseq assigns the tokens
-           that arrive (the same scores in the same order: the same assignment);
+           that arrive (the same scores in the same order: the same assignment); its prices join
+           the evaluation prices;
         3. send each row's expert back to its home rank (dispatcher.unshuffle).
         The tokens then go from home straight to their expert and back (`dispatch`, `combine`);
         the combine weight sigmoid(score) is taken at home, where the scores have their gradient.
         """
         with torch.no_grad():
             shuffled_SE, shuffle = self.dispatcher.shuffle(scores_SE.detach())
-            expert_S = balanced_assignment(shuffled_SE)
+            expert_S, price_E = balanced_assignment(shuffled_SE, with_prices=True)
+            self.eval_prices.observe(price_E, shuffled_SE.shape[0], self.dispatcher.sum_over_ranks)
             return self.dispatcher.unshuffle(expert_S, shuffle)
 
     def forward(self, x_SD: Tensor, token_ids_S: Tensor | None = None) -> Tensor:
@@ -317,6 +343,8 @@ class SMoE(nn.Module):
         if routing.router_reads != "none":
             P = cfg.router_len
             self.router = nn.Parameter(torch.randn(P, cfg.num_experts) * P ** -0.5)
+        if routing.balanced:  # the prices evaluation routes with (routing/prices.py)
+            self.eval_prices = RouterPrices(cfg.num_experts)
         if not routing.causal:
             logger.warning(LEAKY_ROUTING_WARNING)
         self.register_buffer(
@@ -327,7 +355,7 @@ class SMoE(nn.Module):
         self.dropped, self.slots = None, 0  # no capacity: nothing is dropped
         self.comm_time = None  # the dispatcher's timed sections of the last forward (CommTime)
         self.layer_name = f"SMoE ({cfg.routing} routing)"  # LanguageModel sets the module path, for errors
-        self.assign_as_in_training = False  # as TMoE's
+        self.assign_as_in_training = self.route_greedily = False  # as TMoE's
 
     @property
     def comm_seconds(self) -> float:
@@ -490,11 +518,25 @@ class SMoE(nn.Module):
             else:
                 prefix_SP = v_BNC[:, :P, :].transpose(1, 2).reshape(B * C, P)
                 logits_SE = router_logits(prefix_SP, self.router)
-            plan = self.routing.route(logits_SE, training=training, layer=self.layer_name, defer_checks=defer_checks)
+            plan = self.routing.route(logits_SE, training=training, layer=self.layer_name, defer_checks=defer_checks,
+                                      expert_S=self.balanced_experts(logits_SE, training))
         rows = SMoERows(rows_SM, plan.experts_SK[:, 0], plan.weights_SK[:, 0].to(dtype), fault=plan.fault)
         if decided is not None:  # the routing prefix is complete: the decision holds for every later step
             decided["expert_BC"], decided["weight_BC"] = rows.expert_S.reshape(B, C), rows.weight_S.reshape(B, C)
         return rows
+
+    def balanced_experts(self, logits_SE: Tensor, training: bool) -> Tensor | None:
+        """The rows' experts (S,) under a balanced routing: the balanced assignment when `training` (its
+        prices join `eval_prices` in a training forward), else argmax(logit - price) (priced) or None
+        (greedy: the route takes the argmax of the logits). See TMoE.balanced_experts."""
+        if training:
+            with torch.no_grad():
+                expert_S, price_E = balanced_assignment(logits_SE.detach(), with_prices=True)
+                if self.training:
+                    self.eval_prices.observe(price_E, logits_SE.shape[0], self.dispatcher.sum_over_ranks)
+                return expert_S
+        priced = self.cfg.eval_routing == "priced" and not self.route_greedily
+        return self.eval_prices.route(logits_SE.detach()) if priced else None
 
     def dispatch(self, rows: SMoERows, *, hi: int | None = None,
                  width: int | None = None) -> tuple[Tensor, list[int], DispatchState]:

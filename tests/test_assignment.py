@@ -145,7 +145,7 @@ def test_one_round_bids_and_capacity_cut_against_a_direct_computation(backend):
     P, levels = 1 << sh, (1 << 27) >> sh
     ops = assignment._NumpyOps() if backend == "numpy" else assignment._TorchOps(torch.device("cpu"))
     scores = (_scores(S, E, "uniform", seed=20) * 6).round()  # many tied values: the priorities decide
-    key_PS = assignment._integer_keys(assignment._finite_scores(scores, ops), sh, levels, ops)
+    key_PS, _, _ = assignment._integer_keys(assignment._finite_scores(scores, ops)[0], sh, levels, ops)
     cap_E = expert_capacities(S, E)
     cap_P = ops.full(P, 0, ops.int64)
     cap_P[:E] = ops.array(cap_E)
@@ -195,7 +195,7 @@ def test_numpy_rounds_equal_torch_rounds(monkeypatch, S, E, kind, kwargs):
     on_numpy = balanced_assignment(scores, **kwargs)
     if E > 2:
         sh = max(1, (E - 1).bit_length())
-        keys = [assignment._integer_keys(assignment._finite_scores(scores, ops), sh, (1 << 27) >> sh, ops)
+        keys = [assignment._integer_keys(assignment._finite_scores(scores, ops)[0], sh, (1 << 27) >> sh, ops)[0]
                 for ops in (assignment._NumpyOps(), assignment._TorchOps(torch.device("cpu")))]
         assert torch.equal(torch.from_numpy(keys[0]), keys[1])
     _torch_rounds(monkeypatch)

@@ -58,6 +58,7 @@ EXAMPLES = {
     "sparse_placement": ("smlp", ["--sparse-placement", "fairseq"], {"sparse_placement": "fairseq"}),
     "all2all_chunks": ("transformer", ["--all2all-chunks", "2"], {"all2all_chunks": 2}),
     "base_shuffle": ("smlp", ["--base-shuffle", "0"], {"base_shuffle": False}),
+    "balanced_eval_routing": ("smlp", ["--balanced-eval-routing", "greedy"], {"balanced_eval_routing": "greedy"}),
     "base_layers": ("smlp", ["--sparse-layers", "1"], {"sparse_layers": 1}),  # fairseq's: = --sparse-layers
     "criterion_name": ("transformer", ["--criterion", "smlp_lm_loss"], {"criterion_name": "smlp_lm_loss"}),
     "smoe_routing": ("smlp", ["--smoe-routing", "leaky-full-sequence"], {"smoe_routing": "leaky-full-sequence"}),

@@ -66,7 +66,8 @@ def balanced_assignment(
     working_fraction: float = 1 / 16,
     max_rounds: int | None = None,
     check_every: int | None = None,
-) -> Tensor:
+    with_prices: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
     """Assign each row to one expert with exact balance, maximising the total affinity.
 
     Balance rule: expert e receives exactly S // E + (1 if e < S % E else 0) rows, so every expert
@@ -137,9 +138,14 @@ def balanced_assignment(
             max(64, 4 * E, 4 / eps) (random scores take 5-20 rounds at the default eps).
         check_every: rounds between completion checks (each check is a host sync); default 1 on
             CPU, where a check costs nothing, and 4 on accelerators.
+        with_prices: also return the auction's final expert prices (see Returns).
 
     Returns:
-        (S,) int64 expert index per row, on the input's device.
+        (S,) int64 expert index per row, on the input's device; with with_prices, also price_E:
+        (E,) float32, the experts' prices in the units of the scores, centred on zero. They are the
+        assignment's dual: argmax_e(scores - price_E) gives every row its assigned expert except
+        rows within about eps gain units of a tie, so greedy routing with these prices reproduces
+        the balanced assignment row by row (E = 2: the selection's threshold, split between the two).
     """
     if scores_SE.dim() != 2:
         raise ValueError(f"balanced_assignment expects scores of shape (S, E), got {tuple(scores_SE.shape)}")
@@ -154,7 +160,8 @@ def balanced_assignment(
         raise ValueError(f"working_fraction={working_fraction} must be in (0, 1]")
     device = scores_SE.device
     if S == 0 or E == 1:
-        return torch.zeros(S, dtype=torch.long, device=device)
+        expert_S = torch.zeros(S, dtype=torch.long, device=device)
+        return (expert_S, torch.zeros(E, device=device)) if with_prices else expert_S
     if max_rounds is None:
         max_rounds = max(64, 4 * E, int(4 / eps))
     if check_every is None:
@@ -164,19 +171,34 @@ def balanced_assignment(
 
     ops = _array_ops(device)
     if E == 2:
-        return _two_experts(scores_SE, S - S // 2, ops)
+        expert_S, price_E = _two_experts(scores_SE, S - S // 2, ops)
+        return (expert_S, price_E) if with_prices else expert_S
     sh = max(1, (E - 1).bit_length())
     levels = (1 << _KEY_BITS) >> sh
     eps_q = max(1, round(eps * levels / _CLIP_GAINS))  # eps in quantisation steps
-    key_ZS = _integer_keys(_finite_scores(scores_SE, ops), sh, levels, ops)
+    x_ES, unit = _finite_scores(scores_SE, ops)
+    key_ZS, offset_E, steps_per_unit = _integer_keys(x_ES, sh, levels, ops)
     # Step 4 pays off only when the working set is a small part of the rows and a full round
     # costs much more than setting it up.
     work_rows = max(int(working_fraction * S), _MIN_WORKING_ROWS)
     tail_rows = int(tail_fraction * S) if 2 * work_rows <= S and S << sh >= _MIN_TAIL_KEYS else 0
-    expert_S, unassigned = _solve(ops, key_ZS, E, sh, levels, eps_q, max_rounds, check_every, tail_rows, work_rows)
+    expert_S, price_Z, unassigned = _solve(ops, key_ZS, E, sh, levels, eps_q, max_rounds, check_every, tail_rows,
+                                           work_rows)
     # unassigned is 0 if the last completion check found every row assigned, None if the
     # round budget ran out first: then fill the free capacity.
-    return expert_S if unassigned == 0 else _fill_free_capacity(expert_S, expert_capacities(S, E, device))
+    if unassigned != 0:
+        expert_S = _fill_free_capacity(expert_S, expert_capacities(S, E, device))
+    if not with_prices:
+        return expert_S
+    # A row's key is about steps_per_unit * (score - its row's offsets - offset_E) and the auction
+    # compares key - price: in score units an expert costs offset_E + price / steps_per_unit.
+    return expert_S, _centred(ops.tensor(ops.price_in_units(price_Z[:E], offset_E, steps_per_unit, unit)), device)
+
+
+def _centred(price_E: Tensor, device: torch.device) -> Tensor:
+    """(E,) float32 prices on `device`, minus their mean (a common shift changes no argmax)."""
+    price_E = price_E.to(device=device, dtype=torch.float32)
+    return price_E - price_E.mean()
 
 
 def _check_interval(device: torch.device) -> int:
@@ -188,17 +210,18 @@ def _check_interval(device: torch.device) -> int:
 def _finite_scores(scores_SE: Tensor, ops):
     """(E, S) float32 (float64 for float64 input) copy of the scores as an array of the `ops`
     backend, contiguous, every entry finite (see sanitize_scores) and of a magnitude whose row shifts
-    cannot overflow."""
+    cannot overflow; and the scale it was divided by (1 unless the magnitude was extreme)."""
     x_SE = scores_SE.detach()
     if x_SE.dtype not in (torch.float32, torch.float64):
         x_SE = x_SE.float()
     return ops.finite_rescaled(ops.transposed_copy(ops.array(x_SE)))
 
 
-def _two_experts(scores_SE: Tensor, cap0: int, ops) -> Tensor:
+def _two_experts(scores_SE: Tensor, cap0: int, ops) -> tuple[Tensor, Tensor]:
     """E = 2, solved exactly: the total is sum_s score[s, 1] + sum over expert 0's rows of
     (score[s, 0] - score[s, 1]), so expert 0 takes the cap0 rows with the largest difference;
-    among rows tied at the threshold, the earliest.
+    among rows tied at the threshold, the earliest. Returns the experts and the prices
+    (threshold / 2, -threshold / 2): expert 0 is the greedy choice above the threshold.
 
     The difference of two float32 scores is exact in float64; non-finite or overflowing
     differences are redone on the sanitised, rescaled scores (see _finite_scores).
@@ -210,7 +233,7 @@ def _two_experts(scores_SE: Tensor, cap0: int, ops) -> Tensor:
     d_S = ops.difference64(x_SE[:, 0], x_SE[:, 1])
 
     def redone():
-        x_ES = _finite_scores(scores_SE, ops)
+        x_ES, _ = _finite_scores(scores_SE, ops)
         return ops.difference64(x_ES[0], x_ES[1])
 
     d_S = ops.where_all_finite(d_S, redone)
@@ -222,7 +245,8 @@ def _two_experts(scores_SE: Tensor, cap0: int, ops) -> Tensor:
     surplus = d_S.shape[0] - ops.count(expert1_S) - cap0
     tied_S = d_S == threshold
     expert1_S |= tied_S & (ops.cumsum(tied_S) > ops.count(tied_S) - surplus)
-    return ops.tensor(ops.as_int64(expert1_S))
+    half = torch.as_tensor(threshold, device=scores_SE.device).float().reshape(1) / 2
+    return ops.tensor(ops.as_int64(expert1_S)), torch.nan_to_num(torch.cat([half, -half]))
 
 
 def _integer_keys(x_ES, sh: int, levels: int, ops):
@@ -230,7 +254,8 @@ def _integer_keys(x_ES, sh: int, levels: int, ops):
 
     x_ES are the finite scores from _finite_scores, as an array of the `ops` backend. Padding
     experts (E <= e < Z) get _NEG_KEY. Works in the (E, S) layout throughout, so every pass is
-    contiguous.
+    contiguous. Also returns the column offsets removed, (E, 1), and the quantisation steps per
+    score unit: value[e, s] = floor(steps * (x[e, s] - offset[e] - a row offset)).
     """
     E, S = x_ES.shape
     Z = 1 << sh
@@ -240,11 +265,13 @@ def _integer_keys(x_ES, sh: int, levels: int, ops):
     # then columns (mean accumulated in float64, so identical rows cancel exactly), rows again.
     y_ES = x_ES - ops.amax(x_ES, 0, keepdims=True)
     ops.clip(y_ES, -_CLIP_GAINS * _gain_unit(y_ES, ops), None)
-    y_ES -= ops.cast(ops.mean(y_ES, 1, keepdims=True, dtype=ops.float64), y_ES)
+    offset_E1 = ops.cast(ops.mean(y_ES, 1, keepdims=True, dtype=ops.float64), y_ES)
+    y_ES -= offset_E1
     y_ES -= ops.amax(y_ES, 0, keepdims=True)
     # One gain unit becomes levels / _CLIP_GAINS steps (the scale is capped so that a tiny gain
     # cannot make 0 * inf); anything below -levels is clipped there.
-    y_ES *= ops.at_most((levels / _CLIP_GAINS) / _gain_unit(y_ES, ops), ops.float_max(y_ES))
+    steps = ops.at_most((levels / _CLIP_GAINS) / _gain_unit(y_ES, ops), ops.float_max(y_ES))
+    y_ES *= steps
     ops.clip(ops.floor_(y_ES), -levels, None)
     key_ZS = ops.empty((Z, S), ops.int32)
     key_ES = key_ZS[:E]
@@ -252,7 +279,7 @@ def _integer_keys(x_ES, sh: int, levels: int, ops):
     key_ES *= Z
     key_ES += ops.array(_priorities(E, S, ops.device))
     key_ZS[E:] = _NEG_KEY
-    return key_ZS
+    return key_ZS, offset_E1, steps
 
 
 @functools.lru_cache(maxsize=8)
@@ -289,10 +316,11 @@ def _array_ops(device: torch.device):
 
 
 def _solve(ops, key_ZS, E: int, sh: int, levels: int, eps_q: int, max_rounds: int, check_every: int,
-           tail_rows: int, work_rows: int) -> tuple[Tensor, int | None]:
+           tail_rows: int, work_rows: int) -> tuple[Tensor, object, int | None]:
     """Steps 1-4 on the keys (an array of the `ops` backend). Returns the (S,) int64 expert per
-    row as a tensor on the keys' device (-1: unassigned) and the number of unassigned rows if the
-    last completion check saw it (None if the round budget ran out first)."""
+    row as a tensor on the keys' device (-1: unassigned), the final prices (Z,) in value steps (an
+    array of the backend) and the number of unassigned rows if the last completion check saw it
+    (None if the round budget ran out first)."""
     Z, S = key_ZS.shape
     cap_Z = ops.full(Z, 0, ops.int64)  # see expert_capacities; 0 for padding experts
     cap_Z[:E] = S // E
@@ -318,11 +346,11 @@ def _solve(ops, key_ZS, E: int, sh: int, levels: int, eps_q: int, max_rounds: in
         # Free slots of each expert for the working set (bin 0 counts the unassigned rows).
         cap_work_Z = cap_Z - ops.bincount(expert_S + 1, Z + 1)[1:] + ops.bincount(expert_s + 1, Z + 1)[1:]
         key_Zs = ops.where((cap_work_Z == 0)[:, None], neg_key, ops.take_columns(key_ZS, work_s))
-        expert_s, _, _, _, unassigned = _auction(
+        expert_s, price_Z, _, _, unassigned = _auction(
             ops, key_Zs, cap_work_Z, work_s, expert_s, price_Z, E, sh, levels, eps_q, max_rounds - rounds,
             check_every, 0)
         ops.put(expert_S, work_s, expert_s)
-    return ops.tensor(expert_S), unassigned
+    return ops.tensor(expert_S), price_Z, unassigned
 
 
 def _auction(ops, key_ZS, cap_Z, row_S, expert_S, price_Z, E: int, sh: int, levels: int, eps_q: int,

@@ -72,10 +72,17 @@ class _TorchOps:
     # numpy result, tests/test_assignment.py). Only the auction's completion checks sync.
 
     @staticmethod
-    def finite_rescaled(x_ES: Tensor) -> Tensor:
+    def finite_rescaled(x_ES: Tensor) -> tuple[Tensor, Tensor]:
+        """(scores, the scale they were divided by): see _NumpyOps.finite_rescaled."""
         x_ES = sanitize_scores(x_ES)  # the identity on finite entries
         mag = x_ES.abs().amax().double()  # compared in float64, as the numpy path compares a float
-        return torch.where((mag > 1e30) | ((mag > 0) & (mag < 1e-30)), x_ES / mag.to(x_ES.dtype), x_ES)
+        unit = torch.where((mag > 1e30) | ((mag > 0) & (mag < 1e-30)), mag, torch.ones_like(mag))
+        return x_ES / unit.to(x_ES.dtype), unit
+
+    @staticmethod
+    def price_in_units(price_E: Tensor, offset_E1: Tensor, steps, unit) -> Tensor:
+        """Expert prices in score units: the column offset plus the auction's price in value steps."""
+        return (offset_E1.reshape(-1).double() + price_E.double() / steps) * unit
 
     @staticmethod
     def where_all_finite(x: Tensor, fallback) -> Tensor:
@@ -226,12 +233,19 @@ class _NumpyOps:
         return np.ascontiguousarray(x.T)
 
     @staticmethod
-    def finite_rescaled(x_ES: np.ndarray) -> np.ndarray:
+    def finite_rescaled(x_ES: np.ndarray) -> tuple[np.ndarray, float]:
+        """(scores with every entry finite, the scale they were divided by: 1 unless their magnitude
+        was extreme)."""
         mag = float(np.maximum.reduce(abs(x_ES), axis=None))  # NaN propagates
         if not math.isfinite(mag):
             x_ES = sanitize_scores(torch.from_numpy(x_ES)).numpy()
             mag = float(np.maximum.reduce(abs(x_ES), axis=None))
-        return x_ES / mag if _rescale_needed(mag) else x_ES
+        return (x_ES / mag, mag) if _rescale_needed(mag) else (x_ES, 1.0)
+
+    @staticmethod
+    def price_in_units(price_E: np.ndarray, offset_E1: np.ndarray, steps: float, unit: float) -> np.ndarray:
+        """Expert prices in score units: the column offset plus the auction's price in value steps."""
+        return (offset_E1.reshape(-1).astype(np.float64) + price_E / steps) * unit
 
     @staticmethod
     def where_all_finite(x: np.ndarray, fallback) -> np.ndarray:

@@ -106,9 +106,8 @@ def _route_base(layer, x_SD: Tensor, token_ids_S: Tensor | None, defer_checks: b
     from .routes import base_route
 
     scores_SE = router_logits(x_SD, layer.centroids.t())
-    expert_S = layer._shuffled_assignment(scores_SE) if layer.training and layer.cfg.uses_shuffle else None
     return base_route(scores_SE, training=layer.training or layer.assign_as_in_training, layer=layer.layer_name,
-                      defer_checks=defer_checks, expert_S=expert_S)
+                      defer_checks=defer_checks, expert_S=layer.balanced_experts(scores_SE))
 
 
 def _route_switch(layer, x_SD: Tensor, token_ids_S: Tensor | None, defer_checks: bool) -> RoutingPlan:

@@ -77,7 +77,7 @@ def smoe_deterministic_experts(num_channels: int, num_experts: int, device=None)
 
 
 def smoe_partial_route(logits_SE: Tensor, *, training: bool, layer: str = "sMoE router",
-                       defer_checks: bool = False) -> RoutingPlan:
+                       defer_checks: bool = False, expert_S: Tensor | None = None) -> RoutingPlan:
     """sMoE partial prediction routing (sec. 3.2.2, eq. 5).
 
     logits_SE are the router logits of each hidden-dimension vector, computed from the first
@@ -86,12 +86,16 @@ def smoe_partial_route(logits_SE: Tensor, *, training: bool, layer: str = "sMoE 
     result does not depend on the batch. The combine weight is the softmax probability of the
     chosen expert (eq. 7), which trains the router. Non-finite logits raise
     NonFiniteScoresError naming `layer` (at once, or through the plan's fault record with
-    defer_checks=True).
+    defer_checks=True). expert_S: an assignment made elsewhere, used instead (the layer's priced
+    evaluation routing, routing/prices.py).
     """
     logits_SE = logits_SE.float()
     fault = deferred_or_raised(nonfinite_fault(logits_SE), layer, defer_checks)
     probs_SE = torch.softmax(logits_SE, dim=-1)
-    with torch.no_grad():
-        expert_S = balanced_assignment(logits_SE.detach()) if training else logits_SE.detach().argmax(dim=-1)
+    if expert_S is not None:
+        expert_S = expert_S.reshape(-1).long()
+    else:
+        with torch.no_grad():
+            expert_S = balanced_assignment(logits_SE.detach()) if training else logits_SE.detach().argmax(dim=-1)
     weight_S = probs_SE.gather(1, expert_S[:, None]).squeeze(1)
     return RoutingPlan(expert_S[:, None], weight_S[:, None], fault=fault)
