@@ -23,6 +23,7 @@ import torch.multiprocessing as mp
 
 from smlp.config import SGUConfig, SMoEConfig, SparseBlockConfig, TMoEConfig
 from smlp.dispatch import AllToAllDispatcher, LocalDispatcher
+from smlp.flop_forms import flag_set
 from smlp.gmlp import SpatialGatingUnit
 from smlp.moe import SMoE, SparseBlock, TMoE
 from smlp.resharding import expert_keys, slice_expert_shard
@@ -228,8 +229,26 @@ def _tmoe_worker(rank, world, init_file, router, experts_per_rank, tokens, chunk
             counts = model.load_E.tolist()
             assert sum(counts) == tokens[rank]
             assert max(counts) - min(counts) == (0 if tokens[rank] % E == 0 else 1), counts
+            _check_eval_prices(model, rank, world, tokens)
     finally:
         _finish()
+
+
+def _check_eval_prices(model, rank, world, tokens):
+    """After one training forward every rank holds the same evaluation prices: the mean of the ranks'
+    balanced-assignment prices, weighted by their rows (each rank assigned its own rows: no shuffle)."""
+    from smlp.routing.assignment import balanced_assignment
+    from smlp.routing.logits import router_logits
+
+    xs = _inputs(world, lambda r: (tokens[r], 8))
+    prices = [balanced_assignment(router_logits(xs[r], model.centroids.detach().t()), with_prices=True)[1]
+              for r in range(world)]
+    expected = sum(p * n for p, n in zip(prices, tokens)) / sum(tokens)
+    got = model.eval_prices.prices()
+    assert torch.allclose(got, expected, atol=1e-5), (got, expected)
+    every = [torch.empty_like(got) for _ in range(world)]
+    dist.all_gather(every, got)
+    assert all(torch.equal(every[0], p) for p in every), every
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -510,6 +529,14 @@ def _fairseq_base_worker(rank, world, init_file, shuffle, assignment):
         c_ours, c_theirs = ours.centroids.grad.clone(), theirs.expert_centroids.grad.clone()
         dist.all_reduce(c_ours), dist.all_reduce(c_theirs)
         assert_orders_agree(c_ours, c_theirs, **RULE)
+        # at evaluation fairseq's layer routes greedily: so does ours with --balanced-eval-routing greedy
+        x_eval = torch.randn(S, D, generator=gx)
+        theirs.eval(), ours.eval()
+        with torch.no_grad():
+            y_theirs, _, _ = theirs(x_eval)
+            with flag_set(ours, "route_greedily"):
+                y_ours = x_eval + ours(x_eval)
+        assert_orders_agree(y_ours, y_theirs, **RULE)
         if hasattr(fairseq_dist.get_global_group, "_global_group"):
             del fairseq_dist.get_global_group._global_group
     finally:

@@ -91,7 +91,7 @@ def _perturb(path: Path, seed: int = 0) -> None:
         if name.endswith("hash_table"):
             state["model"][name] = t[torch.randperm(t.numel(), generator=g)]
         elif t.is_floating_point() and not name.endswith("embed.weight"):
-            t.add_(torch.randn(t.shape, generator=g) * 2 / max(1, t.shape[-1]) ** 0.5)
+            t.add_(torch.randn(t.shape, generator=g) * 2 / max(1, t.shape[-1] if t.dim() else 1) ** 0.5)
     torch.save(state, path)
 
 

@@ -1,0 +1,218 @@
+"""Evaluation routing of the balanced routers (smlp/routing/prices.py): the auction's prices, their average
+over training steps, priced routing per row, and what it keeps of the model (causality, decoding,
+checkpoints, half precision)."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from smlp.causality import assert_causal, randomized
+from smlp.config import SMoEConfig, TMoEConfig
+from smlp.lm import LanguageModel, LMConfig
+from smlp.moe import SMoE, TMoE
+from smlp.routing import assignment
+from smlp.routing.assignment import balanced_assignment, expert_capacities
+from smlp.routing.prices import RouterPrices
+
+
+def _scores(S, E, seed, skew=2.0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(S, E, generator=g) * 3 + torch.randn(E, generator=g) * skew  # some experts preferred
+
+
+def _greedy_agreement(scores, expert, price):
+    return (scores - price).argmax(1).eq(expert).double().mean().item()
+
+
+# ---------------------------------------------------------------- the auction's prices
+
+
+@pytest.mark.parametrize("S, E", [(1024, 8), (4096, 32), (600, 3), (2048, 8)])
+def test_prices_reproduce_the_balanced_assignment(S, E):
+    """argmax(score - price) gives each row its assigned expert, up to the auction's eps: with eps 10x
+    smaller, 10x fewer rows disagree, and every disagreeing row is within eps gain units of a tie."""
+    scores = _scores(S, E, seed=S + E)
+    for eps, at_least in ((0.03, 0.93), (0.003, 0.985)):
+        expert, price = balanced_assignment(scores, eps=eps, with_prices=True)
+        assert torch.equal(expert, balanced_assignment(scores, eps=eps)), "prices must not change the assignment"
+        assert price.shape == (E,) and price.dtype == torch.float32
+        assert abs(price.mean().item()) < 1e-5  # centred
+        assert _greedy_agreement(scores, expert, price) >= at_least
+        # slack of the assigned expert below the priced best: about eps gain units (the gain unit of these
+        # scores is about 4)
+        net = scores - price
+        slack = net.max(1).values - net.gather(1, expert[:, None])[:, 0]
+        assert slack.max().item() < 10 * eps * 4, slack.max()
+    # greedy without prices agrees far less: the prices carry the balance
+    assert scores.argmax(1).eq(expert).double().mean().item() < 0.8
+
+
+def test_two_expert_prices_are_the_threshold():
+    scores = _scores(1001, 2, seed=3)
+    expert, price = balanced_assignment(scores, with_prices=True)
+    assert torch.equal(torch.bincount(expert, minlength=2), expert_capacities(1001, 2))
+    priced = (scores - price).argmax(1)
+    assert priced.eq(expert).double().mean().item() >= 0.998  # only rows tied at the threshold may differ
+    assert price[0].item() == pytest.approx(-price[1].item())
+
+
+def test_prices_on_the_torch_path_equal_the_numpy_path(monkeypatch):
+    scores = _scores(3000, 16, seed=5)
+    e_np, p_np = balanced_assignment(scores, with_prices=True)
+    monkeypatch.setattr(assignment, "_array_ops", lambda device: assignment._TorchOps(device))
+    e_t, p_t = balanced_assignment(scores, with_prices=True)
+    assert torch.equal(e_np, e_t)
+    torch.testing.assert_close(p_t, p_np, rtol=0, atol=1e-6)
+
+
+def test_degenerate_problems_have_zero_prices():
+    for S, E in ((0, 4), (10, 1)):
+        expert, price = balanced_assignment(torch.randn(S, E), with_prices=True)
+        assert expert.shape == (S,) and torch.equal(price, torch.zeros(E))
+
+
+# ---------------------------------------------------------------- their average over training steps
+
+
+def test_router_prices_average_by_hand():
+    prices = RouterPrices(3, decay=0.5)
+    assert torch.equal(prices.prices(), torch.zeros(3))  # before training: greedy
+    p1, p2 = torch.tensor([1.0, -1.0, 0.0]), torch.tensor([0.0, 2.0, -2.0])
+    prices.observe(p1, rows=10)
+    torch.testing.assert_close(prices.prices(), p1)  # bias-corrected: the first step's prices exactly
+    prices.observe(p2, rows=0)  # no row routed: nothing changes
+    torch.testing.assert_close(prices.prices(), p1)
+    prices.observe(p2, rows=7)
+    # weights 0.5 * 0.5 and 0.5, normalized by 0.75
+    torch.testing.assert_close(prices.prices(), (0.25 * p1 + 0.5 * p2) / 0.75)
+    # a reduce over ranks sums (price x rows, rows): two ranks with the same prices keep them
+    other = RouterPrices(3, decay=0.5)
+    other.observe(p1, rows=4, reduce=lambda t: 2 * t)
+    torch.testing.assert_close(other.prices(), p1)
+
+
+def test_router_prices_route_each_row_on_its_own():
+    prices = RouterPrices(4)
+    prices.observe(torch.tensor([3.0, 0.0, -1.0, -2.0]), rows=8)
+    scores = torch.tensor([[3.5, 1.2, 0.0, -1.5], [3.5, 1.0, 0.0, 2.0], [0.0, 0.0, 0.0, 0.0]])
+    assert prices.route(scores).tolist() == [1, 3, 3]
+    assert prices.route(scores[:1]).tolist() == [1]  # the same row alone: the same expert
+
+
+def test_prices_stay_fp32_in_half_models_and_load_from_older_checkpoints(caplog):
+    layer = TMoE(TMoEConfig(d_model=8, d_ffn=16, num_experts=4))
+    layer.eval_prices.observe(torch.tensor([0.1234567, 0.0, -0.05, -0.0734567]), rows=16)
+    before = layer.eval_prices.prices().clone()
+    for dtype in (torch.bfloat16, torch.float16):
+        half = TMoE(TMoEConfig(d_model=8, d_ffn=16, num_experts=4))
+        half.load_state_dict(layer.state_dict())
+        half.to(dtype)
+        assert half.experts.w1.dtype == dtype
+        assert half.eval_prices.price_E.dtype == torch.float32
+        assert torch.equal(half.eval_prices.prices(), before)
+    state = {k: v for k, v in layer.state_dict().items() if "eval_prices" not in k}  # written before prices
+    fresh = TMoE(TMoEConfig(d_model=8, d_ffn=16, num_experts=4))
+    fresh.eval_prices.observe(torch.ones(4), rows=1)
+    with caplog.at_level(logging.WARNING):
+        fresh.load_state_dict(state)  # strict
+    assert "evaluates greedily" in caplog.text
+    assert torch.equal(fresh.eval_prices.prices(), torch.zeros(4))
+
+
+# ---------------------------------------------------------------- priced routing in the layers
+
+
+def _skewed_rows(S, D, seed):
+    """Rows around a common direction (the same for every seed): greedy routing piles them on a few experts."""
+    direction = torch.randn(D, generator=torch.Generator().manual_seed(12345))
+    return torch.randn(S, D, generator=torch.Generator().manual_seed(seed)) + direction
+
+
+def test_priced_tmoe_routes_as_training_assigns():
+    """After training steps on rows of one distribution, priced evaluation routes new rows of it nearly as
+    the balanced assignment would, with nearly balanced loads; greedy overloads the favoured experts."""
+    torch.manual_seed(0)
+    E = 8
+    layer = TMoE(TMoEConfig(d_model=16, d_ffn=32, num_experts=E, shuffle=False))
+    with torch.no_grad():
+        layer.centroids.copy_(torch.randn(E, 16))
+    layer.train()
+    with torch.no_grad():
+        for step in range(20):
+            layer(_skewed_rows(512, 16, seed=step))
+    x = _skewed_rows(2048, 16, seed=100)
+    scores = x @ layer.centroids.detach().t()
+    balanced = balanced_assignment(scores)
+    layer.eval()
+    with torch.no_grad():
+        layer(x)
+    priced_load = layer.load_E.double()
+    priced = layer.eval_prices.route(scores)
+    greedy = scores.argmax(1)
+    assert priced.eq(balanced).double().mean() > 0.8
+    assert greedy.eq(balanced).double().mean() < 0.6
+    greedy_load = torch.bincount(greedy, minlength=E).double()
+    assert priced_load.max() / priced_load.mean() < 1.3 < greedy_load.max() / greedy_load.mean()
+    with torch.no_grad(), _greedy(layer):
+        layer(x)
+    assert torch.equal(layer.load_E.double(), greedy_load)
+
+
+def _greedy(module):
+    from smlp.flop_forms import flag_set
+
+    return flag_set(module, "route_greedily")
+
+
+def test_greedy_eval_routing_config_ignores_the_prices():
+    layer = TMoE(TMoEConfig(d_model=8, d_ffn=16, num_experts=4, eval_routing="greedy")).eval()
+    layer.eval_prices.observe(torch.tensor([5.0, 0.0, 0.0, -5.0]), rows=1)
+    x = torch.randn(64, 8)
+    scores = x @ layer.centroids.detach().t()
+    with torch.no_grad():
+        plan = layer.route(x)
+    assert torch.equal(plan.experts_SK[:, 0], scores.argmax(1))
+
+
+def test_partial_smoe_prices_follow_training():
+    cfg = SMoEConfig(dim=32, seq_len=20, num_experts=4, routing="partial")
+    torch.manual_seed(0)
+    smoe = SMoE(cfg).train()
+    with torch.no_grad():
+        smoe.router.add_(torch.randn_like(smoe.router))
+        for step in range(10):
+            smoe(torch.randn(6, 20, 32) + 0.5)
+    assert smoe.eval_prices.price_weight.item() > 0 and smoe.eval_prices.prices().abs().max() > 0
+
+
+def _priced_lm(family_kw, seed=0):
+    cfg = LMConfig(vocab_size=40, d_model=16, d_ffn=32, seq_len=24, dense_layers=1, sparse_layers=2, num_experts=4,
+                   **family_kw)
+    torch.manual_seed(seed)
+    model = randomized(LanguageModel(cfg), seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    for _, m in model.moe_modules():
+        if hasattr(m, "eval_prices"):
+            m.eval_prices.observe(torch.randn(4, generator=g), rows=1)
+    return model.eval()
+
+
+@pytest.mark.parametrize("family_kw", [dict(family="smlp"), dict(family="smlp", smoe_routing="partial"),
+                                       dict(family="transformer", moe_router="base", heads=2)],
+                         ids=["smlp-det", "smlp-partial", "base"])
+def test_priced_evaluation_is_causal_and_decodes_as_the_full_forward(family_kw):
+    model = _priced_lm(family_kw)
+    tokens = torch.randint(0, 40, (3, 24), generator=torch.Generator().manual_seed(2))
+    start = model.cfg.prediction_start
+    with torch.no_grad():
+        assert_causal(model, tokens, first_checked=start, positions=[start, 12, 22])
+        # the prices decide: greedy routes differently
+        full = model(tokens)
+        with model.routing_greedily():
+            assert not torch.equal(model(tokens), full)
+        # cached decoding, one position at a time, gives the full forward's logits
+        cache = model.new_cache()
+        steps = [model.step(tokens[:, i:i + 1], cache) for i in range(24)]
+    torch.testing.assert_close(torch.cat(steps, 1)[:, start:], full[:, start:], rtol=1e-4, atol=1e-4)
