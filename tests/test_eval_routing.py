@@ -182,7 +182,7 @@ def test_partial_smoe_prices_follow_training():
     smoe = SMoE(cfg).train()
     with torch.no_grad():
         smoe.router.add_(torch.randn_like(smoe.router))
-        for step in range(10):
+        for _ in range(10):
             smoe(torch.randn(6, 20, 32) + 0.5)
     assert smoe.eval_prices.price_weight.item() > 0 and smoe.eval_prices.prices().abs().max() > 0
 
