@@ -60,13 +60,14 @@ from .checkpoint_sets import (
     shard_path,
 )
 from .checkpoints import is_expert_key
+from .errors import RefusedInput
 
 logger = logging.getLogger(__name__)
 
 BACKUP_DIR = "resharded-from-{world}-ranks-update-{updates}"
 
 
-class ReshardError(ValueError):
+class ReshardError(ValueError, RefusedInput):
     """The checkpoint cannot be moved to this run's layout; the message says why and what to do."""
 
 

@@ -21,6 +21,8 @@ import os
 import sys
 from dataclasses import dataclass
 
+from .errors import DataError
+
 __all__ = ["FAIRSEQ_VERSION", "PATCHES", "Patch", "apply_patches", "check_data_dir", "ddp_on_cpu",
            "evaluate_every_sequence", "gather_lists_off_cuda", "guard_language_modeling_data",
            "restore_fairseq_cli_logging"]
@@ -53,9 +55,9 @@ def check_data_dir(data) -> None:
         expected = ("the output folder of smlp-prepare-data or fairseq-preprocess: dict.txt, train.bin/.idx, "
                     "valid.bin/.idx")
         if not os.path.isdir(part):
-            raise FileNotFoundError(f"data directory {part} does not exist; pass {expected}")
+            raise DataError(f"data directory {part} does not exist; pass {expected}")
         if not os.path.isfile(os.path.join(part, "dict.txt")):
-            raise FileNotFoundError(f"data directory {part} has no dict.txt; pass {expected}")
+            raise DataError(f"data directory {part} has no dict.txt; pass {expected}")
         break  # fairseq reads the dictionary from the first shard only
 
 
@@ -243,6 +245,9 @@ PATCHES = (
           "refuses the device ids fairseq passes for a CPU module"),
     Patch("restore_fairseq_cli_logging", "patches", "restore_fairseq_cli_logging",
           "fairseq-eval-lm / fairseq-validate log nothing at INFO after fairseq's import set up logging"),
+    Patch("print_refusals", "errors", "print_refusals",
+          "fairseq's programs print a refused input (a bad flag, data folder or checkpoint) inside a 20-30 line "
+          "traceback: the plugins' refusals (errors.RefusedInput) are printed as one line, PROG: error: MESSAGE"),
 )
 
 
