@@ -160,6 +160,7 @@ class ShardInfo:
     world_size: int | None = None
     set_id: str | None = None
     arch: str | None = None
+    model_name: str | None = None  # the saved config's _name: the --arch preset (model_of gives its model)
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     consolidated_from: int | None = None  # smlp-consolidate merged this many rank shards into the file
 
@@ -218,6 +219,7 @@ def read_shard(path: str, with_shapes: bool = False) -> ShardInfo:
     model_cfg = cfg.get("model") if isinstance(cfg, dict) else None
     if isinstance(model_cfg, dict):
         info.arch = model_cfg.get("arch") or model_cfg.get("_name")
+        info.model_name = model_cfg.get("_name")
     if with_shapes:
         info.shapes = {k: tuple(v.shape) for k, v in state["model"].items() if isinstance(v, torch.Tensor)}
     return info
@@ -468,6 +470,61 @@ def plan_and_check_resume(cfg, trainer) -> ResumePlan:
     if plan.message and rank == 0:
         logger.warning(plan.message)
     return plan
+
+
+def _run_arch(trainer) -> tuple[str | None, str]:
+    """(model name, --arch) of the run `trainer` trains."""
+    model_cfg = getattr(getattr(trainer, "cfg", None), "model", None)
+    name = getattr(model_cfg, "_name", None)
+    return name, getattr(model_cfg, "arch", None) or name or "?"
+
+
+def check_same_architecture(cfg, trainer) -> None:
+    """Refuse, first of all (before resharding or the set checks), a checkpoint to resume of another model, or
+    whose non-expert tensors do not fit this run's model (widths, layers, dictionary): any later message (the
+    expert count, the precision) would point the wrong way. Every rank reads the same file, so all decide
+    alike. Expert tensors are left to the later checks: their shapes change with the world size."""
+    default_restore = cfg.restore_file == DEFAULT_RESTORE
+    base = os.path.join(cfg.save_dir, DEFAULT_RESTORE) if default_restore else cfg.restore_file
+    if _RANK_FILE.match(os.path.basename(str(base))):
+        return  # refused later with the name to pass instead
+    shards = rank_shards(base)
+    path = shards[min(shards)] if shards else base
+    if not os.path.isfile(path):
+        return
+    model = trainer.get_model() if hasattr(trainer, "get_model") else trainer.model
+    ours = hasattr(model, "core")
+    info = read_shard(path, with_shapes=ours)
+    if not info.readable or info.model_name is None:
+        return
+    name, arch = _run_arch(trainer)
+    what = None
+    if name is not None and model_of(info.model_name) != model_of(name):
+        what = (f"the checkpoint is of another architecture or size (checkpoint: --arch {info.arch}, this run: "
+                f"--arch {arch}; the models {model_of(info.model_name)} and {model_of(name)} differ)")
+    elif ours:
+        own = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        keep = [k for k in own if not _is_expert_name(k)]
+        diff = shape_mismatch({k: v for k, v in info.shapes.items() if not _is_expert_name(k)},
+                              {k: own[k] for k in keep})
+        why = explain_mismatch(info.shapes, own) if diff else ""
+        if diff and "expert(s) per file" not in why:
+            what = f"{why} (checkpoint: --arch {info.arch}, this run: --arch {arch}; {'; '.join(diff)})"
+    if what:
+        raise CheckpointSetError(
+            f"{path} does not fit the model of this run: {what}. Resume it with the flags that trained it, or start "
+            f"this model in another --save-dir")
+
+
+def model_of(name: str | None) -> str | None:
+    """The registered model of an architecture name (fairseq saves the --arch preset as the model's _name)."""
+    from fairseq.models import ARCH_MODEL_NAME_REGISTRY
+
+    return ARCH_MODEL_NAME_REGISTRY.get(name, name)
+
+
+def _is_expert_name(key: str) -> bool:
+    return bool(re.search(r"(^|\.)experts\.", key))
 
 
 def _check_fits_model(plan: ResumePlan, restore_base: str, suffix: str, trainer, reads_file: bool) -> None:

@@ -71,6 +71,45 @@ def allow_fairseq_checkpoints() -> None:
     torch.serialization.add_safe_globals(safe)
 
 
+def pin_sequence_length() -> bool:
+    """A checkpoint of our models keeps the sequence length T its weights were trained with.
+
+    --seq-len 0 (the default) means --tokens-per-sample, and fairseq-validate applies every flag given on its
+    command line to the saved model config, so `fairseq-validate --tokens-per-sample 16` built a T = 16 model
+    and failed on the T = 32 spatial weights with PyTorch's "size mismatch". Wrapping
+    `checkpoint_utils.load_checkpoint_to_cpu` (every program's loader), the saved config's seq_len is set to
+    the training T before the command line's overrides apply: a shorter --tokens-per-sample evaluates in
+    shorter blocks, a longer one is refused naming both values (config.to_core_config)."""
+    from fairseq import checkpoint_utils
+    from fairseq.dataclass.utils import overwrite_args_by_name
+    from omegaconf import open_dict
+
+    from .checkpoint_sets import model_of
+    from .config import FAMILIES_BY_MODEL
+
+    original = checkpoint_utils.load_checkpoint_to_cpu
+    if getattr(original, "_smlp_patch", False):
+        return False
+
+    def load_checkpoint_to_cpu(path, arg_overrides=None, load_on_all_ranks=False):
+        state = original(path, None, load_on_all_ranks)
+        cfg = state.get("cfg") if isinstance(state, dict) else None
+        model = cfg.get("model") if cfg is not None else None
+        if model is not None and model_of(model.get("_name")) in FAMILIES_BY_MODEL and not model.get("seq_len"):
+            tokens = model.get("tokens_per_sample")
+            if isinstance(tokens, int) and tokens > 0:
+                with open_dict(model):
+                    model.seq_len = tokens
+        if arg_overrides is not None and cfg is not None:
+            overwrite_args_by_name(cfg, arg_overrides)
+        return state
+
+    load_checkpoint_to_cpu._smlp_patch = True
+    load_checkpoint_to_cpu.__wrapped__ = original
+    checkpoint_utils.load_checkpoint_to_cpu = load_checkpoint_to_cpu
+    return True
+
+
 def load_checkpoint(path: str, arg_overrides: dict | None = None) -> dict:
     """fairseq's checkpoint reader (config upgraded to omegaconf) with clear errors for bad files."""
     from fairseq import checkpoint_utils

@@ -54,6 +54,7 @@ from .checkpoint_sets import (
     _broadcast,
     _gather,
     atomic_torch_save,
+    check_same_architecture,
     rank_shards,
     read_shard,
     set_problem,
@@ -403,6 +404,7 @@ def install() -> None:
     inner = checkpoint_utils.load_checkpoint
 
     def load_checkpoint(cfg, trainer, **passthrough_args):
+        check_same_architecture(cfg, trainer)  # before anything that would name the expert count or reshard
         reshard_for_resume(cfg, trainer)
         return inner(cfg, trainer, **passthrough_args)
 

@@ -21,11 +21,12 @@ import os
 import sys
 from dataclasses import dataclass
 
-from .errors import DataError
+from .errors import DataError, FlagError
 
-__all__ = ["FAIRSEQ_VERSION", "PATCHES", "Patch", "apply_patches", "check_data_dir", "ddp_on_cpu",
+__all__ = ["FAIRSEQ_VERSION", "PATCHES", "Patch", "apply_patches", "check_batch_limits", "check_data_dir",
+           "ddp_on_cpu",
            "evaluate_every_sequence", "gather_lists_off_cuda", "guard_language_modeling_data",
-           "restore_fairseq_cli_logging"]
+           "refuse_unlimited_batches", "restore_fairseq_cli_logging"]
 
 FAIRSEQ_VERSION = "0.12"  # the release these patches were written against (fairseq-fixed 0.12.3.1)
 logger = logging.getLogger(__name__)
@@ -76,6 +77,34 @@ def guard_language_modeling_data() -> bool:
     setup_task._smlp_checked = True
     setup_task.__wrapped__ = original
     LanguageModelingTask.setup_task = classmethod(setup_task)
+    return True
+
+
+def check_batch_limits(max_sentences, max_tokens) -> None:
+    """FlagError for --batch-size or --max-tokens below 1: fairseq's batching takes 0 (and -1) as no limit, so
+    one batch, and one update, would hold the whole epoch."""
+    for flag, value, example in (("--batch-size", max_sentences, "8"), ("--max-tokens", max_tokens, "4096")):
+        if value is not None and value < 1:
+            raise FlagError(f"{flag} {value} is not a batch size: fairseq would take it as no limit and make one "
+                            f"batch (one update) of the whole epoch; give a number >= 1 (e.g. {flag} {example})")
+
+
+def refuse_unlimited_batches() -> bool:
+    """Check --batch-size / --max-tokens where fairseq batches any dataset (FairseqTask.get_batch_iterator: the
+    training, validation and evaluation iterators of every program), before the first batch is formed."""
+    from fairseq.tasks.fairseq_task import FairseqTask
+
+    original = FairseqTask.get_batch_iterator
+    if getattr(original, "_smlp_checked", False):
+        return False
+
+    def get_batch_iterator(self, dataset, max_tokens=None, max_sentences=None, *args, **kwargs):
+        check_batch_limits(max_sentences, max_tokens)
+        return original(self, dataset, max_tokens, max_sentences, *args, **kwargs)
+
+    get_batch_iterator._smlp_checked = True
+    get_batch_iterator.__wrapped__ = original
+    FairseqTask.get_batch_iterator = get_batch_iterator
     return True
 
 
@@ -215,11 +244,17 @@ PATCHES = (
     Patch("allow_fairseq_checkpoints", "checkpoints", "allow_fairseq_checkpoints",
           "torch >= 2.6 loads with weights_only=True and refuses the omegaconf, numpy and argparse objects fairseq "
           "stores in a checkpoint: they are allowlisted"),
+    Patch("pin_sequence_length", "checkpoints", "pin_sequence_length",
+          "fairseq-validate applies its --tokens-per-sample to the saved model, which then has spatial weights of "
+          "another size (PyTorch's size mismatch): a checkpoint's model keeps the T it was trained with"),
     Patch("checkpoint_sets", "checkpoint_sets", "install",
           "fairseq writes rank shards non-atomically and resumes each rank from whatever file it finds: atomic "
           "tagged writes, and only a whole set of rank shards is loaded"),
     Patch("guard_language_modeling_data", "patches", "guard_language_modeling_data",
           "language_modeling reads a missing or unbinarized --data with an obscure error: checked first"),
+    Patch("refuse_unlimited_batches", "patches", "refuse_unlimited_batches",
+          "fairseq takes --batch-size 0 (or --max-tokens 0) as no limit: one update of the whole epoch, exit 0; "
+          "refused where any program batches a dataset"),
     Patch("elastic", "elastic", "install",
           "resuming on another number of ranks loads rank shards of the old layout: resharded first (after "
           "checkpoint_sets, so that its wrapper is the outer one)"),
