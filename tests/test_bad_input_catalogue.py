@@ -12,6 +12,11 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+import pytest
+import torch
+
+from fairseq_helpers import PLUGINS, TRAIN, fairseq_train
+
 
 def snapshot(*roots: Path) -> dict[str, str]:
     """path -> sha256 of every file under `roots` (folders as "dir")."""
@@ -57,3 +62,263 @@ def test_export_hf_under_a_file_is_refused_before_the_work(tmp_path, capsys):
     line = one_error_line(capsys.readouterr().err, "smlp-export")
     assert f"--hf {tmp_path / 'hf' / 'plays'}: {tmp_path / 'hf'} is a file, not a folder" in line
     assert snapshot(tmp_path) == before
+
+
+# ----------------------------------------------------------------------------- checkpoints to resume
+
+
+def two_rank_set(trained: Path, save: Path, names=("checkpoint_last", "checkpoint_best")) -> Path:
+    """`save` holding what a 2-rank run of the one-process checkpoint would have written: for each name, rank
+    shards X-rank-0/1.pt with one expert each (fairseq_plugins.elastic's resharding, rank by rank), tagged as
+    one save of a 2-rank run; the Adam state is left out (the resume resets it)."""
+    from fairseq_plugins.elastic import Plan, inspect_saved, resharded_state
+    from smlp.expert_data_parallel import ExpertDataLayout
+
+    save.mkdir(parents=True, exist_ok=True)
+    base = trained / "checkpoint_last.pt"
+    state = torch.load(base, map_location="cpu", weights_only=False)
+    state["last_optimizer_state"] = None
+    targets = tuple(str(save / f"checkpoint_last-rank-{r}.pt") for r in range(2))
+    plan = Plan(inspect_saved(str(base)), ExpertDataLayout(world_size=2, ep_size=2, num_experts=2), 2, True, targets)
+    for rank in range(2):
+        shard = resharded_state(plan, rank, {0: state}, [])
+        for name in names:
+            torch.save(shard, save / f"{name}-rank-{rank}.pt")
+    return save
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["gmlp_lm_tiny", "moe_transformer_lm"])
+def test_resuming_an_smlp_set_as_another_model_names_both_architectures_first(arch, smlp_tiny_one_process,
+                                                                              tiny_lm_data, tmp_path, capsys):
+    """docs/faults.md's message, before the expert count (which gmlp has no flag for) or --fp16 are named."""
+    from fairseq.checkpoint_utils import load_checkpoint
+
+    from fairseq_plugins.errors import refusal_line
+
+    save = two_rank_set(smlp_tiny_one_process, tmp_path / "ckpt")
+    before = snapshot(tmp_path)
+    argv = [str(tiny_lm_data), "--user-dir", PLUGINS, "--arch", arch, *TRAIN, "--save-dir", str(save)]
+    with pytest.raises(ValueError) as err:
+        fairseq_train(argv)
+    assert type(err.value).__name__ == "CheckpointSetError" and load_checkpoint.__module__ == "fairseq_plugins.elastic"
+    line = refusal_line(err.value, "fairseq-train")
+    assert line.startswith(f"fairseq-train: error: {save / 'checkpoint_last-rank-0.pt'} does not fit the model of "
+                           f"this run: the checkpoint is of another architecture or size (checkpoint: --arch "
+                           f"smlp_lm_tiny, this run: --arch {arch}"), line
+    assert "--num-experts" not in line and "--fp16" not in line
+    assert snapshot(tmp_path) == before
+
+
+@pytest.mark.slow
+def test_a_run_resumed_on_fewer_ranks_leaves_no_shard_of_the_earlier_run(smlp_tiny_one_process, tiny_lm_data,
+                                                                         tmp_path):
+    """A 2-rank set resumed on one process (resharded), validated and saved: checkpoint_best.pt of this run
+    supersedes the 2-rank run's checkpoint_best-rank-*.pt, which are removed; the set of each name loads."""
+    from fairseq_plugins.checkpoints import check_current, read_checkpoint_any_layout
+
+    save = two_rank_set(smlp_tiny_one_process, tmp_path / "ckpt")
+    fairseq_train([str(tiny_lm_data), "--user-dir", PLUGINS, "--arch", "smlp_lm_tiny", "--num-experts", "2",
+                   *TRAIN, "--max-update", "3", "--save-dir", str(save), "--valid-subset", "valid",
+                   "--max-valid-steps", "2", "--no-epoch-checkpoints"])
+    names = sorted(p.name for p in save.iterdir() if p.is_file())
+    assert names == ["checkpoint_best.pt", "checkpoint_last.pt"], names
+    for name in names:
+        check_current(str(save / name))
+        assert read_checkpoint_any_layout(str(save / name))[0]["optimizer_history"][-1]["num_updates"] == 3
+
+
+def went_on(save: Path, name: str, updates: int) -> None:
+    """As if training had gone on: the shards of `name` now hold another save (`updates`) of the same run."""
+    for shard in sorted(save.glob(f"{name}-rank-*.pt")):
+        state = torch.load(shard, map_location="cpu", weights_only=False)
+        state["optimizer_history"][-1]["num_updates"] = updates
+        state["smlp_shard"] = {**state["smlp_shard"], "num_updates": updates,
+                               "set_id": f"{state['smlp_shard']['set_id'].rsplit(':', 1)[0]}:{updates}"}
+        torch.save(state, shard)
+
+
+@pytest.fixture
+def stale(smlp_tiny_one_process, tmp_path) -> Path:
+    """README's `smlp-consolidate .../checkpoint_best.pt` in place (update 2), then training went on and saved
+    update 5's shards beside it."""
+    from smlp_launch.consolidate import consolidate_main
+
+    save = two_rank_set(smlp_tiny_one_process, tmp_path / "ckpt", names=("checkpoint_best",))
+    assert consolidate_main([str(save / "checkpoint_best.pt")]) == 0
+    went_on(save, "checkpoint_best", 5)
+    return save / "checkpoint_best.pt"
+
+
+STALE = ("checkpoint_best.pt and its rank shards hold different saves (checkpoint_best.pt: update 2, merged by "
+         "smlp-consolidate from 2 shards; checkpoint_best-rank-0.pt: update 5, written by a 2-rank run")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("prog", ["smlp-generate", "smlp-zeroshot", "smlp-export"])
+def test_a_consolidated_file_older_than_its_shards_is_refused_by_our_programs(prog, stale, tiny_lm_data, tmp_path,
+                                                                              capsys, monkeypatch):
+    from smlp_eval import generate, hf_export, zeroshot
+
+    data = tmp_path / "copa.jsonl"
+    data.write_text('{"premise": "It rained.", "choice1": "a", "choice2": "b", "question": "effect", "label": 0}\n')
+    before = snapshot(tmp_path)
+    main, argv = {"smlp-generate": (generate.main, ["--path", str(stale), "--prompts", str(data)]),
+                  "smlp-zeroshot": (zeroshot.main, ["--path", str(stale), "--task", "copa", "--data", str(data)]),
+                  "smlp-export": (hf_export.main, [str(stale), "--hf", str(tmp_path / "hf")])}[prog]
+    assert main([*argv, "--data-dir", str(tiny_lm_data)]) == 2
+    line = one_error_line(capsys.readouterr().err, prog)
+    assert STALE in line and f"run `smlp-consolidate {stale}` again" in line, line
+    assert snapshot(tmp_path) == before
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("prog", ["fairseq-eval-lm", "fairseq-validate"])
+def test_a_consolidated_file_older_than_its_shards_is_refused_by_fairseqs_programs(prog, stale, tiny_lm_data):
+    from fairseq_helpers import run_in_process
+
+    with pytest.raises(ValueError) as err:
+        run_in_process(prog, [str(tiny_lm_data), "--user-dir", PLUGINS, "--path", str(stale), "--task",
+                              "language_modeling", "--tokens-per-sample", "32", "--batch-size", "8"])
+    assert STALE in str(err.value) and type(err.value).__name__ == "CheckpointSetError"
+
+
+# ----------------------------------------------------------------------------- smlp-launch and fairseq-train
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags, message", [
+    (["--decoder-ffn-embed-dim", "127"], "--decoder-ffn-embed-dim 127 must be even: the gMLP block splits it"),
+    (["--num-experts", "3"], "--num-experts 3 cannot be spread evenly over 2 ranks"),
+], ids=["odd-ffn-width", "experts-do-not-fit-the-ranks"])
+def test_launcher_says_a_refused_flag_once_in_one_line(flags, message, tiny_lm_data, tmp_path):
+    """Every worker checks the flags before it joins the others; the launcher prints the refusal once, without
+    the ranks' tracebacks, and leaves no save directory or rank log behind."""
+    import subprocess
+    import sys
+
+    launch = Path(sys.executable).parent / "smlp-launch"
+    save = tmp_path / "ckpt"
+    proc = subprocess.run([str(launch), "--nproc", "2", "--cpu", "--", str(tiny_lm_data), "--user-dir", PLUGINS,
+                           "--arch", "smlp_lm_tiny", *TRAIN, "--save-dir", str(save), *flags],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    line = one_error_line(proc.stderr, "smlp-launch")
+    assert message in line and proc.stderr.count(message) == 1, proc.stderr
+    assert "Traceback" not in proc.stdout and not save.exists()
+
+
+@pytest.mark.parametrize("extra, message", [
+    (lambda t: ["--save-dir", str(t / "a-file" / "ckpt")], "--save-dir {t}/a-file/ckpt cannot be created: {t}/a-file "
+                                                           "is a file; choose a folder path"),
+    (lambda t: ["--save-dir", str(t / "ckpt"), "--restore-file", str(t / "nope.pt")],
+     "--restore-file {t}/nope.pt does not exist (nor its rank shards {t}/nope-rank-R.pt): fairseq would silently "
+     "start from scratch"),
+    (lambda t: ["--save-dir", str(t / "ckpt"), "--finetune-from-model", str(t / "nope.pt")],
+     "--finetune-from-model {t}/nope.pt does not exist"),
+], ids=["save-dir-under-a-file", "missing-restore-file", "missing-finetune-model"])
+def test_launcher_refuses_paths_before_any_worker_starts(extra, message, tiny_lm_data, tmp_path, capsys,
+                                                         monkeypatch):
+    from smlp_launch import local
+
+    (tmp_path / "a-file").write_text("x")
+    monkeypatch.setattr(local.Launcher, "start", lambda self: pytest.fail("a worker was started"))
+    before = snapshot(tmp_path)
+    assert local.main(["--nproc", "2", "--cpu", "--", str(tiny_lm_data), "--user-dir", PLUGINS, *extra(tmp_path)]) == 2
+    assert message.format(t=tmp_path) in one_error_line(capsys.readouterr().err, "smlp-launch")
+    assert snapshot(tmp_path) == before
+
+
+def test_fairseq_programs_print_a_refusal_as_one_line(capsys, monkeypatch):
+    """fairseq-train / -validate / -eval-lm let the plugins' refusals reach the interpreter: one line, not the
+    traceback around it; other errors keep their traceback."""
+    import sys
+
+    import fairseq_plugins  # noqa: F401  (installs the hook)
+    from fairseq_plugins.errors import FlagError
+
+    monkeypatch.setattr(sys, "argv", ["/venv/bin/fairseq-train", "data"])
+    try:
+        raise FlagError("--decoder-ffn-embed-dim 127 must be even")
+    except FlagError as exc:
+        sys.excepthook(type(exc), exc, exc.__traceback__)
+    assert capsys.readouterr().err == "fairseq-train: error: --decoder-ffn-embed-dim 127 must be even\n"
+    try:
+        raise KeyError("a bug")
+    except KeyError as exc:
+        sys.excepthook(type(exc), exc, exc.__traceback__)
+    assert "Traceback" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- evaluation programs
+
+
+@pytest.mark.slow
+def test_validate_takes_the_sequence_length_from_the_checkpoint(smlp_tiny_one_process, tiny_lm_data):
+    """fairseq-validate --tokens-per-sample 16 on a T = 32 model: blocks of 16 (it was PyTorch's size mismatch);
+    64 is refused in one line naming both, by fairseq-validate and fairseq-eval-lm."""
+    from fairseq_helpers import run_in_process, valid_losses
+    from fairseq_plugins.errors import FlagError
+
+    ckpt = str(smlp_tiny_one_process / "checkpoint_last.pt")
+    flags = [str(tiny_lm_data), "--user-dir", PLUGINS, "--path", ckpt, "--task", "language_modeling",
+             "--batch-size", "8"]
+    (res,) = run_in_process("fairseq-validate", [*flags, "--tokens-per-sample", "16", "--max-valid-steps", "2"])
+    assert len(valid_losses(res.stdout)) == 1, res.stdout[-2000:]
+    with pytest.raises(FlagError, match=r"--tokens-per-sample 64 exceeds the model's sequence length 32 .*give "
+                                        r"--tokens-per-sample 32 or less"):
+        run_in_process("fairseq-validate", [*flags, "--tokens-per-sample", "64"])
+    with pytest.raises(FlagError, match=r"blocks of 64 tokens \(--tokens-per-sample\) to a model whose spatial "
+                                        r"weights cover 32 positions"):
+        run_in_process("fairseq-eval-lm", [*flags, "--tokens-per-sample", "64"])
+
+
+@pytest.mark.slow
+def test_generate_refuses_fairseqs_own_transformer_lm(tiny_lm_data, tmp_path, capsys):
+    """It raised AttributeError ('TransformerLanguageModel' object has no attribute 'core')."""
+    from smlp_eval import generate
+
+    save = tmp_path / "fairseq-lm"
+    fairseq_train([str(tiny_lm_data), "--user-dir", PLUGINS, "--arch", "transformer_lm", "--decoder-layers", "1",
+                   "--decoder-embed-dim", "32", "--decoder-ffn-embed-dim", "64", "--decoder-attention-heads", "2",
+                   *["cross_entropy" if f == "smlp_lm_loss" else f for f in TRAIN], "--max-update", "1",
+                   "--save-dir", str(save), "--disable-validation", "--no-epoch-checkpoints"])
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("To be\n")
+    before = snapshot(tmp_path)
+    assert generate.main(["--path", str(save / "checkpoint_last.pt"), "--prompts", str(prompts)]) == 2
+    line = one_error_line(capsys.readouterr().err, "smlp-generate")
+    assert "holds a transformer_lm model, not one of this project's (smlp_lm, gmlp_lm, moe_transformer_lm)" in line
+    assert "fairseq-interactive --path" in line and snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("prog", ["smlp-zeroshot", "smlp-generate"])
+def test_output_json_is_checked_before_the_work(prog, tmp_path, capsys):
+    """Under a file: refused before the checkpoint is read (it failed after all the scoring, the results lost)."""
+    from smlp_eval import generate, zeroshot
+
+    (tmp_path / "results").write_text("a file")
+    out = tmp_path / "results" / "zs.json"
+    main = zeroshot.main if prog == "smlp-zeroshot" else generate.main
+    before = snapshot(tmp_path)
+    assert main(["--path", str(tmp_path / "no-such.pt"), "--output-json", str(out)]) == 2
+    line = one_error_line(capsys.readouterr().err, prog)
+    assert f"--output-json {out}: {tmp_path / 'results'} is a file, not a folder" in line
+    assert snapshot(tmp_path) == before
+
+
+def test_generate_says_it_reads_prompts_from_a_terminal(capsys, monkeypatch):
+    import io
+
+    from smlp_eval.generate import read_prompts
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    monkeypatch.setattr("sys.stdin", Terminal("To be\n"))
+    assert read_prompts("-") == ["To be"]
+    assert "smlp-generate: reading prompts from standard input, one per line; end with Ctrl-D" in \
+        capsys.readouterr().err
+    monkeypatch.setattr("sys.stdin", io.StringIO("piped\n"))  # a pipe: nothing said
+    assert read_prompts("-") == ["piped"] and capsys.readouterr().err == ""
