@@ -3,10 +3,11 @@
 A flag the model cannot take (heads that do not divide the width, experts that do not fit the world size, a
 routing prefix covering the sequence, no layer, --batch-size 0, ...) used to surface inside every rank's
 fairseq-train as a 30-line traceback, once per rank. `refusal(fairseq_args)` parses the arguments as
-fairseq-train does (its parser, with the plugins of --user-dir), checks the data folder, the batch limits and
-the model's flags without building the model (`fairseq_plugins.models.check_model_flags`), and returns the one
-line that says what is wrong, or None. A worker runs it before it joins the others (no file is written, no
-rendezvous is made); the launcher prints the line once and stops the other workers (smlp_launch.local).
+fairseq-train does (its parser, with the plugins of --user-dir), checks the data folder (its train split whole
+and within its dictionary), the batch limits and the model's flags without building the model
+(`fairseq_plugins.models.check_model_flags`), and returns the one line that says what is wrong, or None. A
+worker runs it before it joins the others (no file is written, no rendezvous is made); the launcher prints the
+line once and stops the other workers (smlp_launch.local).
 """
 from __future__ import annotations
 
@@ -36,14 +37,18 @@ def refusal(fairseq_args: list[str]) -> str | None:
         cfg = convert_namespace_to_omegaconf(args)
     from fairseq_plugins.errors import RefusedInput
     from fairseq_plugins.models import check_model_flags
-    from fairseq_plugins.patches import check_batch_limits, check_data_dir
+    from fairseq_plugins.patches import check_batch_limits, check_binarized_split, check_data_dir
 
     try:
         data = getattr(cfg.task, "data", None)
         check_data_dir(data)
         check_batch_limits(cfg.dataset.batch_size, cfg.dataset.max_tokens)
-        if data and getattr(cfg.model, "_name", None):
-            check_model_flags(cfg.model, _dictionary_size(str(data).split(os.pathsep)[0]))
+        if data and "://" not in str(data):
+            first = str(data).split(os.pathsep)[0]
+            size = _dictionary_size(first)
+            if getattr(cfg.model, "_name", None):
+                check_model_flags(cfg.model, size)
+            check_binarized_split(os.path.join(first, "train"), size, os.path.join(first, "dict.txt"))
     except (RefusedInput, ValueError) as exc:  # the model's own checks: a flag's value it cannot take
         return " ".join(str(exc).split("\n"))
     return None

@@ -60,12 +60,32 @@ def arch(name, *extra):
 
 
 def other_dictionary(c: Ctx) -> list[str]:
+    """The data directory's dict.txt (consistent with its data) has 100 symbols more than the checkpoint's."""
     c.with_checkpoint()
     data = c.tmp / "other-data"
     shutil.copytree(c.data, data)
     lines = (data / "dict.txt").read_text().splitlines()
-    (data / "dict.txt").write_text("\n".join(lines[:500]) + "\n")
+    (data / "dict.txt").write_text("\n".join(lines + [f"madeup{i} 1" for i in range(100)]) + "\n")
     return [str(data), *smlp("--num-experts", "2")(c)[1:]]
+
+
+def data_copy(change: Callable[[Path], None]) -> Callable[[Ctx], list[str]]:
+    def build(c: Ctx) -> list[str]:
+        data = c.tmp / "data"
+        shutil.copytree(c.data, data)
+        change(data)
+        return [str(data), *smlp("--num-experts", "2")(c)[1:]]
+    return build
+
+
+def cut_short(data: Path) -> None:
+    raw = (data / "train.bin").read_bytes()
+    (data / "train.bin").write_bytes(raw[: len(raw) // 2])
+
+
+def fewer_symbols(data: Path) -> None:
+    lines = (data / "dict.txt").read_text().splitlines()
+    (data / "dict.txt").write_text("\n".join(lines[:500]) + "\n")
 
 
 def no_train_split(c: Ctx) -> list[str]:
@@ -159,7 +179,12 @@ CASES = [
      ["has no dict.txt; pass the output folder"]),
     ("data-dir-without-train-split", no_train_split, 1, FileNotFoundError, ["Dataset not found: train"]),
     ("data-dir-with-another-dictionary", other_dictionary, 1, ValueError,
-     ["trained with a 2000-symbol dictionary and the data directory's dict.txt has 504 symbols"]),
+     ["trained with a 2000-symbol dictionary and the data directory's dict.txt has 2100 symbols"]),
+    ("train-bin-cut-short", data_copy(cut_short), 1, FileNotFoundError,
+     ["/data/train.bin holds", "bytes but its index train.idx describes", "sentences): the file is cut short"]),
+    ("dictionary-smaller-than-the-data", data_copy(fewer_symbols), 1, FileNotFoundError,
+     ["/data/valid.bin holds token id", "but", "/data/dict.txt has 504 symbols (ids 0-503): the data was binarized "
+                                              "with another, larger dictionary"]),
     # checkpoints
     ("checkpoint-of-another-architecture", resume("--arch", "gmlp_lm_tiny"), 1, ValueError,
      ["does not fit the model of this run: the checkpoint is of another architecture",

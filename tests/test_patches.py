@@ -30,7 +30,8 @@ def _patched():
             "call_main": distributed_utils.call_main, "all_gather_list": distributed_utils.all_gather_list,
             "DistributedDataParallel": distributed_fairseq_model.DistributedDataParallel,
             "get_batch_iterator": FairseqTask.get_batch_iterator,
-            "load_checkpoint_to_cpu": checkpoint_utils.load_checkpoint_to_cpu}
+            "load_checkpoint_to_cpu": checkpoint_utils.load_checkpoint_to_cpu,
+            "load_dataset": LanguageModelingTask.load_dataset}
 
 
 def test_every_listed_patch_names_code_that_exists_and_says_what_it_fixes():
