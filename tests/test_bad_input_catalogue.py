@@ -322,3 +322,36 @@ def test_generate_says_it_reads_prompts_from_a_terminal(capsys, monkeypatch):
         capsys.readouterr().err
     monkeypatch.setattr("sys.stdin", io.StringIO("piped\n"))  # a pipe: nothing said
     assert read_prompts("-") == ["piped"] and capsys.readouterr().err == ""
+
+
+# ----------------------------------------------------------------------------- smlp-flops
+
+
+def test_flops_refuses_a_match_no_layer_count_reaches(capsys):
+    """--smlp-sparse-layers 1000 exited 0 with a +2277% "nearest" sMLP."""
+    from smlp_eval import flops
+
+    assert flops.main(["--arch", "smlp_lm_paper_small", "--match", "--smlp-sparse-layers", "1000",
+                       "--method", "analytic"]) == 2
+    line = one_error_line(capsys.readouterr().err, "smlp-flops")
+    assert "--smlp-sparse-layers 1000: the smallest sMLP with 1000 sparse blocks (1 dense + 1000 sparse) has" in line
+    assert "none matches within 1.5%; give fewer sparse blocks (the target has 12)" in line
+
+
+def test_flops_counts_a_preset_as_its_recipe_trains_it(capsys):
+    """smlp_lm_tiny was counted with fairseq's T = 1024 and the paper's V = 51200; its recipe trains T = 64 on
+    the demo corpus (V = 4000)."""
+    import json
+
+    from smlp_eval import flops
+
+    assert flops.main(["--arch", "smlp_lm_tiny", "--num-experts", "2", "--json", "--method", "analytic"]) == 0
+    out = capsys.readouterr()
+    counted = json.loads(out.out)
+    assert (counted["tokens"], counted["seq_len"], counted["vocab_size"]) == (64, 64, 4000), counted
+    assert "smlp_lm_tiny as its recipe trains it: --tokens-per-sample 64 (configs/smlp_tiny.args), --vocab-size " \
+           "4000" in out.err
+    assert flops.main(["--arch", "smlp_lm_tiny", "--num-experts", "2", "--json", "--method", "analytic",
+                       "--tokens-per-sample", "32", "--vocab-size", "100"]) == 0  # given flags win
+    counted = json.loads(capsys.readouterr().out)
+    assert (counted["tokens"], counted["vocab_size"]) == (32, 100)
