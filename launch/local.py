@@ -25,7 +25,10 @@ process group, SIGKILL after --grace seconds, prints the tail of the failed rank
 non-zero naming the rank. Ctrl-C / SIGTERM / SIGHUP to the launcher stop all workers the same way
 (a second Ctrl-C kills at once). SIGUSR1 to the launcher is forwarded: the workers save a checkpoint
 after the current update and stop (smlp_launch.worker), and the launcher exits 0.
-Rank 0 writes to the console; rank R > 0 writes to LOG_DIR/rankR.log. At the end the launcher
+Rank 0 writes to the console; rank R > 0 writes to LOG_DIR/rankR.log. On a terminal the launcher shows
+rank 0's training as a progress bar over --max-update (updates, loss, words/s, time left; smlp_launch.progress),
+prints its other lines above the bar and keeps all of them in LOG_DIR/rank0.log (--log-interval 10 unless
+given; --no-progress lets rank 0's output through as it is). At the end the launcher
 prints each rank's peak resident memory (the kernel's ru_maxrss of the reaped worker; while they
 run, `smlp_launch.memory` reads VmHWM), and --peak-rss-json FILE writes it as JSON.
 
@@ -94,6 +97,8 @@ class Plan:
     peak_rss_json: Path | None = None
     commands: list[list[str]] = field(default_factory=list)
     envs: list[dict[str, str]] = field(default_factory=list)
+    progress: bool = False  # rank 0's output read by the launcher, shown as a bar (smlp_launch.progress)
+    max_update: int | None = None
 
 
 # ----------------------------------------------------------------------------- command line
@@ -145,6 +150,9 @@ A worker that fails stops all others; the launcher exits with its code and shows
                    f"fails (default ${TIMEOUT_ENV}, else {DEFAULT_TIMEOUT_S:g}); gloo and NCCL")
     p.add_argument("--peak-rss-json", type=Path, default=None,
                    help="write each rank's peak resident memory (bytes) to this JSON file at the end")
+    p.add_argument("--no-progress", action="store_true",
+                   help="on a terminal, let rank 0's output through as it is instead of a progress bar (updates, "
+                        "loss, words/s, time left; rank 0's output then goes to LOG_DIR/rank0.log)")
     p.add_argument("--dry-run", action="store_true", help="print the worker commands and exit")
     p.add_argument("--worker", action="store_true",
                    help="run ONE fairseq-train in this process with the graceful-stop hook "
@@ -273,9 +281,14 @@ def plan_launch(opts: argparse.Namespace, fairseq_args: list[str]) -> Plan:
     save_dir = _flag_value(fairseq_args, "--save-dir") or "checkpoints"
     log_dir = opts.log_dir or Path(save_dir) / "launch-logs"
 
+    progress = not opts.no_progress and sys.stderr.isatty()
+    if progress and not _has_flag(fairseq_args, "--log-interval"):
+        fairseq_args = [*fairseq_args, "--log-interval", "10"]  # the bar moves every 10 updates
+    max_update = _flag_value(fairseq_args, "--max-update")
     plan = Plan(nproc=nproc, device=device, master_addr=opts.master_addr, master_port=port,
                 threads=threads, log_dir=Path(log_dir), grace=opts.grace, fairseq_args=fairseq_args,
-                timeout=timeout, peak_rss_json=opts.peak_rss_json)
+                timeout=timeout, peak_rss_json=opts.peak_rss_json, progress=progress,
+                max_update=int(max_update) if max_update and max_update.isdigit() else None)
     common = [
         "--distributed-init-method", f"tcp://{opts.master_addr}:{port}",
         "--distributed-world-size", str(nproc),
@@ -414,6 +427,7 @@ class Launcher:
         self.refusals: Path | None = None  # where the workers write the one line refusing their flags
         self.refused = False
         self.created: list[Path] = []  # the folders start() made for the rank logs
+        self.progress = None  # smlp_launch.progress.Progress of rank 0's output, on a terminal
 
     def say(self, msg: str) -> None:
         print(f"{PROG}: {msg}", file=self.out, flush=True)
@@ -435,7 +449,7 @@ class Launcher:
 
     def start(self) -> None:
         p = self.plan
-        if p.nproc > 1:
+        if p.nproc > 1 or p.progress:
             from smlp_eval.files import make_parents
 
             self.created = make_parents(p.log_dir / "rank1.log")  # taken away again if the flags are refused
@@ -449,9 +463,18 @@ class Launcher:
             if rank > 0:
                 log_path = p.log_dir / f"rank{rank}.log"
                 log_file = open(log_path, "wb")
+            piped = rank == 0 and p.progress
             proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL,
-                                    stdout=log_file, stderr=subprocess.STDOUT if log_file else None,
-                                    start_new_session=True, preexec_fn=preexec)
+                                    stdout=subprocess.PIPE if piped else log_file,
+                                    stderr=subprocess.STDOUT if log_file or piped else None,
+                                    start_new_session=True, preexec_fn=preexec,
+                                    text=piped or None, errors="replace" if piped else None)
+            if piped:
+                from .progress import Progress
+
+                self.progress = Progress(p.max_update, p.log_dir / "rank0.log", self.out)
+                self.progress.follow(proc.stdout)
+                log_path = p.log_dir / "rank0.log"
             self.workers.append(Worker(rank, proc, log_path, log_file))
 
     def stop_all(self, reason: str, quiet: bool = False) -> None:
@@ -491,6 +514,8 @@ class Launcher:
             # whatever happened (exception included), no worker outlives the launcher
             if any(_group_alive(w.pgid) for w in self.workers):
                 self.stop_all("cleaning up")
+            if self.progress is not None:
+                self.progress.close()
             for w in self.workers:
                 if w.log_file:
                     w.log_file.close()
@@ -552,6 +577,9 @@ class Launcher:
         """A refused run leaves nothing: the rank logs and the folders made for them go."""
         from smlp_eval.files import remove_folders
 
+        if self.progress is not None:
+            self.progress.close()
+            self.progress = None
         for w in self.workers:
             if w.log_file:
                 w.log_file.close()
@@ -570,11 +598,15 @@ class Launcher:
         code = w.proc.returncode
         what = f"rank {w.rank} {_describe(code)}"
         self.stop_all(what)
+        shown = self.progress is not None and w.rank == 0  # its lines are on the console already
+        if self.progress is not None:
+            self.progress.close()
+            self.progress = None
         others = [f"rank {o.rank} {_describe(o.proc.returncode)}" for o in self.workers
                   if o is not w and o.proc.returncode is not None]
         if others:
             self.say("then: " + ", ".join(others))
-        if w.log_path is not None:
+        if w.log_path is not None and not shown:
             self.say(f"last lines of {w.log_path}:")
             print(_tail(w.log_path), file=self.out, flush=True)
         where = f" (log: {w.log_path})" if w.log_path else " (its output is above)"
