@@ -151,8 +151,8 @@ A worker that fails stops all others; the launcher exits with its code and shows
     p.add_argument("--peak-rss-json", type=Path, default=None,
                    help="write each rank's peak resident memory (bytes) to this JSON file at the end")
     p.add_argument("--no-progress", action="store_true",
-                   help="on a terminal, let rank 0's output through as it is instead of a progress bar (updates, "
-                        "loss, words/s, time left; rank 0's output then goes to LOG_DIR/rank0.log)")
+                   help="let rank 0's output through as it is on a terminal too (by default a terminal gets a "
+                        "progress bar: updates, loss, words/s, time left, with rank 0's lines in LOG_DIR/rank0.log)")
     p.add_argument("--dry-run", action="store_true", help="print the worker commands and exit")
     p.add_argument("--worker", action="store_true",
                    help="run ONE fairseq-train in this process with the graceful-stop hook "
