@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import sys
 import warnings
 
 __all__ = ["refusal"]
@@ -31,9 +32,12 @@ def refusal(fairseq_args: list[str]) -> str | None:
         try:
             with contextlib.redirect_stderr(err):
                 args = options.parse_args_and_arch(parser, list(fairseq_args))
-        except SystemExit:  # argparse printed the usage and one "error:" line
+        except SystemExit as exc:  # argparse printed the usage and one "error:" line, and exits with 2
             lines = [line.split("error: ", 1)[1] for line in err.getvalue().splitlines() if "error: " in line]
-            return lines[-1] if lines else err.getvalue().strip().splitlines()[-1]
+            if exc.code != 2 or not lines:  # not argparse: e.g. a --user-dir module that exits on import
+                sys.stderr.write(err.getvalue())
+                raise
+            return lines[-1]
         cfg = convert_namespace_to_omegaconf(args)
     from fairseq_plugins.errors import RefusedInput
     from fairseq_plugins.models import check_model_flags
