@@ -404,7 +404,7 @@ def test_half_precision_export(dtype, checkpoints, tmp_path):
 
 
 def test_cli_prints_the_loading_lines_and_refuses_an_existing_folder(checkpoints, tmp_path, capsys):
-    out = tmp_path / "cli"
+    out = tmp_path / "hf" / "cli"  # README's `--hf hf/plays` on a fresh checkout: the parent is created
     assert hf_export.main([str(checkpoints["gmlp"]), "--hf", str(out), "--no-verify"]) == 0
     printed = capsys.readouterr().out
     assert f"wrote {out}" in printed and "AutoModelForCausalLM.from_pretrained" in printed
@@ -423,7 +423,7 @@ def test_cli_prints_the_loading_lines_and_refuses_an_existing_folder(checkpoints
     before = (out / "model.safetensors").stat().st_ino
     assert hf_export.main([str(checkpoints["gmlp"]), "--hf", str(out), "--no-verify", "--force"]) == 0
     assert (out / "config.json").exists() and (out / "model.safetensors").stat().st_ino != before
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(".")]
 
 
 def test_a_failed_export_leaves_no_folder_and_keeps_the_previous_one(checkpoints, tmp_path, monkeypatch):
