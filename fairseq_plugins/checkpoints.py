@@ -75,8 +75,8 @@ def pin_sequence_length() -> bool:
     """A checkpoint of our models keeps the sequence length T its weights were trained with.
 
     --seq-len 0 (the default) means --tokens-per-sample, and fairseq-validate applies every flag given on its
-    command line to the saved model config, so `fairseq-validate --tokens-per-sample 16` built a T = 16 model
-    and failed on the T = 32 spatial weights with PyTorch's "size mismatch". Wrapping
+    command line to the saved model config, so `fairseq-validate --tokens-per-sample 16` would build a T = 16
+    model and fail on the T = 32 spatial weights with PyTorch's "size mismatch". Wrapping
     `checkpoint_utils.load_checkpoint_to_cpu` (every program's loader), the saved config's seq_len is set to
     the training T before the command line's overrides apply: a shorter --tokens-per-sample evaluates in
     shorter blocks, a longer one is refused naming both values (config.to_core_config)."""

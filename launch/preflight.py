@@ -1,7 +1,7 @@
 """The checks a fairseq-train command passes before any of its ranks starts working (smlp-launch's workers).
 
 A flag the model cannot take (heads that do not divide the width, experts that do not fit the world size, a
-routing prefix covering the sequence, no layer, --batch-size 0, ...) used to surface inside every rank's
+routing prefix covering the sequence, no layer, --batch-size 0, ...) would surface inside every rank's
 fairseq-train as a 30-line traceback, once per rank. `refusal(fairseq_args)` parses the arguments as
 fairseq-train does (its parser, with the plugins of --user-dir), checks the data folder (its train split whole
 and within its dictionary), the batch limits and the model's flags without building the model

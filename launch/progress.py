@@ -4,7 +4,7 @@ On a terminal the launcher reads rank 0's output instead of letting it through (
 goes to LOG_DIR/rank0.log, the training lines (`train_inner`) move a bar over --max-update with the loss and
 words/s (tqdm adds the rate and the time left), and every other line (validation, checkpoints, warnings,
 errors) is printed above the bar, as smlp-demo shows its training. Elsewhere (a file, a pipe, SLURM) rank 0
-writes to the console as before.
+writes to the console itself.
 """
 from __future__ import annotations
 

@@ -253,7 +253,7 @@ def test_fairseq_programs_print_a_refusal_as_one_line(capsys, monkeypatch):
 
 @pytest.mark.slow
 def test_validate_takes_the_sequence_length_from_the_checkpoint(smlp_tiny_one_process, tiny_lm_data):
-    """fairseq-validate --tokens-per-sample 16 on a T = 32 model: blocks of 16 (it was PyTorch's size mismatch);
+    """fairseq-validate --tokens-per-sample 16 on a T = 32 model: blocks of 16, the model's weights as trained;
     64 is refused in one line naming both, by fairseq-validate and fairseq-eval-lm."""
     from fairseq_helpers import run_in_process, valid_losses
     from fairseq_plugins.errors import FlagError
@@ -273,7 +273,7 @@ def test_validate_takes_the_sequence_length_from_the_checkpoint(smlp_tiny_one_pr
 
 @pytest.mark.slow
 def test_generate_refuses_fairseqs_own_transformer_lm(tiny_lm_data, tmp_path, capsys):
-    """It raised AttributeError ('TransformerLanguageModel' object has no attribute 'core')."""
+    """A checkpoint of fairseq's own model: named, with the program that generates from it."""
     from smlp_eval import generate
 
     save = tmp_path / "fairseq-lm"
@@ -292,7 +292,7 @@ def test_generate_refuses_fairseqs_own_transformer_lm(tiny_lm_data, tmp_path, ca
 
 @pytest.mark.parametrize("prog", ["smlp-zeroshot", "smlp-generate"])
 def test_output_json_is_checked_before_the_work(prog, tmp_path, capsys):
-    """Under a file: refused before the checkpoint is read (it failed after all the scoring, the results lost)."""
+    """Under a file: refused before the checkpoint is read, not after the scoring."""
     from smlp_eval import generate, zeroshot
 
     (tmp_path / "results").write_text("a file")
@@ -326,7 +326,7 @@ def test_generate_says_it_reads_prompts_from_a_terminal(capsys, monkeypatch):
 
 
 def test_flops_refuses_a_match_no_layer_count_reaches(capsys):
-    """--smlp-sparse-layers 1000 exited 0 with a +2277% "nearest" sMLP."""
+    """No sMLP with 1000 sparse blocks comes near the small sMLP's FLOPs: an error, not a +2277% "nearest"."""
     from smlp_eval import flops
 
     assert flops.main(["--arch", "smlp_lm_paper_small", "--match", "--smlp-sparse-layers", "1000",
@@ -337,8 +337,8 @@ def test_flops_refuses_a_match_no_layer_count_reaches(capsys):
 
 
 def test_flops_counts_a_preset_as_its_recipe_trains_it(capsys):
-    """smlp_lm_tiny was counted with fairseq's T = 1024 and the paper's V = 51200; its recipe trains T = 64 on
-    the demo corpus (V = 4000)."""
+    """smlp_lm_tiny is counted as configs/smlp_tiny.args trains it, T = 64 on the demo corpus (V = 4000), not
+    with fairseq's T = 1024 and the paper's V = 51200."""
     import json
 
     from smlp_eval import flops
@@ -359,8 +359,7 @@ def test_flops_counts_a_preset_as_its_recipe_trains_it(capsys):
 
 
 def test_consolidate_checks_its_output_before_merging(tmp_path, capsys):
-    """--out under a file: refused before the shards are read; --out into a missing folder: created (it failed
-    after the merge with a raw errno)."""
+    """--out under a file: refused before the shards are read (a missing folder is created: the next test)."""
     from smlp_launch.consolidate import consolidate_main
 
     (tmp_path / "a-file").write_text("x")
