@@ -286,7 +286,8 @@ FAIR_START, FAIR_END = "<!-- smlp-bench-fair:start -->", "<!-- smlp-bench-fair:e
 README_FAIR_START, README_FAIR_END = "<!-- smlp-bench-readme-fair:start -->", "<!-- smlp-bench-readme-fair:end -->"
 FAIR_FIGURES = ("lr_sweep.png", "width.png", "experts.png")
 FAIR_PENDING = ("Not published yet: the deciding comparison (`smlp-bench --fair`: 8 experts per sparse layer, heads of "
-                "dimension 64, a learning rate per family, two seeds, two widths) writes this answer. The earlier runs "
+                "dimension 64, a learning rate per family, deciding runs on seeds the sweep did not use) writes this "
+                "answer; its runs are in progress, their store in docs/benchmark/fair/. The earlier runs "
                 "with 2 experts per sparse layer and one learning rate for all families, in [benchmarks.md]({page}), "
                 "cannot test the paper's claim: at 2 experts GShard's top-2 sends every token to both experts, and "
                 "Switch, GShard and Base Layers ended beside the dense Transformer.")

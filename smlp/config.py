@@ -104,7 +104,7 @@ class TMoEConfig:
             home straight to their expert and back.
     gshard_aux_loss: the scale of GShard's load-balancing loss (GSHARD_AUX_LOSSES).
     eval_routing: base only: how evaluation routes each token, priced (argmax of score - the
-            experts' prices averaged over training, routing/prices.py) or greedy (argmax of score,
+            experts' prices averaged over training, smlp/routing/prices.py) or greedy (argmax of score,
             fairseq's BaseLayer).
     """
 

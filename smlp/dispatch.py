@@ -309,7 +309,7 @@ class LocalDispatcher:
         return self.timer.seconds
 
     def sum_over_ranks(self, x: Tensor) -> Tensor:
-        """x summed over every data-parallel rank (the routers' price statistics, routing/prices.py):
+        """x summed over every data-parallel rank (the routers' price statistics, smlp/routing/prices.py):
         x itself in one process; replicated experts are one of several ranks, which sum over the world."""
         return _sum_over_world(x) if self.replicated else x
 

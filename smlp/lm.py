@@ -421,7 +421,7 @@ class LanguageModel(nn.Module):
 
     def routing_greedily(self):
         """Within the block, evaluation routes every balanced router's rows greedily (argmax of the scores,
-        fairseq's BaseLayer) instead of by its averaged training prices (routing/prices.py)."""
+        fairseq's BaseLayer) instead of by its averaged training prices (smlp/routing/prices.py)."""
         return flag_set(self, "route_greedily")
 
     def aux_loss(self) -> Tensor | None:

@@ -90,7 +90,7 @@ class TMoE(nn.Module):
         self.dispatcher = _check_dispatcher(dispatcher, cfg.num_experts)
         self.token_router = TOKEN_ROUTERS[cfg.router]  # the registry entry: parameters, route, capacity
         self.token_router.init(self, cfg)
-        if self.token_router.balanced:  # the prices evaluation routes with (routing/prices.py)
+        if self.token_router.balanced:  # the prices evaluation routes with (smlp/routing/prices.py)
             self.eval_prices = RouterPrices(cfg.num_experts)
         D = cfg.d_model
         self.experts = FFNExperts(self.dispatcher.num_local_experts, D, cfg.d_ffn, activation=cfg.activation,
@@ -343,7 +343,7 @@ class SMoE(nn.Module):
         if routing.router_reads != "none":
             P = cfg.router_len
             self.router = nn.Parameter(torch.randn(P, cfg.num_experts) * P ** -0.5)
-        if routing.balanced:  # the prices evaluation routes with (routing/prices.py)
+        if routing.balanced:  # the prices evaluation routes with (smlp/routing/prices.py)
             self.eval_prices = RouterPrices(cfg.num_experts)
         if not routing.causal:
             logger.warning(LEAKY_ROUTING_WARNING)

@@ -87,7 +87,7 @@ def smoe_partial_route(logits_SE: Tensor, *, training: bool, layer: str = "sMoE 
     chosen expert (eq. 7), which trains the router. Non-finite logits raise
     NonFiniteScoresError naming `layer` (at once, or through the plan's fault record with
     defer_checks=True). expert_S: an assignment made elsewhere, used instead (the layer's priced
-    evaluation routing, routing/prices.py).
+    evaluation routing, smlp/routing/prices.py).
     """
     logits_SE = logits_SE.float()
     fault = deferred_or_raised(nonfinite_fault(logits_SE), layer, defer_checks)
