@@ -543,8 +543,8 @@ def table4_stage(deciding: dict, out_dir: Path) -> str:
 def _paper_step_rows() -> list[dict] | None:
     """The step-time model's Table 4 (top) on the paper's 32 V100s (computed once: it does not depend on the runs)."""
     try:
+        from smlp.steptime import CLUSTERS
         from smlp_eval.flops import table4
-        from smlp_eval.flops.steptime import CLUSTERS
 
         return table4("top", CLUSTERS["v100-dgx1"])
     except Exception as exc:  # noqa: BLE001  the CPU ratios stand without the model

@@ -48,7 +48,6 @@ from torch import Tensor
 from torch.profiler import record_function
 
 from . import expert_data_parallel
-from .deprecation import moved_names
 from .process_group import collective_device
 from .profiling import RANGES
 from .routing.plan import FAULT_WIDTH, count_rows, raise_on_fault
@@ -696,7 +695,3 @@ def _block_transpose(counts_WL: Tensor, num_rows: int) -> Tensor:
     offset_R = torch.arange(num_rows, device=flat.device) - out_starts[block_R]
     l_R, w_R = block_R // W, block_R % W
     return starts[w_R * L + l_R] + offset_R
-
-
-# names that moved to another module, importable from here for one release (smlp/deprecation.py)
-__getattr__ = moved_names(__name__, {"expert_parallel_layout": "smlp.expert_data_parallel"})

@@ -22,7 +22,7 @@ GPUs in bf16; on the CPU it runs too but measured no faster than the loop, which
 and otherwise loop over the experts; the spatial experts run one blocked causal product for all
 of them (spatial.py). Where they loop, the stacked weights are unbound
 once: indexing them expert by expert made every expert's gradient a zero-filled copy of the whole
-stack (L^2 memory traffic: 1.2 s of a 32-expert FFN step, against 0.1 s). benchmarks/local_experts.py
+stack (L^2 memory traffic: 1.2 s of a 32-expert FFN step, against 0.1 s). benchmarks/micro/local_experts.py
 measures 32 experts of the paper-small shapes (scaled down) before and after.
 """
 from __future__ import annotations
@@ -260,7 +260,7 @@ class FFNExperts(nn.Module):
             self.norm_weight = self.norm_bias = None
         mark_expert(self)
         # unequal counts through torch's grouped matmul: None = on accelerators only (on the CPU it is no
-        # faster than the loop and gathers biases per row: benchmarks/local_experts.py); True / False force it
+        # faster than the loop and gathers biases per row: benchmarks/micro/local_experts.py); True / False force it
         self.grouped: bool | None = None
 
     def forward(self, x_RD: Tensor, counts_L: list[int], *, counts_dev_L: Tensor | None = None,

@@ -35,12 +35,12 @@ from .decoding_cache import cache_append
 from .dispatch import DispatchState, LocalDispatcher
 from .experts import FFNExperts, SpatialExperts
 from .profiling import RANGES
-from .routing.assignment import balanced_assignment
 from .routing.gates import router_z_loss
 from .routing.logits import router_logits
 from .routing.plan import RoutingPlan, count_rows, raise_on_fault
 from .routing.prices import RouterPrices
-from .routing.registry import SMOE_ROUTINGS, TOKEN_ROUTERS, hash_table  # noqa: F401  (hash_table: re-exported)
+from .routing.registry import SMOE_ROUTINGS, TOKEN_ROUTERS
+from .routing.token_routers import hash_table
 from .spatial import causal_step, check_length
 
 __all__ = ["TMoE", "SMoE", "SparseBlock", "SMoERows", "TokenSlots", "hash_table", "LEAKY_ROUTING_WARNING"]
@@ -88,26 +88,20 @@ class TMoE(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.dispatcher = _check_dispatcher(dispatcher, cfg.num_experts)
-        self.token_router = TOKEN_ROUTERS[cfg.router]  # the registry entry: parameters, route, capacity
-        self.token_router.init(self, cfg)
-        if self.token_router.balanced:  # the prices evaluation routes with (smlp/routing/prices.py)
-            self.eval_prices = RouterPrices(cfg.num_experts)
+        self.token_router = TOKEN_ROUTERS[cfg.router]  # the registry entry: top-k, capacity, balance
+        self.router = self.token_router.router_class(cfg, self.dispatcher)  # owns its parameters
         D = cfg.d_model
         self.experts = FFNExperts(self.dispatcher.num_local_experts, D, cfg.d_ffn, activation=cfg.activation,
                                   norm=cfg.uses_expert_norm, zero_output=cfg.uses_zero_init_output,
                                   first_expert=self.dispatcher.first_expert)
         self.aux_loss: Tensor | None = None
-        self.logits_SE: Tensor | None = None  # the softmax gates' logits of the last forward (z_loss)
         self.load_E: Tensor | None = None  # rows each expert computed (kept slots), on the device
         self.dropped: Tensor | None = None  # slots over capacity (Switch, GShard), on the device
         self.slots = 0  # routing slots of the last forward (tokens x choices): the denominator of `dropped`
         self.comm_time = None  # the dispatcher's timed sections of the last forward (CommTime)
         self.layer_name = f"TMoE ({cfg.router} router)"  # LanguageModel sets the module path, for errors
-        # a balanced router (the registry's `balanced`) assigns at evaluation as in training when set
-        # (LanguageModel.assigning_as_in_training), or greedily whatever cfg.eval_routing says
-        # (LanguageModel.routing_greedily)
+        # set with the balanced router's (LanguageModel.assigning_as_in_training): fixed counts per expert
         self.assign_as_in_training = False
-        self.route_greedily = False
 
     @property
     def comm_seconds(self) -> float:
@@ -115,10 +109,22 @@ class TMoE(nn.Module):
         return self.comm_time.seconds if self.comm_time is not None else 0.0
 
     @property
+    def logits_SE(self) -> Tensor | None:
+        """The softmax gates' logits of the last forward (Switch, GShard; None otherwise)."""
+        return getattr(self.router, "logits_SE", None)
+
+    @property
     def z_loss(self) -> Tensor | None:
         """The router z-loss (ST-MoE) of the last forward's logits (Switch, GShard; None otherwise),
         computed when asked: a forward whose criterion does not ask builds none of its graph."""
         return router_z_loss(self.logits_SE) if self.logits_SE is not None else None
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # checkpoints written before the router was a module hold its tensors under the layer's own names
+        for old in ("centroids", "gate.weight", "hash_table", "eval_prices.price_E", "eval_prices.price_weight"):
+            if prefix + old in state_dict and prefix + "router." + old not in state_dict:
+                state_dict[prefix + "router." + old] = state_dict.pop(prefix + old)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def route(self, x_SD: Tensor, token_ids_S: Tensor | None = None, *, defer_checks: bool = False) -> RoutingPlan:
         """Stage 1: the routing plan of the rows (the registry's route function: the router logits in
@@ -129,47 +135,7 @@ class TMoE(nn.Module):
             RoutingPlan: experts_SK (S, K) expert per slot (-1: dropped), weights_SK (S, K) combine
             weights, aux_loss (scalar or None), fault (the deferred check or None)
         """
-        return self.token_router.route(self, x_SD, token_ids_S, defer_checks)
-
-    def balanced_experts(self, scores_SE: Tensor) -> Tensor | None:
-        """The experts of a balanced router's rows (S,), or None for greedy routing (argmax of the scores).
-
-        Training: the balanced assignment, after Base Layers' shuffle when the layer shuffles
-        (`_shuffled_assignment`); its expert prices join the evaluation prices (`eval_prices`,
-        averaged over every data-parallel rank). Evaluation: argmax(score - price) per row (priced),
-        None (greedy), or the balanced assignment over the batch (`assign_as_in_training`).
-        """
-        if self.training or self.assign_as_in_training:
-            with torch.no_grad():
-                if self.training and self.cfg.uses_shuffle:
-                    return self._shuffled_assignment(scores_SE)
-                expert_S, price_E = balanced_assignment(scores_SE.detach(), with_prices=True)
-                if self.training:
-                    self.eval_prices.observe(price_E, scores_SE.shape[0], self.dispatcher.sum_over_ranks)
-                return expert_S
-        priced = self.cfg.eval_routing == "priced" and not self.route_greedily
-        return self.eval_prices.route(scores_SE.detach()) if priced else None
-
-    def _shuffled_assignment(self, scores_SE: Tensor) -> Tensor:
-        """Base Layers' training-time assignment (fairseq's `base_shuffle`), moving routing metadata only.
-
-        fairseq's BaseLayer sends every token to a random rank, assigns there, sends it to its
-        expert, back, and home: two token exchanges each way, and their reverses in backward.
-        The assignment reads only the tokens' scores, so:
-        1. send the scores (S x E, fp32, no gradient) through the shuffle: the same random
-           permutation and split as fairseq's tokens (dispatcher.shuffle);
-        2. assign with exact balance over the rows that arrive, as fairseq assigns the tokens
-           that arrive (the same scores in the same order: the same assignment); its prices join
-           the evaluation prices;
-        3. send each row's expert back to its home rank (dispatcher.unshuffle).
-        The tokens then go from home straight to their expert and back (`dispatch`, `combine`);
-        the combine weight sigmoid(score) is taken at home, where the scores have their gradient.
-        """
-        with torch.no_grad():
-            shuffled_SE, shuffle = self.dispatcher.shuffle(scores_SE.detach())
-            expert_S, price_E = balanced_assignment(shuffled_SE, with_prices=True)
-            self.eval_prices.observe(price_E, shuffled_SE.shape[0], self.dispatcher.sum_over_ranks)
-            return self.dispatcher.unshuffle(expert_S, shuffle)
+        return self.router(x_SD, token_ids_S, layer=self.layer_name, defer_checks=defer_checks)
 
     def forward(self, x_SD: Tensor, token_ids_S: Tensor | None = None) -> Tensor:
         """The expert branch of every row; the caller adds the residual. Cached decoding calls it too
@@ -526,17 +492,11 @@ class SMoE(nn.Module):
         return rows
 
     def balanced_experts(self, logits_SE: Tensor, training: bool) -> Tensor | None:
-        """The rows' experts (S,) under a balanced routing: the balanced assignment when `training` (its
-        prices join `eval_prices` in a training forward), else argmax(logit - price) (priced) or None
-        (greedy: the route takes the argmax of the logits). See TMoE.balanced_experts."""
-        if training:
-            with torch.no_grad():
-                expert_S, price_E = balanced_assignment(logits_SE.detach(), with_prices=True)
-                if self.training:
-                    self.eval_prices.observe(price_E, logits_SE.shape[0], self.dispatcher.sum_over_ranks)
-                return expert_S
-        priced = self.cfg.eval_routing == "priced" and not self.route_greedily
-        return self.eval_prices.route(logits_SE.detach()) if priced else None
+        """The rows' experts (S,) under a balanced routing (RouterPrices.experts): the balanced assignment
+        when `training`, else argmax(logit - price) (priced) or None (greedy)."""
+        return self.eval_prices.experts(logits_SE, assign=training, observe=self.training,
+                                        reduce=self.dispatcher.sum_over_ranks,
+                                        priced=self.cfg.eval_routing == "priced" and not self.route_greedily)
 
     def dispatch(self, rows: SMoERows, *, hi: int | None = None,
                  width: int | None = None) -> tuple[Tensor, list[int], DispatchState]:

@@ -28,7 +28,7 @@ The SGU passes its (B, n, H, C/H) activations as they are; the sMoE experts pass
 transposed (positions first: a (M, rows) view with strides (1, M)), so no operand is copied: BLAS
 reads and writes transposed and strided matrices in place. The output has x's strides.
 
-The block size was measured (benchmarks/causal_product.py): `default_block`. The FLOPs
+The block size was measured (benchmarks/micro/causal_product.py): `default_block`. The FLOPs
 calculator keeps the paper's convention (the full T x T product, Table 3): its counts use the
 masked dense form (flop_forms.explicit_spatial); `executed_pairs` gives what this form executes.
 
@@ -127,7 +127,7 @@ def load_gate_bias_offset(state_dict: dict, prefix: str) -> None:
 
 # ---------------------------------------------------------------- causal products
 
-# Rows per block, measured at the benchmark's and the paper's sizes (benchmarks/causal_product.py):
+# Rows per block, measured at the benchmark's and the paper's sizes (benchmarks/micro/causal_product.py):
 # smaller blocks skip more zeros but make more, thinner GEMMs.
 BLOCK = 128
 

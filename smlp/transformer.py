@@ -22,7 +22,6 @@ from torch.profiler import record_function
 
 from .config import TMoEConfig
 from .decoding_cache import cache_append
-from .deprecation import moved_names
 from .moe import TMoE
 from .profiling import RANGES
 
@@ -148,7 +147,3 @@ class TransformerBlock(nn.Module):
         ids = token_ids_Bk.reshape(-1) if token_ids_Bk is not None else None
         ffn = self.ffn.step if isinstance(self.ffn, TMoE) else self.ffn  # the tMoE's decoding fast path
         return x_BkD + ffn(h, ids).view_as(x_BkD)
-
-
-# names that moved to another module, importable from here for one release (smlp/deprecation.py)
-__getattr__ = moved_names(__name__, {"explicit_attention": "smlp.flop_forms"})

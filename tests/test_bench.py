@@ -88,37 +88,6 @@ def test_plan_is_flop_matched_by_the_calculator():
     assert "--base-layers" in by["fairseq_base_layers"].flags and not by["fairseq_base_layers"].ours
 
 
-@pytest.mark.parametrize("old, new, name", [("smlp_bench.suite", "smlp_bench.presets", "PRESETS"),
-                                            ("smlp_bench.suite", "smlp_bench.training", "run_training"),
-                                            ("smlp_bench.hot_path", "smlp_bench.micro.hot_path", "count_step"),
-                                            ("smlp_bench.records", "smlp_bench.micro.harness", "write_record")])
-def test_the_moved_module_paths_still_resolve_with_a_deprecation_warning(old, new, name):
-    """Issue 27 cut smlp_bench.suite into modules and moved the micro-benchmarks to smlp_bench.micro: for
-    one release the old paths give the same objects, and say where they went."""
-    import importlib
-    import sys
-    import warnings
-
-    sys.modules.pop(old, None)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        module = importlib.import_module(old)
-    assert [w for w in caught if issubclass(w.category, DeprecationWarning) and old in str(w.message)], old
-    assert getattr(module, name) is getattr(importlib.import_module(new), name)
-
-
-def test_the_moved_micro_benchmark_runs_as_the_new_one():
-    """`python -m smlp_bench.<old name>` runs the micro-benchmark itself, with the same arguments."""
-    import subprocess
-    import sys
-
-    done = subprocess.run([sys.executable, "-m", "smlp_bench.causal_product", "--help"], capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith("usage: python -m smlp_bench.micro.causal_product") and "--blocks" in done.stdout
-    assert "DeprecationWarning: smlp_bench.causal_product is deprecated" in done.stderr
-
-
 def test_speed_record_gives_each_smlp_layout_against_gmlp_and_the_fastest_moe(tmp_path):
     """smlp_bench.speed: a variant's ratio to another model is the probe-normalized ratios divided (reference
     over the other / reference over the variant), the targets read sMLP-det's row, and --publish rewrites

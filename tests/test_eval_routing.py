@@ -104,22 +104,22 @@ def test_router_prices_route_each_row_on_its_own():
 
 def test_prices_stay_fp32_in_half_models_and_load_from_older_checkpoints(caplog):
     layer = TMoE(TMoEConfig(d_model=8, d_ffn=16, num_experts=4))
-    layer.eval_prices.observe(torch.tensor([0.1234567, 0.0, -0.05, -0.0734567]), rows=16)
-    before = layer.eval_prices.prices().clone()
+    layer.router.eval_prices.observe(torch.tensor([0.1234567, 0.0, -0.05, -0.0734567]), rows=16)
+    before = layer.router.eval_prices.prices().clone()
     for dtype in (torch.bfloat16, torch.float16):
         half = TMoE(TMoEConfig(d_model=8, d_ffn=16, num_experts=4))
         half.load_state_dict(layer.state_dict())
         half.to(dtype)
         assert half.experts.w1.dtype == dtype
-        assert half.eval_prices.price_E.dtype == torch.float32
-        assert torch.equal(half.eval_prices.prices(), before)
+        assert half.router.eval_prices.price_E.dtype == torch.float32
+        assert torch.equal(half.router.eval_prices.prices(), before)
     state = {k: v for k, v in layer.state_dict().items() if "eval_prices" not in k}  # written before prices
     fresh = TMoE(TMoEConfig(d_model=8, d_ffn=16, num_experts=4))
-    fresh.eval_prices.observe(torch.ones(4), rows=1)
+    fresh.router.eval_prices.observe(torch.ones(4), rows=1)
     with caplog.at_level(logging.WARNING):
         fresh.load_state_dict(state)  # strict
     assert "evaluates greedily" in caplog.text
-    assert torch.equal(fresh.eval_prices.prices(), torch.zeros(4))
+    assert torch.equal(fresh.router.eval_prices.prices(), torch.zeros(4))
 
 
 # ---------------------------------------------------------------- priced routing in the layers
@@ -138,19 +138,19 @@ def test_priced_tmoe_routes_as_training_assigns():
     E = 8
     layer = TMoE(TMoEConfig(d_model=16, d_ffn=32, num_experts=E, shuffle=False))
     with torch.no_grad():
-        layer.centroids.copy_(torch.randn(E, 16))
+        layer.router.centroids.copy_(torch.randn(E, 16))
     layer.train()
     with torch.no_grad():
         for step in range(20):
             layer(_skewed_rows(512, 16, seed=step))
     x = _skewed_rows(2048, 16, seed=100)
-    scores = x @ layer.centroids.detach().t()
+    scores = x @ layer.router.centroids.detach().t()
     balanced = balanced_assignment(scores)
     layer.eval()
     with torch.no_grad():
         layer(x)
     priced_load = layer.load_E.double()
-    priced = layer.eval_prices.route(scores)
+    priced = layer.router.eval_prices.route(scores)
     greedy = scores.argmax(1)
     assert priced.eq(balanced).double().mean() > 0.8
     assert greedy.eq(balanced).double().mean() < 0.6
@@ -169,9 +169,9 @@ def _greedy(module):
 
 def test_greedy_eval_routing_config_ignores_the_prices():
     layer = TMoE(TMoEConfig(d_model=8, d_ffn=16, num_experts=4, eval_routing="greedy")).eval()
-    layer.eval_prices.observe(torch.tensor([5.0, 0.0, 0.0, -5.0]), rows=1)
+    layer.router.eval_prices.observe(torch.tensor([5.0, 0.0, 0.0, -5.0]), rows=1)
     x = torch.randn(64, 8)
-    scores = x @ layer.centroids.detach().t()
+    scores = x @ layer.router.centroids.detach().t()
     with torch.no_grad():
         plan = layer.route(x)
     assert torch.equal(plan.experts_SK[:, 0], scores.argmax(1))
@@ -248,3 +248,24 @@ def test_priced_validation_agrees_between_the_two_smoe_layouts(tiny_lm_data):
         assert abs(f["ppl"] / f["trained_routing_ppl"] - 1) < 0.01, (layout, f)
     a, b = figures["replicated"]["ppl"], figures["expert"]["ppl"]
     assert abs(a / b - 1) < 0.01, figures
+
+
+@pytest.mark.parametrize("router", ["base", "switch", "gshard", "hash"])
+def test_a_tmoe_state_written_before_routers_were_modules_loads(router):
+    """Checkpoints written before the router owned its parameters hold them under the layer's names
+    (`centroids`, `gate.weight`, `hash_table`, and for a few days `eval_prices.*`): they load strictly."""
+    cfg = TMoEConfig(d_model=8, d_ffn=16, num_experts=4, router=router, vocab_size=30, hash_seed=3)
+    torch.manual_seed(0)
+    new = TMoE(cfg)
+    if router == "base":
+        new.router.eval_prices.observe(torch.tensor([0.3, -0.1, 0.0, -0.2]), rows=4)
+    old_state = {k.replace("router.", "", 1): v for k, v in new.state_dict().items()}
+    assert any(k in old_state for k in ("centroids", "gate.weight", "hash_table"))
+    torch.manual_seed(1)
+    loaded = TMoE(cfg)
+    loaded.load_state_dict(old_state)  # strict
+    for k, v in new.state_dict().items():
+        assert torch.equal(loaded.state_dict()[k], v), k
+    x, ids = torch.randn(12, 8), torch.randint(0, 30, (12,))
+    new.eval(), loaded.eval()
+    assert torch.equal(new(x, ids), loaded(x, ids))

@@ -7,11 +7,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from smlp import steptime as S
 from smlp.dispatch import AllToAllDispatcher
 from smlp.expert_data_parallel import ExpertDataLayout, expert_data_groups
 from smlp.lm import LanguageModel, LMConfig
 from smlp_eval import flops as FL
-from smlp_eval import steptime as S
 
 TINY = dict(vocab_size=40, d_model=16, d_ffn=32, seq_len=12, num_experts=4)
 

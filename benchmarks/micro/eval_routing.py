@@ -83,8 +83,8 @@ def _score(model, core, layers, tap, valid, routing: str, pad: int):
 def _calibrate(model, core, layers, task, batches: int) -> None:
     """Prices measured afresh at the checkpoint's weights: training-mode routing of training batches."""
     for layer in layers:
-        layer.eval_prices.price_E.zero_()
-        layer.eval_prices.price_weight.zero_()
+        layer.router.eval_prices.price_E.zero_()
+        layer.router.eval_prices.price_weight.zero_()
     core.train()
     with torch.no_grad():
         for sample in _batches(task, "train", batches, 8):
@@ -106,7 +106,7 @@ def analyse(path: str, data: str, *, batches: int, batch_size: int, calibration:
     pad = task.target_dictionary.pad()
     valid = list(_batches(task, "valid", batches, batch_size))
     tap = _PlanTap(layers)
-    held = [float(layer.eval_prices.price_weight) for layer in layers]
+    held = [float(layer.router.eval_prices.price_weight) for layer in layers]
     runs = {r: _score(model, core, layers, tap, valid, r, pad) for r in ("trained", "greedy", "priced")}
     _calibrate(model, core, layers, task, calibration)
     runs["calibrated"] = _score(model, core, layers, tap, valid, "calibrated", pad)

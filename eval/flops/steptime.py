@@ -9,9 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from smlp import steptime as _model
-from smlp.steptime import *  # noqa: F403  (the model, re-exported: the calculator's users import it from here)
-from smlp.steptime import (  # what this module uses
+from smlp.steptime import (
     CLUSTERS,
     SMOE_LAYOUTS,
     Training,
@@ -23,7 +21,7 @@ from smlp.steptime import (  # what this module uses
 
 from .model_spec import ModelSpec, count_spec, parse_model
 
-__all__ = [*_model.__all__, "TABLE4", "Table4Row", "step_time_for", "table4", "compare_smoe_layouts",
+__all__ = ["TABLE4", "Table4Row", "step_time_for", "table4", "compare_smoe_layouts",
            "smoe_layout_sentence", "SMOE_LAYOUT_CASES", "smoe_layout_report"]
 
 

@@ -15,7 +15,7 @@ routers in `routes.py`: vectorised array code that runs on torch tensors on the 
 and on numpy arrays on the CPU (the same integer rounds, bitwise the same result; the two array
 backends are auction_arrays.py). fairseq's C++
 `libbase.balanced_assignment` is the speed and quality reference it is benchmarked against
-(`benchmarks/balanced_assignment.py`).
+(`benchmarks/micro/balanced_assignment.py`).
 """
 from __future__ import annotations
 
@@ -109,7 +109,7 @@ def balanced_assignment(
          below 65536 keys (S * Z), where a full round costs less than setting the step up.
     With one eps (no eps-scaling), eps = 0.03 gain units, 4096 x 32 and 8192 x 64 random score
     matrices take about 5-10 full rounds and end within about 0.05% of the optimal gain over a
-    random assignment (benchmarks/balanced_assignment.py measures it against scipy's exact
+    random assignment (benchmarks/micro/balanced_assignment.py measures it against scipy's exact
     solver and fairseq's C++ auction).
 
     Termination is guaranteed whatever the input: a round either raises some price by at least

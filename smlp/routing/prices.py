@@ -22,6 +22,8 @@ import logging
 import torch
 from torch import Tensor, nn
 
+from .assignment import balanced_assignment
+
 __all__ = ["RouterPrices", "BALANCED_EVAL_ROUTINGS", "DEFAULT_PRICE_DECAY"]
 
 logger = logging.getLogger(__name__)
@@ -65,6 +67,18 @@ class RouterPrices(nn.Module):
             step = (total > 0).float() * (1.0 - self.decay)
             self.price_E.mul_(1.0 - step).add_(step * mean_E)
             self.price_weight.mul_(1.0 - step).add_(step)
+
+    def experts(self, scores_SE: Tensor, *, assign: bool, observe: bool, priced: bool, reduce=None) -> Tensor | None:
+        """The rows' experts (S,) under a balanced router: with `assign` the balanced assignment of the rows
+        (its prices folded into the average when `observe`, a training step); otherwise argmax(score - price)
+        per row when `priced`, else None (greedy: the rule takes the argmax of the scores)."""
+        with torch.no_grad():
+            if assign:
+                expert_S, price_E = balanced_assignment(scores_SE.detach(), with_prices=True)
+                if observe:
+                    self.observe(price_E, scores_SE.shape[0], reduce)
+                return expert_S
+            return self.route(scores_SE.detach()) if priced else None
 
     def prices(self) -> Tensor:
         """(E,) the bias-corrected average; zeros before any training step (0 / tiny)."""
