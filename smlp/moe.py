@@ -356,6 +356,8 @@ class SMoE(nn.Module):
             raise ValueError(f"SMoE expects (batch, length, {cfg.dim}), got {tuple(z_BNF.shape)}")
         n = z_BNF.shape[1]
         check_length(n, cfg.seq_len)
+        if self.training and self.routing.balanced:  # on every rank, every training forward (RouterPrices.fold)
+            self.eval_prices.fold(self.dispatcher.sum_over_ranks)
         P = min(cfg.prefix_len, n)  # a sequence no longer than the routing prefix has nothing to predict
         z1_BNC, z2_BNC = z_BNF.chunk(2, dim=-1) if cfg.split else (z_BNF, z_BNF)
         rows = self.route(self.norm(z2_BNC), P, training=self.training or self.assign_as_in_training,
@@ -495,7 +497,6 @@ class SMoE(nn.Module):
         """The rows' experts (S,) under a balanced routing (RouterPrices.experts): the balanced assignment
         when `training`, else argmax(logit - price) (priced) or None (greedy)."""
         return self.eval_prices.experts(logits_SE, assign=training, observe=self.training,
-                                        reduce=self.dispatcher.sum_over_ranks,
                                         priced=self.cfg.eval_routing == "priced" and not self.route_greedily)
 
     def dispatch(self, rows: SMoERows, *, hi: int | None = None,

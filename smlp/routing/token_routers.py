@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from . import logits
 from .assignment import balanced_assignment
 from .gates import gshard_top2, switch_top1
-from . import logits
 from .plan import RoutingPlan
 from .prices import RouterPrices
 from .routes import base_route, hash_route
@@ -74,6 +74,12 @@ class BaseLayersRouter(Router):
         self.assign_as_in_training = False  # LanguageModel.assigning_as_in_training
         self.route_greedily = False  # LanguageModel.routing_greedily
 
+    def forward(self, x_SD: Tensor, token_ids_S: Tensor | None = None, *, layer: str = "router",
+                defer_checks: bool = False) -> RoutingPlan:
+        if self.training:  # on every rank, every training forward: the same all-reduce everywhere
+            self.eval_prices.fold(self.dispatcher.sum_over_ranks)
+        return super().forward(x_SD, token_ids_S, layer=layer, defer_checks=defer_checks)
+
     def gating(self, x_SD: Tensor) -> Tensor:
         return logits.router_logits(x_SD, self.centroids.t())
 
@@ -87,7 +93,7 @@ class BaseLayersRouter(Router):
         if self.training and self.cfg.uses_shuffle:
             return self._shuffled_assignment(scores_SE)
         return self.eval_prices.experts(scores_SE, assign=self.training or self.assign_as_in_training,
-                                        observe=self.training, reduce=self.dispatcher.sum_over_ranks,
+                                        observe=self.training,
                                         priced=self.cfg.eval_routing == "priced" and not self.route_greedily)
 
     def _shuffled_assignment(self, scores_SE: Tensor) -> Tensor:
@@ -104,7 +110,7 @@ class BaseLayersRouter(Router):
         with torch.no_grad():
             shuffled_SE, shuffle = self.dispatcher.shuffle(scores_SE.detach())
             expert_S, price_E = balanced_assignment(shuffled_SE, with_prices=True)
-            self.eval_prices.observe(price_E, shuffled_SE.shape[0], self.dispatcher.sum_over_ranks)
+            self.eval_prices.observe(price_E, shuffled_SE.shape[0])
             return self.dispatcher.unshuffle(expert_S, shuffle)
 
 
