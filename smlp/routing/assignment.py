@@ -20,13 +20,14 @@ backends are auction_arrays.py). fairseq's C++
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from .auction_arrays import _NumpyOps, _TorchOps, sanitize_scores
 
-__all__ = ["balanced_assignment", "expert_capacities", "sanitize_scores"]
+__all__ = ["ACCELERATOR_CHECKS", "CheckSchedule", "balanced_assignment", "expert_capacities", "sanitize_scores"]
 
 # Scores are normalised to "gain units": after removing row and column offsets (which change no
 # balanced assignment's ranking), one unit is the median over rows of (best score - mean score),
@@ -44,8 +45,32 @@ _NEG_KEY = -(1 << 30)  # key of padding experts and experts with capacity 0: nev
 _MAX_EXPERTS = 1 << 16
 _MIN_WORKING_ROWS = 1024  # below this, step 4's smaller rounds cost as much as full ones
 _MIN_TAIL_KEYS = 1 << 16  # below this many keys (S * Z) a full round costs less than step 4's set-up
-# Rounds between completion checks on an accelerator, where each check is a host sync.
-ACCELERATOR_CHECK_EVERY = 4
+
+
+@dataclass(frozen=True)
+class CheckSchedule:
+    """After which rounds the auction reads on the host whether it is done: every `every` rounds, or with
+    `doubling` at rounds every, 2 every, 4 every, ... only. Rounds after completion change nothing, so a
+    later check gives the same assignment (with step 4, whose start moves with the checks, a close one)."""
+
+    every: int
+    doubling: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.every, int) or self.every < 1:
+            raise ValueError(f"check_every={self.every!r} is invalid: it must be a positive number of rounds")
+
+    def due(self, rounds: int) -> bool:
+        if rounds < 1 or rounds % self.every:
+            return False
+        k = rounds // self.every
+        return not self.doubling or k & (k - 1) == 0
+
+
+# Completion checks on an accelerator, where each is a host sync that stalls the stream: the routers'
+# auctions end within 16 rounds at their sizes (docs/gpu.md), so one check is the rule, and a slow
+# auction costs a read per doubling of its rounds, never one per few rounds.
+ACCELERATOR_CHECKS = CheckSchedule(16, doubling=True)
 
 
 def expert_capacities(num_rows: int, num_experts: int, device=None) -> Tensor:
@@ -65,7 +90,7 @@ def balanced_assignment(
     tail_fraction: float = 1 / 128,
     working_fraction: float = 1 / 16,
     max_rounds: int | None = None,
-    check_every: int | None = None,
+    check_every: int | CheckSchedule | None = None,
     with_prices: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Assign each row to one expert with exact balance, maximising the total affinity.
@@ -99,8 +124,9 @@ def balanced_assignment(
          round. An expert loses a row only when it is over-subscribed and refills at once, so the
          number of assigned rows never falls.
       3. Repeat until at most tail_fraction * S rows are unassigned (all rows, when step 4 is
-         skipped). That count is read only every `check_every` rounds, never inside a round;
-         once every row is assigned, further rounds change nothing.
+         skipped). That count is read only at the rounds `check_every` names, never inside a
+         round; once every row is assigned, further rounds change nothing. Past the last check
+         that the round budget allows, rounds run to the budget without a read.
       4. The last few rows take many cheap-to-resolve but full-cost rounds (an evicted row
          evicts another, one step per round). So continue the same auction, with its prices and
          assignments, on a working set only: the unassigned rows plus the working_fraction * S
@@ -136,8 +162,10 @@ def balanced_assignment(
             below 65536).
         max_rounds: auction round budget, steps 1-4 together, before the fill; default
             max(64, 4 * E, 4 / eps) (random scores take 5-20 rounds at the default eps).
-        check_every: rounds between completion checks (each check is a host sync); default 1 on
-            CPU, where a check costs nothing, and 4 on accelerators.
+        check_every: rounds between completion checks (each check is a host sync on an
+            accelerator), or a CheckSchedule; default every round on the CPU, where a check costs
+            nothing, and ACCELERATOR_CHECKS elsewhere (rounds 16, 32, 64, ...: usually one read per
+            call, one more when step 4 runs).
         with_prices: also return the auction's final expert prices (see Returns).
 
     Returns:
@@ -164,10 +192,12 @@ def balanced_assignment(
         return (expert_S, torch.zeros(E, device=device)) if with_prices else expert_S
     if max_rounds is None:
         max_rounds = max(64, 4 * E, int(4 / eps))
+    if max_rounds < 0:
+        raise ValueError(f"need max_rounds >= 0, got {max_rounds}")
     if check_every is None:
-        check_every = _check_interval(device)
-    if max_rounds < 0 or check_every < 1:
-        raise ValueError(f"need max_rounds >= 0 and check_every >= 1, got {max_rounds} and {check_every}")
+        checks = _check_schedule(device)
+    else:
+        checks = check_every if isinstance(check_every, CheckSchedule) else CheckSchedule(check_every)
 
     ops = _array_ops(device)
     if E == 2:
@@ -182,7 +212,7 @@ def balanced_assignment(
     # costs much more than setting it up.
     work_rows = max(int(working_fraction * S), _MIN_WORKING_ROWS)
     tail_rows = int(tail_fraction * S) if 2 * work_rows <= S and S << sh >= _MIN_TAIL_KEYS else 0
-    expert_S, price_Z, unassigned = _solve(ops, key_ZS, E, sh, levels, eps_q, max_rounds, check_every, tail_rows,
+    expert_S, price_Z, unassigned = _solve(ops, key_ZS, E, sh, levels, eps_q, max_rounds, checks, tail_rows,
                                            work_rows)
     # unassigned is 0 if the last completion check found every row assigned, None if the
     # round budget ran out first: then fill the free capacity.
@@ -201,10 +231,10 @@ def _centred(price_E: Tensor, device: torch.device) -> Tensor:
     return price_E - price_E.mean()
 
 
-def _check_interval(device: torch.device) -> int:
-    """Default rounds between completion checks: every round on the CPU (numpy arrays, a check costs
-    nothing), every ACCELERATOR_CHECK_EVERY rounds elsewhere (each check is a host sync)."""
-    return 1 if device.type == "cpu" else ACCELERATOR_CHECK_EVERY
+def _check_schedule(device: torch.device) -> CheckSchedule:
+    """The default completion checks: every round on the CPU (numpy arrays, a check costs nothing),
+    ACCELERATOR_CHECKS elsewhere (each check is a host sync)."""
+    return CheckSchedule(1) if device.type == "cpu" else ACCELERATOR_CHECKS
 
 
 def _finite_scores(scores_SE: Tensor, ops):
@@ -315,7 +345,7 @@ def _array_ops(device: torch.device):
     return _NumpyOps() if device.type == "cpu" else _TorchOps(device)
 
 
-def _solve(ops, key_ZS, E: int, sh: int, levels: int, eps_q: int, max_rounds: int, check_every: int,
+def _solve(ops, key_ZS, E: int, sh: int, levels: int, eps_q: int, max_rounds: int, checks: CheckSchedule,
            tail_rows: int, work_rows: int) -> tuple[Tensor, object, int | None]:
     """Steps 1-4 on the keys (an array of the `ops` backend). Returns the (S,) int64 expert per
     row as a tensor on the keys' device (-1: unassigned), the final prices (Z,) in value steps (an
@@ -332,7 +362,7 @@ def _solve(ops, key_ZS, E: int, sh: int, levels: int, eps_q: int, max_rounds: in
     expert_S = ops.full(S, -1, ops.int64)
     price_Z = ops.full(Z, 0, ops.int32)
     expert_S, price_Z, margin_S, rounds, unassigned = _auction(
-        ops, key_ZS, cap_Z, row_S, expert_S, price_Z, E, sh, levels, eps_q, max_rounds, check_every, tail_rows)
+        ops, key_ZS, cap_Z, row_S, expert_S, price_Z, E, sh, levels, eps_q, max_rounds, checks, tail_rows)
     if unassigned:
         # Step 4: continue on a working set: the unassigned rows and the held rows with the
         # smallest margins; the others keep their expert and their slots.
@@ -348,18 +378,18 @@ def _solve(ops, key_ZS, E: int, sh: int, levels: int, eps_q: int, max_rounds: in
         key_Zs = ops.where((cap_work_Z == 0)[:, None], neg_key, ops.take_columns(key_ZS, work_s))
         expert_s, price_Z, _, _, unassigned = _auction(
             ops, key_Zs, cap_work_Z, work_s, expert_s, price_Z, E, sh, levels, eps_q, max_rounds - rounds,
-            check_every, 0)
+            checks, 0)
         ops.put(expert_S, work_s, expert_s)
     return ops.tensor(expert_S), price_Z, unassigned
 
 
 def _auction(ops, key_ZS, cap_Z, row_S, expert_S, price_Z, E: int, sh: int, levels: int, eps_q: int,
-             max_rounds: int, check_every: int, stop_at: int):
+             max_rounds: int, checks: CheckSchedule, stop_at: int):
     """Steps 1-3 on keys (Z, S) from the given state: expert per row (-1: unassigned), prices.
 
     Arrays of the `ops` backend. row_S are the rows' indices in the full problem (they set the
-    tie priorities of step 0); cap_Z the capacities (0 for padding experts). Stops at a check
-    that finds at most `stop_at` rows unassigned, or after max_rounds rounds. Returns the expert
+    tie priorities of step 0); cap_Z the capacities (0 for padding experts). Stops at a check (the
+    rounds `checks` names) that finds at most `stop_at` rows unassigned, or after max_rounds rounds. Returns the expert
     per row, the prices, the margins of the last round (bid - price, in quantisation steps), the
     number of rounds run and the number of rows left unassigned if the last check saw it (None
     if the round budget ran out first).
@@ -397,7 +427,7 @@ def _auction(ops, key_ZS, cap_Z, row_S, expert_S, price_Z, E: int, sh: int, leve
     rounds = 0
     unassigned = None
     while rounds < max_rounds:
-        if rounds and rounds % check_every == 0:
+        if checks.due(rounds):
             # Rows not kept by the last round (each row bid for exactly one expert): none if
             # no expert was over-subscribed.
             if stop_at == 0:
