@@ -1,14 +1,11 @@
-"""The forms a FLOP counter traces: every module that runs a fast path fvcore cannot count keeps the
-plain form of the same maths behind a flag, and one context manager sets the flag.
+"""The forms a FLOP counter traces: a module whose fast path fvcore cannot count keeps the plain form
+of the same maths behind a flag, which a context manager sets.
 
-    explicit_spatial    spatial products as the masked dense product (spatial.py: the paper's
-                        full T x T count, Table 3; the blocked form is one Python autograd Function
-                        to a tracer), the token-routed gMLP's projections on the routed rows only
-    explicit_attention  attention as matmuls (transformer.py: fvcore has no rule for fused SDPA and
-                        counts 0 for it)
+    explicit_spatial    spatial products as the masked dense product (the paper's full T x T count,
+                        Table 3), the token-routed gMLP's projections on the routed rows only
+    explicit_attention  attention as matmuls (fvcore counts 0 for fused SDPA)
 
-The FLOPs calculator (eval/flops/counting.py) and the step-time model (eval/flops/steptime.py)
-trace under both; tests check that each form computes what the fast one does.
+The FLOPs calculator (eval/flops/counting.py) traces under both.
 """
 from __future__ import annotations
 
@@ -35,7 +32,7 @@ def flag_set(module: nn.Module, flag: str) -> Iterator[nn.Module]:
 
 
 def explicit_spatial(module: nn.Module) -> contextlib.AbstractContextManager[nn.Module]:
-    """Every spatial product in `module` as the masked dense product (what fvcore counts as the paper does)."""
+    """Every spatial product in `module` as the masked dense product (the paper's count)."""
     return flag_set(module, "explicit_spatial")
 
 
