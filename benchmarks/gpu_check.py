@@ -265,8 +265,7 @@ class SameRouting:
 
     @contextlib.contextmanager
     def _patched(self, replay: bool):
-        from smlp import moe
-        from smlp.routing import gates, routes
+        from smlp.routing import gates, prices, routes, token_routers
 
         original = assignment.balanced_assignment
         replayed = iter(self.assignments)
@@ -286,7 +285,8 @@ class SameRouting:
             u = torch.rand(logits_SE.shape, generator=g).clamp(torch.finfo(torch.float32).tiny, 1 - 1e-7)
             return (-(-u.log()).log()).to(logits_SE.device)
 
-        with mock.patch.object(moe, "balanced_assignment", assigned), \
+        with mock.patch.object(prices, "balanced_assignment", assigned), \
+                mock.patch.object(token_routers, "balanced_assignment", assigned), \
                 mock.patch.object(routes, "balanced_assignment", assigned), \
                 mock.patch.object(gates, "_gumbel_like", gumbel):
             yield
