@@ -4,8 +4,9 @@ of the same maths behind a flag, which a context manager sets.
     explicit_spatial    spatial products as the masked dense product (the paper's full T x T count,
                         Table 3), the token-routed gMLP's projections on the routed rows only
     explicit_attention  attention as matmuls (fvcore counts 0 for fused SDPA)
+    explicit_experts    the FFN experts as one product per expert on its routed rows (no tiles, no padding)
 
-The FLOPs calculator (eval/flops/counting.py) traces under both.
+The FLOPs calculator (eval/flops/counting.py) traces under all three (`counted_forms`).
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from collections.abc import Iterator
 
 from torch import nn
 
-__all__ = ["explicit_attention", "explicit_spatial", "flag_set"]
+__all__ = ["counted_forms", "explicit_attention", "explicit_experts", "explicit_spatial", "flag_set"]
 
 
 @contextlib.contextmanager
@@ -39,3 +40,15 @@ def explicit_spatial(module: nn.Module) -> contextlib.AbstractContextManager[nn.
 def explicit_attention(module: nn.Module) -> contextlib.AbstractContextManager[nn.Module]:
     """Every CausalSelfAttention in `module` as explicit matmuls (FLOP counters)."""
     return flag_set(module, "explicit")
+
+
+def explicit_experts(module: nn.Module) -> contextlib.AbstractContextManager[nn.Module]:
+    """Every FFNExperts in `module` as its plain loop over the experts' routed rows."""
+    return flag_set(module, "explicit_experts")
+
+
+@contextlib.contextmanager
+def counted_forms(module: nn.Module) -> Iterator[nn.Module]:
+    """Every form of `module` as a FLOP counter counts it (the three flags above)."""
+    with explicit_attention(module), explicit_spatial(module), explicit_experts(module):
+        yield module

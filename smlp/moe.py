@@ -41,7 +41,7 @@ from .routing.plan import RoutingPlan, count_rows, raise_on_fault
 from .routing.prices import RouterPrices
 from .routing.registry import SMOE_ROUTINGS, TOKEN_ROUTERS
 from .routing.token_routers import hash_table
-from .spatial import causal_step, check_length
+from .spatial import check_length
 
 __all__ = ["TMoE", "SMoE", "SparseBlock", "SMoERows", "TokenSlots", "hash_table", "LEAKY_ROUTING_WARNING"]
 
@@ -427,19 +427,15 @@ class SMoE(nn.Module):
         if self.deterministic and self.dispatcher.num_local_experts == cfg.num_experts:
             # every expert is here (one process, or the replicated layout): chunk i -> expert i is a
             # multi-head spatial step over the cache in place, as the SGU's; no rows to sort or exchange
-            check_length(t, self.experts.size, "sMoE row")
             with record_function(RANGES["token_mixing"]):
-                return z1_BkC + z1_BkC * causal_step(self.experts.weight, self.experts.bias_offset, v_BtC, start)
+                return z1_BkC + z1_BkC * self.experts.step_chunks(v_BtC, start)
         if (k == 1 and "expert_BC" in state and start >= P and self.routing.causal
                 and self.dispatcher.num_local_experts == cfg.num_experts):
             # partial prediction, every expert here, the routing decided: the new position of row (b, c) is
             # W_e[i, :m] . v[b, P:t, c] with e its expert, read in place, each row's weight row gathered
-            m = t - P
-            check_length(m, self.experts.size, "sMoE row")
             with record_function(RANGES["token_mixing"]):
-                expert_BC, weight_BC = state["expert_BC"], state["weight_BC"]
-                w_BCm = self.experts.weight[expert_BC, m - 1, :m]
-                dev_BC = (w_BCm * v_BtC[:, P:t].transpose(1, 2)).sum(-1) + self.experts.bias_offset[expert_BC, m - 1]
+                weight_BC = state["weight_BC"]
+                dev_BC = self.experts.step_routed(v_BtC[:, P:t], state["expert_BC"])
                 return z1_BkC * weight_BC[:, None] + z1_BkC * (weight_BC * dev_BC)[:, None]
         rows = self.route(v_BtC, P, training=False, dtype=z_BkF.dtype, defer_checks=True, decided=state)
         lo, hi = (start, t) if self.deterministic else (max(start - P, 0), max(t - P, 0))

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from smlp.dispatch import OneGPUDispatcher
-from smlp.flop_forms import explicit_attention, explicit_spatial
+from smlp.flop_forms import counted_forms
 from smlp.lm import LanguageModel, LMConfig
 from smlp.routing.registry import TOKEN_ROUTERS
 
@@ -317,7 +317,7 @@ def _measure(cfg: LMConfig, tokens: int, experts_per_gpu: int, *, layers: bool) 
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(min(4, cfg.vocab_size - 1), cfg.vocab_size, (1, tokens + 1), generator=g)
     try:
-        with explicit_attention(model), explicit_spatial(model), \
+        with counted_forms(model), \
                 torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             logits = model(ids[:, :-1])
             loss = F.cross_entropy(logits.reshape(-1, cfg.vocab_size).float(), ids[:, 1:].reshape(-1))

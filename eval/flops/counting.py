@@ -44,7 +44,7 @@ from torch import nn
 from smlp.config import SGUConfig, SMoEConfig
 from smlp.dispatch import OneGPUDispatcher, check_experts_per_gpu
 from smlp.experts import is_expert
-from smlp.flop_forms import explicit_attention, explicit_spatial
+from smlp.flop_forms import counted_forms
 from smlp.gmlp import GMLPBlock, SpatialGatingUnit
 from smlp.hypermixer import HyperMixingUnit
 from smlp.lm import LanguageModel, LMConfig, layer_plan
@@ -210,7 +210,7 @@ def fvcore_by_module(module: nn.Module, *inputs) -> dict[str, int]:
     from fvcore.nn import FlopCountAnalysis
 
     # fvcore cannot see fused SDPA nor the blocked causal product: count their explicit (paper) forms
-    with torch.no_grad(), warnings_off(), explicit_attention(module), explicit_spatial(module):
+    with torch.no_grad(), warnings_off(), counted_forms(module):
         analysis = FlopCountAnalysis(module, inputs)
         analysis.unsupported_ops_warnings(False)
         analysis.uncalled_modules_warnings(False)
