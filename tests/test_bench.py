@@ -112,3 +112,22 @@ def test_speed_record_gives_each_smlp_layout_against_gmlp_and_the_fastest_moe(tm
     text = page.read_text()
     assert text.startswith("before\n") and text.endswith("after\n") and "old" not in text
     assert "| smlp_det_expert | 90 | 0.818x | 0.918x | - |" in text and "| **no** |" in text
+
+
+def test_speed_refuses_a_run_too_short_to_measure_and_accepts_the_shortest_that_measures(capsys):
+    """`--updates N` below the minimum left no log interval to read words/s from ("nan words/s", then an
+    IndexError in the report): refused with the minimum, which itself leaves one clean interval."""
+    from smlp_bench import speed, training
+
+    low = speed.min_updates()
+    s = speed.settings(low, 1)
+
+    def clean(updates):
+        run = training.Run("m", 1, intervals=[{"num_updates": float(u), "wps": 1000.0}
+                                              for u in range(s["log_interval"], updates + 1, s["log_interval"])])
+        return training.clean_wps(run, dict(s, updates=updates))
+
+    assert clean(low) and not clean(low - 1)
+    with pytest.raises(SystemExit):
+        speed.main(["--updates", str(low - 1)])
+    assert f"at least {low} updates" in capsys.readouterr().err
