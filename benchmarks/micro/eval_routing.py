@@ -63,12 +63,13 @@ class _PlanTap:
 
 def _score(model, core, layers, tap, valid, routing: str, pad: int):
     nll, experts = [], [[] for _ in layers]
-    for layer in layers:
-        layer.cfg = dataclasses.replace(layer.cfg, eval_routing="greedy" if routing == "greedy" else "priced")
+    for layer in layers:  # priced, whatever the checkpoint's --balanced-eval-routing; greedy below
+        layer.router.cfg = dataclasses.replace(layer.router.cfg, eval_routing="priced")
+    context = {"trained": core.assigning_as_in_training, "greedy": core.routing_greedily}.get(routing)
     for sample in valid:
         with torch.no_grad():
-            if routing == "trained":
-                with core.assigning_as_in_training():
+            if context is not None:
+                with context():
                     out = model(**sample["net_input"])
             else:
                 out = model(**sample["net_input"])
