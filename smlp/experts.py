@@ -217,7 +217,11 @@ def tiled_expert_linear(x_RD: Tensor, tiles_E: list[int], weights_E: list[Tensor
 def _expert_layer_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None) -> Tensor:
     """An expert's own affine LayerNorm of its rows (Base Layers' expert sublayer); x as is without one.
     weight and bias broadcast against x: (D,) for one expert's rows, (R, D) per row, (L, 1, D) per batch."""
-    return x if weight is None else F.layer_norm(x, x.shape[-1:]) * weight + bias
+    if weight is None:
+        return x
+    if weight.dim() == 1:  # one expert: the fused affine form (and the form the FLOP counter counts)
+        return F.layer_norm(x, x.shape[-1:], weight, bias)
+    return F.layer_norm(x, x.shape[-1:]) * weight + bias
 
 
 class FFNExperts(nn.Module):
@@ -297,7 +301,11 @@ class FFNExperts(nn.Module):
 
     def _batched(self, x_LcD: Tensor) -> Tensor:
         w, b = self._norm_params()
-        x_LcD = _expert_layer_norm(x_LcD, *((w[:, None], b[:, None]) if w is not None else (None, None)))
+        if w is not None and w.shape[0] == 1:  # one local expert: its affine LayerNorm, fused
+            w, b = w[0], b[0]
+        elif w is not None:
+            w, b = w[:, None], b[:, None]
+        x_LcD = _expert_layer_norm(x_LcD, w, b)
         h_LcF = self.activation(torch.baddbmm(self.b1[:, None], x_LcD, self.w1))
         return torch.baddbmm(self.b2[:, None], h_LcF, self.w2)
 
