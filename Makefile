@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 # other worker's tests use that time (tests/conftest.py gives a worker a file's tests, and all SLURM tests).
 TEST_WORKERS ?= 2
 
-.PHONY: install demo lint test test-fast bench bench-quick clean
+.PHONY: install demo lint test test-fast bench bench-quick gpu-check fair clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -45,6 +45,27 @@ bench: install
 
 bench-quick: install
 	$(VENV)/bin/smlp-bench --quick --output-dir results/bench-quick $(BENCH_ARGS)
+
+# The GPU check (docs/gpu.md) on one CUDA GPU, or on the CPU with GPU_CHECK_ARGS=--dry-run. It needs a python with
+# torch and numpy only, not the install (the accelerator machines have no fairseq): the project's packages resolve
+# from this checkout, their installed names linked in build/gpu-check-path (smlp_bench -> benchmarks/, ...).
+GPU_CHECK_ARGS ?=
+GPU_PYTHON ?= $(or $(wildcard $(PY)),$(shell for p in $(PYTHON) python; do $$p -c 'import torch' >/dev/null 2>&1 && { echo $$p; break; }; done),$(PYTHON))
+GPU_CHECK_PATH := build/gpu-check-path
+gpu-check:
+	mkdir -p $(GPU_CHECK_PATH)
+	ln -sfn $(CURDIR)/benchmarks $(GPU_CHECK_PATH)/smlp_bench
+	ln -sfn $(CURDIR)/eval $(GPU_CHECK_PATH)/smlp_eval
+	ln -sfn $(CURDIR)/launch $(GPU_CHECK_PATH)/smlp_launch
+	PYTHONPATH="$(CURDIR):$(CURDIR)/$(GPU_CHECK_PATH)$${PYTHONPATH:+:$$PYTHONPATH}" $(GPU_PYTHON) -m smlp_bench.gpu_check $(GPU_CHECK_ARGS)
+
+# The deciding comparison (docs/benchmarks.md), resumed where its committed store stopped; each finished run is
+# committed. A stage started at other code that decides perplexity must resume from a checkout of its commit
+# (the refusal says which and how).
+FAIR_ARGS ?=
+fair: install
+	$(VENV)/bin/smlp-bench --fair --commit-store $$(test -e docs/benchmark/fair/lr-sweep/runs.json && echo --resume) \
+		$(FAIR_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -67,10 +67,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "figure7-routing, table7-token-routed-gmlp, figure4-dense, table4-speed")
     p.add_argument("--fair", action="store_true",
                    help="the deciding benchmark (benchmarks/fair.py): a learning-rate sweep per family, then every "
-                        "family at its rate with 8 experts and 2 seeds, a second width, an expert sweep, Table 7 "
-                        "and Figure 4; each stage resumable (results/fair)")
+                        "family at its rate with 8 experts on seeds the sweep did not use, an expert sweep and a "
+                        "second width; each stage resumable, its store in docs/benchmark/fair/ (in the repository)")
     p.add_argument("--stages", default=None,
                    help="with --fair: a comma-separated subset of its stages, in order (default: all)")
+    p.add_argument("--work-dir", type=Path, default=None,
+                   help="with --fair: where the runs' logs go (default results/fair-work; the store keeps each "
+                        "run's figures, not its log)")
+    p.add_argument("--commit-store", action="store_true",
+                   help="with --fair: commit each stage's store (runs.json, results.json) to the repository that "
+                        "holds it after every finished run, so that --resume continues from a fresh clone")
     p.add_argument("--output-dir", type=Path, default=None,
                    help="where results go (results/bench, or results/<experiment>)")
     p.add_argument("--resume", action="store_true",
@@ -106,7 +112,9 @@ def prepare(args) -> Path:
     from smlp_launch.data import DataPrepError, prepare_data
 
     try:
-        out, _ = prepare_data(args.output_dir / "data-bin", demo=True, vocab_size=4000, seed=1,
+        # the fair benchmark's output folder is in the repository: its data goes to the work folder
+        out, _ = prepare_data((getattr(args, "work_dir", None) or args.output_dir) / "data-bin", demo=True,
+                              vocab_size=4000, seed=1,
                               log=lambda msg: print(f"   {msg}", flush=True))
     except DataPrepError as exc:
         raise BenchError(f"data preparation failed: {exc}") from exc
@@ -179,8 +187,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.fair:
             from . import fair
 
-            args.output_dir = (args.output_dir or Path("results/fair")).expanduser().absolute()
+            args.output_dir = (args.output_dir or Path("docs/benchmark/fair")).expanduser().absolute()
             args.output_dir.mkdir(parents=True, exist_ok=True)
+            args.work_dir = (args.work_dir or Path("results/fair-work")).expanduser().absolute()
+            args.work_dir.mkdir(parents=True, exist_ok=True)
             previous_sigterm = _stop_on_sigterm()
             data = prepare(args)
             return fair.main(args, data, vocab_size(data))

@@ -15,10 +15,10 @@ from collections.abc import Sequence
 def mean_curve(curves: Sequence[dict], xkey: str) -> tuple[list[float], list[float]]:
     """Mean x and geometric-mean perplexity over seeds, point by point (as many points as the
     shortest curve)."""
-    curves = [c for c in curves if c.get("ppl")]
+    curves = [c for c in curves if c.get("ppl") and c.get(xkey)]  # no time axis without a measured speed
     if not curves:
         return [], []
-    n = min(len(c["ppl"]) for c in curves)
+    n = min(min(len(c["ppl"]), len(c[xkey])) for c in curves)
     xs = [statistics.mean(c[xkey][i] for c in curves) for i in range(n)]
     ys = [math.exp(statistics.mean(math.log(c["ppl"][i]) for c in curves)) for i in range(n)]
     return xs, ys

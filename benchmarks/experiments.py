@@ -374,8 +374,8 @@ def run_table4(args) -> None:
                          f"pass --source")
     source = json.loads(src.read_text())
     try:
+        from smlp.steptime import CLUSTERS
         from smlp_eval.flops import table4
-        from smlp_eval.flops.steptime import CLUSTERS
 
         step_rows = table4("top", CLUSTERS["v100-dgx1"])
     except Exception as exc:  # noqa: BLE001  the CPU ratios stand without the model

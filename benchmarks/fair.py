@@ -1,94 +1,76 @@
-"""The deciding benchmark: does sMLP beat Transformer-MoE at matched FLOPs, in a fair fight? (issue 29)
+"""The deciding benchmark: does sMLP beat Transformer-MoE at matched FLOPs, in a fair fight?
 
-    smlp-bench --fair [--output-dir results/fair] [--resume] [--stages lr-sweep,deciding,...]
+    smlp-bench --fair [--output-dir docs/benchmark/fair] [--work-dir DIR] [--resume] [--commit-store]
+                      [--stages lr-sweep,deciding,experts,width]
 
-Every family FLOP-matched to sMLP-deterministic (9 dense + 3 sparse blocks, D=128, F=512, T=128, the
-long preset's shape) with what MoE research uses and what makes a comparison fair:
+Every family FLOP-matched to sMLP-deterministic (9 dense + 3 sparse blocks, D=128, F=512, T=128) with
+what MoE research uses and what makes a comparison fair:
 
-- experts: 8 per sparse layer (4 local experts per rank on 2 ranks, through the batched local
-  experts), not one per rank: at 2 experts GShard's top-2 sends every token to both and the sparse
-  layers add nothing (the E=2 records in docs/benchmark/long/ show Switch, GShard and Base Layers
-  beside the dense Transformer);
-- attention heads of the paper's width: head dimension 64 (heads = D / 64), as the paper's 16 heads
-  at D=1024;
-- a learning rate per family, from a sweep (stage 1);
-- two seeds of every family, and one rule for every verdict (benchmarks/verdicts.py SEED_RULE: the
-  difference of mean log perplexity against twice its standard error from the pooled seed spread);
-- the same positions: every run also logs its validation perplexity on the positions sMLP-partial
-  predicts (after its 20% routing prefix: `--valid-suffix-from`), and sMLP-partial is compared on those;
-- evaluation routing: Base Layers and sMLP route greedily at evaluation (fairseq's BaseLayer does),
-  while training assigns with exact balance; every run also logs its validation perplexity with the
-  training-time assignment (`--valid-trained-routing`), and the verdicts are given both ways.
+- experts: 8 per sparse layer (4 local experts per rank on 2 ranks), not one per rank: at 2 experts
+  GShard's top-2 sends every token to both and the sparse layers add nothing;
+- attention heads of the paper's width (heads = D / 64);
+- a learning rate per family, from a sweep (stage 1), and deciding runs on seeds the sweep never used,
+  so the luck of the run a rate was chosen on does not carry into the result;
+- evaluation routing: the balanced routers (Base Layers, the sMLP tMoE, sMLP-partial's sMoE) route each
+  token by its score minus the expert prices averaged over training (`--balanced-eval-routing priced`,
+  smlp/routing/prices.py): per token and causal like greedy routing, but as training assigns; greedy
+  routing made equal trainings score 6-12% apart (docs/benchmarks.md, "Evaluation noise"). Every run
+  also logs greedy routing and the training-time assignment over the batch (not causal) as diagnostics;
+- the same positions: every run also logs its perplexity on the positions sMLP-partial predicts
+  (after its 20% routing prefix, `--valid-suffix-from`), and sMLP-partial is compared on those;
+- one primary comparison with a t interval (benchmarks/verdicts.py `t_compare`): sMLP-det against the
+  Transformer-MoE with the best perplexity in the sweep; every other comparison is secondary.
 
-Stages, each its own interleaved, resumable run store (benchmarks/schedule.py) in OUTPUT_DIR/STAGE/,
-planned from the stages before it (a stopped benchmark continues with --resume, run by run):
+Stages, each its own interleaved, resumable run store (benchmarks/schedule.py) in OUTPUT_DIR/STAGE/
+(runs.json and results.json, committed to the repository as runs finish with --commit-store; the
+runs' logs go to --work-dir), planned from the stages before it:
 
-1. lr-sweep   every family at 1e-3, 2e-3 and 4e-3 (a factor 2 apart, the earlier benchmark's 2e-3 in the
-              middle), 200 updates (0.82M tokens), one seed. A family whose best rate is at an edge of
-              those tried gets the next rate beyond it, at most twice (`WIDEN`).
-2. deciding   every family at its best rate, seeds 1 and 2, 500 updates (2.05M tokens).
-3. width      sMLP-det, gMLP and the best Transformer-MoE of stage 2 at D=256 (F=1024; everything else
-              as stage 2: T, tokens per update, tokens, warmup, their rates), seeds 1 and 2. With stage 2's
-              D=128 runs: does sMLP's gap to the best Transformer-MoE hold, shrink or grow with width?
-4. experts    sMLP-det and the best Transformer-MoE with 2 and 32 experts (8 in stage 2), one seed.
-5. table7     the token-routed gMLP (sMLP Appendix A, Table 7) with 1, 8 and 32 experts, gMLP's rate.
-6. figure4    Figure 4's dense models at gMLP's and the Transformer's rates: the Transformer with head
-              dimension 128, 64, 32, 16 and 8 (1 to 16 heads at D=128), gMLP with 1, 4 and 16 SGU heads,
-              and sMLP-det.
+1. lr-sweep   every family at 2e-3, 4e-3 and 8e-3, 200 updates (0.82M tokens), seed 1, no speed probes.
+              A family whose best rate is at an edge gets the next rate beyond it (a factor 2, at most
+              twice, within 1e-3..3.2e-2).
+2. deciding   every family at its rate, seeds 2 and 3, 500 updates (2.05M tokens), with speed probes;
+              a third seed (4) for sMLP-det and the best Transformer-MoE when the primary comparison's
+              95% interval still holds zero.
+3. experts    sMLP-det and the best Transformer-MoE at 2 and 32 experts, seed 2.
+4. width      sMLP-det and the best Transformer-MoE at D=256 (F=1024), seed 2: a trend, not a verdict.
 
-Why these token budgets. On the long record at E=2 (docs/benchmark/long/results.json, 15 validation
-points to 3.07M tokens), every pair of models whose final perplexities differ by more than 2% is in its
-final order from the first validation point (205k tokens) on, except the pairs with NiNformer, whose
-curve flattens after a fast start and crosses five others between 1.2M and 2.3M tokens (`budget_check`
-recomputes this from the record). The deciding runs stop at 2.05M tokens (500 updates): by then the three
-best of the long record were in their final order (from 1.43M), and it leaves time for two seeds of
-every family, a second width and the expert sweep (about 6 hours here in all). The sweep stops at 0.82M
-tokens (200 updates), four validation points, where every clearly separated pair but NiNformer's was
-already in its final order; a rate whose curve flattens like NiNformer's would be caught by the deciding
-runs, whose rates the report shows beside their sweep. NiNformer is left out of the deciding families:
-it is dense, its ranking needs the full budget, and the question is sMLP against Transformer-MoE.
-
-The report (OUTPUT_DIR/results.json, lr_sweep.png, figure5.png, width.png, experts.png) holds, per
-family, the chosen rate, the final perplexity with its seeds, both scorings, the verdicts with their rule,
-the expert-count and width trends, and the claims it answers (`smlp-bench --publish` puts them in
-docs/benchmarks.md and README).
+Every record holds the commit of the code that ran it; a stage resumes only where the code that decides
+perplexity (machine.PERPLEXITY_PATHS) is unchanged since the stage started.
 """
 from __future__ import annotations
 
 import functools
 import json
-import math
 import statistics
+import subprocess
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from . import schedule as S
-from .plan import run_schedule
+from .machine import code_identity, perplexity_changes
+from .plan import probe_reference, run_schedule
 from .plots import png_axes
 from .presets import LONG_TARGET, MOE_BASELINES, NAMES, BenchError, Model, plan_models, target_flags
 from .report import report
 from .schedule import atomic_write_json
-from .verdicts import SEED_RULE, compare, describe, pooled_log_sd
+from .verdicts import T_RULE, pooled_log_sd, t_compare
 
 FAIR_TARGET = dict(LONG_TARGET, experts=8)
 WIDE_TARGET = dict(FAIR_TARGET, d_model=256, d_ffn=1024)
 FAMILIES = ("smlp_det", "smlp_partial", "gmlp", "transformer", *MOE_BASELINES)
-RATES = (1e-3, 2e-3, 4e-3)
+RATES = (2e-3, 4e-3, 8e-3)
 WIDEN = 2                      # at most this many rates added beyond an edge of the sweep
-RATE_BOUNDS = (1.25e-4, 3.2e-2)  # never beyond these
+RATE_BOUNDS = (1e-3, 3.2e-2)   # never beyond these
 EXPERT_SWEEP = (2, 32)
-COMMON = dict(batch_size=16, log_interval=10, validate_every=50, valid_steps=10, warmup=50, lr=2e-3,
-              probe_updates=20)
+SWEEP_SEED, DECIDING_SEEDS, THIRD_SEED = 1, (2, 3), 4
+COMMON = dict(batch_size=16, log_interval=10, validate_every=50, valid_steps=10, warmup=50, lr=2e-3)
 STAGE_SETTINGS = {
-    "lr-sweep": dict(COMMON, seeds=1, updates=200, profile_steps=0),
-    "deciding": dict(COMMON, seeds=2, updates=500, profile_steps=3),
-    "width": dict(COMMON, seeds=2, updates=500, profile_steps=0),
-    "experts": dict(COMMON, seeds=1, updates=500, profile_steps=0),
-    "table7": dict(COMMON, seeds=1, updates=150, validate_every=25, warmup=25, profile_steps=0),
-    "figure4": dict(COMMON, seeds=1, updates=150, validate_every=25, warmup=25, profile_steps=0),
-    "figure7": dict(COMMON, seeds=1, updates=150, validate_every=25, warmup=25, profile_steps=0),
+    "lr-sweep": dict(COMMON, seeds=[SWEEP_SEED], updates=200, probe_updates=0, profile_steps=0),
+    "deciding": dict(COMMON, seeds=list(DECIDING_SEEDS), updates=500, probe_updates=20, profile_steps=3),
+    "experts": dict(COMMON, seeds=[DECIDING_SEEDS[0]], updates=500, probe_updates=0, profile_steps=0),
+    "width": dict(COMMON, seeds=[DECIDING_SEEDS[0]], updates=500, probe_updates=0, profile_steps=0),
 }
 STAGES = tuple(STAGE_SETTINGS)
 
@@ -105,7 +87,9 @@ class Context:
         return self.records["lr-sweep"]["fair"]["rates"][family]["chosen"]
 
     def best_moe(self) -> str:
-        return self.records["deciding"]["fair"]["best_moe"]
+        """The Transformer-MoE the primary comparison is made against: the best in the sweep, so that the
+        deciding runs it is then compared on did not choose it."""
+        return self.records["lr-sweep"]["fair"]["best_moe"]
 
 
 def criterion_flags(target: dict, vocab_size: int, nproc: int) -> list[str]:
@@ -114,7 +98,7 @@ def criterion_flags(target: dict, vocab_size: int, nproc: int) -> list[str]:
 
     flags = [*target_flags(target, nproc)[2:], "--smoe-routing", "partial"]
     start = F.parse_model("smlp_lm", flags, vocab_size=vocab_size).cfg.prediction_start
-    return ["--valid-suffix-from", str(start), "--valid-trained-routing"]
+    return ["--valid-suffix-from", str(start), "--valid-trained-routing", "--valid-greedy-routing"]
 
 
 def _matched(ctx: Context, target: dict, keys: Sequence[str]) -> dict[str, Model]:
@@ -151,7 +135,7 @@ def deciding_models(ctx: Context) -> list[Model]:
 
 
 def width_models(ctx: Context) -> list[Model]:
-    keys = ("smlp_det", "gmlp", ctx.best_moe())
+    keys = ("smlp_det", ctx.best_moe())
     base = _matched(ctx, WIDE_TARGET, keys)
     return [_at_rate(base[k], ctx.rate(k), name=f"{NAMES[k]}, D={WIDE_TARGET['d_model']}") for k in keys]
 
@@ -166,36 +150,15 @@ def expert_models(ctx: Context) -> list[Model]:
     return out
 
 
-def _experiment_models(name: str, families: dict[str, str]) -> Callable[[Context], list[Model]]:
-    """An experiment of benchmarks/experiments.py with each model at its family's rate (families: key prefix ->
-    family)."""
-    def build(ctx: Context) -> list[Model]:
-        from .experiments import get_experiment
-
-        models, _ = get_experiment(name).plan_models(ctx.vocab_size, ctx.nproc, FAIR_TARGET)
-        out = []
-        for m in models:
-            family = next(f for prefix, f in families.items() if m.key.startswith(prefix))
-            out.append(_at_rate(m, ctx.rate(family)))
-        return out
-    return build
-
-
 BUILDERS: dict[str, Callable[[Context], list[Model]]] = {
     "lr-sweep": sweep_models,
     "deciding": deciding_models,
-    "width": width_models,
     "experts": expert_models,
-    "table7": _experiment_models("table7-token-routed-gmlp", {"gmlp": "gmlp"}),
-    "figure4": _experiment_models("figure4-dense", {"gmlp": "gmlp", "transformer": "transformer",
-                                                    "smlp_det": "smlp_det"}),
-    "figure7": _experiment_models("figure7-routing", {"smlp_det": "smlp_det", "smlp_partial": "smlp_partial",
-                                                      "smlp_leaky": "smlp_det"}),
+    "width": width_models,
 }
-TARGETS = {"lr-sweep": FAIR_TARGET, "deciding": FAIR_TARGET, "width": WIDE_TARGET, "experts": FAIR_TARGET,
-           "table7": FAIR_TARGET, "figure4": FAIR_TARGET, "figure7": FAIR_TARGET}
-# the stages that are one of the paper's experiments (benchmarks/experiments.py), by their experiment name
-EXPERIMENT_STAGES = {"table7": "table7-token-routed-gmlp", "figure4": "figure4-dense", "figure7": "figure7-routing"}
+TARGETS = {"lr-sweep": FAIR_TARGET, "deciding": FAIR_TARGET, "experts": FAIR_TARGET, "width": WIDE_TARGET}
+# what each stage is planned from
+NEEDS = {"lr-sweep": (), "deciding": ("lr-sweep",), "experts": ("lr-sweep",), "width": ("lr-sweep",)}
 
 
 # ---------------------------------------------------------------- the sweep: choose, widen
@@ -220,14 +183,20 @@ def choose_rates(tried: dict[str, dict[float, float]], widened: dict[str, int]) 
         best = min(rates, key=lambda r: by_rate[r])
         nxt = None
         if widened.get(family, 0) < WIDEN and len(rates) >= 2:
-            if best == rates[0] and rates[0] / 2 >= RATE_BOUNDS[0]:
+            if best == rates[0] and rates[0] / 2 >= RATE_BOUNDS[0] * (1 - 1e-9):
                 nxt = rates[0] / 2
-            elif best == rates[-1] and rates[-1] * 2 <= RATE_BOUNDS[1]:
+            elif best == rates[-1] and rates[-1] * 2 <= RATE_BOUNDS[1] * (1 + 1e-9):
                 nxt = rates[-1] * 2
         at_edge = best in (rates[0], rates[-1])
         out[family] = {"tried": {f"{r:g}": by_rate[r] for r in rates}, "chosen": best, "next": nxt,
                        "bracketed": not at_edge, "widened": widened.get(family, 0)}
     return out
+
+
+def best_moe_of_sweep(rates: dict[str, dict]) -> str | None:
+    """The Transformer-MoE whose best sweep perplexity is lowest: the primary comparison's opponent."""
+    moe = [k for k in MOE_BASELINES if k in rates]
+    return min(moe, key=lambda k: rates[k]["tried"][f"{rates[k]['chosen']:g}"]) if moe else None
 
 
 def widen_sweep(store: S.RunStore, ctx: Context, record: dict) -> list[Model]:
@@ -242,21 +211,84 @@ def widen_sweep(store: S.RunStore, ctx: Context, record: dict) -> list[Model]:
                                   f"{NAMES[family]}, lr {c['next']:g}"))
             widened[family] = widened.get(family, 0) + 1
     if added:
-        phase = max(s.phase for s in store.slots) + 1
-        first_round = max(s.round for s in store.slots) + 1
-        rounds = S.seed_rounds([m.key for m in added], [1], store.plan["order_seed"], phase=phase,
-                               first_round=first_round)
-        store.slots = S.extend_schedule(store.slots, rounds, store.plan["reference"])
+        _append_round(store, [m.key for m in added], [SWEEP_SEED])
         store.plan["models"].extend(m.as_dict() for m in added)
         store.extra.setdefault("added_models", []).extend(m.key for m in added)
         store.save()
     return added
 
 
+def _append_round(store: S.RunStore, keys: list[str], seeds: list[int]) -> None:
+    phase = max(s.phase for s in store.slots) + 1
+    first_round = max(s.round for s in store.slots) + 1
+    rounds = S.seed_rounds(keys, seeds, store.plan["order_seed"], phase=phase, first_round=first_round)
+    store.slots = S.extend_schedule(store.slots, rounds, probe_reference(store.plan))
+
+
+def third_seed(store: S.RunStore, ctx: Context, record: dict) -> list[str]:
+    """After the deciding stage's two seeds: a third seed for sMLP-det and the best Transformer-MoE when the
+    primary comparison's 95% interval still holds zero (once). Returns the models given one."""
+    if "third_seed" in store.extra:
+        return []
+    primary = verdicts(record, ctx.records["lr-sweep"]["fair"])["primary"]
+    keys = []
+    if primary is not None and primary["ci_log"][0] <= 0 <= primary["ci_log"][1]:
+        keys = ["smlp_det", ctx.best_moe()]
+        _append_round(store, keys, [THIRD_SEED])
+    store.extra["third_seed"] = {"models": keys, "seed": THIRD_SEED,
+                                 "rule": "the primary comparison's 95% interval holds zero after two seeds",
+                                 "interval_after_two": primary and primary["ci_pct"]}
+    store.save()
+    return keys
+
+
 # ---------------------------------------------------------------- running the stages
 
 
-def run_stage(stage: str, ctx: Context, data: Path, out_dir: Path, *, order_seed: int = 1) -> dict:
+def check_code(store_path: Path, stage: str) -> dict:
+    """The code identity to record for a stage; refuses to resume a stage whose runs came from other code
+    that decides perplexity (machine.PERPLEXITY_PATHS) than the code running now."""
+    now = code_identity()
+    if now["dirty"]:
+        raise BenchError(f"stage {stage}: the code that decides perplexity has uncommitted changes "
+                         f"(git status -- {' '.join(('smlp/', 'fairseq_plugins/', 'launch/'))}): commit them, or run "
+                         f"the benchmark from a clean checkout, so that every run records the code it ran")
+    if not store_path.exists():
+        return now
+    started = (S.RunStore.load(store_path).extra.get("code") or {}).get("commit")
+    if started is None or now["commit"] is None:
+        return now
+    changed = perplexity_changes(started, now["commit"])
+    if changed is None:
+        raise BenchError(f"stage {stage} started at commit {started[:10]}, which this checkout does not know: "
+                         f"resume from a checkout that has it (git fetch), or restart the stage (remove "
+                         f"{store_path.parent})")
+    if changed:
+        raise BenchError(f"stage {stage} started at commit {started[:10]}; since then {len(changed)} file(s) that "
+                         f"decide perplexity changed ({', '.join(changed[:6])}{', ...' if len(changed) > 6 else ''}): "
+                         f"resume from a checkout of {started[:10]} (git worktree add ../fair-code {started[:10]}), "
+                         f"or restart the stage (remove {store_path.parent})")
+    return {**now, "stage_commit": started}
+
+
+def commit_store(path: Path, message: str, attempts: int = 5) -> bool:
+    """Commit the files under `path` (a stage's store and report) and nothing else to the repository holding
+    it; retried while another git process holds the index. False (said, not raised) when it cannot."""
+    def git(*args):
+        return subprocess.run(["git", "-C", str(path), *args], capture_output=True, text=True, timeout=60)
+
+    for attempt in range(attempts):
+        add = git("add", "--", ".")
+        res = git("commit", "-q", "-m", message, "--only", "--", ".") if add.returncode == 0 else add
+        if res.returncode == 0 or "nothing to commit" in (res.stdout + res.stderr):
+            return True
+        time.sleep(2 + 3 * attempt)
+    print(f"   (could not commit {path}: {(res.stderr or res.stdout).strip()[:300]})", flush=True)
+    return False
+
+
+def run_stage(stage: str, ctx: Context, data: Path, out_dir: Path, *, order_seed: int = 1,
+              log_dir: Path | None = None, commit: bool = False) -> dict:
     """Train one stage (resuming where it stopped) and return its report record with the stage's analysis."""
     models = BUILDERS[stage](ctx)
     settings = dict(STAGE_SETTINGS[stage], target=TARGETS[stage],
@@ -264,24 +296,30 @@ def run_stage(stage: str, ctx: Context, data: Path, out_dir: Path, *, order_seed
     settings["models"] = tuple(m.key for m in models)
     reference = models[0].key
     out_dir.mkdir(parents=True, exist_ok=True)
+    code = check_code(out_dir / "runs.json", stage)
     resume = (out_dir / "runs.json").exists()  # main() asked for --resume before continuing a started benchmark
+
+    def after_run():
+        if commit:
+            commit_store(out_dir, f"fair benchmark, stage {stage}: a run finished")
+
     while True:
         store = run_schedule(f"fair/{stage}", settings, models, {"stage": stage}, data, ctx.nproc, out_dir,
-                             resume=resume, order_seed=order_seed, reference=reference)
+                             resume=resume, order_seed=order_seed, reference=reference,
+                             log_dir=(log_dir / stage) if log_dir else None, after_run=after_run,
+                             extra={"code": {"commit": code["commit"], "checked": "machine.PERPLEXITY_PATHS"}})
         record = report(store, out_dir, quiet=True)
-        added = widen_sweep(store, ctx, record) if stage == "lr-sweep" else []
+        added = [m.key for m in widen_sweep(store, ctx, record)] if stage == "lr-sweep" else []
+        if stage == "deciding":
+            added = third_seed(store, ctx, record)
         if not added:
             break
-        print(f"   widening the sweep: {', '.join(m.key for m in added)}", flush=True)
+        print(f"   {'widening the sweep' if stage == 'lr-sweep' else 'a third seed'}: {', '.join(added)}", flush=True)
         resume = True
     record["fair"] = analyse_stage(stage, record, store)
-    if stage in EXPERIMENT_STAGES:
-        from .experiments import get_experiment
-
-        record["plan_experiment"] = EXPERIMENT_STAGES[stage]
-        return get_experiment(EXPERIMENT_STAGES[stage]).finish(
-            record, out_dir, seed_spread=ctx.records["deciding"]["fair"]["seed_spread"])
     atomic_write_json(out_dir / "results.json", record)
+    if commit:
+        commit_store(out_dir, f"fair benchmark, stage {stage}: finished")
     return record
 
 
@@ -289,41 +327,11 @@ def analyse_stage(stage: str, record: dict, store: S.RunStore) -> dict:
     res = record["models"]
     if stage == "lr-sweep":
         choice = choose_rates(rates_tried(record), store.extra.get("widened", {}))
-        return {"rates": choice}
+        return {"rates": choice, "best_moe": best_moe_of_sweep(choice),
+                "best_moe_rule": "the Transformer-MoE with the lowest perplexity at its best rate in the sweep"}
     groups = [m["valid_ppl_per_seed"] for m in res.values()]
-    spread = pooled_log_sd(groups)
-    out = {"seed_spread": spread, "rule": SEED_RULE}
-    if stage == "deciding":
-        moe = [k for k in MOE_BASELINES if k in res and res[k]["valid_ppl"]]
-        if moe:
-            out["best_moe"] = min(moe, key=lambda k: res[k]["valid_ppl"])
-    return out
-
-
-def budget_check(long_record: dict, band: float = 0.02) -> dict:
-    """On the long record: from which validation point on is every pair of models whose final perplexities
-    differ by more than `band` in its final order (all pairs, and all pairs without NiNformer)?"""
-    curves = long_record["analysis"]["mean_curves"]["tokens"]
-    keys = list(curves)
-    xs = curves[keys[0]]["x"]
-    final = {k: curves[k]["ppl"][-1] for k in keys}
-    pairs = [(a, b) for i, a in enumerate(keys) for b in keys[i + 1:] if abs(math.log(final[a] / final[b])) > band]
-
-    def wrong_at(i, subset):
-        return [(a, b) for a, b in subset if (curves[a]["ppl"][i] - curves[b]["ppl"][i]) * (final[a] - final[b]) <= 0]
-
-    def settled(subset):
-        first = len(xs) - 1
-        for i in range(len(xs) - 1, -1, -1):
-            if wrong_at(i, subset):
-                break
-            first = i
-        return xs[first]
-
-    without = [(a, b) for a, b in pairs if "ninformer" not in (a, b)]
-    return {"band": band, "pairs": len(pairs), "tokens": xs, "settled_all": settled(pairs),
-            "settled_without_ninformer": settled(without),
-            "wrong_at_first_point": [list(p) for p in wrong_at(0, pairs)]}
+    return {"seed_spread": pooled_log_sd(groups), "rule": T_RULE, "code": store.extra.get("code"),
+            "third_seed": store.extra.get("third_seed")}
 
 
 # ---------------------------------------------------------------- the comparison's answers
@@ -334,37 +342,78 @@ def _seeds(res: dict, key: str, metric: str = "ppl") -> list[float]:
     return list(m.get("valid_ppl_per_seed" if metric == "ppl" else f"valid_{metric}_per_seed") or [])
 
 
-def verdicts(deciding: dict) -> dict:
-    """sMLP-det and sMLP-partial against the best Transformer-MoE and against gMLP, by the one rule, on all
-    positions and on sMLP-partial's positions, with greedy and with training-time routing at evaluation."""
+def _bracketing(rates: dict, family: str) -> dict:
+    c = rates.get(family) or {}
+    return {"rate": c.get("chosen"), "bracketed": c.get("bracketed")}
+
+
+def _judged(c: dict, a: str, b: str, rates: dict) -> dict:
+    """A comparison with both sides' rates beside it: a side whose best rate is at the edge of the sweep
+    cannot be called worse (a rate beyond the edge might have done better)."""
+    ra, rb = _bracketing(rates, a), _bracketing(rates, b)
+    out = {**c, "rates": {a: ra, b: rb}}
+    loser = b if c["verdict"] == "better" else (a if c["verdict"] == "worse" else None)
+    if loser is not None and (rates.get(loser) or {}).get("bracketed") is False:
+        out["verdict"] = "undecided"
+        out["why_undecided"] = (f"{NAMES.get(loser, loser)}'s best rate ({rates[loser]['chosen']:g}) is at the "
+                                f"edge of the sweep")
+    return out
+
+
+def verdicts(deciding: dict, sweep: dict) -> dict:
+    """The primary comparison (sMLP-det against the sweep's best Transformer-MoE, all positions, the balanced
+    routers evaluating priced) and the secondary ones, each with its 95% t interval (T_RULE) and both sides'
+    rates; the greedy and training-time routings as diagnostic columns, never a verdict."""
     res = deciding["models"]
-    out = {"rule": SEED_RULE, "comparisons": []}
-    for metric, label in (("ppl", "all positions"), ("suffix_ppl", "positions after the routing prefix"),
-                          ("trained_routing_ppl", "balanced routers with their training-time assignment")):
-        groups = [_seeds(res, k, metric) for k in res]
-        spread = pooled_log_sd(g for g in groups if g)
-        moe = [k for k in MOE_BASELINES if _seeds(res, k, metric)]
-        if not moe:
-            continue
-        best = min(moe, key=lambda k: statistics.mean(_seeds(res, k, metric)))
-        for key in ("smlp_det", "smlp_partial"):
-            if key == "smlp_partial" and metric != "suffix_ppl":
-                continue  # partial prediction scores only the positions after its prefix
-            for other in (best, "gmlp"):
-                a, b = _seeds(res, key, metric), _seeds(res, other, metric)
-                if not a or not b:
-                    continue
-                c = compare(a, b, spread["sd"] if spread else None)
-                out["comparisons"].append({"model": key, "against": other, "metric": metric, "scored": label,
-                                           "best_moe": best, **c, "seed_spread": spread,
-                                           "text": describe(c, NAMES[key], NAMES[other])})
+    rates, best = sweep.get("rates") or {}, sweep.get("best_moe")
+    out = {"rule": T_RULE, "best_moe": best, "primary": None, "secondary": [], "diagnostics": {}}
+    spreads = {metric: pooled_log_sd(_seeds(res, k, metric) for k in res)
+               for metric in ("ppl", "suffix_ppl")}
+
+    def comparison(a, b, metric, label):
+        sa, sb = _seeds(res, a, metric), _seeds(res, b, metric)
+        if not sa or not sb:
+            return None
+        c = _judged(t_compare(sa, sb, spreads[metric]), a, b, rates)
+        return {"model": a, "against": b, "metric": metric, "scored": label, **c,
+                "text": describe_t(c, NAMES.get(a, a), NAMES.get(b, b))}
+
+    if best is not None:
+        out["primary"] = comparison("smlp_det", best, "ppl", "all positions")
+    others = [k for k in ("gmlp", "transformer", *MOE_BASELINES) if k != best]
+    for b in others:
+        c = comparison("smlp_det", b, "ppl", "all positions")
+        if c:
+            out["secondary"].append(c)
+    for b in (best, "gmlp"):
+        c = comparison("smlp_partial", b, "suffix_ppl", "positions after the routing prefix") if b else None
+        if c:
+            out["secondary"].append(c)
+    for key, m in res.items():
+        out["diagnostics"][key] = {metric: m.get(f"valid_{metric}") for metric in
+                                   ("ppl", "greedy_routing_ppl", "trained_routing_ppl")}
     out["equal_time"] = equal_time(deciding)
     return out
 
 
+def describe_t(c: dict, a: str, b: str) -> str:
+    """One comparison in words, with its interval: "sMLP-det 88.1 vs HASH 92.3: -4.6% (95% CI -7.1% to -2.0%,
+    3 vs 3 seeds, 9 df): better"; a tie says how large a difference the interval rules out."""
+    if c.get("ci_pct") is None:
+        return f"{a} {c['ppl_a']:.1f} vs {b} {c['ppl_b']:.1f}: {c['ratio'] - 1:+.1%} (no seed spread known): undecided"
+    lo, hi = c["ci_pct"]
+    head = (f"{a} {c['ppl_a']:.1f} vs {b} {c['ppl_b']:.1f}: {c['ratio'] - 1:+.1%} (95% CI {lo:+.1%} to {hi:+.1%}, "
+            f"{c['seeds'][0]} vs {c['seeds'][1]} seeds, {c['df']} df)")
+    if c["verdict"] == "tie":
+        return f"{head}: no difference larger than {c['bound_pct']:.1%} at this budget"
+    if c["verdict"] == "undecided":
+        return f"{head}: undecided ({c.get('why_undecided', 'no seed spread')})"
+    return f"{head}: {a} {'lower (better)' if c['verdict'] == 'better' else 'higher (worse)'}"
+
+
 def equal_time(record: dict) -> list[dict]:
-    """sMLP-det against each Transformer-MoE at equal load-corrected training time, each seed on its own time
-    axis; undecided unless both sides have two seeds (the seeds' times carry the load correction's noise)."""
+    """Secondary: sMLP-det against each Transformer-MoE at equal load-corrected training time, each seed on its
+    own time axis, with the t interval of the two models' own seeds."""
     from .verdicts import ppl_at
 
     res = record["models"]
@@ -379,104 +428,95 @@ def equal_time(record: dict) -> list[dict]:
         a = [ppl_at(c["time"], c["ppl"], t) for c in res["smlp_det"]["curves"] if c.get("time")]
         b = [ppl_at(c["time"], c["ppl"], t) for c in res[other]["curves"] if c.get("time")]
         a, b = [v for v in a if v], [v for v in b if v]
-        if len(a) < 2 or len(b) < 2:
+        c = t_compare(a, b, pooled_log_sd([a, b])) if a and b else None
+        if c is None or c.get("ci_pct") is None:
             out.append({"against": other, "seconds": t, "verdict": "undecided",
                         "text": f"at equal time ({t / 60:.1f} min): undecided (fewer than two seeds on a side)"})
             continue
-        spread = pooled_log_sd([a, b])
-        c = compare(a, b, spread["sd"] if spread else None)
         out.append({"against": other, "seconds": t, **c,
                     "text": f"at equal time ({t / 60:.1f} min at the median load): "
-                            + describe(c, NAMES["smlp_det"], NAMES[other])})
+                            + describe_t(c, NAMES["smlp_det"], NAMES[other])})
     return out
 
 
-def width_trend(deciding: dict, width: dict) -> dict:
-    """sMLP-det's gap (log perplexity) to the best Transformer-MoE and to gMLP at D=128 and D=256, with its
-    standard error from the seed spread pooled over both widths."""
-    best = deciding["fair"]["best_moe"]
-    points = []
-    for d_model, rec in ((FAIR_TARGET["d_model"], deciding), (WIDE_TARGET["d_model"], width)):
-        res = rec["models"]
-        spread = pooled_log_sd(m["valid_ppl_per_seed"] for m in res.values())
-        row = {"d_model": d_model}
-        for other in (best, "gmlp"):
-            a, b = _seeds(res, "smlp_det"), _seeds(res, other)
-            if a and b:
-                row[other] = compare(a, b, spread["sd"] if spread else None)
-        points.append(row)
-    trend = None
-    if all(best in p for p in points):
-        d0, d1 = points[0][best], points[1][best]
-        change = d1["log_diff"] - d0["log_diff"]
-        se = math.hypot(d0["se"] or 0.0, d1["se"] or 0.0) if d0["se"] and d1["se"] else None
-        if se is None:
-            trend = "undecided"
-        elif abs(change) <= 2 * se:
-            trend = "holds"
-        else:  # a gap that moves towards 0 shrinks, one that moves away grows
-            trend = "shrinks" if abs(d1["log_diff"]) < abs(d0["log_diff"]) else "grows"
-        trend = {"change": change, "se": se, "answer": trend, "against": best}
-    return {"points": points, "trend": trend, "best_moe": best}
+def _gap(a: list[float], b: list[float], spread: dict | None) -> dict | None:
+    return t_compare(a, b, spread) if a and b else None
 
 
-def expert_trend(deciding: dict, experts: dict) -> dict:
-    """Final perplexity against the expert count for sMLP-det and the best Transformer-MoE, and sMLP-det's gap."""
-    best = deciding["fair"]["best_moe"]
+def width_trend(deciding: dict, width: dict, best: str) -> dict:
+    """sMLP-det's gap (log perplexity) to the best Transformer-MoE at D=128 (the deciding seeds) and D=256 (one
+    seed each), with intervals from the deciding stage's pooled seed spread: a trend, not a verdict."""
     spread = deciding["fair"]["seed_spread"]
-    sd = spread["sd"] if spread else None
+    points = []
+    for d_model, res, suffix in ((FAIR_TARGET["d_model"], deciding["models"], ""),
+                                 (WIDE_TARGET["d_model"], width["models"], "")):
+        c = _gap(_seeds(res, f"smlp_det{suffix}"), _seeds(res, f"{best}{suffix}"), spread)
+        if c:
+            points.append({"d_model": d_model, **c})
+    return {"points": points, "best_moe": best, "label": "trend (one seed per model at D=256), not a verdict"}
+
+
+def expert_trend(deciding: dict, experts: dict, best: str) -> dict:
+    """Final perplexity against the expert count for sMLP-det and the best Transformer-MoE (8: the deciding
+    seeds; 2 and 32: one seed), and sMLP-det's gap at each, intervals from the deciding stage's seed spread."""
+    spread = deciding["fair"]["seed_spread"]
     rows = []
     for k in ("smlp_det", best):
         by_e = {FAIR_TARGET["experts"]: _seeds(deciding["models"], k)}
         for e in EXPERT_SWEEP:
             by_e[e] = _seeds(experts["models"], f"{k}_e{e}")
         es = sorted(e for e in by_e if by_e[e])
-        steps = [{"from": a, "to": b, **compare(by_e[b], by_e[a], sd)} for a, b in zip(es, es[1:])]
-        rows.append({"model": k, "name": NAMES[k], "ppl": {e: statistics.mean(by_e[e]) for e in es},
-                     "steps": steps,
-                     "better_with_experts": all(s["verdict"] == "better" for s in steps) if steps else None})
+        rows.append({"model": k, "name": NAMES[k], "ppl": {e: statistics.mean(by_e[e]) for e in es}})
     gaps = {}
     for e in sorted({*EXPERT_SWEEP, FAIR_TARGET["experts"]}):
         src = deciding["models"] if e == FAIR_TARGET["experts"] else experts["models"]
         suffix = "" if e == FAIR_TARGET["experts"] else f"_e{e}"
-        a, b = _seeds(src, f"smlp_det{suffix}"), _seeds(src, f"{best}{suffix}")
-        if a and b:
-            gaps[e] = compare(a, b, sd)
-    return {"rows": rows, "gaps": gaps, "best_moe": best, "seed_spread": spread}
+        c = _gap(_seeds(src, f"smlp_det{suffix}"), _seeds(src, f"{best}{suffix}"), spread)
+        if c:
+            gaps[e] = c
+    return {"rows": rows, "gaps": gaps, "best_moe": best, "seed_spread": spread,
+            "note": "sMLP-det's sMoE routes deterministically: every token passes through every sMoE expert (each a "
+                    "spatial gating unit over D/E channels), so more experts split the same channels finer rather "
+                    "than adding parameters per token as the tMoE's experts do"}
 
 
 # ---------------------------------------------------------------- the report
 
 
-def final_report(records: dict, out_dir: Path, long_record: dict | None) -> dict:
+def final_report(records: dict, out_dir: Path) -> dict:
     """OUTPUT_DIR/results.json and its figures from the stages finished so far."""
-    rec = {"kind": "fair", "stages": {k: f"{k}/results.json" for k in records}, "rule": SEED_RULE,
-           "complete": all(k in records and records[k].get("complete") for k in STAGES),
-           "target": FAIR_TARGET, "wide_target": WIDE_TARGET, "settings": STAGE_SETTINGS}
-    if long_record is not None:
-        rec["budget_check"] = budget_check(long_record)
+    rec = {"kind": "fair", "stages": {k: f"{k}/results.json" for k in records}, "rule": T_RULE,
+           "complete": all(k in records and records[k].get("complete") for k in ("lr-sweep", "deciding")),
+           "stages_complete": {k: bool(records.get(k, {}).get("complete")) for k in STAGES},
+           "target": FAIR_TARGET, "wide_target": WIDE_TARGET, "settings": STAGE_SETTINGS,
+           "eval_routing": "priced (--balanced-eval-routing, smlp/routing/prices.py)"}
+    sweep = (records.get("lr-sweep") or {}).get("fair") or {}
     if "lr-sweep" in records:
-        rec["rates"] = records["lr-sweep"]["fair"]["rates"]
+        rec["rates"] = sweep["rates"]
+        rec["best_moe"] = sweep.get("best_moe")
         plot_sweep(rec["rates"], out_dir / "lr_sweep.png")
     if "deciding" in records:
         d = records["deciding"]
         rec["families"] = {k: {"name": m["name"], "layers": m["layers"], "lr": m.get("lr"),
+                               "bracketed": (sweep.get("rates", {}).get(k) or {}).get("bracketed"),
                                "valid_ppl": m["valid_ppl"], "valid_ppl_per_seed": m["valid_ppl_per_seed"],
+                               "seeds": m["seeds"],
                                "valid_suffix_ppl_per_seed": m.get("valid_suffix_ppl_per_seed"),
+                               "valid_greedy_routing_ppl_per_seed": m.get("valid_greedy_routing_ppl_per_seed"),
                                "valid_trained_routing_ppl_per_seed": m.get("valid_trained_routing_ppl_per_seed"),
+                               "greedy_max_load": m.get("greedy_max_load"),
                                "wps": m["wps"], "speed_vs_reference": m.get("speed_vs_reference")}
                            for k, m in d["models"].items()}
-        rec["best_moe"] = d["fair"].get("best_moe")
         rec["seed_spread"] = d["fair"]["seed_spread"]
-        rec["verdicts"] = verdicts(d)
+        rec["verdicts"] = verdicts(d, sweep)
         rec["ratios"] = d["ratios"]
-    if "deciding" in records:
-        rec["table4"] = rec["stages"]["table4"] = table4_stage(records["deciding"], out_dir / "table4")
-    if "deciding" in records and "width" in records:
-        rec["width"] = width_trend(records["deciding"], records["width"])
+        rec["table4"] = rec["stages"]["table4"] = table4_stage(d, out_dir / "table4")
+    best = rec.get("best_moe")
+    if "deciding" in records and "width" in records and best:
+        rec["width"] = width_trend(records["deciding"], records["width"], best)
         plot_width(rec["width"], out_dir / "width.png")
-    if "deciding" in records and "experts" in records:
-        rec["experts"] = expert_trend(records["deciding"], records["experts"])
+    if "deciding" in records and "experts" in records and best:
+        rec["experts"] = expert_trend(records["deciding"], records["experts"], best)
         plot_experts(rec["experts"], out_dir / "experts.png")
     atomic_write_json(out_dir / "results.json", rec)
     return rec
@@ -503,8 +543,8 @@ def table4_stage(deciding: dict, out_dir: Path) -> str:
 def _paper_step_rows() -> list[dict] | None:
     """The step-time model's Table 4 (top) on the paper's 32 V100s (computed once: it does not depend on the runs)."""
     try:
+        from smlp.steptime import CLUSTERS
         from smlp_eval.flops import table4
-        from smlp_eval.flops.steptime import CLUSTERS
 
         return table4("top", CLUSTERS["v100-dgx1"])
     except Exception as exc:  # noqa: BLE001  the CPU ratios stand without the model
@@ -523,13 +563,15 @@ def plot_sweep(rates: dict, path: Path) -> None:
 
 
 def plot_width(width: dict, path: Path) -> None:
-    with png_axes(path, "the gap against width (below 0: sMLP-det lower)", "model width D",
-                  "sMLP-det's perplexity difference (%), ± 2 SE", log2x=True) as ax:
-        for other, marker in ((width["best_moe"], "o"), ("gmlp", "s")):
-            pts = [p for p in width["points"] if other in p]
-            ax.errorbar([p["d_model"] for p in pts], [100 * (p[other]["ratio"] - 1) for p in pts],
-                        yerr=[200 * (p[other]["se"] or 0) for p in pts], marker=marker, capsize=4,
-                        label=f"sMLP-det vs {NAMES.get(other, other)}")
+    with png_axes(path, "the gap against width, a trend (below 0: sMLP-det lower)", "model width D",
+                  "sMLP-det's perplexity difference (%), 95% interval", log2x=True) as ax:
+        pts = width["points"]
+        xs = [p["d_model"] for p in pts]
+        ys = [100 * (p["ratio"] - 1) for p in pts]
+        lo = [100 * (p["ratio"] - 1) - 100 * (p["ci_pct"] or (0, 0))[0] if p.get("ci_pct") else 0 for p in pts]
+        hi = [100 * (p["ci_pct"] or (0, 0))[1] - 100 * (p["ratio"] - 1) if p.get("ci_pct") else 0 for p in pts]
+        ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", capsize=4,
+                    label=f"sMLP-det vs {NAMES.get(width['best_moe'], width['best_moe'])}")
         ax.axhline(0, color="grey", lw=0.8)
 
 
@@ -560,12 +602,11 @@ def main(args, data: Path, vocab_size: int) -> int:
         path = out / name / "results.json"
         if path.exists():
             records[name] = json.loads(path.read_text())
-    long_path = Path("docs/benchmark/long/results.json")
-    long_record = json.loads(long_path.read_text()) if long_path.exists() else None
+    commit = bool(getattr(args, "commit_store", False))
+    log_dir = getattr(args, "work_dir", None)
     t0 = time.time()
     for i, name in enumerate(stages, 1):
-        needs = [] if name == "lr-sweep" else (["lr-sweep"] if name == "deciding" else ["lr-sweep", "deciding"])
-        missing = [n for n in needs if not (n in records and records[n].get("complete"))]
+        missing = [n for n in NEEDS[name] if not (n in records and records[n].get("complete"))]
         if missing:
             raise BenchError(f"stage {name} is planned from {', '.join(missing)}, which has not finished: "
                              f"run it first (--stages {','.join(missing)})")
@@ -574,9 +615,12 @@ def main(args, data: Path, vocab_size: int) -> int:
             continue
         print(f"== fair {i}/{len(stages)} {name}", flush=True)
         ctx = Context(vocab_size, args.nproc, records)
-        records[name] = run_stage(name, ctx, data, out / name, order_seed=args.order_seed)
-        final_report(records, out, long_record)
-    rec = final_report(records, out, long_record)
+        records[name] = run_stage(name, ctx, data, out / name, order_seed=args.order_seed, log_dir=log_dir,
+                                  commit=commit)
+        final_report(records, out)
+        if commit:
+            commit_store(out, f"fair benchmark: report after stage {name}")
+    rec = final_report(records, out)
     print_summary(rec)
     print(f"   results: {out / 'results.json'} ({(time.time() - t0) / 60:.0f} min)")
     return 0
@@ -585,6 +629,10 @@ def main(args, data: Path, vocab_size: int) -> int:
 def print_summary(rec: dict) -> None:
     for family, c in (rec.get("rates") or {}).items():
         tried = ", ".join(f"{r}: {p:.1f}" for r, p in c["tried"].items())
-        print(f"   {NAMES.get(family, family):<28} lr {c['chosen']:g} ({tried})")
-    for c in (rec.get("verdicts") or {}).get("comparisons", []):
-        print(f"   [{c['scored']}] {c['text']}")
+        edge = "" if c["bracketed"] else " (at the sweep's edge)"
+        print(f"   {NAMES.get(family, family):<28} lr {c['chosen']:g}{edge} ({tried})")
+    v = rec.get("verdicts") or {}
+    if v.get("primary"):
+        print(f"   PRIMARY [{v['primary']['scored']}] {v['primary']['text']}")
+    for c in v.get("secondary", []):
+        print(f"   secondary [{c['scored']}] {c['text']}")

@@ -58,3 +58,37 @@ def matmul_peak(nproc: int, n: int = 1024, seconds: float = 4.0) -> dict:
     for p in procs:
         p.join()
     return {"per_rank": rates, "total": sum(rates), "n": n, "threads_per_rank": 1}
+
+
+# ---------------------------------------------------------------- the code a run used
+
+CODE_ROOT = Path(__file__).resolve().parents[1]
+# what decides a run's perplexity: the model, the plugins, the data pipeline, the models' flags and the command
+PERPLEXITY_PATHS = ("smlp/", "fairseq_plugins/", "launch/", "benchmarks/presets.py", "benchmarks/training.py",
+                    "pyproject.toml")
+
+
+def _git(*args: str) -> str | None:
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "-C", str(CODE_ROOT), *args], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def code_identity() -> dict:
+    """The commit of the code running (None outside a git checkout) and whether files that decide a run's
+    perplexity differ from it (uncommitted changes under PERPLEXITY_PATHS)."""
+    commit = _git("rev-parse", "HEAD")
+    dirty = _git("status", "--porcelain", "--", *PERPLEXITY_PATHS) if commit else None
+    return {"commit": commit, "dirty": bool(dirty)}
+
+
+def perplexity_changes(old: str, new: str) -> list[str] | None:
+    """The files under PERPLEXITY_PATHS that differ between two commits (None when git cannot tell)."""
+    if old == new:
+        return []
+    out = _git("diff", "--name-only", old, new, "--", *PERPLEXITY_PATHS)
+    return None if out is None else [line for line in out.splitlines() if line]

@@ -33,10 +33,21 @@ def make_plan(name: str, settings: dict, models: Sequence[Model], nproc: int, or
             "reference": reference}
 
 
+def plan_seeds(settings: dict) -> list[int]:
+    """The seeds of a plan: `seeds` is a count (1..N) or the list itself."""
+    seeds = settings["seeds"]
+    return list(seeds) if isinstance(seeds, (list, tuple)) else list(range(1, seeds + 1))
+
+
+def probe_reference(plan: dict) -> str | None:
+    """The model the probes run, or None when the plan measures no speed (probe_updates 0)."""
+    return plan["reference"] if plan["settings"].get("probe_updates") else None
+
+
 def initial_schedule(plan: dict) -> list[S.Slot]:
     keys = [m["key"] for m in plan["models"]]
-    seeds = list(range(1, plan["settings"]["seeds"] + 1))
-    return S.extend_schedule([], S.seed_rounds(keys, seeds, plan["order_seed"]), plan["reference"])
+    return S.extend_schedule([], S.seed_rounds(keys, plan_seeds(plan["settings"]), plan["order_seed"]),
+                             probe_reference(plan))
 
 
 def choose_second_phase(store: S.RunStore) -> list[str]:
@@ -55,9 +66,9 @@ def maybe_schedule_second_phase(store: S.RunStore) -> bool:
     if not spec or "phase2" in store.extra or store.pending():
         return False
     keys = choose_second_phase(store)
-    first_round = store.plan["settings"]["seeds"]
+    first_round = len(plan_seeds(store.plan["settings"]))
     rounds = S.seed_rounds(keys, spec["seeds"], store.plan["order_seed"], phase=2, first_round=first_round)
-    store.slots = S.extend_schedule(store.slots, rounds, store.plan["reference"])
+    store.slots = S.extend_schedule(store.slots, rounds, probe_reference(store.plan))
     store.extra["phase2"] = {"models": keys, "rule": f"the {spec['top']} lowest final validation perplexities "
                                                      f"of phase 1", "seeds": spec["seeds"]}
     store.save()
@@ -65,8 +76,10 @@ def maybe_schedule_second_phase(store: S.RunStore) -> bool:
 
 
 def execute(store: S.RunStore, models: dict[str, Model], data: Path, args, *, out_dir: Path,
-            on_recorded=None) -> None:
-    """Run every pending slot in order (then phase 2, if the plan has one), recording each at once."""
+            on_recorded=None, log_dir: Path | None = None) -> None:
+    """Run every pending slot in order (then phase 2, if the plan has one), recording each at once. The runs'
+    logs go under log_dir (default out_dir): the store keeps each run's figures, not its log."""
+    log_dir = log_dir or out_dir
     settings, nproc = store.plan["settings"], store.plan["nproc"]
     dropped = store.prepare_resume()
     if dropped:
@@ -84,7 +97,7 @@ def execute(store: S.RunStore, models: dict[str, Model], data: Path, args, *, ou
         model = models[slot.key]
         t_run = time.time()
         if slot.kind == S.PROBE:
-            run = training.run_training(model, data, settings, nproc, slot.seed, out_dir / "probes" / slot.run_id,
+            run = training.run_training(model, data, settings, nproc, slot.seed, log_dir / "probes" / slot.run_id,
                                         updates=settings["probe_updates"], validate=False, log_interval=2)
             rec = run_record(slot, run, settings, nproc)
             print(f"   [{done + 1}/{len(store.slots)}] probe {slot.run_id}: {rec['wps'] or float('nan'):,.0f} "
@@ -92,7 +105,7 @@ def execute(store: S.RunStore, models: dict[str, Model], data: Path, args, *, ou
         else:
             first_seed = min(s.seed for s in store.slots if s.kind == S.TRAIN and s.key == slot.key)
             profile = bool(settings.get("profile_steps")) and model.ours and slot.seed == first_seed
-            run = training.run_training(model, data, settings, nproc, slot.seed, out_dir / "runs" / slot.run_id,
+            run = training.run_training(model, data, settings, nproc, slot.seed, log_dir / "runs" / slot.run_id,
                                         profile=profile)
             rec = run_record(slot, run, settings, nproc)
             ppl = final_ppl(rec)
@@ -136,8 +149,10 @@ def open_store(plan: dict, path: Path, *, resume: bool) -> S.RunStore:
 
 def run_schedule(name: str, settings: dict, models: Sequence[Model], matching: dict, data: Path, nproc: int,
                  out_dir: Path, *, resume: bool, order_seed: int = 1, reference: str | None = None,
-                 experiment: str | None = None) -> S.RunStore:
-    """Plan, open (or resume) the run store in out_dir, measure the matmul peak and train every pending run."""
+                 experiment: str | None = None, log_dir: Path | None = None, after_run=None,
+                 extra: dict | None = None) -> S.RunStore:
+    """Plan, open (or resume) the run store in out_dir, measure the matmul peak and train every pending run
+    (logs under log_dir, default out_dir; `after_run()` after each recorded training run and its report)."""
     by_key = {m.key: m for m in models}
     reference = reference or (REFERENCE if REFERENCE in by_key else models[0].key)
     plan = make_plan(name, settings, models, nproc, order_seed, reference, experiment=experiment)
@@ -145,6 +160,8 @@ def run_schedule(name: str, settings: dict, models: Sequence[Model], matching: d
     if not store.slots:
         store.slots = initial_schedule(plan)
         store.extra["matching"] = matching
+    for k, v in (extra or {}).items():  # facts of the store's start (kept on resume)
+        store.extra.setdefault(k, v)
     store.extra["machine"] = machine.machine_info()
     print(f"   dense matmul peak ({nproc} processes x 1 thread) ...", flush=True)
     peak = machine.matmul_peak(nproc)
@@ -155,6 +172,11 @@ def run_schedule(name: str, settings: dict, models: Sequence[Model], matching: d
         print(f"   resuming: the probe before the next run is measured again ({rid})", flush=True)
     print(f"   training: {len(store.pending())} of {len(store.slots)} runs to go "
           f"({len([s for s in store.slots if s.kind == S.PROBE])} of them probes)", flush=True)
+    def recorded():
+        report(store, out_dir, quiet=True)
+        if after_run is not None:
+            after_run()
+
     execute(store, {m.key: m for m in models_from_plan(store.plan)}, data, None, out_dir=out_dir,
-            on_recorded=lambda: report(store, out_dir, quiet=True))
+            on_recorded=recorded, log_dir=log_dir)
     return store

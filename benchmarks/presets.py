@@ -37,7 +37,7 @@ TARGET = dict(d_model=256, d_ffn=1024, seq_len=256, dense=9, sparse=3)
 # The long preset's target: half the width and half the sequence (module docstring, "Presets").
 LONG_TARGET = dict(d_model=128, d_ffn=512, seq_len=128, dense=9, sparse=3)
 MATCH_TOLERANCE = 0.03
-# The Transformer-MoE baselines: every token router of the registry (smlp/routers.py), by its name.
+# The Transformer-MoE baselines: every token router of the registry (smlp/routing/registry.py), by its name.
 MOE_BASELINES = tuple(TOKEN_ROUTERS)
 OUR_FAMILIES = ("transformer", "gmlp", "hypermixer", "ninformer", *MOE_BASELINES)
 MODEL_ORDER = ("smlp_det", "smlp_partial", "gmlp", "hypermixer", "ninformer", "transformer", *MOE_BASELINES,
@@ -49,7 +49,7 @@ NAMES = {"smlp_det": SMOE_ROUTINGS["deterministic"].title, "smlp_partial": SMOE_
          "fairseq_base_layers": "fairseq transformer_lm --base-layers"}
 REFERENCE = "smlp_det"
 # Causal HyperMixer keeps a d' x C state per position: at this size one block's training step takes
-# ~12 s on one CPU thread against ~0.1 s for the SGU (elementwise-bound, see smlp/token_mixers.py), so
+# ~12 s on one CPU thread against ~0.1 s for the SGU (elementwise-bound, see smlp/hypermixer.py), so
 # a run would take hours. It is benchmarked only when asked for (--models ...,hypermixer).
 DEFAULT_MODELS = tuple(k for k in MODEL_ORDER if k != "hypermixer")
 # The FLOP-matched families of the long preset (no fairseq anchors: they check our speed, not quality).

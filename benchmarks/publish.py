@@ -286,71 +286,88 @@ FAIR_START, FAIR_END = "<!-- smlp-bench-fair:start -->", "<!-- smlp-bench-fair:e
 README_FAIR_START, README_FAIR_END = "<!-- smlp-bench-readme-fair:start -->", "<!-- smlp-bench-readme-fair:end -->"
 FAIR_FIGURES = ("lr_sweep.png", "width.png", "experts.png")
 FAIR_PENDING = ("Not published yet: the deciding comparison (`smlp-bench --fair`: 8 experts per sparse layer, heads of "
-                "dimension 64, a learning rate per family, two seeds, two widths) writes this answer. The earlier runs "
+                "dimension 64, a learning rate per family, deciding runs on seeds the sweep did not use) writes this "
+                "answer; its runs are in progress, their store in docs/benchmark/fair/. The earlier runs "
                 "with 2 experts per sparse layer and one learning rate for all families, in [benchmarks.md]({page}), "
                 "cannot test the paper's claim: at 2 experts GShard's top-2 sends every token to both experts, and "
                 "Switch, GShard and Base Layers ended beside the dense Transformer.")
-METRIC_WORDS = {"ppl": "all positions", "suffix_ppl": "the positions after sMLP-partial's routing prefix",
-                "trained_routing_ppl": "balanced routers assigning as in training"}
+METRIC_WORDS = {"ppl": "all positions", "suffix_ppl": "the positions after sMLP-partial's routing prefix"}
+ANSWER = {"better": "yes", "worse": "no", "undecided": "undecided"}
+SCALE_NOTE = ("Scale: about 2M non-expert parameters trained on about 2M tokens of one small corpus (Gutenberg plays, "
+              "a 4k sentencepiece vocabulary, repeated after about 1.3 epochs), on CPU ranks. The answer says which "
+              "family learns this corpus fastest per FLOP at this size and budget; it cannot say how the families "
+              "rank at the paper's scale (hundreds of millions of parameters, billions of tokens), where larger "
+              "experts, longer training and hardware speed change the trade-offs.")
+BASE_NOTE = ("Base Layers here equals fairseq's `BaseLayer` with the same weights (outputs and gradients, "
+             "tests/test_distributed.py); its greedy validation loads are in the diagnostic column: a property of "
+             "the router at this scale, not a broken baseline.")
 
 
-def _pct(c: dict) -> str:
-    se = f", 2 SE {2 * c['se']:.1%}" if c.get("se") is not None else ""
-    return f"{c['ratio'] - 1:+.1%}{se}"
+def _ci(c: dict) -> str:
+    if c.get("ci_pct") is None:
+        return f"{c['ratio'] - 1:+.1%}, no seed spread known"
+    lo, hi = c["ci_pct"]
+    return f"{c['ratio'] - 1:+.1%}, 95% CI {lo:+.1%} to {hi:+.1%}, {c['df']} df"
+
+
+def _answer(c: dict) -> str:
+    if c["verdict"] == "tie":
+        return f"no difference larger than {c['bound_pct']:.1%} at this budget"
+    if c["verdict"] == "undecided" and c.get("why_undecided"):
+        return f"undecided ({c['why_undecided']})"
+    return ANSWER[c["verdict"]]
+
+
+def _rate_words(c: dict, names: dict) -> str:
+    words = []
+    for k, r in (c.get("rates") or {}).items():
+        if r.get("rate") is not None:
+            words.append(f"{names.get(k, k)} at lr {r['rate']:g}" + ("" if r.get("bracketed") else
+                                                                    " (at the sweep's edge)"))
+    return "; ".join(words)
 
 
 def fair_verdicts(record: dict) -> list[str]:
-    """The deciding comparison's answers, one bullet each (docs/benchmarks.md and README)."""
+    """The deciding comparison's answers, one bullet each (docs/benchmarks.md and README): the primary
+    comparison first, the secondary ones labelled."""
     names = {k: f["name"] for k, f in (record.get("families") or {}).items()}
     v = record.get("verdicts") or {}
-    by = {(c["model"], c["against"], c["metric"]): c for c in v.get("comparisons", [])}
-    best = record.get("best_moe")
     lines = []
     state = "" if record.get("complete") else " **PARTIAL: the benchmark has not finished; the answers may change.**"
-    answer = {"better": "yes", "worse": "no", "tie": "tied", "undecided": "undecided"}
-    for key, metric in (("smlp_det", "ppl"), ("smlp_partial", "suffix_ppl")):
-        c = by.get((key, best, metric))
-        if not c:
-            continue
-        lines.append(f"- **Does {names[key]} beat the best Transformer-MoE ({names[best]}) at matched FLOPs? "
-                     f"{answer[c['verdict']]}.** On {METRIC_WORDS[metric]}: {c['ppl_a']:.1f} against "
-                     f"{c['ppl_b']:.1f} ({_pct(c)}; {c['seeds'][0]} and {c['seeds'][1]} seeds).")
-    for key, metric in (("smlp_det", "ppl"), ("smlp_det", "suffix_ppl")):
-        c = by.get((key, "gmlp", metric))
-        if c and metric == "ppl":
-            lines.append(f"- Against dense gMLP at the same FLOPs, sMLP-det is {c['verdict']} ({c['ppl_a']:.1f} "
-                         f"against {c['ppl_b']:.1f}, {_pct(c)}): "
-                         + ("the sparsity adds to the all-MLP token mixing." if c["verdict"] == "better" else
-                            "at this scale its lead over the Transformer-MoEs comes with the all-MLP token mixing, "
-                            "not with the sparsity." if c["verdict"] == "worse" else
-                            "the sparsity neither adds nor costs measurably here."))
-    same = by.get(("smlp_det", best, "suffix_ppl"))
-    if same:
-        lines.append(f"- On the positions sMLP-partial scores, sMLP-det against {names[best]}: {same['verdict']} "
-                     f"({_pct(same)}).")
-    routed = [(c, by.get((c["model"], c["against"], "ppl"))) for c in v.get("comparisons", [])
-              if c["metric"] == "trained_routing_ppl"]
-    changed = [f"{names[c['model']]} vs {names[c['against']]} ({p['verdict']} -> {c['verdict']})"
-               for c, p in routed if p and c["verdict"] != p["verdict"]]
-    if routed:
-        lines.append("- Evaluation routing: with Base Layers' and sMLP's balanced routers assigning as in training "
-                     "instead of greedily, " + ("no verdict changes." if not changed else
-                                                "verdicts change: " + "; ".join(changed) + "."))
-    timed = [e for e in v.get("equal_time", []) if e.get("against") == best]
-    for e in timed:
-        lines.append(f"- At equal training time (load-corrected, each seed on its own time axis): {e['text']}.")
-    w = (record.get("width") or {}).get("trend")
-    if w:
-        lines.append(f"- Width: from D={record['target']['d_model']} to D={record['wide_target']['d_model']} "
-                     f"sMLP-det's gap to {names.get(w['against'], w['against'])} **{w['answer']}** (change of the "
-                     f"log-perplexity "
-                     f"gap {w['change']:+.3f}" + (f", 2 SE {2 * w['se']:.3f}" if w.get("se") else "") + ").")
-    rows = (record.get("experts") or {}).get("rows") or []
-    for r in rows:
-        steps = ", ".join(f"{s['from']}->{s['to']}: {s['verdict']}" for s in r["steps"])
-        lines.append(f"- Experts: {r['name']} " + ("gets better with every step in experts" if r["better_with_experts"]
-                                                    else "does not get better at every step") + f" ({steps}).")
-    lines.append(f"- Rule for every verdict: {v.get('rule', record.get('rule'))}.")
+    p = v.get("primary")
+    if p:
+        best = names.get(p["against"], p["against"])
+        lines.append(f"- **Does sMLP-deterministic beat the best Transformer-MoE ({best}) at matched FLOPs? "
+                     f"{_answer(p)}.** The primary comparison: validation perplexity on all positions "
+                     f"{p['ppl_a']:.1f} against {p['ppl_b']:.1f} ({_ci(p)}; {p['seeds'][0]} and {p['seeds'][1]} "
+                     f"seeds, none used to choose a rate; {_rate_words(p, names)}). {best} is the Transformer-MoE "
+                     f"with the best perplexity in the learning-rate sweep.")
+    for c in v.get("secondary", []):
+        a, b = names.get(c["model"], c["model"]), names.get(c["against"], c["against"])
+        lines.append(f"- Secondary, {a} against {b} "
+                     f"on {METRIC_WORDS[c['metric']]}: {_answer(c)} ({c['ppl_a']:.1f} against {c['ppl_b']:.1f}, "
+                     f"{_ci(c)}).")
+    for e in (v.get("equal_time") or []):
+        if p and e.get("against") == p["against"]:
+            lines.append(f"- Secondary, at equal training time (load-corrected, each seed on its own time axis): "
+                         f"{e['text']}.")
+    lines.append("- Evaluation routing: the balanced routers (Base Layers, sMLP's tMoE, sMLP-partial's sMoE) route "
+                 "each token by its score minus the expert prices averaged over training (causal, per token); greedy "
+                 "routing and the training-time assignment over the batch (not causal) are diagnostic columns, "
+                 "never a verdict.")
+    w = record.get("width")
+    if w and len(w.get("points", [])) == 2:
+        a, b = w["points"]
+        lines.append(f"- Width (a trend, one seed per model at D={b['d_model']}): sMLP-det's difference to "
+                     f"{names.get(w['best_moe'], w['best_moe'])} is {a['ratio'] - 1:+.1%} at D={a['d_model']} and "
+                     f"{b['ratio'] - 1:+.1%} at D={b['d_model']}.")
+    e = record.get("experts")
+    if e:
+        gaps = ", ".join(f"{x} experts {g['ratio'] - 1:+.1%}"
+                         for x, g in sorted(e["gaps"].items(), key=lambda kv: int(kv[0])))
+        lines.append(f"- Experts (a trend, one seed at 2 and 32): sMLP-det's difference to "
+                     f"{names.get(e['best_moe'], e['best_moe'])}: {gaps}. {e.get('note', '')}")
+    lines.append(f"- Rule: {v.get('rule', record.get('rule'))}.")
     if state:
         lines.append(f"-{state}")
     return lines
@@ -364,8 +381,9 @@ def render_fair(record: dict, figures: dict[str, str]) -> str:
     lines += ["", f"Every family FLOP-matched to sMLP-det ({t['dense']}+{t['sparse']} blocks, D={t['d_model']}, "
                   f"F={t['d_ffn']}, T={t['seq_len']}), {t['experts']} experts per sparse layer on 2 CPU ranks, "
                   f"Transformers with heads of dimension 64, each family at its own learning rate:", "",
-              "| model | layers | lr | valid ppl (seeds) | on sMLP-partial's positions | balanced routers as in "
-              "training | speed vs sMLP-det [range] |", "|---|---|---:|---:|---:|---:|---:|"]
+              "| model | layers | lr | valid ppl (seeds) | on sMLP-partial's positions | diagnostic: greedy routing "
+              "(busiest expert / mean) | diagnostic: training-time assignment | speed vs sMLP-det [range] |",
+              "|---|---|---:|---:|---:|---:|---:|---:|"]
     rr = (record.get("ratios") or {}).get("smlp_det_wps_over_range", {})
 
     def seeds(vals):
@@ -379,38 +397,32 @@ def render_fair(record: dict, figures: dict[str, str]) -> str:
         r = rr.get(key)
         speed = "1 (reference)" if key == "smlp_det" else (
             f"{1 / r['ratio']:.2f}x [{1 / r['hi']:.2f}-{1 / r['lo']:.2f}]" if r else "-")
-        lines.append(f"| {f['name']} | {f['layers']} | {f['lr']:g} | {seeds(f['valid_ppl_per_seed'])} | "
+        load = f" ({f['greedy_max_load']:.1f}x)" if f.get("greedy_max_load") else ""
+        lr = f"{f['lr']:g}" + ("" if f.get("bracketed") is not False else " (edge)")
+        lines.append(f"| {f['name']} | {f['layers']} | {lr} | {seeds(f['valid_ppl_per_seed'])} | "
                      f"{seeds(f.get('valid_suffix_ppl_per_seed'))} | "
+                     f"{seeds(f.get('valid_greedy_routing_ppl_per_seed'))}{load} | "
                      f"{seeds(f.get('valid_trained_routing_ppl_per_seed'))} | {speed} |")
     if "figure5.png" in figures:
         lines += ["", f"![validation perplexity against tokens and against time, the deciding runs]"
                       f"({figures['figure5.png']})"]
     rates = record.get("rates") or {}
     if rates:
-        lines += ["", "Learning rates (inverse-sqrt schedule, the same warmup), chosen by a sweep at a shorter budget; "
-                      "final validation perplexity per rate:", "", "| model | rates tried: ppl | chosen | inside the "
-                      "rates tried |", "|---|---|---:|---|"]
+        lines += ["", "Learning rates (inverse-sqrt schedule, the same warmup), chosen by a sweep of one seed (seed 1, "
+                      "which no deciding run uses) at a shorter budget; final validation perplexity per rate:", "",
+                  "| model | rates tried: ppl | chosen | inside the rates tried |", "|---|---|---:|---|"]
         for key, c in rates.items():
             tried = ", ".join(f"{r}: {p:.1f}" for r, p in sorted(c["tried"].items(), key=lambda kv: float(kv[0])))
             lines.append(f"| {fam.get(key, {}).get('name', key)} | {tried} | {c['chosen']:g} | "
                          f"{'yes' if c['bracketed'] else 'no (at the edge after widening)'} |")
         if "lr_sweep.png" in figures:
             lines += ["", f"![final perplexity against learning rate per family]({figures['lr_sweep.png']})"]
-    bc = record.get("budget_check")
-    if bc:
-        lines += ["", f"Budget: on the earlier long record, every pair of models whose final perplexities differ by "
-                      f"more than {bc['band']:.0%} is in its final order from "
-                      f"{bc['settled_without_ninformer'] / 1e6:.2f}M "
-                      f"tokens on, NiNformer's pairs aside (all pairs: from {bc['settled_all'] / 1e6:.2f}M); the sweep "
-                      f"runs {_stage_tokens(record, 'lr-sweep') / 1e6:.2f}M tokens, the deciding runs "
-                      f"{_stage_tokens(record, 'deciding') / 1e6:.2f}M."]
     w = record.get("width")
     if w:
-        lines += ["", "| width | sMLP-det vs " + " | sMLP-det vs ".join(
-            fam.get(k, {}).get("name", k) for k in (w["best_moe"], "gmlp")) + " |", "|---|---:|---:|"]
-        for p in w["points"]:
-            cells = [f"{_pct(p[k])} ({p[k]['verdict']})" if k in p else "-" for k in (w["best_moe"], "gmlp")]
-            lines.append(f"| D={p['d_model']} | " + " | ".join(cells) + " |")
+        lines += ["", f"| width (trend) | sMLP-det vs {fam.get(w['best_moe'], {}).get('name', w['best_moe'])} |",
+                  "|---|---:|"]
+        for pt in w["points"]:
+            lines.append(f"| D={pt['d_model']} | {_ci(pt)} |")
         if "width.png" in figures:
             lines += ["", f"![sMLP-det's gap against width]({figures['width.png']})"]
     e = record.get("experts")
@@ -422,14 +434,10 @@ def render_fair(record: dict, figures: dict[str, str]) -> str:
                 f"{r['ppl'][str(x)] if str(x) in r['ppl'] else r['ppl'].get(x, float('nan')):.1f}" for x in es) + " |")
         if "experts.png" in figures:
             lines += ["", f"![perplexity against the number of experts]({figures['experts.png']})"]
+    lines += ["", BASE_NOTE, "", SCALE_NOTE]
     lines += ["", "Generated by `smlp-bench --fair` from `docs/benchmark/fair/results.json` and its stages' records "
-                  "(`docs/benchmark/fair/<stage>/results.json`)."]
+                  "(`docs/benchmark/fair/<stage>/runs.json`, `results.json`)."]
     return "\n".join(lines)
-
-
-def _stage_tokens(record: dict, stage: str) -> float:
-    s, t = record["settings"][stage], record["target"]
-    return s["updates"] * 2 * s["batch_size"] * t["seq_len"]
 
 
 def render_fair_summary(record: dict, figure: str | None, page: str) -> str:
@@ -439,7 +447,8 @@ def render_fair_summary(record: dict, figure: str | None, page: str) -> str:
         lines += ["", f"![validation perplexity against tokens and against time, the deciding runs]({figure})"]
     lines += ["", f"The deciding comparison: every family FLOP-matched to sMLP-det with "
                   f"{record['target']['experts']} experts per sparse layer, heads of dimension 64, a learning rate "
-                  f"per family, two seeds, two widths; tables, rates and the earlier 2-expert runs in "
+                  f"per family chosen by a sweep, deciding runs on seeds the sweep did not use; tables, rates and "
+                  f"the earlier 2-expert runs in "
                   f"[{Path(page).name}]({page}). Generated by `smlp-bench --publish`."]
     return "\n".join(lines)
 
@@ -452,9 +461,13 @@ def publish_fair(path: Path, page_text: str, page: Path, figure_dir: Path) -> tu
     record = _docs_record(path)
     dst = figure_dir / "fair"
     dst.mkdir(parents=True, exist_ok=True)
+    in_place = src.resolve() == dst.resolve()  # the benchmark writes its store here (docs/benchmark/fair)
     atomic_write_json(dst / "results.json", record)
-    _copy(src, dst, FAIR_FIGURES)
+    if not in_place:
+        _copy(src, dst, FAIR_FIGURES)
     for stage in record.get("stages", {}):
+        if in_place:
+            continue
         rec_path = src / stage / "results.json"
         if not rec_path.exists():
             continue
@@ -469,6 +482,14 @@ def publish_fair(path: Path, page_text: str, page: Path, figure_dir: Path) -> tu
             _copy(src / stage, exp_dst, ["figure.png", "table.md"])
     if (src / "deciding" / "figure5.png").exists():
         shutil.copy2(src / "deciding" / "figure5.png", dst / "figure5.png")
+    for stage_dir in ([] if not in_place else [dst / k for k in record.get("stages", {})]):
+        exp = stage_dir / "results.json"
+        stage_rec = json.loads(exp.read_text()) if exp.exists() else {}
+        if stage_rec.get("kind") == "experiment":  # Table 4 from the deciding speeds: where the claims table reads it
+            exp_dst = figure_dir / "experiments" / stage_rec["experiment"]
+            exp_dst.mkdir(parents=True, exist_ok=True)
+            atomic_write_json(exp_dst / "results.json", stage_rec)
+            _copy(stage_dir, exp_dst, ["figure.png", "table.md"])
     root = page.parent.resolve()
     figures = {name: _link(dst / name, root) for name in (*FAIR_FIGURES, "figure5.png") if (dst / name).exists()}
     return _replace_section(page_text, FAIR_START, FAIR_END, render_fair(record, figures), page), record

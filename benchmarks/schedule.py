@@ -88,10 +88,11 @@ class Slot:
 
 
 def extend_schedule(slots: Sequence[Slot], rounds: Iterable[tuple[int, int, int, Sequence[str]]],
-                    reference: str) -> list[Slot]:
+                    reference: str | None) -> list[Slot]:
     """Append rounds (phase, round index, seed, ordered keys) to a schedule, with a probe of
     `reference` before the first training run (unless the schedule already ends with one),
-    between every two training runs and after the last."""
+    between every two training runs and after the last; no probes with reference None (a
+    schedule that measures no speed)."""
     out = list(slots)
 
     def add(kind, key, seed, phase, rnd):
@@ -99,10 +100,10 @@ def extend_schedule(slots: Sequence[Slot], rounds: Iterable[tuple[int, int, int,
 
     for phase, rnd, seed, keys in rounds:
         for key in keys:
-            if not out or out[-1].kind != PROBE:
+            if reference is not None and (not out or out[-1].kind != PROBE):
                 add(PROBE, reference, 1, phase, rnd)
             add(TRAIN, key, seed, phase, rnd)
-        if keys:
+        if keys and reference is not None:
             add(PROBE, reference, 1, phase, rnd)
     seen = set()
     for s in out:

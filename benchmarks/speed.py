@@ -52,6 +52,13 @@ def settings(updates: int, seeds: int) -> dict:
 MODELS = ("smlp_det", *VARIANTS, *BASELINES)
 
 
+def min_updates() -> int:
+    """The fewest updates that leave a clean log interval to read words/s from (training.clean_wps): the
+    first interval is warm-up, and the last `profile_steps` + 2 updates hold the profiled window."""
+    s = settings(1, 1)
+    return 2 * s["log_interval"] + s["profile_steps"] + 2
+
+
 def models(vocab_size: int, nproc: int, keys=MODELS) -> list:
     """The models of `keys` (sMLP-det, the reference of every ratio, always first)."""
     from .fair import FAIR_TARGET
@@ -137,8 +144,9 @@ def main(argv=None) -> int:
         publish(args.publish)
         print(f"   {PAGE}: the speed section from {args.publish}")
         return 0
-    if args.updates < 4 or args.seeds < 1:
-        p.error("--updates must be >= 4 and --seeds >= 1")
+    if args.updates < min_updates() or args.seeds < 1:
+        p.error(f"--updates {args.updates}: a run needs at least {min_updates()} updates (--seeds >= 1): words/s "
+                f"are read from log intervals after the first one, outside the profiled steps near the end")
     from .cli import prepare, vocab_size
     from .plan import run_schedule
     from .report import report

@@ -23,7 +23,15 @@ from .training import final_ppl
 
 # validation perplexities besides `ppl` that runs may log (fairseq_plugins/criterion.py): on the positions
 # sMLP-partial scores, and with balanced routers assigning as in training
-EXTRA_METRICS = ("suffix_ppl", "trained_routing_ppl")
+EXTRA_METRICS = ("suffix_ppl", "trained_routing_ppl", "greedy_routing_ppl")
+
+
+def greedy_max_load(record: dict) -> float | None:
+    """The busiest expert's load over the mean, the largest over a run's balanced layers, at its last validation
+    with greedy routing (`load_greedy_<layer>`, --valid-greedy-routing); None when not logged."""
+    last = record["valid"][-1] if record.get("valid") else {}
+    loads = [float(v) for k, v in last.items() if k.startswith("load_greedy_")]
+    return max(loads) if loads else None
 
 
 def _runs_of(store: S.RunStore, key: str) -> list[tuple[S.Slot, dict]]:
@@ -69,6 +77,9 @@ def summarise(store: S.RunStore, models: Sequence[Model], peak: dict | None) -> 
                     curve[metric] = [v[metric] for v in r["valid"]]
             curves.append(curve)
         extra = {}
+        greedy = [v for v in (greedy_max_load(r) for _, r in rs) if v is not None]
+        if greedy:
+            extra["greedy_max_load"] = statistics.mean(greedy)
         for metric in EXTRA_METRICS:
             finals = [final_ppl(r, metric) for _, r in rs if final_ppl(r, metric) is not None]
             if finals:

@@ -209,12 +209,22 @@ def final_ppl(record: dict, metric: str = "ppl") -> float | None:
     return record["valid"][-1].get(metric) if record.get("valid") else None
 
 
+# the fields of fairseq's training log intervals a record keeps (the per-layer routing figures stay in the log)
+INTERVAL_FIELDS = ("num_updates", "loss", "nll_loss", "ppl", "wps", "ups", "wpb", "bsz", "lr", "gnorm", "clip",
+                   "train_wall", "wall", "aux_loss")
+
+
 def run_record(slot: S.Slot, run: Run, settings: dict, nproc: int) -> dict:
-    """The JSON record runs.json keeps of a finished run (a probe's words/s, or a training run's clean median)."""
+    """The JSON record runs.json keeps of a finished run (a probe's words/s, or a training run's clean median),
+    with the code it ran (machine.code_identity)."""
+    from .machine import code_identity
+
     seq_len = settings["target"]["seq_len"]
+    intervals = [{k: f[k] for k in INTERVAL_FIELDS if k in f} for f in run.intervals]
     rec = {"key": run.key, "seed": run.seed, "kind": slot.kind, "seconds": round(run.seconds, 2),
            "started": run.started, "finished": run.finished, "peak_rss_mb": run.peak_rss_mb,
-           "intervals": run.intervals, "valid": run.valid, "profile": run.profile, "log": run.log}
+           "intervals": intervals, "valid": run.valid, "profile": run.profile, "log": run.log,
+           "code": code_identity()}
     if slot.kind == S.PROBE:
         rec["wps"] = probe_wps(run.intervals, seq_len)
     else:

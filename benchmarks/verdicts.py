@@ -59,6 +59,39 @@ def compare(a: Sequence[float], b: Sequence[float], sd: float | None) -> dict:
     return out
 
 
+T_RULE = ("the difference of mean log perplexity with its 95% interval, t(0.975, df) x sd x "
+          "sqrt(1/n_a + 1/n_b), sd and df the seed-to-seed standard deviation of log perplexity and its "
+          "degrees of freedom pooled over every model of the comparison's stage that has two seeds or more; "
+          "better or worse when the interval excludes zero, else a tie (no difference larger than the "
+          "interval's farther bound); a side whose best learning rate is at the edge of the sweep is never "
+          "called worse")
+
+
+def t_compare(a: Sequence[float], b: Sequence[float], spread: dict | None, level: float = 0.95) -> dict:
+    """Model a against model b from their per-seed perplexities by T_RULE, with `spread` the pooled seed spread
+    (`pooled_log_sd`: sd, df). Returns the means, the log difference, its standard error, the interval (in log
+    and as percent changes of perplexity), the bound a tie rules out, and the verdict: "better" (a lower),
+    "worse", "tie", or "undecided" without a spread."""
+    from scipy.stats import t as student_t
+
+    if not a or not b:
+        raise ValueError(f"t_compare needs perplexities on both sides, got {len(a)} and {len(b)}")
+    la, lb = statistics.mean(math.log(v) for v in a), statistics.mean(math.log(v) for v in b)
+    diff = la - lb
+    out = {"ppl_a": math.exp(la), "ppl_b": math.exp(lb), "log_diff": diff, "ratio": math.exp(diff),
+           "seeds": [len(a), len(b)], "se": None, "df": None, "t_crit": None, "ci_log": None, "ci_pct": None,
+           "bound_pct": None, "level": level, "verdict": "undecided"}
+    if not spread:
+        return out
+    se = spread["sd"] * math.sqrt(1 / len(a) + 1 / len(b))
+    t_crit = float(student_t.ppf(0.5 + level / 2, spread["df"]))
+    lo, hi = diff - t_crit * se, diff + t_crit * se
+    out.update(se=se, df=spread["df"], t_crit=t_crit, ci_log=[lo, hi], ci_pct=[math.expm1(lo), math.expm1(hi)],
+               bound_pct=max(abs(math.expm1(lo)), abs(math.expm1(hi))),
+               verdict="better" if hi < 0 else ("worse" if lo > 0 else "tie"))
+    return out
+
+
 def describe(c: dict, a: str, b: str) -> str:
     """One comparison in words: "sMLP-det 70.1 vs HASH 81.4: 13.9% lower (± 2.1%, 2 x 2 seeds): better"."""
     if c["se"] is None:

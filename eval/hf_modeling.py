@@ -12,7 +12,7 @@ installed core instead, so the classes can be tested as they are.
                       a partial-prediction sMLP routes on (sMLP sec. 3.2.2; 0 for every other model),
                       and `routing_prefix_fill`, the P tokens smlp-generate puts before short prompts.
     SMLPForCausalLM   AutoModelForCausalLM: logits of the core's forward; `generate()` decodes with
-                      the core's cache (smlp/decoding.py) through `SMLPCache`.
+                      the core's cache (smlp/decoding_cache.py) through `SMLPCache`.
     SMLPCache         past_key_values: the core's DecodingCache (one position per layer and step).
                       The token-routed gMLP has no per-position step: its cache keeps the tokens and
                       recomputes the prefix, as the fairseq decoder does.

@@ -24,7 +24,6 @@ import here: the fairseq registrations live in `fairseq_plugins/`.
     profiling.py           the profiler ranges of a step and their breakdown
     process_group.py       rank, world size and the collectives' device
     third_party.py         start-up settings for third-party imports (console programs)
-    deprecation.py         old module paths, kept for one release
 
 Shape legend, one for the whole core. A tensor's name ends in its shape (`x_SD`, `scores_SE`), as in
 torchtitan's moe.py; a letter always means the same thing. A lowercase letter is a part of its

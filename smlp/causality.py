@@ -1,11 +1,9 @@
 """The causality check (sMLP Appendix B): changing the input after position t must leave every output
 at positions <= t bit-identical.
 
-Used by the test suite on every token mixer, router and model, and by the Figure 7 experiment
-(`smlp-bench --experiment figure7-routing`), which records the check's result for each routing it
-trains. `first_checked` lets partial prediction skip the routing prefix, whose positions are not
-predicted. `randomized` moves a model's weights far from their near-identity initialization, so that
-every path carries signal and a leak cannot hide behind a zero weight.
+`first_checked` lets partial prediction skip its routing prefix, whose positions are not predicted;
+`randomized` moves a model's weights far from their near-identity init, so that a leak cannot hide
+behind a zero weight.
 """
 from __future__ import annotations
 

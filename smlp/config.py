@@ -93,19 +93,17 @@ class TMoEConfig:
     capacity_factor: Switch's capacity factor (capacity cf x S/E), GShard's (cf x 2S/E; 1 is
             the paper's 2S/E), in training.
     eval_capacity_factor: the same at evaluation; None (default) routes every token in eval
-            mode on its own scores with no capacity limit (causal per position; gates.py).
+            mode on its own scores with no capacity limit (causal per position; routing/gates.py).
     expert_norm: each expert normalizes its own input (Base Layers' expert sublayer); the
             default is True for base, False otherwise (the caller normalizes before routing).
     zero_init_output: the experts' second projection starts at zero, so each expert starts as
-            the identity branch (fairseq's `BaseSublayer`: `ff2.weight.data.zero_()`); the
-            default is True for base, False otherwise.
-    shuffle: base only: in training, assign on a random rank as fairseq's `--base-shuffle` does (on by
-            default there); only the routing scores travel through the shuffle, the tokens go from
-            home straight to their expert and back.
+            the identity branch (as fairseq's `BaseSublayer`); the default is True for base only.
+    shuffle: base only: in training, assign on a random rank (fairseq's `--base-shuffle`); only the
+            routing scores travel through the shuffle, the tokens go straight to their expert.
     gshard_aux_loss: the scale of GShard's load-balancing loss (GSHARD_AUX_LOSSES).
     eval_routing: base only: how evaluation routes each token, priced (argmax of score - the
-            experts' prices averaged over training, routing/prices.py) or greedy (argmax of score,
-            fairseq's BaseLayer).
+            experts' prices averaged over training, smlp/routing/prices.py) or greedy (argmax of
+            score, as fairseq's BaseLayer).
     """
 
     d_model: int
@@ -266,11 +264,9 @@ class SparseBlockConfig:
 class TokenRoutedGMLPConfig:
     """gMLP extended to token-level routing (sMLP Appendix A, Figure 6 right, Table 7).
 
-    Every token goes to one of num_experts experts, each a whole gMLP block body (D->F
-    projection, GELU, SGU with its own T x T spatial weight, F/2->D projection). An expert's SGU
-    mixes only the earlier tokens of the same sequence that were routed to the same expert. The
-    router is a per-token top-1 softmax gate (Switch, no capacity: nothing depends on other
-    tokens, so it is causal) with Switch's load-balancing loss.
+    Every token goes to one of num_experts experts, each a whole gMLP block body whose SGU mixes
+    only the earlier tokens routed to the same expert; the router is Switch's top-1 gate without
+    a capacity, so it is causal (token_routed.py).
     """
 
     d_model: int

@@ -1,58 +1,18 @@
 """Cached incremental decoding: the per-model cache and how layers append to it.
 
-Generation feeds a causal LM its sequence a few positions at a time (the prompt, then one token
-per step). Recomputing every earlier position at each step costs O(t^2) per step for the spatial
-layers (the SGU's T x T weight, gMLP section 2.1; the sMoE experts, sMLP section 3.1) and O(t^2)
-for attention; a cache makes it O(t), as a key/value cache does for a Transformer:
+A cache makes each generation step O(t) instead of recomputing every earlier position. The SGU keeps
+the normalized gated half z2 of past positions (gMLP sec. 2.1); the sMoE the same rows on the rank
+that owns the sequence, and its routing decision once the prefix is complete (sMLP sec. 3.1, 3.2.2);
+HyperMixer its running prefix sum; NiNformer its normalized inputs and hidden units; attention its
+keys and values. FFNs, tMoEs and norms keep nothing.
 
-    SGU / multi-head SGU      the normalized gated half z2 of past positions; step t computes
-                              W[t, :t+1] z2[:t+1] + b_t (per head)
-    sMoE spatial experts      the same normalized rows, kept where they were computed (the source
-                              rank); each step sends every row's prefix to its expert, which
-                              computes only the new position(s) (moe.py, SMoE.step)
-    sMoE partial prediction   plus the routing decision (expert and weight per hidden dimension),
-                              taken once when the routing prefix is complete (section 3.2.2)
-    HyperMixer                its running prefix sum S_t = sum_{s<=t} W1[s] (x) x_s (float64)
-    NiNformer                 the normalized inputs and the hidden units of its causal token MLP
-    attention                 keys and values
-    tMoE / dense FFN, norms   nothing: they act on each position alone (routers route the new
-                              token on its own, greedily, as eval mode always does)
+    cache = model.new_cache()
+    logits_BkV = model(tokens_Bk, cache=cache)   # eval mode, cache.length + k <= T
+    cache.reorder(new_order)                      # beam search, dropped rows
 
-API (the fairseq wrapper and `smlp.generation` call only this):
-
-    cache = model.new_cache()                 # empty; the batch size is fixed by the first call
-    logits_BkV = model(tokens_Bk, cache=cache)   # the next k positions of every sequence;
-                                              # logits for those k positions only
-    cache.length                              # positions processed so far (the same for all rows)
-    cache.reorder(new_order_B)                # beam search / dropping finished rows: row i of the
-                                              # cache becomes old row new_order[i] (index_select on
-                                              # the batch dimension of every cached tensor; new_order
-                                              # may repeat rows and be shorter or longer)
-
-`model(tokens_Bk, cache=cache)` needs eval mode (training-time routing couples the rows of a batch)
-and `cache.length + k <= seq_len`: the spatial weights have T positions, and longer input raises a
-ValueError naming the limit (there is no sliding window: a spatial weight is tied to absolute
-positions). A step with an empty batch (B = 0, e.g. after `reorder` dropped every row) reads and
-advances no position and only takes part in the expert exchanges, so an expert-parallel rank whose
-sequences are done can keep stepping in lockstep with the others.
-
-For fairseq's `FairseqIncrementalDecoder` (one object per model in `incremental_state`):
-
-    cache = self.get_incremental_state(incremental_state, "cache") or a new one (set it back)
-    logits = core(prev_output_tokens[:, cache.length:], cache=cache)
-    reorder_incremental_state(incremental_state, new_order) -> cache.reorder(new_order)
-
-Expert parallelism: every cached tensor, including the sMoE's normalized rows, lives on the rank
-that owns the sequence; experts hold no decoding state. Each sMoE step exchanges, like the full
-forward, one all-gather of the span of positions every rank wants computed, the row counts, the
-rows (their prefix, O(t) per row) and the results; ranks may be at different positions and hold
-different batch sizes. So `reorder` never communicates. Keeping the rows at the experts instead
-would send O(1) per row and step, but every reorder (beam search, finished rows) would then have
-to be all-gathered and replayed on every expert's copy, for each source rank: more state to keep
-consistent, while the O(t) per step of the design here matches the step's O(t) compute.
-
-Shapes: the core's legend (smlp/__init__.py); here B batch, k new positions, t positions in the cache,
-D model width.
+Experts hold no decoding state: each sMoE step sends every row's prefix (O(t), like the step's
+compute), so `reorder` never communicates. A step with B = 0 still joins the expert exchanges, so a
+rank whose sequences are done stays in lockstep. Shapes: the core's legend (smlp/__init__.py).
 """
 from __future__ import annotations
 
@@ -63,11 +23,9 @@ __all__ = ["DecodingCache", "cache_append"]
 
 
 class DecodingCache:
-    """The decoding state of one LanguageModel: a dict of tensors per layer, batch first.
+    """The decoding state of one LanguageModel: a dict of tensors per layer, batch on dimension 0.
 
-    Every cached tensor has the batch on dimension 0, so `reorder` is an index_select on all of
-    them. Position-indexed tensors are buffers whose capacity may exceed `length` (they grow by
-    doubling, so appending a position copies O(1) amortized instead of the whole prefix).
+    Position-indexed buffers may hold more than `length` positions: they grow by doubling.
     """
 
     def __init__(self, num_layers: int):
@@ -99,9 +57,7 @@ def cache_append(state: dict[str, Tensor], key: str, new: Tensor, start: int, di
                  limit: int | None = None) -> Tensor:
     """Write `new` at positions start.. (along `dim`) of the cached buffer state[key]; return positions 0..end.
 
-    The buffer grows by doubling, to at most `limit` positions (the layer's seq_len) unless more
-    are needed; positions >= start of an existing buffer are overwritten (a step always continues
-    at the cache's length).
+    The buffer grows by doubling, to at most `limit` positions (the layer's seq_len) unless more are needed.
     """
     end = start + new.shape[dim]
     buf = state.get(key)

@@ -1,29 +1,15 @@
 """Expert-data parallelism: W = R x G ranks, experts sharded over G, replicated R times.
 
-As DeepSpeed's `ep_size` and Megatron-Core's expert-parallel groups: the W ranks form R expert-
-parallel groups of G consecutive ranks each. Inside a group the E experts of a sparse layer are
-spread over the G ranks (E / G local experts each) and the routed rows travel by all2all (the
-dispatcher's `ep_group`). Rank r holds the experts of position r % G of its group, so the ranks
-r % G == j of all groups (the *replica group* of expert shard j) hold the same experts. Why
-consecutive ranks: on a GPU cluster they share a node, so the all2all of every sparse layer (the
-heavy, latency-bound traffic) stays on NVLink, and only the once-per-step gradient all-reduce of
-the replicas crosses the network.
+The W ranks form R expert-parallel groups of G consecutive ranks. Inside a group the E experts of a
+sparse layer are spread over the G ranks (E / G local experts each) and the routed rows travel by
+all2all (the dispatcher's `ep_group`); the ranks r % G == j of all groups form the replica group of
+expert shard j. A group is consecutive ranks so that on a GPU cluster it shares a node: every sparse
+layer's all2all stays on NVLink, and only the replicas' gradient all-reduce crosses the network.
 
-Gradients follow the data-parallel convention (DDP's, fairseq's legacy_ddp's): every parameter's
-gradient is the average over the W ranks of the gradients of each rank's loss.
-- Non-expert parameters are replicated on all W ranks: the data-parallel wrapper averages them
-  over all W (fairseq's legacy_ddp does; it skips parameters marked `expert`).
-- Expert parameters: the all2all backward already sums, on the owning rank, the contributions of
-  the G ranks of its group. `average_expert_gradients` adds the sum over the R replicas (an
-  all-reduce in the replica group) and divides by W.
-
-The gradient norm that clipping and the fp16 loss scaler read (`grad_norm_with_experts`) is the
-whole model's: shared gradients once, every expert once (its R replicas hold the same averaged
-gradient and count once), the same number on every rank. An inf or NaN in any rank's expert
-gradient makes it non-finite on every rank, so all ranks skip the step together.
-
-Nothing here reads a global process group: the layout is arithmetic on ranks, and the groups are
-created by the caller (fairseq_plugins.models) and passed in.
+Every gradient is the average over the W ranks, as under DDP: the data-parallel wrapper averages the
+non-expert parameters and `average_expert_gradients` the experts'. `grad_norm_with_experts` is the
+whole model's gradient norm, the same on every rank. The caller creates the groups and passes them
+in: nothing here reads a global process group.
 """
 from __future__ import annotations
 
@@ -67,7 +53,7 @@ def valid_ep_sizes(world_size: int, num_experts: int) -> list[int]:
 
 @dataclass(frozen=True, kw_only=True)
 class ExpertDataLayout:
-    """Where the experts of every sparse layer live on W = R x G ranks (see the module docstring).
+    """Where the experts of every sparse layer live on W = R x G ranks.
 
     world_size:  W, all ranks.
     ep_size:     G, ranks of one expert-parallel group (all2all inside it); must divide W and E.
@@ -137,13 +123,12 @@ def average_expert_gradients(module: nn.Module, *, world_size: int, replica_grou
 
     1. The all2all backward has summed the contributions of the G ranks of this expert-parallel
        group on the owning rank.
-    2. Divide by W first (as legacy_ddp divides before summing: no overflow in low precision).
+    2. Divide by W before summing, so that low precision does not overflow.
     3. Sum over the R replicas of this expert shard (`replica_group`); skipped when R = 1.
 
-    The reduction runs in the backward pass of every micro-batch (a sum is linear, so with gradient
-    accumulation the accumulated gradient is the same). Every rank runs the same backward graph, so
-    the replica all-reduces and the all2alls of the expert-parallel groups are issued in the same
-    order on all ranks. Returns the hook handles.
+    The reduction runs in every micro-batch's backward pass; a sum is linear, so gradient accumulation
+    gives the same result. Every rank runs the same backward graph, so the collectives are issued in
+    the same order on all ranks. Returns the hook handles.
     """
     _positive("world_size", world_size)
     _positive("replicas", replicas)
@@ -163,8 +148,8 @@ def expert_data_groups(layout: ExpertDataLayout, rank: int):
     """(expert-parallel group, replica group) of `rank`, creating every group of the layout.
 
     torch.distributed.new_group must be entered by every rank for every group, in the same order,
-    so each rank creates all of them and keeps its own two. A group spanning the whole world is the
-    default group (None) and a one-rank replica group is not needed (no replicas): neither is created.
+    so each rank creates all of them and keeps its own two. A group of the whole world is the default
+    group (None), and without replicas there is no replica group (None).
     """
     ep_group = replica_group = None
     if layout.ep_size < layout.world_size:
@@ -194,8 +179,8 @@ def grad_norm_with_experts(shared_norm: torch.Tensor, expert_grads: list[torch.T
        ranks, each expert then counts once (its R replicas hold the same gradient).
     2. All-reduce s (sum) over the group, on the backend's device (NCCL: a CUDA tensor).
     3. sqrt(shared_norm^2 + s).
-    An inf or NaN gradient on any rank makes the result non-finite on every rank. Without a process
-    group (or on one rank) step 2 is skipped: the norm of this process's whole model.
+    An inf or NaN gradient on any rank makes the result non-finite on every rank, so all ranks skip
+    the step together. On one rank step 2 is skipped.
     """
     _positive("replicas", replicas)
     if expert_grads:

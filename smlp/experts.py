@@ -1,29 +1,15 @@
 """Experts: the parameters that live on one rank only.
 
-Shapes: the core's legend (smlp/__init__.py); here R rows received (grouped by local expert), L
-local experts, c rows of one expert when all hold as many, D model width, F FFN width, M row
-length of an sMoE row (positions), k positions of a decoding step, T expert spatial size, W ranks.
+Shapes: the core's legend (smlp/__init__.py); here R rows received (grouped by local expert), c rows of
+one expert when all hold as many, M row length of an sMoE row (positions), k positions of a decoding step.
 
-Initialization does not depend on the world size: expert e of a layer gets the same initial
-weights whether it lives in a single process holding all experts or on any rank of an
-expert-parallel group, and building a layer advances the global RNG by the same single draw
-either way, so every later parameter is the same too. That makes a seeded W-rank run start from
-exactly the model a seeded single-process run starts from (tests compare the two).
-
-Every expert parameter carries `param.expert = True`: fairseq's legacy_ddp then skips it in the
-gradient all-reduce (fairseq 0.12 `fairseq.distributed.legacy_distributed_data_parallel`; c10d would
-average it over the ranks) and clip_grad_norm_ treats it per rank (`fairseq.utils.clip_grad_norm_`).
-
-Several experts on one rank (more experts than ranks, or a consolidated model evaluated on one
-process) run as one product, not one small matmul each: with equal counts (balanced routing,
-deterministic sMoE) the L experts' rows are an (L, c, ...) batch for one batched matmul; with
-unequal counts the FFN experts run torch's grouped matmul on accelerators (F.grouped_mm: recent
-GPUs in bf16; on the CPU it runs too but measured no faster than the loop, which is used there)
-and otherwise loop over the experts; the spatial experts run one blocked causal product for all
-of them (spatial.py). Where they loop, the stacked weights are unbound
-once: indexing them expert by expert made every expert's gradient a zero-filled copy of the whole
-stack (L^2 memory traffic: 1.2 s of a 32-expert FFN step, against 0.1 s). benchmarks/local_experts.py
-measures 32 experts of the paper-small shapes (scaled down) before and after.
+Expert e gets the same initial weights whatever the world size (one draw of the global RNG, then a
+generator per expert), so a seeded W-rank run starts from the model a seeded single-process run starts
+from. Every expert parameter carries `param.expert = True`: fairseq's legacy_ddp skips it in the gradient
+all-reduce. Several experts on one rank run as one product where they can (a batched matmul for equal
+counts, torch's grouped matmul for unequal counts on accelerators, one blocked causal product for the
+spatial experts); where they loop, the stacked weights are unbound once, because indexing them expert by
+expert makes every expert's gradient a zero-filled copy of the whole stack.
 """
 from __future__ import annotations
 
@@ -33,6 +19,7 @@ from torch import Tensor, nn
 
 from .spatial import (
     causal_product_rows,
+    causal_step,
     causal_weight,
     check_length,
     init_spatial_,
@@ -227,15 +214,27 @@ def tiled_expert_linear(x_RD: Tensor, tiles_E: list[int], weights_E: list[Tensor
 # ---------------------------------------------------------------- the experts
 
 
+def _expert_layer_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None) -> Tensor:
+    """An expert's own affine LayerNorm of its rows (Base Layers' expert sublayer); x as is without one.
+    weight and bias broadcast against x: (D,) for one expert's rows, (R, D) per row, (L, 1, D) per batch."""
+    if weight is None:
+        return x
+    if weight.dim() == 1:  # one expert: the fused affine form (and the form the FLOP counter counts)
+        return F.layer_norm(x, x.shape[-1:], weight, bias)
+    return F.layer_norm(x, x.shape[-1:]) * weight + bias
+
+
 class FFNExperts(nn.Module):
     """L feed-forward experts D -> F -> D, optionally with their own input LayerNorm (Base Layers).
 
-    zero_output: the second projection's weight starts at zero (fairseq's Base Layers expert,
-    `BaseSublayer.ff2.weight.data.zero_()`), so each expert starts as a constant (its bias) and
-    the layer close to the identity. The RNG draws are the same either way.
+    zero_output: the second projection's weight starts at zero (fairseq's `BaseSublayer`), so each
+    expert starts as a constant (its bias) and the layer close to the identity.
 
-    Weights are stacked with the local-expert index first (like every expert parameter here), so
-    moving experts between world sizes is slicing and concatenating along dim 0.
+    Weights are stacked with the local-expert index first, so moving experts between world sizes is
+    slicing and concatenating along dim 0. Forms of the computation: `forward_loop` (one product per
+    expert: the reference, and the CPU's form for unequal counts), `_batched` (equal counts: one
+    batched product), `_grouped` (unequal counts on accelerators: torch's grouped matmul) and
+    `forward_tiled` (evaluation: fixed-shape tiles, so a row's result does not depend on the others).
     """
 
     def __init__(self, num_local_experts: int, d_model: int, d_ffn: int, *, activation: str = "gelu",
@@ -260,8 +259,9 @@ class FFNExperts(nn.Module):
             self.norm_weight = self.norm_bias = None
         mark_expert(self)
         # unequal counts through torch's grouped matmul: None = on accelerators only (on the CPU it is no
-        # faster than the loop and gathers biases per row: benchmarks/local_experts.py); True / False force it
+        # faster than the loop: benchmarks/micro/local_experts.py); True / False force it
         self.grouped: bool | None = None
+        self.explicit_experts = False  # the loop, for FLOP counting (flop_forms.py)
 
     def forward(self, x_RD: Tensor, counts_L: list[int], *, counts_dev_L: Tensor | None = None,
                 fixed_counts: bool = False) -> Tensor:
@@ -281,7 +281,7 @@ class FFNExperts(nn.Module):
         _check_counts(x_RD, counts_L)
         L, R, D = len(counts_L), x_RD.shape[0], x_RD.shape[-1]
         c = _equal_count(counts_L)
-        if torch.jit.is_tracing():  # FLOP counters (fvcore) count the loop's matmuls
+        if self.explicit_experts:
             return self.forward_loop(x_RD, counts_L)
         if not self.training and not fixed_counts:  # a row's result must not depend on the other rows
             return self.forward_tiled(x_RD, counts_L)
@@ -293,11 +293,19 @@ class FFNExperts(nn.Module):
             return self._grouped(x_RD, counts_L, counts_dev_L)
         return self.forward_loop(x_RD, counts_L)
 
+    def _norm_params(self, index=None) -> tuple[Tensor | None, Tensor | None]:
+        if self.norm_weight is None:
+            return None, None
+        return (self.norm_weight, self.norm_bias) if index is None else (self.norm_weight[index],
+                                                                           self.norm_bias[index])
+
     def _batched(self, x_LcD: Tensor) -> Tensor:
-        if self.norm_weight is not None and x_LcD.shape[0] == 1:  # one expert: the fused affine LayerNorm
-            x_LcD = F.layer_norm(x_LcD, x_LcD.shape[-1:], self.norm_weight[0], self.norm_bias[0])
-        elif self.norm_weight is not None:  # each expert's own affine LayerNorm
-            x_LcD = F.layer_norm(x_LcD, x_LcD.shape[-1:]) * self.norm_weight[:, None] + self.norm_bias[:, None]
+        w, b = self._norm_params()
+        if w is not None and w.shape[0] == 1:  # one local expert: its affine LayerNorm, fused
+            w, b = w[0], b[0]
+        elif w is not None:
+            w, b = w[:, None], b[:, None]
+        x_LcD = _expert_layer_norm(x_LcD, w, b)
         h_LcF = self.activation(torch.baddbmm(self.b1[:, None], x_LcD, self.w1))
         return torch.baddbmm(self.b2[:, None], h_LcF, self.w2)
 
@@ -310,50 +318,43 @@ class FFNExperts(nn.Module):
                                                                                             device=x_RD.device)
         offs_L = torch.cumsum(counts, 0).to(torch.int32)
         expert_R = torch.repeat_interleave(torch.arange(L, device=x_RD.device), counts, output_size=R)
-        if self.norm_weight is not None:
-            x_RD = F.layer_norm(x_RD, x_RD.shape[-1:]) * self.norm_weight[expert_R] + self.norm_bias[expert_R]
+        x_RD = _expert_layer_norm(x_RD, *self._norm_params(expert_R))
         h_RF = self.activation(_grouped_matmul(x_RD, self.w1, offs_L) + self.b1[expert_R])
         return _grouped_matmul(h_RF, self.w2, offs_L) + self.b2[expert_R]
 
     def forward_tiled(self, x_RD: Tensor, counts_L: list[int]) -> Tensor:
         """Each expert's rows in tiles of TILE_ROWS rows, one fixed-shape product per tile
-        (`tiled_expert_linear`, as the token-routed gMLP computes its experts): the result of a row
-        depends on its own values only. Evaluation uses it wherever the counts depend on the data
-        (greedy Base Layers and sMLP tMoE routing, HASH, Switch and GShard without an evaluation
-        capacity, and the rows other ranks send through the all2all): a product over another number
-        of rows may round differently, and later tokens, which change the counts, would then change
-        earlier outputs (the bit-exact causality check, smlp/causality.py). Costs the padding, at
-        most L (TILE_ROWS - 1) rows, and thinner products than the loop's."""
-        D = x_RD.shape[-1]
+        (`tiled_expert_linear`): a row's result depends on its own values only, so later tokens, which
+        change the counts, cannot change earlier outputs (the bit-exact causality check). Evaluation
+        uses it wherever the counts depend on the data. Costs the padding, at most L (TILE_ROWS - 1) rows."""
+        norms = zip(*(p.unbind(0) for p in self._norm_params())) if self.norm_weight is not None else None
         chunks_L = _split_rows(x_RD, counts_L)
-        if self.norm_weight is not None:  # each expert's LayerNorm, row by row
-            chunks_L = [F.layer_norm(chunk, (D,), w, b)
-                        for chunk, w, b in zip(chunks_L, self.norm_weight.unbind(0), self.norm_bias.unbind(0))]
+        if norms is not None:
+            chunks_L = [_expert_layer_norm(chunk, w, b) for chunk, (w, b) in zip(chunks_L, norms)]
         x_PD, tiles_L = pad_to_tiles(chunks_L)
         h_PF = self.activation(tiled_expert_linear(x_PD, tiles_L, self.w1.unbind(0), self.b1.unbind(0)))
         y_PD = tiled_expert_linear(h_PF, tiles_L, self.w2.unbind(0), self.b2.unbind(0))
         return unpad_tiles(y_PD, counts_L, tiles_L)
 
+    def _one_expert(self, x_RD: Tensor, w1, b1, w2, b2, norm_w, norm_b) -> Tensor:
+        """One expert on its rows, from its weights (D, F), (F,), (F, D), (D,) and LayerNorm affines."""
+        h = self.activation(torch.addmm(b1, _expert_layer_norm(x_RD, norm_w, norm_b), w1))
+        return torch.addmm(b2, h, w2)
+
     def expert_rows(self, x_RD: Tensor, l: int) -> Tensor:
         """Local expert l on rows x, (R, D): the cached decoding step's product (moe.TMoE.step), on views
         of the stacked weights (decoding has no backward pass to pay for indexing them)."""
-        if self.norm_weight is not None:
-            x_RD = F.layer_norm(x_RD, x_RD.shape[-1:], self.norm_weight[l], self.norm_bias[l])
-        return torch.addmm(self.b2[l], self.activation(torch.addmm(self.b1[l], x_RD, self.w1[l])), self.w2[l])
+        return self._one_expert(x_RD, self.w1[l], self.b1[l], self.w2[l], self.b2[l], *self._norm_params(l))
 
     def forward_loop(self, x_RD: Tensor, counts_L: list[int]) -> Tensor:
-        """One matmul per local expert: the reference the batched and grouped forms are tested against,
-        and the form where grouped_mm does not run. The weights are unbound once (indexing them per
-        expert would give each expert's gradient a zero-filled copy of the whole stack)."""
-        D = x_RD.shape[-1]
-        w1, b1, w2, b2 = (p.unbind(0) for p in (self.w1, self.b1, self.w2, self.b2))
-        norm = (self.norm_weight.unbind(0), self.norm_bias.unbind(0)) if self.norm_weight is not None else None
-        outs = []
-        for l, chunk in enumerate(_split_rows(x_RD, counts_L)):
-            if norm is not None:
-                chunk = F.layer_norm(chunk, (D,), norm[0][l], norm[1][l])
-            h = self.activation(torch.addmm(b1[l], chunk, w1[l]))  # (R_l, F)
-            outs.append(torch.addmm(b2[l], h, w2[l]))
+        """One product per local expert: the reference the other forms are tested against. The weights are
+        unbound once (indexing them per expert would give each expert's gradient a zero-filled copy of the
+        whole stack)."""
+        L = len(counts_L)
+        params = [p.unbind(0) for p in (self.w1, self.b1, self.w2, self.b2)]
+        norms = [p.unbind(0) for p in self._norm_params()] if self.norm_weight is not None else [[None] * L] * 2
+        outs = [self._one_expert(chunk, *(p[l] for p in params), norms[0][l], norms[1][l])
+                for l, chunk in enumerate(_split_rows(x_RD, counts_L))]
         return torch.cat(outs, dim=0) if len(outs) != 1 else outs[0]
 
 
@@ -404,6 +405,21 @@ class SpatialExperts(nn.Module):
         outs = [chunk @ w_LMM[l].t() + offset[l][:M]
                 for l, chunk in enumerate(_split_rows(x_RM, counts_L))]
         return torch.cat(outs, dim=0)
+
+    def step_chunks(self, v_BtC: Tensor, start: int) -> Tensor:
+        """Cached decoding with every expert here and chunk i of the C channels routed to expert i
+        (deterministic routing): W x + (b - 1) at positions start..t-1, (B, k, C), from the cache in place."""
+        check_length(v_BtC.shape[1], self.size, "sMoE row")
+        return causal_step(self.weight, self.bias_offset, v_BtC, start)
+
+    def step_routed(self, v_BmC: Tensor, expert_BC: Tensor) -> Tensor:
+        """Cached decoding of one new position with every expert here, each (sequence, channel) routed to
+        expert_BC (B, C): W_e[m - 1, :m] . v + (b_e - 1) at the row's last position, (B, C), v_BmC the m
+        positions the experts mix."""
+        m = v_BmC.shape[1]
+        check_length(m, self.size, "sMoE row")
+        w_BCm = self.weight[expert_BC, m - 1, :m]
+        return (w_BCm * v_BmC.transpose(1, 2)).sum(-1) + self.bias_offset[expert_BC, m - 1]
 
     def step(self, x_RM: Tensor, counts_LW: list[list[int]], spans_W: list[tuple[int, int]]) -> Tensor:
         """Cached decoding: only the positions each row's source rank asked for, (R, k).

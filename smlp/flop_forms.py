@@ -1,14 +1,12 @@
-"""The forms a FLOP counter traces: every module that runs a fast path fvcore cannot count keeps the
-plain form of the same maths behind a flag, and one context manager sets the flag.
+"""The forms a FLOP counter traces: a module whose fast path fvcore cannot count keeps the plain form
+of the same maths behind a flag, which a context manager sets.
 
-    explicit_spatial    spatial products as the masked dense product (spatial.py: the paper's
-                        full T x T count, Table 3; the blocked form is one Python autograd Function
-                        to a tracer), the token-routed gMLP's projections on the routed rows only
-    explicit_attention  attention as matmuls (transformer.py: fvcore has no rule for fused SDPA and
-                        counts 0 for it)
+    explicit_spatial    spatial products as the masked dense product (the paper's full T x T count,
+                        Table 3), the token-routed gMLP's projections on the routed rows only
+    explicit_attention  attention as matmuls (fvcore counts 0 for fused SDPA)
+    explicit_experts    the FFN experts as one product per expert on its routed rows (no tiles, no padding)
 
-The FLOPs calculator (eval/flops/counting.py) and the step-time model (eval/flops/steptime.py)
-trace under both; tests check that each form computes what the fast one does.
+The FLOPs calculator (eval/flops/counting.py) traces under all three (`counted_forms`).
 """
 from __future__ import annotations
 
@@ -17,7 +15,7 @@ from collections.abc import Iterator
 
 from torch import nn
 
-__all__ = ["explicit_attention", "explicit_spatial", "flag_set"]
+__all__ = ["counted_forms", "explicit_attention", "explicit_experts", "explicit_spatial", "flag_set"]
 
 
 @contextlib.contextmanager
@@ -35,10 +33,22 @@ def flag_set(module: nn.Module, flag: str) -> Iterator[nn.Module]:
 
 
 def explicit_spatial(module: nn.Module) -> contextlib.AbstractContextManager[nn.Module]:
-    """Every spatial product in `module` as the masked dense product (what fvcore counts as the paper does)."""
+    """Every spatial product in `module` as the masked dense product (the paper's count)."""
     return flag_set(module, "explicit_spatial")
 
 
 def explicit_attention(module: nn.Module) -> contextlib.AbstractContextManager[nn.Module]:
     """Every CausalSelfAttention in `module` as explicit matmuls (FLOP counters)."""
     return flag_set(module, "explicit")
+
+
+def explicit_experts(module: nn.Module) -> contextlib.AbstractContextManager[nn.Module]:
+    """Every FFNExperts in `module` as its plain loop over the experts' routed rows."""
+    return flag_set(module, "explicit_experts")
+
+
+@contextlib.contextmanager
+def counted_forms(module: nn.Module) -> Iterator[nn.Module]:
+    """Every form of `module` as a FLOP counter counts it (the three flags above)."""
+    with explicit_attention(module), explicit_spatial(module), explicit_experts(module):
+        yield module

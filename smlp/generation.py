@@ -5,32 +5,12 @@
     generate(..., beam_size=4)                                        beam search (best beam)
     generate(..., use_cache=False)                                    full recompute at every step
 
-`use_cache=True` decodes incrementally (smlp/decoding_cache.py): the prompt is prefilled in one call and
-every later token costs one position per layer; `use_cache=False` runs the whole prefix through
-the model at each step. Both give the same tokens (the logits agree to float rounding).
-
-Prompts of different lengths share one batch: all rows are prefilled with the shortest prompt's
-length, then one position is fed per step and rows still inside their prompt are given their own
-next prompt token instead of a generated one (fairseq's `prefix_tokens` does the same). Each row
-stops after `max_new_tokens` tokens or at `eos`; finished rows leave the batch (`cache.reorder`).
-Beam search keeps `beam_size` rows per prompt, scores them by the sum of their tokens' log
-probabilities and reorders the cache after every step; a beam that produced `eos` is finished and
-carried along unchanged.
-
-Limits. A prompt of n tokens followed by m generated tokens needs n + m - 1 positions (the last
-token is never fed); more than the model's seq_len raises a ValueError naming the limit before
-anything runs. A partial-prediction model (sMLP section 3.2.2) predicts nothing from its first P
-positions (the routing prefix), so the last prompt token must sit at position >= P: shorter
-prompts are left-filled with `prefix_fill`'s last tokens (`fill_prefix`, the same rule the
-zero-shot scorer uses for its rows), or refused with a message when no fill is given.
-
-Expert parallelism: every rank of an expert-parallel group must make the same sequence of model
-calls (each sMoE/tMoE step exchanges rows). This loop stops when this rank's rows are done; the
-lockstep driver (fairseq side) keeps a finished rank stepping with an empty batch
-(`model(tokens[:0], cache=cache)`, see smlp/decoding_cache.py) until every rank is done.
-
-Shapes: the core's legend (smlp/__init__.py); here B prompts, Q beams per prompt, Y = B x Q rows of
-the beam batch, N positions, V vocabulary.
+Cached and recomputed decoding give the same tokens. Prompts of different lengths share one batch:
+rows are prefilled to the shortest prompt's length, then fed one position per step, a row still
+inside its prompt taking its own next token (as fairseq's `prefix_tokens`); finished rows leave the
+batch. Every rank of an expert-parallel group must make the same model calls: this loop stops when
+this rank's rows are done, and the fairseq-side driver keeps a finished rank stepping with an empty
+batch. Shapes: the core's legend (smlp/__init__.py).
 """
 from __future__ import annotations
 
@@ -50,8 +30,8 @@ def prefix_fill_needed(first: int, prediction_start: int) -> int:
 
 def fill_prefix(fill: Sequence[int], first: int, prediction_start: int) -> list[int]:
     """The left fill for a sequence whose first wanted prediction is made at position `first`:
-    the last `prefix_fill_needed(first, P)` tokens of `fill` (real text ending at a line end, or
-    </s> repeated). Shared by the zero-shot scorer (smlp_eval.scoring) and `generate`."""
+    the last `prefix_fill_needed(first, P)` tokens of `fill` (text ending at a line end, or </s>
+    repeated). The zero-shot scorer (smlp_eval.scoring) fills its rows by the same rule."""
     n = prefix_fill_needed(first, prediction_start)
     if n > len(fill):
         raise ValueError(f"the routing prefix needs {n} fill tokens before this sequence but the fill has only "
@@ -111,8 +91,8 @@ def _choose(logits_BV: Tensor, sample: bool, temperature: float, top_k: int, gen
 
 
 class _Runner:
-    """Feeds positions to the model, with a cache or by recomputing the whole prefix (also with
-    use_cache=True for a model without a cached step: the token-routed gMLP, as the fairseq decoder)."""
+    """Feeds positions to the model, with a cache or by recomputing the whole prefix (a model without
+    a cached step, such as the token-routed gMLP, recomputes even with use_cache=True)."""
 
     def __init__(self, model, use_cache: bool, on_step: Callable[[int], None] | None):
         self.model, self.on_step = model, on_step
@@ -142,9 +122,16 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, us
              on_step: Callable[[int], None] | None = None) -> list[list[int]]:
     """The tokens generated after each prompt (eos, when produced, ends a row and is not returned).
 
-    model: a core LanguageModel in eval mode (its device is that of its parameters).
-    on_step(n): called after each model call with the number of positions fed so far (timing).
-    Other arguments: see the module docstring.
+    model:        a core LanguageModel in eval mode (its device is that of its parameters).
+    use_cache:    decode incrementally (smlp/decoding_cache.py) instead of recomputing the prefix.
+    sample:       sample with `temperature` and `top_k` (0: no limit) from `generator`; else greedy.
+    beam_size:    > 1: beam search scored by the sum of token log-probabilities.
+    prefix_fill:  text to left-fill the prompts of a partial-prediction model (sMLP sec. 3.2.2),
+                  which predicts nothing from its first P positions (`fill_prefix`).
+    on_step(n):   called after each model call with the number of positions fed so far (timing).
+
+    A prompt of n tokens followed by m generated ones needs n + m - 1 <= seq_len positions (the last
+    token is never fed); more raises a ValueError before anything runs.
     """
     _check_args(model, prompts, max_new_tokens, temperature, top_k, beam_size, sample)
     if model.training:
@@ -196,7 +183,8 @@ def _padded(filled: list[list[int]], max_new_tokens: int, device) -> tuple[torch
 
 def _beam_search(run: _Runner, filled: list[list[int]], max_new_tokens: int, Q: int, eos: int | None,
                  device) -> list[list[int]]:
-    """Beam search over a batch of prompts; returns each prompt's best beam (see the module docstring)."""
+    """Beam search over a batch of prompts; returns each prompt's best beam. A beam that produced
+    `eos` is finished and carried along unchanged."""
     B = len(filled)
     seq_BN, lengths = _padded(filled, max_new_tokens, device)
     pos = min(lengths)

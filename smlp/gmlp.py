@@ -1,32 +1,17 @@
 """The gMLP block and its token mixer, the causal Spatial Gating Unit (SGU).
 
-gMLP ("Pay Attention to MLPs", Liu et al. 2021), section 2.1: s(Z) = Z1 * (W Z2 + b), with W a
-T x T spatial weight initialized near zero and b at one, so every block starts close to an
-identity-like feed-forward. For language modelling the spatial weight is made causal by
-masking the weight itself (lower triangular), sliced to the actual length n <= T: output
-position t only ever sees positions <= t, in training and in eval mode alike. The product runs
-as blocked GEMMs that skip the zero triangle (spatial.py); the masked dense form is kept for the
-FLOP counter (flop_forms.explicit_spatial), which counts the paper's full T x T product.
+gMLP (Liu et al. 2021, "Pay Attention to MLPs"), sec. 2.1: s(Z) = Z1 * (W Z2 + b), W a T x T spatial
+weight initialized near zero and b at one. For language modelling W is masked lower triangular and
+sliced to the length n <= T, so position t sees only positions <= t. The product runs as blocked
+GEMMs that skip the zero triangle (spatial.py). The block can hold another token mixer in the SGU's
+place (`TOKEN_MIXERS`: hypermixer.py, ninformer.py); the pieces they share are here.
 
-The block can hold another token mixer in the SGU's place (`TOKEN_MIXERS`): the causal
-HyperMixer (hypermixer.py) and NiNformer (ninformer.py); the pieces they share with the block
-are here (`MLP`, `check_decodable`).
+Half precision: at init W Z2 is ~1e-5, and W Z2 + b rounds to exactly 1 in bf16 and fp16, which
+would drop the spatial term from the gate. So the projection returns the gate minus one,
+W Z2 + (b - 1), the unit computes Z1 + Z1 * (W Z2 + (b - 1)), and the bias is stored as its offset
+b - 1 (`bias_offset`), whose small updates half-precision weights can hold.
 
-Half precision: at that init (W ~ U(+-1e-3/T), b = 1) W Z2 is ~1e-5, and W Z2 + b rounds to
-exactly 1 in bf16 (8 bits of mantissa) and fp16 (11): the spatial term would vanish from the
-gate. The projection therefore returns the gate minus one, W Z2 + (b - 1), and the unit computes
-Z1 + Z1 * (W Z2 + (b - 1)): the spatial term keeps its own relative precision
-(tests/test_precision.py). Added to Z1 it is still below the output's rounding at init, as any
-half-precision activation would hold it, but it is no longer lost inside the gate; dL/dW never
-depended on it. In fp32 the two forms agree to rounding. The bias itself is stored as its offset
-from one, `bias_offset` = b - 1 (spatial.load_gate_bias_offset converts older checkpoints): stored
-as b, half-precision weights (--bf16, --fp16) would hold b - 1 only in steps of 2^-7 (bf16) or
-2^-10 (fp16), and its updates, smaller than that, would be lost. Weight decay, if used, pulls b
-towards 1 (the init) instead of 0.
-
-Shapes: the core's legend (smlp/__init__.py); here B batch, N positions (n <= T), k new and t
-cached positions, D model width, F channel-projection width, C = F/2 gated channels, H heads,
-c = C/H channels per head.
+Shapes: the core's legend (smlp/__init__.py).
 """
 from __future__ import annotations
 
@@ -62,8 +47,7 @@ def check_decodable(module: nn.Module, causal: bool) -> None:
 class SpatialProjection(nn.Module):
     """Causal multi-head spatial projection: head h mixes positions of its channel chunk with W_h.
 
-    Returns W_h x + (b_h - 1), the gate minus one (see the module docstring on half precision); the bias
-    is stored as b_h - 1 (`bias_offset`).
+    Returns W_h x + (b_h - 1), the gate minus one (module docstring: half precision).
     """
 
     def __init__(self, heads: int, seq_len: int, init_eps: float = 1e-3):
@@ -75,7 +59,7 @@ class SpatialProjection(nn.Module):
         self.explicit_spatial = False  # the masked dense product, for FLOP counting (flop_forms.py)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        load_gate_bias_offset(state_dict, prefix)  # checkpoints that stored b itself
+        load_gate_bias_offset(state_dict, prefix)  # a state that stores b itself
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def forward(self, x_BNC: Tensor) -> Tensor:
@@ -90,12 +74,7 @@ class SpatialProjection(nn.Module):
         return y_BNHc.reshape(B, n, C)
 
     def step(self, x_BtC: Tensor, start: int) -> Tensor:
-        """Cached decoding: outputs at positions start..t-1 only, from all t positions of x, (B, k, C).
-
-        Row s of the causal weight reads positions <= s: W[start:t, :t] with the diagonal shifted
-        by `start` is the slice of the full product these positions need (O(t) per position).
-        Like `forward` it returns the gate minus one, W x + (b - 1).
-        """
+        """Cached decoding: W x + (b - 1) at positions start..t-1 only, from all t positions of x, (B, k, C)."""
         check_length(x_BtC.shape[1], self.seq_len)
         return causal_step(self.weight, self.bias_offset, x_BtC, start)
 
@@ -127,9 +106,8 @@ class SpatialGatingUnit(nn.Module):
 class GMLPBlock(nn.Module):
     """Dense gMLP block, pre-norm with residual.
 
-    `mixer` replaces the SGU by another token mixer that maps the F channels to F/2 (the causal
-    HyperMixer of hypermixer.py, NiNformer's unit of ninformer.py); the SGU keeps its attribute
-    name `sgu`, so existing checkpoints load unchanged.
+    `mixer` replaces the SGU by another token mixer that maps the F channels to F/2 (hypermixer.py,
+    ninformer.py) under the name `mixer`; the SGU is named `sgu`, as checkpoints hold it.
     """
 
     def __init__(self, cfg: GMLPConfig, mixer: nn.Module | None = None):

@@ -1,56 +1,19 @@
 """The causal HyperMixer token mixer, in the SGU's place inside a gMLP block.
 
-Like the Spatial Gating Unit (gMLP section 2.1) the unit maps the F-wide channel projection z of
-a gMLP block to F/2 channels: z is split into halves z1, z2 of C = F/2 channels, z2 is mixed over
-positions into a gate, and the output is z1 * gate. The paper gives no decoder form; the causal
-form below is ours.
+HyperMixer (Mai et al. 2023, sec. 2.3, Algorithm 1, App. D.2 and F) is MLP-Mixer's token-mixing MLP
+W2 GELU(W1^T x_c) for every channel c, with the rows of W1 and W2 (N x U) generated per token by
+hypernetworks: W1[s] = MLP1(x_s + p_s), W2[t] = MLP2(x_t + p_t), p fixed sinusoids (tied: W2 = W1).
+As in the SGU, z splits into z1 and z2, z2 is mixed into a gate and the output is z1 * LayerNorm(mix).
+The paper gives no decoder form; ours applies App. F's length normalisation to each prefix:
 
-HyperMixer (Mai et al. 2023, "HyperMixer: An MLP-based Low Cost Alternative to Transformers",
-section 2.3, Algorithm 1, Appendices D.2 and F). HyperMixing is MLP-Mixer's token-mixing MLP
-TM-MLP(x_c) = W2 GELU(W1^T x_c), applied to every channel c, with the rows of W1, W2 (N x d')
-generated per token by hypernetworks: W1[s] = MLP1(x_s + p_s), W2[t] = MLP2(x_t + p_t), where
-p is a position embedding (here fixed sinusoids) and MLP_i: C -> C -> d' with GELU. Tied: W2 = W1.
-The paper's output LayerNorm (Appendix F) is kept; its bias starts at one so the gate starts
-near one, as the SGU's does (gMLP 2.1).
+    paper (encoder):  y_t = W2[t] . GELU( (1/N) sum_{s<N} W1[s]^T x_s )
+    causal (ours):    y_t = W2[t] . GELU( (1/(t+1)) sum_{s<=t} W1[s]^T x_s )
 
-    paper (encoder):  y_t = W2[t] . GELU( (1/N) sum_{s<N} W1[s]^T x_s )      (length-normalised, App. F)
-    causal (ours):    y_t = W2[t] . GELU( (1/(t+1)) sum_{s<=t} W1[s]^T x_s )   (positions 0..N-1)
-
-The hidden layer of the token-mixing MLP is accumulated over the prefix and normalised by the
-number of positions it holds (Appendix F's length normalisation, with the length each position
-sees), then passed through GELU. Output t depends only on positions <= t; with t = N-1 it is the
-paper's form. The prefix state S_t = sum_{s<=t} W1[s] (x) x_s is a d' x C matrix per position,
-and GELU sits between the prefix sum and W2, so (unlike linear attention) the states cannot be
-folded into the output. Computing them for all positions at once would hold N x d' x C numbers.
-Instead positions go in chunks of I (`chunk_size`; 0 picks I so a chunk's (B, I, d', C) tensors
-stay under CHUNK_ELEMENTS): a running d' x C carry plus an in-chunk cumulative sum gives the I states
-of a chunk, which are used and dropped. Training uses a custom autograd function that saves only
-its inputs and the final carry; the backward pass walks the chunks in reverse, rebuilding each
-chunk's carry by subtracting the chunk's sum from the next carry, and accumulates from the end
-the suffix sums the outer products need (dL/dA_s = sum_{t>=s} dL/dS_t). The carry is kept in
-float64, so the subtraction recovers the earlier carry to float64 precision instead of cancelling
-catastrophically (a float32 carry would lose ~n/t ulps at position t); HyperMixing runs in one
-dtype with autocast off, so the backward rebuilds the states the forward used. Half-precision
-inputs (fairseq --fp16 / --bf16, autocast) are mixed in fp32: each chunk is upcast, its prefix sums,
-1/(t+1) (an arange in bf16 is wrong past 256) and GELU run in fp32, and only the outputs and input
-gradients are stored in the input dtype (in bf16 the prefix sums alone cost 7% relative error).
-
-Cost per sequence of n positions (d' = U hidden units, C channels, hypernetwork hidden width h):
-    multiply-adds  n (C h + h U) per hypernetwork (1 tied, 2 untied)
-                   + 2 n U C for the mixing (outer products W1[s] x_s^T, then W2[t] . H_t),
-                   the paper's count (D.2: 4 N d' d operations = 2 N d' d multiply-adds),
-                   + n U C additions (prefix sums) and n U C GELUs, which the encoder form
-                   needs only U C times: the price of causality;
-    memory         O(n (C + U)) for inputs and outputs + O(B I U C) working memory per chunk
-                   + O(B U C) carry, whatever n is. Compute is linear in n.
-The n U C elementwise work (prefix sums, GELU, and about 15 passes over (B, I, U, C) tensors in
-training), not the multiply-adds, sets the wall-clock time: per FLOP this mixer is much slower than
-the SGU or attention (3-4x per step for the tiny preset on CPU; memory-bandwidth bound on GPUs).
-A fused kernel that keeps each state tile in registers would remove the passes; not written here.
-
-Shapes: the core's legend (smlp/__init__.py); here B batch, N positions (n <= T), k new positions,
-F mixer input width, C = F/2 gated channels, U hidden units of the generated token-mixing MLP
-(d'), I positions of one chunk.
+GELU sits between the prefix sum and W2, so, unlike linear attention, each position needs its own
+U x C state. Positions go in chunks of I: a float64 carry plus an in-chunk cumulative sum gives a
+chunk's states, used and dropped; the backward rebuilds them by subtracting each chunk's sum from the
+carry. Half-precision inputs are mixed in fp32: bf16 prefix sums and 1/(t+1) are too inexact.
+Shapes: the core's legend (smlp/__init__.py).
 """
 from __future__ import annotations
 
@@ -75,7 +38,7 @@ CHUNK_ELEMENTS = 1 << 24  # auto chunk: at most this many elements per (B, I, U,
 
 @dataclass(frozen=True, kw_only=True)
 class HyperMixerConfig:
-    """Causal HyperMixing in the SGU's place (see the module docstring).
+    """Causal HyperMixing in the SGU's place.
 
     dim:          mixer input width F, split into z1 and z2 of C = F/2 channels each.
     hidden_dim:   d', hidden units of the generated token-mixing MLP (hypernetwork output width).
@@ -121,16 +84,15 @@ def _chunk_len(chunk_size: int, B: int, U: int, C: int, n: int) -> int:
 
 
 def _carry_dtype(x: Tensor) -> torch.dtype:
-    # float64 makes the backward's carry reconstruction exact (module docstring); MPS has none.
+    # float64 keeps the backward's carry reconstruction exact; MPS has none.
     return torch.float32 if x.device.type == "mps" else torch.float64
 
 
 def _outer(u_BIU: Tensor, v_BIC: Tensor) -> Tensor:
     """A_s = W1[s]^T x_s for every position of a chunk, (B, I, U, C).
 
-    Under tracing (fvcore, the FLOPs calculator) a matmul with inner size 1, so that these
-    multiply-adds are counted; otherwise a broadcast multiply, 5-10x faster on CPU. Each entry is
-    one product either way: the same numbers (tests/test_token_mixers.py checks it).
+    Under tracing (the FLOP counter) a matmul with inner size 1, so that these multiply-adds are
+    counted; otherwise a broadcast multiply, faster on CPU. The numbers are the same either way.
     """
     if torch.jit.is_tracing():
         return torch.matmul(u_BIU.unsqueeze(-1), v_BIC.unsqueeze(-2))
@@ -140,8 +102,8 @@ def _outer(u_BIU: Tensor, v_BIC: Tensor) -> Tensor:
 def _states_(A_BIUC: Tensor, carry_BUC: Tensor, start: int) -> tuple[Tensor, Tensor]:
     """In place: A_s -> Z_t = (carry + sum_{a<=s<=t} A_s) / (t+1); returns Z and 1/(t+1), (I, 1, 1).
 
-    A loop of in-place adds over contiguous (B, U, C) slices: torch.cumsum along dim 1 is about 15x
-    slower on CPU here. Forward and backward both use this, so their states agree bitwise.
+    A loop of in-place adds over contiguous (B, U, C) slices, faster on CPU than torch.cumsum along
+    dim 1. Forward and backward both use it, so their states agree bitwise.
     """
     I = A_BIUC.shape[1]
     A_BIUC[:, 0].add_(carry_BUC.to(A_BIUC.dtype))
@@ -215,7 +177,7 @@ class _CausalHyperMixing(torch.autograd.Function):
 
 
 def hypermixing(u_BNU: Tensor, v_BNC: Tensor, w_BNU: Tensor, *, causal: bool = True, chunk_size: int = 0) -> Tensor:
-    """HyperMixing of values v with generated weights u = W1 and w = W2 (module docstring).
+    """HyperMixing of values v with generated weights u = W1 and w = W2.
 
     causal: y_t = w_t . GELU(sum_{s<=t} u_s v_s^T / (t+1)), chunked, memory independent of n.
     not causal (the paper's encoder form): y_t = w_t . GELU(sum_{s<n} u_s v_s^T / n).

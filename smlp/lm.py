@@ -1,40 +1,16 @@
-"""Language models: sMLP, dense gMLP and (MoE) Transformer, framework-free.
+"""Language models: sMLP, dense gMLP and (MoE) Transformer, and their one config `LMConfig`.
 
-The fairseq plugins wrap `LanguageModel`; the FLOPs calculator counts it with fvcore; the tests
-drive it directly. One configuration describes every family:
+    smlp         N1 dense gMLP blocks + N2 sparse blocks (sMoE + tMoE)
+    gmlp         N1 dense gMLP blocks; with token_routed_experts, gMLP with token-level routing
+                 (sMLP Appendix A, token_routed.py)
+    transformer  N1 dense + N2 sparse Transformer blocks (attention + a tMoE in the FFN's place)
 
-    smlp         N1 dense gMLP blocks + N2 sparse blocks (sMoE + tMoE), the paper's placement
-    gmlp         N1 dense gMLP blocks (optionally multi-head SGU); with token_routed_experts = E
-                 every block is gMLP extended to token-level routing (Appendix A, Table 7;
-                 smlp/token_routed.py)
-    transformer  N1 dense Transformer blocks + N2 sparse Transformer blocks (attention + tMoE FFN):
-                   gshard / switch: every other block is sparse (dense, sparse, dense, ...)
-                   base / hash:     sparse blocks spread evenly over the depth (the paper's placement)
+A sparse Transformer block keeps its attention for every router: that reading reproduces the
+paper's Base Layers figures (Table 10's 642.6M non-expert parameters and Table 5's 2.0T FLOPs;
+without attention they would be 508M and 1.66T). `layer_plan` places the sparse blocks, and
+`model(tokens_Bk, cache=model.new_cache())` decodes incrementally (decoding_cache.py).
 
-A sparse Transformer block keeps its attention and replaces only the FFN by the experts, for
-every router. That is the reading that reproduces the paper's Base Layers figures: Table 10's
-642.6M non-expert parameters are 8 dense + 8 sparse blocks that all hold attention (without
-attention in the sparse ones: 508M), and Table 5's 2.0T FLOPs likewise (1.66T without).
-
-Sparse-layer placement (`layer_plan`, `LMConfig.sparse_placement`):
-    paper        sMLP section 4.1 (the Base Layers setting): the k-th of N2 sparse blocks sits
-                 after the floor(k (N1 + N2) / (N2 + 1))-th layer, i.e. at 0-based index
-                 floor(k (N1 + N2) / (N2 + 1)) of the N1 + N2 stack: spread evenly over the
-                 depth. Default for sMLP, Base Layers and HASH.
-    every_other  GShard and Switch (section 4.1): dense, sparse, dense, sparse, ...; the default
-                 for those two routers.
-    fairseq      fairseq's transformer_lm `--base-layers` code, inserting into a growing list:
-                 `layers.insert(((i + 1) * N1) // (N2 + 1), sparse)`. It matches the paper's
-                 rule only while N2 is small against N1: 12 + 12 gives 12 sparse blocks and then
-                 12 dense ones, 28 + 12 leaves the last 14 layers dense. Kept as a named option
-                 to reproduce fairseq runs.
-
-Generation: `model(tokens_Bk, cache=model.new_cache())` decodes incrementally, processing only the
-new positions with per-layer caches (smlp/decoding_cache.py has the API and what each layer keeps;
-smlp/generation.py the decoding loops).
-
-Shapes: the core's legend (smlp/__init__.py); here B batch, N positions, k new positions, D model
-width, V vocabulary.
+Shapes: the core's legend (smlp/__init__.py).
 """
 from __future__ import annotations
 
@@ -77,7 +53,14 @@ PLACEMENTS = ("paper", "every_other", "fairseq")
 
 
 def layer_plan(num_dense: int, num_sparse: int, placement: str) -> list[str]:
-    """Order of 'dense' and 'sparse' layers in the stack (see the module docstring)."""
+    """Order of 'dense' and 'sparse' layers in the stack.
+
+    paper        sMLP sec. 4.1 (the Base Layers setting): the k-th of N2 sparse blocks at index
+                 floor(k (N1 + N2) / (N2 + 1)), spread evenly over the depth.
+    every_other  GShard and Switch (sec. 4.1): dense, sparse, dense, sparse, ...
+    fairseq      as fairseq's transformer_lm `--base-layers`, inserting into a growing list; it
+                 matches `paper` only while N2 is small against N1 (12 + 12: 12 sparse, then 12 dense).
+    """
     if num_dense < 0 or num_sparse < 0:
         raise ValueError(f"layer counts must be >= 0, got {num_dense} dense and {num_sparse} sparse")
     if placement == "paper":
@@ -99,7 +82,7 @@ def layer_plan(num_dense: int, num_sparse: int, placement: str) -> list[str]:
     raise ValueError(f"placement={placement!r} is unknown: valid values are {', '.join(PLACEMENTS)}")
 
 
-# the paper's attention head width: 16 heads at D=1024 (Tables 8-10), as in GPT-3 and fairseq's transformer_lm_gpt
+# the paper's attention head width: 16 heads at D=1024 (Tables 8-10)
 HEAD_DIM = 64
 
 
@@ -126,7 +109,7 @@ class LMConfig:
     smoe_routing: str = "deterministic"
     moe_router: str = "base"
     capacity_factor: float = 1.0
-    eval_capacity_factor: float | None = None  # None: no capacity limit at evaluation (gates.py)
+    eval_capacity_factor: float | None = None  # None: no capacity limit at evaluation (routing/gates.py)
     dropout: float = 0.0
     activation: str = "gelu"
     prefix_fraction: float = 0.2
@@ -346,9 +329,6 @@ class LanguageModel(nn.Module):
         capped = [m for _, m in self.moe_modules()
                   if isinstance(m, TMoE) and m.token_router.drops and m.cfg.eval_capacity_factor is not None]
         if capped:
-            # a step's capacity comes from its B x k rows, the full forward's from B x N, and which rows a
-            # capacity keeps depends on the rows before them in the flattened batch (later positions of
-            # earlier sequences included): no cached step can drop what the full forward drops
             return (f"a capacity at evaluation (eval_capacity_factor={capped[0].cfg.eval_capacity_factor}, "
                     f"--eval-capacity-factor): whether a token is dropped depends on the other tokens of the batch, "
                     f"later positions of other sequences included, and a decoding step's capacity would be counted "
@@ -421,7 +401,7 @@ class LanguageModel(nn.Module):
 
     def routing_greedily(self):
         """Within the block, evaluation routes every balanced router's rows greedily (argmax of the scores,
-        fairseq's BaseLayer) instead of by its averaged training prices (routing/prices.py)."""
+        fairseq's BaseLayer) instead of by its averaged training prices (smlp/routing/prices.py)."""
         return flag_set(self, "route_greedily")
 
     def aux_loss(self) -> Tensor | None:

@@ -1,24 +1,15 @@
 """MoE layers as four named stages: route -> dispatch -> experts -> combine (Megatron-Core's MoELayer).
 
-tMoE (token-routed FFN experts, sMLP section 2.2 / 3.1) and sMoE (hidden-dimension-routed
-spatial experts, sections 3.1-3.2), and the sMLP sparse block that stacks them. Each layer's
-`forward` lists its stages; the sMoE's cached decoding `step` runs the same stage methods and
-differs only where decoding differs (the cached routing decision, the span of positions each
-rank wants computed). The tMoE routes every row on its own in eval mode, so cached decoding
-calls its `forward` on the new rows.
+tMoE (token-routed FFN experts, sMLP sections 2.2 and 3.1), sMoE (hidden-dimension-routed spatial experts,
+sections 3.1-3.2) and the sMLP sparse block that stacks them. Each layer's `forward` lists its stages; the
+sMoE's cached decoding `step` runs the same stages and differs only where decoding differs.
 
-Shapes: the core's legend (smlp/__init__.py); here B batch, N positions (n <= T), k new
-positions, D model width, F the sMoE's input width, C gated channels, S rows routed on this
-rank, K slots per row, R rows a rank's experts receive, E experts, L local experts, P routing-
-prefix positions (partial prediction), M = n - P positions the sMoE experts mix (m of them in a
-decoding step).
+Shapes: the core's legend (smlp/__init__.py); here S rows routed on this rank, K slots per row, R rows a
+rank's experts receive, P routing-prefix positions, M = n - P positions the sMoE experts mix (m of them in a
+decoding step), k new positions.
 
-Auxiliary losses, load and all2all time are kept on the module after each forward
-(`aux_loss`, `z_loss`, `load_E`, `dropped`, `comm_seconds`) for the criterion and the logs to
-read; nothing lives in globals. They stay on the device (load_E) or as timing events
-(comm_seconds, read when it is asked for): a forward reads nothing on the host but the split
-sizes of its dispatches (dispatch.py), and the routers' input checks travel with those
-(routing/plan.py).
+Auxiliary losses and loads stay on the module after each forward (`aux_loss`, `z_loss`, `load_E`,
+`dropped`) for the criterion to read; a forward reads nothing on the host but its dispatches' split sizes.
 """
 from __future__ import annotations
 
@@ -35,13 +26,13 @@ from .decoding_cache import cache_append
 from .dispatch import DispatchState, LocalDispatcher
 from .experts import FFNExperts, SpatialExperts
 from .profiling import RANGES
-from .routing.assignment import balanced_assignment
 from .routing.gates import router_z_loss
 from .routing.logits import router_logits
 from .routing.plan import RoutingPlan, count_rows, raise_on_fault
 from .routing.prices import RouterPrices
-from .routing.registry import SMOE_ROUTINGS, TOKEN_ROUTERS, hash_table  # noqa: F401  (hash_table: re-exported)
-from .spatial import causal_step, check_length
+from .routing.registry import SMOE_ROUTINGS, TOKEN_ROUTERS
+from .routing.token_routers import hash_table
+from .spatial import check_length
 
 __all__ = ["TMoE", "SMoE", "SparseBlock", "SMoERows", "TokenSlots", "hash_table", "LEAKY_ROUTING_WARNING"]
 
@@ -88,26 +79,20 @@ class TMoE(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.dispatcher = _check_dispatcher(dispatcher, cfg.num_experts)
-        self.token_router = TOKEN_ROUTERS[cfg.router]  # the registry entry: parameters, route, capacity
-        self.token_router.init(self, cfg)
-        if self.token_router.balanced:  # the prices evaluation routes with (routing/prices.py)
-            self.eval_prices = RouterPrices(cfg.num_experts)
+        self.token_router = TOKEN_ROUTERS[cfg.router]  # the registry entry: top-k, capacity, balance
+        self.router = self.token_router.router_class(cfg, self.dispatcher)  # owns its parameters
         D = cfg.d_model
         self.experts = FFNExperts(self.dispatcher.num_local_experts, D, cfg.d_ffn, activation=cfg.activation,
                                   norm=cfg.uses_expert_norm, zero_output=cfg.uses_zero_init_output,
                                   first_expert=self.dispatcher.first_expert)
         self.aux_loss: Tensor | None = None
-        self.logits_SE: Tensor | None = None  # the softmax gates' logits of the last forward (z_loss)
         self.load_E: Tensor | None = None  # rows each expert computed (kept slots), on the device
         self.dropped: Tensor | None = None  # slots over capacity (Switch, GShard), on the device
         self.slots = 0  # routing slots of the last forward (tokens x choices): the denominator of `dropped`
         self.comm_time = None  # the dispatcher's timed sections of the last forward (CommTime)
         self.layer_name = f"TMoE ({cfg.router} router)"  # LanguageModel sets the module path, for errors
-        # a balanced router (the registry's `balanced`) assigns at evaluation as in training when set
-        # (LanguageModel.assigning_as_in_training), or greedily whatever cfg.eval_routing says
-        # (LanguageModel.routing_greedily)
+        # set with the balanced router's (LanguageModel.assigning_as_in_training): fixed counts per expert
         self.assign_as_in_training = False
-        self.route_greedily = False
 
     @property
     def comm_seconds(self) -> float:
@@ -115,10 +100,22 @@ class TMoE(nn.Module):
         return self.comm_time.seconds if self.comm_time is not None else 0.0
 
     @property
+    def logits_SE(self) -> Tensor | None:
+        """The softmax gates' logits of the last forward (Switch, GShard; None otherwise)."""
+        return getattr(self.router, "logits_SE", None)
+
+    @property
     def z_loss(self) -> Tensor | None:
         """The router z-loss (ST-MoE) of the last forward's logits (Switch, GShard; None otherwise),
         computed when asked: a forward whose criterion does not ask builds none of its graph."""
         return router_z_loss(self.logits_SE) if self.logits_SE is not None else None
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # checkpoints written before the router was a module hold its tensors under the layer's own names
+        for old in ("centroids", "gate.weight", "hash_table", "eval_prices.price_E", "eval_prices.price_weight"):
+            if prefix + old in state_dict and prefix + "router." + old not in state_dict:
+                state_dict[prefix + "router." + old] = state_dict.pop(prefix + old)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def route(self, x_SD: Tensor, token_ids_S: Tensor | None = None, *, defer_checks: bool = False) -> RoutingPlan:
         """Stage 1: the routing plan of the rows (the registry's route function: the router logits in
@@ -129,47 +126,7 @@ class TMoE(nn.Module):
             RoutingPlan: experts_SK (S, K) expert per slot (-1: dropped), weights_SK (S, K) combine
             weights, aux_loss (scalar or None), fault (the deferred check or None)
         """
-        return self.token_router.route(self, x_SD, token_ids_S, defer_checks)
-
-    def balanced_experts(self, scores_SE: Tensor) -> Tensor | None:
-        """The experts of a balanced router's rows (S,), or None for greedy routing (argmax of the scores).
-
-        Training: the balanced assignment, after Base Layers' shuffle when the layer shuffles
-        (`_shuffled_assignment`); its expert prices join the evaluation prices (`eval_prices`,
-        averaged over every data-parallel rank). Evaluation: argmax(score - price) per row (priced),
-        None (greedy), or the balanced assignment over the batch (`assign_as_in_training`).
-        """
-        if self.training or self.assign_as_in_training:
-            with torch.no_grad():
-                if self.training and self.cfg.uses_shuffle:
-                    return self._shuffled_assignment(scores_SE)
-                expert_S, price_E = balanced_assignment(scores_SE.detach(), with_prices=True)
-                if self.training:
-                    self.eval_prices.observe(price_E, scores_SE.shape[0], self.dispatcher.sum_over_ranks)
-                return expert_S
-        priced = self.cfg.eval_routing == "priced" and not self.route_greedily
-        return self.eval_prices.route(scores_SE.detach()) if priced else None
-
-    def _shuffled_assignment(self, scores_SE: Tensor) -> Tensor:
-        """Base Layers' training-time assignment (fairseq's `base_shuffle`), moving routing metadata only.
-
-        fairseq's BaseLayer sends every token to a random rank, assigns there, sends it to its
-        expert, back, and home: two token exchanges each way, and their reverses in backward.
-        The assignment reads only the tokens' scores, so:
-        1. send the scores (S x E, fp32, no gradient) through the shuffle: the same random
-           permutation and split as fairseq's tokens (dispatcher.shuffle);
-        2. assign with exact balance over the rows that arrive, as fairseq assigns the tokens
-           that arrive (the same scores in the same order: the same assignment); its prices join
-           the evaluation prices;
-        3. send each row's expert back to its home rank (dispatcher.unshuffle).
-        The tokens then go from home straight to their expert and back (`dispatch`, `combine`);
-        the combine weight sigmoid(score) is taken at home, where the scores have their gradient.
-        """
-        with torch.no_grad():
-            shuffled_SE, shuffle = self.dispatcher.shuffle(scores_SE.detach())
-            expert_S, price_E = balanced_assignment(shuffled_SE, with_prices=True)
-            self.eval_prices.observe(price_E, shuffled_SE.shape[0], self.dispatcher.sum_over_ranks)
-            return self.dispatcher.unshuffle(expert_S, shuffle)
+        return self.router(x_SD, token_ids_S, layer=self.layer_name, defer_checks=defer_checks)
 
     def forward(self, x_SD: Tensor, token_ids_S: Tensor | None = None) -> Tensor:
         """The expert branch of every row; the caller adds the residual. Cached decoding calls it too
@@ -343,7 +300,7 @@ class SMoE(nn.Module):
         if routing.router_reads != "none":
             P = cfg.router_len
             self.router = nn.Parameter(torch.randn(P, cfg.num_experts) * P ** -0.5)
-        if routing.balanced:  # the prices evaluation routes with (routing/prices.py)
+        if routing.balanced:  # the prices evaluation routes with (smlp/routing/prices.py)
             self.eval_prices = RouterPrices(cfg.num_experts)
         if not routing.causal:
             logger.warning(LEAKY_ROUTING_WARNING)
@@ -390,6 +347,8 @@ class SMoE(nn.Module):
             raise ValueError(f"SMoE expects (batch, length, {cfg.dim}), got {tuple(z_BNF.shape)}")
         n = z_BNF.shape[1]
         check_length(n, cfg.seq_len)
+        if self.training and self.routing.balanced:  # on every rank, every training forward (RouterPrices.fold)
+            self.eval_prices.fold(self.dispatcher.sum_over_ranks)
         P = min(cfg.prefix_len, n)  # a sequence no longer than the routing prefix has nothing to predict
         z1_BNC, z2_BNC = z_BNF.chunk(2, dim=-1) if cfg.split else (z_BNF, z_BNF)
         rows = self.route(self.norm(z2_BNC), P, training=self.training or self.assign_as_in_training,
@@ -459,19 +418,15 @@ class SMoE(nn.Module):
         if self.deterministic and self.dispatcher.num_local_experts == cfg.num_experts:
             # every expert is here (one process, or the replicated layout): chunk i -> expert i is a
             # multi-head spatial step over the cache in place, as the SGU's; no rows to sort or exchange
-            check_length(t, self.experts.size, "sMoE row")
             with record_function(RANGES["token_mixing"]):
-                return z1_BkC + z1_BkC * causal_step(self.experts.weight, self.experts.bias_offset, v_BtC, start)
+                return z1_BkC + z1_BkC * self.experts.step_chunks(v_BtC, start)
         if (k == 1 and "expert_BC" in state and start >= P and self.routing.causal
                 and self.dispatcher.num_local_experts == cfg.num_experts):
             # partial prediction, every expert here, the routing decided: the new position of row (b, c) is
             # W_e[i, :m] . v[b, P:t, c] with e its expert, read in place, each row's weight row gathered
-            m = t - P
-            check_length(m, self.experts.size, "sMoE row")
             with record_function(RANGES["token_mixing"]):
-                expert_BC, weight_BC = state["expert_BC"], state["weight_BC"]
-                w_BCm = self.experts.weight[expert_BC, m - 1, :m]
-                dev_BC = (w_BCm * v_BtC[:, P:t].transpose(1, 2)).sum(-1) + self.experts.bias_offset[expert_BC, m - 1]
+                weight_BC = state["weight_BC"]
+                dev_BC = self.experts.step_routed(v_BtC[:, P:t], state["expert_BC"])
                 return z1_BkC * weight_BC[:, None] + z1_BkC * (weight_BC * dev_BC)[:, None]
         rows = self.route(v_BtC, P, training=False, dtype=z_BkF.dtype, defer_checks=True, decided=state)
         lo, hi = (start, t) if self.deterministic else (max(start - P, 0), max(t - P, 0))
@@ -526,17 +481,10 @@ class SMoE(nn.Module):
         return rows
 
     def balanced_experts(self, logits_SE: Tensor, training: bool) -> Tensor | None:
-        """The rows' experts (S,) under a balanced routing: the balanced assignment when `training` (its
-        prices join `eval_prices` in a training forward), else argmax(logit - price) (priced) or None
-        (greedy: the route takes the argmax of the logits). See TMoE.balanced_experts."""
-        if training:
-            with torch.no_grad():
-                expert_S, price_E = balanced_assignment(logits_SE.detach(), with_prices=True)
-                if self.training:
-                    self.eval_prices.observe(price_E, logits_SE.shape[0], self.dispatcher.sum_over_ranks)
-                return expert_S
-        priced = self.cfg.eval_routing == "priced" and not self.route_greedily
-        return self.eval_prices.route(logits_SE.detach()) if priced else None
+        """The rows' experts (S,) under a balanced routing (RouterPrices.experts): the balanced assignment
+        when `training`, else argmax(logit - price) (priced) or None (greedy)."""
+        return self.eval_prices.experts(logits_SE, assign=training, observe=self.training,
+                                        priced=self.cfg.eval_routing == "priced" and not self.route_greedily)
 
     def dispatch(self, rows: SMoERows, *, hi: int | None = None,
                  width: int | None = None) -> tuple[Tensor, list[int], DispatchState]:

@@ -1,24 +1,15 @@
 """The causal NiNformer token mixer, in the SGU's place inside a gMLP block.
 
-Like the Spatial Gating Unit (gMLP section 2.1) the unit maps the F-wide channel projection z of
-a gMLP block to F/2 channels: z is split into halves z1, z2 of C = F/2 channels, z2 is mixed over
-positions into a gate, and the output is z1 * gate. The paper gives no decoder form; the causal
-form below is ours.
+NiNformer (Abdullah and Aydin 2024, sec. 3.2, eq. 8): Gating(I) = MLPMixer(I) * Linear(I), the gate
+one MLP-Mixer layer (a token-mixing MLP over positions, then a channel-mixing MLP, each pre-norm with
+a residual). In a gMLP block z1 plays Linear(I) and the Mixer layer reads z2. The paper gives no
+decoder form; ours masks the token-mixing MLP x -> W2 GELU(W1 x + b1) + b2 (T -> r T -> T) as MADE
+does: hidden unit m belongs to position m // r, W1 connects input s to unit m only if s <= m // r,
+and W2 connects unit m to output t only if m // r <= t. Like the SGU's weight, both are sliced to
+the length n <= T and run as full products (the mask saves no multiply-adds).
 
-NiNformer (Abdullah and Aydin 2024, section 3.2, eq. 8): Gating(I) = MLPMixer(I) * Linear(I), the
-gate being one MLP-Mixer layer (token-mixing MLP over positions, then channel-mixing MLP, each
-with a pre-LayerNorm and a residual). In a gMLP block z1 plays Linear(I) (the block's channel
-projection already is a linear map of the normalised input) and the Mixer layer reads z2. The
-token-mixing MLP x -> W2 GELU(W1 x + b1) + b2 over positions (T -> r T -> T) is made causal as
-MADE does: hidden unit m belongs to position m // r; W1 connects input position s to unit m only
-if s <= m // r, W2 connects unit m to output position t only if m // r <= t. Both weights are
-masked themselves, sliced to the actual length n <= T (as the SGU's T x T weight). Cost:
-2 r n^2 C multiply-adds for the token MLP (full products; the mask saves nothing, as for the
-SGU) + 2 n C channel_hidden for the channel MLP. r = token_expansion.
-
-Shapes: the core's legend (smlp/__init__.py); here B batch, N positions (n <= T), k new and t
-cached positions, F mixer input width, C = F/2 gated channels, U hidden units of the token-mixing
-MLP (token_expansion x n; u of them new in a decoding step).
+Shapes: the core's legend (smlp/__init__.py); here U = r n hidden units of the token-mixing MLP,
+u of them new in a decoding step.
 """
 from __future__ import annotations
 
@@ -41,7 +32,7 @@ __all__ = ["NiNformerConfig", "CausalTokenMLP", "MixerSubUnit", "NiNformerGating
 
 @dataclass(frozen=True, kw_only=True)
 class NiNformerConfig:
-    """NiNformer's gating unit with a causal token-mixing MLP (see the module docstring).
+    """NiNformer's gating unit with a causal token-mixing MLP.
 
     dim:             mixer input width F, split into z1 and z2 of C = F/2 channels each.
     seq_len:         T, the token-mixing MLP's input/output size; inputs may be shorter.
@@ -115,9 +106,8 @@ class CausalTokenMLP(nn.Module):
     def step(self, x_BkC: Tensor, state: dict, start: int) -> Tensor:
         """Cached decoding of positions start..t-1 (smlp/decoding_cache.py), (B, k, C).
 
-        A hidden unit of position p reads positions <= p only, so once computed it never changes:
-        the inputs and hidden units of past positions are kept, and a step computes the r k new
-        units (reading t positions) and its k outputs (reading r t units): O(t) per position.
+        A hidden unit of position p reads positions <= p only, so it never changes once computed:
+        a step computes the r k new units and its k outputs from the cached ones, O(t) per position.
         """
         check_decodable(self, self.causal)
         k = x_BkC.shape[1]

@@ -1,13 +1,10 @@
 """The core's precision rules in half-precision models: what leaves autocast, what sums in fp32.
 
-fairseq's --fp16 / --bf16 halve every parameter and --amp runs the forward under autocast; the
-core keeps three things out of half precision (fairseq_plugins/precision.py patches fairseq's side):
-
-- the router's logits and everything derived from them (routing/logits.py, Switch sec. 2.4);
-- sums over many terms: gradients of weights shared by a batch (spatial.py), HyperMixing's prefix
-  sums (hypermixer.py), softmax gates' losses (routing/gates.py): `accumulation_dtype`;
-- computations whose backward must rebuild the forward's values exactly (HyperMixing), which
-  therefore run in one dtype with autocast off (`no_autocast`).
+Under fairseq's --fp16 / --bf16 / --amp the core keeps out of half precision: the router's logits
+and all derived from them (routing/logits.py); sums over many terms, such as the gradients of
+weights a batch shares (spatial.py), in `accumulation_dtype`; and computations whose backward must
+rebuild the forward's values exactly (HyperMixing), in one dtype under `no_autocast`.
+fairseq_plugins/precision.py handles fairseq's side.
 """
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""The two facts about a process group that the rest of the code asks for: this process's rank and
-the world size (0 and 1 without torch.distributed), and the device of the tensors its collectives
-accept. One rule for every caller (the dispatchers, expert-data parallelism, evaluation, the
-checkpoint code): NCCL accepts only CUDA tensors (a host tensor fails at the first collective),
-gloo and MPI host tensors, so a mixed "cpu:gloo,cuda:nccl" group takes host tensors too; another
-accelerator's backend (xccl, hccl, ...) takes that accelerator's tensors.
+"""The two facts about a process group the rest of the code asks for: this process's rank and the world
+size, and the device of the tensors its collectives accept.
 """
 from __future__ import annotations
 
@@ -22,7 +18,9 @@ def rank_and_world(group=None) -> tuple[int, int]:
 
 
 def collective_device(group=None) -> torch.device:
-    """The device of the tensors `group`'s collectives accept (module docstring)."""
+    """The device of the tensors `group`'s collectives accept: CUDA for NCCL (a host tensor fails at the
+    first collective), the host for gloo and MPI (so also for a mixed "cpu:gloo,cuda:nccl" group), and
+    the current accelerator for another accelerator's backend."""
     backend = str(dist.get_backend(group)).lower()
     if "gloo" in backend or "mpi" in backend:
         return torch.device("cpu")

@@ -1,19 +1,14 @@
-"""Where a training step's time goes, from torch.profiler (breakdowns come from a profiler, not stopwatches).
+"""Where a training step's time goes, from torch.profiler ranges.
 
-The model marks its regions with `torch.profiler.record_function` ranges named below (cheap when no
-profiler runs). A forward range covers the forward ops called inside it; the backward of those ops
-runs later, outside any range, so `breakdown` attributes each backward autograd node to the range
-of the forward op that created it, through the sequence number torch.profiler records on both
-(`FunctionEvent.sequence_nr`). Nested ranges count for the innermost one (experts inside a MoE
-layer count as experts). Everything else in the step (dense projections, embeddings, loss,
-optimizer, data loading) is "rest".
+The model marks its regions with `record_function` ranges named in RANGES. A backward op runs
+outside any range, so `breakdown` gives it the range of the forward op that created it, through the
+sequence number the profiler records on both. Nested ranges count for the innermost one.
 
-Categories:
     routing       router scores and the routing rule (gates, balanced assignment, hash lookup)
     all2all       the dispatcher's collectives (counts, rows, Base Layers' shuffle), both directions
     experts       FFN experts (tMoE, GShard, Switch, Base Layers, HASH)
     token_mixing  spatial gating (dense SGU and the sMoE's spatial experts), self-attention
-    rest          the step time not in a range above
+    rest          the rest of the step: dense projections, embeddings, loss, optimizer, data loading
 """
 from __future__ import annotations
 

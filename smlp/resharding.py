@@ -1,20 +1,13 @@
-"""Moving expert weights (and their optimizer state) between layouts.
+"""Moving expert weights and their optimizer state between layouts.
 
-Every expert parameter (marked `param.expert = True`) is stacked with the local-expert index
-first, and the rank at position j of an expert-parallel group of G ranks owns experts
-[j*E/G, (j+1)*E/G). So the full model's expert tensor is the concatenation of the G positions'
-tensors along dim 0, and re-sharding to G' positions is a slice. With expert-data parallelism
-(smlp/expert_data_parallel.py) the W = R x G ranks hold R identical copies: rank r's shard is position r % G's.
-
-The same holds for optimizer state that has the shape of its parameter (Adam's moments, SGD's
-momentum): `reshard_optimizer_state` moves it with the weights, so a resumed run continues with
-the moments it would have had.
-
-A layer type may be replicated instead (the sMoE's replicated layout, fairseq's --smoe-parallel): every
-rank then holds all E experts of its layers, so a rank's file holds more experts for those keys than
-for the spread ones (`replicated_keys`). Merging takes one copy of them (checking the ranks agree),
-and moving between the layouts is a per-key range: all E experts for a replicated key, the rank's
-slice for a spread one (`ranges` of `reshard_model_state` and `reshard_optimizer_state`).
+An expert parameter (`param.expert = True`) is stacked with the local-expert index first, and
+position j of an expert-parallel group of G ranks owns experts [j*E/G, (j+1)*E/G). So the full
+expert tensor is the concatenation of the G positions' tensors along dim 0, and resharding to G'
+positions is a slice; with expert-data parallelism (smlp/expert_data_parallel.py) rank r holds
+position r % G's shard. Optimizer state shaped like its parameter (Adam's moments, momentum) moves
+with the weights, so a resumed run continues with the moments it would have had. A layer may be
+replicated instead (the sMoE's replicated layout): every rank holds all E of its experts, and
+resharding reads it as a per-key range (`replicated_keys`, `ranges`).
 """
 from __future__ import annotations
 

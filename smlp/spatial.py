@@ -1,40 +1,19 @@
 """The causal spatial weights: their helpers, and their products without the zero triangle.
 
-The SGU (gMLP sec. 2.1, made causal by masking its T x T weight, gmlp.py), the multi-head SGU,
-the sMoE's spatial experts (sMLP sec. 3.1-3.2, experts.py) and NiNformer's token MLP mix
-positions with weights tied to absolute positions. Their shared helpers live here: the length
-check (`check_length`), the causal corner of a weight (`causal_weight`) and the near-identity
-initialisation (`init_spatial_`, per expert with `uniform_per_slice_`).
-
-The products y = tril(W) x run as blocked GEMMs. As a dense product half of the multiply-adds
-are zeros; fused causal attention skips them, and so does this. The n positions are cut into
-blocks of `block` rows:
+The SGU (gMLP sec. 2.1, gmlp.py), the multi-head SGU, the sMoE's spatial experts (sMLP sec. 3.1-3.2,
+experts.py) and NiNformer's token MLP mix positions with weights tied to absolute positions. Here are
+their length check, causal corner and near-identity init, and y = tril(W) x as blocked GEMMs that
+skip the zero triangle, as fused causal attention does:
 
     forward  y[I]            = W[I, :end(I)] x[:end(I)]           one GEMM per row block I
     grad x   gx[J]           = W[start(J):, J]^T g[start(J):]     one GEMM per column block J
     grad W   gW[I, :end(I)]  = g[I] x[:end(I)]^T                  one GEMM per row block (and batch entry)
 
-with W the masked tril(W): the diagonal blocks multiply their upper triangle as zeros, so a
-product executes n^2 / 2 + n x block / 2 of the dense form's n^2 multiply-adds per column
-(`executed_pairs`), and the gradient of the masked entries is zero, as the masked dense form
-gives. Each element of y and of gx is one GEMM's sum over its whole causal prefix, accumulated as
-BLAS accumulates (in fp32 for half inputs), exactly as in the dense product. Only gW sums over
-independent batch entries (sequences sharing a weight); that sum runs in an fp32 buffer whatever
-the input dtype (precision.py: no accumulation in half precision).
-
-Layout (`causal_product`): x_ANGc, A batch entries, n positions, G weight groups (SGU heads,
-spatial experts), c columns of a group, any strides: y[a, :, g, :] = tril(W[g, :n, :n]) x[a, :, g, :].
-The SGU passes its (B, n, H, C/H) activations as they are; the sMoE experts pass their rows
-transposed (positions first: a (M, rows) view with strides (1, M)), so no operand is copied: BLAS
-reads and writes transposed and strided matrices in place. The output has x's strides.
-
-The block size was measured (benchmarks/causal_product.py): `default_block`. The FLOPs
-calculator keeps the paper's convention (the full T x T product, Table 3): its counts use the
-masked dense form (flop_forms.explicit_spatial); `executed_pairs` gives what this form executes.
-
-Shapes: the core's legend (smlp/__init__.py); here A batch entries, n positions (n <= T), G weight
-groups, c columns of a group (an SGU head's C/H channels, or one expert's rows), I and J the
-output and input positions of a block, T the weights' size.
+Each element of y and gx is one GEMM's sum over its causal prefix, as in the dense product; gW's sum
+over batch entries runs in an fp32 buffer (precision.py). Operands are read in place with any strides
+(the sMoE passes its rows transposed), so nothing is copied. The FLOP counter keeps the paper's full
+T x T product (flop_forms.explicit_spatial); `executed_pairs` counts what this form executes.
+Shapes: the core's legend (smlp/__init__.py).
 """
 from __future__ import annotations
 
@@ -58,13 +37,10 @@ def check_length(n: int, max_len: int, what: str = "sequence") -> None:
 
 def causal_step(weight_GTT: Tensor, bias_offset_GT: Tensor, x_BtC: Tensor, start: int) -> Tensor:
     """Cached decoding of a causal spatial product with G weight groups (heads, or the sMoE's experts
-    with deterministic routing: group g mixes channel chunk g): W x + (b - 1) at positions start..t-1,
-    the bias stored as its offset from one (`bias_offset`, b - 1),
-    from all t positions of x, (B, k, C), O(t) per position.
+    under deterministic routing, group g mixing channel chunk g).
 
-    Row s of the causal weight reads positions <= s: W[start:t, :t] with the diagonal shifted by
-    `start` is the slice of the full product these positions need. One new position reads every
-    cached one (nothing to mask), and one sequence's chunks are read in place (no copy of the cache)."""
+    Returns W x + (b - 1) at positions start..t-1 from all t positions of x_BtC, (B, k, C): O(t) per
+    position. `bias_offset_GT` holds b - 1. One sequence's chunks are read from the cache in place."""
     B, t, C = x_BtC.shape
     G = weight_GTT.shape[0]
     w_GkT = weight_GTT[:, start:t, :t]
@@ -89,8 +65,8 @@ def causal_weight(weight_GTT: Tensor, n: int) -> Tensor:
 def uniform_per_slice_(param: Tensor, bound: float, generators: list[torch.Generator]) -> None:
     """param[l] ~ U(-bound, bound) drawn from generators[l] (on the CPU, then copied to param's device).
 
-    Used for expert weights, whose initial values must not depend on how the experts are spread
-    over ranks (experts.py). Meta tensors (shapes only) are left as they are.
+    An expert's initial weights must not depend on how the experts are spread over ranks
+    (experts.py). Meta tensors are left as they are.
     """
     if param.is_meta:
         return
@@ -115,11 +91,10 @@ def init_spatial_(weight: Tensor, bias_offset: Tensor, init_eps: float,
 
 
 def load_gate_bias_offset(state_dict: dict, prefix: str) -> None:
-    """A spatial gate's bias b is stored as its offset from one, `bias_offset` = b - 1 (issue 28): in bf16
-    weights b near 1 has a resolution of 2^-7, which its offset from one keeps (fp16: 2^-10). A state of
-    the older format, with `bias` = b, is converted in place (b - 1 is exact for b in [0.5, 2]); called by
-    the modules' `_load_from_state_dict`, so every loading path (fairseq checkpoints, consolidated or
-    resharded ones, exported folders) reads both formats."""
+    """Convert a state holding a spatial gate's bias as `bias` = b into `bias_offset` = b - 1, in place.
+
+    The offset is kept because in bf16 a bias near 1 has a resolution of only 2^-7; b - 1 is exact for
+    b in [0.5, 2]. The modules' `_load_from_state_dict` call this, so every loading path reads both."""
     old, new = prefix + "bias", prefix + "bias_offset"
     if old in state_dict and new not in state_dict:
         state_dict[new] = state_dict.pop(old) - 1
@@ -127,7 +102,7 @@ def load_gate_bias_offset(state_dict: dict, prefix: str) -> None:
 
 # ---------------------------------------------------------------- causal products
 
-# Rows per block, measured at the benchmark's and the paper's sizes (benchmarks/causal_product.py):
+# Rows per block, measured at the benchmark's and the paper's sizes (benchmarks/micro/causal_product.py):
 # smaller blocks skip more zeros but make more, thinner GEMMs.
 BLOCK = 128
 
@@ -156,7 +131,7 @@ def masked_dense_product(w_GTT: Tensor, x_ANGc: Tensor) -> Tensor:
 
 
 def causal_product(w_GTT: Tensor, x_ANGc: Tensor, block: int | None = None) -> Tensor:
-    """y[a, :, g, :] = tril(w[g, :n, :n]) @ x[a, :, g, :], n = x.shape[1] <= T (module docstring).
+    """y[a, :, g, :] = tril(w[g, :n, :n]) @ x[a, :, g, :], n = x.shape[1] <= T, as blocked GEMMs.
 
     Under autocast the product runs in autocast's dtype, as the dense matmul would."""
     if w_GTT.dim() != 3 or x_ANGc.dim() != 4 or w_GTT.shape[0] != x_ANGc.shape[2] \
@@ -205,8 +180,8 @@ def _blocks(n: int, block: int):
 
 
 class _CausalProduct(torch.autograd.Function):
-    """Forward and backward of `causal_product` as blocked GEMMs (module docstring). Each block is
-    one batched GEMM over the weight groups (one weight, several batch entries: over the entries)."""
+    """Forward and backward of `causal_product`: each block one batched GEMM over the weight groups
+    (over the batch entries when there is one group)."""
 
     @staticmethod
     def forward(ctx, w_GTT: Tensor, x_ANGc: Tensor, block: int) -> Tensor:

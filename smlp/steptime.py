@@ -1,86 +1,29 @@
 """Step-time model: communication, memory and time of one training update at paper scale.
 
-`smlp-flops --step-time` and `smlp-flops --table4` (eval/flops/command.py) print it. Inputs: a model as
-fairseq flags (the FLOPs and parameters of eval/flops/counting.py, counted on the real modules), the
-training flags that matter (--distributed-world-size W, --expert-parallel-size G, --batch-size B
-sequences per GPU, --update-freq U, --fp16, --zero-sharding os), and a described cluster.
+From a model's FLOPs and parameters (eval/flops/counting.py), `Training` and a `Cluster`, with no
+overlap of communication and compute, as legacy_ddp runs (docs/scale-out.md), an update takes
 
-Communication per sparse layer and micro-batch (`sparse_exchanges`), as our dispatcher sends it
-(smlp/dispatch.py): each all2all exchange moves R rows of `row_bytes`; a row for an expert on
-another rank of the expert-parallel group leaves the GPU, so with balanced routing a fraction
-(G-1)/G of the bytes crosses a link. One exchange runs four times per step: dispatch and combine
-in the forward pass, their reverses in the backward pass.
-    sMoE (sMLP):    B x C rows (one per sequence and hidden dimension, C = D in the sparse block)
-                    of T - P positions: the hidden chunks of sec. 3.2.1.
-    tMoE tokens:    Base Layers, HASH: B x T tokens of D values; Switch: B x T tokens (padded:
-                    E x capacity, capacity = ceil(cf x S/E)); GShard: 2 x B x T (padded: E x 2S/E).
-                    "Padded" is how GShard / Switch implementations (fairseq's MoE branch,
-                    DeepSpeed, Mesh TensorFlow) send fixed E x capacity buffers; ours sends only
-                    the rows routed (`padding=False`, what tests/test_steptime.py counts on gloo).
-    Base shuffle:   Base Layers' training-time shuffle moves routing metadata only (moe.TMoE,
-                    `_shuffled_assignment`): the B x T tokens' scores (E fp32 values each) to
-                    random ranks and each token's expert (one int64) back, once each, forward
-                    only; the tokens themselves go from home to their expert and back (the tMoE
-                    exchange above). fairseq's BaseLayer moves the tokens twice each way.
-All-reduce per update (fairseq's legacy_ddp, after the backward pass, not overlapped): the
-non-expert gradients over all W ranks; with expert-data parallelism (W = R x G, R > 1) the expert
-gradients over the R replicas, once per micro-batch (smlp/expert_data_parallel.py reduces in the backward
-hooks). Ring all-reduce: 2 (n-1)/n of the payload leaves each GPU (NCCL's hierarchical rings:
-inside a node over NVLink, between nodes over the node's InfiniBand links).
+    U x [ 3 B x FLOPs per sequence / (peak x matmul efficiency)   forward + backward
+          + 4 x activation bytes / HBM bandwidth        memory-bound: each saved byte and its
+                                                        gradient are written and read
+          + all2all time not hidden by the experts ]    per exchange: latency + max(NVLink, IB time)
+    + gradient all-reduces + optimizer (about 32 bytes of HBM traffic per parameter)
 
-The sMoE's parallel layout (`Training.smoe_layout`, fairseq's --smoe-parallel): "expert" spreads its
-E experts over the expert-parallel group as above; "replicated" keeps a copy of every expert (E spatial
-weights of T x T per sparse block) on every rank: no sMoE all2all, the same compute (each rank mixes
-its own sequences' channels with all E experts: B x C rows, as its one expert does with G ranks'
-chunks), and the spatial weights become data-parallel parameters: their gradients join the
-non-expert all-reduce (once per update), their weights, gradients and Adam moments sit on every GPU,
-and the optimizer updates them on every GPU. `compare_smoe_layouts` computes both.
-
-Memory per GPU: weights, gradients and Adam moments (fp16 mixed precision as fairseq's
-FP16Optimizer: fp16 weights and gradients 2 + 2, fp32 master weights and gradients 4 + 4, fp32
-moments 8: 20 bytes per parameter; fp32: 4 + 4 + 8 = 16), with --zero-sharding os the Adam
-moments of the non-expert parameters split over W (expert parameters and their moments stay on
-their rank);
-activations: the bytes autograd keeps for the backward pass, measured with saved-tensor hooks on
-the real modules (one layer of each kind, one sequence, train mode, attention materialised as
-in paper-era fairseq), times the layers and B. The causal n x n slice of a spatial weight is kept
-once per call, not per sequence; counting it B times overstates a gMLP block's activations by
-about (B - 1) / (15 B) at D = 1024, F = 4096 (n^2 against ~15 n D floats per sequence).
-
-Step time per update (no overlap of communication with compute, as legacy_ddp and the
-dispatcher run by default; with `Training.all2all_chunks` 2 each sparse layer's all2all is pipelined
-with its experts in two chunks and only what they do not hide counts, `exposed_a2a_seconds`):
-    U x [ 3 x FLOPs / (peak x matmul efficiency)          compute: forward + 2 x forward backward
-          + 4 x activation bytes / HBM bandwidth          memory-bound ops (norms, softmax, GELU,
-                                                          dropout): each saved byte is written and
-                                                          read, and so is its gradient
-          + sum of all2all times ]                        latency + max(NVLink bytes / NVLink bw,
-                                                          IB bytes / IB bw per GPU)
-    + all-reduces + optimizer (about 32 bytes of HBM traffic per parameter, Adam fp16-mixed)
-words/s = W x U x B x T / step time (fairseq's "wps" counts tokens).
-
-What it leaves out: load imbalance of HASH / Switch / GShard without padding (routing is taken
-as balanced), the balanced-assignment auction of Base Layers, kernel launch overheads, the
-data loader. Each is a reason the prediction and the paper's measured Table 4 can differ.
+with W ranks, G per expert-parallel group, B sequences per GPU, U micro-batches per update. Routing
+is taken as balanced, so (G-1)/G of every all2all's bytes cross a link. Left out, and so reasons the
+paper's measured Table 4 can differ: load imbalance, Base Layers' auction, kernel launches, data loading.
 """
 from __future__ import annotations
 
-import functools
 import math
-from collections import defaultdict
 from dataclasses import asdict, dataclass, field, replace
 
-import torch
-import torch.nn.functional as F
-
-from smlp.dispatch import OneGPUDispatcher
-from smlp.flop_forms import explicit_attention, explicit_spatial
-from smlp.lm import LanguageModel, LMConfig
+from smlp.lm import LMConfig
 from smlp.routing.registry import TOKEN_ROUTERS
 
 __all__ = ["Cluster", "CLUSTERS", "GPU_CLUSTERS", "Training", "Exchange", "sparse_exchanges",
            "a2a_seconds", "expert_seconds", "exposed_a2a_seconds", "allreduce_seconds", "allreduce_payloads",
-           "activation_bytes", "memory_per_gpu", "step_time", "StepTime", "SMOE_LAYOUTS", "smoe_expert_params",
+           "memory_per_gpu", "step_time", "StepTime", "SMOE_LAYOUTS", "smoe_expert_params",
            "padding_macs_per_sequence", "with_cluster_overrides", "layout_seconds", "choose_smoe_layout"]
 
 SMOE_LAYOUTS = ("expert", "replicated")  # the sMoE's parallel layouts (fairseq's --smoe-parallel)
@@ -126,10 +69,8 @@ CLUSTERS = {
     "a100-dgx": Cluster(name="a100-dgx", gpus_per_node=8, peak_flops=312e12, matmul_efficiency=0.5,
                         hbm_bandwidth=2.0e12, gpu_memory=80 * 2 ** 30, nvlink_bandwidth=250e9, nvlink_latency=8e-6,
                         ib_bandwidth=8 * 25e9, ib_latency=15e-6),
-    # smlp-bench's machine: 2 gloo ranks of one thread each on one host (a "node" of 2). fp32 matmul peak 61
-    # GFLOP/s per rank (the benchmark measures 123 for both), of which its models reach ~60%; gloo's
-    # all_to_all_single between 2 local processes moves ~1.1 GB/s after ~75 us, all_reduce ~0.75 GB/s after
-    # ~150 us (measured on this host while it was loaded: a quiet one is faster); one thread copies ~3 GB/s.
+    # smlp-bench's machine, 2 single-thread gloo ranks on one host. Measured: fp32 peak 61 GFLOP/s per rank,
+    # ~60% reached; all_to_all ~1.1 GB/s after ~75 us, all_reduce ~0.75 GB/s after ~150 us; copies ~3 GB/s.
     "cpu-gloo": Cluster(name="cpu-gloo", gpus_per_node=2, peak_flops=61e9, matmul_efficiency=0.6,
                         hbm_bandwidth=3e9, gpu_memory=8 * 2 ** 30, nvlink_bandwidth=1.0e9, nvlink_latency=100e-6,
                         ib_bandwidth=1.0e9, ib_latency=100e-6),
@@ -148,7 +89,7 @@ class Training:
     tokens: int = 1024         # tokens per sequence (--tokens-per-sample)
     fp16: bool = True
     optimizer_sharding: bool = False   # --zero-sharding os: non-expert Adam moments split over W
-    padding: bool = False              # GShard / Switch send E x capacity buffers (their implementations)
+    padding: bool = False              # GShard / Switch send E x capacity buffers
     smoe_layout: str = "expert"        # the sMoE's experts: spread over the group, or replicated on every rank
     all2all_chunks: int = 1            # 2: each layer's rows in 2 chunks, exchanges overlapped with the experts
 
@@ -208,8 +149,13 @@ class Exchange:
 
 def sparse_exchanges(cfg: LMConfig, *, sequences: int, tokens: int, ep_size: int, dtype_bytes: int,
                      padding: bool = False, training: bool = True, smoe_layout: str = "expert") -> list[Exchange]:
-    """The all2all exchanges of one sparse layer for one micro-batch of `sequences` x `tokens` per rank
-    (a replicated sMoE sends nothing)."""
+    """The all2all exchanges of one sparse layer for one micro-batch of `sequences` x `tokens` per rank.
+
+    sMoE: one row per sequence and gated channel, of the T - P positions the experts mix (sec. 3.2.1);
+    nothing in the replicated layout. tMoE: the router registry's rows; with `padding`, Switch and
+    GShard send E x capacity rows, as their usual implementations do (ours sends the rows routed).
+    Base Layers' shuffle in training: each token's E fp32 scores out and its expert back, forward only.
+    """
     if not cfg.sparse_layers:
         return []
     S, D, E = sequences * tokens, cfg.d_model, cfg.num_experts
@@ -276,7 +222,8 @@ def exposed_a2a_seconds(cfg: LMConfig, ex: Exchange, cluster: Cluster, *, chunks
 
 
 def allreduce_seconds(payload_bytes: float, ranks: int, cluster: Cluster, *, strided: int = 1) -> float:
-    """Ring all-reduce of `payload_bytes` over `ranks` ranks, `strided` apart (1: consecutive)."""
+    """Ring all-reduce of `payload_bytes` over `ranks` ranks, `strided` apart (1: consecutive): 2 (n-1)/n
+    of the payload leaves each GPU, over NVLink inside a node and InfiniBand between nodes."""
     if ranks <= 1 or payload_bytes <= 0:
         return 0.0
     per_node = max(1, min(ranks, cluster.gpus_per_node // min(strided, cluster.gpus_per_node)))
@@ -300,85 +247,11 @@ def allreduce_payloads(params_non_expert: int, params_expert_per_gpu: int, train
 # ---------------------------------------------------------------- activations
 
 
-SMALL_VOCAB = (64, 128)  # the head is measured at two small vocabularies and extended linearly
-
-
-def activation_bytes(cfg: LMConfig, tokens: int, experts_per_gpu: int = 1, *,
-                     exact: bool = False) -> dict[str, tuple[int, int]]:
-    """Bytes autograd keeps for the backward pass of ONE sequence: {"head", "dense", "sparse"} ->
-    (floating-point elements, other bytes), measured on a real model with one layer of each kind
-    (saved-tensor hooks; storages counted once; parameters and 0-dim scalars excluded).
-
-    The output projection onto a 51200-word vocabulary is the costliest part to run and its
-    saved tensors (logits, log-probabilities) grow linearly with the vocabulary, nothing else
-    depends on it: unless `exact`, the layers are measured at a small vocabulary and the head
-    at two, extended linearly to cfg.vocab_size (tests check it equals the exact measurement)."""
-    return dict(_activation_bytes(cfg, tokens, experts_per_gpu, exact))
-
-
-@functools.lru_cache(maxsize=64)  # a measurement at paper scale takes seconds; configs are frozen
-def _activation_bytes(cfg: LMConfig, tokens: int, experts_per_gpu: int, exact: bool) -> tuple:
-    V1, V2 = SMALL_VOCAB
-    if exact or cfg.vocab_size <= V2:
-        return tuple(_measure(cfg, tokens, experts_per_gpu, layers=True).items())
-    measured = _measure(replace(cfg, vocab_size=V1), tokens, experts_per_gpu, layers=True)
-    h1 = _measure(replace(cfg, vocab_size=V1), tokens, experts_per_gpu, layers=False)["head"]
-    h2 = _measure(replace(cfg, vocab_size=V2), tokens, experts_per_gpu, layers=False)["head"]
-    if h1 != measured["head"]:
-        raise RuntimeError(f"the head's activations depend on the layers ({h1} vs {measured['head']}): "
-                           f"measure with exact=True")
-    measured["head"] = tuple(a + (b - a) * (cfg.vocab_size - V1) // (V2 - V1) for a, b in zip(h1, h2))
-    return tuple(measured.items())
-
-
-def _measure(cfg: LMConfig, tokens: int, experts_per_gpu: int, *, layers: bool) -> dict[str, tuple[int, int]]:
-    small = cfg.with_layers(1, 1 if cfg.sparse_layers else 0)
-    torch.manual_seed(0)
-    dispatcher = OneGPUDispatcher(cfg.num_experts, experts_per_gpu) if cfg.sparse_layers else None
-    model = LanguageModel(small, dispatcher).train()
-    if not layers:
-        model.layers = torch.nn.ModuleList()  # embedding -> final norm -> output projection: the head alone
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: set[int] = set()
-    stack = ["head"]
-    acc: dict[str, list[int]] = defaultdict(lambda: [0, 0])
-
-    def pack(t):
-        if isinstance(t, torch.Tensor) and t.dim() and not t.is_meta:  # 0-dim scalars: negligible
-            storage = t.untyped_storage()
-            ptr = storage.data_ptr()
-            if ptr and ptr not in params and ptr not in seen:
-                seen.add(ptr)
-                if t.is_floating_point():
-                    acc[stack[-1]][0] += storage.nbytes() // t.element_size()
-                else:
-                    acc[stack[-1]][1] += storage.nbytes()
-        return t
-
-    handles = []
-    for layer, kind in zip(model.layers, small.plan):
-        handles.append(layer.register_forward_pre_hook(lambda m, a, kind=kind: stack.append(kind)))
-        handles.append(layer.register_forward_hook(lambda m, a, o: stack.pop() and None))  # None: keep the output
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(min(4, cfg.vocab_size - 1), cfg.vocab_size, (1, tokens + 1), generator=g)
-    try:
-        with explicit_attention(model), explicit_spatial(model), \
-                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            logits = model(ids[:, :-1])
-            loss = F.cross_entropy(logits.reshape(-1, cfg.vocab_size).float(), ids[:, 1:].reshape(-1))
-            aux = model.aux_loss()  # Switch / GShard load-balancing loss: trained too
-            if aux is not None:
-                loss = loss + aux
-    finally:
-        for h in handles:
-            h.remove()
-    return {k: (v[0], v[1]) for k, v in acc.items()}
-
-
 def memory_per_gpu(cfg: LMConfig, *, params_non_expert: int, params_expert_per_gpu: int, train: Training,
                    activations: dict[str, tuple[int, int]]) -> dict:
-    """Bytes per GPU: weights + gradients (fp16: 2 + 2 + fp32 master 4 + fp32 gradient 4; fp32: 4 + 4),
-    Adam moments (8), activations of one micro-batch."""
+    """Bytes per GPU: weights + gradients (fp16 as fairseq's FP16Optimizer: 2 + 2 + fp32 master 4 +
+    fp32 gradient 4; fp32: 4 + 4), Adam moments (8; the non-expert ones split over W with
+    `optimizer_sharding`), activations of one micro-batch."""
     weights_grads = 12 if train.fp16 else 8
     params = params_non_expert + params_expert_per_gpu
     moments_non_expert = 8 * params_non_expert / (train.world_size if train.optimizer_sharding else 1)
@@ -447,9 +320,10 @@ def smoe_expert_params(cfg: LMConfig, experts: int) -> int:
 def step_time(name: str, cfg: LMConfig, *, flops_per_sequence: float, params_non_expert: int,
               params_expert_per_gpu: int, train: Training, cluster: Cluster,
               activations: dict[str, tuple[int, int]]) -> StepTime:
-    """The step of one update (module docstring). The parameter counts are those of the expert layout
-    (eval/flops/counting.py marks every expert); with train.smoe_layout "replicated" the sMoE's experts move from
-    one GPU's experts to the data-parallel parameters, all E of them on every GPU."""
+    """The time of one update (module docstring). The parameter counts are those of the expert layout
+    (eval/flops/counting.py marks every expert). With train.smoe_layout "replicated" every GPU holds
+    all E sMoE experts as data-parallel parameters: no sMoE all2all and the same compute, but their
+    gradients join the non-expert all-reduce and the optimizer updates them on every GPU."""
     B, U = train.batch_size, train.update_freq
     if train.smoe_layout == "replicated":
         params_expert_per_gpu -= smoe_expert_params(cfg, cfg.num_experts // train.ep_size)
@@ -498,13 +372,13 @@ def layout_seconds(cfg: LMConfig, train: Training, cluster: Cluster) -> dict[str
 
 def choose_smoe_layout(cfg: LMConfig, *, world_size: int, ep_size: int, batch_size: int | None, tokens: int,
                        device_type: str, update_freq: int = 1, margin: float = 0.1) -> tuple[str, str]:
-    """The default sMoE layout of a training run (fairseq's --smoe-parallel auto) and why: "replicated"
-    where the step-time model predicts it faster on every cluster preset of the device's kind (the CPU
-    preset for a CPU run, the GPU presets otherwise) by at least `margin` of the expert layout's
-    communication and optimizer time, with its extra weights, gradients and Adam moments within a quarter
-    of the preset's memory; "expert" (the paper's layout) where the model predicts that, or is ambiguous.
-    The all2all runs once per micro-batch and the replicated weights' all-reduce once per update, so more
-    micro-batches per update (`update_freq`) favour the replicated layout."""
+    """The default sMoE layout of a training run (fairseq's --smoe-parallel auto) and why.
+
+    "replicated" where the model predicts it faster on every cluster preset of the device's kind by at
+    least `margin` of the expert layout's communication and optimizer time, its extra weights, gradients
+    and moments within a quarter of the preset's memory; otherwise "expert", the paper's layout. The
+    all2all runs once per micro-batch and the replicated weights' all-reduce once per update, so a larger
+    `update_freq` favours the replicated layout."""
     E = cfg.num_experts
     if cfg.family != "smlp" or not cfg.sparse_layers:
         return "expert", "no sMoE"

@@ -1,52 +1,19 @@
-"""gMLP extended to token-level routing: sMLP Appendix A, Figure 6 (right), Table 7.
+"""gMLP with token-level routing: sMLP Appendix A, Figure 6 (right), Table 7.
 
-The straightforward way to make gMLP sparse is the token routing of the Transformer MoEs: each
-token goes to one expert (one device), and every expert is a whole gMLP block body with its own
-Spatial Gating Unit. The paper's argument against it (Appendix A): "tokens can only attend to
-previous tokens which were sent to the same device", so the more experts, the fewer tokens each
-one can mix, and Table 7 finds perplexity worse with 32 and 64 experts than dense gMLP.
+Each token goes to one expert, a whole gMLP block body with its own Spatial Gating Unit, and mixes
+only with the earlier tokens routed to the same expert (the paper's case against this design):
 
-    h = LayerNorm(x)                                  (shared)
-    e(t) = argmax_e softmax(h_t W_r)_e, p_t = that probability   (per token: causal)
-    y_t = p_t * Expert_e(t)(h)_t,   x_t <- x_t + y_t
-    Expert_e(h)_t = W_out [ z1_t * ( sum_{s <= t, e(s) = e} W_e[t, s] LN_e(z2_s) + b_e[t] ) ],
-    (z1, z2) = split(GELU(W_in h)), for the tokens t routed to e only.
+    h = LayerNorm(x),  (z1, z2) = split(GELU(W_in,e(t) h_t)),  e(t), p_t = Switch top-1 of h_t W_r
+    x_t <- x_t + p_t W_out,e(t) [ z1_t * (sum_{s<=t, e(s)=e(t)} W_e(t)[t, s] LN_e(t)(z2_s) + b_e(t)[t]) ]
 
-Positions keep their place in the sequence: the spatial weight W_e is indexed by the tokens'
-original positions (a token at position 40 that is the 3rd token routed to e uses row 40 of
-W_e), so an expert loses the tokens routed elsewhere, not the position information. With one
-expert every token goes to it with p = 1 and the block is exactly the dense gMLP block (tested
-with the same weights).
+W_e is indexed by original positions; with one expert the block is the dense gMLP block. The router
+has no capacity limit, so the block is causal. The causality test compares bit for bit, so no
+product's shape depends on later tokens: the channel projections run in tiles of TILE_ROWS rows,
+the spatial mixing as one (n x n) product per sequence for all experts. Every expert joins every
+forward, so DDP sees no unused parameter. The experts are replicated on every rank (no all2all):
+Table 7 is about quality, not speed.
 
-The router is Switch's top-1 gate with no capacity (`switch_top1(capacity_factor=None)`), its
-logits in fp32 (`router_logits`): a token's expert depends on its own representation only, in
-training as at inference, so the block is causal, and Switch's load-balancing loss (kept in
-`aux_loss`, read by the criterion) keeps the experts in use. A balanced assignment or a
-capacity limit would couple the tokens of a batch.
-
-Computation, with shapes that never depend on later tokens (the causality check compares
-outputs bit for bit, and a matrix product of another shape may round differently: on some CPUs a
-product with 1-3 rows takes another kernel than one with more):
-1. Channel projections, per expert, in tiles of TILE_ROWS rows: the rows are sorted by expert and
-   each expert's rows padded to whole tiles; every tile is one (TILE_ROWS x D) @ (D x F) product of a batched
-   product (`tiled_expert_linear`, experts.py, which the FFN experts use at evaluation too), so a
-   row's result depends on its own values only, whatever the number of rows routed with it.
-   Padding costs at most E (TILE_ROWS - 1) rows.
-2. Spatial mixing in the positions' own layout: row t of the mixing matrix of a sequence is row t
-   of W_e(t), kept where s <= t and e(s) = e(t), so one (n x n) @ (n x C) product per sequence
-   mixes every expert at once: the dense SGU's cost, whatever the routing.
-3. Every expert's parameters take part in every forward (stacked for step 2, passed whole to
-   step 1), so an expert that receives no token still gets a (zero) gradient: DDP's
-   `pytorch_ddp` backend sees no unused parameter.
-The SGU returns the gate minus one, W v + (b - 1), and the unit computes z1 + z1 * (W v + (b - 1))
-as the dense SGU does (gmlp.py, half precision). The experts are replicated on every rank
-(data parallel, no all2all): Table 7 is a claim about quality, not speed. Under
-`explicit_spatial` (the FLOP counter) the projections run on exactly the routed rows, so the
-count is the padding-free one the analytic formula gives.
-
-Shapes: the core's legend (smlp/__init__.py); here B batch, N positions (n <= T), S = B n rows,
-D model width, F channel-projection width, C = F/2, E experts, R rows the experts compute (S
-padded to whole tiles of TILE_ROWS rows).
+Shapes: the core's legend (smlp/__init__.py); here S = B n rows, C = F/2, R = S padded to whole tiles.
 """
 from __future__ import annotations
 
@@ -75,8 +42,7 @@ def _expert_linear(x_SD: Tensor, slot_S: Tensor, tiles_E: list[int], linears: li
 
 
 class GMLPExpert(nn.Module):
-    """One expert's parameters: a gMLP block body (proj_in, sgu, proj_out) as in `GMLPBlock`, so a
-    dense block's weights copy in. The block runs all experts at once (TokenRoutedGMLPBlock)."""
+    """One expert's parameters: a gMLP block body (proj_in, sgu, proj_out) named as in `GMLPBlock`."""
 
     def __init__(self, cfg: TokenRoutedGMLPConfig):
         super().__init__()
@@ -98,16 +64,15 @@ class TokenRoutedGMLPBlock(nn.Module):
         self.aux_loss: Tensor | None = None
         self.load_E: Tensor | None = None
         self.comm_seconds = 0.0
-        self.explicit_spatial = False  # FLOP counting: projections on the routed rows only (module docstring)
+        self.explicit_spatial = False  # FLOP counting: projections on the routed rows only, no tile padding
         self.layer_name = f"TokenRoutedGMLPBlock ({cfg.num_experts} experts)"
 
     def _projection(self, x_SD: Tensor, expert_S: Tensor, tiling, modules: list[nn.Module]) -> Tensor:
-        """Row s through modules[e(s)]: in tiles (`tiling` from `tile_slots`), or under
-        `explicit_spatial` as the plain loop over the routed rows."""
+        """Row s through modules[e(s)]: in tiles (`tiling` from `tile_slots`), or as a plain loop."""
         if not self.explicit_spatial:
             return _expert_linear(x_SD, *tiling, modules)
         y = None
-        for e, m in enumerate(modules):  # the plain loop: exactly the routed rows (FLOP counting)
+        for e, m in enumerate(modules):
             idx = (expert_S == e).nonzero().squeeze(1)
             y_e = m(x_SD[idx])
             y = x_SD.new_zeros(x_SD.shape[0], y_e.shape[1]) if y is None else y
@@ -137,7 +102,7 @@ class TokenRoutedGMLPBlock(nn.Module):
 
     def _spatial(self, z2_SC: Tensor, expert_BN: Tensor) -> Tensor:
         """Each token's SGU with its expert's LayerNorm and spatial weight, over the earlier tokens
-        routed to the same expert (step 2 of the module docstring): the gate minus one, (S, C)."""
+        routed to the same expert: the gate minus one, W v + (b - 1), (S, C)."""
         B, n = expert_BN.shape
         C = z2_SC.shape[-1]
         sgus = [x.sgu for x in self.experts]
@@ -154,7 +119,7 @@ class TokenRoutedGMLPBlock(nn.Module):
         keep_BNN = (expert_BN[:, :, None] == expert_BN[:, None, :]) & (pos_N[:, None] >= pos_N[None, :])
         w_BNN = torch.where(keep_BNN, w_ENN[expert_BN, pos_N], 0)  # row t: W_e(t)[t, s] where it mixes
         v_BNC = v_SC.view(B, n, C)
-        # under explicit_spatial the product is counted as the dense SGU's (the same einsum: fvcore's rule)
+        # the einsum is counted as the dense SGU's product
         mix_BNC = torch.einsum("bts,bsc->btc", w_BNN, v_BNC) if self.explicit_spatial else torch.bmm(w_BNN, v_BNC)
         dev_BNC = mix_BNC + offset_EN[expert_BN, pos_N][..., None]
         return dev_BNC.reshape(B * n, C)

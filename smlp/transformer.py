@@ -1,14 +1,11 @@
 """Transformer decoder blocks for the dense and Transformer-MoE baselines (sMLP Table 1).
 
-Pre-norm decoder block: x = x + Attn(LN(x)); x = x + FFN(LN(x)), where FFN is dense or a tMoE
-(GShard, Switch, Base Layers, HASH). Attention runs as torch's fused scaled_dot_product_attention
-(is_causal) in training and inference, as fairseq's own transformer_lm does, so the baseline is not
-slowed by a hand-written mask; fvcore has no rule for fused SDPA (it counts 0 for it), so
-`flop_forms.explicit_attention()` switches every attention module to the same maths written as
-matmuls for FLOP counting (the FLOPs calculator uses it, and a test checks both forms agree).
+Pre-norm decoder block: x = x + Attn(LN(x)); x = x + FFN(LN(x)), the FFN dense or a tMoE (GShard,
+Switch, Base Layers, HASH). Attention runs as torch's fused scaled_dot_product_attention, as
+fairseq's transformer_lm does, so the baseline is not slowed by a hand-written mask; the same maths
+as matmuls serves FLOP counting (`flop_forms.explicit_attention`).
 
-Shapes: the core's legend (smlp/__init__.py); here B batch, N positions, k new positions, t cached
-positions, D model width, H heads, d = D / H.
+Shapes: the core's legend (smlp/__init__.py).
 """
 from __future__ import annotations
 
@@ -22,7 +19,6 @@ from torch.profiler import record_function
 
 from .config import TMoEConfig
 from .decoding_cache import cache_append
-from .deprecation import moved_names
 from .moe import TMoE
 from .profiling import RANGES
 
@@ -46,11 +42,9 @@ def sinusoidal_positions(n: int, dim: int, device=None, dtype=torch.float32, sta
 def fused_attention_runs(q: Tensor) -> bool:
     """Whether torch's fused attention kernel can run on `q`'s device and dtype.
 
-    On a CPU whose hardware has AVX-512 (bf16) but whose kernels were selected lower
-    (`ATEN_CPU_CAPABILITY=avx2` or `default`), torch 2.13's fused CPU attention in bf16 picks a
-    packing routine built only into the AVX-512 kernels and fails ("pack_vnni2 is only supported
-    when avx512 is supported") from about 256 positions on. Half precision on such a CPU then runs
-    the same maths as explicit matmuls; everywhere else the fused kernel runs."""
+    On a CPU with AVX-512 hardware whose kernels were selected lower (`ATEN_CPU_CAPABILITY=avx2`),
+    torch 2.13's fused bf16 attention calls an AVX-512-only packing routine and fails ("pack_vnni2 is
+    only supported when avx512 is supported"); half precision there runs as explicit matmuls."""
     if q.device.type != "cpu" or q.dtype not in (torch.bfloat16, torch.float16):
         return True
     return _cpu_kernels_have_avx512()
@@ -148,7 +142,3 @@ class TransformerBlock(nn.Module):
         ids = token_ids_Bk.reshape(-1) if token_ids_Bk is not None else None
         ffn = self.ffn.step if isinstance(self.ffn, TMoE) else self.ffn  # the tMoE's decoding fast path
         return x_BkD + ffn(h, ids).view_as(x_BkD)
-
-
-# names that moved to another module, importable from here for one release (smlp/deprecation.py)
-__getattr__ = moved_names(__name__, {"explicit_attention": "smlp.flop_forms"})

@@ -151,7 +151,7 @@ def test_one_round_bids_and_capacity_cut_against_a_direct_computation(backend):
     cap_P[:E] = ops.array(cap_E)
     expert_S, price_P, margin_S, rounds, _ = assignment._auction(
         ops, key_PS, cap_P, ops.arange(S, ops.int64), ops.full(S, -1, ops.int64), ops.full(P, 0, ops.int32),
-        E, sh, levels, eps_q, 1, 1, 0)
+        E, sh, levels, eps_q, 1, assignment.CheckSchedule(1), 0)
     assert rounds == 1
     keys = torch.as_tensor(key_PS).long()
     top = torch.topk(keys, 2, dim=0)

@@ -88,37 +88,6 @@ def test_plan_is_flop_matched_by_the_calculator():
     assert "--base-layers" in by["fairseq_base_layers"].flags and not by["fairseq_base_layers"].ours
 
 
-@pytest.mark.parametrize("old, new, name", [("smlp_bench.suite", "smlp_bench.presets", "PRESETS"),
-                                            ("smlp_bench.suite", "smlp_bench.training", "run_training"),
-                                            ("smlp_bench.hot_path", "smlp_bench.micro.hot_path", "count_step"),
-                                            ("smlp_bench.records", "smlp_bench.micro.harness", "write_record")])
-def test_the_moved_module_paths_still_resolve_with_a_deprecation_warning(old, new, name):
-    """Issue 27 cut smlp_bench.suite into modules and moved the micro-benchmarks to smlp_bench.micro: for
-    one release the old paths give the same objects, and say where they went."""
-    import importlib
-    import sys
-    import warnings
-
-    sys.modules.pop(old, None)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        module = importlib.import_module(old)
-    assert [w for w in caught if issubclass(w.category, DeprecationWarning) and old in str(w.message)], old
-    assert getattr(module, name) is getattr(importlib.import_module(new), name)
-
-
-def test_the_moved_micro_benchmark_runs_as_the_new_one():
-    """`python -m smlp_bench.<old name>` runs the micro-benchmark itself, with the same arguments."""
-    import subprocess
-    import sys
-
-    done = subprocess.run([sys.executable, "-m", "smlp_bench.causal_product", "--help"], capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith("usage: python -m smlp_bench.micro.causal_product") and "--blocks" in done.stdout
-    assert "DeprecationWarning: smlp_bench.causal_product is deprecated" in done.stderr
-
-
 def test_speed_record_gives_each_smlp_layout_against_gmlp_and_the_fastest_moe(tmp_path):
     """smlp_bench.speed: a variant's ratio to another model is the probe-normalized ratios divided (reference
     over the other / reference over the variant), the targets read sMLP-det's row, and --publish rewrites
@@ -143,3 +112,51 @@ def test_speed_record_gives_each_smlp_layout_against_gmlp_and_the_fastest_moe(tm
     text = page.read_text()
     assert text.startswith("before\n") and text.endswith("after\n") and "old" not in text
     assert "| smlp_det_expert | 90 | 0.818x | 0.918x | - |" in text and "| **no** |" in text
+
+
+def test_speed_refuses_a_run_too_short_to_measure_and_accepts_the_shortest_that_measures(capsys):
+    """`--updates N` below the minimum left no log interval to read words/s from ("nan words/s", then an
+    IndexError in the report): refused with the minimum, which itself leaves one clean interval."""
+    from smlp_bench import speed, training
+
+    low = speed.min_updates()
+    s = speed.settings(low, 1)
+
+    def clean(updates):
+        run = training.Run("m", 1, intervals=[{"num_updates": float(u), "wps": 1000.0}
+                                              for u in range(s["log_interval"], updates + 1, s["log_interval"])])
+        return training.clean_wps(run, dict(s, updates=updates))
+
+    assert clean(low) and not clean(low - 1)
+    with pytest.raises(SystemExit):
+        speed.main(["--updates", str(low - 1)])
+    assert f"at least {low} updates" in capsys.readouterr().err
+
+
+def test_eval_noise_reads_the_runs_and_gives_each_routing_its_spread_and_error(tmp_path):
+    """smlp_bench.eval_noise on two runs' logs: per family the perplexities of each routing, their spread (sd of
+    log perplexity) and each routing's error over the training-time assignment, and the page section rewritten."""
+    import json
+    import math
+
+    from smlp_bench import eval_noise
+
+    def log(loss, ppl, greedy, trained):
+        return (f"2026 | INFO | train_inner | epoch 001:    400 / 355 loss={loss}, num_updates=400\n"
+                f"2026 | INFO | valid | epoch 001 | valid on 'valid' subset | loss 6.5 | ppl {ppl} | "
+                f"trained_routing_ppl {trained} | greedy_routing_ppl {greedy} | num_updates 400\n")
+
+    for name, args in (("det_a", (6.4, 88.0, 92.0, 88.0)), ("det_b", (6.5, 90.0, 95.0, 90.1))):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "train.log").write_text(log(*args))
+    page = tmp_path / "page.md"
+    page.write_text(f"x\n{eval_noise.START}\nold\n{eval_noise.END}\ny\n")
+    out = tmp_path / "r.json"
+    assert eval_noise.main([str(tmp_path / "det_a"), str(tmp_path / "det_b"), "--out", str(out),
+                            "--publish", str(page)]) == 0
+    row = json.loads(out.read_text())["families"]["det"]
+    assert row["ppl"] == [88.0, 90.0] and row["train_loss"] == [6.4, 6.5]
+    assert row["ppl_spread"]["sd_log"] == pytest.approx(abs(math.log(88 / 90)) / math.sqrt(2))
+    assert row["greedy_routing_ppl_over_trained"] == pytest.approx([92 / 88 - 1, 95 / 90.1 - 1])
+    text = page.read_text()
+    assert "old" not in text and "| sMLP-det | det_a, det_b |" in text and text.endswith(f"{eval_noise.END}\ny\n")

@@ -201,7 +201,7 @@ def test_one_expert_moe_equals_dense_layer(router):
     h = F.layer_norm(x, (8,), e.norm_weight[0], e.norm_bias[0]) if router == "base" else x
     expected = dense_ffn(h, e.w1[0], e.b1[0], e.w2[0], e.b2[0])
     if router == "base":
-        expected = torch.sigmoid(x @ moe.centroids[0])[:, None] * expected
+        expected = torch.sigmoid(x @ moe.router.centroids[0])[:, None] * expected
     assert within_bound(y, expected, reduction=16, depth=3)  # LN, D -> F, F -> D (F = 16)
 
 
@@ -223,8 +223,8 @@ def test_base_layer_output_mixes_expert_and_input_like_base_layers():
     e = moe.experts
     with torch.no_grad():
         e.w2.normal_(0, 0.3)
-    expert = (x @ moe.centroids.t()).argmax(-1)
-    alpha = torch.sigmoid((x * moe.centroids[expert]).sum(-1, keepdim=True))
+    expert = (x @ moe.router.centroids.t()).argmax(-1)
+    alpha = torch.sigmoid((x * moe.router.centroids[expert]).sum(-1, keepdim=True))
     sub = torch.stack([x[i] + dense_ffn(F.layer_norm(x[i], (8,), e.norm_weight[k], e.norm_bias[k]),
                                         e.w1[k], e.b1[k], e.w2[k], e.b2[k]) for i, k in enumerate(expert.tolist())])
     assert within_bound(x + moe(x), alpha * sub + (1 - alpha) * x, reduction=16, depth=4)  # + the score
@@ -248,7 +248,7 @@ def test_hash_table_is_fixed_balanced_and_saved():
     assert torch.equal(t, hash_table(103, 4, seed=7))
     assert sorted(torch.bincount(t).tolist()) == [25, 26, 26, 26]
     moe = TMoE(TMoEConfig(d_model=8, d_ffn=16, num_experts=4, router="hash", vocab_size=103, hash_seed=7))
-    assert torch.equal(moe.state_dict()["hash_table"], t)
+    assert torch.equal(moe.state_dict()["router.hash_table"], t)
 
 
 def test_hash_router_rejects_ids_outside_table():
@@ -381,7 +381,8 @@ def test_planted_errors_fail_the_twin_comparisons():
     e = moe.experts
     with torch.no_grad():
         e.w2.normal_(0, 0.3)
-    expected = torch.softmax(x @ moe.gate.weight.t(), -1)[:, :1] * dense_ffn(x, e.w1[0], e.b1[0], e.w2[0], e.b2[0])
+    gate = moe.router.gate.weight
+    expected = torch.softmax(x @ gate.t(), -1)[:, :1] * dense_ffn(x, e.w1[0], e.b1[0], e.w2[0], e.b2[0])
     assert within_bound(moe(x), expected, reduction=16, depth=3)
     with torch.no_grad():
         e.w1[0, 2, 5] *= 1 + 1e-3

@@ -235,16 +235,17 @@ def _tmoe_worker(rank, world, init_file, router, experts_per_rank, tokens, chunk
 
 
 def _check_eval_prices(model, rank, world, tokens):
-    """After one training forward every rank holds the same evaluation prices: the mean of the ranks'
+    """After one training step every rank holds the same evaluation prices: the mean of the ranks'
     balanced-assignment prices, weighted by their rows (each rank assigned its own rows: no shuffle)."""
     from smlp.routing.assignment import balanced_assignment
     from smlp.routing.logits import router_logits
 
     xs = _inputs(world, lambda r: (tokens[r], 8))
-    prices = [balanced_assignment(router_logits(xs[r], model.centroids.detach().t()), with_prices=True)[1]
+    prices = [balanced_assignment(router_logits(xs[r], model.router.centroids.detach().t()), with_prices=True)[1]
               for r in range(world)]
     expected = sum(p * n for p, n in zip(prices, tokens)) / sum(tokens)
-    got = model.eval_prices.prices()
+    model.router.eval_prices.fold(model.dispatcher.sum_over_ranks)  # what the next training forward does first
+    got = model.router.eval_prices.prices()
     assert torch.allclose(got, expected, atol=1e-5), (got, expected)
     every = [torch.empty_like(got) for _ in range(world)]
     dist.all_gather(every, got)
@@ -495,7 +496,7 @@ def _fairseq_base_worker(rank, world, init_file, shuffle, assignment):
         sub = theirs.expert_network[0]
         with torch.no_grad():
             theirs.expert_centroids.copy_(centroids)
-            ours.centroids.copy_(centroids)
+            ours.router.centroids.copy_(centroids)
             sub.ff1.weight.copy_(mine["w1"]), sub.ff1.bias.copy_(mine["b1"])
             sub.ff2.weight.copy_(mine["w2"]), sub.ff2.bias.copy_(mine["b2"])
             sub.norm.weight.copy_(mine["nw"]), sub.norm.bias.copy_(mine["nb"])
@@ -526,7 +527,7 @@ def _fairseq_base_worker(rank, world, init_file, shuffle, assignment):
         for a, b in pairs:
             assert_orders_agree(a, b, **RULE)
         # centroids are shared parameters: their gradients agree once summed over the ranks
-        c_ours, c_theirs = ours.centroids.grad.clone(), theirs.expert_centroids.grad.clone()
+        c_ours, c_theirs = ours.router.centroids.grad.clone(), theirs.expert_centroids.grad.clone()
         dist.all_reduce(c_ours), dist.all_reduce(c_theirs)
         assert_orders_agree(c_ours, c_theirs, **RULE)
         # at evaluation fairseq's layer routes greedily: so does ours with --balanced-eval-routing greedy

@@ -82,21 +82,33 @@ def test_router_prices_average_by_hand():
     assert torch.equal(prices.prices(), torch.zeros(3))  # before training: greedy
     p1, p2 = torch.tensor([1.0, -1.0, 0.0]), torch.tensor([0.0, 2.0, -2.0])
     prices.observe(p1, rows=10)
+    assert torch.equal(prices.prices(), torch.zeros(3))  # recorded, folded at the next training forward
+    prices.fold()
     torch.testing.assert_close(prices.prices(), p1)  # bias-corrected: the first step's prices exactly
-    prices.observe(p2, rows=0)  # no row routed: nothing changes
+    prices.fold()  # nothing recorded: nothing changes
+    prices.observe(p2, rows=0)
+    prices.fold()  # no row routed: nothing changes
     torch.testing.assert_close(prices.prices(), p1)
-    prices.observe(p2, rows=7)
-    # weights 0.5 * 0.5 and 0.5, normalized by 0.75
-    torch.testing.assert_close(prices.prices(), (0.25 * p1 + 0.5 * p2) / 0.75)
-    # a reduce over ranks sums (price x rows, rows): two ranks with the same prices keep them
+    prices.observe(p2, rows=3)
+    prices.observe(p1, rows=1)  # two assignments in one step: their rows-weighted mean
+    prices.fold()
+    step = (3 * p2 + p1) / 4
+    torch.testing.assert_close(prices.prices(), (0.25 * p1 + 0.5 * step) / 0.75)  # weights 0.5 x 0.5 and 0.5
+    # the reduce over ranks sums (price x rows, rows): two ranks with the same prices keep them
     other = RouterPrices(3, decay=0.5)
-    other.observe(p1, rows=4, reduce=lambda t: 2 * t)
+    other.observe(p1, rows=4)
+    other.fold(reduce=lambda t: 2 * t)
     torch.testing.assert_close(other.prices(), p1)
+
+
+def _set(prices: RouterPrices, price_E: torch.Tensor) -> None:
+    prices.observe(price_E, rows=1)
+    prices.fold()
 
 
 def test_router_prices_route_each_row_on_its_own():
     prices = RouterPrices(4)
-    prices.observe(torch.tensor([3.0, 0.0, -1.0, -2.0]), rows=8)
+    _set(prices, torch.tensor([3.0, 0.0, -1.0, -2.0]))
     scores = torch.tensor([[3.5, 1.2, 0.0, -1.5], [3.5, 1.0, 0.0, 2.0], [0.0, 0.0, 0.0, 0.0]])
     assert prices.route(scores).tolist() == [1, 3, 3]
     assert prices.route(scores[:1]).tolist() == [1]  # the same row alone: the same expert
@@ -104,22 +116,22 @@ def test_router_prices_route_each_row_on_its_own():
 
 def test_prices_stay_fp32_in_half_models_and_load_from_older_checkpoints(caplog):
     layer = TMoE(TMoEConfig(d_model=8, d_ffn=16, num_experts=4))
-    layer.eval_prices.observe(torch.tensor([0.1234567, 0.0, -0.05, -0.0734567]), rows=16)
-    before = layer.eval_prices.prices().clone()
+    _set(layer.router.eval_prices, torch.tensor([0.1234567, 0.0, -0.05, -0.0734567]))
+    before = layer.router.eval_prices.prices().clone()
     for dtype in (torch.bfloat16, torch.float16):
         half = TMoE(TMoEConfig(d_model=8, d_ffn=16, num_experts=4))
         half.load_state_dict(layer.state_dict())
         half.to(dtype)
         assert half.experts.w1.dtype == dtype
-        assert half.eval_prices.price_E.dtype == torch.float32
-        assert torch.equal(half.eval_prices.prices(), before)
+        assert half.router.eval_prices.price_E.dtype == torch.float32
+        assert torch.equal(half.router.eval_prices.prices(), before)
     state = {k: v for k, v in layer.state_dict().items() if "eval_prices" not in k}  # written before prices
     fresh = TMoE(TMoEConfig(d_model=8, d_ffn=16, num_experts=4))
-    fresh.eval_prices.observe(torch.ones(4), rows=1)
+    _set(fresh.router.eval_prices, torch.ones(4))
     with caplog.at_level(logging.WARNING):
         fresh.load_state_dict(state)  # strict
     assert "evaluates greedily" in caplog.text
-    assert torch.equal(fresh.eval_prices.prices(), torch.zeros(4))
+    assert torch.equal(fresh.router.eval_prices.prices(), torch.zeros(4))
 
 
 # ---------------------------------------------------------------- priced routing in the layers
@@ -138,19 +150,19 @@ def test_priced_tmoe_routes_as_training_assigns():
     E = 8
     layer = TMoE(TMoEConfig(d_model=16, d_ffn=32, num_experts=E, shuffle=False))
     with torch.no_grad():
-        layer.centroids.copy_(torch.randn(E, 16))
+        layer.router.centroids.copy_(torch.randn(E, 16))
     layer.train()
     with torch.no_grad():
         for step in range(20):
             layer(_skewed_rows(512, 16, seed=step))
     x = _skewed_rows(2048, 16, seed=100)
-    scores = x @ layer.centroids.detach().t()
+    scores = x @ layer.router.centroids.detach().t()
     balanced = balanced_assignment(scores)
     layer.eval()
     with torch.no_grad():
         layer(x)
     priced_load = layer.load_E.double()
-    priced = layer.eval_prices.route(scores)
+    priced = layer.router.eval_prices.route(scores)
     greedy = scores.argmax(1)
     assert priced.eq(balanced).double().mean() > 0.8
     assert greedy.eq(balanced).double().mean() < 0.6
@@ -169,9 +181,9 @@ def _greedy(module):
 
 def test_greedy_eval_routing_config_ignores_the_prices():
     layer = TMoE(TMoEConfig(d_model=8, d_ffn=16, num_experts=4, eval_routing="greedy")).eval()
-    layer.eval_prices.observe(torch.tensor([5.0, 0.0, 0.0, -5.0]), rows=1)
+    _set(layer.router.eval_prices, torch.tensor([5.0, 0.0, 0.0, -5.0]))
     x = torch.randn(64, 8)
-    scores = x @ layer.centroids.detach().t()
+    scores = x @ layer.router.centroids.detach().t()
     with torch.no_grad():
         plan = layer.route(x)
     assert torch.equal(plan.experts_SK[:, 0], scores.argmax(1))
@@ -194,9 +206,10 @@ def _priced_lm(family_kw, seed=0):
     torch.manual_seed(seed)
     model = randomized(LanguageModel(cfg), seed)
     g = torch.Generator().manual_seed(seed + 1)
-    for _, m in model.moe_modules():
-        if hasattr(m, "eval_prices"):
-            m.eval_prices.observe(torch.randn(4, generator=g), rows=1)
+    priced = [m for m in model.modules() if isinstance(m, RouterPrices)]
+    assert priced, "the model has no balanced router"
+    for prices in priced:
+        _set(prices, torch.randn(4, generator=g))
     return model.eval()
 
 
@@ -248,3 +261,45 @@ def test_priced_validation_agrees_between_the_two_smoe_layouts(tiny_lm_data):
         assert abs(f["ppl"] / f["trained_routing_ppl"] - 1) < 0.01, (layout, f)
     a, b = figures["replicated"]["ppl"], figures["expert"]["ppl"]
     assert abs(a / b - 1) < 0.01, figures
+
+
+@pytest.mark.parametrize("router", ["base", "switch", "gshard", "hash"])
+def test_a_tmoe_state_written_before_routers_were_modules_loads(router):
+    """Checkpoints written before the router owned its parameters hold them under the layer's names
+    (`centroids`, `gate.weight`, `hash_table`, and for a few days `eval_prices.*`): they load strictly."""
+    cfg = TMoEConfig(d_model=8, d_ffn=16, num_experts=4, router=router, vocab_size=30, hash_seed=3)
+    torch.manual_seed(0)
+    new = TMoE(cfg)
+    if router == "base":
+        _set(new.router.eval_prices, torch.tensor([0.3, -0.1, 0.0, -0.2]))
+    old_state = {k.replace("router.", "", 1): v for k, v in new.state_dict().items()}
+    assert any(k in old_state for k in ("centroids", "gate.weight", "hash_table"))
+    torch.manual_seed(1)
+    loaded = TMoE(cfg)
+    loaded.load_state_dict(old_state)  # strict
+    for k, v in new.state_dict().items():
+        assert torch.equal(loaded.state_dict()[k], v), k
+    x, ids = torch.randn(12, 8), torch.randint(0, 30, (12,))
+    new.eval(), loaded.eval()
+    assert torch.equal(new(x, ids), loaded(x, ids))
+
+
+@pytest.mark.slow
+def test_the_mechanism_tool_scores_a_checkpoint_under_each_routing(smlp_tiny_two_ranks, tiny_lm_data, tmp_path):
+    """smlp_bench.micro.eval_routing on the shared 2-rank sMLP run: the training-time assignment balances every
+    layer exactly, and greedy, priced and freshly calibrated routing are three different routings."""
+    import json
+
+    from smlp_bench.micro import eval_routing
+
+    save, _ = smlp_tiny_two_ranks("deterministic")
+    out = tmp_path / "mechanism.json"
+    assert eval_routing.main([str(save / "checkpoint_last.pt"), "--data", str(tiny_lm_data), "--batches", "3",
+                              "--batch-size", "4", "--calibration-batches", "4", "--out", str(out)]) == 0
+    (record,) = json.loads(out.read_text())["checkpoints"]
+    r = record["routings"]
+    assert record["prices_held"] and set(r) == set(eval_routing.ROUTINGS)
+    assert all(load == 1.0 for load in r["trained"]["max_load"]) and r["trained"]["tokens_rerouted"] == 0
+    greedy, priced = r["greedy"], r["priced"]
+    assert (greedy["same_expert_as_trained"], greedy["ppl"]) != (priced["same_expert_as_trained"], priced["ppl"])
+    assert all(0 < f["ppl"] < 1e4 for f in r.values())

@@ -19,7 +19,7 @@ wps 4012.1 | wpb 512 | bsz 4 | num_updates 16 | best_loss 7.61
 score 7.61) (writing took 0.1 seconds)
 """
 
-# the readers this module replaced, verbatim (launch/demo.py, benchmarks/suite.py, tests/fairseq_helpers.py,
+# the readers this module replaced, verbatim (launch/demo.py, tests/fairseq_helpers.py,
 # tests/test_launch.py, tests/test_fairseq.py)
 OLD_DEMO_TRAIN = re.compile(r"\| train_inner \| .*?loss=([\d.]+).*?num_updates=(\d+)")
 OLD_DEMO_VALID = re.compile(r"\| valid on 'valid' subset \| loss ([\d.]+) \|.*? \| ppl ([\d.]+) \|.*?"

@@ -139,9 +139,9 @@ def test_gshard_layer_loss_is_normalised_like_switch_by_default():
         torch.manual_seed(1)
         moe = TMoE(TMoEConfig(d_model=8, d_ffn=16, num_experts=4, router=router, gshard_aux_loss=scale)).train()
         if router == "switch":
-            gate_weight = moe.gate.weight.detach().clone()
+            gate_weight = moe.router.gate.weight.detach().clone()
         with torch.no_grad():
-            moe.gate.weight.copy_(gate_weight)
+            moe.router.gate.weight.copy_(gate_weight)
         moe(x)
         losses[router, scale] = float(moe.aux_loss)
     assert losses["gshard", "normalized"] == pytest.approx(losses["switch", "normalized"], rel=1e-6)
@@ -156,7 +156,7 @@ def test_gshard_two_slot_combine_equals_an_explicit_loop():
     torch.manual_seed(0)
     moe = TMoE(TMoEConfig(d_model=8, d_ffn=16, num_experts=4, router="gshard"))
     with torch.no_grad():
-        moe.gate.weight.mul_(8.0)  # skewed enough that training drops slots
+        moe.router.gate.weight.mul_(8.0)  # skewed enough that training drops slots
     x = torch.randn(40, 8)
     e = moe.experts
     for training in (True, False):
@@ -187,8 +187,8 @@ def test_base_layers_expert_second_projection_starts_at_zero():
     moe = TMoE(TMoEConfig(d_model=8, d_ffn=16, num_experts=3, router="base")).eval()
     assert torch.count_nonzero(moe.experts.w2) == 0 and torch.count_nonzero(moe.experts.b2) > 0
     x = torch.randn(10, 8)
-    expert = (x @ moe.centroids.t()).argmax(-1)
-    alpha = torch.sigmoid((x * moe.centroids[expert]).sum(-1, keepdim=True))
+    expert = (x @ moe.router.centroids.t()).argmax(-1)
+    alpha = torch.sigmoid((x * moe.router.centroids[expert]).sum(-1, keepdim=True))
     torch.testing.assert_close(moe(x), alpha * moe.experts.b2[expert])
     for router in ("switch", "gshard"):
         assert torch.count_nonzero(TMoE(TMoEConfig(d_model=8, d_ffn=16, num_experts=3, router=router)).experts.w2) > 0

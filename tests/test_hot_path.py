@@ -6,15 +6,21 @@
   functions) and runs balanced assignment and the FFN experts on their accelerator paths.
 - Budget per family on that path: dense blocks and the backward pass 0 syncs, the criterion 0,
   a sparse layer one read per dispatch (its split sizes) plus, where balanced assignment runs,
-  its completion checks: at most 3 per MoE module without an auction, 6 with one. Every sync
-  must come from one of those two places: no host-to-device copy of Python data or of a host
-  tensor, in training (forward, backward, criterion) or in an evaluation forward (issue 28).
+  its completion checks: one per auction at these sizes (at most 3 per sparse layer), so at most
+  2 reads per MoE module. Every sync must come from one of those two places: no host-to-device
+  copy of Python data or of a host tensor, in training (forward, backward, criterion) or in an
+  evaluation forward (issue 28).
+- The auction on its own: one read per call where it ends within the accelerator's first check
+  (ACCELERATOR_CHECKS), one per doubling of its rounds beyond, the same assignment as checking
+  every round.
 - Removing the syncs changed nothing: the layer equals the former boolean-mask implementation
   (outputs and gradients bit for bit, with dropped slots), the deferred router checks raise the
   errors the routers raise on their own, and the all2all timer only records when asked to, with
   device events that nothing waits for inside the forward.
 """
 from __future__ import annotations
+
+from unittest import mock
 
 import pytest
 import torch
@@ -27,6 +33,7 @@ from smlp.routing import (
     FAULT_WIDTH,
     NonFiniteScoresError,
     assignment,
+    balanced_assignment,
     base_route,
     hash_fault,
     hash_route,
@@ -124,8 +131,65 @@ def test_the_counter_sees_the_backward_of_the_projects_autograd_functions():
 def test_the_counted_path_is_the_accelerator_path_of_balanced_assignment():
     with count_host_syncs():
         assert isinstance(assignment._array_ops(torch.device("cpu")), assignment._TorchOps)
-        assert assignment._check_interval(torch.device("cpu")) == assignment.ACCELERATOR_CHECK_EVERY == 4
+        assert assignment._check_schedule(torch.device("cpu")) == assignment.ACCELERATOR_CHECKS
     assert isinstance(assignment._array_ops(torch.device("cpu")), assignment._NumpyOps)
+    assert assignment._check_schedule(torch.device("cpu")) == assignment.CheckSchedule(1)
+    assert assignment._check_schedule(torch.device("meta")) == assignment.ACCELERATOR_CHECKS
+
+
+def test_the_accelerator_checks_at_rounds_16_32_64_and_so_on():
+    checks = assignment.ACCELERATOR_CHECKS
+    assert [r for r in range(200) if checks.due(r)] == [16, 32, 64, 128]
+    assert [r for r in range(10) if assignment.CheckSchedule(3).due(r)] == [3, 6, 9]
+
+
+def _auction_reads(scores, **kwargs):
+    """(assignment, host reads) of balanced_assignment on the accelerator's path."""
+    with count_host_syncs() as c:
+        expert_S = balanced_assignment(scores, **kwargs)
+    assert all(AUCTION_CHECK in site for site in c.by_site), dict(c.by_site)
+    return expert_S, c.count
+
+
+@pytest.mark.parametrize("S, E, kind", [(80, 4, "randn"), (512, 8, "randn"), (2048, 8, "softmax"),
+                                        (4096, 8, "randn"), (1024, 32, "randn")])
+def test_an_auction_reads_once_and_assigns_as_checking_every_round(S, E, kind):
+    g = torch.Generator().manual_seed(S + E)
+    scores = torch.randn(S, E, generator=g)
+    if kind == "softmax":
+        scores = torch.softmax(3 * scores, -1)
+    every_round = balanced_assignment(scores, check_every=1)  # numpy, the CPU's
+    expert_S, reads = _auction_reads(scores)
+    assert reads == 1
+    assert torch.equal(expert_S, every_round)
+
+
+def test_step_4_adds_at_most_one_read():
+    scores = torch.randn(8192, 8, generator=torch.Generator().manual_seed(3))  # 65536 keys: step 4 runs
+    expert_S, reads = _auction_reads(scores)
+    assert reads <= 2
+    assert torch.equal(torch.bincount(expert_S, minlength=8), assignment.expert_capacities(8192, 8))
+
+
+def test_a_slow_auction_reads_once_per_doubling_of_its_rounds():
+    """At a tenth of the default price step the auction takes 16-128 rounds: reads at rounds 16, 32, 64,
+    ... until done, never one per few rounds, and the assignment of the every-round checks."""
+    scores = torch.randn(1024, 16, generator=torch.Generator().manual_seed(4))
+    every_round = balanced_assignment(scores, eps=0.003, tail_fraction=0.0, check_every=1)
+    rounds = []
+    auction = assignment._auction
+
+    def counted(*args):
+        out = auction(*args)
+        rounds.append(out[3])
+        return out
+
+    with mock.patch.object(assignment, "_auction", counted):
+        balanced_assignment(scores, eps=0.003, tail_fraction=0.0, check_every=1)
+    assert 16 < rounds[0] <= 128, rounds
+    expert_S, reads = _auction_reads(scores, eps=0.003, tail_fraction=0.0)
+    assert reads == (rounds[0] - 1).bit_length() - 3  # checks at 16, 32, 64, 128: the first past the end
+    assert torch.equal(expert_S, every_round)
 
 
 # ---------------------------------------------------------------- the budget
@@ -135,18 +199,24 @@ AUCTION_CHECK = "@ smlp/routing/assignment.py"
 AUCTION_FAMILIES = {"sMLP-det", "sMLP-partial", "Base"}
 
 
-def _per_module_syncs(name: str, seed: int = 0):
-    """Host syncs of each MoE module of one training forward (by forward hooks on a counter)."""
+def _auction_checks(counter: HostSyncCounter) -> int:
+    return sum(n for site, n in counter.by_site.items() if AUCTION_CHECK in site)
+
+
+def _per_module_syncs(name: str, seed: int = 0, auction_only: bool = False):
+    """Host syncs of each MoE module of one training forward (by forward hooks on a counter); with
+    auction_only, only the auction's completion checks."""
     torch.manual_seed(seed)
     model = LanguageModel(tiny_config(name)).train()
     counter = HostSyncCounter()
     per_module = {}
+    read = _auction_checks if auction_only else (lambda c: c.count)
 
     def pre(module, args):
-        module._syncs_before = counter.count
+        module._syncs_before = read(counter)
 
     def post(module, args, out):
-        per_module[module.layer_name] = counter.count - module._syncs_before
+        per_module[module.layer_name] = read(counter) - module._syncs_before
 
     for _, module in model.moe_modules():
         module.register_forward_pre_hook(pre)
@@ -182,7 +252,11 @@ def test_host_sync_budget_of_a_training_step(steps, name):
     assert len(per_module) == step["sparse_layers"] * (2 if name.startswith("sMLP") else 1)
     for layer, n in per_module.items():
         auction = "TMoE" in layer and name in AUCTION_FAMILIES or "partial" in name
-        assert n <= (6 if auction else 3), (layer, n)
+        assert n <= (2 if auction else 1), (layer, n)
+    if name in AUCTION_FAMILIES:
+        checks, _ = _per_module_syncs(name, auction_only=True)
+        assert sum(checks.values()) <= 3 * step["sparse_layers"], checks
+        assert all(n == 1 for layer, n in checks.items() if "TMoE" in layer or "partial" in name), checks
     if name == "sMLP-det":  # its sMoE knows its counts from the shapes: nothing to read
         assert all(n == 0 for layer, n in per_module.items() if "SMoE" in layer), per_module
 
@@ -205,7 +279,7 @@ def test_the_budget_holds_for_other_batches(seed):
     for name in ("Base", "sMLP-partial", "GShard"):
         per_module, _ = _per_module_syncs(name, seed)
         for layer, n in per_module.items():
-            assert n <= (6 if name != "GShard" else 1), (name, seed, layer, n)
+            assert n <= (2 if name != "GShard" else 1), (name, seed, layer, n)
 
 
 def test_a_padded_partial_prediction_batch_costs_the_criterion_one_read():

@@ -162,100 +162,39 @@ def test_evaluation_and_the_core_import_no_launcher_and_data_preparation_no_mode
 
 
 
-# ---------------------------------------------------------------- old paths, kept for one release (issue 27)
+# ---------------------------------------------------------------- no compatibility shims
 
-# module path -> the module it moved to whole (the same module object under both names)
-OLD_MODULES = {
-    "smlp.routers": "smlp.routing.registry", "smlp.gates": "smlp.routing.gates",
-    "smlp.assignment": "smlp.routing.assignment", "smlp.decoding": "smlp.decoding_cache",
-    "smlp.parallel": "smlp.expert_data_parallel", "smlp.sharding": "smlp.resharding",
-    "fairseq_plugins.shard_sets": "fairseq_plugins.checkpoint_sets",
-    "fairseq_plugins.sharded_optim": "fairseq_plugins.zero_optimizer",
-    "smlp_eval.flop_count": "smlp_eval.flops.counting", "smlp_eval.flop_match": "smlp_eval.flops.matching",
-    "smlp_eval.flop_tables": "smlp_eval.flops.tables", "smlp_eval.paper_tables": "smlp_eval.flops.paper_figures",
-    "smlp_eval.model_spec": "smlp_eval.flops.model_spec", "smlp_eval.steptime": "smlp_eval.flops.steptime",
-    **{f"smlp_bench.{name}": f"smlp_bench.micro.{name}" for name in (
-        "balanced_assignment", "causal_product", "compile_dense", "generation", "host_syncs", "hot_path",
-        "local_experts", "memory_growth", "sparse_profile")},
-    "smlp_bench.records": "smlp_bench.micro.harness",
-}
-# module path -> {name: where it went}, for a module split over several homes
-OLD_SPLIT = {
-    "smlp.numerics": {"router_logits": "smlp.routing.logits", "no_autocast": "smlp.precision"},
-    "smlp.causal": {**dict.fromkeys(("BLOCK", "causal_product", "causal_product_rows", "default_block",
-                                     "executed_pairs", "masked_dense_product"), "smlp.spatial"),
-                    "explicit_spatial": "smlp.flop_forms"},
-    "smlp.mixers": {**dict.fromkeys(("check_length", "causal_weight", "init_spatial_", "uniform_per_slice_"),
-                                    "smlp.spatial"),
-                    **dict.fromkeys(("SpatialProjection", "SpatialGatingUnit", "GMLPBlock"), "smlp.gmlp")},
-    "smlp.token_mixers": {
-        **dict.fromkeys(("CHUNK_ELEMENTS", "HyperMixerConfig", "hypermixing", "hypermixing_step", "HyperMixingUnit"),
-                        "smlp.hypermixer"),
-        **dict.fromkeys(("NiNformerConfig", "CausalTokenMLP", "MixerSubUnit", "NiNformerGatingUnit"),
-                        "smlp.ninformer"),
-        "TOKEN_MIXERS": "smlp.gmlp", "make_token_mixer": "smlp.lm"},
-}
-# a module that stays -> {name that left it: where it went}
-OLD_NAMES = {
-    "smlp.transformer": {"explicit_attention": "smlp.flop_forms"},
-    "smlp.dispatch": {"expert_parallel_layout": "smlp.expert_data_parallel"},
-}
+# paths that moved before the first release: gone, not served from their old names
+REMOVED = ("smlp.routers", "smlp.gates", "smlp.assignment", "smlp.decoding", "smlp.parallel", "smlp.sharding",
+           "smlp.numerics", "smlp.causal", "smlp.mixers", "smlp.token_mixers", "smlp.deprecation",
+           "fairseq_plugins.shard_sets", "fairseq_plugins.sharded_optim", "smlp_eval.flop_count",
+           "smlp_eval.flop_match", "smlp_eval.flop_tables", "smlp_eval.paper_tables", "smlp_eval.model_spec",
+           "smlp_eval.steptime", "smlp_bench.suite", "smlp_bench.records", "smlp_bench.hot_path")
 
 
-def _fresh_import(name: str):
-    """Import `name` anew (it may have been imported by another test), returning the module and the
-    DeprecationWarnings that name it."""
-    sys.modules.pop(name, None)
-    with pytest.warns(DeprecationWarning) as caught:
-        module = importlib.import_module(name)
-    return module, [w for w in caught if f"{name} is deprecated" in str(w.message)]
+@pytest.mark.parametrize("old", REMOVED)
+def test_a_moved_module_is_gone_from_its_old_path(old):
+    sys.modules.pop(old, None)
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module(old)
 
 
-@pytest.mark.parametrize("old", OLD_MODULES)
-def test_a_module_moved_whole_is_the_new_module_under_its_old_name_with_a_warning(old):
-    """For one release: the old path imports, warns once naming the new path (attributed to the importing
-    line), and is the new module object itself, so its classes, pickles and monkeypatches are the same."""
-    module, (warning,) = _fresh_import(old)
-    assert f"import {OLD_MODULES[old]} instead" in str(warning.message)
-    assert warning.filename == __file__, warning.filename
-    assert module is importlib.import_module(OLD_MODULES[old])
-
-
-@pytest.mark.parametrize("old", OLD_SPLIT)
-def test_a_split_module_re_exports_every_name_from_its_new_home_with_a_warning(old):
-    module, (warning,) = _fresh_import(old)
-    assert warning.filename == __file__, warning.filename
-    assert sorted(module.__all__) == sorted(OLD_SPLIT[old])
-    for name, home in OLD_SPLIT[old].items():
-        assert home in str(warning.message), (name, home)
-        assert getattr(module, name) is getattr(importlib.import_module(home), name), name
-
-
-@pytest.mark.parametrize("module, name", [(m, n) for m, names in OLD_NAMES.items() for n in names])
-def test_a_name_that_left_a_module_still_imports_from_it_with_a_warning(module, name):
-    home = OLD_NAMES[module][name]
-    with pytest.warns(DeprecationWarning, match=f"{module}.{name} is deprecated.*from {home}") as caught:
-        value = getattr(importlib.import_module(module), name)
-    assert caught[0].filename == __file__
-    assert value is getattr(importlib.import_module(home), name)
-    with pytest.raises(AttributeError):
-        _ = importlib.import_module(module).no_such_name
-
-
-def test_every_old_path_in_the_tree_is_checked_here():
-    """Each module that declares itself an old path (calls `moved` or `warn_moved`, or serves moved names)
-    is listed above: no deprecated path goes untested."""
-    declared_old, declared_names = set(), set()
+def test_no_module_stands_in_for_another():
+    """No module replaces itself in sys.modules, re-exports another with `import *`, or serves names through a
+    module `__getattr__` (which breaks go-to-definition)."""
+    offenders = []
     for name, path in modules().items():
-        for node in ast.parse(path.read_text()).body:  # module-level calls
-            call = getattr(node, "value", None)
-            called = getattr(getattr(call, "func", None), "id", None)
-            if called in ("moved", "warn_moved"):
-                declared_old.add(name)
-            elif called == "moved_names":
-                declared_names.add(name)
-    assert declared_old == set(OLD_MODULES) | set(OLD_SPLIT)
-    assert declared_names == set(OLD_NAMES)
+        tree = ast.parse(path.read_text())
+        for node in tree.body:  # module level only
+            text = ast.unparse(node)
+            if isinstance(node, ast.Assign) and text.startswith("sys.modules["):
+                offenders.append((name, text[:80]))
+            if isinstance(node, ast.ImportFrom) and any(a.name == "*" for a in node.names):
+                offenders.append((name, text[:80]))
+            if (isinstance(node, ast.FunctionDef) and node.name == "__getattr__") or (
+                    isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "__getattr__" for t in node.targets)):
+                offenders.append((name, text[:80]))
+    assert not offenders, offenders
 
 
 def test_every_test_of_a_slurm_cluster_is_scheduled_with_the_others(request):
@@ -267,3 +206,25 @@ def test_every_test_of_a_slurm_cluster_is_scheduled_with_the_others(request):
     assert all(xdist_scope(i.nodeid) == "slurm" for i in items), [i.nodeid for i in items]
     assert xdist_scope("tests/test_core.py::test_x[a-b]") == "tests/test_core.py"
     assert xdist_scope("tests/test_faults.py::test_slurm_time_limit") == "slurm"
+
+
+# ---------------------------------------------------------------- the layout
+
+MAX_MODULE_LINES = 700
+
+
+def test_no_module_is_past_700_lines():
+    """A module a reader can hold: past 700 lines a module holds more than one thing (split it by what it holds)."""
+    long = {name: n for name, path in modules().items() if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not long, long
+
+
+def test_no_two_modules_of_a_package_share_a_name():
+    """One name, one module within a package (smlp.gates beside smlp.routing.gates made a reader open both)."""
+    by_package: dict[tuple[str, str], list[str]] = {}
+    for name in modules():
+        parts = name.split(".")
+        if parts[-1] not in ("__init__", "__main__"):
+            by_package.setdefault((parts[0], parts[-1]), []).append(name)
+    twins = {k: v for k, v in by_package.items() if len(v) > 1}
+    assert not twins, twins

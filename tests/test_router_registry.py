@@ -11,11 +11,14 @@ import math
 import pytest
 import torch
 
+from smlp import steptime
 from smlp.config import TMoEConfig
 from smlp.lm import LanguageModel, LMConfig
 from smlp.moe import TMoE
 from smlp.routing.registry import SMOE_ROUTINGS, TOKEN_ROUTERS, TokenRouter
-from smlp_eval import flop_count, flop_match, steptime
+from smlp.routing.token_routers import Router
+from smlp_eval.flops import counting as flop_count
+from smlp_eval.flops import matching as flop_match
 
 COMMON = dict(vocab_size=53, d_model=16, d_ffn=32, seq_len=12, dense_layers=2)
 
@@ -94,25 +97,30 @@ def test_the_layer_the_config_the_calculator_and_the_step_time_model_read_the_en
         assert any(e.name.startswith("base-shuffle") for e in ex) == router.shuffle
 
 
-def _route_greedy(layer, x_SD, token_ids_S, defer_checks):
+class GreedyRouter(Router):
     """A test router: greedy top-1 on a learned gate, sigmoid weight, no capacity (Base Layers' eval rule)."""
-    from smlp.routing import base_route
-    from smlp.routing.logits import router_logits
 
-    return base_route(router_logits(x_SD, layer.gate.weight.t()), training=False, layer=layer.layer_name,
-                      defer_checks=defer_checks)
+    def __init__(self, cfg, dispatcher):
+        super().__init__(cfg, dispatcher)
+        self.gate = torch.nn.Linear(cfg.d_model, cfg.num_experts, bias=False)
 
+    def gating(self, x_SD):
+        from smlp.routing.logits import router_logits
 
-def _init_gate(layer, cfg):
-    layer.gate = torch.nn.Linear(cfg.d_model, cfg.num_experts, bias=False)
+        return router_logits(x_SD, self.gate.weight.t())
+
+    def routing(self, logits_SE, token_ids_S, *, layer, defer_checks):
+        from smlp.routing import base_route
+
+        return base_route(logits_SE, training=False, layer=layer, defer_checks=defer_checks)
 
 
 GREEDY = TokenRouter("greedy", "Greedy (test)", top_k=1, aux_loss=None, capacity=None, placement="fairseq",
-                     learned_scores=True, init=_init_gate, route=_route_greedy)
+                     learned_scores=True, router_class=GreedyRouter)
 
 
 def test_a_router_added_to_the_registry_works_everywhere(monkeypatch):
-    """One entry (and its route function) is all a new router needs: the configs accept it, the model
+    """One entry (and its router class) is all a new router needs: the configs accept it, the model
     builds and routes with it, the calculator counts it and the step-time model prices its exchange."""
     monkeypatch.setitem(TOKEN_ROUTERS, "greedy", GREEDY)
     cfg = transformer("greedy", dense_layers=3)
@@ -122,7 +130,7 @@ def test_a_router_added_to_the_registry_works_everywhere(monkeypatch):
     layer = TMoE(TMoEConfig(d_model=16, d_ffn=32, num_experts=4, router="greedy"))
     x_SD = torch.randn(20, 16)
     plan = layer.route(x_SD)
-    scores_SE = x_SD @ layer.gate.weight.t()
+    scores_SE = x_SD @ layer.router.gate.weight.t()
     torch.testing.assert_close(plan.experts_SK[:, 0], scores_SE.argmax(-1))  # by hand
     torch.testing.assert_close(plan.weights_SK[:, 0], torch.sigmoid(scores_SE.max(-1).values))
     layer(x_SD)

@@ -36,10 +36,10 @@ from smlp.routing.assignment import balanced_assignment, expert_capacities
 
 
 def _router_weight(module) -> torch.Tensor:
-    for name in ("centroids", "router"):
-        if isinstance(getattr(module, name, None), torch.nn.Parameter):
-            return getattr(module, name)
-    return module.gate.weight
+    router = module.router
+    if isinstance(router, torch.nn.Parameter):  # the sMoE's router weight
+        return router
+    return router.centroids if hasattr(router, "centroids") else router.gate.weight  # a tMoE's router module
 
 
 CASES = [("transformer", "base", "deterministic"), ("transformer", "switch", "deterministic"),
@@ -221,16 +221,16 @@ def test_base_layers_balance_degenerate_scores_exactly(tokens, kind):
     x = torch.randn(tokens, D)
     with torch.no_grad():
         if kind == "all-equal":
-            layer.centroids.zero_()
+            layer.router.centroids.zero_()
         elif kind == "one-expert-dominates":
-            layer.centroids.zero_()
-            layer.centroids[2] = 1e4
+            layer.router.centroids.zero_()
+            layer.router.centroids[2] = 1e4
             x = x.abs() + 1.0  # every token prefers expert 2 by far
         elif kind == "huge":
-            layer.centroids.mul_(1e30)
+            layer.router.centroids.mul_(1e30)
         else:
-            layer.centroids.zero_()
-            layer.centroids[:2] = 1.0
+            layer.router.centroids.zero_()
+            layer.router.centroids[:2] = 1.0
     layer(x)
     assert layer.load_E.tolist() == expert_capacities(tokens, E).tolist()
 

@@ -34,7 +34,7 @@ def test_router_z_loss_is_the_mean_squared_logsumexp_of_each_row():
     assert float(router_z_loss(torch.zeros(0, 3))) == 0.0
     layer = TMoE(TMoEConfig(d_model=3, d_ffn=4, num_experts=3, router="switch"))
     with torch.no_grad():
-        layer.gate.weight.copy_(torch.eye(3))
+        layer.router.gate.weight.copy_(torch.eye(3))
     layer(t.detach().float())  # the logits are the rows themselves
     assert float(layer.z_loss) == pytest.approx(hand, rel=1e-5)
 
@@ -68,7 +68,7 @@ def test_the_criterion_adds_the_weighted_z_loss_only_when_asked(monkeypatch):
     assert float(on - off) == pytest.approx(1e-3 * float(by_hand) * size, rel=1e-5)
     core.zero_grad()
     on.backward()  # the z-loss trains the router
-    assert all(m.gate.weight.grad is not None for _, m in core.moe_modules())
+    assert all(m.router.gate.weight.grad is not None for _, m in core.moe_modules())
     base = _tiny_core("Base")  # balanced routing has no softmax gate, so no z-loss
     base(tokens())
     assert base.z_loss() is None
@@ -137,8 +137,8 @@ def test_capacity_factors_in_training_and_at_evaluation(router):
         torch.manual_seed(0)
         t = TMoE(TMoEConfig(d_model=8, d_ffn=16, num_experts=E, router=router, **kw))
         with torch.no_grad():  # a skewed router: expert 0's logit is the sum of the features
-            t.gate.weight.zero_()
-            t.gate.weight[0] = 1.0
+            t.router.gate.weight.zero_()
+            t.router.gate.weight[0] = 1.0
         return t
 
     K = 2 if router == "gshard" else 1

@@ -9,4 +9,5 @@ writes one JSON record (its module docstring says what), on the skeleton of `har
     sparse_profile       torch.profiler of one sparse layer's step on 2 gloo ranks
     memory_growth        resident memory of each rank against updates in a long run
     generation           cached decoding against full recomputation (`smlp-bench-generation`)
+    eval_routing         the balanced routers' evaluation routings on a checkpoint: perplexity, loads, rerouted tokens
 """

@@ -1,4 +1,4 @@
-"""The blocked causal product (smlp/causal.py) against the masked dense form, and its block size.
+"""The blocked causal product (smlp/spatial.py) against the masked dense form, and its block size.
 
     python -m smlp_bench.micro.causal_product [--out results/causal_product.json] [--iters 15] [--blocks 32,64,128,256]
 
@@ -110,7 +110,7 @@ def main(argv=None) -> int:
         best = max((r["speedup"], name) for name, r in results[case].items())
         print(f"{case:<11} " + "  ".join(f"{name} {r['median_ms']:.2f}/{r['min_ms']:.2f} ms ({r['speedup']:.2f}x)"
                                          for name, r in results[case].items()) + f"   best: {best[1]}", flush=True)
-    record = {"question": "blocked causal products (smlp/causal.py) against the masked dense form, fwd + bwd",
+    record = {"question": "blocked causal products (smlp/spatial.py) against the masked dense form, fwd + bwd",
               "config": {"cases": {k: CASES[k] for k in results}, "dtype": "float32", "iters": args.iters,
                          "warmup": args.warmup, "threads": args.threads, "blocks": blocks},
               **environment(), "cases": results}

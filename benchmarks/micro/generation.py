@@ -4,7 +4,7 @@
                           [--device cpu] [--out results/bench_generation.json] [--plot results/bench_generation.png]
     python -m smlp_bench.micro.generation ...
 
-One question: how much faster is generating with the decoding cache (smlp/decoding.py) than
+One question: how much faster is generating with the decoding cache (smlp/decoding_cache.py) than
 running the whole prefix through the model for every new token, and how does the time per token
 grow with its position?
 
@@ -46,9 +46,9 @@ from .harness import environment, parser, write_record
 
 PROG = "smlp-bench-generation"
 EOS = 2
-FAMILIES = OUR_FAMILIES  # smlp-bench's FLOP-matched families (the token routers from smlp/routers.py)
+FAMILIES = OUR_FAMILIES  # smlp-bench's FLOP-matched families (the token routers from smlp/routing/registry.py)
 MODEL_ORDER = ("smlp_det", "smlp_partial", "gmlp", "hypermixer", "ninformer", "transformer", *MOE_BASELINES)
-# Full recomputation of causal HyperMixing is elementwise-bound (smlp/token_mixers.py): minutes per run
+# Full recomputation of causal HyperMixing is elementwise-bound (smlp/hypermixer.py): minutes per run
 # at this size on one CPU thread. Benchmarked only when asked for, as in smlp-bench.
 DEFAULT_MODELS = tuple(k for k in MODEL_ORDER if k != "hypermixer")
 REPORT_POSITIONS = (1, 16, 32, 64, 128, 192, 255)

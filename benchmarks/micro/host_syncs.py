@@ -39,9 +39,9 @@ fairseq_plugins) re-enter the counter, so their syncs and copies are counted too
 C++ kernels that Python never sees are not counted (there are none on the paths counted here
 besides those listed: bincount and boolean indexing are listed by their Python call).
 `balanced_assignment` runs numpy on the CPU; `accelerator_paths()` makes it run its torch path,
-checking completion every 4 rounds as on an accelerator, and the FFN experts take their grouped
-product for unequal counts, as on an accelerator, so the count is the CUDA one. Each sync is
-recorded with the first frame in the project's code that caused it.
+checking completion when an accelerator does (assignment.ACCELERATOR_CHECKS), and the FFN experts
+take their grouped product for unequal counts, as on an accelerator, so the count is the CUDA one.
+Each sync is recorded with the first frame in the project's code that caused it.
 """
 from __future__ import annotations
 
@@ -286,11 +286,11 @@ class HostSyncCounter(TorchFunctionMode):
 
 @contextlib.contextmanager
 def torch_assignment_path():
-    """balanced_assignment on its torch path with the accelerator's completion-check interval."""
+    """balanced_assignment on its torch path with the accelerator's completion checks."""
     from smlp.routing import assignment
 
     with mock.patch.object(assignment, "_array_ops", lambda device: assignment._TorchOps(device)), \
-            mock.patch.object(assignment, "_check_interval", lambda device: assignment.ACCELERATOR_CHECK_EVERY):
+            mock.patch.object(assignment, "_check_schedule", lambda device: assignment.ACCELERATOR_CHECKS):
         yield
 
 

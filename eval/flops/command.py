@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from smlp.steptime import smoe_expert_params
 from smlp.third_party import quiet_imports
 
 from .counting import METHODS
@@ -15,7 +16,6 @@ from .matching import match
 from .model_spec import DEFAULT_VOCAB, count_spec, parse_model
 from .steptime import (
     compare_smoe_layouts,
-    smoe_expert_params,
     smoe_layout_report,
     smoe_layout_sentence,
     step_time_for,
@@ -171,7 +171,7 @@ def run(argv: Sequence[str] | None = None) -> str:
 
 
 def cluster_from_args(args):
-    from .steptime import CLUSTERS, with_cluster_overrides
+    from smlp.steptime import CLUSTERS, with_cluster_overrides
 
     if args.cluster not in CLUSTERS:
         raise ValueError(f"--cluster {args.cluster!r} is unknown: valid presets are {', '.join(CLUSTERS)}")

@@ -42,9 +42,8 @@ import torch
 from torch import nn
 
 from smlp.config import SGUConfig, SMoEConfig
-from smlp.dispatch import OneGPUDispatcher, check_experts_per_gpu
 from smlp.experts import is_expert
-from smlp.flop_forms import explicit_attention, explicit_spatial
+from smlp.flop_forms import counted_forms
 from smlp.gmlp import GMLPBlock, SpatialGatingUnit
 from smlp.hypermixer import HyperMixingUnit
 from smlp.lm import LanguageModel, LMConfig, layer_plan
@@ -55,6 +54,7 @@ from smlp.spatial import executed_pairs
 from smlp.token_routed import TokenRoutedGMLPBlock
 from smlp.transformer import CausalSelfAttention, DenseFFN, TransformerBlock
 
+from .one_gpu import OneGPUDispatcher, check_experts_per_gpu
 from .paper_figures import TABLE3_DIMS, TABLE3_ROWS
 
 __all__ = ["CONVENTION", "METHODS", "FAMILY_NAMES", "LayerCost", "CostModel", "Count", "cost_model", "count",
@@ -210,7 +210,7 @@ def fvcore_by_module(module: nn.Module, *inputs) -> dict[str, int]:
     from fvcore.nn import FlopCountAnalysis
 
     # fvcore cannot see fused SDPA nor the blocked causal product: count their explicit (paper) forms
-    with torch.no_grad(), warnings_off(), explicit_attention(module), explicit_spatial(module):
+    with torch.no_grad(), warnings_off(), counted_forms(module):
         analysis = FlopCountAnalysis(module, inputs)
         analysis.unsupported_ops_warnings(False)
         analysis.uncalled_modules_warnings(False)

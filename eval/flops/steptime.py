@@ -9,21 +9,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from smlp import steptime as _model
-from smlp.steptime import *  # noqa: F403  (the model, re-exported: the calculator's users import it from here)
-from smlp.steptime import (  # what this module uses
+from smlp.steptime import (
     CLUSTERS,
     SMOE_LAYOUTS,
     Training,
-    activation_bytes,
     choose_smoe_layout,
     smoe_expert_params,
     step_time,
 )
 
+from .activations import activation_bytes
 from .model_spec import ModelSpec, count_spec, parse_model
 
-__all__ = [*_model.__all__, "TABLE4", "Table4Row", "step_time_for", "table4", "compare_smoe_layouts",
+__all__ = ["TABLE4", "Table4Row", "step_time_for", "table4", "compare_smoe_layouts",
            "smoe_layout_sentence", "SMOE_LAYOUT_CASES", "smoe_layout_report"]
 
 

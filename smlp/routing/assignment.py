@@ -1,38 +1,28 @@
-"""Balanced assignment of rows to experts: BASE Layers (Lewis et al. 2021, "BASE Layers:
-Simplifying Training of Large, Sparse Models"), as used by the sMLP paper's tMoE (sec. 3.1) and
-by training-time sMoE routing (sec. 3.2.2).
+"""Balanced assignment of rows to experts: the auction of BASE Layers (Lewis et al. 2021), as the sMLP
+paper's tMoE (sec. 3.1) and training-time sMoE routing (sec. 3.2.2) use it.
 
-Shapes: the core's legend (smlp/__init__.py); here S rows to assign (tokens for tMoE,
-hidden-dimension vectors for sMoE), E experts, Z the integer key table's rows (E padded to a power
-of two, at least 2), s rows of step 4's working set (a part of S).
+A linear assignment with capacities: maximise sum_s scores[s, expert[s]] subject to expert e
+receiving exactly capacity[e] rows. It is solved by Bertsekas' auction (1988) for objects with
+several identical slots (Bertsekas & Castanon 1989), as vectorised integer array code: torch tensors
+on the input's device, numpy arrays on the CPU, bitwise the same result (auction_arrays.py).
 
-The problem is a linear assignment with capacities: maximise sum_s scores[s, expert[s]] subject
-to expert e receiving exactly capacity[e] rows. Base Layers solves it with an auction
-(Bertsekas 1988, "The auction algorithm: a distributed relaxation method for the assignment
-problem"; the variant for objects with several identical slots is Bertsekas & Castanon 1989,
-"The auction algorithm for the transportation problem"). This file is the auction used by the
-routers in `routes.py`: vectorised array code that runs on torch tensors on the input's device,
-and on numpy arrays on the CPU (the same integer rounds, bitwise the same result; the two array
-backends are auction_arrays.py). fairseq's C++
-`libbase.balanced_assignment` is the speed and quality reference it is benchmarked against
-(`benchmarks/balanced_assignment.py`).
+Shapes: the core's legend (smlp/__init__.py); here S rows to assign, Z the key table's rows (E padded
+to a power of two, at least 2), s rows of step 4's working set.
 """
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from .auction_arrays import _NumpyOps, _TorchOps, sanitize_scores
 
-__all__ = ["balanced_assignment", "expert_capacities", "sanitize_scores"]
+__all__ = ["ACCELERATOR_CHECKS", "CheckSchedule", "balanced_assignment", "expert_capacities", "sanitize_scores"]
 
-# Scores are normalised to "gain units": after removing row and column offsets (which change no
-# balanced assignment's ranking), one unit is the median over rows of (best score - mean score),
-# i.e. how much a typical row gains by going to its best expert rather than a random one.
-# Scores further than _CLIP_GAINS units below a row's best are clipped there: such an expert is
-# never wanted by that row, and the clip keeps every key inside int32.
+# Scores are measured in gain units (step 0). Scores further than _CLIP_GAINS units below a row's best
+# are clipped there: that row never wants such an expert, and the clip keeps every key inside int32.
 _CLIP_GAINS = 64.0
 # Integer key budget: a key is value * Z + priority (0 <= priority < E <= Z) with
 # |value| < 3 * levels and levels = 2**_KEY_BITS / Z, so keys (and keys minus prices) stay far
@@ -44,8 +34,32 @@ _NEG_KEY = -(1 << 30)  # key of padding experts and experts with capacity 0: nev
 _MAX_EXPERTS = 1 << 16
 _MIN_WORKING_ROWS = 1024  # below this, step 4's smaller rounds cost as much as full ones
 _MIN_TAIL_KEYS = 1 << 16  # below this many keys (S * Z) a full round costs less than step 4's set-up
-# Rounds between completion checks on an accelerator, where each check is a host sync.
-ACCELERATOR_CHECK_EVERY = 4
+
+
+@dataclass(frozen=True)
+class CheckSchedule:
+    """After which rounds the auction reads on the host whether it is done: every `every` rounds, or with
+    `doubling` at rounds every, 2 every, 4 every, ... only. Rounds after completion change nothing, so a
+    later check gives the same assignment (with step 4, whose start moves with the checks, a close one)."""
+
+    every: int
+    doubling: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.every, int) or self.every < 1:
+            raise ValueError(f"check_every={self.every!r} is invalid: it must be a positive number of rounds")
+
+    def due(self, rounds: int) -> bool:
+        if rounds < 1 or rounds % self.every:
+            return False
+        k = rounds // self.every
+        return not self.doubling or k & (k - 1) == 0
+
+
+# Completion checks on an accelerator, where each is a host sync that stalls the stream: the routers'
+# auctions end within 16 rounds at their sizes (docs/gpu.md), so one check is the rule, and a slow
+# auction costs a read per doubling of its rounds, never one per few rounds.
+ACCELERATOR_CHECKS = CheckSchedule(16, doubling=True)
 
 
 def expert_capacities(num_rows: int, num_experts: int, device=None) -> Tensor:
@@ -65,87 +79,52 @@ def balanced_assignment(
     tail_fraction: float = 1 / 128,
     working_fraction: float = 1 / 16,
     max_rounds: int | None = None,
-    check_every: int | None = None,
+    check_every: int | CheckSchedule | None = None,
     with_prices: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Assign each row to one expert with exact balance, maximising the total affinity.
 
-    Balance rule: expert e receives exactly S // E + (1 if e < S % E else 0) rows, so every expert
-    gets the same number of rows when E divides S (the Base Layers setting); S not divisible by
-    E, S < E, S = 0 and E = 1 are all valid.
-
-    Algorithm: Bertsekas' auction in Jacobi form (all rows bid at once), with experts as objects
-    that hold several identical slots (Bertsekas & Castanon 1989). Vectorised: torch tensors on
-    the input's device, numpy arrays on the CPU. A round is about 30 array operations whatever
-    the size, and at router sizes (thousands of rows, a few experts) their dispatch is the whole
-    cost of a round; numpy dispatches one in about a third of torch's time (see _NumpyOps).
-    E = 2 is solved exactly instead, by one threshold selection (_two_experts); eps,
-    tail_fraction, working_fraction and max_rounds do not apply there.
+    Expert e receives exactly S // E + (1 if e < S % E else 0) rows (`expert_capacities`); any S >= 0
+    and E >= 1 are valid. E = 2 is solved exactly by one threshold selection (`_two_experts`); other
+    E by an auction in Jacobi form (all rows bid at once):
       0. Normalise: remove row and column offsets (each adds the same amount to every balanced
-         assignment) so that each row's best score is 0, measure scores in gain units (1 =
-         median over rows of best minus mean score), clip at -64 units and quantise to int32
-         keys value * Z + priority. One int32 max then yields both the best value and the best
-         expert; the priority breaks ties in a per-row rotated order, so indifferent rows spread
-         over the experts at once instead of queueing for expert 0. Its sums are float64
-         (exact in practice for float32 scores), so numpy and torch make the same keys.
-         Everything after this step is exact integer arithmetic: bitwise deterministic on any
-         device and backend.
-      1. Each round every row finds its best expert at the current prices (a max over the
-         experts). Unassigned rows bid for their best expert, assigned rows re-bid for the expert
-         they hold. A bid is the price at which the row would be indifferent: price + (its value
-         there - the best value elsewhere, a max over the experts with the target masked).
-      2. An over-subscribed expert keeps the highest bids up to its capacity and raises its price
-         to max(price, lowest kept bid) + eps, pricing the others out: they bid elsewhere next
-         round. An expert loses a row only when it is over-subscribed and refills at once, so the
-         number of assigned rows never falls.
-      3. Repeat until at most tail_fraction * S rows are unassigned (all rows, when step 4 is
-         skipped). That count is read only every `check_every` rounds, never inside a round;
-         once every row is assigned, further rounds change nothing.
-      4. The last few rows take many cheap-to-resolve but full-cost rounds (an evicted row
-         evicts another, one step per round). So continue the same auction, with its prices and
-         assignments, on a working set only: the unassigned rows plus the working_fraction * S
-         held rows with the smallest margins, the only ones those chains are likely to move;
-         the other rows keep their expert. Skipped when the working set would not be small, or
-         below 65536 keys (S * Z), where a full round costs less than setting the step up.
-    With one eps (no eps-scaling), eps = 0.03 gain units, 4096 x 32 and 8192 x 64 random score
-    matrices take about 5-10 full rounds and end within about 0.05% of the optimal gain over a
-    random assignment (benchmarks/balanced_assignment.py measures it against scipy's exact
-    solver and fairseq's C++ auction).
+         assignment) so that each row's best score is 0, measure in gain units (1 = median over rows
+         of best minus mean score), clip at -64 units and quantise to int32 keys value * Z + priority,
+         so one max yields both the best value and the best expert. The priority breaks ties in a
+         per-row rotated order, so indifferent rows spread over the experts at once. Everything after
+         this step is exact integer arithmetic, bitwise the same on any device and backend.
+      1. Every row finds its best expert at the current prices. Unassigned rows bid for it, assigned
+         rows re-bid for the expert they hold; a bid is the price at which the row would be
+         indifferent: price + (its value there - its best value elsewhere).
+      2. An over-subscribed expert keeps the highest bids up to its capacity and raises its price to
+         max(price, lowest kept bid) + eps. The number of assigned rows never falls.
+      3. Repeat until at most tail_fraction * S rows are unassigned, read only at the rounds
+         `check_every` names (never inside a round).
+      4. The last rows take many full-cost rounds of one eviction each, so the same auction goes on
+         over a working set only: the unassigned rows and the working_fraction * S held rows with the
+         smallest margins. Skipped where the working set would not be small or the problem is small.
 
-    Termination is guaranteed whatever the input: a round either raises some price by at least
-    eps or assigns at least one more row, and prices stay bounded (no row bids above the clipped
-    score range while some expert still has its initial price). Independently of that, after
-    `max_rounds` rounds any row still unassigned is put into the remaining free capacity (a
-    deterministic fill in row order), so the balance is exact even if the budget runs out.
-    Non-finite scores are treated defensively: NaN and -inf count as the lowest finite score,
-    +inf as the highest, and a matrix with no finite entry as all zeros.
-
-    In training this couples the rows of a batch: the expert a row gets depends on every other
-    row's scores, so the routing is not causal per position by design (the routers use greedy
-    top-1 at inference for that reason).
+    Each round raises some price by eps or assigns one more row, and prices stay bounded, so the
+    auction ends; after `max_rounds` the rows still unassigned fill the free capacity in row order, so
+    the balance is exact regardless. NaN and -inf count as the lowest finite score, +inf as the highest.
 
     Args:
         scores_SE: (S, E) affinities, higher is better. Any real dtype, any device.
-        eps: auction price step in gain units, in (0, 64]. Rows end within about eps of their
-            best choice at the final prices, so the total is within about S * eps gain units of
-            the optimum (far closer in practice). Smaller is more exact and takes more rounds.
-        tail_fraction: step 4 starts when at most this fraction of rows is unassigned; 0 runs
-            the full auction to the end (slower, slightly closer to the optimum).
-        working_fraction: held rows in step 4's working set, as a fraction of S (at least
-            1024 rows; step 4 is skipped if that is more than half of the rows, or if S * Z is
-            below 65536).
-        max_rounds: auction round budget, steps 1-4 together, before the fill; default
-            max(64, 4 * E, 4 / eps) (random scores take 5-20 rounds at the default eps).
-        check_every: rounds between completion checks (each check is a host sync); default 1 on
-            CPU, where a check costs nothing, and 4 on accelerators.
-        with_prices: also return the auction's final expert prices (see Returns).
+        eps: auction price step in gain units, in (0, 64]. The total ends within about S * eps gain
+            units of the optimum; smaller is more exact and takes more rounds.
+        tail_fraction: step 4 starts when at most this fraction of rows is unassigned; 0 runs the
+            full auction to the end.
+        working_fraction: held rows in step 4's working set, as a fraction of S (at least 1024).
+        max_rounds: round budget of steps 1-4 before the fill; default max(64, 4 * E, 4 / eps).
+        check_every: rounds between completion checks (each a host sync on an accelerator), or a
+            CheckSchedule; default every round on the CPU, where a check costs nothing, and
+            ACCELERATOR_CHECKS elsewhere (rounds 16, 32, 64, ...: usually one read per call).
+        with_prices: also return the final expert prices.
 
     Returns:
-        (S,) int64 expert index per row, on the input's device; with with_prices, also price_E:
-        (E,) float32, the experts' prices in the units of the scores, centred on zero. They are the
-        assignment's dual: argmax_e(scores - price_E) gives every row its assigned expert except
-        rows within about eps gain units of a tie, so greedy routing with these prices reproduces
-        the balanced assignment row by row (E = 2: the selection's threshold, split between the two).
+        (S,) int64 expert index per row, on the input's device; with with_prices also price_E, (E,)
+        float32 prices in score units, centred on zero. They are the assignment's dual:
+        argmax_e(scores - price_E) reproduces it except for rows within about eps of a tie.
     """
     if scores_SE.dim() != 2:
         raise ValueError(f"balanced_assignment expects scores of shape (S, E), got {tuple(scores_SE.shape)}")
@@ -164,10 +143,12 @@ def balanced_assignment(
         return (expert_S, torch.zeros(E, device=device)) if with_prices else expert_S
     if max_rounds is None:
         max_rounds = max(64, 4 * E, int(4 / eps))
+    if max_rounds < 0:
+        raise ValueError(f"need max_rounds >= 0, got {max_rounds}")
     if check_every is None:
-        check_every = _check_interval(device)
-    if max_rounds < 0 or check_every < 1:
-        raise ValueError(f"need max_rounds >= 0 and check_every >= 1, got {max_rounds} and {check_every}")
+        checks = _check_schedule(device)
+    else:
+        checks = check_every if isinstance(check_every, CheckSchedule) else CheckSchedule(check_every)
 
     ops = _array_ops(device)
     if E == 2:
@@ -182,10 +163,9 @@ def balanced_assignment(
     # costs much more than setting it up.
     work_rows = max(int(working_fraction * S), _MIN_WORKING_ROWS)
     tail_rows = int(tail_fraction * S) if 2 * work_rows <= S and S << sh >= _MIN_TAIL_KEYS else 0
-    expert_S, price_Z, unassigned = _solve(ops, key_ZS, E, sh, levels, eps_q, max_rounds, check_every, tail_rows,
+    expert_S, price_Z, unassigned = _solve(ops, key_ZS, E, sh, levels, eps_q, max_rounds, checks, tail_rows,
                                            work_rows)
-    # unassigned is 0 if the last completion check found every row assigned, None if the
-    # round budget ran out first: then fill the free capacity.
+    # unassigned is None if the round budget ran out first
     if unassigned != 0:
         expert_S = _fill_free_capacity(expert_S, expert_capacities(S, E, device))
     if not with_prices:
@@ -201,10 +181,10 @@ def _centred(price_E: Tensor, device: torch.device) -> Tensor:
     return price_E - price_E.mean()
 
 
-def _check_interval(device: torch.device) -> int:
-    """Default rounds between completion checks: every round on the CPU (numpy arrays, a check costs
-    nothing), every ACCELERATOR_CHECK_EVERY rounds elsewhere (each check is a host sync)."""
-    return 1 if device.type == "cpu" else ACCELERATOR_CHECK_EVERY
+def _check_schedule(device: torch.device) -> CheckSchedule:
+    """The default completion checks: every round on the CPU (numpy arrays, a check costs nothing),
+    ACCELERATOR_CHECKS elsewhere (each check is a host sync)."""
+    return CheckSchedule(1) if device.type == "cpu" else ACCELERATOR_CHECKS
 
 
 def _finite_scores(scores_SE: Tensor, ops):
@@ -218,13 +198,10 @@ def _finite_scores(scores_SE: Tensor, ops):
 
 
 def _two_experts(scores_SE: Tensor, cap0: int, ops) -> tuple[Tensor, Tensor]:
-    """E = 2, solved exactly: the total is sum_s score[s, 1] + sum over expert 0's rows of
-    (score[s, 0] - score[s, 1]), so expert 0 takes the cap0 rows with the largest difference;
-    among rows tied at the threshold, the earliest. Returns the experts and the prices
-    (threshold / 2, -threshold / 2): expert 0 is the greedy choice above the threshold.
-
-    The difference of two float32 scores is exact in float64; non-finite or overflowing
-    differences are redone on the sanitised, rescaled scores (see _finite_scores).
+    """E = 2, solved exactly: expert 0 takes the cap0 rows with the largest score[s, 0] - score[s, 1],
+    the earliest among ties at the threshold. Returns the experts and the prices (threshold / 2,
+    -threshold / 2). The differences are float64, exact for float32 scores; non-finite or overflowing
+    ones are redone on the sanitised scores (_finite_scores).
     """
     x_SE = scores_SE.detach()
     if x_SE.dtype not in (torch.float32, torch.float64):
@@ -284,9 +261,9 @@ def _integer_keys(x_ES, sh: int, levels: int, ops):
 
 @functools.lru_cache(maxsize=8)
 def _priorities(E: int, S: int, device: torch.device) -> Tensor:
-    """(E, S) int32 tie priority of expert e for row s: (s - 1 - e) mod E, so that rows that are
-    indifferent start out spread evenly over the experts instead of all bidding for expert 0.
-    Cached: the routers call with the same shape every step. Never modified in place."""
+    """(E, S) int32 tie priority of expert e for row s: (s - 1 - e) mod E, so that indifferent rows
+    start out spread evenly over the experts. Cached (the routers call with the same shape every
+    step), so never modified in place."""
     e_E = torch.arange(E, device=device, dtype=torch.int32)
     rotation_S = torch.remainder(torch.arange(S, device=device, dtype=torch.int32) - 1, E)
     return _wrap(rotation_S - e_E[:, None], E)
@@ -298,12 +275,9 @@ def _wrap(d, E: int):
 
 
 def _gain_unit(y_ES, ops):
-    """Median over rows of (best - mean score) for rows shifted to best 0: a few outlier rows
-    cannot flatten all the others. The mean if most rows are constant, 1 if all are.
-
-    Row sums in float64 (exact in practice for float32 scores, so every backend and device
-    rounds alike); the median of -sum / E is -(upper median of the sums) / E, the same number.
-    A float on numpy, a float64 0-d tensor on the torch path (no host sync).
+    """Median over rows of (best - mean score) for rows shifted to best 0, so that a few outlier rows
+    cannot flatten the others; the mean if most rows are constant, 1 if all are. Row sums are float64,
+    so every backend rounds alike. A float on numpy, a 0-d float64 tensor on torch (no host sync).
     """
     E = y_ES.shape[0]
     sum_S = ops.sum(y_ES, 0, dtype=ops.float64)
@@ -315,7 +289,7 @@ def _array_ops(device: torch.device):
     return _NumpyOps() if device.type == "cpu" else _TorchOps(device)
 
 
-def _solve(ops, key_ZS, E: int, sh: int, levels: int, eps_q: int, max_rounds: int, check_every: int,
+def _solve(ops, key_ZS, E: int, sh: int, levels: int, eps_q: int, max_rounds: int, checks: CheckSchedule,
            tail_rows: int, work_rows: int) -> tuple[Tensor, object, int | None]:
     """Steps 1-4 on the keys (an array of the `ops` backend). Returns the (S,) int64 expert per
     row as a tensor on the keys' device (-1: unassigned), the final prices (Z,) in value steps (an
@@ -332,7 +306,7 @@ def _solve(ops, key_ZS, E: int, sh: int, levels: int, eps_q: int, max_rounds: in
     expert_S = ops.full(S, -1, ops.int64)
     price_Z = ops.full(Z, 0, ops.int32)
     expert_S, price_Z, margin_S, rounds, unassigned = _auction(
-        ops, key_ZS, cap_Z, row_S, expert_S, price_Z, E, sh, levels, eps_q, max_rounds, check_every, tail_rows)
+        ops, key_ZS, cap_Z, row_S, expert_S, price_Z, E, sh, levels, eps_q, max_rounds, checks, tail_rows)
     if unassigned:
         # Step 4: continue on a working set: the unassigned rows and the held rows with the
         # smallest margins; the others keep their expert and their slots.
@@ -348,21 +322,20 @@ def _solve(ops, key_ZS, E: int, sh: int, levels: int, eps_q: int, max_rounds: in
         key_Zs = ops.where((cap_work_Z == 0)[:, None], neg_key, ops.take_columns(key_ZS, work_s))
         expert_s, price_Z, _, _, unassigned = _auction(
             ops, key_Zs, cap_work_Z, work_s, expert_s, price_Z, E, sh, levels, eps_q, max_rounds - rounds,
-            check_every, 0)
+            checks, 0)
         ops.put(expert_S, work_s, expert_s)
     return ops.tensor(expert_S), price_Z, unassigned
 
 
 def _auction(ops, key_ZS, cap_Z, row_S, expert_S, price_Z, E: int, sh: int, levels: int, eps_q: int,
-             max_rounds: int, check_every: int, stop_at: int):
-    """Steps 1-3 on keys (Z, S) from the given state: expert per row (-1: unassigned), prices.
+             max_rounds: int, checks: CheckSchedule, stop_at: int):
+    """Steps 1-3 on keys (Z, S) from the given state, in arrays of the `ops` backend.
 
-    Arrays of the `ops` backend. row_S are the rows' indices in the full problem (they set the
-    tie priorities of step 0); cap_Z the capacities (0 for padding experts). Stops at a check
-    that finds at most `stop_at` rows unassigned, or after max_rounds rounds. Returns the expert
-    per row, the prices, the margins of the last round (bid - price, in quantisation steps), the
-    number of rounds run and the number of rows left unassigned if the last check saw it (None
-    if the round budget ran out first).
+    row_S are the rows' indices in the full problem (they set the tie priorities); cap_Z the
+    capacities (0 for padding experts). Stops at a check that finds at most `stop_at` rows
+    unassigned, or after max_rounds. Returns the expert per row (-1: unassigned), the prices, the
+    last round's margins (bid - price, in quantisation steps), the rounds run and the rows left
+    unassigned (None if the budget ran out first).
     """
     Z, S = key_ZS.shape
     i32, i64 = ops.int32, ops.int64
@@ -374,9 +347,8 @@ def _auction(ops, key_ZS, cap_Z, row_S, expert_S, price_Z, E: int, sh: int, leve
     # (e + 1) << margin_bits) hold the margins in [-levels, levels] in descending order, so one
     # sort groups the bids by expert, highest first, and a search for the band edges finds the
     # groups.
-    # The sort itself runs on the int64 keys (sort key << pos_bits) | position: unique, so any
-    # sort orders them as a stable sort of the sort keys would (numpy's and torch's plain int64
-    # sorts are several times faster than their stable ones).
+    # The sort runs on the unique int64 keys (sort key << pos_bits) | position, so a plain sort,
+    # faster than a stable one, orders them as a stable sort of the sort keys would.
     margin_bits = (2 * levels).bit_length()
     pos_bits = max(1, (S - 1).bit_length())
     edge_Z1 = ops.arange(Z + 1, i32) << ops.const(margin_bits, i32)
@@ -397,7 +369,7 @@ def _auction(ops, key_ZS, cap_Z, row_S, expert_S, price_Z, E: int, sh: int, leve
     rounds = 0
     unassigned = None
     while rounds < max_rounds:
-        if rounds and rounds % check_every == 0:
+        if checks.due(rounds):
             # Rows not kept by the last round (each row bid for exactly one expert): none if
             # no expert was over-subscribed.
             if stop_at == 0:

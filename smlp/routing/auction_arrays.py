@@ -1,12 +1,10 @@
 """The balanced-assignment auction's array operations, on numpy arrays (CPU) or torch tensors (any device).
 
 The auction (assignment.py) is written once against these operations: `_NumpyOps` runs it on the
-CPU, where numpy dispatches the ~30 small array operations of a round in about a third of torch's
-time, and `_TorchOps` on accelerators, without a host read except the completion checks. After
-step 0 everything is integer arithmetic, so both give bitwise the same assignment
-(tests/test_assignment.py). Shapes: the core's legend (smlp/__init__.py); here S rows, E experts,
-Z the key table's rows (E padded to a power of two), s rows of the working set; `table`, `out`
-and `index` operands of any length.
+CPU, where numpy dispatches the small array operations of a round faster than torch, and
+`_TorchOps` on accelerators, with no host read but the completion checks. After step 0 everything
+is integer arithmetic, so both give bitwise the same assignment. Shapes: the core's legend
+(smlp/__init__.py); `table`, `out` and `index` operands may have any length.
 """
 from __future__ import annotations
 
@@ -39,9 +37,8 @@ def sanitize_scores(x: Tensor) -> Tensor:
 
 @functools.lru_cache(maxsize=256)
 def _device_constant(value: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """A 0-d tensor filled on the device (torch.full: no copy from the host; torch.tensor(value,
-    device=...) would be a pageable host-to-device copy that waits for the stream), made once per
-    value, dtype and device: every round of every layer reuses it. Never modified in place."""
+    """A 0-d tensor filled on the device, with no host-to-device copy that would wait for the stream;
+    made once per value, dtype and device and reused by every round, so never modified in place."""
     return torch.full((), value, dtype=dtype, device=device)
 
 
@@ -68,8 +65,7 @@ class _TorchOps:
         return x.t().contiguous()
 
     # Steps 0 and E = 2 read nothing on the host here: values the numpy path branches on stay
-    # 0-d tensors, and both branches are computed and selected with torch.where (bitwise the
-    # numpy result, tests/test_assignment.py). Only the auction's completion checks sync.
+    # 0-d tensors, and both branches are computed and selected with torch.where.
 
     @staticmethod
     def finite_rescaled(x_ES: Tensor) -> tuple[Tensor, Tensor]:
@@ -204,12 +200,9 @@ class _TorchOps:
 
 
 class _NumpyOps:
-    """The same operations on numpy arrays, for the CPU. A round is about 30 operations; on the
-    arrays of a router-sized problem (1024 x 8 keys) numpy dispatches one in about 0.6-1 us and
-    torch in 2-3 us, which is most of the round's cost, and numpy's int64 sort is several times
-    faster than torch's CPU sort from a few thousand rows on. Integer arithmetic after step 0,
-    so the result is bitwise the torch one (tests/test_assignment.py checks it). Python scalars
-    keep the array's dtype (numpy >= 2 promotion rules)."""
+    """The same operations on numpy arrays, for the CPU: at router sizes dispatching a round's ~30
+    operations is most of its cost, and numpy dispatches them, and sorts int64, faster than torch.
+    Python scalars keep the array's dtype (numpy >= 2 promotion rules)."""
 
     minimum, where, searchsorted = map(staticmethod, (np.minimum, np.where, np.searchsorted))
     int32, int64, float64 = np.int32, np.int64, np.float64

@@ -1,45 +1,18 @@
-"""Capacity-limited softmax gates: Switch Transformer top-1 and GShard top-2.
+"""Capacity-limited softmax gates: Switch Transformer top-1 and GShard top-2, and the router z-loss.
 
-Shapes: the core's legend (smlp/__init__.py); here S rows (tokens), E experts, K expert slots per
-row (1 for Switch, 2 for GShard).
+Pure functions from router logits (logits.py) to a `RoutingPlan`: no collective, no parameters.
 
-Both gates are pure functions: router logits in, a `RoutingPlan` out (Megatron-Core's `routing()`
-apart from `gating()`, the logits: logits.py). They never call a collective and own no
-parameters; the layer computes the logits with its own weights.
+- `switch_top1`: Fedus et al. 2021 (arXiv:2101.03961), sec. 2.1-2.2, eq. 1-6.
+- `gshard_top2`: Lepikhin et al. 2020 (arXiv:2006.16668), sec. 2.2 and Algorithm 1.
+- `router_z_loss`: Zoph et al. 2022, "ST-MoE", eq. 5.
 
-- `switch_top1`: Fedus, Zoph & Shazeer, "Switch Transformers" (arXiv:2101.03961), sec. 2.1-2.2:
-  top-1 of the router softmax (eq. 1), combine weight = that probability (eq. 2), expert
-  capacity = ceil(capacity_factor * S / E) (eq. 3) with a floor `min_capacity` (4, as in
-  flaxformer's Switch `MoeLayer.min_expert_capacity`), load-balancing loss
-  E * sum_e f_e * P_e (eq. 4-6; the caller multiplies by alpha, 1e-2 in the paper).
-  Checked against DeepSpeed's `top1gating(use_rts=False)`, see the notes on the function.
-- `gshard_top2`: Lepikhin et al., "GShard" (arXiv:2006.16668), sec. 2.2 and Algorithm 1:
-  first expert = argmax of the softmax, second expert sampled by Gumbel-max on the logits with
-  the first excluded, capacity 2S/E, first-choice slots filled before second-choice slots,
-  weights renormalized over the kept slots. Equal to fairscale's `top2gating` (see tests); its
-  load-balancing loss is scaled by E^2 as fairseq's MoE branch and DeepSpeed scale it. A capacity
-  factor scales the capacity to ceil(factor * 2S/E) (1, the default, is the paper's 2S/E).
-- `router_z_loss`: ST-MoE (Zoph et al. 2022, "ST-MoE: Designing Stable and Transferable Sparse
-  Expert Models", eq. 5): the mean over rows of logsumexp(logits)^2, which keeps the router's
-  logits small (fp32 roundoff in the softmax). The layer computes it from the logits when the
-  criterion asks (moe.TMoE.z_loss), which adds it with its own weight (off by default, as in the
-  sMLP paper): a forward that nobody asks it of builds none of its graph.
+Capacity drops rows in order of position; a dropped slot has expert -1 and weight 0, and its row
+keeps only the residual. Capacity couples the rows of a batch, so in eval mode both gates route each
+row on its own logits with no limit by default, which keeps evaluation causal (routes.py). The one
+host read is the check that the logits are usable; with `defer_checks` its verdict stays in the
+plan's fault record, and the dispatcher reads it with the split sizes (plan.py).
 
-Capacity dropping keeps rows in order of position (row 0 first). A dropped slot has expert -1
-and weight 0: its row gets nothing from that slot (the layer's residual carries it).
-
-Training vs. eval: capacity couples the rows of a batch (whether row t is kept depends on the
-rows before it, and rows of the *next* sequence come after row t in a flattened batch). In eval
-mode both gates therefore route every row on its own logits with no capacity limit by default,
-which keeps eval causal per position (routes.py). `eval_capacity_factor` (both gates) and
-`drop_in_eval` (GShard: the training capacity) restore capacity-limited eval when wanted.
-
-Host synchronization: capacities are computed from shapes on the host and dropping is a cumsum
-on the device; the only host read is the check that the logits are usable (no NaN or +inf, and at
-least one logit above -inf per row; -inf masks an expert), which raises NonFiniteScoresError
-naming the layer. Called on its own a gate reads it at once; inside a layer (`defer_checks=True`)
-the verdict stays on the device in the plan's fault record, and the dispatcher reads it with the
-split sizes it reads anyway (plan.py), so the gate itself never waits for the device.
+Shapes: the core's legend (smlp/__init__.py); K is 1 for Switch, 2 for GShard.
 """
 from __future__ import annotations
 
@@ -56,8 +29,8 @@ from .plan import RoutingPlan, deferred_or_raised, nonfinite_fault
 
 __all__ = ["switch_top1", "gshard_top2", "switch_capacity", "gshard_capacity", "router_z_loss", "GSHARD_AUX_LOSSES"]
 
-# GShard's load-balancing loss: "normalized" = E^2 * mean_e(m_e c_e) (fairseq's MoE branch, DeepSpeed,
-# lingvo; 1.0 for a balanced router, like Switch's E * sum_e f_e P_e), "fairscale" = mean_e(m_e c_e).
+# GShard's load-balancing loss: "normalized" = E^2 * mean_e(m_e c_e) (1.0 for a balanced router, like
+# Switch's E * sum_e f_e P_e), "fairscale" = mean_e(m_e c_e).
 GSHARD_AUX_LOSSES = ("normalized", "fairscale")
 
 
@@ -67,8 +40,7 @@ GSHARD_AUX_LOSSES = ("normalized", "fairscale")
 def _check_capacity_factor(name: str, value) -> Fraction:
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or not value > 0:
         raise ValueError(f"{name}={value!r} is invalid: it must be a finite number > 0 (e.g. 1.0 or 1.25)")
-    # The decimal the user wrote, not its binary approximation: 1.1 * 100 / 2 must give 55, not
-    # 55.00000000000001 (float64, ceil -> 56), nor a float32 product (DeepSpeed: ceil(1.2 * 25) = 31).
+    # Exact in the decimal the user wrote: ceil(1.1 * 100 / 2) is 55, where float64 gives 56.
     return Fraction(repr(float(value)))
 
 
@@ -81,8 +53,7 @@ def _check_min_capacity(value) -> int:
 def switch_capacity(num_tokens: int, num_experts: int, capacity_factor: float, min_capacity: int = 4) -> int:
     """Switch expert capacity (Fedus et al. eq. 3): max(ceil(capacity_factor * S / E), min_capacity).
 
-    The product is exact in the decimal the factor was written in (1.2 * 25 / 1 -> 30). It is
-    not capped at S: a capacity >= S simply never drops.
+    The product is exact in the decimal the factor was written in; a capacity >= S never drops.
     """
     cf = _check_capacity_factor("capacity_factor", capacity_factor)
     min_capacity = _check_min_capacity(min_capacity)
@@ -94,9 +65,8 @@ def switch_capacity(num_tokens: int, num_experts: int, capacity_factor: float, m
 def gshard_capacity(num_tokens: int, num_experts: int, capacity_factor: float = 1.0) -> int:
     """GShard expert capacity 2S/E (Lepikhin et al. sec. 2.2), rounded up: ceil(factor * 2S / E).
 
-    fairscale computes 2S // E and only accepts S divisible by E, where both agree. Rounding up
-    keeps at least one slot per expert for any S >= 1 (2S // E is 0 when 2S < E). The factor
-    (1 by default, the paper's) is exact in the decimal it was written in, as Switch's.
+    Rounded up so that every expert has a slot for any S >= 1; where E divides S it is fairscale's
+    2S // E. The factor is exact in the decimal it was written in.
     """
     cf = _check_capacity_factor("capacity_factor", capacity_factor)
     if num_experts < 1 or num_tokens < 0:
@@ -107,7 +77,7 @@ def gshard_capacity(num_tokens: int, num_experts: int, capacity_factor: float = 
 def router_z_loss(logits_SE: Tensor) -> Tensor:
     """ST-MoE's router z-loss (Zoph et al. 2022, eq. 5): mean over rows of logsumexp(logits)^2, in fp32.
 
-    0 rows give a zero that still belongs to the graph."""
+    It keeps the logits small, against fp32 roundoff in the softmax. 0 rows give a zero in the graph."""
     logits_SE = logits_SE.to(accumulation_dtype(logits_SE.dtype))
     if logits_SE.shape[0] == 0:
         return logits_SE.sum() * 0
@@ -119,8 +89,8 @@ def router_z_loss(logits_SE: Tensor) -> Tensor:
 
 def _open_gate(fn: str, logits_SE: Tensor, noise_SE: Tensor | None, layer: str,
                defer_checks: bool) -> tuple[Tensor | None, Tensor, Tensor]:
-    """The opening both gates share: check the logits, take their fault record (plan.py), and
-    compute in (at least) fp32 (Switch sec. 2.4, "selective precision"; fp64 stays fp64).
+    """Check the logits, take their fault record (plan.py), and move them to at least fp32 (Switch
+    sec. 2.4, "selective precision").
 
     Returns:
         fault:   the fault record to leave in the plan (defer_checks), or None once read
@@ -170,31 +140,20 @@ def switch_top1(
     """Switch Transformer top-1 routing (Fedus et al. 2021, sec. 2.1-2.2).
 
     p = softmax(logits) in fp32; each row goes to e = argmax p with combine weight p_e (not
-    renormalized). Expert capacity C = max(ceil(capacity_factor * S / E), min_capacity)
-    (`switch_capacity`); rows beyond C for an expert are dropped in order of position (the first
-    C rows that chose e are kept): expert -1, weight 0.
+    renormalized). An expert keeps the first C = `switch_capacity` rows that chose it.
 
-    aux_loss = E * sum_e f_e * P_e (eq. 4 without alpha), f_e the fraction of rows whose choice
-    is e *before* dropping, P_e the mean router probability of e. It is 1.0 for a perfectly
-    balanced router and differentiable through P only.
+    aux_loss = E * sum_e f_e * P_e (eq. 4 without alpha), f_e the fraction of rows that chose e
+    before dropping, P_e the mean router probability of e: 1.0 when balanced, differentiable through P.
 
     capacity_factor:      training capacity factor; None = never drop.
-    min_capacity:         floor on the capacity (>= 0).
+    min_capacity:         floor on the capacity (>= 0; 4 as flaxformer's min_expert_capacity).
     training:             False routes with `eval_capacity_factor` instead.
     eval_capacity_factor: eval capacity factor; None (default) = no limit in eval, so each row is
                           routed on its own logits (causal per position).
-    noise_SE:             optional additive noise on the logits for the *choice* only (DeepSpeed's
-                          noisy_gate_policy='RSample' with Gumbel noise); weights and P_e use the
-                          clean probabilities. Used whenever given. The paper's default is no noise.
+    noise_SE:             optional noise added to the logits for the choice only; weights and P_e
+                          use the clean probabilities. The paper uses none.
     layer:                the layer's name, for the error on non-finite logits.
-    defer_checks:         leave that check's verdict on the device in the plan's fault record
-                          (read by the dispatcher, plan.py) instead of reading it here.
-
-    Reference: DeepSpeed `sharded_moe.top1gating(..., drop_tokens=True, use_rts=False)` gives the
-    same choices, weights and l_aux = E * sum(me * ce). It differs in two places (tests pin both):
-    it keeps the rows `torch.topk` happens to return among the tied 0/1 mask entries instead of
-    the first C by position, and its capacity is ceil() of a float32 product, which is one too
-    large when rounding lands just above an integer (S=25, E=1, factor 1.2 gives 31, not 30).
+    defer_checks:         leave that check's verdict in the plan's fault record (plan.py).
     """
     factor = capacity_factor if training else eval_capacity_factor
     if capacity_factor is not None:
@@ -228,13 +187,10 @@ def switch_top1(
 
 
 def _gumbel_like(logits_SE: Tensor) -> Tensor:
-    """Gumbel(0, 1) noise of the logits' shape (default dtype, float32) from the global generator.
+    """Gumbel(0, 1) noise of the logits' shape (default dtype) from the global generator.
 
-    Bit for bit what fairscale's `gumbel_rsample` draws, torch.distributions.Gumbel(0, 1).rsample
-    (a seeded run picks the same second experts as fairscale), with the same operations written
-    out: building the distribution validates its arguments with two host reads on every call, and
-    torch.compile cannot trace it. Gumbel is Uniform(tiny, 1 - eps) followed by
-    x -> -log(x) -> -log(x) as affine maps 0 + (-1) * x (tests/test_gates.py compares the two)."""
+    Bit for bit fairscale's `gumbel_rsample` (torch.distributions.Gumbel), with its operations written
+    out: building the distribution reads the host twice per call and torch.compile cannot trace it."""
     device, dtype = logits_SE.device, torch.get_default_dtype()  # the distribution's (0-d zeros and ones)
     finfo = torch.finfo(dtype)
     low = torch.full((), finfo.tiny, dtype=dtype, device=device)
@@ -261,34 +217,20 @@ def gshard_top2(
 
     1. p = softmax(logits) in fp32; first expert e1 = argmax p.
     2. Second expert e2 = argmax(logits + noise) with e1 excluded (Gumbel-max: a sample from the
-       softmax over the remaining experts). noise_SE is used whenever given; otherwise training
-       draws Gumbel(0, 1) noise as fairscale does and eval uses none (e2 = second-best logit,
-       deterministic).
-    3. Capacity C = ceil(capacity_factor x 2S / E) (`gshard_capacity`; the paper's 2S/E at the
-       default 1; in eval mode eval_capacity_factor, or capacity_factor with drop_in_eval, or no
-       limit). Slots are ranked per expert: all first
-       choices in row order, then all second choices in row order, so a second choice only gets
-       a slot left over by the first choices (dropped first choices still count). Slots with
-       rank >= C are dropped (expert -1, weight 0).
-    4. Weights: w_k = p_{e_k} / max(p_{e1} + p_{e2}, eps) over the kept slots, so a row whose first
-       choice was dropped puts weight 1 on its second.
-    5. The load-balancing loss, m_e the mean router probability of expert e and c_e the fraction
-       of first choices that went to e before dropping:
-       aux_loss="normalized" (default): E^2 * mean_e(m_e * c_e), as fairseq's MoE branch
-           (`top2gating`), DeepSpeed (`sharded_moe.top2gating`) and lingvo compute it. It is 1 for
-           a perfectly balanced router and equals switch_top1's E * sum_e f_e P_e on the first
-           choices, so one weight (0.01) balances GShard and Switch equally hard.
-       aux_loss="fairscale": mean_e(m_e * c_e) (fairscale's `top2gating`, Algorithm 1 as
-           printed), 1/E^2 when balanced: with the same weight, E^2 times weaker.
-    `layer` names the layer in the error raised for non-finite logits; defer_checks=True leaves
-    that check's verdict in the plan's fault record for the dispatcher to read (plan.py).
+       softmax over the other experts). Without noise_SE, training draws Gumbel(0, 1) noise and eval
+       takes the second-best logit.
+    3. Capacity C = `gshard_capacity` (eval: eval_capacity_factor, or capacity_factor with
+       drop_in_eval, else no limit). Per expert, all first choices take slots in row order before
+       any second choice; slots of rank >= C are dropped (expert -1, weight 0).
+    4. Weights: w_k = p_{e_k} / max(p_{e1} + p_{e2}, eps) over the kept slots.
+    5. Load-balancing loss, m_e the mean probability of e, c_e the fraction of first choices to e:
+       "normalized" (default) E^2 * mean_e(m_e * c_e), 1 when balanced like Switch's, so one weight
+       balances both gates equally hard; "fairscale" mean_e(m_e * c_e), Algorithm 1 as printed.
+    `layer` and `defer_checks` as in `switch_top1`.
 
-    Differences from fairscale, all outside its domain or degenerate: any S is accepted (fairscale
-    asserts S % E == 0; where it runs the capacities agree), eval mode has no capacity limit unless
-    drop_in_eval=True (fairscale has no eval mode), and when no second expert exists (E = 1, or every
-    other logit -inf) the second slot is dropped instead of sending the row to e1 twice with half
-    weight each (the layer output is the same). Weights and loss stay fp32 (fairscale casts them
-    back to the logits' dtype).
+    Unlike fairscale: any S is accepted (it asserts S % E == 0), eval has no capacity limit unless
+    drop_in_eval, a row with no second expert (E = 1, other logits -inf) drops its second slot, and
+    weights and loss stay fp32.
     """
     _check_capacity_factor("capacity_factor", capacity_factor)
     if eval_capacity_factor is not None:

@@ -1,19 +1,12 @@
-"""The router's logits, computed in one place: the gate projection in fp32 (Megatron-Core's `gating()`).
+"""The router's logits in one place: the gate projection, in fp32.
 
-Switch Transformer (Fedus et al. 2021, sec. 2.4, "selective precision") computes the router in
-fp32 because its softmax and argmax are the part of an MoE layer that bfloat16 breaks; fairseq's
-MoE branch (`moe_gating_use_fp32`), Megatron-Core (`--moe-router-dtype fp32`) and torchtitan do
-the same for the gate projection itself, not only for the softmax after it. `router_logits` is
-that projection: its inputs are upcast and autocast is off, so the logits, and everything the
-routers derive from them (softmax, assignment scores, load-balancing losses), are fp32 whatever
-the model's dtype (fairseq --fp16 / --bf16 halve every parameter) or autocast context (--amp).
-The cost is one small matmul (S x D x E) in fp32. Every learned router calls it: the token
-routers through the registry's route functions (registry.py), the sMoE router (moe.SMoE) and the
-token-routed gMLP (smlp/token_routed.py); the rules that turn logits into a plan are routes.py and
-gates.py (Megatron-Core's `routing()`).
+Switch Transformer (Fedus et al. 2021, sec. 2.4, "selective precision") keeps the router in fp32
+because bfloat16 breaks its softmax and argmax. `router_logits` runs the projection itself in fp32
+outside autocast, so the logits and what the routers derive from them (softmax, assignment scores,
+load-balancing losses) are fp32 whatever the model's dtype, for one small (S x D x E) matmul. Every
+learned router calls it; the rules that turn logits into a plan are in routes.py and gates.py.
 
-Shapes: the core's legend (smlp/__init__.py); here S rows, D their width (the model width; for the
-sMoE router the P prefix positions it reads), E experts.
+Shapes: the core's legend (smlp/__init__.py); for the sMoE router D is the P prefix positions it reads.
 """
 from __future__ import annotations
 

@@ -1,28 +1,18 @@
 """The routing plan (where each row goes, with what weight) and the routers' input checks.
 
-A router (routes.py, gates.py) never calls a collective and never owns parameters: the layer
-computes the logits with its own weights (logits.py), the router turns them into a `RoutingPlan`,
-and the dispatcher moves rows accordingly. That keeps every routing rule testable in one process.
-Shapes: the core's legend (smlp/__init__.py); here S rows, E experts, K slots per row. A fault
-record is a vector of FAULT_WIDTH int64 values (`fault`).
+A router (routes.py, gates.py) turns logits into a `RoutingPlan` without collectives or parameters,
+so every routing rule is testable in one process. Non-finite scores raise `NonFiniteScoresError`
+naming the layer (an expert chosen from them would be arbitrary); token ids outside a HASH table
+raise ValueError. Inside a layer (`defer_checks=True`) a router leaves its check on the device as a
+fault record in the plan, and the dispatcher reads it with the split sizes it reads anyway, so the
+check costs no host sync of its own. With expert parallelism the record travels with the counts,
+so every rank of the group raises the same error instead of waiting in the all2all until timeout.
 
-Non-finite router scores (NaN, +-inf) are refused with `NonFiniteScoresError`, which names the
-layer: they come from a diverged model or an overflow, and any expert choice made from them would
-be arbitrary (argmax of NaN) while training went on silently. Token ids outside a HASH table are
-refused with ValueError.
-
-Where the checks are read: called on its own, a router reads its check on the host and raises at
-once (one host sync). Inside a layer (`defer_checks=True`) it leaves the verdict on the device as
-a fault record in the plan (`RoutingPlan.fault`, FAULT_WIDTH int64 values, all 0 when the input
-was fine), and the dispatcher reads it together with the split sizes it must read anyway: no sync
-of its own. With expert parallelism the record travels with the counts every rank sends to every
-other rank, so all ranks of the group learn of a fault in the same collective and raise the same
-error, naming the layer and the rank that saw it, instead of the others waiting in the all2all
-until the collective timeout. `routing_error` turns records read on the host into that error.
+Shapes: the core's legend (smlp/__init__.py).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -31,29 +21,37 @@ __all__ = ["RoutingPlan", "NonFiniteScoresError", "FAULT_WIDTH", "count_rows", "
            "routing_error", "raise_on_fault", "check_finite_scores", "deferred_or_raised"]
 
 
-@dataclass(frozen=True)
-class RoutingPlan:
+class _PlanFields(NamedTuple):
+    experts_SK: Tensor
+    weights_SK: Tensor
+    aux_loss: Tensor | None = None
+    fault: Tensor | None = None
+
+
+class RoutingPlan(_PlanFields):
     """Where each row goes and how its expert output is weighted.
 
     experts_SK: expert index per (row, slot), -1 where the slot is dropped (over capacity).
     weights_SK: combine weight per (row, slot); differentiable w.r.t. the router's scores.
                 A dropped slot has weight 0.
     aux_loss:   auxiliary load-balancing loss (scalar) or None when the router has none.
-    fault:    the router's input check left on the device (`defer_checks=True`): a fault
-                record (see `routing_error`), or None when the check was read already.
+    fault:      the router's input check left on the device (`defer_checks=True`), a (FAULT_WIDTH,)
+                int64 record, or None when the check was read already.
+
+    A tuple: a router module returns it from `forward`, and torch's module hooks (fairseq's
+    NanDetector among them) expect a module's output to be a tensor or a tuple of them.
     """
 
-    experts_SK: Tensor
-    weights_SK: Tensor
-    aux_loss: Tensor | None = None
-    fault: Tensor | None = None
+    __slots__ = ()
 
-    def __post_init__(self) -> None:
-        if self.experts_SK.dim() != 2 or self.experts_SK.shape != self.weights_SK.shape:
+    def __new__(cls, experts_SK: Tensor, weights_SK: Tensor, aux_loss: Tensor | None = None,
+                fault: Tensor | None = None):
+        if experts_SK.dim() != 2 or experts_SK.shape != weights_SK.shape:
             raise ValueError(
                 f"RoutingPlan needs experts_SK and weights_SK of the same (S, K) shape, got "
-                f"{tuple(self.experts_SK.shape)} and {tuple(self.weights_SK.shape)}"
+                f"{tuple(experts_SK.shape)} and {tuple(weights_SK.shape)}"
             )
+        return super().__new__(cls, experts_SK, weights_SK, aux_loss, fault)
 
     def counts(self, num_experts: int) -> Tensor:
         """Rows per expert (dropped slots excluded): (E,) long, on the device (no host sync)."""
@@ -63,9 +61,7 @@ class RoutingPlan:
 def count_rows(expert_S: Tensor, num_experts: int) -> Tensor:
     """(E + 1,) long: rows routed nowhere (expert -1, a dropped slot), then rows per expert.
 
-    A scatter-add on the device: unlike bincount (which reads the largest index on the host
-    first) and boolean-mask compaction (whose size depends on the data) it never waits for the
-    device."""
+    A scatter-add, which never waits for the device; bincount reads the largest index on the host."""
     index_S = expert_S.reshape(-1).long() + 1
     return torch.zeros(num_experts + 1, dtype=torch.long, device=expert_S.device).scatter_add_(
         0, index_S, torch.ones_like(index_S))
@@ -119,8 +115,8 @@ def routing_error(records: list[list[int]], layer: str, ranks: list[int] | None 
     """The error for fault records read on the host, or None when every record is clean.
 
     records: one record per rank (one in a single process); ranks: their ranks in the expert-
-    parallel group, named in the message (None: a single process, the message names no rank).
-    The first faulty record is worded; every rank words the same one, so all raise one error."""
+    parallel group, named in the message (None: a single process). Every rank words the first
+    faulty record, so all raise the same error."""
     faulty = [i for i, r in enumerate(records) if r[0] != NO_FAULT]
     if not faulty:
         return None

@@ -10,7 +10,8 @@ validation loss depends on which experts a run happens to overload, so equal tra
 The auction that makes the balanced assignment also yields its dual: one price per expert, such
 that argmax_e(score - price_e) gives every row its assigned expert (up to the auction's eps).
 `RouterPrices` keeps an exponential average of those prices over training steps, averaged over
-all data-parallel ranks, and evaluation routes each row on its own by argmax(score - price):
+all data-parallel ranks (one all-reduce of E + 1 numbers at the start of each training forward of
+the layer), and evaluation routes each row on its own by argmax(score - price):
 per row (causal, independent of the batch), and as training would assign on average.
 
 Shapes: the core's legend (smlp/__init__.py); here S rows, E experts.
@@ -21,6 +22,8 @@ import logging
 
 import torch
 from torch import Tensor, nn
+
+from .assignment import balanced_assignment
 
 __all__ = ["RouterPrices", "BALANCED_EVAL_ROUTINGS", "DEFAULT_PRICE_DECAY"]
 
@@ -47,16 +50,25 @@ class RouterPrices(nn.Module):
         self.decay = decay
         self.register_buffer("price_E", torch.zeros(num_experts))
         self.register_buffer("price_weight", torch.zeros(()))
+        self._pending: Tensor | None = None  # (E + 1,) prices x rows and rows recorded since the last fold
 
-    def observe(self, price_E: Tensor, rows: int, reduce=None) -> None:
-        """Fold one training step's prices (from `rows` rows) into the average.
-
-        reduce: sums a tensor over the data-parallel ranks (the dispatcher's `sum_over_ranks`), so
-        every rank holds the same average: the rows-weighted mean of the ranks' prices. A step in
-        which no rank routed a row changes nothing. No host read.
-        """
+    def observe(self, price_E: Tensor, rows: int) -> None:
+        """Record one assignment's prices (from `rows` rows) for the next `fold`; no collective, no host read."""
         with torch.no_grad():
             stat = torch.cat([price_E.float() * rows, price_E.new_full((1,), float(rows), dtype=torch.float32)])
+            self._pending = stat if self._pending is None else self._pending + stat.to(self._pending.device)
+
+    def fold(self, reduce=None) -> None:
+        """Fold the prices recorded since the last fold into the average.
+
+        The owning layer calls it once at the start of every training forward, on every rank, whatever its
+        rows (so every rank makes the same collectives): `reduce` sums over the data-parallel ranks (the
+        dispatcher's `sum_over_ranks`), and every rank gets the same average, the rows-weighted mean of the
+        ranks' prices. Nothing recorded on any rank changes nothing. No host read.
+        """
+        with torch.no_grad():
+            stat = self._pending if self._pending is not None else self.price_E.new_zeros(self.price_E.shape[0] + 1)
+            self._pending = None
             if reduce is not None:
                 stat = reduce(stat)
             stat = stat.to(self.price_E.device)
@@ -65,6 +77,18 @@ class RouterPrices(nn.Module):
             step = (total > 0).float() * (1.0 - self.decay)
             self.price_E.mul_(1.0 - step).add_(step * mean_E)
             self.price_weight.mul_(1.0 - step).add_(step)
+
+    def experts(self, scores_SE: Tensor, *, assign: bool, observe: bool, priced: bool) -> Tensor | None:
+        """The rows' experts (S,) under a balanced router: with `assign` the balanced assignment of the rows
+        (its prices recorded when `observe`, a training step); otherwise argmax(score - price) per row when
+        `priced`, else None (greedy: the rule takes the argmax of the scores)."""
+        with torch.no_grad():
+            if assign:
+                expert_S, price_E = balanced_assignment(scores_SE.detach(), with_prices=True)
+                if observe:
+                    self.observe(price_E, scores_SE.shape[0])
+                return expert_S
+            return self.route(scores_SE.detach()) if priced else None
 
     def prices(self) -> Tensor:
         """(E,) the bias-corrected average; zeros before any training step (0 / tiny)."""

@@ -1,18 +1,11 @@
-"""Route functions without a capacity: Base Layers, HASH Layers and the sMoE routings (logits in, plan out).
+"""Route functions without a capacity, logits in and plan out: Base Layers (Lewis et al. 2021), HASH
+Layers (Roller et al. 2021) and the sMoE's deterministic and partial-prediction routings (sMLP sec.
+3.2.1 and 3.2.2).
 
-    base_route                  Base Layers (Lewis et al. 2021): balanced assignment in training,
-                                greedy top-1 at inference
-    hash_route                  HASH Layers (Roller et al. 2021): a fixed token-id -> expert table
-    smoe_deterministic_experts  sMLP sec. 3.2.1: hidden chunk i -> expert i
-    smoe_partial_route          sMLP sec. 3.2.2: balanced in training, greedy at inference
-
-The capacity-limited softmax gates (Switch, GShard) are in gates.py; the registry (registry.py)
-says which layer uses which. Token routers that balance or cap load in training (balanced
-assignment, capacity dropping) couple the tokens of a batch by design: the expert a token gets
-depends on the other tokens. They are causal per position only in eval mode, where each row is
-routed on its own scores. The input checks and where they are read: plan.py.
-
-Shapes: the core's legend (smlp/__init__.py); here S rows, E experts, V vocabulary.
+Balanced assignment in training makes a row's expert depend on the other rows of the batch, so
+these routers are causal per position only at inference, where each row is routed on its own scores.
+Non-finite scores raise NonFiniteScoresError naming `layer`, at once or, with `defer_checks`, where
+the dispatcher reads the plan's fault record (plan.py). Shapes: the core's legend (smlp/__init__.py).
 """
 from __future__ import annotations
 
@@ -30,13 +23,10 @@ def base_route(scores_SE: Tensor, *, training: bool, layer: str = "base router",
     """Base Layers (Lewis et al. 2021): balanced assignment in training, greedy top-1 at inference.
 
     The combine weight is sigmoid(x . c_e) of the chosen expert, so the layer output
-    sigmoid * expert(x) + (1 - sigmoid) * x gives the centroids a gradient. Degenerate but
-    finite scores (all equal, one expert preferred by every row) are still assigned with exact
-    balance; non-finite scores raise NonFiniteScoresError naming `layer` (at once, or where the
-    dispatcher reads the plan's fault record with defer_checks=True).
+    sigmoid * expert(x) + (1 - sigmoid) * x gives the centroids a gradient. Degenerate but finite
+    scores are still assigned with exact balance.
 
-    expert_S: an assignment made elsewhere, used instead (Base Layers' shuffle balances each
-    row together with the rows of the rank its scores were sent to; moe.TMoE).
+    expert_S: an assignment made elsewhere, used instead (Base Layers' shuffle, moe.TMoE).
     """
     scores_SE = scores_SE.float()
     fault = deferred_or_raised(nonfinite_fault(scores_SE), layer, defer_checks)
@@ -54,9 +44,8 @@ def hash_route(token_ids_S: Tensor, table_V: Tensor, *, layer: str = "hash route
                defer_checks: bool = False) -> RoutingPlan:
     """HASH Layers (Roller et al. 2021): a fixed token-id -> expert table, weight 1.
 
-    Token ids outside the table raise ValueError (at once, or where the dispatcher reads the
-    plan's fault record with defer_checks=True; the lookup clamps them meanwhile, so no
-    out-of-range index reaches the device)."""
+    Token ids outside the table raise ValueError; with defer_checks the lookup clamps them until
+    then, so no out-of-range index reaches the device."""
     V = table_V.numel()
     fault = deferred_or_raised(hash_fault(token_ids_S, V), layer, defer_checks)
     ids_S = token_ids_S.long()
@@ -80,14 +69,11 @@ def smoe_partial_route(logits_SE: Tensor, *, training: bool, layer: str = "sMoE 
                        defer_checks: bool = False, expert_S: Tensor | None = None) -> RoutingPlan:
     """sMoE partial prediction routing (sec. 3.2.2, eq. 5).
 
-    logits_SE are the router logits of each hidden-dimension vector, computed from the first
-    20% of positions only. Training uses balanced assignment (every expert gets the same number
-    of hidden dimensions); inference routes each vector to its most probable expert, so the
-    result does not depend on the batch. The combine weight is the softmax probability of the
-    chosen expert (eq. 7), which trains the router. Non-finite logits raise
-    NonFiniteScoresError naming `layer` (at once, or through the plan's fault record with
-    defer_checks=True). expert_S: an assignment made elsewhere, used instead (the layer's priced
-    evaluation routing, routing/prices.py).
+    logits_SE: the router logits of each hidden-dimension vector, read from the first P positions.
+    Training assigns every expert the same number of vectors; inference routes each vector to its
+    most probable expert. The combine weight is that expert's softmax probability (eq. 7), which
+    trains the router. expert_S: an assignment made elsewhere, used instead (the priced evaluation
+    routing, smlp/routing/prices.py).
     """
     logits_SE = logits_SE.float()
     fault = deferred_or_raised(nonfinite_fault(logits_SE), layer, defer_checks)

@@ -1,6 +1,0 @@
-"""Deprecated path of `smlp_bench.micro.sparse_profile` (issue 27), kept for one release."""
-import sys
-
-from smlp.deprecation import moved
-
-sys.modules[__spec__.name] = moved(__spec__.name, "smlp_bench.micro.sparse_profile", main=__name__ == "__main__")

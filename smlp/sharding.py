@@ -1,6 +1,0 @@
-"""Deprecated path: the module moved to smlp.resharding (this name works for one more release)."""
-import sys
-
-from .deprecation import moved
-
-sys.modules[__name__] = moved(__name__, "smlp.resharding")
