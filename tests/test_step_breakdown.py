@@ -4,7 +4,8 @@
 - the parts of a step plus `rest` add up to the profiled step, and rest is at most 15% of it;
 - operator counts are positive integers, their parts add up to the step's, and the forward counts by
   block add up to a plain count of the forward (nothing counted twice or lost);
-- on 2 ranks the tMoE's all2all and the gradient all-reduce are there, and waiting is not negative.
+- on 2 ranks the tMoE's all2all and the gradient all-reduce are there, and waiting is not negative;
+- a baseline record's operator counts are shown beside the run's.
 """
 from __future__ import annotations
 
@@ -76,6 +77,15 @@ def test_operator_counts_are_positive_integers_that_add_up(record):
         assert isinstance(f["profiler_events"], int) and f["profiler_events"] > ops["total"]
     dec = record["decoding"]["smlp_det"]
     assert isinstance(dec["ops"], int) and dec["ops"] == sum(dec["ops_by_block"].values()) > 0
+
+
+def test_a_baseline_s_operator_counts_are_shown_beside_the_run_s(record):
+    base = {"label": "before", **sb.op_counts(record)}
+    total = record["training"]["2"][0]["families"]["smlp_det"]["ops"]["total"]
+    assert base["training"]["2"]["smlp_det"]["total"] == total
+    text = sb.table(dict(record, label="after", baseline=base))
+    assert "operators: before -> after" in text and f"2 rank(s) smlp_det     step {total} -> {total}" in text
+    assert f"decoding    smlp_det     step {record['decoding']['smlp_det']['ops']} -> " in text
 
 
 class _Plain(TorchDispatchMode):

@@ -42,7 +42,8 @@ block type, and ms per new token (a prompt of T/8 tokens, then --decode-steps st
 in turns, round by round).
 
 Absolute times on a shared machine are noise: the record keeps the load average; operator counts are
-exact whatever the load.
+exact whatever the load. `--baseline RECORD` copies an earlier record's operator counts (e.g. of an older
+checkout of smlp/ put first on PYTHONPATH, `--label before`) into this one, and the table shows both.
 """
 from __future__ import annotations
 
@@ -497,6 +498,38 @@ def decoding(cfgs: dict, steps: int, rounds: int = 5) -> dict:
 # ---------------------------------------------------------------- the record and the table
 
 
+def op_counts(record: dict) -> dict:
+    """A record's operator counts: per world size and family (rank 0's), and of a decoding step."""
+    return {"training": {w: {k: {"total": f["ops"]["total"], "per_block": f["ops"]["per_block"]}
+                             for k, f in ranks[0]["families"].items()} for w, ranks in record["training"].items()},
+            "decoding": {k: {"ops": d["ops"], "ops_by_block": d["ops_by_block"]}
+                         for k, d in record.get("decoding", {}).items()}}
+
+
+def _compared(record: dict) -> list[str]:
+    """Operator counts of the baseline against this run's, per family."""
+    base, now = record["baseline"], op_counts(record)
+    lines = [f"\noperators: {base['label'] or 'baseline'} -> {record['label'] or 'this run'} "
+             "(per block of each kind: forward + backward)"]
+    for world, families in now["training"].items():
+        for key, f in families.items():
+            old = base["training"].get(world, {}).get(key)
+            if old is None:
+                continue
+            blocks = ", ".join(f"{b} {_fb(old['per_block'].get(b))} -> {_fb(p)}" for b, p in f["per_block"].items()
+                               if p["blocks"])
+            lines.append(f"  {world} rank(s) {key:<12} step {old['total']} -> {f['total']}   ({blocks})")
+    for key, d in now["decoding"].items():
+        old = base["decoding"].get(key)
+        if old is not None:
+            lines.append(f"  decoding    {key:<12} step {old['ops']} -> {d['ops']}")
+    return lines
+
+
+def _fb(p: dict | None) -> str:
+    return "-" if p is None else f"{p['forward']}+{p['backward']}"
+
+
 def _share(f: dict, part: str) -> str:
     ms = f["breakdown_ms"].get(part, 0.0)
     return f"{ms:.1f} ({ms / f['profiled_step_ms']:.0%})"
@@ -525,6 +558,8 @@ def table(record: dict) -> str:
         for key, d in record["decoding"].items():
             blocks = ", ".join(f"{b} {n}" for b, n in sorted(d["ops_by_block"].items()))
             lines.append(f"  {key:<14} {d['ops']:>6} ops  {d['step_ms']:7.2f} ms   ({blocks})")
+    if record.get("baseline"):
+        lines += _compared(record)
     return "\n".join(lines)
 
 
@@ -538,6 +573,9 @@ def main(argv=None) -> int:
     p.add_argument("--decode-steps", type=int, default=16, help="cached decoding steps per round (16; 0: none)")
     p.add_argument("--smoe-parallel", choices=("auto", "expert", "replicated"), default="auto")
     p.add_argument("--vocab", type=int, default=None, help="vocabulary (fair: 4000, the demo corpus's size)")
+    p.add_argument("--label", default="", help="a name for this run in the record (e.g. before, after)")
+    p.add_argument("--baseline", type=Path, default=None, help="an earlier record whose operator counts to keep "
+                                                               "beside this run's")
     args = p.parse_args(argv)
     keys = [k for k in args.families.split(",") if k]
     unknown = [k for k in keys if k not in PLANNED]
@@ -547,13 +585,17 @@ def main(argv=None) -> int:
     if args.steps < 1 or any(w < 1 for w in worlds):
         p.error("--steps and --ranks must be positive")
     size = SIZES[args.size]
+    baseline = json.loads(args.baseline.read_text()) if args.baseline else None
     cfgs = configs(args.size, keys, args.vocab or size["vocab"])
     settings = dict(batch=size["batch"], steps=args.steps, warmup=args.warmup, smoe_parallel=args.smoe_parallel)
     training = {}
     for world in worlds:
         ranks = run_world(cfgs, world, settings)
         training[str(world)] = [{"rank": r, "families": ranks[r]} for r in range(world)]
+    import smlp
+
     record = {"question": "where a training step of each FLOP-matched family goes, per rank, and its operators",
+              "label": args.label, "code": str(Path(smlp.__file__).resolve().parent),
               "config": {"size": args.size, **size, "vocab": args.vocab or size["vocab"], "steps": args.steps,
                          "warmup": args.warmup, "threads_per_rank": 1, "smoe_parallel": args.smoe_parallel,
                          "models": {k: {f: getattr(c, f) for f in ("family", "d_model", "d_ffn", "seq_len",
@@ -562,6 +604,9 @@ def main(argv=None) -> int:
                                     for k, c in cfgs.items()}},
               **environment(), "training": training,
               "decoding": decoding(cfgs, args.decode_steps) if args.decode_steps else {}}
+    if baseline is not None:
+        record["baseline"] = {"label": baseline.get("label", ""), "path": str(args.baseline),
+                              "code": baseline.get("code"), **op_counts(baseline)}
     print(table(record))
     write_record(args.out, record)
     return 0
