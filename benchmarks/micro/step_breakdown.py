@@ -38,8 +38,8 @@ For each family and world size, on every rank:
 - host_syncs: of one step, on the path an accelerator takes (smlp_bench.micro.host_syncs).
 
 And cached decoding at batch 1 (one process, eval mode) of every family: operators of one step per
-block type, and ms per new token (a prompt of T/8 tokens, then --decode-steps steps; the families
-in turns, round by round).
+block type (the second after the prompt: the first grows the cache), and ms per new token (a prompt
+of T/8 tokens, then --decode-steps steps; the families in turns, round by round).
 
 Absolute times on a shared machine are noise: the record keeps the load average; operator counts are
 exact whatever the load. `--baseline RECORD` copies an earlier record's operator counts (e.g. of an older
@@ -478,9 +478,10 @@ def decoding(cfgs: dict, steps: int, rounds: int = 5) -> dict:
                 continue
             cache = model.new_cache()
             model(tokens[:, :prompt], cache=cache)
+            model(tokens[:, prompt:prompt + 1], cache=cache)  # the first step grows the cache's buffers
             counter = _ForwardOps()
             with block_ranges(model, counter), counter:
-                model(tokens[:, prompt:prompt + 1], cache=cache)
+                model(tokens[:, prompt + 1:prompt + 2], cache=cache)
             out[key] = {"ops": sum(counter.counts.values()), "ops_by_block": dict(counter.counts)}
         for _ in range(rounds):  # the families in turns, so that a change of load weighs on all alike
             for key in out:
