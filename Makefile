@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 # other worker's tests use that time (tests/conftest.py gives a worker a file's tests, and all SLURM tests).
 TEST_WORKERS ?= 2
 
-.PHONY: install demo lint test test-fast bench bench-quick gpu-check clean
+.PHONY: install demo lint test test-fast bench bench-quick gpu-check fair clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -58,6 +58,14 @@ gpu-check:
 	ln -sfn $(CURDIR)/eval $(GPU_CHECK_PATH)/smlp_eval
 	ln -sfn $(CURDIR)/launch $(GPU_CHECK_PATH)/smlp_launch
 	PYTHONPATH="$(CURDIR):$(CURDIR)/$(GPU_CHECK_PATH)$${PYTHONPATH:+:$$PYTHONPATH}" $(GPU_PYTHON) -m smlp_bench.gpu_check $(GPU_CHECK_ARGS)
+
+# The deciding comparison (docs/benchmarks.md), resumed where its committed store stopped; each finished run is
+# committed. A stage started at other code that decides perplexity must resume from a checkout of its commit
+# (the refusal says which and how).
+FAIR_ARGS ?=
+fair: install
+	$(VENV)/bin/smlp-bench --fair --commit-store $$(test -e docs/benchmark/fair/lr-sweep/runs.json && echo --resume) \
+		$(FAIR_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -50,6 +50,8 @@ import torch.distributed as dist
 
 from smlp.process_group import rank_and_world
 
+from .files import check_output_path
+
 PROG = "smlp-generate"
 
 __all__ = ["main", "build_parser", "Lockstep", "read_prompts", "generate_lockstep"]
@@ -92,12 +94,32 @@ class Lockstep:
 
 
 def read_prompts(source: str) -> list[str]:
-    """One prompt per line of a file, or of stdin for '-' (a trailing newline ends the last line)."""
+    """One prompt per line of a file, or of stdin for '-' (a trailing newline ends the last line). Reading a
+    terminal, it says so first: without a prompt the program would wait without a word."""
+    if source == "-" and sys.stdin.isatty():
+        print(f"{PROG}: reading prompts from standard input, one per line; end with Ctrl-D (or pass --prompts "
+              f"FILE, or pipe them in)", file=sys.stderr, flush=True)
     text = sys.stdin.read() if source == "-" else open(source, encoding="utf-8").read()
     lines = text.split("\n")
     if lines and lines[-1] == "":
         lines.pop()
     return lines
+
+
+def our_core(model, path: str):
+    """The core LanguageModel of a loaded checkpoint, in eval mode; ValueError naming the model when the
+    checkpoint holds another (fairseq's own transformer_lm): decoding here runs the core's cache."""
+    from fairseq.models import MODEL_REGISTRY
+
+    from smlp.lm import LanguageModel
+
+    core = getattr(model, "core", None)
+    if isinstance(core, LanguageModel):
+        return core.eval()
+    name = next((n for n, cls in MODEL_REGISTRY.items() if cls is type(model)), type(model).__name__)
+    raise ValueError(f"{path} holds a {name} model, not one of this project's (smlp_lm, gmlp_lm, moe_transformer_lm) "
+                     f"whose cached decoding {PROG} runs; generate with fairseq's own models through "
+                     f"fairseq-interactive --path {path}")
 
 
 def check_fits(prompts_ids: Sequence[Sequence[int]], max_new_tokens: int, seq_len: int, prediction_start: int) -> None:
@@ -192,6 +214,8 @@ def run(args) -> dict:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")
     if args.sample and args.beam > 1:
         raise ValueError("--sample draws one continuation per prompt; it does not combine with --beam > 1")
+    if args.output_json:
+        check_output_path(args.output_json, "--output-json")
     prompts = read_prompts(args.prompts)
     if not prompts:
         raise ValueError(f"no prompts in {'stdin' if args.prompts == '-' else args.prompts}: give one per line")
@@ -199,7 +223,7 @@ def run(args) -> dict:
     rank, world_size = world()
     t0 = time.time()
     model, _, encoder = load_model(args.path, args.data_dir, device)
-    core = model.core.eval()
+    core = our_core(model, args.path)
     T, P = core.cfg.seq_len, core.cfg.prediction_start
     ids = [[encoder.eos, *encoder.encode_ids(text)] for text in prompts]
     check_fits(ids, args.max_new_tokens, T, P)

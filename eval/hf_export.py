@@ -28,7 +28,10 @@ AutoTokenizer.from_pretrained(OUT_DIR, trust_remote_code=True); docs/export.md h
 Refused before anything is written, with the reason: a checkpoint of another architecture than
 smlp_lm, gmlp_lm and moe_transformer_lm; sMoE routing leaky-full-sequence (its router reads future
 positions: not a causal language model); a dictionary whose specials are not fairseq's <s> <pad>
-</s> <unk> at ids 0-3 or that maps two ids to one piece; an existing OUT_DIR without --force.
+</s> <unk> at ids 0-3 or that maps two ids to one piece; an existing OUT_DIR without --force, and with
+--force one that is not a folder this program wrote (its config.json records `smlp_export`) or that holds
+other files than the ones it writes (`EXPORTED_FILES`): only an earlier export is replaced. Missing parent
+folders of OUT_DIR are created (and removed again if the export fails).
 
 Atomic: the folder is written as a hidden sibling (.NAME.tmp-PID), checked (unless --no-verify: the
 folder's own modeling and tokenizer files load it, and its logits on a sample equal the
@@ -49,7 +52,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from .files import install_dir
+from .files import OutputPathError, check_output_path, install_dir, make_parents, remove_folders
 
 PROG = "smlp-export"
 MODELING_FILE = "modeling_smlp.py"
@@ -58,6 +61,9 @@ WEIGHTS_FILE = "model.safetensors"
 DTYPES = ("float32", "bfloat16", "float16")
 OUR_MODELS = ("smlp_lm", "gmlp_lm", "moe_transformer_lm")
 FAIRSEQ_SPECIALS = ("<s>", "<pad>", "</s>", "<unk>")  # ids 0-3 of fairseq's Dictionary
+# every file a folder of this program holds: --force replaces a folder only if it holds nothing else
+EXPORTED_FILES = ("config.json", WEIGHTS_FILE, MODELING_FILE, TOKENIZER_FILE, "vocab.json", "spm.model",
+                  "tokenizer_config.json", "special_tokens_map.json", "generation_config.json", "README.md")
 CORE_BEGIN, CORE_END = "# <smlp-export: core>", "# </smlp-export: core>"
 # a sample the verification scores and tokenizes: line breaks, runs of spaces, non-ASCII
 VERIFY_TEXT = "To be, or not  to be: that is the question.\n  Whether 'tis nobler in the mind — to suffer\n"
@@ -130,6 +136,35 @@ Files: {', '.join(files)}.
 
 
 # ------------------------------------------------------------------------------ checks
+
+
+def check_replaceable(out: Path, force: bool) -> None:
+    """ExportError unless `out` may be written: absent, or (with --force) an empty folder or a folder an
+    earlier export wrote and nothing else (config.json with `smlp_export`, only `EXPORTED_FILES`)."""
+    try:
+        check_output_path(out, "--hf", folder=True)
+    except OutputPathError as exc:
+        raise ExportError(str(exc)) from None
+    if not out.exists():
+        return
+    if not force:
+        raise ExportError(f"{out} exists: choose another --hf folder, or pass --force to replace an earlier export")
+    names = sorted(p.name for p in out.iterdir())
+    if not names:
+        return
+    try:
+        config = json.loads((out / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        config = None
+    if not isinstance(config, dict) or "smlp_export" not in config:
+        raise ExportError(f"--force replaces only a folder {PROG} wrote, and {out} is not one (no config.json "
+                          f"recording smlp_export; it holds {', '.join(names[:5])}{' ...' if len(names) > 5 else ''}"
+                          f"): nothing was changed; choose another --hf folder")
+    foreign = [n for n in names if n not in EXPORTED_FILES]
+    if foreign:
+        raise ExportError(f"{out} is an earlier export but also holds files {PROG} does not write "
+                          f"({', '.join(foreign[:5])}{' ...' if len(foreign) > 5 else ''}), which --force would "
+                          f"delete: nothing was changed; move them out, or choose another --hf folder")
 
 
 def _saved_model_name(path: str) -> str | None:
@@ -367,25 +402,25 @@ def export(checkpoint: str, out: str | Path, *, data_dir: str | None = None, dty
     if prefix_fill not in ("text", "eos"):
         raise ExportError(f"--prefix-fill {prefix_fill} is not one of text, eos")
     out = Path(out).expanduser().absolute()
-    if out.exists() and not (force and out.is_dir()):
-        raise ExportError(f"{out} exists: choose another --hf folder, or pass --force to replace it"
-                          if out.is_dir() else f"{out} exists and is not a folder")
-    if not out.parent.is_dir():
-        raise ExportError(f"the parent folder of {out} does not exist")
+    check_replaceable(out, force)
     for module in ("safetensors", "transformers") if verify else ("safetensors",):
         if importlib.util.find_spec(module) is None:
             raise ExportError(f"{module} is not installed: install the hf extra (pip install -e '.[hf]')")
     _, core, encoder = _load(checkpoint, data_dir)
     check_representable(core)
     dictionary_vocab(encoder.dictionary)  # refused here, before a folder exists
+    created = make_parents(out)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     try:
         files = _write_folder(tmp, core, encoder, checkpoint=checkpoint, dtype=dtype, prefix_fill=prefix_fill)
         diff = verify_folder(tmp, core, encoder, dtype) if verify else None
+        check_replaceable(out, force)  # again: the folder may have changed during the work
         install_dir(tmp, out, replace=force)
-    finally:
+    except BaseException:
         with contextlib.suppress(FileNotFoundError):
             shutil.rmtree(tmp)
+        remove_folders(created)
+        raise
     return ExportResult(out, files, core.cfg.family, core.cfg.prediction_start, diff)
 
 
@@ -403,7 +438,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix-fill", choices=("text", "eos"), default="text",
                    help="partial prediction: the routing_prefix_fill stored in config.json: the end of the data "
                         "folder's valid split (text, as smlp-generate) or </s> repeated (eos)")
-    p.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")
+    p.add_argument("--force", action="store_true",
+                   help="replace OUT_DIR if it is an earlier export of this program (and holds nothing else)")
     p.add_argument("--no-verify", action="store_true",
                    help="skip loading the written folder back and comparing its logits and tokenization")
     return p

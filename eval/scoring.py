@@ -17,7 +17,8 @@ lm-eval through our adapter agree exactly).
 Long inputs. A model reads at most T = model.max_positions() tokens. The context is truncated
 from the left so that context + continuation fit; a continuation longer than the window is
 scored in consecutive windows, each token predicted from as many preceding tokens as fit
-(rolling evaluation), so no token is ever dropped.
+(rolling evaluation), so no token is ever dropped. Such a request's `Score.truncated` is True
+(smlp-zeroshot counts those examples per task).
 
 Partial prediction (sMLP section 3.2.2). The first P = prediction_start positions of such a
 model are its routing prefix: they predict nothing and decide how the hidden dimensions are
@@ -65,6 +66,7 @@ class Score:
     logprob: float  # sum of the continuation's token log-probabilities (natural log)
     num_tokens: int
     greedy: bool    # every continuation token is the argmax of its prediction
+    truncated: bool = False  # longer than the model's T positions: context cut from the left, or scored in windows
 
 
 # ----------------------------------------------------------------------------------- text -> ids
@@ -165,6 +167,7 @@ class _Row:
     tokens: list[int]     # model input
     first: int            # input position that predicts targets[0]
     targets: list[int]
+    dropped: int = 0      # leading tokens of the request's sequence this row leaves out (T is too short)
 
 
 class LMScorer:
@@ -211,7 +214,7 @@ class LMScorer:
             tokens = seq[lo:e - 1]
             first = j - 1 - lo
             fill = self.fill(first)            # partial prediction: push scored positions past the prefix
-            out.append(_Row(request, fill + tokens, first + len(fill), seq[j:e]))
+            out.append(_Row(request, fill + tokens, first + len(fill), seq[j:e], lo))
             j = e
         return out
 
@@ -248,10 +251,12 @@ class LMScorer:
             result_R2 = summed.cpu()
         logprob = [0.0] * len(requests)
         greedy = [True] * len(requests)
+        truncated = [False] * len(requests)
         for k, row in enumerate(rows):
             logprob[row.request] += float(result_R2[k, 0])
             greedy[row.request] = greedy[row.request] and bool(result_R2[k, 1] > 0.5)
-        return [Score(logprob[i], len(cont), greedy[i]) for i, (_, cont) in enumerate(requests)]
+            truncated[row.request] = truncated[row.request] or row.dropped > 0
+        return [Score(logprob[i], len(cont), greedy[i], truncated[i]) for i, (_, cont) in enumerate(requests)]
 
     def _forward(self, batch: list[_Row]) -> tuple[list[float], list[bool]]:
         width = max(len(r.tokens) for r in batch)

@@ -82,6 +82,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from .files import check_output_path, write_atomic
 from .scoring import EncoderMismatchError, LMScorer, Score, collective_device, common_prefix_suffix, encode_pair, world
 from .tasks import (
     PAPER_SCORING,
@@ -116,6 +117,11 @@ RULES = {
     ("lm-eval", "mean"): "log P(continuation | context) / continuation tokens",
     ("lm-eval", "unconditional"): "log P(continuation | context) - log P(continuation | unconditional prompt)",
 }
+
+
+TRUNCATION_RULE = ("an example with a candidate longer than the model's T positions is scored all the same: its "
+                   "context is cut from the left so that context and candidate fit, and a candidate longer than T "
+                   "is scored in windows of T positions (every token scored, with less context)")
 
 
 class CheckpointMismatchError(ValueError):
@@ -341,7 +347,7 @@ def score_task(scorer: LMScorer, encoder: Encoder, prepared: PreparedTask, *, pe
             s: Score = cond[k]
             row = {"context": c.context, "continuation": c.continuation,
                    "scored": encoder.decode_ids(p.requests[k][1]), "logprob": s.logprob, "tokens": s.num_tokens,
-                   "greedy": s.greedy}
+                   "greedy": s.greedy, "truncated": s.truncated}
             if p.mode == "unconditional":
                 row["unconditional_logprob"] = uncond[k].logprob
                 row["score"] = s.logprob - uncond[k].logprob
@@ -354,7 +360,8 @@ def score_task(scorer: LMScorer, encoder: Encoder, prepared: PreparedTask, *, pe
             rows.append(row)
             k += 1
         pred = _argmax([r["score"] for r in rows])
-        item = {"index": ex.index, "source": ex.source, "pred": pred}
+        item = {"index": ex.index, "source": ex.source, "pred": pred, "truncated": any(r["truncated"] for r in rows)}
+        totals["truncated"] += item["truncated"]
         if p.template == "lm-eval":
             item["pred_norm"] = _argmax([r["logprob"] / max(r["chars"], 1) for r in rows])
         if p.task == "record":
@@ -375,7 +382,8 @@ def score_task(scorer: LMScorer, encoder: Encoder, prepared: PreparedTask, *, pe
     names = ("em", "f1") if p.task == "record" else ("acc", "acc_norm") if p.template == "lm-eval" else ("acc",)
     metrics = {name: totals[name] / n for name in names}
     result = {"n": n, "template": p.template, "scoring": p.mode, "rule": RULES[(p.template, p.mode)],
-              "metrics": metrics, "unk": {"tokens": p.tokens, "unk": p.unk, "rate": p.unk_rate}}
+              "metrics": metrics, "unk": {"tokens": p.tokens, "unk": p.unk, "rate": p.unk_rate},
+              "truncated": {"examples": int(totals["truncated"]), "rule": TRUNCATION_RULE}}
     if per_example:
         result["examples"] = details
     return result
@@ -451,7 +459,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how a candidate's score is computed (default auto: the template's per-task rule)")
     p.add_argument("--unconditional-prompt", default="Answer:",
                    help="neutral context of --scoring unconditional (default 'Answer:')")
-    p.add_argument("--output-json", metavar="FILE", help="write the results here")
+    p.add_argument("--output-json", metavar="FILE", help="write the results here (missing folders are created)")
     p.add_argument("--per-example", action="store_true", help="include every example's scores in the JSON")
     p.add_argument("--limit", type=int, help="evaluate N examples per task (the first N; random with --seed)")
     p.add_argument("--seed", type=int, help="draw the --limit examples at random with this seed")
@@ -496,12 +504,17 @@ def barrier() -> None:
 
 
 def format_table(results: dict) -> str:
-    lines = [f"{'task':<12}{'n':>7}  {'template':<9}{'scoring':<15}{'acc':>8}{'acc_norm':>10}{'em':>8}{'f1':>8}"]
+    """The results table; `truncated`: examples longer than the model's T positions (TRUNCATION_RULE)."""
+    lines = [f"{'task':<12}{'n':>7}  {'template':<9}{'scoring':<15}{'acc':>8}{'acc_norm':>10}{'em':>8}{'f1':>8}"
+             f"{'truncated':>11}"]
     for task, r in results.items():
         m = r["metrics"]
         cell = lambda k, w, m=m: f"{100 * m[k]:>{w}.2f}" if k in m else " " * (w - 1) + "-"  # noqa: E731
+        cut = r.get("truncated", {}).get("examples", 0)
         lines.append(f"{task:<12}{r['n']:>7}  {r['template']:<9}{r['scoring']:<15}{cell('acc', 8)}"
-                     f"{cell('acc_norm', 10)}{cell('em', 8)}{cell('f1', 8)}")
+                     f"{cell('acc_norm', 10)}{cell('em', 8)}{cell('f1', 8)}{cut:>11}")
+    if any(r.get("truncated", {}).get("examples", 0) for r in results.values()):
+        lines.append(f"truncated: {TRUNCATION_RULE}")
     return "\n".join(lines)
 
 
@@ -514,6 +527,8 @@ def run(args) -> dict:
         raise ValueError(f"--limit {args.limit} must be >= 1")
     if not 0 <= args.max_unk_rate < 1:
         raise ValueError(f"--max-unk-rate {args.max_unk_rate} must be in [0, 1)")
+    if args.output_json:  # before the scoring, not after it
+        check_output_path(args.output_json, "--output-json")
     paths = {t: (data[t] if data[t] is not None else default_data_path(t)) for t in tasks}
     examples = {t: select_examples(load_examples(t, paths[t]), args.limit, args.seed) for t in tasks}
     device = init_distributed(args.device, args.threads)
@@ -559,11 +574,9 @@ def run(args) -> dict:
 
 
 def write_json_report(path: str, record: dict) -> None:
-    """--output-json: written whole or not at all (a temporary file renamed over the target)."""
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(record, f, indent=1)
-    os.replace(tmp, path)
+    """--output-json: written whole or not at all (a temporary file renamed over the target), its missing
+    folders created."""
+    write_atomic(path, lambda f: json.dump(record, f, indent=1))
 
 
 def main(argv: Sequence[str] | None = None, *, hard_exit: bool = False) -> int:

@@ -20,6 +20,10 @@ scratch, with no error. Here:
   by this world size) loads as fairseq would. Anything else is refused with an error that names each
   shard and its update; when resuming from the default `checkpoint_last.pt`, the newest complete set
   in the save directory (e.g. `checkpoint_1_800-rank-*.pt`) is loaded instead, with a warning.
+- Superseded shards: a run on fewer ranks (resumed after resharding, fairseq_plugins/elastic.py) overwrites the
+  first shards of each name it saves (checkpoint_best-rank-0.pt) and would leave the others of the earlier
+  run (checkpoint_best-rank-1.pt): after each save rank 0 removes the shards of an earlier run that this run's
+  save of the same name supersedes (`superseded_files`), so every name is one run's whole set.
 - Also refused before any work: `--restore-file` naming one rank's shard or a file that does not
   exist (fairseq would start from scratch and overwrite checkpoint_last), a save directory holding
   another layout's checkpoint (rank shards on one process, or the reverse), a checkpoint whose
@@ -46,6 +50,8 @@ import torch
 
 from smlp.process_group import rank_and_world
 
+from .errors import RefusedInput
+
 logger = logging.getLogger(__name__)
 
 SHARD_KEY = "smlp_shard"
@@ -54,7 +60,7 @@ _RANK_FILE = re.compile(r"^(?P<stem>.*)-rank-(?P<rank>\d+)\.pt$")
 _MAX_LISTED = 8
 
 
-class CheckpointSetError(ValueError):
+class CheckpointSetError(ValueError, RefusedInput):
     """The checkpoint to resume from is not one consistent save, or does not fit this run."""
 
 
@@ -154,16 +160,31 @@ class ShardInfo:
     world_size: int | None = None
     set_id: str | None = None
     arch: str | None = None
+    model_name: str | None = None  # the saved config's _name: the --arch preset (model_of gives its model)
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    consolidated_from: int | None = None  # smlp-consolidate merged this many rank shards into the file
 
-    def describe(self, world: int | None = None) -> str:
+    def describe(self, world: int | None = None, runs: bool = False) -> str:
+        """`NAME: update N`, with the world size that wrote it when it is not `world`, and with `runs` which
+        run wrote it (its world size and run id)."""
         name = os.path.basename(self.path)
         if not self.exists:
             return f"{name}: missing"
         if not self.readable:
             return f"{name}: unreadable ({self.error})"
+        if self.consolidated_from:
+            return f"{name}: update {self.num_updates}, merged by smlp-consolidate from {self.consolidated_from} shards"
+        if runs:
+            ranks = f"a {self.world_size}-rank run" if self.world_size else "a one-process run"
+            return f"{name}: update {self.num_updates}, written by {ranks}" + (f" (run {self.run_id})"
+                                                                               if self.run_id else "")
         extra = f", written by a {self.world_size}-rank run" if self.world_size not in (None, world) else ""
         return f"{name}: update {self.num_updates}{extra}"
+
+    @property
+    def run_id(self) -> str | None:
+        """The id of the training run that wrote the file (drawn when it started), if recorded."""
+        return self.set_id.rsplit(":", 1)[0] if self.set_id else None
 
     @property
     def save_key(self):
@@ -193,10 +214,12 @@ def read_shard(path: str, with_shapes: bool = False) -> ShardInfo:
     info.epoch = tag.get("epoch", ((state.get("extra_state") or {}).get("train_iterator") or {}).get("epoch"))
     info.world_size = tag.get("world_size") if tag.get("sharded") else None
     info.set_id = tag.get("set_id")
+    info.consolidated_from = state.get("smlp_consolidated_from")
     cfg = state.get("cfg")
     model_cfg = cfg.get("model") if isinstance(cfg, dict) else None
     if isinstance(model_cfg, dict):
         info.arch = model_cfg.get("arch") or model_cfg.get("_name")
+        info.model_name = model_cfg.get("_name")
     if with_shapes:
         info.shapes = {k: tuple(v.shape) for k, v in state["model"].items() if isinstance(v, torch.Tensor)}
     return info
@@ -227,8 +250,8 @@ def rank_shards(base: str) -> dict[int, str]:
     return found
 
 
-def _listing(infos: list[ShardInfo], world: int | None = None) -> str:
-    lines = [i.describe(world) for i in infos[:_MAX_LISTED]]
+def _listing(infos: list[ShardInfo], world: int | None = None, runs: bool = False) -> str:
+    lines = [i.describe(world, runs) for i in infos[:_MAX_LISTED]]
     if len(infos) > _MAX_LISTED:
         lines.append(f"... and {len(infos) - _MAX_LISTED} more")
     return "; ".join(lines)
@@ -242,11 +265,21 @@ def set_problem(infos: list[ShardInfo], world: int, sharded: bool) -> str | None
         return "some files cannot be read"
     if sharded:
         worlds = {i.world_size for i in infos if i.world_size is not None}
+        if len(worlds) > 1:
+            return (f"the shards come from runs on {' and '.join(str(w) for w in sorted(worlds))} ranks: a run on "
+                    f"fewer ranks wrote the first shards of this name and left the others of an earlier run")
         if worlds and worlds != {world}:
             return f"the shards were written by a {max(worlds)}-rank run and this run has {world} ranks"
         if len({i.save_key for i in infos}) > 1:
-            return "the shards come from different saves"
+            runs = {i.run_id for i in infos}
+            return "the shards come from different runs" if len(runs) > 1 else "the shards come from different saves"
     return None
+
+
+def from_several_runs(infos: list[ShardInfo]) -> bool:
+    """The files were written by more than one training run (run ids or world sizes differ)."""
+    return (len({i.run_id for i in infos if i.run_id}) > 1
+            or len({i.world_size for i in infos if i.world_size is not None}) > 1)
 
 
 @dataclass(frozen=True)
@@ -439,6 +472,61 @@ def plan_and_check_resume(cfg, trainer) -> ResumePlan:
     return plan
 
 
+def _run_arch(trainer) -> tuple[str | None, str]:
+    """(model name, --arch) of the run `trainer` trains."""
+    model_cfg = getattr(getattr(trainer, "cfg", None), "model", None)
+    name = getattr(model_cfg, "_name", None)
+    return name, getattr(model_cfg, "arch", None) or name or "?"
+
+
+def check_same_architecture(cfg, trainer) -> None:
+    """Refuse, first of all (before resharding or the set checks), a checkpoint to resume of another model, or
+    whose non-expert tensors do not fit this run's model (widths, layers, dictionary): any later message (the
+    expert count, the precision) would point the wrong way. Every rank reads the same file, so all decide
+    alike. Expert tensors are left to the later checks: their shapes change with the world size."""
+    default_restore = cfg.restore_file == DEFAULT_RESTORE
+    base = os.path.join(cfg.save_dir, DEFAULT_RESTORE) if default_restore else cfg.restore_file
+    if _RANK_FILE.match(os.path.basename(str(base))):
+        return  # refused later with the name to pass instead
+    shards = rank_shards(base)
+    path = shards[min(shards)] if shards else base
+    if not os.path.isfile(path):
+        return
+    model = trainer.get_model() if hasattr(trainer, "get_model") else trainer.model
+    ours = hasattr(model, "core")
+    info = read_shard(path, with_shapes=ours)
+    if not info.readable or info.model_name is None:
+        return
+    name, arch = _run_arch(trainer)
+    what = None
+    if name is not None and model_of(info.model_name) != model_of(name):
+        what = (f"the checkpoint is of another architecture or size (checkpoint: --arch {info.arch}, this run: "
+                f"--arch {arch}; the models {model_of(info.model_name)} and {model_of(name)} differ)")
+    elif ours:
+        own = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        keep = [k for k in own if not _is_expert_name(k)]
+        diff = shape_mismatch({k: v for k, v in info.shapes.items() if not _is_expert_name(k)},
+                              {k: own[k] for k in keep})
+        why = explain_mismatch(info.shapes, own) if diff else ""
+        if diff and "expert(s) per file" not in why:
+            what = f"{why} (checkpoint: --arch {info.arch}, this run: --arch {arch}; {'; '.join(diff)})"
+    if what:
+        raise CheckpointSetError(
+            f"{path} does not fit the model of this run: {what}. Resume it with the flags that trained it, or start "
+            f"this model in another --save-dir")
+
+
+def model_of(name: str | None) -> str | None:
+    """The registered model of an architecture name (fairseq saves the --arch preset as the model's _name)."""
+    from fairseq.models import ARCH_MODEL_NAME_REGISTRY
+
+    return ARCH_MODEL_NAME_REGISTRY.get(name, name)
+
+
+def _is_expert_name(key: str) -> bool:
+    return bool(re.search(r"(^|\.)experts\.", key))
+
+
 def _check_fits_model(plan: ResumePlan, restore_base: str, suffix: str, trainer, reads_file: bool) -> None:
     """Refuse a checkpoint whose tensors do not fit our model (only our models: fairseq's own may
     upgrade old key names while loading)."""
@@ -459,6 +547,51 @@ def _check_fits_model(plan: ResumePlan, restore_base: str, suffix: str, trainer,
     problems = [p for p in _gather(problem) if p]
     if problems:
         raise CheckpointSetError(problems[0])
+
+
+def superseded_files(save_dir: str, run_id: str, world: int, sharded: bool) -> list[str]:
+    """The files of `save_dir` that this run's saves made obsolete: for every checkpoint name whose first file
+    (X-rank-0.pt, or X.pt when this run writes one file) this run (`run_id`) wrote, the rank shards X-rank-R.pt
+    no rank of this run writes (R >= world, or every R for one file) that an earlier run on more ranks left
+    (they carry its tag). Beside the files of this run they would form a mixed set that nothing can load."""
+    try:
+        names = os.listdir(save_dir)
+    except OSError:
+        return []
+    ranks_of: dict[str, list[int]] = {}
+    for name in names:
+        m = _RANK_FILE.match(name)
+        if m and m.group("stem").startswith("checkpoint"):
+            ranks_of.setdefault(m.group("stem"), []).append(int(m.group("rank")))
+    out = []
+    for stem, ranks in sorted(ranks_of.items()):
+        left = sorted(r for r in ranks if r >= world or not sharded)
+        if not left:
+            continue
+        own = read_shard(os.path.join(save_dir, f"{stem}-rank-0.pt" if sharded else f"{stem}.pt"))
+        if not own.readable or own.run_id != run_id:
+            continue
+        for r in left:
+            path = os.path.join(save_dir, f"{stem}-rank-{r}.pt")
+            info = read_shard(path)
+            if info.run_id is not None and info.run_id != run_id:
+                out.append(path)
+    return out
+
+
+def remove_superseded(save_dir: str, world: int, sharded: bool) -> list[str]:
+    """Rank 0, after each save: delete `superseded_files` (see there) and log which run they belonged to."""
+    if _RUN_ID is None:
+        return []
+    stale = superseded_files(save_dir, _RUN_ID, world, sharded)
+    for path in stale:
+        info = read_shard(path)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
+        logger.info("removed %s (update %s, written by a %s-rank run, run %s): this %d-rank run's save of the same "
+                    "name supersedes it", os.path.basename(path), info.num_updates, info.world_size, info.run_id,
+                    world)
+    return stale
 
 
 _SAVING = False
@@ -503,9 +636,13 @@ def install() -> bool:
         real = checkpoint_utils.PathManager
         checkpoint_utils.PathManager = _AtomicCopies(real)
         try:
-            return original_save(cfg, trainer, epoch_itr, val_loss)
+            result = original_save(cfg, trainer, epoch_itr, val_loss)
         finally:
             checkpoint_utils.PathManager = real
+        rank, world = rank_and_world()
+        if rank == 0 and "://" not in str(cfg.save_dir):
+            remove_superseded(cfg.save_dir, world, _suffix_info(trainer)[1])
+        return result
 
     def load_checkpoint(cfg, trainer, **passthrough_args):
         plan = plan_and_check_resume(cfg, trainer)

@@ -8,28 +8,30 @@ each holding that rank's experts. Here:
 - `adapt_expert_state` fits a loaded state to the current world size: a shard of the same
   layout loads as is, a consolidated state (all experts) is sliced for this rank, anything else
   is refused with the command that fixes it.
-- `smlp-consolidate CHECKPOINT` merges the rank shards of one save into one file holding every
-  expert, written atomically; it loads on any world size that divides the number of experts
+- `consolidate` (the console script `smlp-consolidate`, smlp_launch.consolidate) merges the rank shards of one
+  save into one file holding every expert, written atomically, never over a training checkpoint; it loads on
+  any world size that divides the number of experts
   (fairseq-eval-lm, smlp-zeroshot). With expert-data parallelism (--expert-parallel-size G < W)
   ranks r and r + G write identical expert shards: the first G are merged and the replicas are
   checked to agree (`saved_ep_size`, `smlp.resharding.check_replicas`). The sMoE's replicated layout
   (--smoe-parallel replicated) puts all E of its experts in every rank's file: those keys are taken
   once (`smlp.resharding.replicated_keys`), so a merged checkpoint is the same whichever layout wrote it
   and loads into either.
+- `check_current`: a file X.pt beside rank shards X-rank-R.pt of another save (merged at update 10, then
+  training went on to update 12) is refused by every loading path, naming both, instead of evaluating the
+  older one.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import re
-import sys
 from collections.abc import Mapping
 
 import torch
 
 from smlp.resharding import merge_expert_shards, replicated_keys, slice_expert_shard
 
-from .checkpoint_sets import rank_shards
+from .checkpoint_sets import CheckpointSetError, rank_shards
 
 EXPERT_KEY = re.compile(r"(^|\.)experts\.")
 
@@ -67,6 +69,45 @@ def allow_fairseq_checkpoints() -> None:
     except ImportError:  # older numpy
         pass
     torch.serialization.add_safe_globals(safe)
+
+
+def pin_sequence_length() -> bool:
+    """A checkpoint of our models keeps the sequence length T its weights were trained with.
+
+    --seq-len 0 (the default) means --tokens-per-sample, and fairseq-validate applies every flag given on its
+    command line to the saved model config, so `fairseq-validate --tokens-per-sample 16` would build a T = 16
+    model and fail on the T = 32 spatial weights with PyTorch's "size mismatch". Wrapping
+    `checkpoint_utils.load_checkpoint_to_cpu` (every program's loader), the saved config's seq_len is set to
+    the training T before the command line's overrides apply: a shorter --tokens-per-sample evaluates in
+    shorter blocks, a longer one is refused naming both values (config.to_core_config)."""
+    from fairseq import checkpoint_utils
+    from fairseq.dataclass.utils import overwrite_args_by_name
+    from omegaconf import open_dict
+
+    from .checkpoint_sets import model_of
+    from .config import FAMILIES_BY_MODEL
+
+    original = checkpoint_utils.load_checkpoint_to_cpu
+    if getattr(original, "_smlp_patch", False):
+        return False
+
+    def load_checkpoint_to_cpu(path, arg_overrides=None, load_on_all_ranks=False):
+        state = original(path, None, load_on_all_ranks)
+        cfg = state.get("cfg") if isinstance(state, dict) else None
+        model = cfg.get("model") if cfg is not None else None
+        if model is not None and model_of(model.get("_name")) in FAMILIES_BY_MODEL and not model.get("seq_len"):
+            tokens = model.get("tokens_per_sample")
+            if isinstance(tokens, int) and tokens > 0:
+                with open_dict(model):
+                    model.seq_len = tokens
+        if arg_overrides is not None and cfg is not None:
+            overwrite_args_by_name(cfg, arg_overrides)
+        return state
+
+    load_checkpoint_to_cpu._smlp_patch = True
+    load_checkpoint_to_cpu.__wrapped__ = original
+    checkpoint_utils.load_checkpoint_to_cpu = load_checkpoint_to_cpu
+    return True
 
 
 def load_checkpoint(path: str, arg_overrides: dict | None = None) -> dict:
@@ -163,20 +204,70 @@ def shard_paths(path: str) -> list[str]:
 
 def check_one_save(path: str, shards: list[str]) -> None:
     """ValueError naming every shard and its update unless the shards are one save (checkpoint_sets tags)."""
-    from .checkpoint_sets import read_shard, set_problem
+    from .checkpoint_sets import from_several_runs, read_shard, set_problem
 
     infos = [read_shard(p) for p in shards]
     problem = set_problem(infos, len(shards), sharded=True)
     if problem:
-        raise ValueError(
-            f"the shards of {path} are not one save ({problem}): {'; '.join(i.describe(len(shards)) for i in infos)}. "
-            f"A run was interrupted while its ranks saved; use the shards of one save "
-            f"(e.g. checkpoint_<epoch>_<update>-rank-*.pt)")
+        runs = from_several_runs(infos)
+        hint = ("The files of one save are those of one run at one update; use a save one run wrote whole "
+                "(e.g. checkpoint_<epoch>_<update>-rank-*.pt of the later run)" if runs else
+                "A run was interrupted while its ranks saved; use the shards of one save "
+                "(e.g. checkpoint_<epoch>_<update>-rank-*.pt)")
+        raise CheckpointSetError(
+            f"the shards of {path} are not one save ({problem}): "
+            f"{'; '.join(i.describe(len(shards), runs) for i in infos)}. {hint}")
+
+
+def check_current(path: str) -> None:
+    """CheckpointSetError when the file `path` and rank shards of the same name (`X-rank-R.pt`) both exist and
+    hold different saves: e.g. `smlp-consolidate X.pt` wrote X.pt at update 10, then training went on and wrote
+    shards of update 12 beside it. Evaluating X.pt would silently evaluate the older save."""
+    from .checkpoint_sets import read_shard
+
+    found = rank_shards(path)
+    if not found or not os.path.isfile(path):
+        return
+    one = read_shard(path)
+    infos = [read_shard(found[r]) for r in sorted(found)]
+    if not one.readable or not all(i.readable for i in infos):
+        return  # the loader names the unreadable file
+    if one.set_id and all(i.set_id == one.set_id for i in infos):
+        return  # merged from these very shards
+    if not one.set_id and {i.num_updates for i in infos} == {one.num_updates}:
+        return  # written before saves were tagged: the updates agree
+    shown = "; ".join([one.describe(runs=True), *(i.describe(runs=True) for i in infos[:4])])
+    if one.consolidated_from and all((i.num_updates or 0) > (one.num_updates or 0) for i in infos):
+        fix = (f"training went on after {os.path.basename(path)} was merged: run `smlp-consolidate {path}` again to "
+               f"merge the newer shards (or, to evaluate the older save, rename the file first and pass that name)")
+    else:
+        fix = (f"which one is meant cannot be told: move aside the files of the save you do not want (the shards "
+               f"{os.path.basename(shard_path_any(path))} or {os.path.basename(path)}) and run again")
+    raise CheckpointSetError(f"{path} and its rank shards hold different saves ({shown}); {fix}")
+
+
+def shard_path_any(path: str) -> str:
+    stem = path[:-3] if path.endswith(".pt") else path
+    return f"{stem}-rank-*.pt"
+
+
+def check_consolidate_output(out: str) -> None:
+    """ValueError before any work unless replacing `out` loses nothing: it is absent or a file smlp-consolidate
+    wrote (a training checkpoint of the same name is never overwritten)."""
+    from .checkpoint_sets import read_shard
+
+    if os.path.isfile(out):
+        info = read_shard(out)
+        if not info.consolidated_from:
+            what = f"a training checkpoint, {info.describe(runs=True)}" if info.readable else "not a merged checkpoint"
+            raise CheckpointSetError(f"{out} exists and was not written by smlp-consolidate ({what}); it is not "
+                                     f"replaced: pass --out with another file name")
 
 
 def consolidate(path: str, out: str | None = None) -> str:
     """Merge the rank shards of `path` into one checkpoint holding every expert; returns its path."""
     shards = shard_paths(path)
+    check_consolidate_output(out or path)
     check_one_save(path, shards)
     states = [load_checkpoint(p) for p in shards]
     models = [s["model"] for s in states]
@@ -194,26 +285,9 @@ def consolidate(path: str, out: str | None = None) -> str:
     out = out or path
     from .checkpoint_sets import atomic_torch_save
 
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     atomic_torch_save(merged, out)
     return out
-
-
-def consolidate_main(argv=None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="smlp-consolidate",
-        description="Merge the per-rank expert shards (X-rank-R.pt) of a checkpoint X.pt into X.pt holding all "
-                    "experts, for evaluation on any world size that divides the number of experts.")
-    parser.add_argument("checkpoint",
-                        help="checkpoint name without the rank suffix, e.g. checkpoints/checkpoint_best.pt")
-    parser.add_argument("--out", help="where to write (default: the checkpoint name itself)")
-    args = parser.parse_args(argv)
-    try:
-        out = consolidate(args.checkpoint, args.out)
-    except (FileNotFoundError, ValueError) as exc:
-        print(f"smlp-consolidate: error: {exc}", file=sys.stderr)
-        return 2
-    print(f"wrote {out} ({len(shard_paths(args.checkpoint))} shards merged)")
-    return 0
 
 
 def read_checkpoint_any_layout(path: str, arg_overrides: dict | None = None) -> tuple[dict, str]:
@@ -222,6 +296,7 @@ def read_checkpoint_any_layout(path: str, arg_overrides: dict | None = None) -> 
     Returns (state, an existing file of this checkpoint).
     """
     if os.path.isfile(path):
+        check_current(path)
         return load_checkpoint(path, arg_overrides), path
     shards = shard_paths(path)
     check_one_save(path, shards)

@@ -19,6 +19,7 @@ consumed and that flags -> config -> flags round-trips for every architecture an
 
 import dataclasses
 import logging
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +34,8 @@ from smlp.lm import PLACEMENTS, LMConfig, attention_heads_for
 from smlp.routing.gates import GSHARD_AUX_LOSSES
 from smlp.routing.prices import BALANCED_EVAL_ROUTINGS
 from smlp.routing.registry import SMOE_ROUTINGS, TOKEN_ROUTERS
+
+from .errors import FlagError
 
 logger = logging.getLogger(__name__)
 
@@ -344,26 +347,71 @@ def expert_layout(num_experts: int, world_size: int, ep_size: int = 0) -> Expert
 
 def to_core_config(cfg, family: str, vocab_size: int, padding_idx: int) -> LMConfig:
     """Translate a fairseq model config into the core LMConfig (the only such translation): every
-    table field of the family with a core field, converted by the table."""
+    table field of the family with a core field, converted by the table. A value the model cannot take is
+    refused with a FlagError naming the flag (`flag_wording`), not the core's field."""
     def _read(name):
         return read(cfg, name)
 
     values = {}
-    for f in family_fields(family):
-        if f.core is not None:
-            values[f.core] = f.core_value(_read(f.name), _read)
-    tokens = _read("tokens_per_sample")
-    if tokens > values["seq_len"]:
-        raise ValueError(
-            f"--tokens-per-sample {tokens} exceeds the model's sequence length {values['seq_len']} "
-            f"(--seq-len, the size of the spatial weights): lower --tokens-per-sample or raise --seq-len"
-        )
-    if values.get("sparse_layers"):  # experts must fit the ranks: refuse a bad layout before any weight is built
-        expert_layout(values["num_experts"], _read("distributed_world_size"), configured_ep_size(cfg))
-    core = LMConfig(family=family, vocab_size=vocab_size, padding_idx=padding_idx, **values)
-    if family == "smlp":
-        _explain_prefix(core, tokens)
+    try:
+        for f in family_fields(family):
+            if f.core is not None:
+                values[f.core] = f.core_value(_read(f.name), _read)
+        tokens = _read("tokens_per_sample")
+        _check_flags(family, values, tokens)
+        if values.get("sparse_layers"):  # experts must fit the ranks: refuse a bad layout before any weight is built
+            expert_layout(values["num_experts"], _read("distributed_world_size"), configured_ep_size(cfg))
+        core = LMConfig(family=family, vocab_size=vocab_size, padding_idx=padding_idx, **values)
+        if family == "smlp":
+            _explain_prefix(core, tokens)
+    except FlagError:
+        raise
+    except ValueError as exc:
+        raise FlagError(flag_wording(str(exc), family)) from None
     return core
+
+
+def _check_flags(family: str, values: dict, tokens: int) -> None:
+    """The mistakes whose core message would name a field of an inner block (the SGU's `dim`), said in flags."""
+    T = values["seq_len"]
+    if tokens > T:
+        raise FlagError(f"--tokens-per-sample {tokens} exceeds the model's sequence length {T} (--seq-len, the size "
+                        f"of its spatial weights): give --tokens-per-sample {T} or less, or (training a new model) "
+                        f"raise --seq-len to {tokens}")
+    dense, sparse = values["dense_layers"], values.get("sparse_layers", 0)
+    if dense < 0 or sparse < 0 or dense + sparse == 0:
+        layers = f"--decoder-layers {dense}" + (f" and --sparse-layers {sparse}" if "sparse_layers" in values else "")
+        raise FlagError(f"{layers}: the model needs at least one layer and no count can be negative")
+    if family in ("smlp", "gmlp") and values["d_ffn"] % 2:
+        raise FlagError(f"--decoder-ffn-embed-dim {values['d_ffn']} must be even: the gMLP block splits it into a "
+                        f"gate half and a value half (e.g. --decoder-ffn-embed-dim {values['d_ffn'] + 1})")
+
+
+# core names that the core's messages print as `name=value`, when no table field of that name sets them
+_INNER_NAMES = {"routing": "smoe_routing", "router": "moe_router", "placement": "sparse_placement"}
+
+
+def flag_wording(message: str, family: str) -> str:
+    """A core ValueError's message with each `field=value` of a field a flag sets written as `--flag value`
+    (`num_experts=3 must divide ...` -> `--num-experts 3 must divide ...`), the inner blocks' widths named by
+    the flags they come from."""
+
+    message = re.sub(r"\(dim=(\d+), split=True\)", r"(half of --decoder-ffn-embed-dim \1)", message)
+    message = re.sub(r"\(dim=(\d+), split=False\)", r"(--decoder-embed-dim \1)", message)
+    flags = {}
+    for f in family_fields(family):
+        if f.core is not None and f.core not in flags and f.name != "tokens_per_sample":
+            flags[f.core] = f.flag or "--" + f.name.replace("_", "-")
+    for inner, core in _INNER_NAMES.items():
+        if core in flags:
+            flags.setdefault(inner, flags[core])
+    flags.setdefault("d_model", "--decoder-embed-dim")
+
+    def swap(m):
+        name, value = m.group(1), m.group(3)
+        return f"{flags[name]} {value}" if name in flags else m.group(0)
+
+    return re.sub(r"\b([a-z_]+)=('?)([^\s,;:)']+)\2", swap, message)
 
 
 def fairseq_flags(core: LMConfig) -> str:

@@ -54,19 +54,21 @@ from .checkpoint_sets import (
     _broadcast,
     _gather,
     atomic_torch_save,
+    check_same_architecture,
     rank_shards,
     read_shard,
     set_problem,
     shard_path,
 )
 from .checkpoints import is_expert_key
+from .errors import RefusedInput
 
 logger = logging.getLogger(__name__)
 
 BACKUP_DIR = "resharded-from-{world}-ranks-update-{updates}"
 
 
-class ReshardError(ValueError):
+class ReshardError(ValueError, RefusedInput):
     """The checkpoint cannot be moved to this run's layout; the message says why and what to do."""
 
 
@@ -402,6 +404,7 @@ def install() -> None:
     inner = checkpoint_utils.load_checkpoint
 
     def load_checkpoint(cfg, trainer, **passthrough_args):
+        check_same_architecture(cfg, trainer)  # before anything that would name the expert count or reshard
         reshard_for_resume(cfg, trainer)
         return inner(cfg, trainer, **passthrough_args)
 

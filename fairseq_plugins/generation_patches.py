@@ -14,7 +14,9 @@ fairseq's own files are not changed: each patch replaces one module attribute, m
    `checkpoint_utils.load_model_ensemble_and_task`, which fails ("Model file not found") when the
    expert-parallel run wrote only its rank shards `X-rank-R.pt`. As smlp-zeroshot does
    (`checkpoints.read_checkpoint_any_layout`), a missing `X.pt` whose shards form one complete save
-   is loaded with its experts merged in memory; an incomplete or mixed set is refused by name.
+   is loaded with its experts merged in memory; an incomplete or mixed set is refused by name. An `X.pt`
+   beside shards of another save (`smlp-consolidate X.pt`, then training went on) is refused naming both
+   (`checkpoints.check_current`), as by smlp-zeroshot, smlp-generate and smlp-export.
 
 3. Generation limits and the routing prefix (`language_modeling_inference`), in
    `LanguageModelingTask.inference_step` (what fairseq-interactive, fairseq-generate and the hub's
@@ -111,6 +113,11 @@ def per_rank_checkpoints() -> bool:
 
     def load_model_ensemble_and_task(filenames, arg_overrides=None, task=None, strict=True, suffix="",
                                      num_shards=1, state=None):
+        from .checkpoints import check_current
+
+        if state is None and not suffix and num_shards == 1:
+            for filename in filenames:  # a file next to newer (or older) shards of the same name: refused
+                check_current(filename)
         if state is not None or suffix or num_shards != 1 or not any(_missing_with_shards(f) for f in filenames):
             return original(filenames, arg_overrides=arg_overrides, task=task, strict=strict, suffix=suffix,
                             num_shards=num_shards, state=state)

@@ -23,6 +23,7 @@ from smlp.routing.registry import TOKEN_ROUTERS
 from . import step_profiler
 from .checkpoints import adapt_expert_state
 from .config import (
+    FAMILIES_BY_MODEL,
     GMLPConfig,
     MoETransformerConfig,
     PluginSettings,
@@ -31,6 +32,7 @@ from .config import (
     plugin_settings,
     to_core_config,
 )
+from .errors import FlagError
 
 logger = logging.getLogger(__name__)
 
@@ -129,6 +131,32 @@ def smoe_layout(core_cfg, settings: PluginSettings, layout: ExpertDataLayout | N
     return choice, f"--smoe-parallel auto: {why}"
 
 
+def check_ddp_backend(settings: PluginSettings) -> None:
+    if settings.ddp_backend not in EXPERT_PARALLEL_DDP_BACKENDS:
+        raise FlagError(
+            f"--ddp-backend {settings.ddp_backend} would average expert weights across ranks (each rank holds "
+            f"different experts); expert-parallel training needs --ddp-backend legacy_ddp"
+        )
+
+
+def check_model_flags(model_cfg, dictionary_size: int, padding_idx: int = 1) -> None:
+    """The checks `build_model` makes of a run's flags, without building the model: what smlp-launch's workers
+    run before they join the others (smlp_launch.preflight). FlagError names the flag; nothing for a model
+    that is not ours."""
+    from fairseq.models import ARCH_MODEL_NAME_REGISTRY
+
+    model = ARCH_MODEL_NAME_REGISTRY.get(model_cfg._name, model_cfg._name)
+    family = FAMILIES_BY_MODEL.get(model)
+    if family is None:
+        return
+    core_cfg = to_core_config(model_cfg, family, dictionary_size, padding_idx)
+    settings = plugin_settings(model_cfg)
+    world = settings.world_size or 1
+    if core_cfg.sparse_layers and world > 1:
+        check_ddp_backend(settings)
+        runtime_layout(core_cfg, settings, world)
+
+
 def make_dispatcher(core_cfg, settings: PluginSettings):
     """(dispatcher, sMoE dispatcher or None, layout, replica group): LocalDispatcher on one process (or when
     each group is one rank holding every expert), otherwise all2all inside this rank's expert-parallel
@@ -139,12 +167,7 @@ def make_dispatcher(core_cfg, settings: PluginSettings):
     rank, world = rank_and_world()
     if world == 1:
         return LocalDispatcher(core_cfg.num_experts), None, None, None
-    backend = settings.ddp_backend
-    if backend not in EXPERT_PARALLEL_DDP_BACKENDS:
-        raise ValueError(
-            f"--ddp-backend {backend} would average expert weights across ranks (each rank holds different "
-            f"experts); expert-parallel training needs --ddp-backend legacy_ddp"
-        )
+    check_ddp_backend(settings)
     layout = runtime_layout(core_cfg, settings, world)  # clear error when experts do not fit
     ep_group, replica_group = expert_data_groups(layout, rank)
     smoe_dispatcher = None
@@ -234,7 +257,7 @@ def refuse_eval_lm_longer_than_model(core_cfg, task) -> None:
     context = getattr(getattr(eval_cfg, "eval_lm", None), "context_window", 0) or 0
     if block is None or block + context <= core_cfg.seq_len:
         return
-    raise ValueError(
+    raise FlagError(
         f"fairseq-eval-lm would feed blocks of {block + context} tokens (--tokens-per-sample"
         f"{' + --context-window' if context else ''}) to a model whose spatial weights cover {core_cfg.seq_len} "
         f"positions; it would skip every longer block and report the loss over the rest. Use --tokens-per-sample "
@@ -247,7 +270,7 @@ def refuse_eval_lm_on_partial_prediction(core_cfg) -> None:
     P = core_cfg.prediction_start
     if not P or not _inside_fairseq_eval_lm():
         return
-    raise ValueError(
+    raise FlagError(
         f"fairseq-eval-lm scores every position, but this partial-prediction sMLP routes on the first {P} positions "
         f"of each sequence and predicts only positions >= {P} (sMLP sec. 3.2.2); its figure would include "
         f"{P} positions per sequence that training never predicts. Report the loss over predicted positions with "

@@ -21,9 +21,11 @@ import os
 import sys
 from dataclasses import dataclass
 
-__all__ = ["FAIRSEQ_VERSION", "PATCHES", "Patch", "apply_patches", "check_data_dir", "ddp_on_cpu",
-           "evaluate_every_sequence", "gather_lists_off_cuda", "guard_language_modeling_data",
-           "restore_fairseq_cli_logging"]
+from .errors import DataError, FlagError
+
+__all__ = ["FAIRSEQ_VERSION", "PATCHES", "Patch", "apply_patches", "check_batch_limits", "check_binarized_split",
+           "check_data_dir", "ddp_on_cpu", "evaluate_every_sequence", "gather_lists_off_cuda",
+           "guard_language_modeling_data", "refuse_unlimited_batches", "restore_fairseq_cli_logging"]
 
 FAIRSEQ_VERSION = "0.12"  # the release these patches were written against (fairseq-fixed 0.12.3.1)
 logger = logging.getLogger(__name__)
@@ -53,27 +55,105 @@ def check_data_dir(data) -> None:
         expected = ("the output folder of smlp-prepare-data or fairseq-preprocess: dict.txt, train.bin/.idx, "
                     "valid.bin/.idx")
         if not os.path.isdir(part):
-            raise FileNotFoundError(f"data directory {part} does not exist; pass {expected}")
+            raise DataError(f"data directory {part} does not exist; pass {expected}")
         if not os.path.isfile(os.path.join(part, "dict.txt")):
-            raise FileNotFoundError(f"data directory {part} has no dict.txt; pass {expected}")
+            raise DataError(f"data directory {part} has no dict.txt; pass {expected}")
         break  # fairseq reads the dictionary from the first shard only
 
 
+def check_binarized_split(split_path: str, dictionary_size: int, dictionary_file: str) -> None:
+    """DataError naming the file when the binarized split `split_path` (.bin/.idx, fairseq's mmap format) is cut
+    short of what its index describes, or holds a token id its dictionary does not have (a dict.txt smaller
+    than the one it was binarized with: an IndexError deep inside the embedding, then a crash.pt)."""
+    import numpy as np
+    from fairseq.data.indexed_dataset import MMapIndexedDataset
+
+    idx, binary = split_path + ".idx", split_path + ".bin"
+    if not (os.path.isfile(idx) and os.path.isfile(binary)):
+        return  # fairseq names a missing split itself
+    with open(idx, "rb") as f:
+        if f.read(9) != MMapIndexedDataset.Index._HDR_MAGIC:
+            return  # another of fairseq's formats
+    try:
+        index = MMapIndexedDataset.Index(idx)
+    except Exception as exc:  # a cut .idx
+        raise DataError(f"{idx} cannot be read ({type(exc).__name__}: {str(exc)[:120]}): the index is damaged or "
+                        f"cut short; binarize the data again (smlp-prepare-data --force) or copy it whole") from None
+    itemsize = np.dtype(index.dtype).itemsize
+    n = len(index)
+    expected = int(index._pointers[-1]) + int(index.sizes[-1]) * itemsize if n else 0
+    actual = os.path.getsize(binary)
+    if actual < expected:
+        raise DataError(f"{binary} holds {actual} bytes but its index {os.path.basename(idx)} describes {expected} "
+                        f"({n} sentences): the file is cut short (an interrupted copy or binarization?); binarize the "
+                        f"data again (smlp-prepare-data --force) or copy it whole")
+    if not expected:
+        return
+    tokens = np.memmap(binary, dtype=index.dtype, mode="r", shape=(expected // itemsize,))
+    largest = max(int(tokens[i:i + 2 ** 26].max()) for i in range(0, len(tokens), 2 ** 26))
+    if largest >= dictionary_size:
+        raise DataError(f"{binary} holds token id {largest} but {dictionary_file} has {dictionary_size} symbols (ids "
+                        f"0-{dictionary_size - 1}): the data was binarized with another, larger dictionary; put the "
+                        f"dict.txt written with it in the data directory")
+
+
 def guard_language_modeling_data() -> bool:
-    """Check --data before fairseq's language_modeling task reads it (a wrapper; fairseq is unchanged)."""
+    """Check --data before fairseq's language_modeling task reads it, and each split it loads (wrappers of
+    setup_task and load_dataset; fairseq is unchanged)."""
     from fairseq.tasks.language_modeling import LanguageModelingTask
 
     original = LanguageModelingTask.setup_task.__func__
     if getattr(original, "_smlp_checked", False):
         return False
+    original_load = LanguageModelingTask.load_dataset
 
     def setup_task(cls, args, **kwargs):
         check_data_dir(getattr(args, "data", None))
         return original(cls, args, **kwargs)
 
-    setup_task._smlp_checked = True
-    setup_task.__wrapped__ = original
+    def load_dataset(self, split, epoch=1, combine=False, **kwargs):
+        from fairseq import utils
+
+        paths = utils.split_paths(self.args.data)
+        if paths and "://" not in paths[0]:
+            data_path = paths[(epoch - 1) % len(paths)]
+            check_binarized_split(os.path.join(data_path, split), len(self.dictionary),
+                                  os.path.join(paths[0], "dict.txt"))
+        return original_load(self, split, epoch, combine, **kwargs)
+
+    for fn, wrapped in ((setup_task, original), (load_dataset, original_load)):
+        fn._smlp_checked = True
+        fn.__wrapped__ = wrapped
     LanguageModelingTask.setup_task = classmethod(setup_task)
+    LanguageModelingTask.load_dataset = load_dataset
+    return True
+
+
+def check_batch_limits(max_sentences, max_tokens) -> None:
+    """FlagError for --batch-size or --max-tokens below 1: fairseq's batching takes 0 (and -1) as no limit, so
+    one batch, and one update, would hold the whole epoch."""
+    for flag, value, example in (("--batch-size", max_sentences, "8"), ("--max-tokens", max_tokens, "4096")):
+        if value is not None and value < 1:
+            raise FlagError(f"{flag} {value} is not a batch size: fairseq would take it as no limit and make one "
+                            f"batch (one update) of the whole epoch; give a number >= 1 (e.g. {flag} {example})")
+
+
+def refuse_unlimited_batches() -> bool:
+    """Check --batch-size / --max-tokens where fairseq batches any dataset (FairseqTask.get_batch_iterator: the
+    training, validation and evaluation iterators of every program), before the first batch is formed."""
+    from fairseq.tasks.fairseq_task import FairseqTask
+
+    original = FairseqTask.get_batch_iterator
+    if getattr(original, "_smlp_checked", False):
+        return False
+
+    def get_batch_iterator(self, dataset, max_tokens=None, max_sentences=None, *args, **kwargs):
+        check_batch_limits(max_sentences, max_tokens)
+        return original(self, dataset, max_tokens, max_sentences, *args, **kwargs)
+
+    get_batch_iterator._smlp_checked = True
+    get_batch_iterator.__wrapped__ = original
+    FairseqTask.get_batch_iterator = get_batch_iterator
     return True
 
 
@@ -213,11 +293,19 @@ PATCHES = (
     Patch("allow_fairseq_checkpoints", "checkpoints", "allow_fairseq_checkpoints",
           "torch >= 2.6 loads with weights_only=True and refuses the omegaconf, numpy and argparse objects fairseq "
           "stores in a checkpoint: they are allowlisted"),
+    Patch("pin_sequence_length", "checkpoints", "pin_sequence_length",
+          "fairseq-validate applies its --tokens-per-sample to the saved model, which then has spatial weights of "
+          "another size (PyTorch's size mismatch): a checkpoint's model keeps the T it was trained with"),
     Patch("checkpoint_sets", "checkpoint_sets", "install",
           "fairseq writes rank shards non-atomically and resumes each rank from whatever file it finds: atomic "
           "tagged writes, and only a whole set of rank shards is loaded"),
     Patch("guard_language_modeling_data", "patches", "guard_language_modeling_data",
-          "language_modeling reads a missing or unbinarized --data with an obscure error: checked first"),
+          "language_modeling reads a missing or unbinarized --data with an obscure error, a truncated .bin with a "
+          "numpy error and ids beyond its dict.txt with an IndexError in the embedding (and a crash.pt): checked "
+          "first, naming the file"),
+    Patch("refuse_unlimited_batches", "patches", "refuse_unlimited_batches",
+          "fairseq takes --batch-size 0 (or --max-tokens 0) as no limit: one update of the whole epoch, exit 0; "
+          "refused where any program batches a dataset"),
     Patch("elastic", "elastic", "install",
           "resuming on another number of ranks loads rank shards of the old layout: resharded first (after "
           "checkpoint_sets, so that its wrapper is the outer one)"),
@@ -243,6 +331,9 @@ PATCHES = (
           "refuses the device ids fairseq passes for a CPU module"),
     Patch("restore_fairseq_cli_logging", "patches", "restore_fairseq_cli_logging",
           "fairseq-eval-lm / fairseq-validate log nothing at INFO after fairseq's import set up logging"),
+    Patch("print_refusals", "errors", "print_refusals",
+          "fairseq's programs print a refused input (a bad flag, data folder or checkpoint) inside a 20-30 line "
+          "traceback: the plugins' refusals (errors.RefusedInput) are printed as one line, PROG: error: MESSAGE"),
 )
 
 

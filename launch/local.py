@@ -25,9 +25,18 @@ process group, SIGKILL after --grace seconds, prints the tail of the failed rank
 non-zero naming the rank. Ctrl-C / SIGTERM / SIGHUP to the launcher stop all workers the same way
 (a second Ctrl-C kills at once). SIGUSR1 to the launcher is forwarded: the workers save a checkpoint
 after the current update and stop (smlp_launch.worker), and the launcher exits 0.
-Rank 0 writes to the console; rank R > 0 writes to LOG_DIR/rankR.log. At the end the launcher
+Rank 0 writes to the console; rank R > 0 writes to LOG_DIR/rankR.log. On a terminal the launcher shows
+rank 0's training as a progress bar over --max-update (updates, loss, words/s, time left; smlp_launch.progress),
+prints its other lines above the bar and keeps all of them in LOG_DIR/rank0.log (--log-interval 10 unless
+given; --no-progress lets rank 0's output through as it is). At the end the launcher
 prints each rank's peak resident memory (the kernel's ru_maxrss of the reaped worker; while they
 run, `smlp_launch.memory` reads VmHWM), and --peak-rss-json FILE writes it as JSON.
+
+Flags the model cannot take: each worker checks the fairseq-train arguments before it joins the others
+(smlp_launch.preflight: the model's flags, the data folder, --batch-size); if they are refused, the launcher
+prints the one line that says why, once (`smlp-launch: error: --decoder-ffn-embed-dim 127 must be even ...`),
+stops the workers and exits 2. A --save-dir that cannot be created and a --restore-file or
+--finetune-from-model that does not exist are refused before any worker starts.
 
 Timeouts: a rank waits at most --timeout seconds (default $SMLP_DIST_TIMEOUT, else 600) in one
 collective or in the rendezvous before it fails, so a hung peer ends the job instead of blocking it
@@ -51,7 +60,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from .worker import DEFAULT_TIMEOUT_S, TIMEOUT_ENV, LaunchError, collective_timeout, run_worker
+from .worker import DEFAULT_TIMEOUT_S, PREFLIGHT_ENV, TIMEOUT_ENV, LaunchError, collective_timeout, run_worker
 
 PROG = "smlp-launch"
 
@@ -88,6 +97,8 @@ class Plan:
     peak_rss_json: Path | None = None
     commands: list[list[str]] = field(default_factory=list)
     envs: list[dict[str, str]] = field(default_factory=list)
+    progress: bool = False  # rank 0's output read by the launcher, shown as a bar (smlp_launch.progress)
+    max_update: int | None = None
 
 
 # ----------------------------------------------------------------------------- command line
@@ -139,6 +150,9 @@ A worker that fails stops all others; the launcher exits with its code and shows
                    f"fails (default ${TIMEOUT_ENV}, else {DEFAULT_TIMEOUT_S:g}); gloo and NCCL")
     p.add_argument("--peak-rss-json", type=Path, default=None,
                    help="write each rank's peak resident memory (bytes) to this JSON file at the end")
+    p.add_argument("--no-progress", action="store_true",
+                   help="let rank 0's output through as it is on a terminal too (by default a terminal gets a "
+                        "progress bar: updates, loss, words/s, time left, with rank 0's lines in LOG_DIR/rank0.log)")
     p.add_argument("--dry-run", action="store_true", help="print the worker commands and exit")
     p.add_argument("--worker", action="store_true",
                    help="run ONE fairseq-train in this process with the graceful-stop hook "
@@ -209,6 +223,35 @@ def check_fairseq_args(fairseq_args: Sequence[str], device: str) -> None:
     user_dir = _flag_value(fairseq_args, "--user-dir")
     if user_dir is not None and not os.path.isdir(user_dir):
         raise LaunchError(f"--user-dir {user_dir!r} is not a directory")
+    _check_paths(fairseq_args)
+
+
+def _check_paths(fairseq_args: Sequence[str]) -> None:
+    """--save-dir that cannot be created, --restore-file / --finetune-from-model that do not exist: said before
+    any worker starts (fairseq would fail at its first save, or start from scratch and overwrite the run)."""
+    save_dir = _flag_value(fairseq_args, "--save-dir") or "checkpoints"
+    parent = Path(save_dir).absolute()
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise LaunchError(f"--save-dir {save_dir} cannot be created: {parent} is a file; choose a folder path")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise LaunchError(f"--save-dir {save_dir} cannot be written: {parent} is not writable")
+    restore = _flag_value(fairseq_args, "--restore-file")
+    if restore and restore != "checkpoint_last.pt" and not os.path.exists(restore) and not _rank_shards_of(restore):
+        raise LaunchError(f"--restore-file {restore} does not exist (nor its rank shards {restore[:-3]}-rank-R.pt): "
+                          f"fairseq would silently start from scratch and then overwrite the checkpoints in "
+                          f"--save-dir; pass an existing checkpoint")
+    finetune = _flag_value(fairseq_args, "--finetune-from-model")
+    if finetune and not os.path.exists(finetune) and not _rank_shards_of(finetune):
+        raise LaunchError(f"--finetune-from-model {finetune} does not exist; pass an existing checkpoint")
+
+
+def _rank_shards_of(path: str) -> list[str]:
+    import glob
+
+    stem = path[:-3] if path.endswith(".pt") else path
+    return glob.glob(glob.escape(stem) + "-rank-*.pt")
 
 
 def plan_launch(opts: argparse.Namespace, fairseq_args: list[str]) -> Plan:
@@ -238,9 +281,14 @@ def plan_launch(opts: argparse.Namespace, fairseq_args: list[str]) -> Plan:
     save_dir = _flag_value(fairseq_args, "--save-dir") or "checkpoints"
     log_dir = opts.log_dir or Path(save_dir) / "launch-logs"
 
+    progress = not opts.no_progress and sys.stderr.isatty()
+    if progress and not _has_flag(fairseq_args, "--log-interval"):
+        fairseq_args = [*fairseq_args, "--log-interval", "10"]  # the bar moves every 10 updates
+    max_update = _flag_value(fairseq_args, "--max-update")
     plan = Plan(nproc=nproc, device=device, master_addr=opts.master_addr, master_port=port,
                 threads=threads, log_dir=Path(log_dir), grace=opts.grace, fairseq_args=fairseq_args,
-                timeout=timeout, peak_rss_json=opts.peak_rss_json)
+                timeout=timeout, peak_rss_json=opts.peak_rss_json, progress=progress,
+                max_update=int(max_update) if max_update and max_update.isdigit() else None)
     common = [
         "--distributed-init-method", f"tcp://{opts.master_addr}:{port}",
         "--distributed-world-size", str(nproc),
@@ -376,6 +424,10 @@ class Launcher:
         self.stop_signal: int | None = None
         self.forwarded_usr1 = False
         self.kill_now = False
+        self.refusals: Path | None = None  # where the workers write the one line refusing their flags
+        self.refused = False
+        self.created: list[Path] = []  # the folders start() made for the rank logs
+        self.progress = None  # smlp_launch.progress.Progress of rank 0's output, on a terminal
 
     def say(self, msg: str) -> None:
         print(f"{PROG}: {msg}", file=self.out, flush=True)
@@ -397,23 +449,38 @@ class Launcher:
 
     def start(self) -> None:
         p = self.plan
-        if p.nproc > 1:
-            p.log_dir.mkdir(parents=True, exist_ok=True)
+        if p.nproc > 1 or p.progress:
+            from smlp_eval.files import make_parents
+
+            self.created = make_parents(p.log_dir / "rank1.log")  # taken away again if the flags are refused
         preexec = _worker_preexec(os.getpid())
+        import tempfile
+
+        self.refusals = Path(tempfile.mkdtemp(prefix="smlp-launch-"))
         for rank, (cmd, env) in enumerate(zip(p.commands, p.envs)):
+            env = {**env, PREFLIGHT_ENV: str(self.refusals / f"rank{rank}")}
             log_path = log_file = None
             if rank > 0:
                 log_path = p.log_dir / f"rank{rank}.log"
                 log_file = open(log_path, "wb")
+            piped = rank == 0 and p.progress
             proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL,
-                                    stdout=log_file, stderr=subprocess.STDOUT if log_file else None,
-                                    start_new_session=True, preexec_fn=preexec)
+                                    stdout=subprocess.PIPE if piped else log_file,
+                                    stderr=subprocess.STDOUT if log_file or piped else None,
+                                    start_new_session=True, preexec_fn=preexec,
+                                    text=piped or None, errors="replace" if piped else None)
+            if piped:
+                from .progress import Progress
+
+                self.progress = Progress(p.max_update, p.log_dir / "rank0.log", self.out)
+                self.progress.follow(proc.stdout)
+                log_path = p.log_dir / "rank0.log"
             self.workers.append(Worker(rank, proc, log_path, log_file))
 
-    def stop_all(self, reason: str) -> None:
+    def stop_all(self, reason: str, quiet: bool = False) -> None:
         """SIGTERM every live worker's process group, SIGKILL after the grace period, reap all."""
         live = [w for w in self.workers if _group_alive(w.pgid)]
-        if live:
+        if live and not quiet:
             self.say(f"{reason}: stopping {len(live)} worker(s) (SIGTERM, SIGKILL after {self.plan.grace:g}s)")
         for w in live:
             _signal_group(w.pgid, signal.SIGTERM)
@@ -447,12 +514,19 @@ class Launcher:
             # whatever happened (exception included), no worker outlives the launcher
             if any(_group_alive(w.pgid) for w in self.workers):
                 self.stop_all("cleaning up")
+            if self.progress is not None:
+                self.progress.close()
             for w in self.workers:
                 if w.log_file:
                     w.log_file.close()
             for s, h in previous.items():
                 signal.signal(s, h)
-            self.report_memory()
+            if self.refusals is not None:
+                import shutil
+
+                shutil.rmtree(self.refusals, ignore_errors=True)
+            if not self.refused:
+                self.report_memory()
 
     def report_memory(self) -> None:
         from .memory import format_bytes
@@ -491,15 +565,48 @@ class Launcher:
                 return 0
             time.sleep(0.1)
 
+    def _refusal(self) -> str | None:
+        """The line a worker wrote refusing the run's flags (smlp_launch.preflight), if any did."""
+        for w in self.workers:
+            path = self.refusals / f"rank{w.rank}" if self.refusals else None
+            if path is not None and path.is_file():
+                return path.read_text().strip()
+        return None
+
+    def _remove_logs(self) -> None:
+        """A refused run leaves nothing: the rank logs and the folders made for them go."""
+        from smlp_eval.files import remove_folders
+
+        if self.progress is not None:
+            self.progress.close()
+            self.progress = None
+        for w in self.workers:
+            if w.log_file:
+                w.log_file.close()
+            if w.log_path is not None:
+                w.log_path.unlink(missing_ok=True)
+        remove_folders(self.created)
+
     def _fail(self, w: Worker) -> int:
+        message = self._refusal() if w.proc.returncode == 2 else None
+        if message:  # the same for every rank: said once, without the ranks' logs
+            self.refused = True
+            self.stop_all("refused", quiet=True)
+            self._remove_logs()
+            print(f"{PROG}: error: {message}", file=self.out, flush=True)
+            return 2
         code = w.proc.returncode
         what = f"rank {w.rank} {_describe(code)}"
         self.stop_all(what)
+        shown = self.progress is not None and w.rank == 0  # its lines are on the console already
+        if self.progress is not None:
+            self.progress.close()
+            self.progress = None
         others = [f"rank {o.rank} {_describe(o.proc.returncode)}" for o in self.workers
                   if o is not w and o.proc.returncode is not None]
         if others:
             self.say("then: " + ", ".join(others))
-        if w.log_path is not None:
+        if w.log_path is not None and not shown:
             self.say(f"last lines of {w.log_path}:")
             print(_tail(w.log_path), file=self.out, flush=True)
         where = f" (log: {w.log_path})" if w.log_path else " (its output is above)"

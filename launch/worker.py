@@ -22,7 +22,10 @@ TORCH_NCCL_ASYNC_ERROR_HANDLING=1 (unless set) makes a timed-out NCCL collective
 rather than hang. It must exceed the longest time one rank can legitimately run ahead of the
 others: a checkpoint save, a validation pass, the first step's warm-up.
 
-At the end a worker prints its own peak resident memory (ru_maxrss). The parent launcher, which
+Before fairseq-train starts, a worker checks its flags (smlp_launch.preflight): a flag the model cannot take
+ends it with status 2 and one line, written to $SMLP_PREFLIGHT_FILE when the launcher set it (the launcher
+prints it once for all ranks), else printed. At the end a worker prints its own peak resident memory
+(ru_maxrss). The parent launcher, which
 starts the workers and stops them, is `smlp_launch.local`; this module imports nothing of it.
 """
 from __future__ import annotations
@@ -35,6 +38,7 @@ from pathlib import Path
 GRACEFUL_DEFAULT = "USR1"
 DEFAULT_TIMEOUT_S = 600.0  # a collective or the rendezvous waits at most this long for a peer
 TIMEOUT_ENV = "SMLP_DIST_TIMEOUT"
+PREFLIGHT_ENV = "SMLP_PREFLIGHT_FILE"  # where a worker writes the one line refusing its flags (smlp_launch.preflight)
 
 
 class LaunchError(Exception):
@@ -192,6 +196,16 @@ def run_worker(fairseq_args: list[str]) -> int:
     _install_stop_hook(stop)
     from fairseq_cli.train import cli_main
 
+    from .preflight import refusal
+
+    message = refusal(fairseq_args)
+    if message is not None:  # before this rank joins the others or writes anything
+        report = os.environ.get(PREFLIGHT_ENV)
+        if report:  # the launcher prints it, once for all ranks
+            Path(report).write_text(message + "\n")
+        else:
+            print(f"smlp-launch: error: {message}", file=sys.stderr, flush=True)
+        return 2
     sys.argv = ["fairseq-train", *fairseq_args]
     cli_main()
     _report_own_peak_rss()

@@ -1,41 +1,18 @@
 """Dispatchers: move routed rows to the experts that own them and bring the results back.
 
-Shapes: the core's legend (smlp/__init__.py); here S rows to dispatch on this rank (tokens for
-tMoE, hidden-dimension vectors for sMoE), R rows received by this rank's experts (grouped by local
-expert), D row width (M positions for sMoE rows), E experts, L local experts (E / W), W ranks of
-the expert-parallel group, X values each rank sends every other rank with its counts (its row
-counts, a router's fault record of FAULT_WIDTH values, routing/plan.py, and its row width).
+Shapes: the core's legend (smlp/__init__.py); here S rows on this rank, R rows its experts receive
+(grouped by local expert), D row width (M positions for sMoE rows), X values each rank sends every
+other rank with its counts (row counts, a router's fault record, the row width).
 
-Both dispatchers share one interface, so every expert-parallel layer has a single-process
-twin (LocalDispatcher holding all experts) to test against:
+Both dispatchers share one interface, so every expert-parallel layer has a single-process twin:
 
     x_RD, counts_L, state = dispatcher.dispatch(x_SD, expert_S, fault=plan.fault, layer=name)
-    y_RD = experts(x_RD, counts_L)
-    y_SD = dispatcher.combine(y_RD, state)
+    y_SD = dispatcher.combine(experts(x_RD, counts_L), state)
 
-and, for Base Layers' training-time shuffle (fairseq `BaseLayer`, `base_shuffle`), which moves
-routing metadata only (moe.TMoE._shuffled_assignment):
-
-    scores_SE, shuffle = dispatcher.shuffle(scores_SE)   # rows sent to random ranks
-    ...balanced assignment of the rows that arrived...
-    expert_S = dispatcher.unshuffle(expert_S, shuffle)   # rows back home, in their original order
-
-Host syncs: the split sizes of an exchange must be on the host (the experts split their rows by
-them, and an uneven all2all takes them as lists), so each dispatch reads its counts once, and
-nothing else: rows are counted with a scatter-add on the device (`count_rows`), rows whose slot
-was dropped (expert -1) are sorted first and cut off by the count read with the others, and the
-router's fault record (a NaN check, a vocabulary check) is read in the same copy. With expert
-parallelism that record is appended to the counts every rank sends to every other rank, so a
-fault seen by one rank makes every rank raise the same error in the same collective
-(`routing_error`, routing/plan.py), where otherwise the others would wait in the all2all until the timeout.
-
-All2all time (`CommTimer`) is measured only when asked for (`timer.enabled`, the criterion's
---log-a2a-time): on an accelerator with timing events recorded on the device's stream and read
-when the logs are written, on the CPU (synchronous gloo collectives) with the wall clock. Off, a
-section is only a profiler range and nothing waits for the device.
-
-Dispatchers hold no parameters and take their process group as an argument; they are the only
-place that calls a collective.
+plus `shuffle` / `unshuffle` for Base Layers' training-time shuffle of routing scores. Each dispatch
+reads one thing on the host, its split sizes, and the router's fault record travels with them, so a
+fault seen by one rank raises the same error on every rank in the same collective. Dispatchers hold
+no parameters, take their process group as an argument, and are the only place that calls a collective.
 """
 from __future__ import annotations
 
@@ -52,8 +29,8 @@ from .process_group import collective_device
 from .profiling import RANGES
 from .routing.plan import FAULT_WIDTH, count_rows, raise_on_fault
 
-__all__ = ["LocalDispatcher", "AllToAllDispatcher", "OneGPUDispatcher", "CommTimer", "CommTime", "ShuffleState",
-           "Chunks", "ExchangedChunks", "all_to_all", "start_all_to_all", "wait_all_to_all", "check_experts_per_gpu",
+__all__ = ["LocalDispatcher", "AllToAllDispatcher", "CommTimer", "CommTime", "ShuffleState",
+           "Chunks", "ExchangedChunks", "all_to_all", "start_all_to_all", "wait_all_to_all",
            "synchronize"]
 
 
@@ -436,51 +413,6 @@ class ExchangedChunks(Chunks):
                 y_sorted = wait_all_to_all(y_sorted, flight)
             out.append(_unsort_rows(_restore_dropped(y_sorted, state.dropped), state.order_S))
         return out
-
-
-def check_experts_per_gpu(num_experts: int, experts_per_gpu: int) -> None:
-    """ValueError unless `experts_per_gpu` local experts spread the `num_experts` of a layer evenly."""
-    if experts_per_gpu < 1 or num_experts % experts_per_gpu:
-        raise ValueError(f"{experts_per_gpu} experts per GPU do not divide num_experts={num_experts}: the experts "
-                         f"of a layer must spread evenly over the GPUs")
-
-
-class OneGPUDispatcher(LocalDispatcher):
-    """One GPU's view of expert parallelism: the routed rows all computed by this rank's experts.
-
-    The FLOPs calculator and the step-time model (smlp_eval.flops) count
-    one GPU of an expert-parallel group with it, in one process.
-
-    Holds `experts_per_gpu` local experts of `num_experts`; every row is computed by one of them
-    (rows dealt out evenly), so each row costs one expert of its layer, as in the expert-parallel
-    group, while the model holds only one GPU's expert weights. Outputs keep the rows' order.
-    """
-
-    def __init__(self, num_experts: int, experts_per_gpu: int = 1):
-        super().__init__(num_experts)
-        check_experts_per_gpu(num_experts, experts_per_gpu)
-        self.num_local_experts = experts_per_gpu
-        self.world_size = num_experts // experts_per_gpu
-
-    def dispatch(self, x_SD, expert_S, *, presorted: bool = False, **unused):
-        # rows of dropped slots (expert -1, over capacity) are computed by no expert; the layers
-        # hand them over since issue 19 (the dispatcher cuts them off), so this one does too
-        # meta: nothing routed, nothing dropped; no experts: presorted rows with their counts, none dropped
-        kept_S = None if x_SD.device.type == "meta" or expert_S is None else expert_S >= 0
-        if kept_S is not None and not bool(kept_S.all()):
-            x_SD = x_SD[kept_S]
-        S, L = x_SD.shape[0], self.num_local_experts
-        counts_L = [S // L + (i < S % L) for i in range(L)]
-        return x_SD, counts_L, DispatchState(kept_S)
-
-    def combine(self, y_RD, state):
-        kept_S = state.order_S
-        if kept_S is None or y_RD.shape[0] == kept_S.shape[0]:
-            return y_RD
-        y_SD = y_RD.new_zeros((kept_S.shape[0],) + tuple(y_RD.shape[1:]))
-        y_SD[kept_S] = y_RD
-        return y_SD
-
 
 
 class AllToAllDispatcher(LocalDispatcher):

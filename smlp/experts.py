@@ -1,29 +1,15 @@
 """Experts: the parameters that live on one rank only.
 
-Shapes: the core's legend (smlp/__init__.py); here R rows received (grouped by local expert), L
-local experts, c rows of one expert when all hold as many, D model width, F FFN width, M row
-length of an sMoE row (positions), k positions of a decoding step, T expert spatial size, W ranks.
+Shapes: the core's legend (smlp/__init__.py); here R rows received (grouped by local expert), c rows of
+one expert when all hold as many, M row length of an sMoE row (positions), k positions of a decoding step.
 
-Initialization does not depend on the world size: expert e of a layer gets the same initial
-weights whether it lives in a single process holding all experts or on any rank of an
-expert-parallel group, and building a layer advances the global RNG by the same single draw
-either way, so every later parameter is the same too. That makes a seeded W-rank run start from
-exactly the model a seeded single-process run starts from (tests compare the two).
-
-Every expert parameter carries `param.expert = True`: fairseq's legacy_ddp then skips it in the
-gradient all-reduce (fairseq 0.12 `fairseq.distributed.legacy_distributed_data_parallel`; c10d would
-average it over the ranks) and clip_grad_norm_ treats it per rank (`fairseq.utils.clip_grad_norm_`).
-
-Several experts on one rank (more experts than ranks, or a consolidated model evaluated on one
-process) run as one product, not one small matmul each: with equal counts (balanced routing,
-deterministic sMoE) the L experts' rows are an (L, c, ...) batch for one batched matmul; with
-unequal counts the FFN experts run torch's grouped matmul on accelerators (F.grouped_mm: recent
-GPUs in bf16; on the CPU it runs too but measured no faster than the loop, which is used there)
-and otherwise loop over the experts; the spatial experts run one blocked causal product for all
-of them (spatial.py). Where they loop, the stacked weights are unbound
-once: indexing them expert by expert made every expert's gradient a zero-filled copy of the whole
-stack (L^2 memory traffic: 1.2 s of a 32-expert FFN step, against 0.1 s). benchmarks/micro/local_experts.py
-measures 32 experts of the paper-small shapes (scaled down) before and after.
+Expert e gets the same initial weights whatever the world size (one draw of the global RNG, then a
+generator per expert), so a seeded W-rank run starts from the model a seeded single-process run starts
+from. Every expert parameter carries `param.expert = True`: fairseq's legacy_ddp skips it in the gradient
+all-reduce. Several experts on one rank run as one product where they can (a batched matmul for equal
+counts, torch's grouped matmul for unequal counts on accelerators, one blocked causal product for the
+spatial experts); where they loop, the stacked weights are unbound once, because indexing them expert by
+expert makes every expert's gradient a zero-filled copy of the whole stack.
 """
 from __future__ import annotations
 
@@ -231,7 +217,11 @@ def tiled_expert_linear(x_RD: Tensor, tiles_E: list[int], weights_E: list[Tensor
 def _expert_layer_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None) -> Tensor:
     """An expert's own affine LayerNorm of its rows (Base Layers' expert sublayer); x as is without one.
     weight and bias broadcast against x: (D,) for one expert's rows, (R, D) per row, (L, 1, D) per batch."""
-    return x if weight is None else F.layer_norm(x, x.shape[-1:]) * weight + bias
+    if weight is None:
+        return x
+    if weight.dim() == 1:  # one expert: the fused affine form (and the form the FLOP counter counts)
+        return F.layer_norm(x, x.shape[-1:], weight, bias)
+    return F.layer_norm(x, x.shape[-1:]) * weight + bias
 
 
 class FFNExperts(nn.Module):
@@ -311,7 +301,11 @@ class FFNExperts(nn.Module):
 
     def _batched(self, x_LcD: Tensor) -> Tensor:
         w, b = self._norm_params()
-        x_LcD = _expert_layer_norm(x_LcD, *((w[:, None], b[:, None]) if w is not None else (None, None)))
+        if w is not None and w.shape[0] == 1:  # one local expert: its affine LayerNorm, fused
+            w, b = w[0], b[0]
+        elif w is not None:
+            w, b = w[:, None], b[:, None]
+        x_LcD = _expert_layer_norm(x_LcD, w, b)
         h_LcF = self.activation(torch.baddbmm(self.b1[:, None], x_LcD, self.w1))
         return torch.baddbmm(self.b2[:, None], h_LcF, self.w2)
 

@@ -1,24 +1,15 @@
 """MoE layers as four named stages: route -> dispatch -> experts -> combine (Megatron-Core's MoELayer).
 
-tMoE (token-routed FFN experts, sMLP section 2.2 / 3.1) and sMoE (hidden-dimension-routed
-spatial experts, sections 3.1-3.2), and the sMLP sparse block that stacks them. Each layer's
-`forward` lists its stages; the sMoE's cached decoding `step` runs the same stage methods and
-differs only where decoding differs (the cached routing decision, the span of positions each
-rank wants computed). The tMoE routes every row on its own in eval mode, so cached decoding
-calls its `forward` on the new rows.
+tMoE (token-routed FFN experts, sMLP sections 2.2 and 3.1), sMoE (hidden-dimension-routed spatial experts,
+sections 3.1-3.2) and the sMLP sparse block that stacks them. Each layer's `forward` lists its stages; the
+sMoE's cached decoding `step` runs the same stages and differs only where decoding differs.
 
-Shapes: the core's legend (smlp/__init__.py); here B batch, N positions (n <= T), k new
-positions, D model width, F the sMoE's input width, C gated channels, S rows routed on this
-rank, K slots per row, R rows a rank's experts receive, E experts, L local experts, P routing-
-prefix positions (partial prediction), M = n - P positions the sMoE experts mix (m of them in a
-decoding step).
+Shapes: the core's legend (smlp/__init__.py); here S rows routed on this rank, K slots per row, R rows a
+rank's experts receive, P routing-prefix positions, M = n - P positions the sMoE experts mix (m of them in a
+decoding step), k new positions.
 
-Auxiliary losses, load and all2all time are kept on the module after each forward
-(`aux_loss`, `z_loss`, `load_E`, `dropped`, `comm_seconds`) for the criterion and the logs to
-read; nothing lives in globals. They stay on the device (load_E) or as timing events
-(comm_seconds, read when it is asked for): a forward reads nothing on the host but the split
-sizes of its dispatches (dispatch.py), and the routers' input checks travel with those
-(routing/plan.py).
+Auxiliary losses and loads stay on the module after each forward (`aux_loss`, `z_loss`, `load_E`,
+`dropped`) for the criterion to read; a forward reads nothing on the host but its dispatches' split sizes.
 """
 from __future__ import annotations
 

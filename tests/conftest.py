@@ -73,6 +73,19 @@ def tiny_lm_data(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def smlp_tiny_one_process(tiny_lm_data, tmp_path_factory) -> Path:
+    """A save directory after 2 updates of smlp_lm_tiny with 2 experts on one process, trained in this process
+    (tests/test_bad_inputs.py, tests/test_bad_input_catalogue.py: copy it before changing anything)."""
+    from fairseq_helpers import PLUGINS, TRAIN, fairseq_train
+
+    save = tmp_path_factory.mktemp("smlp_tiny_one_process")
+    fairseq_train([str(tiny_lm_data), "--user-dir", PLUGINS, "--arch", "smlp_lm_tiny", "--num-experts", "2", *TRAIN,
+                   "--save-dir", str(save), "--disable-validation"])
+    assert (save / "checkpoint_last.pt").is_file()
+    return save
+
+
 # ---------------------------------------------------------------- one 2-rank sMLP tiny run per routing, shared
 
 

@@ -18,6 +18,31 @@ TINY_TRAIN = [
 ]
 
 
+TRAIN = [*TINY_TRAIN, "--cpu", "--max-update", "2"]  # the in-process runs of the bad-input tests
+
+
+def fairseq_train(argv: list[str], world: int = 1) -> None:
+    """fairseq-train's main() in this process; rank 0 of a fake `world`-rank group when world > 1 (only the
+    world size matters to the checks that run before training)."""
+    import torch.distributed as dist
+    from fairseq import options
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+    from fairseq_cli import train as fairseq_cli_train
+
+    parser = options.get_training_parser()
+    args = options.parse_args_and_arch(parser, argv)
+    cfg = convert_namespace_to_omegaconf(args)
+    if world > 1:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        fairseq_cli_train.main(cfg)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def smlp_tiny_flags(data, routing: str) -> list[str]:
     """The flags of the shared 2-rank run (`smlp_tiny_two_ranks`) and of the runs compared with it. The learning
     rate is fixed (no schedule) and fairseq reseeds every update, so --max-update, saving and validation decide

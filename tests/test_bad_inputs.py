@@ -20,34 +20,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from fairseq_helpers import PLUGINS, TINY_TRAIN
-
-TRAIN = [*TINY_TRAIN, "--cpu", "--max-update", "2"]
+from fairseq_helpers import PLUGINS, TRAIN, fairseq_train
 
 
 class TrainingStarted(Exception):
     pass
-
-
-def fairseq_train(argv: list[str], world: int = 1) -> None:
-    """fairseq-train's main() in this process; rank 0 of a fake `world`-rank group when world > 1."""
-    import torch.distributed as dist
-    from fairseq import options
-    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
-    from fairseq_cli import train as fairseq_cli_train
-
-    parser = options.get_training_parser()
-    args = options.parse_args_and_arch(parser, argv)
-    cfg = convert_namespace_to_omegaconf(args)
-    if world > 1:
-        from torch.testing._internal.distributed.fake_pg import FakeStore
-
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-    try:
-        fairseq_cli_train.main(cfg)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def snapshot(*dirs: Path) -> dict[str, str]:
@@ -56,13 +33,9 @@ def snapshot(*dirs: Path) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def trained(tiny_lm_data, tmp_path_factory) -> Path:
-    """A save directory after 2 updates of smlp_lm_tiny with 2 experts on one process."""
-    save = tmp_path_factory.mktemp("trained")
-    fairseq_train([str(tiny_lm_data), "--user-dir", PLUGINS, "--arch", "smlp_lm_tiny", "--num-experts", "2", *TRAIN,
-                   "--save-dir", str(save), "--disable-validation"])
-    assert (save / "checkpoint_last.pt").is_file()
-    return save
+def trained(smlp_tiny_one_process) -> Path:
+    """A save directory after 2 updates of smlp_lm_tiny with 2 experts on one process (conftest.py)."""
+    return smlp_tiny_one_process
 
 
 @dataclass
@@ -87,12 +60,32 @@ def arch(name, *extra):
 
 
 def other_dictionary(c: Ctx) -> list[str]:
+    """The data directory's dict.txt (consistent with its data) has 100 symbols more than the checkpoint's."""
     c.with_checkpoint()
     data = c.tmp / "other-data"
     shutil.copytree(c.data, data)
     lines = (data / "dict.txt").read_text().splitlines()
-    (data / "dict.txt").write_text("\n".join(lines[:500]) + "\n")
+    (data / "dict.txt").write_text("\n".join(lines + [f"madeup{i} 1" for i in range(100)]) + "\n")
     return [str(data), *smlp("--num-experts", "2")(c)[1:]]
+
+
+def data_copy(change: Callable[[Path], None]) -> Callable[[Ctx], list[str]]:
+    def build(c: Ctx) -> list[str]:
+        data = c.tmp / "data"
+        shutil.copytree(c.data, data)
+        change(data)
+        return [str(data), *smlp("--num-experts", "2")(c)[1:]]
+    return build
+
+
+def cut_short(data: Path) -> None:
+    raw = (data / "train.bin").read_bytes()
+    (data / "train.bin").write_bytes(raw[: len(raw) // 2])
+
+
+def fewer_symbols(data: Path) -> None:
+    lines = (data / "dict.txt").read_text().splitlines()
+    (data / "dict.txt").write_text("\n".join(lines[:500]) + "\n")
 
 
 def no_train_split(c: Ctx) -> list[str]:
@@ -133,41 +126,47 @@ def save_dir_under_a_file(c: Ctx) -> list[str]:
 CASES = [
     # flags and dimensions
     ("experts-do-not-divide-the-width", smlp("--num-experts", "3"), 1, ValueError,
-     ["num_experts=3 must divide the gated width 64"]),
+     ["--num-experts 3 must divide the gated width 64 (--decoder-embed-dim 64)"]),
     ("tokens-per-sample-above-seq-len", smlp("--seq-len", "16"), 1, ValueError,
-     ["--tokens-per-sample 32 exceeds the model's sequence length 16", "raise --seq-len"]),
+     ["--tokens-per-sample 32 exceeds the model's sequence length 16", "raise --seq-len to 32"]),
     ("routing-prefix-covers-the-sequence", smlp("--smoe-routing", "partial", "--seq-len", "160"), 1, ValueError,
      ["routes on the first 32 positions", "no position would be predicted", "use --seq-len 32"]),
     ("prefix-fraction-out-of-range", smlp("--smoe-routing", "partial", "--prefix-fraction", "1.5"), 1, ValueError,
-     ["prefix_fraction=1.5 must be in (0, 1)"]),
+     ["--prefix-fraction 1.5 must be in (0, 1)"]),
     ("base-shuffle-not-0-or-1", smlp("--base-shuffle", "2"), 1, ValueError,
      ["--base-shuffle 2 is invalid: use 1 (shuffle, the default) or 0"]),
     ("sgu-heads-do-not-divide", arch("gmlp_lm_tiny", "--sgu-heads", "3"), 1, ValueError,
-     ["heads=3 must divide the gated width 64"]),
+     ["--sgu-heads 3 must divide the gated width 64 (half of --decoder-ffn-embed-dim 128)"]),
     ("no-layer-at-all", arch("gmlp_lm_tiny", "--decoder-layers", "0"), 1, ValueError,
-     ["the model needs at least one layer"]),
+     ["--decoder-layers 0: the model needs at least one layer"]),
     ("attention-heads-do-not-divide", arch("transformer_lm_tiny", "--decoder-attention-heads", "5"), 1, ValueError,
-     ["heads=5 must divide d_model=64"]),
+     ["--decoder-attention-heads 5 must divide --decoder-embed-dim 64"]),
     ("every-other-placement-without-enough-dense", arch("switch_lm_tiny", "--decoder-layers", "1",
                                                         "--sparse-placement", "every_other"), 1, ValueError,
      ["every-other placement needs at least as many dense as sparse layers, got 1 dense and 2 sparse"]),
     ("capacity-factor-zero", arch("switch_lm_tiny", "--capacity-factor", "0"), 1, ValueError,
-     ["capacity_factor=0.0 is invalid: it must be > 0"]),
+     ["--capacity-factor 0.0 is invalid: it must be > 0"]),
     ("eval-capacity-factor-negative", arch("switch_lm_tiny", "--eval-capacity-factor", "-1"), 1, ValueError,
      ["--eval-capacity-factor -1.0 is invalid: give a factor > 0", "or 0 for no capacity limit at evaluation"]),
-    ("dropout-one", smlp("--dropout", "1.0"), 1, ValueError, ["dropout=1.0 is invalid: it must be in [0, 1)"]),
+    ("dropout-one", smlp("--dropout", "1.0"), 1, ValueError, ["--dropout 1.0 is invalid: it must be in [0, 1)"]),
+    ("ffn-width-odd", smlp("--decoder-ffn-embed-dim", "127"), 1, ValueError,
+     ["--decoder-ffn-embed-dim 127 must be even", "(e.g. --decoder-ffn-embed-dim 128)"]),
+    ("negative-experts", smlp("--num-experts", "-1"), 1, ValueError,
+     ["--num-experts -1 is invalid: give a positive number, or 0 for one per rank"]),
+    ("batch-size-zero", smlp("--batch-size", "0"), 1, ValueError,
+     ["--batch-size 0 is not a batch size: fairseq would take it as no limit", "give a number >= 1"]),
     ("unknown-smoe-routing", smlp("--smoe-routing", "learned"), 1, SystemExit,
      ["--smoe-routing: invalid choice: 'learned'", "deterministic", "partial"]),
     # (these three ran as fairseq-train subprocesses in test_fairseq.py, the rest of that list is above and below)
     ("experts-do-not-divide-a-wider-width", smlp("--decoder-embed-dim", "66", "--num-experts", "4"), 1, ValueError,
-     ["must divide the gated width 66"]),
+     ["--num-experts 4 must divide the gated width 66"]),
     ("unknown-moe-router", arch("switch_lm_tiny", "--moe-router", "top3"), 1, SystemExit,
      ["--moe-router: invalid choice: 'top3'"]),
     ("hypermixer-with-sgu-heads", arch("hypermixer_lm_tiny", "--sgu-heads", "2"), 1, ValueError,
-     ["token_mixer='hypermixer' needs heads=1"]),
+     ["--token-mixer hypermixer needs --sgu-heads 1"]),
     # experts vs world size (rank 0 of 2)
     ("experts-not-a-multiple-of-the-world", smlp("--num-experts", "3", "--distributed-world-size", "2"), 2, ValueError,
-     ["num_experts=3 cannot be spread evenly over 2 ranks", "multiple of the world size (e.g. 2 or 4)"]),
+     ["--num-experts 3 cannot be spread evenly over 2 ranks", "multiple of the world size (e.g. 2 or 4)"]),
     ("expert-group-does-not-tile-the-ranks", smlp("--num-experts", "4", "--expert-parallel-size", "3",
                                                   "--distributed-world-size", "2"), 2, ValueError,
      ["--expert-parallel-size 3 does not divide the world size 2"]),
@@ -180,7 +179,12 @@ CASES = [
      ["has no dict.txt; pass the output folder"]),
     ("data-dir-without-train-split", no_train_split, 1, FileNotFoundError, ["Dataset not found: train"]),
     ("data-dir-with-another-dictionary", other_dictionary, 1, ValueError,
-     ["trained with a 2000-symbol dictionary and the data directory's dict.txt has 504 symbols"]),
+     ["trained with a 2000-symbol dictionary and the data directory's dict.txt has 2100 symbols"]),
+    ("train-bin-cut-short", data_copy(cut_short), 1, FileNotFoundError,
+     ["/data/train.bin holds", "bytes but its index train.idx describes", "sentences): the file is cut short"]),
+    ("dictionary-smaller-than-the-data", data_copy(fewer_symbols), 1, FileNotFoundError,
+     ["/data/valid.bin holds token id", "but", "/data/dict.txt has 504 symbols (ids 0-503): the data was binarized "
+                                              "with another, larger dictionary"]),
     # checkpoints
     ("checkpoint-of-another-architecture", resume("--arch", "gmlp_lm_tiny"), 1, ValueError,
      ["does not fit the model of this run: the checkpoint is of another architecture",

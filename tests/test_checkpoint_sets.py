@@ -263,3 +263,58 @@ def test_rank_shards_finds_what_the_glob_rules_it_replaced_found(tmp_path, monke
     monkeypatch.chdir(tmp_path)
     assert rank_shards("x.pt") == old("x.pt") == {0: "x-rank-0.pt", 1: "x-rank-1.pt", 10: "x-rank-10.pt"}
     assert rank_shards(str(tmp_path / "missing" / "x.pt")) == {}
+
+
+# ----------------------------------------------------------------------------- runs on other world sizes
+
+
+def test_a_run_on_fewer_ranks_supersedes_the_shards_it_does_not_write(tmp_path):
+    """A 2-rank run saved checkpoint_best at update 10; resumed on 1 rank, its save of update 12 rewrote
+    checkpoint_best-rank-0.pt only. rank-1 is the earlier run's and is superseded; a name this run did not
+    save (checkpoint_1_10) stays the earlier run's whole set, and a one-file run supersedes every shard."""
+    from fairseq_plugins.checkpoint_sets import superseded_files
+
+    write_set(tmp_path, "checkpoint_best", [10, 10], run="old")
+    write_set(tmp_path, "checkpoint_1_10", [10, 10], run="old")
+    torch.save(fake_state(12, rank=0, world=1, run="new"), tmp_path / "checkpoint_best-rank-0.pt")
+    stale = superseded_files(str(tmp_path), "new", world=1, sharded=True)
+    assert stale == [str(tmp_path / "checkpoint_best-rank-1.pt")]
+    assert superseded_files(str(tmp_path), "other", world=1, sharded=True) == []  # only what this run wrote
+    with pytest.raises(CheckpointSetError) as err:  # what consolidation said before the superseded file went
+        consolidate(str(tmp_path / "checkpoint_best.pt"))
+    assert ("not one save (the shards come from runs on 1 and 2 ranks: a run on fewer ranks wrote the first shards "
+            "of this name and left the others of an earlier run): checkpoint_best-rank-0.pt: update 12, written by a "
+            "1-rank run (run new); checkpoint_best-rank-1.pt: update 10, written by a 2-rank run (run old)") \
+        in str(err.value)
+    torch.save(fake_state(14, world=1, run="one", sharded=False), tmp_path / "checkpoint_1_10.pt")
+    assert superseded_files(str(tmp_path), "one", world=1, sharded=False) == [
+        str(tmp_path / f"checkpoint_1_10-rank-{r}.pt") for r in (0, 1)]
+
+
+def test_a_consolidated_file_older_than_its_shards_is_refused_naming_both(tmp_path):
+    """smlp-consolidate wrote checkpoint_best.pt at update 10, then training went on and saved update 12's
+    shards beside it: every loading path (check_current) refuses, naming both and the fix."""
+    from fairseq_plugins.checkpoints import check_current
+
+    write_set(tmp_path, "checkpoint_best", [10, 10], run="run1")
+    merged = fake_state(10, run="run1")
+    merged["smlp_consolidated_from"] = 2
+    torch.save(merged, tmp_path / "checkpoint_best.pt")
+    check_current(str(tmp_path / "checkpoint_best.pt"))  # merged from these very shards
+    write_set(tmp_path, "checkpoint_best", [12, 12], run="run1")
+    with pytest.raises(CheckpointSetError) as err:
+        check_current(str(tmp_path / "checkpoint_best.pt"))
+    assert (f"{tmp_path / 'checkpoint_best.pt'} and its rank shards hold different saves (checkpoint_best.pt: "
+            f"update 10, merged by smlp-consolidate from 2 shards; checkpoint_best-rank-0.pt: update 12, written by a "
+            f"2-rank run (run run1); checkpoint_best-rank-1.pt: update 12") in str(err.value)
+    assert f"run `smlp-consolidate {tmp_path / 'checkpoint_best.pt'}` again" in str(err.value)
+
+
+def test_consolidate_never_overwrites_a_training_checkpoint(tmp_path):
+    write_set(tmp_path, "checkpoint_best", [10, 10], run="old")
+    torch.save(fake_state(12, world=1, run="one", sharded=False), tmp_path / "checkpoint_best.pt")
+    before = (tmp_path / "checkpoint_best.pt").read_bytes()
+    with pytest.raises(CheckpointSetError, match=r"checkpoint_best\.pt exists and was not written by smlp-consolidate "
+                                                 r"\(a training checkpoint, checkpoint_best\.pt: update 12"):
+        consolidate(str(tmp_path / "checkpoint_best.pt"))
+    assert (tmp_path / "checkpoint_best.pt").read_bytes() == before

@@ -175,9 +175,10 @@ def test_no_cpu_tensor_reaches_a_collective_when_the_backend_is_nccl(tmp_path):
         # shuffle: counts + rows; unshuffle: rows; backward: both row exchanges reversed
         assert r["shuffle"]["collectives"] == ["all_to_all_single"] * 5
         assert r["shuffle"]["round_trip"] and r["shuffle"]["grad"] and r["shuffle"]["sizes"][0] in (9, 10)
-        # forward: shuffle of the scores (counts, scores), their experts back, dispatch (counts, tokens),
-        # combine; backward: the 2 token exchanges reversed (the scores and experts carry no gradient)
-        assert r["base_step"] == ["all_to_all_single"] * 8
+        # forward: the evaluation prices' fold (one all-reduce of E + 1 numbers, every training forward),
+        # shuffle of the scores (counts, scores), their experts back, dispatch (counts, tokens), combine;
+        # backward: the 2 token exchanges reversed (the scores and experts carry no gradient)
+        assert r["base_step"] == ["all_reduce"] + ["all_to_all_single"] * 8
         assert r["replica_collectives"] == ["all_reduce"] * 4  # w1, b1, w2, b2
         assert r["synchronized"] == 0  # nothing waited for the device
         assert r["stop_vote"] is False

@@ -37,6 +37,7 @@ RUN_ELSEWHERE = {"generation.md": "tests/test_generation_docs.py"}
 PROGRAMS_RUN_ELSEWHERE = {"smlp-flops": "tests/test_flops.py"}  # each command runs there (closed-form count)
 SHELL = {"echo", "printf", "cat"}  # feeding a pipeline
 INSTALL = {"python3", "pip", "."}  # the install block: checked against the Makefile instead
+PLACE = {"git", "cd"}  # choosing the checkout a command runs in, before `&&`
 
 
 class Parsed(Exception):
@@ -111,7 +112,10 @@ def commands_in(text: str, name: str) -> list[list[str]]:
                     current.append(tok)
             segments.append(current)
             for seg in segments[:-1]:
-                assert seg and (seg[0] in SHELL or seg[0] in INSTALL), f"{name}: cannot check `{line}`"
+                if seg and seg[0] == "make":  # a make target on the way: checked like any other
+                    commands.append(seg)
+                    continue
+                assert seg and seg[0] in SHELL | INSTALL | PLACE, f"{name}: cannot check `{line}`"
             commands.append(segments[-1])
     return commands
 

@@ -404,7 +404,7 @@ def test_half_precision_export(dtype, checkpoints, tmp_path):
 
 
 def test_cli_prints_the_loading_lines_and_refuses_an_existing_folder(checkpoints, tmp_path, capsys):
-    out = tmp_path / "cli"
+    out = tmp_path / "hf" / "cli"  # README's `--hf hf/plays` on a fresh checkout: the parent is created
     assert hf_export.main([str(checkpoints["gmlp"]), "--hf", str(out), "--no-verify"]) == 0
     printed = capsys.readouterr().out
     assert f"wrote {out}" in printed and "AutoModelForCausalLM.from_pretrained" in printed
@@ -414,12 +414,16 @@ def test_cli_prints_the_loading_lines_and_refuses_an_existing_folder(checkpoints
     assert not list(out.glob("*.bin")) and not list(out.glob("*.pt"))  # no pickle
     config = json.loads((out / "config.json").read_text())
     assert config["lm_config"]["family"] == "gmlp" and config["auto_map"]["AutoModelForCausalLM"]
-    (out / "marker").write_text("earlier export")
     assert hf_export.main([str(checkpoints["gmlp"]), "--hf", str(out), "--no-verify"]) == 2
-    assert "exists" in capsys.readouterr().err and (out / "marker").exists()
+    assert "exists" in capsys.readouterr().err
+    (out / "notes.txt").write_text("the user's own file")  # --force would delete it: refused
+    assert hf_export.main([str(checkpoints["gmlp"]), "--hf", str(out), "--no-verify", "--force"]) == 2
+    assert "also holds files smlp-export does not write (notes.txt)" in capsys.readouterr().err
+    (out / "notes.txt").unlink()
+    before = (out / "model.safetensors").stat().st_ino
     assert hf_export.main([str(checkpoints["gmlp"]), "--hf", str(out), "--no-verify", "--force"]) == 0
-    assert not (out / "marker").exists() and (out / "config.json").exists()
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    assert (out / "config.json").exists() and (out / "model.safetensors").stat().st_ino != before
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(".")]
 
 
 def test_a_failed_export_leaves_no_folder_and_keeps_the_previous_one(checkpoints, tmp_path, monkeypatch):
@@ -432,10 +436,13 @@ def test_a_failed_export_leaves_no_folder_and_keeps_the_previous_one(checkpoints
         hf_export.export(str(checkpoints["switch"]), out)
     assert not out.exists() and list(tmp_path.iterdir()) == []
     out.mkdir()
-    (out / "marker").write_text("previous export")
+    (out / "config.json").write_text('{"smlp_export": {}, "previous": true}')  # an earlier export's
     with pytest.raises(hf_export.ExportError, match="planted"):
         hf_export.export(str(checkpoints["switch"]), out, force=True)
-    assert [p.name for p in tmp_path.iterdir()] == ["atomic"] and (out / "marker").read_text() == "previous export"
+    assert [p.name for p in tmp_path.iterdir()] == ["atomic"] and "previous" in (out / "config.json").read_text()
+    with pytest.raises(hf_export.ExportError, match="planted"):  # missing parents are created, then removed
+        hf_export.export(str(checkpoints["switch"]), tmp_path / "new" / "deeper" / "hf")
+    assert [p.name for p in tmp_path.iterdir()] == ["atomic"]
 
 
 def test_another_architecture_is_refused_before_anything_is_written(checkpoints, tmp_path, capsys):

@@ -68,6 +68,14 @@ def fake_training(monkeypatch):
     monkeypatch.setattr(machine, "code_identity", lambda: {"commit": "c0ffee", "dirty": False})
     monkeypatch.setattr(fair, "code_identity", lambda: {"commit": "c0ffee", "dirty": False})
     monkeypatch.setattr(report, "plot", lambda *a, **k: None)  # the stages' Figure 5 (the fair figures are drawn)
+    # the step-time model's Table 4 on the paper's GPUs (tests/test_steptime.py checks it; a minute and a half
+    # here): a stand-in where sMLP-det is the fastest, as the model predicts
+    from smlp_bench.experiments import TABLE4_KEYS
+
+    rows = [{"name": name, "paper_wps": 1.0, "paper_vs_smlp": 1.0 if key == "smlp_det" else 0.8,
+             "words_per_second": 1.0, "vs_smlp": 1.0 if key == "smlp_det" else 0.9}
+            for name, key in TABLE4_KEYS.items()]
+    monkeypatch.setattr(fair, "_paper_step_rows", lambda: rows)
     monkeypatch.setattr(schedule.os, "fsync", lambda fd: None)  # runs.json's durability is not what is tested here
     return calls
 
@@ -180,7 +188,7 @@ def test_the_fair_benchmark_sweeps_decides_and_resumes(tmp_path, data, fake_trai
     rows = {r["model"]: r for r in rec["experts"]["rows"]}
     assert sorted(int(e) for e in rows["smlp_det"]["ppl"]) == [2, 8, 32]
     t4 = json.loads((out / "table4" / "results.json").read_text())
-    assert t4["claims"][0]["holds"].startswith(("yes", "no"))  # the step-time model's answer
+    assert t4["claims"][0]["holds"] == "yes (step-time model)"  # the stand-in's answer, through the claims rule
 
     # 5. --publish puts the answers in the page and README, from the store in place
     from smlp_bench import publish

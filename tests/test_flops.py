@@ -286,7 +286,7 @@ def test_cli_match_json(capsys):
 @pytest.mark.parametrize("argv, message", [
     (["--arch", "no_such_arch"], "not one of our registered architectures"),
     (["--arch", "gmlp_lm_tiny", "--decoder-ffn-embed-dim", "127"], "must be even"),
-    (["--arch", "transformer_lm_tiny", "--decoder-attention-heads", "7"], "heads=7 must divide"),
+    (["--arch", "transformer_lm_tiny", "--decoder-attention-heads", "7"], "--decoder-attention-heads 7 must divide"),
     (["--arch", "smlp_lm_paper_small", "--distributed-world-size", "12"], "cannot be spread evenly"),
     (["--arch", "smlp_lm_paper_small", "--num-experts", "30"], "must divide the gated width"),
     (["--arch", "smlp_lm_tiny"], "give --num-experts or --distributed-world-size"),

@@ -152,6 +152,10 @@ def test_evaluation_and_the_core_import_no_launcher_and_data_preparation_no_mode
         return seen
 
     NOT_MODELS = {"smlp.third_party", "smlp.process_group"}  # start-up settings; rank and world size
+    # a worker (smlp-launch --worker, its own process) checks its fairseq-train flags with the model's code
+    # (smlp_launch.preflight) before fairseq-train runs there; the launcher's own checks never reach it
+    assert "smlp_launch.preflight" in graph["smlp_launch.worker"]
+    graph["smlp_launch.worker"] = graph["smlp_launch.worker"] - {"smlp_launch.preflight"}
     for entry in ("smlp_launch.data", "smlp_launch.local", "smlp_eval.text"):
         model_code = {m for m in reach(entry) if m.startswith(("smlp.", "fairseq_plugins")) and m not in NOT_MODELS}
         assert not model_code, (entry, model_code)
@@ -202,3 +206,25 @@ def test_every_test_of_a_slurm_cluster_is_scheduled_with_the_others(request):
     assert all(xdist_scope(i.nodeid) == "slurm" for i in items), [i.nodeid for i in items]
     assert xdist_scope("tests/test_core.py::test_x[a-b]") == "tests/test_core.py"
     assert xdist_scope("tests/test_faults.py::test_slurm_time_limit") == "slurm"
+
+
+# ---------------------------------------------------------------- the layout
+
+MAX_MODULE_LINES = 700
+
+
+def test_no_module_is_past_700_lines():
+    """A module a reader can hold: past 700 lines a module holds more than one thing (split it by what it holds)."""
+    long = {name: n for name, path in modules().items() if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not long, long
+
+
+def test_no_two_modules_of_a_package_share_a_name():
+    """One name, one module within a package (smlp.gates beside smlp.routing.gates made a reader open both)."""
+    by_package: dict[tuple[str, str], list[str]] = {}
+    for name in modules():
+        parts = name.split(".")
+        if parts[-1] not in ("__init__", "__main__"):
+            by_package.setdefault((parts[0], parts[-1]), []).append(name)
+    twins = {k: v for k, v in by_package.items() if len(v) > 1}
+    assert not twins, twins

@@ -163,6 +163,42 @@ def test_validates_before_launch(tmp_path, capsys):
     assert "after `--`" in capsys.readouterr().err
 
 
+def test_a_terminal_gets_a_progress_bar_over_the_updates(tmp_path, monkeypatch):
+    """On a terminal rank 0's lines are read by the launcher: training lines move a bar over --max-update with
+    the loss and words/s (and tqdm's rate and time left), other lines are printed above it, all go to rank0.log."""
+    import io
+
+    import smlp_launch.local as local
+    from smlp_launch.progress import Progress
+
+    opts = local._parser().parse_args(["--nproc", "2", "--cpu"])
+    args = [str(tmp_path), "--max-update", "60"]
+    monkeypatch.setattr(local.sys.stderr, "isatty", lambda: True)
+    plan = local.plan_launch(opts, list(args))
+    assert plan.progress and plan.max_update == 60 and plan.fairseq_args[-2:] == ["--log-interval", "10"]
+    assert not local.plan_launch(local._parser().parse_args(["--nproc", "2", "--cpu", "--no-progress"]),
+                                 list(args)).progress
+    monkeypatch.setattr(local.sys.stderr, "isatty", lambda: False)
+    assert not local.plan_launch(opts, list(args)).progress  # a file or a pipe: rank 0's output as it is
+
+    out = io.StringIO()
+    progress = Progress(60, tmp_path / "rank0.log", out)
+    lines = ["2026-01-01 00:00:00 | INFO | fairseq_cli.train | begin training epoch 1\n",
+             "2026-01-01 00:00:01 | INFO | train_inner | epoch 001:     10 / 81 loss=9.604, nll_loss=9.604, "
+             "ppl=778.2, wps=3382.5, ups=6.61, wpb=512, bsz=16, num_updates=10, lr=0.003\n",
+             "2026-01-01 00:00:02 | INFO | train_inner | epoch 001:     30 / 81 loss=7.006, nll_loss=7.006, "
+             "ppl=128.5, wps=3804.9, ups=6.9, wpb=512, bsz=16, num_updates=30, lr=0.003\n",
+             "2026-01-01 00:00:03 | INFO | valid | epoch 001 | valid on 'valid' subset | loss 6.448 | nll_loss 6.448 "
+             "| ppl 87.3 | wps 0 | wpb 2364 | bsz 148 | num_updates 30\n"]
+    progress.follow(io.StringIO("".join(lines)))
+    progress.close()
+    shown = out.getvalue()
+    assert "30/60" in shown and "loss=7.006" in shown and "words/s=3804.9" in shown and "upd/s" in shown, shown
+    assert "valid @ 30 updates: loss 6.448 (base 2), perplexity 87.3" in shown
+    assert "begin training epoch 1" in shown and "train_inner" not in shown
+    assert (tmp_path / "rank0.log").read_text() == "".join(lines)
+
+
 def test_worker_commands(tmp_path, capsys):
     user = [str(tmp_path), "--arch", "transformer_lm", "--save-dir", str(tmp_path / "ck"), "--lr", "0.1"]
     rc = launch_main(["--nproc", "2", "--cpu", "--master-port", "29555", "--dry-run", "--", *user])

@@ -18,6 +18,7 @@ def _patched():
     from fairseq.data import token_block_dataset
     from fairseq.distributed import utils as distributed_utils
     from fairseq.models import distributed_fairseq_model
+    from fairseq.tasks.fairseq_task import FairseqTask
     from fairseq.tasks.language_modeling import LanguageModelingTask
 
     return {"load_checkpoint": checkpoint_utils.load_checkpoint, "save_checkpoint": checkpoint_utils.save_checkpoint,
@@ -27,14 +28,18 @@ def _patched():
             "train_step": trainer.Trainer.train_step, "clip_grad_norm": trainer.Trainer.clip_grad_norm,
             "token_block_np": token_block_dataset.np, "get_valid_iterator": trainer.Trainer.get_valid_iterator,
             "call_main": distributed_utils.call_main, "all_gather_list": distributed_utils.all_gather_list,
-            "DistributedDataParallel": distributed_fairseq_model.DistributedDataParallel}
+            "DistributedDataParallel": distributed_fairseq_model.DistributedDataParallel,
+            "get_batch_iterator": FairseqTask.get_batch_iterator,
+            "load_checkpoint_to_cpu": checkpoint_utils.load_checkpoint_to_cpu,
+            "load_dataset": LanguageModelingTask.load_dataset}
 
 
 def test_every_listed_patch_names_code_that_exists_and_says_what_it_fixes():
     assert [p.name for p in patches.PATCHES] == [
-        "allow_fairseq_checkpoints", "checkpoint_sets", "guard_language_modeling_data", "elastic", "zero_optimizer",
+        "allow_fairseq_checkpoints", "pin_sequence_length", "checkpoint_sets", "guard_language_modeling_data",
+        "refuse_unlimited_batches", "elastic", "zero_optimizer",
         "precision", "generation_patches", "evaluate_every_sequence", "gather_lists_off_cuda", "ddp_on_cpu",
-        "restore_fairseq_cli_logging"]
+        "restore_fairseq_cli_logging", "print_refusals"]
     for p in patches.PATCHES:
         assert callable(getattr(importlib.import_module(f"fairseq_plugins.{p.module}"), p.function)), p
         assert len(p.fixes) > 40, p

@@ -476,6 +476,10 @@ def test_scorer_scores_every_token_once_with_truncation_windows_and_prefix_fill(
     for (ctx, cont), s in zip(reqs, scores):
         assert s.num_tokens == len(cont)
         assert s.logprob == pytest.approx(model.expected(ctx, cont), abs=1e-9)  # finite: no prefix position scored
+        # truncated: some token is predicted without its whole context (</s>, context and continuation > T)
+        if cont and len(ctx) + len(cont) > 16 or (start == 0 and s.truncated):
+            assert s.truncated and len(ctx) + len(cont) > 16 - start, (ctx, cont)
+    assert 0 < sum(s.truncated for s in scores) < len(scores)
     shuffled = list(range(len(reqs)))
     random.Random(1).shuffle(shuffled)
     again = LMScorer(model, eos=2, pad=1, batch_size=batch_size, progress=False).score([reqs[i] for i in shuffled])
@@ -819,6 +823,7 @@ def test_candidate_scores_and_accuracy_equal_a_direct_forward_of_the_model(which
             for c, whole, k in zip(ex["candidates"], wholes, ks):
                 ref, cut = _reference(model, eos, whole, k, fill)
                 assert c["logprob"] == pytest.approx(ref, abs=2e-4), (name, ex["index"], c)
+                assert c["truncated"] == cut, (name, ex["index"], c)
                 scores.append(_rule_score(mode, ref, k))
                 checked += 1
                 truncated += cut
@@ -830,7 +835,11 @@ def test_candidate_scores_and_accuracy_equal_a_direct_forward_of_the_model(which
                 correct += pred == ex["label"]
         if name != "record" and complete:
             assert res["metrics"] == {"acc": correct / len(res["examples"])}
+        # counted per task in the JSON and the table, with the rule that scores them
+        assert res["truncated"]["examples"] == sum(ex["truncated"] for ex in res["examples"])
+        assert all(ex["truncated"] == any(c["truncated"] for c in ex["candidates"]) for ex in res["examples"])
     assert checked >= 60 and truncated >= 5  # long contexts (HellaSwag, ReCoRD) were cut from the left
+    assert "truncated" in text.splitlines()[0] and "truncated: an example with a candidate longer than" in text
 
 
 @pytest.mark.slow

@@ -23,7 +23,6 @@ counts (sMLP section 4.1, Tables 3, 5, 8-10), and the time of a training step on
 The names below are the calculator's public ones, importable from `smlp_eval.flops` itself
 (`from smlp_eval import flops as F; F.match(F.count_spec(F.parse_model(...)))`).
 """
-from smlp.dispatch import OneGPUDispatcher
 
 from .command import PROG, build_parser, cli, cluster_from_args, main, run
 from .counting import (
@@ -44,6 +43,7 @@ from .counting import (
 )
 from .matching import MATCH_FAMILIES, MIXER_FAMILIES, MatchRow, family_config, match
 from .model_spec import DEFAULT_VOCAB, ModelSpec, count_spec, fairseq_flags, parse_model, plugin_archs
+from .one_gpu import OneGPUDispatcher
 from .paper_figures import TABLE3_DIMS
 from .steptime import step_time_for, table4
 from .tables import (

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from smlp.steptime import smoe_expert_params
 from smlp.third_party import quiet_imports
@@ -41,7 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Other flags are fairseq model flags (e.g. --decoder-layers 30 --tokens-per-sample 512 "
                "--distributed-world-size 16), applied on top of the --arch preset.")
     p.add_argument("--arch", help="a registered architecture, e.g. smlp_lm_paper_small")
-    p.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB, help=f"vocabulary size (default {DEFAULT_VOCAB})")
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help=f"vocabulary size (default {DEFAULT_VOCAB}, the paper's; {TINY_VOCAB}, the demo corpus's, for "
+                        f"the *_tiny presets)")
     p.add_argument("--method", choices=METHODS, default="fvcore", help="how FLOPs are counted (default fvcore)")
     p.add_argument("--match", action="store_true", help="FLOP-matched layer counts of every family for --arch")
     p.add_argument("--match-tolerance", type=float, default=0.015,
@@ -90,9 +93,52 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+TINY_VOCAB = 4000  # smlp-demo's sentencepiece vocabulary: the corpus the tiny recipes train on
+
+
+def recipe_tokens(arch: str) -> tuple[int, str] | None:
+    """(--tokens-per-sample, the file) of the configs/*.args recipe that trains `arch`, if the repository has one."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("fairseq_plugins")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    configs = Path(spec.submodule_search_locations[0]).resolve().parent / "configs"
+    for path in sorted(configs.glob("*.args")):
+        flags = path.read_text().split()
+        if "--arch" in flags and flags[flags.index("--arch") + 1] == arch and "--tokens-per-sample" in flags:
+            return int(flags[flags.index("--tokens-per-sample") + 1]), f"configs/{path.name}"
+    return None
+
+
+def as_trained(arch: str, flags: list[str], vocab_size: int | None) -> tuple[list[str], int]:
+    """--arch's model as its recipe trains it where the flags leave T and V open: T from its configs/*.args
+    recipe (fairseq's own default is 1024), V the demo corpus's for the tiny presets (else the paper's); said on
+    stderr, so that a count is never of a sequence length nobody trains."""
+    said = []
+    given = any(f == "--tokens-per-sample" or f.startswith("--tokens-per-sample=") for f in flags)
+    recipe = None if given else recipe_tokens(arch)
+    if recipe is not None:
+        flags = ["--tokens-per-sample", str(recipe[0]), *flags]
+        said.append(f"--tokens-per-sample {recipe[0]} ({recipe[1]})")
+    if vocab_size is None:
+        tiny = arch.endswith("_tiny")
+        vocab_size = TINY_VOCAB if tiny else DEFAULT_VOCAB
+        if tiny:
+            said.append(f"--vocab-size {TINY_VOCAB} (smlp-demo's corpus)")
+    if said:
+        print(f"{PROG}: {arch} as its recipe trains it: {', '.join(said)}; give the flag to count another",
+              file=sys.stderr)
+    return flags, vocab_size
+
+
 def run(argv: Sequence[str] | None = None) -> str:
     parser = build_parser()
     args, flags = parser.parse_known_args(argv)
+    if args.arch:
+        flags, args.vocab_size = as_trained(args.arch, flags, args.vocab_size)
+    elif args.vocab_size is None:
+        args.vocab_size = DEFAULT_VOCAB
     if args.smoe_layouts:
         if args.arch or args.step_time or args.table4 or args.match or args.paper_tables or flags:
             raise ValueError("--smoe-layouts takes no --arch, --step-time, --table4, --match, --paper-tables or "

@@ -42,7 +42,6 @@ import torch
 from torch import nn
 
 from smlp.config import SGUConfig, SMoEConfig
-from smlp.dispatch import OneGPUDispatcher, check_experts_per_gpu
 from smlp.experts import is_expert
 from smlp.flop_forms import counted_forms
 from smlp.gmlp import GMLPBlock, SpatialGatingUnit
@@ -55,6 +54,7 @@ from smlp.spatial import executed_pairs
 from smlp.token_routed import TokenRoutedGMLPBlock
 from smlp.transformer import CausalSelfAttention, DenseFFN, TransformerBlock
 
+from .one_gpu import OneGPUDispatcher, check_experts_per_gpu
 from .paper_figures import TABLE3_DIMS, TABLE3_ROWS
 
 __all__ = ["CONVENTION", "METHODS", "FAMILY_NAMES", "LayerCost", "CostModel", "Count", "cost_model", "count",

@@ -5,7 +5,8 @@ Parameters always come from the real modules (built on the meta device: no memor
 
 Matching (--match): for each family the number of layers whose FLOPs match the target's. A model
 matches when its FLOPs are within --match-tolerance (default 1.5%) of the target; among matches the
-one with the fewest layers (the cheapest FLOP-matched model) wins, with no match the nearest.
+one with the fewest layers (the cheapest FLOP-matched model) wins, with no match the nearest (marked so).
+An sMLP whose --smlp-sparse-layers exceed the target at one dense block matches nothing: refused.
 Why not simply the nearest: for the small sMLP (0.822T) gMLP 41 layers is -1.1% and 42 is +0.95%;
 the paper chose 41 (Table 9 lists both at "0.83T", FLOPs given to two digits). Tolerances from
 1.2% to 2.0% give the paper's Transformer 24, gMLP 41 and Base Layers 12 + 12 and keep the sMLP
@@ -102,6 +103,7 @@ def match(target: Count, *, tolerance: float = 0.015, smlp_sparse: int | None = 
     if not 0 <= tolerance < 1:
         raise ValueError(f"--match-tolerance {tolerance} must be in [0, 1)")
     t = target.cfg
+    smlp_sparse_given = smlp_sparse is not None
     if smlp_sparse is None and t.family == "smlp":
         smlp_sparse = t.sparse_layers
     rows = []
@@ -124,6 +126,15 @@ def match(target: Count, *, tolerance: float = 0.015, smlp_sparse: int | None = 
                 continue  # a sparse family needs a sparse layer
             candidates.append((n, cm.count(dense, sparse)))
         within = [(n, c) for n, c in candidates if abs(c.flops / target.flops - 1) <= tolerance]
+        smallest = candidates[0][1]
+        if not within and family == "smlp" and smlp_sparse_given and smallest.flops > target.flops * (1 + tolerance):
+            dense, sparse = split(candidates[0][0])
+            over = smallest.flops / target.flops - 1
+            raise ValueError(
+                f"--smlp-sparse-layers {smlp_sparse}: the smallest sMLP with {smlp_sparse} sparse blocks ({dense} "
+                f"dense + {sparse} sparse) has {smallest.flops / 1e12:.4g}T FLOPs, {over:+.0%} of the target's "
+                f"{target.flops / 1e12:.4g}T: none matches within {tolerance:.1%}; give fewer sparse blocks (the "
+                f"target has {t.sparse_layers})")
         if within:
             n, c = min(within, key=lambda nc: nc[0])
         else:

@@ -13,12 +13,12 @@ from smlp.steptime import (
     CLUSTERS,
     SMOE_LAYOUTS,
     Training,
-    activation_bytes,
     choose_smoe_layout,
     smoe_expert_params,
     step_time,
 )
 
+from .activations import activation_bytes
 from .model_spec import ModelSpec, count_spec, parse_model
 
 __all__ = ["TABLE4", "Table4Row", "step_time_for", "table4", "compare_smoe_layouts",

@@ -14,7 +14,7 @@ Shapes: the core's legend (smlp/__init__.py).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -24,8 +24,14 @@ __all__ = ["RoutingPlan", "NonFiniteScoresError", "FAULT_WIDTH", "FLAG_ONLY", "c
            "deferred_or_raised", "score_check", "token_id_check"]
 
 
-@dataclass(frozen=True)
-class RoutingPlan:
+class _PlanFields(NamedTuple):
+    experts_SK: Tensor
+    weights_SK: Tensor
+    aux_loss: Tensor | None = None
+    fault: Tensor | None = None
+
+
+class RoutingPlan(_PlanFields):
     """Where each row goes and how its expert output is weighted.
 
     experts_SK: expert index per (row, slot), -1 where the slot is dropped (over capacity).
@@ -34,19 +40,21 @@ class RoutingPlan:
     aux_loss:   auxiliary load-balancing loss (scalar) or None when the router has none.
     fault:      the router's input check left on the device (`defer_checks=True`), a (FAULT_WIDTH,)
                 int64 record, or None when the check was read already.
+
+    A tuple: a router module returns it from `forward`, and torch's module hooks (fairseq's
+    NanDetector among them) expect a module's output to be a tensor or a tuple of them.
     """
 
-    experts_SK: Tensor
-    weights_SK: Tensor
-    aux_loss: Tensor | None = None
-    fault: Tensor | None = None
+    __slots__ = ()
 
-    def __post_init__(self) -> None:
-        if self.experts_SK.dim() != 2 or self.experts_SK.shape != self.weights_SK.shape:
+    def __new__(cls, experts_SK: Tensor, weights_SK: Tensor, aux_loss: Tensor | None = None,
+                fault: Tensor | None = None):
+        if experts_SK.dim() != 2 or experts_SK.shape != weights_SK.shape:
             raise ValueError(
                 f"RoutingPlan needs experts_SK and weights_SK of the same (S, K) shape, got "
-                f"{tuple(self.experts_SK.shape)} and {tuple(self.weights_SK.shape)}"
+                f"{tuple(experts_SK.shape)} and {tuple(weights_SK.shape)}"
             )
+        return super().__new__(cls, experts_SK, weights_SK, aux_loss, fault)
 
     def counts(self, num_experts: int) -> Tensor:
         """Rows per expert (dropped slots excluded): (E,) long, on the device (no host sync)."""
