@@ -300,11 +300,13 @@ class LocalDispatcher:
     def unshuffle(self, y_SD: Tensor, state: ShuffleState | None) -> Tensor:
         return y_SD
 
-    def dispatch(self, x_SD: Tensor, expert_S: Tensor, *, presorted: bool = False, counts_E1: Tensor | None = None,
-                 host_counts_E: list[int] | None = None, fault: Tensor | None = None, layer: str = "",
-                 common_width: bool = False) -> tuple[Tensor, list[int], DispatchState]:
+    def dispatch(self, x_SD: Tensor, expert_S: Tensor | None, *, presorted: bool = False,
+                 counts_E1: Tensor | None = None, host_counts_E: list[int] | None = None, fault: Tensor | None = None,
+                 layer: str = "", common_width: bool = False) -> tuple[Tensor, list[int], DispatchState]:
         """Sort the rows by expert; rows of expert -1 (dropped slots) come first and are cut off.
 
+        expert_S:      (S,) each row's expert; None for presorted rows whose counts are given (host_counts_E
+                       here, counts_E1 for an exchange): nothing to sort, count or cut off.
         presorted:     the caller guarantees expert_S is non-decreasing (no sort, no gather).
         counts_E1:     `count_rows(expert_S, E)` if the caller has it (on the device).
         host_counts_E: rows per expert when the caller knows them on the host (no dropped rows):
@@ -329,7 +331,7 @@ class LocalDispatcher:
                 raise_on_fault([host[E + 1:]], layer)
             dropped, counts = host[0], host[1:E + 1]
             counts_dev_L = counts_E1[1:]
-        return x_sorted[dropped:], counts, DispatchState(order_S, dropped=dropped, counts_dev_L=counts_dev_L)
+        return _kept(x_sorted, dropped), counts, DispatchState(order_S, dropped=dropped, counts_dev_L=counts_dev_L)
 
     def combine(self, y_RD: Tensor, state: DispatchState) -> Tensor:
         return _unsort_rows(_restore_dropped(y_RD, state.dropped), state.order_S)
@@ -473,9 +475,9 @@ class AllToAllDispatcher(LocalDispatcher):
         # NCCL needs device tensors, gloo host tensors; follow the backend of the group.
         return collective_device(self.ep_group)
 
-    def dispatch(self, x_SD: Tensor, expert_S: Tensor, *, presorted: bool = False, counts_E1: Tensor | None = None,
-                 host_counts_E: list[int] | None = None, fault: Tensor | None = None, layer: str = "",
-                 common_width: bool = False) -> tuple[Tensor, list[int], DispatchState]:
+    def dispatch(self, x_SD: Tensor, expert_S: Tensor | None, *, presorted: bool = False,
+                 counts_E1: Tensor | None = None, host_counts_E: list[int] | None = None, fault: Tensor | None = None,
+                 layer: str = "", common_width: bool = False) -> tuple[Tensor, list[int], DispatchState]:
         """As LocalDispatcher.dispatch, over the group (host_counts_E is not needed: the counts are
         exchanged on the device either way). With common_width every rank's row width travels with
         its counts, and the rows are zero-padded on the right to the widest before they move: no
@@ -504,7 +506,7 @@ class AllToAllDispatcher(LocalDispatcher):
             dropped, sent_E = host[0], host[1:E + 1]
             send_splits = [sum(sent_E[w * L:(w + 1) * L]) for w in range(W)]
             recv_splits = [sum(row[:L]) for row in recv]
-            x_send = x_sorted[dropped:]
+            x_send = _kept(x_sorted, dropped)
             if common_width and max(row[-1] for row in recv) > x_SD.shape[-1]:
                 x_send = torch.nn.functional.pad(x_send, (0, max(row[-1] for row in recv) - x_SD.shape[-1]))
             # 4. Exchange the rows; they arrive grouped by (source rank, local expert).
@@ -554,7 +556,7 @@ class AllToAllDispatcher(LocalDispatcher):
             recv_L = [row[i * L:(i + 1) * L] for row in recv]
             send_splits = [sum(sent_E[w * L:(w + 1) * L]) for w in range(W)]
             recv_splits = [sum(r) for r in recv_L]
-            x_send = x_sorted[dropped:]
+            x_send = _kept(x_sorted, dropped)
             if widest is not None and widest > x_send.shape[-1]:
                 x_send = torch.nn.functional.pad(x_send, (0, widest - x_send.shape[-1]))
             flights.append(start_all_to_all(x_send, recv_splits, send_splits, self.ep_group))
@@ -598,6 +600,12 @@ def _sort_rows(x_SD: Tensor, expert_S: Tensor, presorted: bool) -> tuple[Tensor 
         return None, x_SD
     order_S = torch.argsort(expert_S, stable=True)
     return order_S, x_SD[order_S]
+
+
+def _kept(x_sorted: Tensor, dropped: int) -> Tensor:
+    """The rows after the `dropped` ones sorted first; the rows themselves when none was dropped (a slice
+    of all of them would cost a zero-filled copy of their gradient in the backward pass)."""
+    return x_sorted[dropped:] if dropped else x_sorted
 
 
 def _restore_dropped(y_RD: Tensor, dropped: int) -> Tensor:

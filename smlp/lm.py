@@ -347,7 +347,9 @@ class LanguageModel(nn.Module):
         if self.training:
             raise RuntimeError("cached decoding needs eval mode (model.eval()): training-time routing (balanced "
                                "assignment, capacities, token shuffle) and dropout couple the rows of a batch")
-        what = self.no_cached_decoding
+        # whether the model has a step at all is a fact of its layers: read on a cache's first step (a walk
+        # over every module, a tenth of a small model's step)
+        what = self.no_cached_decoding if cache.length == 0 else None
         if what is not None:
             raise NotImplementedError(f"cached decoding is not available for {what}: generate with the full "
                                       f"forward (generate(..., use_cache=False))")

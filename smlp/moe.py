@@ -28,7 +28,7 @@ from .experts import FFNExperts, SpatialExperts
 from .profiling import RANGES
 from .routing.gates import router_z_loss
 from .routing.logits import router_logits
-from .routing.plan import RoutingPlan, count_rows, raise_on_fault
+from .routing.plan import FLAG_ONLY, RoutingPlan, count_rows
 from .routing.prices import RouterPrices
 from .routing.registry import SMOE_ROUTINGS, TOKEN_ROUTERS
 from .routing.token_routers import hash_table
@@ -117,10 +117,11 @@ class TMoE(nn.Module):
                 state_dict[prefix + "router." + old] = state_dict.pop(prefix + old)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
-    def route(self, x_SD: Tensor, token_ids_S: Tensor | None = None, *, defer_checks: bool = False) -> RoutingPlan:
+    def route(self, x_SD: Tensor, token_ids_S: Tensor | None = None, *,
+              defer_checks: bool | str = False) -> RoutingPlan:
         """Stage 1: the routing plan of the rows (the registry's route function: the router logits in
         fp32, routing/logits.py, then the rule). defer_checks leaves the router's input check in the
-        plan (read by the dispatcher) instead of reading it here.
+        plan (read by the dispatcher) instead of reading it here; FLAG_ONLY, its verdict alone (plan.py).
 
         Returns:
             RoutingPlan: experts_SK (S, K) expert per slot (-1: dropped), weights_SK (S, K) combine
@@ -178,13 +179,15 @@ class TMoE(nn.Module):
 
         With every expert on this rank (one process) and no more (row, slot) pairs than local experts
         (decoding a few sequences), each pair goes straight to its expert's weights: the plan's experts
-        are read once (the read a dispatch makes), and nothing is sorted, gathered or exchanged.
-        Otherwise (expert parallelism, training, larger batches) `forward`."""
+        are read once (the read a dispatch makes), and nothing is sorted, gathered or exchanged. The
+        router's check comes as a bare verdict with them; on a fault the rows are routed again with the
+        full check, which raises the router's error. Otherwise (expert parallelism, training, larger
+        batches) `forward`."""
         S = x_SD.shape[0]
         L = self.dispatcher.num_local_experts
         if self.training or L != self.cfg.num_experts or S * self.token_router.top_k > L or torch.jit.is_tracing():
             return self(x_SD, token_ids_S)
-        plan = self.route(x_SD, token_ids_S, defer_checks=True)  # no profiler range: a decoding step is not profiled
+        plan = self.route(x_SD, token_ids_S, defer_checks=FLAG_ONLY)  # no profiler range: decoding is not profiled
         self.aux_loss, self.load_E, self.comm_time = plan.aux_loss, None, None  # load is counted by `forward` only
         S, K = plan.experts_SK.shape
         expert_SK, weight_SK = plan.experts_SK, plan.weights_SK
@@ -192,7 +195,8 @@ class TMoE(nn.Module):
             host = expert_SK.view(-1).tolist()  # the one host read
         else:
             host = torch.cat([expert_SK.view(-1), plan.fault.to(expert_SK.device)]).tolist()
-            raise_on_fault([host[S * K:]], self.layer_name)
+            if host[S * K]:  # the check failed: read in full, it raises the router's error
+                self.route(x_SD, token_ids_S)
         if weight_SK.dtype != x_SD.dtype:
             weight_SK = weight_SK.to(x_SD.dtype)
         if S * K == 1:  # one token, one slot: batch-1 decoding
@@ -369,7 +373,7 @@ class SMoE(nn.Module):
         works on every chunk. The same rows, experts and weights as `dispatch`, `run_experts`, `combine`."""
         B, _, C = z1_BNC.shape
         E, M = self.cfg.num_experts, rows.rows_SM.shape[-1]
-        self.load_E = count_rows(rows.expert_S, E)[1:].detach()
+        self.load_E = self._counts(rows)[1:]
         bounds = [(int(b[0]), int(b[-1]) + 1) if len(b) else (0, 0)
                   for b in torch.arange(B).tensor_split(self.dispatcher.chunks)]
         parts = []
@@ -458,9 +462,8 @@ class SMoE(nn.Module):
         if self.deterministic:
             # rows ordered (channel, sequence): channel chunk i -> expert i, so the rows come sorted
             # by expert and the dispatcher neither sorts nor gathers them, and how many each expert
-            # gets is known from the shapes (nothing to read from the device)
-            return SMoERows(v_BNC.permute(2, 0, 1).reshape(C * B, n), self.channel_expert_C.repeat_interleave(B),
-                            host_counts_E=[C // E * B] * E)
+            # gets is known from the shapes: nothing to route, count or read from the device
+            return SMoERows(v_BNC.permute(2, 0, 1).reshape(C * B, n), None, host_counts_E=[C // E * B] * E)
         if n <= P:  # still take part in the exchange (other ranks may have rows), inside the graph:
             # backward runs the matching exchange
             return SMoERows(v_BNC[:, P:, :].reshape(B * C, 0)[:0], self.channel_expert_C.new_zeros(0))
@@ -504,13 +507,27 @@ class SMoE(nn.Module):
             if rows_SM.shape[1] != width:  # another rank is further on: zeros after hi never reach outputs <= hi
                 rows_SM = F.pad(rows_SM[:, :hi], (0, width - hi))
             # the router's check travels with the counts, as in `forward`: a fault on one rank reaches every rank
-            return self.dispatcher.dispatch(rows_SM, rows.expert_S, presorted=self.deterministic, fault=rows.fault,
-                                            layer=self.layer_name)
-        counts_E1 = count_rows(rows.expert_S, self.cfg.num_experts)
-        self.load_E = counts_E1[1:].detach()
+            return self.dispatcher.dispatch(rows_SM, self._row_experts(rows), presorted=self.deterministic,
+                                            fault=rows.fault, layer=self.layer_name)
+        counts_E1 = self._counts(rows)
+        self.load_E = counts_E1[1:]
         return self.dispatcher.dispatch(rows.rows_SM, rows.expert_S, presorted=self.deterministic,
                                         counts_E1=counts_E1, host_counts_E=rows.host_counts_E, fault=rows.fault,
                                         layer=self.layer_name, common_width=True)
+
+    def _counts(self, rows: SMoERows) -> Tensor:
+        """(E + 1,) rows routed nowhere, then rows per expert (`count_rows`), on the device; deterministic
+        rows' equal shares are made from the shapes, not counted."""
+        if rows.expert_S is None:
+            share = rows.host_counts_E[0]
+            return F.pad(rows.rows_SM.new_full((self.cfg.num_experts,), share, dtype=torch.long), (1, 0))
+        return count_rows(rows.expert_S, self.cfg.num_experts)
+
+    def _row_experts(self, rows: SMoERows) -> Tensor:
+        """(S,) the expert of each row; deterministic rows, ordered (channel, sequence), carry none."""
+        if rows.expert_S is not None:
+            return rows.expert_S
+        return self.channel_expert_C.repeat_interleave(rows.rows_SM.shape[0] // self.channel_expert_C.shape[0])
 
     def run_experts(self, x_RM: Tensor, counts_L: list[int], *, dstate: DispatchState | None = None,
                     spans_W: list[tuple[int, int]] | None = None) -> Tensor:
@@ -536,14 +553,14 @@ class SMoE(nn.Module):
     def _gate(self, y_SM: Tensor, rows: SMoERows, z1_BNC: Tensor, m: int) -> Tensor:
         """The rows' results (home, in their order) as the gate of the last m positions of z1, (B, n, C)."""
         B, n, C = z1_BNC.shape
-        y_Sm = y_SM[:, :m]
+        y_Sm = y_SM if m == y_SM.shape[1] else y_SM[:, :m]
         if rows.weight_S is not None:
             y_Sm = y_Sm * rows.weight_S[:, None]
         if self.deterministic:
             dev_BmC = y_Sm.reshape(C, B, m).permute(1, 2, 0)
         else:
             dev_BmC = y_Sm.reshape(B, C, m).transpose(1, 2)
-        z1_BmC = z1_BNC[:, n - m:]
+        z1_BmC = z1_BNC if m == n else z1_BNC[:, n - m:]
         gated_BmC = z1_BmC if rows.weight_S is None else z1_BmC * rows.weight_S.reshape(B, 1, C)
         out_BmC = gated_BmC + z1_BmC * dev_BmC
         return torch.cat([z1_BNC[:, :n - m], out_BmC], dim=1) if m < n else out_BmC
@@ -556,14 +573,15 @@ class SMoERows:
 
     rows_SM:       (S, M) one row per (channel, sequence) (deterministic: sorted by expert) or per
                    (sequence, channel) (routed)
-    expert_S:      (S,) the expert of each row
+    expert_S:      (S,) the expert of each row, or None (deterministic: sorted by expert, host_counts_E
+                   rows each; SMoE._row_experts makes them where a dispatch needs them)
     weight_S:      (S,) its combine weight p_e (eq. 7), or None (deterministic: weight 1)
     fault:       the router's input check left for the dispatcher, or None
     host_counts_E: rows per expert when known on the host from the shapes (deterministic), or None
     """
 
     rows_SM: Tensor
-    expert_S: Tensor
+    expert_S: Tensor | None
     weight_S: Tensor | None = None
     fault: Tensor | None = None
     host_counts_E: list[int] | None = None

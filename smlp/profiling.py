@@ -9,12 +9,23 @@ sequence number the profiler records on both. Nested ranges count for the innerm
     experts       FFN experts (tMoE, GShard, Switch, Base Layers, HASH)
     token_mixing  spatial gating (dense SGU and the sMoE's spatial experts), self-attention
     rest          the rest of the step: dense projections, embeddings, loss, optimizer, data loading
+
+A whole step is broken down by `step_parts` (benchmarks/micro/step_breakdown.py): the training loop
+marks its phases (STEP_RANGES), `block_ranges` opens a range around every block's forward and decoding
+step (BLOCKS; the model itself marks none), and each event's own time goes to the phase, block and
+range around it. A collective's own time goes to the collective (COLLECTIVE, opened by the caller).
 """
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
-__all__ = ["RANGES", "CATEGORIES", "breakdown"]
+from torch.profiler import record_function
+
+__all__ = ["RANGES", "CATEGORIES", "BLOCKS", "STEP", "STEP_RANGES", "COLLECTIVE", "StepParts", "block_kinds",
+           "block_ranges", "breakdown", "step_parts"]
 
 RANGES = {
     "routing": "smlp/routing",
@@ -84,3 +95,166 @@ def _inside_backward(event) -> bool:
             return True
         parent = parent.cpu_parent
     return False
+
+
+# ---------------------------------------------------------------- a whole step, block by block
+
+# what each block range holds; a block inside another counts for itself
+BLOCKS = {
+    "embedding_head": "smlp/block/embedding_head",  # embeddings, positions, final norm, output projection
+    "gmlp_block": "smlp/block/gmlp",                # a dense gMLP block (or a token-routed one)
+    "smoe": "smlp/block/smoe",                      # a sparse block's sMoE, with the block's norm and residuals
+    "tmoe": "smlp/block/tmoe",                      # a tMoE (sMLP's, or a Transformer-MoE's FFN with its norm)
+    "attention": "smlp/block/attention",            # a Transformer block's norm and self-attention
+    "ffn": "smlp/block/ffn",                        # a Transformer block's dense FFN, its norm and residuals
+}
+STEP = "smlp/step"  # one training step
+# the phases of a training step, as the loop marks them
+STEP_RANGES = {"forward": "smlp/step/forward", "loss": "smlp/step/loss", "backward": "smlp/step/backward",
+               "grad_all_reduce": "smlp/step/grad_all_reduce", "optimizer": "smlp/step/optimizer"}
+COLLECTIVE = "smlp/collective/"  # + the collective's name: one call of a torch.distributed collective
+_BLOCK_OF = {name: kind for kind, name in BLOCKS.items()}
+_PHASE_OF = {name: phase for phase, name in STEP_RANGES.items()}
+
+
+def block_kinds(model) -> list[tuple[object, str, bool]]:
+    """(module, block kind of BLOCKS, whether the module is one block of its kind) for every module of
+    `model` that opens a block range (a Transformer block's norm opens its attention's range but is no
+    block of its own)."""
+    from .gmlp import GMLPBlock
+    from .lm import LanguageModel
+    from .moe import SparseBlock, TMoE
+    from .token_routed import TokenRoutedGMLPBlock
+    from .transformer import TransformerBlock
+
+    out = []
+    for module in model.modules():
+        if isinstance(module, LanguageModel):
+            out.append((module, "embedding_head", True))
+        elif isinstance(module, (GMLPBlock, TokenRoutedGMLPBlock)):
+            out.append((module, "gmlp_block", True))
+        elif isinstance(module, SparseBlock):
+            out.append((module, "smoe", True))
+        elif isinstance(module, TMoE):
+            out.append((module, "tmoe", True))
+        elif isinstance(module, TransformerBlock):
+            dense = not isinstance(module.ffn, TMoE)
+            out += [(module, "ffn" if dense else "tmoe", dense), (module.norm1, "attention", False),
+                    (module.attn, "attention", True)]
+    return out
+
+
+@contextlib.contextmanager
+def block_ranges(model, listener: Callable[[str, str], None] | None = None):
+    """Within the block, every block's `forward` and `step` (cached decoding) runs inside its BLOCKS range;
+    `listener(event, kind)`, if given, hears ("enter", kind) and ("exit", kind) around each call."""
+    wrapped = []
+    for module, kind, _ in block_kinds(model):
+        for method in ("forward", "step"):
+            original = getattr(module, method, None)
+            if original is None or method in vars(module):
+                continue
+            setattr(module, method, _in_range(original, kind, listener))
+            wrapped.append((module, method))
+    try:
+        yield
+    finally:
+        for module, method in wrapped:
+            delattr(module, method)
+
+
+def _in_range(method, kind: str, listener):
+    name = BLOCKS[kind]
+
+    def run(*args, **kwargs):
+        with record_function(name):
+            if listener is not None:
+                listener("enter", kind)
+            try:
+                return method(*args, **kwargs)
+            finally:
+                if listener is not None:
+                    listener("exit", kind)
+    return run
+
+
+@dataclass
+class StepParts:
+    """Seconds of one or more profiled steps by part (`step_parts`).
+
+    forward:     (block kind, range of RANGES or "other") -> seconds of the forward and the loss
+    backward:    (block kind of the forward op that made the autograd node, range) -> seconds; ("engine",
+                 "other") for the engine's own work outside any node
+    phases:      grad_all_reduce and optimizer: their local work (their collectives excluded)
+    collectives: every collective call in order, (name, phase, seconds)
+    loop:        the loop's own time between the phases
+    total:       the steps' time as profiled (every part together)
+    """
+
+    forward: dict = field(default_factory=lambda: defaultdict(float))
+    backward: dict = field(default_factory=lambda: defaultdict(float))
+    phases: dict = field(default_factory=lambda: defaultdict(float))
+    collectives: list = field(default_factory=list)
+    loop: float = 0.0
+    total: float = 0.0
+
+
+def step_parts(events) -> StepParts:
+    """Each event's own time within the STEP ranges of a profiler's `events()`, by part (StepParts).
+
+    An event's own time is its time less its children's, so the parts add up to the steps' time. Forward
+    time goes to the innermost block range and, inside it, the innermost RANGES range; a backward
+    autograd node (and what it runs) to the block and range of the forward op that created it, found
+    through the sequence number the profiler records on both."""
+    steps = [e for e in events if e.name == STEP]
+    seq_place: dict = {}
+    for step in steps:  # the forward ops' places first: the backward nodes look them up
+        _forward_places(step, None, _MODEL, seq_place)
+    parts = StepParts()
+    for step in steps:
+        parts.total += step.cpu_time_total / 1e6
+        _attribute(step, None, _MODEL, None, parts, seq_place)
+    return parts
+
+
+_MODEL = ("embedding_head", "other")  # the place of the model's own ops, outside every block
+
+
+def _forward_places(event, phase, place, seq_place) -> None:
+    phase = _PHASE_OF.get(event.name, phase)
+    place = _place(event.name, place)
+    if phase in ("forward", "loss") and event.sequence_nr is not None and event.sequence_nr >= 0:
+        seq_place.setdefault(event.sequence_nr, ("loss", "other") if phase == "loss" else place)
+    for child in event.cpu_children:
+        _forward_places(child, phase, place, seq_place)
+
+
+def _place(name: str, place: tuple) -> tuple[str, str]:
+    """(block kind, range) of an event named `name` inside `place`."""
+    if name in _BLOCK_OF:
+        return _BLOCK_OF[name], "other"
+    if name in _CATEGORY_OF:
+        return place[0], _CATEGORY_OF[name]
+    return place
+
+
+def _attribute(event, phase, place, node_place, parts: StepParts, seq_place) -> None:
+    name = event.name
+    own = event.self_cpu_time_total / 1e6
+    if name.startswith(COLLECTIVE):  # the collective and everything it runs
+        parts.collectives.append((name[len(COLLECTIVE):], phase, event.cpu_time_total / 1e6))
+        return
+    phase = _PHASE_OF.get(name, phase)
+    place = _place(name, place)
+    if name.startswith(_BACKWARD) and node_place is None:
+        node_place = seq_place.get(event.sequence_nr, ("unknown", "other"))
+    if phase in ("forward", "loss"):
+        parts.forward["loss" if phase == "loss" else place[0], place[1]] += own
+    elif phase == "backward":
+        parts.backward[node_place or ("engine", "other")] += own
+    elif phase is not None:
+        parts.phases[phase] += own
+    else:
+        parts.loop += own
+    for child in event.cpu_children:
+        _attribute(child, phase, place, node_place, parts, seq_place)

@@ -164,7 +164,8 @@ def causal_product_rows(w_LTT: Tensor, x_RM: Tensor, counts_L: list[int], block:
     if counts_L and all(c == counts_L[0] for c in counts_L):
         c = counts_L[0]
         y_1MLc = causal_product(w_LTT, x_RM.reshape(L, c, M).permute(2, 0, 1)[None], block)
-        return y_1MLc[0].permute(1, 2, 0).reshape(R, M)
+        # squeeze, not [0]: a select's backward would write the gradient into a zero-filled copy
+        return y_1MLc.squeeze(0).permute(1, 2, 0).reshape(R, M)
     block = default_block(M) if block is None else block
     device_type = x_RM.device.type
     if autocast_enabled(device_type):

@@ -386,6 +386,27 @@ def test_a_deferred_check_raises_what_the_router_raises_on_its_own(router):
     assert c.count == 1 or router == "base"  # base: plus its auction's checks
 
 
+@pytest.mark.parametrize("router", ["base", "switch", "gshard", "hash"])
+def test_a_decoding_step_raises_what_the_router_raises_on_its_own(router):
+    """The cached decoding step reads the check's bare verdict with the experts and, on a fault, routes again
+    reading the full check: the router's own error; without a fault the step gives the layer's forward."""
+    torch.manual_seed(0)
+    layer = TMoE(TMoEConfig(d_model=8, d_ffn=16, num_experts=4, router=router, vocab_size=10)).eval()
+    layer.layer_name = "layers.1.ffn (TMoE)"
+    x, ids = torch.randn(1, 8), torch.randint(0, 10, (1,))
+    with torch.no_grad():
+        torch.testing.assert_close(layer.step(x, ids), layer(x, ids))  # one product against the tiled one
+        if router == "hash":
+            ids[0] = 17
+        else:
+            x[0, 0] = float("nan")
+        with pytest.raises((NonFiniteScoresError, ValueError)) as own:
+            layer.route(x, ids)
+        with pytest.raises(type(own.value)) as step:
+            layer.step(x, ids)
+    assert str(step.value) == str(own.value) and str(own.value).startswith("layers.1.ffn (TMoE): ")
+
+
 def test_standalone_routers_still_raise_at_once():
     with pytest.raises(NonFiniteScoresError, match="base router: router scores are not finite in 32 of 32"):
         base_route(torch.full((32, 4), float("nan")), training=True)

@@ -32,7 +32,8 @@ class OneGPUDispatcher(LocalDispatcher):
 
     def dispatch(self, x_SD, expert_S, *, presorted: bool = False, **unused):
         # rows of dropped slots (expert -1, over capacity) are computed by no expert: cut them off
-        kept_S = None if x_SD.device.type == "meta" else expert_S >= 0  # meta: nothing routed, nothing dropped
+        # meta: nothing routed, nothing dropped; no experts: presorted rows with their counts, none dropped
+        kept_S = None if x_SD.device.type == "meta" or expert_S is None else expert_S >= 0
         if kept_S is not None and not bool(kept_S.all()):
             x_SD = x_SD[kept_S]
         S, L = x_SD.shape[0], self.num_local_experts

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..precision import accumulation_dtype
-from .plan import RoutingPlan, deferred_or_raised, nonfinite_fault
+from .plan import RoutingPlan, score_check
 
 __all__ = ["switch_top1", "gshard_top2", "switch_capacity", "gshard_capacity", "router_z_loss", "GSHARD_AUX_LOSSES"]
 
@@ -88,7 +88,7 @@ def router_z_loss(logits_SE: Tensor) -> Tensor:
 
 
 def _open_gate(fn: str, logits_SE: Tensor, noise_SE: Tensor | None, layer: str,
-               defer_checks: bool) -> tuple[Tensor | None, Tensor, Tensor]:
+               defer_checks: bool | str) -> tuple[Tensor | None, Tensor, Tensor]:
     """Check the logits, take their fault record (plan.py), and move them to at least fp32 (Switch
     sec. 2.4, "selective precision").
 
@@ -107,7 +107,7 @@ def _open_gate(fn: str, logits_SE: Tensor, noise_SE: Tensor | None, layer: str,
     if noise_SE is not None and (not isinstance(noise_SE, Tensor) or noise_SE.shape != logits_SE.shape):
         shape = tuple(noise_SE.shape) if isinstance(noise_SE, Tensor) else type(noise_SE).__name__
         raise ValueError(f"{fn}: noise_SE must have the logits' shape {tuple(logits_SE.shape)}, got {shape}")
-    fault = deferred_or_raised(nonfinite_fault(logits_SE, allow_neg_inf=True), layer, defer_checks)
+    fault = score_check(logits_SE, layer, defer_checks, allow_neg_inf=True)
     logits_SE = logits_SE.to(accumulation_dtype(logits_SE.dtype))
     return fault, logits_SE, torch.softmax(logits_SE, dim=-1)
 
@@ -135,7 +135,7 @@ def switch_top1(
     eval_capacity_factor: float | None = None,
     noise_SE: Tensor | None = None,
     layer: str = "switch router",
-    defer_checks: bool = False,
+    defer_checks: bool | str = False,
 ) -> RoutingPlan:
     """Switch Transformer top-1 routing (Fedus et al. 2021, sec. 2.1-2.2).
 
@@ -211,7 +211,7 @@ def gshard_top2(
     eval_capacity_factor: float | None = None,
     aux_loss: str = "normalized",
     layer: str = "gshard router",
-    defer_checks: bool = False,
+    defer_checks: bool | str = False,
 ) -> RoutingPlan:
     """GShard top-2 gating (Lepikhin et al. 2020, sec. 2.2, Algorithm 1), as fairscale's `top2gating`.
 

@@ -7,6 +7,8 @@ raise ValueError. Inside a layer (`defer_checks=True`) a router leaves its check
 fault record in the plan, and the dispatcher reads it with the split sizes it reads anyway, so the
 check costs no host sync of its own. With expert parallelism the record travels with the counts,
 so every rank of the group raises the same error instead of waiting in the all2all until timeout.
+Cached decoding on one process asks for the bare verdict (`defer_checks=FLAG_ONLY`: a few operators
+instead of the record's two dozen) and on a fault routes again, reading the full check.
 
 Shapes: the core's legend (smlp/__init__.py).
 """
@@ -17,8 +19,9 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-__all__ = ["RoutingPlan", "NonFiniteScoresError", "FAULT_WIDTH", "count_rows", "nonfinite_fault", "hash_fault",
-           "routing_error", "raise_on_fault", "check_finite_scores", "deferred_or_raised"]
+__all__ = ["RoutingPlan", "NonFiniteScoresError", "FAULT_WIDTH", "FLAG_ONLY", "count_rows", "nonfinite_fault",
+           "nonfinite_flag", "hash_fault", "hash_flag", "routing_error", "raise_on_fault", "check_finite_scores",
+           "deferred_or_raised", "score_check", "token_id_check"]
 
 
 class _PlanFields(NamedTuple):
@@ -77,6 +80,8 @@ class NonFiniteScoresError(FloatingPointError):
 #   HASH_RANGE: smallest token id, largest token id, table size, 0, 0, 0
 FAULT_WIDTH = 7
 NO_FAULT, NONFINITE, HASH_RANGE = 0, 1, 2
+# defer_checks=FLAG_ONLY: the check's verdict alone, (1,) bool, True on a fault (`nonfinite_flag`, `hash_flag`)
+FLAG_ONLY = "flag"
 
 
 def nonfinite_fault(scores_SE: Tensor, *, allow_neg_inf: bool = False) -> Tensor:
@@ -100,6 +105,16 @@ def nonfinite_fault(scores_SE: Tensor, *, allow_neg_inf: bool = False) -> Tensor
                         first]).long()
 
 
+def nonfinite_flag(scores_SE: Tensor, *, allow_neg_inf: bool = False) -> Tensor:
+    """(1,) bool: whether `nonfinite_fault` reports a fault, without its figures (no sync)."""
+    if not allow_neg_inf:  # x - x is 0 for a finite x, NaN for NaN and +-inf (isfinite takes four ops)
+        return (scores_SE - scores_SE).ne(0).any().view(1)
+    bad = (torch.isnan(scores_SE) | torch.isposinf(scores_SE)).any()
+    if scores_SE.shape[-1]:  # a row whose every expert is masked
+        bad = bad | torch.isneginf(scores_SE).all(dim=-1).any()
+    return bad.view(1)
+
+
 def hash_fault(token_ids_S: Tensor, table_size: int) -> Tensor:
     """The fault record of the HASH router's vocabulary check (no sync)."""
     ids_S = token_ids_S.reshape(-1).long()
@@ -109,6 +124,11 @@ def hash_fault(token_ids_S: Tensor, table_size: int) -> Tensor:
     kind = torch.where((lo < 0) | (hi >= table_size), HASH_RANGE, NO_FAULT)
     zero = torch.zeros_like(lo)
     return torch.stack([kind, lo, hi, torch.full_like(lo, table_size), zero, zero, zero])
+
+
+def hash_flag(token_ids_S: Tensor, table_size: int) -> Tensor:
+    """(1,) bool: whether `hash_fault` reports a fault, without its figures (no sync)."""
+    return ((token_ids_S < 0) | (token_ids_S >= table_size)).any().view(1)
 
 
 def routing_error(records: list[list[int]], layer: str, ranks: list[int] | None = None) -> Exception | None:
@@ -170,3 +190,18 @@ def deferred_or_raised(fault: Tensor, layer: str, defer: bool) -> Tensor | None:
         return fault
     _raise_now(fault, layer)
     return None
+
+
+def score_check(scores_SE: Tensor, layer: str, defer: bool | str, *, allow_neg_inf: bool = False) -> Tensor | None:
+    """A rule's check of its scores: read at once (defer False: raises on a fault, returns None), its fault
+    record left for the dispatcher (True), or its bare verdict (FLAG_ONLY)."""
+    if defer == FLAG_ONLY:
+        return nonfinite_flag(scores_SE, allow_neg_inf=allow_neg_inf)
+    return deferred_or_raised(nonfinite_fault(scores_SE, allow_neg_inf=allow_neg_inf), layer, defer)
+
+
+def token_id_check(token_ids_S: Tensor, table_size: int, layer: str, defer: bool | str) -> Tensor | None:
+    """The HASH rule's check of its token ids, as `score_check`."""
+    if defer == FLAG_ONLY:
+        return hash_flag(token_ids_S, table_size)
+    return deferred_or_raised(hash_fault(token_ids_S, table_size), layer, defer)

@@ -13,13 +13,13 @@ import torch
 from torch import Tensor
 
 from .assignment import balanced_assignment
-from .plan import RoutingPlan, deferred_or_raised, hash_fault, nonfinite_fault
+from .plan import RoutingPlan, score_check, token_id_check
 
 __all__ = ["base_route", "hash_route", "smoe_deterministic_experts", "smoe_partial_route"]
 
 
 def base_route(scores_SE: Tensor, *, training: bool, layer: str = "base router",
-               defer_checks: bool = False, expert_S: Tensor | None = None) -> RoutingPlan:
+               defer_checks: bool | str = False, expert_S: Tensor | None = None) -> RoutingPlan:
     """Base Layers (Lewis et al. 2021): balanced assignment in training, greedy top-1 at inference.
 
     The combine weight is sigmoid(x . c_e) of the chosen expert, so the layer output
@@ -29,7 +29,7 @@ def base_route(scores_SE: Tensor, *, training: bool, layer: str = "base router",
     expert_S: an assignment made elsewhere, used instead (Base Layers' shuffle, moe.TMoE).
     """
     scores_SE = scores_SE.float()
-    fault = deferred_or_raised(nonfinite_fault(scores_SE), layer, defer_checks)
+    fault = score_check(scores_SE, layer, defer_checks)
     if expert_S is not None:
         expert_S = expert_S.reshape(-1).long()
     else:
@@ -41,13 +41,13 @@ def base_route(scores_SE: Tensor, *, training: bool, layer: str = "base router",
 
 
 def hash_route(token_ids_S: Tensor, table_V: Tensor, *, layer: str = "hash router",
-               defer_checks: bool = False) -> RoutingPlan:
+               defer_checks: bool | str = False) -> RoutingPlan:
     """HASH Layers (Roller et al. 2021): a fixed token-id -> expert table, weight 1.
 
     Token ids outside the table raise ValueError; with defer_checks the lookup clamps them until
     then, so no out-of-range index reaches the device."""
     V = table_V.numel()
-    fault = deferred_or_raised(hash_fault(token_ids_S, V), layer, defer_checks)
+    fault = token_id_check(token_ids_S, V, layer, defer_checks)
     ids_S = token_ids_S.long()
     if defer_checks:
         ids_S = ids_S.clamp(0, max(V - 1, 0))  # valid ids are unchanged
@@ -66,7 +66,7 @@ def smoe_deterministic_experts(num_channels: int, num_experts: int, device=None)
 
 
 def smoe_partial_route(logits_SE: Tensor, *, training: bool, layer: str = "sMoE router",
-                       defer_checks: bool = False, expert_S: Tensor | None = None) -> RoutingPlan:
+                       defer_checks: bool | str = False, expert_S: Tensor | None = None) -> RoutingPlan:
     """sMoE partial prediction routing (sec. 3.2.2, eq. 5).
 
     logits_SE: the router logits of each hidden-dimension vector, read from the first P positions.
@@ -76,7 +76,7 @@ def smoe_partial_route(logits_SE: Tensor, *, training: bool, layer: str = "sMoE 
     routing, smlp/routing/prices.py).
     """
     logits_SE = logits_SE.float()
-    fault = deferred_or_raised(nonfinite_fault(logits_SE), layer, defer_checks)
+    fault = score_check(logits_SE, layer, defer_checks)
     probs_SE = torch.softmax(logits_SE, dim=-1)
     if expert_S is not None:
         expert_S = expert_S.reshape(-1).long()

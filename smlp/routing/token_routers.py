@@ -42,13 +42,13 @@ class Router(nn.Module):
         raise NotImplementedError
 
     def routing(self, logits_SE: Tensor | None, token_ids_S: Tensor | None, *, layer: str,
-                defer_checks: bool) -> RoutingPlan:
+                defer_checks: bool | str) -> RoutingPlan:
         raise NotImplementedError
 
     def forward(self, x_SD: Tensor, token_ids_S: Tensor | None = None, *, layer: str = "router",
-                defer_checks: bool = False) -> RoutingPlan:
+                defer_checks: bool | str = False) -> RoutingPlan:
         """The rows' plan. `layer` names the layer in errors; defer_checks leaves the input check in the
-        plan's fault record for the dispatcher to read (plan.py).
+        plan's fault record for the dispatcher to read (plan.py), or with FLAG_ONLY its bare verdict.
 
         Returns:
             RoutingPlan: experts_SK (S, K), weights_SK (S, K), aux_loss (scalar or None), fault
@@ -75,7 +75,7 @@ class BaseLayersRouter(Router):
         self.route_greedily = False  # LanguageModel.routing_greedily
 
     def forward(self, x_SD: Tensor, token_ids_S: Tensor | None = None, *, layer: str = "router",
-                defer_checks: bool = False) -> RoutingPlan:
+                defer_checks: bool | str = False) -> RoutingPlan:
         if self.training:  # on every rank, every training forward: the same all-reduce everywhere
             self.eval_prices.fold(self.dispatcher.sum_over_ranks)
         return super().forward(x_SD, token_ids_S, layer=layer, defer_checks=defer_checks)
