@@ -14,7 +14,8 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["OutputPathError", "check_output_path", "install_dir", "make_parents", "remove_folders", "write_atomic"]
+__all__ = ["OutputPathError", "check_output_path", "deepest_parent", "install_dir", "make_parents", "remove_folders",
+           "write_atomic"]
 
 
 class OutputPathError(ValueError):
@@ -45,14 +46,23 @@ def check_output_path(path: str | os.PathLike, option: str, *, folder: bool = Fa
     if out.exists() and out.is_dir() != folder:
         raise OutputPathError(f"{option} {path}: {out} is {'a file' if folder else 'a folder'}; give the "
                               f"{'folder' if folder else 'file'} to write")
-    parent = out.parent
+    parent, problem = deepest_parent(out)
+    if problem == "file":
+        raise OutputPathError(f"{option} {path}: {parent} is a file, not a folder; choose a path under a folder")
+    if problem == "read-only":
+        raise OutputPathError(f"{option} {path}: the folder {parent} is not writable; choose another path")
+    return out
+
+
+def deepest_parent(path: Path) -> tuple[Path, str | None]:
+    """The deepest existing parent of `path` (the folder its missing parents would be made in) and what
+    prevents writing there: "file" (it is not a folder), "read-only", or None."""
+    parent = path.parent
     while not parent.exists():
         parent = parent.parent
     if not parent.is_dir():
-        raise OutputPathError(f"{option} {path}: {parent} is a file, not a folder; choose a path under a folder")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise OutputPathError(f"{option} {path}: the folder {parent} is not writable; choose another path")
-    return out
+        return parent, "file"
+    return parent, None if os.access(parent, os.W_OK | os.X_OK) else "read-only"
 
 
 def make_parents(path: str | os.PathLike) -> list[Path]:

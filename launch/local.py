@@ -60,6 +60,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from smlp_eval.files import deepest_parent
+
 from .worker import DEFAULT_TIMEOUT_S, PREFLIGHT_ENV, TIMEOUT_ENV, LaunchError, collective_timeout, run_worker
 
 PROG = "smlp-launch"
@@ -230,12 +232,10 @@ def _check_paths(fairseq_args: Sequence[str]) -> None:
     """--save-dir that cannot be created, --restore-file / --finetune-from-model that do not exist: said before
     any worker starts (fairseq would fail at its first save, or start from scratch and overwrite the run)."""
     save_dir = _flag_value(fairseq_args, "--save-dir") or "checkpoints"
-    parent = Path(save_dir).absolute()
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir():
+    parent, problem = deepest_parent(Path(save_dir, "x").absolute())  # the save dir itself may exist
+    if problem == "file":
         raise LaunchError(f"--save-dir {save_dir} cannot be created: {parent} is a file; choose a folder path")
-    if not os.access(parent, os.W_OK | os.X_OK):
+    if problem == "read-only":
         raise LaunchError(f"--save-dir {save_dir} cannot be written: {parent} is not writable")
     restore = _flag_value(fairseq_args, "--restore-file")
     if restore and restore != "checkpoint_last.pt" and not os.path.exists(restore) and not _rank_shards_of(restore):
