@@ -121,7 +121,7 @@ class TMoE(nn.Module):
               defer_checks: bool | str = False) -> RoutingPlan:
         """Stage 1: the routing plan of the rows (the registry's route function: the router logits in
         fp32, routing/logits.py, then the rule). defer_checks leaves the router's input check in the
-        plan (read by the dispatcher) instead of reading it here; FLAG_ONLY, its verdict alone (plan.py).
+        plan (read by the dispatcher) instead of reading it here; FLAG_ONLY, its verdict alone (routing/plan.py).
 
         Returns:
             RoutingPlan: experts_SK (S, K) expert per slot (-1: dropped), weights_SK (S, K) combine

@@ -11,21 +11,17 @@ sequence number the profiler records on both. Nested ranges count for the innerm
     rest          the rest of the step: dense projections, embeddings, loss, optimizer, data loading
 
 A whole step is broken down by `step_parts` (benchmarks/micro/step_breakdown.py): the training loop
-marks its phases (STEP_RANGES), `block_ranges` opens a range around every block's forward and decoding
-step (BLOCKS; the model itself marks none), and each event's own time goes to the phase, block and
+marks its phases (STEP_RANGES), its `block_ranges` opens a range around every block's forward and
+decoding step (BLOCKS; the model itself marks none), and each event's own time goes to the phase, block and
 range around it. A collective's own time goes to the collective (COLLECTIVE, opened by the caller).
 """
 from __future__ import annotations
 
-import contextlib
 from collections import defaultdict
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from torch.profiler import record_function
-
-__all__ = ["RANGES", "CATEGORIES", "BLOCKS", "STEP", "STEP_RANGES", "COLLECTIVE", "StepParts", "block_kinds",
-           "block_ranges", "breakdown", "step_parts"]
+__all__ = ["RANGES", "CATEGORIES", "BLOCKS", "STEP", "STEP_RANGES", "COLLECTIVE", "StepParts", "breakdown",
+           "step_parts"]
 
 RANGES = {
     "routing": "smlp/routing",
@@ -115,67 +111,6 @@ STEP_RANGES = {"forward": "smlp/step/forward", "loss": "smlp/step/loss", "backwa
 COLLECTIVE = "smlp/collective/"  # + the collective's name: one call of a torch.distributed collective
 _BLOCK_OF = {name: kind for kind, name in BLOCKS.items()}
 _PHASE_OF = {name: phase for phase, name in STEP_RANGES.items()}
-
-
-def block_kinds(model) -> list[tuple[object, str, bool]]:
-    """(module, block kind of BLOCKS, whether the module is one block of its kind) for every module of
-    `model` that opens a block range (a Transformer block's norm opens its attention's range but is no
-    block of its own)."""
-    from .gmlp import GMLPBlock
-    from .lm import LanguageModel
-    from .moe import SparseBlock, TMoE
-    from .token_routed import TokenRoutedGMLPBlock
-    from .transformer import TransformerBlock
-
-    out = []
-    for module in model.modules():
-        if isinstance(module, LanguageModel):
-            out.append((module, "embedding_head", True))
-        elif isinstance(module, (GMLPBlock, TokenRoutedGMLPBlock)):
-            out.append((module, "gmlp_block", True))
-        elif isinstance(module, SparseBlock):
-            out.append((module, "smoe", True))
-        elif isinstance(module, TMoE):
-            out.append((module, "tmoe", True))
-        elif isinstance(module, TransformerBlock):
-            dense = not isinstance(module.ffn, TMoE)
-            out += [(module, "ffn" if dense else "tmoe", dense), (module.norm1, "attention", False),
-                    (module.attn, "attention", True)]
-    return out
-
-
-@contextlib.contextmanager
-def block_ranges(model, listener: Callable[[str, str], None] | None = None):
-    """Within the block, every block's `forward` and `step` (cached decoding) runs inside its BLOCKS range;
-    `listener(event, kind)`, if given, hears ("enter", kind) and ("exit", kind) around each call."""
-    wrapped = []
-    for module, kind, _ in block_kinds(model):
-        for method in ("forward", "step"):
-            original = getattr(module, method, None)
-            if original is None or method in vars(module):
-                continue
-            setattr(module, method, _in_range(original, kind, listener))
-            wrapped.append((module, method))
-    try:
-        yield
-    finally:
-        for module, method in wrapped:
-            delattr(module, method)
-
-
-def _in_range(method, kind: str, listener):
-    name = BLOCKS[kind]
-
-    def run(*args, **kwargs):
-        with record_function(name):
-            if listener is not None:
-                listener("enter", kind)
-            try:
-                return method(*args, **kwargs)
-            finally:
-                if listener is not None:
-                    listener("exit", kind)
-    return run
 
 
 @dataclass

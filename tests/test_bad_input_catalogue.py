@@ -232,9 +232,13 @@ def test_fairseq_programs_print_a_refusal_as_one_line(capsys, monkeypatch):
     traceback around it; other errors keep their traceback."""
     import sys
 
-    import fairseq_plugins  # noqa: F401  (installs the hook)
-    from fairseq_plugins.errors import FlagError
+    import fairseq_plugins  # noqa: F401  (installs the hook at import)
+    from fairseq_plugins.errors import FlagError, print_refusals
 
+    # an in-process init_process_group of an earlier test in this worker may have wrapped the hook in torch's
+    # "[rankN]: " prefix: start from the interpreter's hook
+    monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)
+    assert print_refusals() and not print_refusals()  # installs over the interpreter's hook, once
     monkeypatch.setattr(sys, "argv", ["/venv/bin/fairseq-train", "data"])
     try:
         raise FlagError("--decoder-ffn-embed-dim 127 must be even")

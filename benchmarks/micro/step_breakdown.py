@@ -54,6 +54,7 @@ import sys
 import tempfile
 import time
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -63,8 +64,12 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile, record_function
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from smlp.gmlp import GMLPBlock
 from smlp.lm import LanguageModel, LMConfig
-from smlp.profiling import COLLECTIVE, STEP, STEP_RANGES, block_kinds, block_ranges, step_parts
+from smlp.moe import SparseBlock, TMoE
+from smlp.profiling import BLOCKS, COLLECTIVE, STEP, STEP_RANGES, step_parts
+from smlp.token_routed import TokenRoutedGMLPBlock
+from smlp.transformer import TransformerBlock
 
 from .harness import environment, parser, write_record
 
@@ -87,6 +92,65 @@ PARTS = ("backward", "optimizer", "grad_all_reduce", "all2all", "other_collectiv
 
 
 # ---------------------------------------------------------------- the models
+
+
+# ---------------------------------------------------------------- the blocks' ranges (smlp.profiling.BLOCKS)
+
+
+def block_kinds(model) -> list[tuple[object, str, bool]]:
+    """(module, block kind of BLOCKS, whether the module is one block of its kind) for every module of
+    `model` that opens a block range (a Transformer block's norm opens its attention's range but is no
+    block of its own)."""
+    out = []
+    for module in model.modules():
+        if isinstance(module, LanguageModel):
+            out.append((module, "embedding_head", True))
+        elif isinstance(module, (GMLPBlock, TokenRoutedGMLPBlock)):
+            out.append((module, "gmlp_block", True))
+        elif isinstance(module, SparseBlock):
+            out.append((module, "smoe", True))
+        elif isinstance(module, TMoE):
+            out.append((module, "tmoe", True))
+        elif isinstance(module, TransformerBlock):
+            dense = not isinstance(module.ffn, TMoE)
+            out += [(module, "ffn" if dense else "tmoe", dense), (module.norm1, "attention", False),
+                    (module.attn, "attention", True)]
+    return out
+
+
+@contextlib.contextmanager
+def block_ranges(model, listener: Callable[[str, str], None] | None = None):
+    """Within the block, every block's `forward` and `step` (cached decoding) runs inside its BLOCKS range;
+    `listener(event, kind)`, if given, hears ("enter", kind) and ("exit", kind) around each call."""
+    wrapped = []
+    for module, kind, _ in block_kinds(model):
+        for method in ("forward", "step"):
+            original = getattr(module, method, None)
+            if original is None or method in vars(module):
+                continue
+            setattr(module, method, _in_range(original, kind, listener))
+            wrapped.append((module, method))
+    try:
+        yield
+    finally:
+        for module, method in wrapped:
+            delattr(module, method)
+
+
+def _in_range(method, kind: str, listener):
+    name = BLOCKS[kind]
+
+    def run(*args, **kwargs):
+        with record_function(name):
+            if listener is not None:
+                listener("enter", kind)
+            try:
+                return method(*args, **kwargs)
+            finally:
+                if listener is not None:
+                    listener("exit", kind)
+    return run
+
 
 
 def configs(size: str, keys: list[str], vocab_size: int) -> dict[str, LMConfig]:
