@@ -201,8 +201,12 @@ def _publish_readme(readme: Path, long_rec: dict | None, all_exp: list[dict], fi
     root = readme.parent.resolve()
     if README_FAIR_START in text:
         figure = figure_dir / "fair" / "figure5.png"
-        body = render_fair_summary(fair_rec, _link(figure, root) if figure.exists() else None, _link(page, root)) \
-            if fair_rec is not None else FAIR_PENDING.format(page=_link(page, root))
+        if fair_rec is not None and "deciding" in fair_rec.get("stages", {}):  # the answer comes from deciding
+            body = render_fair_summary(fair_rec, _link(figure, root) if figure.exists() else None, _link(page, root))
+        else:
+            body = FAIR_PENDING.format(page=_link(page, root))
+            if fair_rec is not None and fair_rec.get("stages_complete", {}).get("lr-sweep"):
+                body += " " + SWEEP_DONE.format(page=_link(page, root))
         text = _replace_section(text, README_FAIR_START, README_FAIR_END, body, readme)
     if long_rec is not None and README_LONG_START in text:
         text = _replace_section(text, README_LONG_START, README_LONG_END, render_long_summary(
@@ -291,6 +295,8 @@ FAIR_PENDING = ("Not published yet: the deciding comparison (`smlp-bench --fair`
                 "with 2 experts per sparse layer and one learning rate for all families, in [benchmarks.md]({page}), "
                 "cannot test the paper's claim: at 2 experts GShard's top-2 sends every token to both experts, and "
                 "Switch, GShard and Base Layers ended beside the dense Transformer.")
+SWEEP_DONE = ("Its learning-rate sweep has finished (each family's rates in [benchmarks.md]({page})); the deciding "
+              "runs are under way.")
 METRIC_WORDS = {"ppl": "all positions", "suffix_ppl": "the positions after sMLP-partial's routing prefix"}
 ANSWER = {"better": "yes", "worse": "no", "undecided": "undecided"}
 SCALE_NOTE = ("Scale: about 2M non-expert parameters trained on about 2M tokens of one small corpus (Gutenberg plays, "
@@ -380,10 +386,13 @@ def render_fair(record: dict, figures: dict[str, str]) -> str:
     t = record["target"]
     lines += ["", f"Every family FLOP-matched to sMLP-det ({t['dense']}+{t['sparse']} blocks, D={t['d_model']}, "
                   f"F={t['d_ffn']}, T={t['seq_len']}), {t['experts']} experts per sparse layer on 2 CPU ranks, "
-                  f"Transformers with heads of dimension 64, each family at its own learning rate:", "",
-              "| model | layers | lr | valid ppl (seeds) | on sMLP-partial's positions | diagnostic: greedy routing "
-              "(busiest expert / mean) | diagnostic: training-time assignment | speed vs sMLP-det [range] |",
-              "|---|---|---:|---:|---:|---:|---:|---:|"]
+                  f"Transformers with heads of dimension 64, each family at its own learning rate"
+                  + (":" if fam else ". The deciding runs (seeds the sweep did not use) have not finished: no "
+                     "family's perplexity is published yet.")]
+    if fam:
+        lines += ["", "| model | layers | lr | valid ppl (seeds) | on sMLP-partial's positions | diagnostic: greedy "
+                  "routing (busiest expert / mean) | diagnostic: training-time assignment | speed vs sMLP-det "
+                  "[range] |", "|---|---|---:|---:|---:|---:|---:|---:|"]
     rr = (record.get("ratios") or {}).get("smlp_det_wps_over_range", {})
 
     def seeds(vals):
@@ -403,7 +412,7 @@ def render_fair(record: dict, figures: dict[str, str]) -> str:
                      f"{seeds(f.get('valid_suffix_ppl_per_seed'))} | "
                      f"{seeds(f.get('valid_greedy_routing_ppl_per_seed'))}{load} | "
                      f"{seeds(f.get('valid_trained_routing_ppl_per_seed'))} | {speed} |")
-    if "figure5.png" in figures:
+    if fam and "figure5.png" in figures:
         lines += ["", f"![validation perplexity against tokens and against time, the deciding runs]"
                       f"({figures['figure5.png']})"]
     rates = record.get("rates") or {}

@@ -402,3 +402,23 @@ def test_figure7_claim_uses_the_one_verdict_rule(leak, holds):
     rec = {"models": models, "nproc": 2, "settings": {"batch_size": 16, "updates": 150, "target": X.EXP_TARGET},
            "seed_spread": spread}
     assert X.figure7_claims(rec)[0]["holds"] == holds
+
+
+def test_a_fair_record_with_only_its_sweep_publishes_rates_and_no_answer(tmp_path):
+    """After the learning-rate sweep and before the deciding runs: the page shows the rates and no perplexity
+    table; README keeps 'Not published yet' and says the sweep has finished (the record in the repository)."""
+    from smlp_bench import publish as P
+
+    repo = Path(__file__).parents[1]
+    record = json.loads((repo / "docs/benchmark/fair/results.json").read_text())
+    # the record as the sweep's end leaves it (the repository's may hold later stages by now)
+    record["stages"] = {k: v for k, v in record["stages"].items() if k == "lr-sweep"}
+    record["families"], record["stages_complete"] = {}, {"lr-sweep": True, "deciding": False}
+    page = P.render_fair(record, {})
+    assert "| model | rates tried: ppl |" in page and "| model | layers | lr | valid ppl" not in page
+    assert "no family's perplexity is published yet" in page
+    readme = tmp_path / "README.md"
+    readme.write_text(f"x\n{P.README_FAIR_START}\nold\n{P.README_FAIR_END}\n")
+    P._publish_readme(readme, None, [], tmp_path / "docs/benchmark", tmp_path / "docs/benchmarks.md", record)
+    text = readme.read_text()
+    assert "Not published yet" in text and "learning-rate sweep has finished" in text
