@@ -112,13 +112,24 @@ def execute(store: S.RunStore, models: dict[str, Model], data: Path, args, *, ou
             print(f"   [{done + 1}/{len(store.slots)}] {slot.run_id:<28} {rec['wps'] or float('nan'):>8,.0f} words/s, "
                   f"valid ppl {ppl if ppl is not None else float('nan'):.1f}, {run.seconds:.0f} s "
                   f"(phase {slot.phase}, round {slot.round})", flush=True)
-        store.record(slot, rec)
+        store.record(slot, {**rec, "log": _under(rec.get("log"), log_dir)})
         _print_eta(store, time.time() - t_run)
         if on_recorded is not None and slot.kind == S.TRAIN:
             try:  # partial results.json after every training run; never stop the benchmark for it
                 on_recorded()
             except Exception as exc:  # noqa: BLE001
                 print(f"   (partial report failed: {type(exc).__name__}: {exc})", flush=True)
+
+
+def _under(path: str | None, folder: Path) -> str | None:
+    """A run's log path as recorded in the store: relative to the logs' folder (a store committed to the
+    repository names no machine's paths); as is when it lies elsewhere."""
+    if path is None:
+        return None
+    try:
+        return str(Path(path).resolve().relative_to(Path(folder).resolve()))
+    except ValueError:
+        return path
 
 
 def _print_eta(store: S.RunStore, last: float) -> None:

@@ -61,7 +61,8 @@ def fake_training(monkeypatch):
                 p = end * (1 + 25 / v) / (1 + 25 / u)
                 valid.append({"num_updates": float(v), "ppl": p, "suffix_ppl": p * 0.9, "greedy_routing_ppl": p * 1.05,
                               "trained_routing_ppl": p * 0.99, "load_greedy_3_tmoe": 2.5, "wall": float(v)})
-        return training.Run(model.key, seed, intervals=intervals, valid=valid, seconds=1.0, peak_rss_mb=[1.0])
+        return training.Run(model.key, seed, intervals=intervals, valid=valid, seconds=1.0, peak_rss_mb=[1.0],
+                            log=str(Path(out) / "train.log"))  # where run_training writes it
 
     monkeypatch.setattr(training, "run_training", fake)
     monkeypatch.setattr(machine, "matmul_peak", lambda n: {"total": 1e11, "per_rank": [5e10] * n})
@@ -124,6 +125,9 @@ def test_the_fair_benchmark_sweeps_decides_and_resumes(tmp_path, data, fake_trai
     assert _git(repo, "diff", "--cached", "--name-only").split() == ["other.txt"]
     work = str(tmp_path / "work" / "lr-sweep" / "runs")  # the runs' logs go to the work folder, not the store
     assert all(work in c["cmd"][c["cmd"].index("--log-dir") + 1] for c in fake_training if c["stage"] == "lr-sweep")
+    # ... and the committed store names them relative to it (no machine's paths in the repository)
+    logs = [r["log"] for r in json.loads((out / "lr-sweep" / "runs.json").read_text())["records"].values()]
+    assert logs and all(log == f"runs/{Path(log).parent.name}/train.log" for log in logs)
     # ... a resume from other code that decides perplexity is refused, naming the files ...
     monkeypatch.setattr(fair, "code_identity", lambda: {"commit": "beef", "dirty": False})
     monkeypatch.setattr(fair, "perplexity_changes", lambda a, b: ["smlp/moe.py"])

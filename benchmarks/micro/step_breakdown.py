@@ -71,6 +71,7 @@ from smlp.profiling import BLOCKS, COLLECTIVE, STEP, STEP_RANGES, step_parts
 from smlp.token_routed import TokenRoutedGMLPBlock
 from smlp.transformer import TransformerBlock
 
+from ..machine import code_identity
 from .harness import environment, parser, write_record
 
 FAMILIES = ("smlp_det", "gmlp", "transformer", "base", "switch", "hash", "gshard")
@@ -657,10 +658,8 @@ def main(argv=None) -> int:
     for world in worlds:
         ranks = run_world(cfgs, world, settings)
         training[str(world)] = [{"rank": r, "families": ranks[r]} for r in range(world)]
-    import smlp
-
     record = {"question": "where a training step of each FLOP-matched family goes, per rank, and its operators",
-              "label": args.label, "code": str(Path(smlp.__file__).resolve().parent),
+              "label": args.label, "code": code_identity(),
               "config": {"size": args.size, **size, "vocab": args.vocab or size["vocab"], "steps": args.steps,
                          "warmup": args.warmup, "threads_per_rank": 1, "smoe_parallel": args.smoe_parallel,
                          "models": {k: {f: getattr(c, f) for f in ("family", "d_model", "d_ffn", "seq_len",
@@ -670,7 +669,7 @@ def main(argv=None) -> int:
               **environment(), "training": training,
               "decoding": decoding(cfgs, args.decode_steps) if args.decode_steps else {}}
     if baseline is not None:
-        record["baseline"] = {"label": baseline.get("label", ""), "path": str(args.baseline),
+        record["baseline"] = {"label": baseline.get("label", ""), "path": args.baseline.name,
                               "code": baseline.get("code"), **op_counts(baseline)}
     print(table(record))
     write_record(args.out, record)
