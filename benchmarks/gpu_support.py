@@ -22,18 +22,13 @@ from smlp.routing import assignment
 
 from .fair import FAIR_TARGET
 from .micro.host_syncs import HostSyncCounter, accelerator_paths
+from .micro.hot_path import FAMILIES as HOT_PATH_FAMILIES
 
-# Every family, with the core config fields that make it (the sizes come from `Sizes`).
+# Every family, with the core config fields that make it (the sizes come from `Sizes`): the hot-path
+# benchmark's families and the token mixers and token-routed gMLP beside them.
 FAMILIES = {
-    "sMLP-det": dict(family="smlp", smoe_routing="deterministic"),
-    "sMLP-partial": dict(family="smlp", smoe_routing="partial"),
-    "gMLP": dict(family="gmlp"),
+    **HOT_PATH_FAMILIES,
     "gMLP token-routed": dict(family="gmlp", token_routed_experts=-1),  # -1: the check's number of experts
-    "Transformer": dict(family="transformer"),
-    "GShard": dict(family="transformer", moe_router="gshard"),
-    "Switch": dict(family="transformer", moe_router="switch"),
-    "Base": dict(family="transformer", moe_router="base"),
-    "HASH": dict(family="transformer", moe_router="hash"),
     "HyperMixer": dict(family="gmlp", token_mixer="hypermixer"),
     "NiNformer": dict(family="gmlp", token_mixer="ninformer"),
 }
