@@ -59,9 +59,10 @@ gpu-check:
 	ln -sfn $(CURDIR)/launch $(GPU_CHECK_PATH)/smlp_launch
 	PYTHONPATH="$(CURDIR):$(CURDIR)/$(GPU_CHECK_PATH)$${PYTHONPATH:+:$$PYTHONPATH}" $(GPU_PYTHON) -m smlp_bench.gpu_check $(GPU_CHECK_ARGS)
 
-# The deciding comparison (docs/benchmarks.md), resumed where its committed store stopped; each finished run is
-# committed. A stage started at other code that decides perplexity must resume from a checkout of its commit
-# (the refusal says which and how).
+# The deciding comparison (docs/benchmarks.md): lr-sweep, deciding, experts, resumed where its committed store
+# stopped; each finished run is committed. Each stage runs the code of the commit it started at, from a worktree
+# under results/fair-work/code/ with this environment (benchmarks/pinned.py): commits to main never stop it.
+# FAIR_ARGS="--stages width" adds the opt-in stage.
 FAIR_ARGS ?=
 fair: install
 	$(VENV)/bin/smlp-bench --fair --commit-store $$(test -e docs/benchmark/fair/lr-sweep/runs.json && echo --resume) \

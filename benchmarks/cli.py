@@ -70,10 +70,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "family at its rate with 8 experts on seeds the sweep did not use, an expert sweep and a "
                         "second width; each stage resumable, its store in docs/benchmark/fair/ (in the repository)")
     p.add_argument("--stages", default=None,
-                   help="with --fair: a comma-separated subset of its stages, in order (default: all)")
+                   help="with --fair: a comma-separated list of its stages, in order (default: lr-sweep,deciding,"
+                        "experts; width runs only when named)")
+    p.add_argument("--no-pin", action="store_true",
+                   help="with --fair: run this checkout's code instead of each stage's pinned commit (to try out "
+                        "uncommitted code; such a stage resumes only while the code that decides perplexity is "
+                        "unchanged)")
     p.add_argument("--work-dir", type=Path, default=None,
-                   help="with --fair: where the runs' logs go (default results/fair-work; the store keeps each "
-                        "run's figures, not its log)")
+                   help="with --fair: where the runs' logs and the stages' pinned worktrees (WORK_DIR/code/) go "
+                        "(default results/fair-work; the store keeps each run's figures, not its log)")
     p.add_argument("--commit-store", action="store_true",
                    help="with --fair: commit each stage's store (runs.json, results.json) to the repository that "
                         "holds it after every finished run, so that --resume continues from a fresh clone")

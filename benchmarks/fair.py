@@ -1,7 +1,7 @@
 """The deciding benchmark: does sMLP beat Transformer-MoE at matched FLOPs, in a fair fight?
 
     smlp-bench --fair [--output-dir docs/benchmark/fair] [--work-dir DIR] [--resume] [--commit-store]
-                      [--stages lr-sweep,deciding,experts,width]
+                      [--stages lr-sweep,deciding,experts[,width]] [--no-pin]
 
 Every family FLOP-matched to sMLP-deterministic (9 dense + 3 sparse blocks, D=128, F=512, T=128) with
 what MoE research uses and what makes a comparison fair:
@@ -13,13 +13,15 @@ what MoE research uses and what makes a comparison fair:
   so the luck of the run a rate was chosen on does not carry into the result;
 - evaluation routing: the balanced routers (Base Layers, the sMLP tMoE, sMLP-partial's sMoE) route each
   token by its score minus the expert prices averaged over training (`--balanced-eval-routing priced`,
-  smlp/routing/prices.py): per token and causal like greedy routing, but as training assigns; greedy
-  routing made equal trainings score 6-12% apart (docs/benchmarks.md, "Evaluation noise"). Every run
+  smlp/routing/prices.py): per token and causal like greedy routing, but as training assigns. Every run
   also logs greedy routing and the training-time assignment over the batch (not causal) as diagnostics;
 - the same positions: every run also logs its perplexity on the positions sMLP-partial predicts
   (after its 20% routing prefix, `--valid-suffix-from`), and sMLP-partial is compared on those;
-- one primary comparison with a t interval (benchmarks/verdicts.py `t_compare`): sMLP-det against the
-  Transformer-MoE with the best perplexity in the sweep; every other comparison is secondary.
+- one primary comparison with a Welch t interval (benchmarks/verdicts.py `t_compare`, each side its own
+  seed spread): sMLP-det against the Transformer-MoE with the best perplexity in the sweep, on seeds fixed
+  before any deciding run (2-5 for that pair, 2-3 for every other family); every other comparison is
+  secondary. Speed is the speed benchmark's (smlp_bench.speed): these runs share the machine with
+  whatever else runs, so no speed from them is published.
 
 Stages, each its own interleaved, resumable run store (benchmarks/schedule.py) in OUTPUT_DIR/STAGE/
 (runs.json and results.json, committed to the repository as runs finish with --commit-store; the
@@ -28,14 +30,17 @@ runs' logs go to --work-dir), planned from the stages before it:
 1. lr-sweep   every family at 2e-3, 4e-3 and 8e-3, 200 updates (0.82M tokens), seed 1, no speed probes.
               A family whose best rate is at an edge gets the next rate beyond it (a factor 2, at most
               twice, within 1e-3..3.2e-2).
-2. deciding   every family at its rate, seeds 2 and 3, 500 updates (2.05M tokens), with speed probes;
-              a third seed (4) for sMLP-det and the best Transformer-MoE when the primary comparison's
-              95% interval still holds zero.
-3. experts    sMLP-det and the best Transformer-MoE at 2 and 32 experts, seed 2.
-4. width      sMLP-det and the best Transformer-MoE at D=256 (F=1024), seed 2: a trend, not a verdict.
+2. deciding   every family at its rate, seeds 2 and 3, 500 updates (2.05M tokens); seeds 4 and 5 for
+              sMLP-det and the sweep's best Transformer-MoE (the primary pair), fixed in advance.
+3. experts    sMLP-det and the best Transformer-MoE at 2 and 32 experts, seed 2: a trend, not a verdict.
+4. width      (opt-in: --stages width) sMLP-det and the best Transformer-MoE at D=256 (F=1024), seed 2.
 
-Every record holds the commit of the code that ran it; a stage resumes only where the code that decides
-perplexity (machine.PERPLEXITY_PATHS) is unchanged since the stage started.
+Pinned code (benchmarks/pinned.py): a stage runs the code of the commit it started at. Its models are
+planned, its commands built and its trainings executed from a worktree of that commit (WORK_DIR/code/),
+in the installed environment; a commit to this checkout never stops a stage nor leaks into its runs,
+and every run records the commit it executed. `--no-pin` runs this checkout's code instead (trying out
+uncommitted code): such a stage resumes only where the code that decides perplexity
+(machine.PERPLEXITY_PATHS) is unchanged since it started.
 """
 from __future__ import annotations
 
@@ -48,14 +53,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from . import machine, pinned
 from . import schedule as S
 from .machine import code_identity, perplexity_changes
 from .plan import probe_reference, run_schedule
 from .plots import png_axes
-from .presets import LONG_TARGET, MOE_BASELINES, NAMES, BenchError, Model, plan_models, target_flags
+from .presets import LONG_TARGET, MOE_BASELINES, NAMES, BenchError, Model, models_from_plan, plan_models, target_flags
 from .report import report
 from .schedule import atomic_write_json
-from .verdicts import T_RULE, pooled_log_sd, t_compare
+from .verdicts import T_RULE, log_spread, t_compare
 
 FAIR_TARGET = dict(LONG_TARGET, experts=8)
 WIDE_TARGET = dict(FAIR_TARGET, d_model=256, d_ffn=1024)
@@ -64,7 +70,8 @@ RATES = (2e-3, 4e-3, 8e-3)
 WIDEN = 2                      # at most this many rates added beyond an edge of the sweep
 RATE_BOUNDS = (1e-3, 3.2e-2)   # never beyond these
 EXPERT_SWEEP = (2, 32)
-SWEEP_SEED, DECIDING_SEEDS, THIRD_SEED = 1, (2, 3), 4
+SWEEP_SEED, DECIDING_SEEDS = 1, (2, 3)
+PRIMARY_SEEDS = (4, 5)  # more seeds for the primary pair (sMLP-det, the sweep's best MoE): fixed before any result
 COMMON = dict(batch_size=16, log_interval=10, validate_every=50, valid_steps=10, warmup=50, lr=2e-3)
 STAGE_SETTINGS = {
     "lr-sweep": dict(COMMON, seeds=[SWEEP_SEED], updates=200, probe_updates=0, profile_steps=0),
@@ -73,6 +80,7 @@ STAGE_SETTINGS = {
     "width": dict(COMMON, seeds=[DECIDING_SEEDS[0]], updates=500, probe_updates=0, profile_steps=0),
 }
 STAGES = tuple(STAGE_SETTINGS)
+DEFAULT_STAGES = ("lr-sweep", "deciding", "experts")  # `width` only when asked for (--stages width)
 
 
 @dataclass
@@ -82,6 +90,7 @@ class Context:
     vocab_size: int
     nproc: int
     records: dict  # stage name -> its results.json record
+    code: pinned.Checkout | None = None  # the stage's pinned commit (None: this checkout's code)
 
     def rate(self, family: str) -> float:
         return self.records["lr-sweep"]["fair"]["rates"][family]["chosen"]
@@ -92,24 +101,32 @@ class Context:
         return self.records["lr-sweep"]["fair"]["best_moe"]
 
 
-def criterion_flags(target: dict, vocab_size: int, nproc: int) -> list[str]:
+def criterion_flags(target: dict, vocab_size: int, nproc: int, code: pinned.Checkout | None = None) -> list[str]:
     """Every run also scores the positions sMLP-partial predicts and its balanced routers' training assignment."""
-    from smlp_eval import flops as F
-
     flags = [*target_flags(target, nproc)[2:], "--smoe-routing", "partial"]
-    start = F.parse_model("smlp_lm", flags, vocab_size=vocab_size).cfg.prediction_start
+    if code is not None:
+        start = code.ask("prediction_start", flags=flags, vocab_size=vocab_size)["start"]
+    else:
+        from smlp_eval import flops as F
+
+        start = F.parse_model("smlp_lm", flags, vocab_size=vocab_size).cfg.prediction_start
     return ["--valid-suffix-from", str(start), "--valid-trained-routing", "--valid-greedy-routing"]
 
 
 def _matched(ctx: Context, target: dict, keys: Sequence[str]) -> dict[str, Model]:
-    return dict(_plan(ctx.vocab_size, ctx.nproc, tuple(keys), json.dumps(target, sort_keys=True)))
+    return dict(_plan(ctx.code, ctx.vocab_size, ctx.nproc, tuple(keys), json.dumps(target, sort_keys=True)))
 
 
 @functools.lru_cache(maxsize=32)
-def _plan(vocab_size: int, nproc: int, keys: tuple[str, ...], target: str) -> tuple[tuple[str, Model], ...]:
-    """The FLOP-matched models of a target, planned once per process (every stage asks again; Models are
-    only ever copied with `replace`)."""
-    models, _ = plan_models(vocab_size, nproc, keys, json.loads(target))
+def _plan(code: pinned.Checkout | None, vocab_size: int, nproc: int, keys: tuple[str, ...],
+          target: str) -> tuple[tuple[str, Model], ...]:
+    """The FLOP-matched models of a target by the stage's code, planned once per process (every stage asks
+    again; Models are only ever copied with `replace`)."""
+    if code is not None:
+        plan = code.ask("plan", vocab_size=vocab_size, nproc=nproc, keys=list(keys), target=json.loads(target))
+        models = models_from_plan(plan)
+    else:
+        models, _ = plan_models(vocab_size, nproc, keys, json.loads(target))
     return tuple((m.key, m) for m in models)
 
 
@@ -225,19 +242,17 @@ def _append_round(store: S.RunStore, keys: list[str], seeds: list[int]) -> None:
     store.slots = S.extend_schedule(store.slots, rounds, probe_reference(store.plan))
 
 
-def third_seed(store: S.RunStore, ctx: Context, record: dict) -> list[str]:
-    """After the deciding stage's two seeds: a third seed for sMLP-det and the best Transformer-MoE when the
-    primary comparison's 95% interval still holds zero (once). Returns the models given one."""
-    if "third_seed" in store.extra:
+def primary_seeds(store: S.RunStore, ctx: Context) -> list[str]:
+    """The deciding stage's extra seeds (PRIMARY_SEEDS) for sMLP-det and the sweep's best Transformer-MoE,
+    appended once, whatever the results so far: the number of seeds is fixed before the data are seen (no
+    seed added because an interval held zero). Returns the models given them (none when already appended)."""
+    if "primary_seeds" in store.extra:
         return []
-    primary = verdicts(record, ctx.records["lr-sweep"]["fair"])["primary"]
-    keys = []
-    if primary is not None and primary["ci_log"][0] <= 0 <= primary["ci_log"][1]:
-        keys = ["smlp_det", ctx.best_moe()]
-        _append_round(store, keys, [THIRD_SEED])
-    store.extra["third_seed"] = {"models": keys, "seed": THIRD_SEED,
-                                 "rule": "the primary comparison's 95% interval holds zero after two seeds",
-                                 "interval_after_two": primary and primary["ci_pct"]}
+    keys = ["smlp_det", ctx.best_moe()]
+    _append_round(store, keys, list(PRIMARY_SEEDS))
+    store.extra["primary_seeds"] = {"models": keys, "seeds": list(PRIMARY_SEEDS),
+                                    "rule": "fixed in advance: the primary pair runs seeds 2-5, every other family "
+                                            "seeds 2-3"}
     store.save()
     return keys
 
@@ -287,34 +302,78 @@ def commit_store(path: Path, message: str, attempts: int = 5) -> bool:
     return False
 
 
+def stage_code(store_path: Path, stage: str, work_dir: Path) -> pinned.Checkout:
+    """The pinned code of a stage: the commit it started at (recorded in its store), or this checkout's commit
+    for a stage not started yet; its worktree made under work_dir/code/."""
+    repo = machine.CODE_ROOT
+    started = (S.RunStore.load(store_path).extra.get("code") or {}).get("commit") if store_path.exists() else None
+    now = code_identity()
+    commit = started or now["commit"]
+    if commit is None:
+        raise BenchError(f"stage {stage}: {repo} is not a git checkout, so no commit can be pinned for its runs: "
+                         f"run the benchmark from a clone, or pass --no-pin to run this folder's code")
+    if started is None and now["dirty"]:
+        print(f"   stage {stage} pins commit {commit[:10]}: uncommitted changes under "
+              f"{', '.join(machine.PERPLEXITY_PATHS)} are not part of its runs", flush=True)
+    code = pinned.checkout(commit, work_dir, repo)
+    if now["commit"] and now["commit"] != code.commit and pinned.environment_changes(repo, code.commit, now["commit"]):
+        print(f"   note: pyproject.toml changed since {code.commit[:10]}; the pinned code runs in the environment "
+              f"installed now", flush=True)
+    print(f"   stage {stage}: its runs execute commit {code.commit[:10]} ({code.root})", flush=True)
+    return code
+
+
+def _recorded_models(store_path: Path) -> tuple[list[Model], dict] | None:
+    """A started stage's models and settings as its store recorded them (the models it added itself while it
+    ran excluded): a pinned stage resumes its own plan, whatever this checkout would plan now."""
+    if not store_path.exists():
+        return None
+    store = S.RunStore.load(store_path)
+    added = set(store.extra.get("added_models", ()))
+    return [m for m in models_from_plan(store.plan) if m.key not in added], dict(store.plan["settings"])
+
+
 def run_stage(stage: str, ctx: Context, data: Path, out_dir: Path, *, order_seed: int = 1,
-              log_dir: Path | None = None, commit: bool = False) -> dict:
-    """Train one stage (resuming where it stopped) and return its report record with the stage's analysis."""
-    models = BUILDERS[stage](ctx)
-    settings = dict(STAGE_SETTINGS[stage], target=TARGETS[stage],
-                    criterion_flags=criterion_flags(TARGETS[stage], ctx.vocab_size, ctx.nproc))
+              log_dir: Path | None = None, commit: bool = False, pin: bool = True) -> dict:
+    """Train one stage (resuming where it stopped) and return its report record with the stage's analysis.
+    Pinned (the default) its runs execute the stage's commit (`stage_code`); else this checkout's code."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    store_path = out_dir / "runs.json"
+    resume = store_path.exists()  # main() asked for --resume before continuing a started benchmark
+    if pin:
+        ctx = replace(ctx, code=stage_code(store_path, stage, log_dir or Path("results/fair-work").absolute()))
+        code = {"commit": ctx.code.commit}
+    else:
+        code = check_code(store_path, stage)
+    recorded = _recorded_models(store_path) if pin else None
+    if recorded is not None:
+        models, settings = recorded
+    else:
+        models = BUILDERS[stage](ctx)
+        settings = dict(STAGE_SETTINGS[stage], target=TARGETS[stage],
+                        criterion_flags=criterion_flags(TARGETS[stage], ctx.vocab_size, ctx.nproc, ctx.code))
     settings["models"] = tuple(m.key for m in models)
     reference = models[0].key
-    out_dir.mkdir(parents=True, exist_ok=True)
-    code = check_code(out_dir / "runs.json", stage)
-    resume = (out_dir / "runs.json").exists()  # main() asked for --resume before continuing a started benchmark
 
     def after_run():
         if commit:
             commit_store(out_dir, f"fair benchmark, stage {stage}: a run finished")
 
+    def before_runs(store: S.RunStore):
+        if stage == "deciding" and (keys := primary_seeds(store, ctx)):
+            print(f"   seeds {', '.join(map(str, PRIMARY_SEEDS))} for the primary pair: {', '.join(keys)}", flush=True)
+
     while True:
         store = run_schedule(f"fair/{stage}", settings, models, {"stage": stage}, data, ctx.nproc, out_dir,
                              resume=resume, order_seed=order_seed, reference=reference,
                              log_dir=(log_dir / stage) if log_dir else None, after_run=after_run,
-                             extra={"code": {"commit": code["commit"], "checked": "machine.PERPLEXITY_PATHS"}})
+                             extra={"code": {"commit": code["commit"], "checked": "machine.PERPLEXITY_PATHS"}},
+                             code=ctx.code, before_runs=before_runs)
         record = report(store, out_dir, quiet=True)
         added = [m.key for m in widen_sweep(store, ctx, record)] if stage == "lr-sweep" else []
-        if stage == "deciding":
-            added = third_seed(store, ctx, record)
         if not added:
             break
-        print(f"   {'widening the sweep' if stage == 'lr-sweep' else 'a third seed'}: {', '.join(added)}", flush=True)
+        print(f"   widening the sweep: {', '.join(added)}", flush=True)
         resume = True
     record["fair"] = analyse_stage(stage, record, store)
     atomic_write_json(out_dir / "results.json", record)
@@ -329,9 +388,8 @@ def analyse_stage(stage: str, record: dict, store: S.RunStore) -> dict:
         choice = choose_rates(rates_tried(record), store.extra.get("widened", {}))
         return {"rates": choice, "best_moe": best_moe_of_sweep(choice),
                 "best_moe_rule": "the Transformer-MoE with the lowest perplexity at its best rate in the sweep"}
-    groups = [m["valid_ppl_per_seed"] for m in res.values()]
-    return {"seed_spread": pooled_log_sd(groups), "rule": T_RULE, "code": store.extra.get("code"),
-            "third_seed": store.extra.get("third_seed")}
+    return {"seed_spread": {k: log_spread(m["valid_ppl_per_seed"]) for k, m in res.items()}, "rule": T_RULE,
+            "code": store.extra.get("code"), "primary_seeds": store.extra.get("primary_seeds")}
 
 
 # ---------------------------------------------------------------- the comparison's answers
@@ -362,48 +420,51 @@ def _judged(c: dict, a: str, b: str, rates: dict) -> dict:
 
 def verdicts(deciding: dict, sweep: dict) -> dict:
     """The primary comparison (sMLP-det against the sweep's best Transformer-MoE, all positions, the balanced
-    routers evaluating priced) and the secondary ones, each with its 95% t interval (T_RULE) and both sides'
-    rates; the greedy and training-time routings as diagnostic columns, never a verdict."""
+    routers evaluating priced) and the secondary ones, each with its 95% Welch interval (T_RULE: each side its
+    own seed spread) and both sides' rates; the greedy and training-time routings as diagnostic columns, never a
+    verdict. The one place that decides the published sentences."""
     res = deciding["models"]
     rates, best = sweep.get("rates") or {}, sweep.get("best_moe")
     out = {"rule": T_RULE, "best_moe": best, "primary": None, "secondary": [], "diagnostics": {}}
-    spreads = {metric: pooled_log_sd(_seeds(res, k, metric) for k in res)
-               for metric in ("ppl", "suffix_ppl")}
 
     def comparison(a, b, metric, label):
         sa, sb = _seeds(res, a, metric), _seeds(res, b, metric)
         if not sa or not sb:
             return None
-        c = _judged(t_compare(sa, sb, spreads[metric]), a, b, rates)
+        c = _judged(t_compare(sa, sb), a, b, rates)
         return {"model": a, "against": b, "metric": metric, "scored": label, **c,
                 "text": describe_t(c, NAMES.get(a, a), NAMES.get(b, b))}
 
     if best is not None:
         out["primary"] = comparison("smlp_det", best, "ppl", "all positions")
-    others = [k for k in ("gmlp", "transformer", *MOE_BASELINES) if k != best]
-    for b in others:
-        c = comparison("smlp_det", b, "ppl", "all positions")
-        if c:
+    for b in (k for k in ("gmlp", "transformer", *MOE_BASELINES) if k != best):
+        if c := comparison("smlp_det", b, "ppl", "all positions"):
             out["secondary"].append(c)
-    for b in (best, "gmlp"):
+    for b in (best, "gmlp"):  # sMLP-partial on the positions it predicts, sMLP-det on the same positions beside it
         c = comparison("smlp_partial", b, "suffix_ppl", "positions after the routing prefix") if b else None
         if c:
             out["secondary"].append(c)
+    if c := comparison("smlp_partial", "smlp_det", "suffix_ppl", "positions after the routing prefix"):
+        out["secondary"].append(c)
     for key, m in res.items():
         out["diagnostics"][key] = {metric: m.get(f"valid_{metric}") for metric in
                                    ("ppl", "greedy_routing_ppl", "trained_routing_ppl")}
-    out["equal_time"] = equal_time(deciding)
     return out
+
+
+def _df(df: float | None) -> str:
+    return "-" if df is None else f"{df:.1f}"
 
 
 def describe_t(c: dict, a: str, b: str) -> str:
     """One comparison in words, with its interval: "sMLP-det 88.1 vs HASH 92.3: -4.6% (95% CI -7.1% to -2.0%,
-    3 vs 3 seeds, 9 df): better"; a tie says how large a difference the interval rules out."""
+    4 vs 4 seeds, Welch df 5.8): lower (better)"; a tie says how large a difference the interval rules out."""
     if c.get("ci_pct") is None:
-        return f"{a} {c['ppl_a']:.1f} vs {b} {c['ppl_b']:.1f}: {c['ratio'] - 1:+.1%} (no seed spread known): undecided"
+        why = c.get("why_undecided") or "no seed spread known"
+        return f"{a} {c['ppl_a']:.1f} vs {b} {c['ppl_b']:.1f}: {c['ratio'] - 1:+.1%} ({why}): undecided"
     lo, hi = c["ci_pct"]
     head = (f"{a} {c['ppl_a']:.1f} vs {b} {c['ppl_b']:.1f}: {c['ratio'] - 1:+.1%} (95% CI {lo:+.1%} to {hi:+.1%}, "
-            f"{c['seeds'][0]} vs {c['seeds'][1]} seeds, {c['df']} df)")
+            f"{c['seeds'][0]} vs {c['seeds'][1]} seeds, Welch df {_df(c['df'])})")
     if c["verdict"] == "tie":
         return f"{head}: no difference larger than {c['bound_pct']:.1%} at this budget"
     if c["verdict"] == "undecided":
@@ -411,70 +472,46 @@ def describe_t(c: dict, a: str, b: str) -> str:
     return f"{head}: {a} {'lower (better)' if c['verdict'] == 'better' else 'higher (worse)'}"
 
 
-def equal_time(record: dict) -> list[dict]:
-    """Secondary: sMLP-det against each Transformer-MoE at equal load-corrected training time, each seed on its
-    own time axis, with the t interval of the two models' own seeds."""
-    from .verdicts import ppl_at
-
-    res = record["models"]
-    out = []
-    for other in MOE_BASELINES:
-        if "smlp_det" not in res or other not in res:
-            continue
-        curves = [c for k in ("smlp_det", other) for c in res[k]["curves"] if c.get("time")]
-        if not curves:
-            continue
-        t = min(c["time"][-1] for c in curves)
-        a = [ppl_at(c["time"], c["ppl"], t) for c in res["smlp_det"]["curves"] if c.get("time")]
-        b = [ppl_at(c["time"], c["ppl"], t) for c in res[other]["curves"] if c.get("time")]
-        a, b = [v for v in a if v], [v for v in b if v]
-        c = t_compare(a, b, pooled_log_sd([a, b])) if a and b else None
-        if c is None or c.get("ci_pct") is None:
-            out.append({"against": other, "seconds": t, "verdict": "undecided",
-                        "text": f"at equal time ({t / 60:.1f} min): undecided (fewer than two seeds on a side)"})
-            continue
-        out.append({"against": other, "seconds": t, **c,
-                    "text": f"at equal time ({t / 60:.1f} min at the median load): "
-                            + describe_t(c, NAMES["smlp_det"], NAMES[other])})
-    return out
-
-
-def _gap(a: list[float], b: list[float], spread: dict | None) -> dict | None:
-    return t_compare(a, b, spread) if a and b else None
+def _trend_gap(a: list[float], b: list[float], spreads: dict, ka: str, kb: str) -> dict | None:
+    """A trend point's gap: one seed a side borrows the family's own spread at the deciding budget."""
+    return t_compare(a, b, spreads.get(ka), spreads.get(kb)) if a and b else None
 
 
 def width_trend(deciding: dict, width: dict, best: str) -> dict:
     """sMLP-det's gap (log perplexity) to the best Transformer-MoE at D=128 (the deciding seeds) and D=256 (one
-    seed each), with intervals from the deciding stage's pooled seed spread: a trend, not a verdict."""
-    spread = deciding["fair"]["seed_spread"]
+    seed each, each family's spread borrowed from its deciding seeds): a trend, not a verdict."""
+    spreads = deciding["fair"]["seed_spread"]
     points = []
-    for d_model, res, suffix in ((FAIR_TARGET["d_model"], deciding["models"], ""),
-                                 (WIDE_TARGET["d_model"], width["models"], "")):
-        c = _gap(_seeds(res, f"smlp_det{suffix}"), _seeds(res, f"{best}{suffix}"), spread)
-        if c:
+    for d_model, res in ((FAIR_TARGET["d_model"], deciding["models"]), (WIDE_TARGET["d_model"], width["models"])):
+        if c := _trend_gap(_seeds(res, "smlp_det"), _seeds(res, best), spreads, "smlp_det", best):
             points.append({"d_model": d_model, **c})
-    return {"points": points, "best_moe": best, "label": "trend (one seed per model at D=256), not a verdict"}
+    return {"points": points, "best_moe": best,
+            "label": "trend (one seed per model at D=256, spreads borrowed from the deciding seeds), not a verdict"}
 
 
 def expert_trend(deciding: dict, experts: dict, best: str) -> dict:
     """Final perplexity against the expert count for sMLP-det and the best Transformer-MoE (8: the deciding
-    seeds; 2 and 32: one seed), and sMLP-det's gap at each, intervals from the deciding stage's seed spread."""
-    spread = deciding["fair"]["seed_spread"]
+    seeds; 2 and 32: one seed), and sMLP-det's gap at each (one seed a side borrows its family's spread at 8
+    experts from the deciding seeds)."""
+    spreads = deciding["fair"]["seed_spread"]
     rows = []
     for k in ("smlp_det", best):
         by_e = {FAIR_TARGET["experts"]: _seeds(deciding["models"], k)}
         for e in EXPERT_SWEEP:
             by_e[e] = _seeds(experts["models"], f"{k}_e{e}")
         es = sorted(e for e in by_e if by_e[e])
-        rows.append({"model": k, "name": NAMES[k], "ppl": {e: statistics.mean(by_e[e]) for e in es}})
+        rows.append({"model": k, "name": NAMES[k], "ppl": {e: statistics.mean(by_e[e]) for e in es},
+                     "seeds": {e: len(by_e[e]) for e in es}})
     gaps = {}
     for e in sorted({*EXPERT_SWEEP, FAIR_TARGET["experts"]}):
         src = deciding["models"] if e == FAIR_TARGET["experts"] else experts["models"]
         suffix = "" if e == FAIR_TARGET["experts"] else f"_e{e}"
-        c = _gap(_seeds(src, f"smlp_det{suffix}"), _seeds(src, f"{best}{suffix}"), spread)
-        if c:
+        if c := _trend_gap(_seeds(src, f"smlp_det{suffix}"), _seeds(src, f"{best}{suffix}"), spreads, "smlp_det",
+                           best):
             gaps[e] = c
-    return {"rows": rows, "gaps": gaps, "best_moe": best, "seed_spread": spread,
+    return {"rows": rows, "gaps": gaps, "best_moe": best,
+            "seed_spread": {k: spreads.get(k) for k in ("smlp_det", best)},
+            "label": "trend (one seed at 2 and 32 experts, spreads borrowed from the deciding seeds), not a verdict",
             "note": "sMLP-det's sMoE routes deterministically: every token passes through every sMoE expert (each a "
                     "spatial gating unit over D/E channels), so more experts split the same channels finer rather "
                     "than adding parameters per token as the tMoE's experts do"}
@@ -484,11 +521,13 @@ def expert_trend(deciding: dict, experts: dict, best: str) -> dict:
 
 
 def final_report(records: dict, out_dir: Path) -> dict:
-    """OUTPUT_DIR/results.json and its figures from the stages finished so far."""
+    """OUTPUT_DIR/results.json and its figures from the stages finished so far: perplexities and the answers
+    (`verdicts`, the one rule); no speed (the runs share the machine: speed is the speed benchmark's)."""
     rec = {"kind": "fair", "stages": {k: f"{k}/results.json" for k in records}, "rule": T_RULE,
            "complete": all(k in records and records[k].get("complete") for k in ("lr-sweep", "deciding")),
            "stages_complete": {k: bool(records.get(k, {}).get("complete")) for k in STAGES},
            "target": FAIR_TARGET, "wide_target": WIDE_TARGET, "settings": STAGE_SETTINGS,
+           "primary_seeds": {"seeds": [*DECIDING_SEEDS, *PRIMARY_SEEDS], "others": list(DECIDING_SEEDS)},
            "eval_routing": "priced (--balanced-eval-routing, smlp/routing/prices.py)"}
     sweep = (records.get("lr-sweep") or {}).get("fair") or {}
     if "lr-sweep" in records:
@@ -497,59 +536,36 @@ def final_report(records: dict, out_dir: Path) -> dict:
         plot_sweep(rec["rates"], out_dir / "lr_sweep.png")
     if "deciding" in records:
         d = records["deciding"]
+        spreads = {k: log_spread(m["valid_ppl_per_seed"]) for k, m in d["models"].items()}
         rec["families"] = {k: {"name": m["name"], "layers": m["layers"], "lr": m.get("lr"),
                                "bracketed": (sweep.get("rates", {}).get(k) or {}).get("bracketed"),
                                "valid_ppl": m["valid_ppl"], "valid_ppl_per_seed": m["valid_ppl_per_seed"],
-                               "seeds": m["seeds"],
+                               "seeds": m["seeds"], "log_spread": spreads[k],
                                "valid_suffix_ppl_per_seed": m.get("valid_suffix_ppl_per_seed"),
                                "valid_greedy_routing_ppl_per_seed": m.get("valid_greedy_routing_ppl_per_seed"),
                                "valid_trained_routing_ppl_per_seed": m.get("valid_trained_routing_ppl_per_seed"),
-                               "greedy_max_load": m.get("greedy_max_load"),
-                               "wps": m["wps"], "speed_vs_reference": m.get("speed_vs_reference")}
+                               "greedy_max_load": m.get("greedy_max_load")}
                            for k, m in d["models"].items()}
-        rec["seed_spread"] = d["fair"]["seed_spread"]
+        rec["seed_spread"] = spreads
         rec["verdicts"] = verdicts(d, sweep)
-        rec["ratios"] = d["ratios"]
-        rec["table4"] = rec["stages"]["table4"] = table4_stage(d, out_dir / "table4")
     best = rec.get("best_moe")
     if "deciding" in records and "width" in records and best:
-        rec["width"] = width_trend(records["deciding"], records["width"], best)
+        rec["width"] = width_trend(_analysed(records["deciding"]), records["width"], best)
         plot_width(rec["width"], out_dir / "width.png")
     if "deciding" in records and "experts" in records and best:
-        rec["experts"] = expert_trend(records["deciding"], records["experts"], best)
+        rec["experts"] = expert_trend(_analysed(records["deciding"]), records["experts"], best)
         plot_experts(rec["experts"], out_dir / "experts.png")
     atomic_write_json(out_dir / "results.json", rec)
     return rec
 
 
-def table4_stage(deciding: dict, out_dir: Path) -> str:
-    """Table 4 from the deciding comparison's speeds (runs adjacent in time) and the step-time model:
-    OUTPUT_DIR/table4/results.json, an experiment record (`table4-speed`) of the claims table."""
-    from .experiments import EXPERIMENTS, plot_table4, table4_claims, table4_markdown, table4_record
-
-    t4 = table4_record(deciding, _paper_step_rows())
-    record = {"kind": "experiment", "experiment": "table4-speed", "title": EXPERIMENTS["table4-speed"].title,
-              "complete": bool(deciding.get("complete")), "source": "the deciding comparison (smlp-bench --fair)",
-              "table4": t4, "models": {}, "settings": deciding.get("settings"), "nproc": deciding.get("nproc")}
-    record["claims"] = table4_claims(record)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(out_dir / "results.json", record)
-    (out_dir / "table.md").write_text(table4_markdown(t4) + "\n")
-    plot_table4(t4, out_dir / "figure.png")
-    return "table4/results.json"
-
-
-@functools.cache
-def _paper_step_rows() -> list[dict] | None:
-    """The step-time model's Table 4 (top) on the paper's 32 V100s (computed once: it does not depend on the runs)."""
-    try:
-        from smlp.steptime import CLUSTERS
-        from smlp_eval.flops import table4
-
-        return table4("top", CLUSTERS["v100-dgx1"])
-    except Exception as exc:  # noqa: BLE001  the CPU ratios stand without the model
-        print(f"   step-time model unavailable: {exc}")
-        return None
+def _analysed(record: dict) -> dict:
+    """A stage record with its seed spreads per family (as analyse_stage writes them; also for a record written
+    before they were)."""
+    fair = dict(record.get("fair") or {})
+    if not isinstance(fair.get("seed_spread"), dict) or "sd" in fair.get("seed_spread", {}):
+        fair["seed_spread"] = {k: log_spread(m["valid_ppl_per_seed"]) for k, m in record["models"].items()}
+    return {**record, "fair": fair}
 
 
 def plot_sweep(rates: dict, path: Path) -> None:
@@ -576,10 +592,10 @@ def plot_width(width: dict, path: Path) -> None:
 
 
 def plot_experts(experts: dict, path: Path) -> None:
-    sd = (experts["seed_spread"] or {}).get("sd", 0.0)
-    with png_axes(path, "more experts: sMLP-det and the best Transformer-MoE", "experts per sparse layer",
-                  "validation perplexity (± 2 seed SD)", log2x=True) as ax:
+    with png_axes(path, "more experts: sMLP-det and the best Transformer-MoE (a trend)", "experts per sparse layer",
+                  "validation perplexity (± 2 seed SD of the family at 8 experts)", log2x=True) as ax:
         for row in experts["rows"]:
+            sd = ((experts.get("seed_spread") or {}).get(row["model"]) or {}).get("sd", 0.0)
             ppl = {int(e): v for e, v in row["ppl"].items()}  # int keys in memory, str in the JSON
             es = sorted(ppl)
             ys = [ppl[e] for e in es]
@@ -587,8 +603,8 @@ def plot_experts(experts: dict, path: Path) -> None:
 
 
 def main(args, data: Path, vocab_size: int) -> int:
-    """`smlp-bench --fair`: every stage in order (or those of --stages), each resumed where it stopped."""
-    stages = list(STAGES) if not args.stages else [s.strip() for s in args.stages.split(",") if s.strip()]
+    """`smlp-bench --fair`: the default stages in order (or those of --stages), each resumed where it stopped."""
+    stages = list(DEFAULT_STAGES) if not args.stages else [s.strip() for s in args.stages.split(",") if s.strip()]
     unknown = [s for s in stages if s not in STAGES]
     if unknown:
         raise BenchError(f"--stages: unknown {', '.join(unknown)}; valid: {', '.join(STAGES)}")
@@ -616,7 +632,7 @@ def main(args, data: Path, vocab_size: int) -> int:
         print(f"== fair {i}/{len(stages)} {name}", flush=True)
         ctx = Context(vocab_size, args.nproc, records)
         records[name] = run_stage(name, ctx, data, out / name, order_seed=args.order_seed, log_dir=log_dir,
-                                  commit=commit)
+                                  commit=commit, pin=not getattr(args, "no_pin", False))
         final_report(records, out)
         if commit:
             commit_store(out, f"fair benchmark: report after stage {name}")

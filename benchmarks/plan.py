@@ -76,11 +76,13 @@ def maybe_schedule_second_phase(store: S.RunStore) -> bool:
 
 
 def execute(store: S.RunStore, models: dict[str, Model], data: Path, args, *, out_dir: Path,
-            on_recorded=None, log_dir: Path | None = None) -> None:
+            on_recorded=None, log_dir: Path | None = None, code=None) -> None:
     """Run every pending slot in order (then phase 2, if the plan has one), recording each at once. The runs'
-    logs go under log_dir (default out_dir): the store keeps each run's figures, not its log."""
+    logs go under log_dir (default out_dir): the store keeps each run's figures, not its log. With `code` (a
+    benchmarks.pinned.Checkout) every run executes that commit's code."""
     log_dir = log_dir or out_dir
     settings, nproc = store.plan["settings"], store.plan["nproc"]
+    pin = {"code": code} if code is not None else {}
     dropped = store.prepare_resume()
     if dropped:
         print(f"   resuming: measuring the probe before the next run again ({', '.join(dropped)})", flush=True)
@@ -98,16 +100,16 @@ def execute(store: S.RunStore, models: dict[str, Model], data: Path, args, *, ou
         t_run = time.time()
         if slot.kind == S.PROBE:
             run = training.run_training(model, data, settings, nproc, slot.seed, log_dir / "probes" / slot.run_id,
-                                        updates=settings["probe_updates"], validate=False, log_interval=2)
-            rec = run_record(slot, run, settings, nproc)
+                                        updates=settings["probe_updates"], validate=False, log_interval=2, **pin)
+            rec = run_record(slot, run, settings, nproc, code)
             print(f"   [{done + 1}/{len(store.slots)}] probe {slot.run_id}: {rec['wps'] or float('nan'):,.0f} "
                   f"words/s ({run.seconds:.0f} s)", flush=True)
         else:
             first_seed = min(s.seed for s in store.slots if s.kind == S.TRAIN and s.key == slot.key)
             profile = bool(settings.get("profile_steps")) and model.ours and slot.seed == first_seed
             run = training.run_training(model, data, settings, nproc, slot.seed, log_dir / "runs" / slot.run_id,
-                                        profile=profile)
-            rec = run_record(slot, run, settings, nproc)
+                                        profile=profile, **pin)
+            rec = run_record(slot, run, settings, nproc, code)
             ppl = final_ppl(rec)
             print(f"   [{done + 1}/{len(store.slots)}] {slot.run_id:<28} {rec['wps'] or float('nan'):>8,.0f} words/s, "
                   f"valid ppl {ppl if ppl is not None else float('nan'):.1f}, {run.seconds:.0f} s "
@@ -161,9 +163,10 @@ def open_store(plan: dict, path: Path, *, resume: bool) -> S.RunStore:
 def run_schedule(name: str, settings: dict, models: Sequence[Model], matching: dict, data: Path, nproc: int,
                  out_dir: Path, *, resume: bool, order_seed: int = 1, reference: str | None = None,
                  experiment: str | None = None, log_dir: Path | None = None, after_run=None,
-                 extra: dict | None = None) -> S.RunStore:
+                 extra: dict | None = None, code=None, before_runs=None) -> S.RunStore:
     """Plan, open (or resume) the run store in out_dir, measure the matmul peak and train every pending run
-    (logs under log_dir, default out_dir; `after_run()` after each recorded training run and its report)."""
+    (logs under log_dir, default out_dir; `before_runs(store)` once the store is open, `after_run()` after each
+    recorded training run and its report; `code`: the pinned commit every run executes, benchmarks/pinned.py)."""
     by_key = {m.key: m for m in models}
     reference = reference or (REFERENCE if REFERENCE in by_key else models[0].key)
     plan = make_plan(name, settings, models, nproc, order_seed, reference, experiment=experiment)
@@ -173,6 +176,8 @@ def run_schedule(name: str, settings: dict, models: Sequence[Model], matching: d
         store.extra["matching"] = matching
     for k, v in (extra or {}).items():  # facts of the store's start (kept on resume)
         store.extra.setdefault(k, v)
+    if before_runs is not None:
+        before_runs(store)
     store.extra["machine"] = machine.machine_info()
     print(f"   dense matmul peak ({nproc} processes x 1 thread) ...", flush=True)
     peak = machine.matmul_peak(nproc)
@@ -189,5 +194,5 @@ def run_schedule(name: str, settings: dict, models: Sequence[Model], matching: d
             after_run()
 
     execute(store, {m.key: m for m in models_from_plan(store.plan)}, data, None, out_dir=out_dir,
-            on_recorded=recorded, log_dir=log_dir)
+            on_recorded=recorded, log_dir=log_dir, code=code)
     return store

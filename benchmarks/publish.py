@@ -201,7 +201,7 @@ def _publish_readme(readme: Path, long_rec: dict | None, all_exp: list[dict], fi
     root = readme.parent.resolve()
     if README_FAIR_START in text:
         figure = figure_dir / "fair" / "figure5.png"
-        if fair_rec is not None and "deciding" in fair_rec.get("stages", {}):  # the answer comes from deciding
+        if fair_rec is not None and fair_rec.get("stages_complete", {}).get("deciding"):  # the answer: deciding's
             body = render_fair_summary(fair_rec, _link(figure, root) if figure.exists() else None, _link(page, root))
         else:
             body = FAIR_PENDING.format(page=_link(page, root))
@@ -313,7 +313,8 @@ def _ci(c: dict) -> str:
     if c.get("ci_pct") is None:
         return f"{c['ratio'] - 1:+.1%}, no seed spread known"
     lo, hi = c["ci_pct"]
-    return f"{c['ratio'] - 1:+.1%}, 95% CI {lo:+.1%} to {hi:+.1%}, {c['df']} df"
+    borrowed = ", one seed a side: spread borrowed from the deciding seeds" if c.get("borrowed") else ""
+    return f"{c['ratio'] - 1:+.1%}, 95% CI {lo:+.1%} to {hi:+.1%}, Welch df {c['df']:.1f}{borrowed}"
 
 
 def _answer(c: dict) -> str:
@@ -353,10 +354,6 @@ def fair_verdicts(record: dict) -> list[str]:
         lines.append(f"- Secondary, {a} against {b} "
                      f"on {METRIC_WORDS[c['metric']]}: {_answer(c)} ({c['ppl_a']:.1f} against {c['ppl_b']:.1f}, "
                      f"{_ci(c)}).")
-    for e in (v.get("equal_time") or []):
-        if p and e.get("against") == p["against"]:
-            lines.append(f"- Secondary, at equal training time (load-corrected, each seed on its own time axis): "
-                         f"{e['text']}.")
     lines.append("- Evaluation routing: the balanced routers (Base Layers, sMLP's tMoE, sMLP-partial's sMoE) route "
                  "each token by its score minus the expert prices averaged over training (causal, per token); greedy "
                  "routing and the training-time assignment over the batch (not causal) are diagnostic columns, "
@@ -390,10 +387,9 @@ def render_fair(record: dict, figures: dict[str, str]) -> str:
                   + (":" if fam else ". The deciding runs (seeds the sweep did not use) have not finished: no "
                      "family's perplexity is published yet.")]
     if fam:
-        lines += ["", "| model | layers | lr | valid ppl (seeds) | on sMLP-partial's positions | diagnostic: greedy "
-                  "routing (busiest expert / mean) | diagnostic: training-time assignment | speed vs sMLP-det "
-                  "[range] |", "|---|---|---:|---:|---:|---:|---:|---:|"]
-    rr = (record.get("ratios") or {}).get("smlp_det_wps_over_range", {})
+        lines += ["", "| model | layers | lr | valid ppl (seeds) | seed spread (sd of log ppl) | on sMLP-partial's "
+                  "positions | diagnostic: greedy routing (busiest expert / mean) | diagnostic: training-time "
+                  "assignment |", "|---|---|---:|---:|---:|---:|---:|---:|"]
 
     def seeds(vals):
         if not vals:
@@ -403,15 +399,18 @@ def render_fair(record: dict, figures: dict[str, str]) -> str:
 
     for key in sorted(fam, key=lambda k: fam[k]["valid_ppl"] or float("inf")):
         f = fam[key]
-        r = rr.get(key)
-        speed = "1 (reference)" if key == "smlp_det" else (
-            f"{1 / r['ratio']:.2f}x [{1 / r['hi']:.2f}-{1 / r['lo']:.2f}]" if r else "-")
         load = f" ({f['greedy_max_load']:.1f}x)" if f.get("greedy_max_load") else ""
         lr = f"{f['lr']:g}" + ("" if f.get("bracketed") is not False else " (edge)")
-        lines.append(f"| {f['name']} | {f['layers']} | {lr} | {seeds(f['valid_ppl_per_seed'])} | "
+        sp = f.get("log_spread")
+        spread = f"{sp['sd']:.4f}" if sp else ("unknown (1 seed)" if f["valid_ppl_per_seed"] else "-")
+        lines.append(f"| {f['name']} | {f['layers']} | {lr} | {seeds(f['valid_ppl_per_seed'])} | {spread} | "
                      f"{seeds(f.get('valid_suffix_ppl_per_seed'))} | "
                      f"{seeds(f.get('valid_greedy_routing_ppl_per_seed'))}{load} | "
-                     f"{seeds(f.get('valid_trained_routing_ppl_per_seed'))} | {speed} |")
+                     f"{seeds(f.get('valid_trained_routing_ppl_per_seed'))} |")
+    if fam:
+        lines += ["", "Speed is not measured here: these runs share the machine with other work. Words/s at "
+                      "matched FLOPs are the speed benchmark's (`python -m smlp_bench.speed`, section \"Where "
+                      "sMLP-det's step goes\")."]
     if fam and "figure5.png" in figures:
         lines += ["", f"![validation perplexity against tokens and against time, the deciding runs]"
                       f"({figures['figure5.png']})"]
@@ -450,15 +449,34 @@ def render_fair(record: dict, figures: dict[str, str]) -> str:
 
 
 def render_fair_summary(record: dict, figure: str | None, page: str) -> str:
-    """README's short form: the answers and the curves, the rest on the page."""
-    lines = fair_verdicts(record)
+    """README's answer in one paragraph (the primary verdict with its interval, sMLP-det against dense gMLP as the
+    secondary, the scale), the curves, and the page for the rest."""
+    names = {k: f["name"] for k, f in (record.get("families") or {}).items()}
+    v = record.get("verdicts") or {}
+    p = v.get("primary")
+    t = record["target"]
+    if p is None:
+        return FAIR_PENDING.format(page=page)
+    best = names.get(p["against"], p["against"])
+    text = (f"**Does sMLP-deterministic beat the best Transformer-MoE at matched FLOPs? {_answer(p)}.** "
+            f"At {t['d_model']}-wide models with {t['experts']} experts per sparse layer, trained for about 2M tokens "
+            f"on 2 CPU ranks (about 2M non-expert parameters, each family at its own learning rate), sMLP-det "
+            f"reaches validation perplexity {p['ppl_a']:.1f} against {p['ppl_b']:.1f} for {best}, the "
+            f"Transformer-MoE with the best perplexity in the learning-rate sweep ({_ci(p)}; {p['seeds'][0]} and "
+            f"{p['seeds'][1]} seeds, fixed in advance).")
+    g = next((c for c in v.get("secondary", []) if c["against"] == "gmlp" and c["model"] == "smlp_det"), None)
+    if g:
+        text += (f" Against dense gMLP (secondary): {_answer(g)} ({g['ppl_a']:.1f} against {g['ppl_b']:.1f}, "
+                 f"{_ci(g)}).")
+    text += (" This is the answer at this small scale only; the paper's claim is at hundreds of millions of "
+             "parameters and billions of tokens.")
+    if not record.get("complete"):
+        text += " **PARTIAL: the benchmark has not finished.**"
+    lines = [text]
     if figure:
         lines += ["", f"![validation perplexity against tokens and against time, the deciding runs]({figure})"]
-    lines += ["", f"The deciding comparison: every family FLOP-matched to sMLP-det with "
-                  f"{record['target']['experts']} experts per sparse layer, heads of dimension 64, a learning rate "
-                  f"per family chosen by a sweep, deciding runs on seeds the sweep did not use; tables, rates and "
-                  f"the earlier 2-expert runs in "
-                  f"[{Path(page).name}]({page}). Generated by `smlp-bench --publish`."]
+    lines += ["", f"Every family's perplexity per seed, the secondary comparisons, the rule and the expert-count "
+                  f"trend: [{Path(page).name}]({page}). Generated by `smlp-bench --publish`."]
     return "\n".join(lines)
 
 

@@ -44,6 +44,38 @@ def table(results: dict, rat: dict, peak: dict | None, machine: dict, plan: dict
     return "\n".join(lines)
 
 
+def perplexity_table(results: dict, plan: dict, complete: bool = True) -> str:
+    """A perplexity-only table (the fair benchmark's stages, whose runs share the machine: no speed): each
+    model's geometric mean over its seeds, the seeds, their spread (unknown from one seed), and the same on the
+    positions sMLP-partial predicts."""
+    import math
+    import statistics
+
+    s, t = plan["settings"], plan["settings"]["target"]
+
+    def geo(vals):
+        return math.exp(statistics.mean(math.log(v) for v in vals))
+
+    def cell(vals):
+        if not vals:
+            return "-"
+        return f"{geo(vals):.1f}" + (f" ({', '.join(f'{v:.1f}' for v in vals)})" if len(vals) > 1 else "")
+
+    lines = [f"{plan['name']}: validation perplexity after {s['updates']} updates (D={t['d_model']}, F={t['d_ffn']}, "
+             f"T={t['seq_len']}, {t.get('experts', plan['nproc'])} experts), {plan['nproc']} ranks"
+             + ("" if complete else " - PARTIAL: the stage has not finished") + ".", "",
+             "| model | layers | lr | valid ppl (seeds) | seed spread (sd of log ppl) | on sMLP-partial's positions |",
+             "|---|---|---:|---:|---:|---:|"]
+    for m in results.values():
+        vals = m.get("valid_ppl_per_seed") or []
+        spread = f"{statistics.stdev(math.log(v) for v in vals):.4f}" if len(vals) > 1 else \
+            ("unknown (1 seed)" if vals else "-")
+        lr = f"{m['lr']:g}" if m.get("lr") is not None else f"{s['lr']:g}"
+        lines.append(f"| {m['name']} | {m['layers']} | {lr} | {cell(vals)} | {spread} | "
+                     f"{cell(m.get('valid_suffix_ppl_per_seed'))} |")
+    return "\n".join(lines)
+
+
 def fmt(value) -> str:
     """A measured figure (a ratio, a share, a perplexity gap) as the tables show it; "-" when missing."""
     if value is None:
@@ -73,11 +105,16 @@ def report(store: S.RunStore, out_dir: Path, *, machine: dict | None = None, qui
               "phase2": store.extra.get("phase2"), "matching": store.extra.get("matching"), "machine": machine,
               "peak_flops": peak, "settings": plan["settings"], "target": plan["settings"]["target"],
               "nproc": plan["nproc"], "seconds": round(_elapsed(store), 1)}
-    record["table_md"] = table(results, rat, peak, machine, plan, complete)
-    record["targets"] = targets(record)
     record["analysis"] = analyse_curves(results)
-    record["verdicts"] = {k: verdict(results, record["analysis"], k) for k in ("smlp_det", "smlp_partial")
-                          if k in results}
+    if plan["name"].startswith("fair/"):
+        # the fair benchmark's stages: perplexity only, and no verdict here (benchmarks/fair.py `verdicts`, one rule
+        # in one place, decides every sentence it publishes)
+        record["table_md"] = perplexity_table(results, plan, complete)
+    else:
+        record["table_md"] = table(results, rat, peak, machine, plan, complete)
+        record["targets"] = targets(record)
+        record["verdicts"] = {k: verdict(results, record["analysis"], k) for k in ("smlp_det", "smlp_partial")
+                              if k in results}
     atomic_write_json(out_dir / "results.json", record)
     (out_dir / "table.md").write_text(record["table_md"] + "\n")
     if any(m["curves"] for m in results.values()):

@@ -102,14 +102,15 @@ def profile_window(preset: dict) -> tuple[int, int]:
 
 def run_training(model: Model, data: Path, settings: dict, nproc: int, seed: int, out: Path, *,
                  profile: bool = False, updates: int | None = None, validate: bool = True,
-                 log_interval: int | None = None, on_line=None) -> Run:
-    """One fairseq-train run through smlp-launch; its log goes to out/train.log."""
+                 log_interval: int | None = None, on_line=None, code=None) -> Run:
+    """One fairseq-train run through smlp-launch; its log goes to out/train.log. With `code` (a
+    benchmarks.pinned.Checkout) the command is that commit's and every process of the run executes its code."""
     if out.exists():  # an interrupted run starts again from scratch
         shutil.rmtree(out)
     out.mkdir(parents=True)
-    cmd = train_command(model, data, settings, nproc, seed, out, updates=updates, validate=validate,
-                        log_interval=log_interval)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    build = code.train_command if code is not None else train_command
+    cmd = build(model, data, settings, nproc, seed, out, updates=updates, validate=validate, log_interval=log_interval)
+    env = {**(code.env if code is not None else os.environ), "PYTHONUNBUFFERED": "1"}
     if profile:
         start, count = profile_window(settings)
         env["SMLP_PROFILE_STEPS"] = f"{start}:{count}:{out / 'profile'}"
@@ -117,7 +118,8 @@ def run_training(model: Model, data: Path, settings: dict, nproc: int, seed: int
     run = Run(model.key, seed, log=str(out / "train.log"), started=time.time())
     t0 = time.perf_counter()
     with open(out / "train.log", "w") as log:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env,
+                                cwd=code.root if code is not None else None)
         memory = _PeakMemory(proc.pid)
         memory.start()
         last_wall = 0.0
@@ -214,9 +216,9 @@ INTERVAL_FIELDS = ("num_updates", "loss", "nll_loss", "ppl", "wps", "ups", "wpb"
                    "train_wall", "wall", "aux_loss")
 
 
-def run_record(slot: S.Slot, run: Run, settings: dict, nproc: int) -> dict:
+def run_record(slot: S.Slot, run: Run, settings: dict, nproc: int, code=None) -> dict:
     """The JSON record runs.json keeps of a finished run (a probe's words/s, or a training run's clean median),
-    with the code it ran (machine.code_identity)."""
+    with the code it ran (the pinned commit's `code.identity()`, else machine.code_identity)."""
     from .machine import code_identity
 
     seq_len = settings["target"]["seq_len"]
@@ -224,7 +226,7 @@ def run_record(slot: S.Slot, run: Run, settings: dict, nproc: int) -> dict:
     rec = {"key": run.key, "seed": run.seed, "kind": slot.kind, "seconds": round(run.seconds, 2),
            "started": run.started, "finished": run.finished, "peak_rss_mb": run.peak_rss_mb,
            "intervals": intervals, "valid": run.valid, "profile": run.profile, "log": run.log,
-           "code": code_identity()}
+           "code": code.identity() if code is not None else code_identity()}
     if slot.kind == S.PROBE:
         rec["wps"] = probe_wps(run.intervals, seq_len)
     else:

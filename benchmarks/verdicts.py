@@ -59,19 +59,31 @@ def compare(a: Sequence[float], b: Sequence[float], sd: float | None) -> dict:
     return out
 
 
-T_RULE = ("the difference of mean log perplexity with its 95% interval, t(0.975, df) x sd x "
-          "sqrt(1/n_a + 1/n_b), sd and df the seed-to-seed standard deviation of log perplexity and its "
-          "degrees of freedom pooled over every model of the comparison's stage that has two seeds or more; "
-          "better or worse when the interval excludes zero, else a tie (no difference larger than the "
-          "interval's farther bound); a side whose best learning rate is at the edge of the sweep is never "
-          "called worse")
+T_RULE = ("the difference of mean log perplexity with its 95% Welch interval, t(0.975, df) x sqrt(s_a^2/n_a + "
+          "s_b^2/n_b), s_a and s_b each side's own seed-to-seed standard deviation of log perplexity (n - 1 in the "
+          "denominator) and df from Welch-Satterthwaite, (s_a^2/n_a + s_b^2/n_b)^2 / ((s_a^2/n_a)^2/(n_a - 1) + "
+          "(s_b^2/n_b)^2/(n_b - 1)); better or worse when the interval excludes zero, else a tie (no difference "
+          "larger than the interval's farther bound); undecided when a side has one seed (its spread is unknown); "
+          "a side whose best learning rate is at the edge of the sweep is never called worse; the seeds of every "
+          "comparison are fixed before any deciding run")
 
 
-def t_compare(a: Sequence[float], b: Sequence[float], spread: dict | None, level: float = 0.95) -> dict:
-    """Model a against model b from their per-seed perplexities by T_RULE, with `spread` the pooled seed spread
-    (`pooled_log_sd`: sd, df). Returns the means, the log difference, its standard error, the interval (in log
-    and as percent changes of perplexity), the bound a tie rules out, and the verdict: "better" (a lower),
-    "worse", "tie", or "undecided" without a spread."""
+def log_spread(values: Sequence[float]) -> dict | None:
+    """One model's seed spread: the sample standard deviation of log perplexity and its degrees of freedom
+    (None with fewer than two seeds)."""
+    if len(values) < 2:
+        return None
+    return {"sd": statistics.stdev(math.log(v) for v in values), "df": len(values) - 1}
+
+
+def t_compare(a: Sequence[float], b: Sequence[float], spread_a: dict | None = None, spread_b: dict | None = None,
+              level: float = 0.95) -> dict:
+    """Model a against model b from their per-seed perplexities by T_RULE (Welch: each side its own spread).
+    A side with one seed borrows `spread_a` / `spread_b` ({"sd", "df"}, e.g. the same family's spread at the
+    deciding budget: a trend's interval, said by `borrowed`); without one the verdict is "undecided". Returns
+    the means, the log difference, its standard error and Welch degrees of freedom, the interval (in log and
+    as percent changes of perplexity), the bound a tie rules out, and the verdict: "better" (a lower), "worse",
+    "tie" or "undecided"."""
     from scipy.stats import t as student_t
 
     if not a or not b:
@@ -79,14 +91,25 @@ def t_compare(a: Sequence[float], b: Sequence[float], spread: dict | None, level
     la, lb = statistics.mean(math.log(v) for v in a), statistics.mean(math.log(v) for v in b)
     diff = la - lb
     out = {"ppl_a": math.exp(la), "ppl_b": math.exp(lb), "log_diff": diff, "ratio": math.exp(diff),
-           "seeds": [len(a), len(b)], "se": None, "df": None, "t_crit": None, "ci_log": None, "ci_pct": None,
-           "bound_pct": None, "level": level, "verdict": "undecided"}
-    if not spread:
-        return out
-    se = spread["sd"] * math.sqrt(1 / len(a) + 1 / len(b))
-    t_crit = float(student_t.ppf(0.5 + level / 2, spread["df"]))
+           "seeds": [len(a), len(b)], "sd": None, "se": None, "df": None, "t_crit": None, "ci_log": None,
+           "ci_pct": None, "bound_pct": None, "level": level, "borrowed": [], "verdict": "undecided"}
+    sides = []
+    for name, values, fallback in (("a", a, spread_a), ("b", b, spread_b)):
+        own = log_spread(values)
+        if own is None and fallback:
+            own = {"sd": fallback["sd"], "df": fallback["df"]}
+            out["borrowed"].append(name)
+        if own is None:
+            out["why_undecided"] = "one seed: its spread is unknown"
+            return out
+        sides.append((own["sd"] ** 2 / len(values), own["df"]))
+    var = sides[0][0] + sides[1][0]
+    df = var ** 2 / sum(v * v / d for v, d in sides) if var > 0 else float(sides[0][1] + sides[1][1])
+    se = math.sqrt(var)
+    t_crit = float(student_t.ppf(0.5 + level / 2, df))
     lo, hi = diff - t_crit * se, diff + t_crit * se
-    out.update(se=se, df=spread["df"], t_crit=t_crit, ci_log=[lo, hi], ci_pct=[math.expm1(lo), math.expm1(hi)],
+    out.update(sd=[math.sqrt(v * n) for (v, _), n in zip(sides, (len(a), len(b)))], se=se, df=df, t_crit=t_crit,
+               ci_log=[lo, hi], ci_pct=[math.expm1(lo), math.expm1(hi)],
                bound_pct=max(abs(math.expm1(lo)), abs(math.expm1(hi))),
                verdict="better" if hi < 0 else ("worse" if lo > 0 else "tie"))
     return out
