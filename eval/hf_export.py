@@ -270,6 +270,15 @@ def _json(path: Path, obj) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
+def fp32_state_names(core) -> set[str]:
+    """State-dict names the model keeps in fp32 whatever its dtype (the balanced routers' evaluation prices,
+    smlp/routing/prices.py): exported in fp32 by every --dtype."""
+    from smlp.routing.prices import RouterPrices
+
+    return {f"{name}.{b}" for name, m in core.named_modules() if isinstance(m, RouterPrices)
+            for b, _ in m.named_buffers(recurse=False)}
+
+
 def _write_folder(folder: Path, core, encoder, *, checkpoint: str, dtype: str, prefix_fill: str) -> list[str]:
     import torch
     from safetensors.torch import save_file
@@ -282,8 +291,9 @@ def _write_folder(folder: Path, core, encoder, *, checkpoint: str, dtype: str, p
     eos, pad = encoder.eos, encoder.pad
     folder.mkdir(parents=True)
     torch_dtype = getattr(torch, dtype)
-    weights = {f"model.{k}": (v.to(torch_dtype) if v.is_floating_point() else v).detach().contiguous().clone()
-               for k, v in core.state_dict().items()}
+    keep = fp32_state_names(core)  # the balanced routers' prices: fp32 in the checkpoint, fp32 here
+    weights = {f"model.{k}": (v.to(torch_dtype) if v.is_floating_point() and k not in keep else v).detach()
+               .contiguous().clone() for k, v in core.state_dict().items()}
     save_file(weights, str(folder / WEIGHTS_FILE), metadata={"format": "pt"})
     umask = os.umask(0)
     os.umask(umask)

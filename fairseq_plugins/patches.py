@@ -25,7 +25,8 @@ from .errors import DataError, FlagError
 
 __all__ = ["FAIRSEQ_VERSION", "PATCHES", "Patch", "apply_patches", "check_batch_limits", "check_binarized_split",
            "check_data_dir", "ddp_on_cpu", "evaluate_every_sequence", "gather_lists_off_cuda",
-           "guard_language_modeling_data", "refuse_unlimited_batches", "restore_fairseq_cli_logging"]
+           "fold_router_prices", "guard_language_modeling_data", "refuse_unlimited_batches",
+           "restore_fairseq_cli_logging"]
 
 FAIRSEQ_VERSION = "0.12"  # the release these patches were written against (fairseq-fixed 0.12.3.1)
 logger = logging.getLogger(__name__)
@@ -171,6 +172,31 @@ def _batches_of_any_size(cfg):
     finally:
         with open_dict(dataset):
             dataset.required_batch_size_multiple = saved
+
+
+def fold_router_prices() -> bool:
+    """The balanced routers' evaluation prices (smlp/routing/prices.py) are folded once per optimizer step, for
+    every layer in one all-reduce over the data-parallel group (every rank holds a copy of the routers, whatever
+    --expert-parallel-size), so all ranks evaluate with the same prices whatever the layout, --update-freq or
+    precision: a wrapper of FairseqTask.optimizer_step, which the trainer calls once per update on every rank
+    (not for a step a loss scaler skips: those rows stay recorded for the next, and in the checkpoint)."""
+    from fairseq.distributed import utils as distributed_utils
+    from fairseq.tasks import FairseqTask
+
+    from smlp.routing import prices
+
+    if getattr(FairseqTask.optimizer_step, "_smlp_prices", False):
+        return False
+    original = FairseqTask.optimizer_step
+
+    def optimizer_step(self, optimizer, model, update_num):
+        prices.fold_prices(model, distributed_utils.get_data_parallel_group())
+        return original(self, optimizer, model, update_num)
+
+    optimizer_step._smlp_prices = True
+    optimizer_step.__wrapped__ = original
+    FairseqTask.optimizer_step = optimizer_step
+    return True
 
 
 def evaluate_every_sequence() -> bool:
@@ -319,6 +345,9 @@ PATCHES = (
     Patch("generation_patches", "generation_patches", "install",
           "numpy 2 in fairseq-interactive, rank-shard checkpoints on one process, generation limits and the "
           "routing-prefix fill (listed in generation_patches.py)"),
+    Patch("fold_router_prices", "patches", "fold_router_prices",
+          "the balanced routers' evaluation prices must advance once per update and agree on every rank: folded "
+          "before each optimizer step, all layers in one all-reduce over the data-parallel group"),
     Patch("evaluate_every_sequence", "patches", "evaluate_every_sequence",
           "fairseq-validate and fairseq-train's validation drop the last batch when its size is not a multiple of "
           "--required-batch-size-multiple, so the figure left out sequences and depended on --batch-size: "

@@ -251,15 +251,6 @@ class DispatchState:
     counts_dev_L: Tensor | None = None
 
 
-def _sum_over_world(x: Tensor) -> Tensor:
-    """An all-reduce (sum) of x over the default group, on the collective's device; x when there is no group."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return x
-    out = x.to(collective_device(None), copy=True)
-    dist.all_reduce(out)
-    return out
-
-
 class LocalDispatcher:
     """All experts live in this process: sorting rows by expert is the whole dispatch.
 
@@ -283,11 +274,6 @@ class LocalDispatcher:
     @property
     def comm_seconds(self) -> float:
         return self.timer.seconds
-
-    def sum_over_ranks(self, x: Tensor) -> Tensor:
-        """x summed over every data-parallel rank (the routers' price statistics, smlp/routing/prices.py):
-        x itself in one process; replicated experts are one of several ranks, which sum over the world."""
-        return _sum_over_world(x) if self.replicated else x
 
     def shuffle(self, x_SD: Tensor) -> tuple[Tensor, ShuffleState | None]:
         """One process: every row stays here, so the shuffle is the identity.
@@ -435,10 +421,6 @@ class AllToAllDispatcher(LocalDispatcher):
         # global ranks of the group, named in routing errors
         self.group_ranks = (list(range(world)) if ep_group is None
                             else [dist.get_global_rank(ep_group, r) for r in range(world)])
-
-    def sum_over_ranks(self, x: Tensor) -> Tensor:
-        """x summed over the world: every rank trains on its own data, the expert-parallel group included."""
-        return _sum_over_world(x)
 
     def _exchange_counts(self, counts_WX: Tensor) -> Tensor:
         """counts_WX[w] goes to rank w; returns what arrives from each rank, on the collective's device."""

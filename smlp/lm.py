@@ -389,15 +389,15 @@ class LanguageModel(nn.Module):
 
     @property
     def has_balanced_routers(self) -> bool:
-        """Whether a router of this model assigns with exact balance in training and greedily at evaluation
-        (Base Layers and sMLP's tMoE, sMLP-partial's sMoE: the registry's `balanced`)."""
+        """Whether a router of this model assigns with exact balance in training and by its averaged prices at
+        evaluation (Base Layers and sMLP's tMoE, sMLP-partial's sMoE: the registry's `balanced`)."""
         return any((isinstance(m, TMoE) and TOKEN_ROUTERS[m.cfg.router].balanced)
                    or (isinstance(m, SMoE) and SMOE_ROUTINGS[m.cfg.routing].balanced) for _, m in self.moe_modules())
 
     def assigning_as_in_training(self):
         """Within the block, evaluation routes with the training-time rule: every balanced router assigns with
         exact balance over the rows of the batch (without Base Layers' random shuffle of ranks) instead of
-        greedily. The balance couples the tokens of a batch (not causal, docs/training.md); it measures how
+        by its prices. The balance couples the tokens of a batch (not causal, docs/training.md); it measures how
         much the change of rule between training and evaluation costs."""
         return flag_set(self, "assign_as_in_training")
 

@@ -60,14 +60,16 @@ class TMoE(nn.Module):
             sigmoid * expert_sublayer(x) + (1 - sigmoid) * x, fairseq's form. In training the
             tokens are shuffled to random ranks (`shuffle`, fairseq's --base-shuffle) and
             assigned there with exact balance (every expert gets the same number of tokens);
-            at inference each token goes to its best expert (greedy top-1). Only the routing
+            at inference each token goes to argmax of its score minus the expert's price,
+            averaged over training (routing/prices.py; greedy top-1, fairseq's, with
+            eval_routing="greedy"). Only the routing
             scores travel through the shuffle (`_shuffled_assignment`): the assignment needs
             nothing else, so the tokens go from home straight to their expert and back, one
             exchange each way instead of fairseq's two (same assignment, outputs and
             gradients as fairseq's layer; tests/test_distributed.py). Why both: balance
             is what makes Base Layers train without an auxiliary loss, but a balanced
             assignment couples the tokens of a batch (the expert of token t depends on later
-            tokens), which a causal LM cannot do when generating; greedy routing is per token.
+            tokens), which a causal LM cannot do when generating; priced routing is per token.
             The expert's second projection starts at zero (fairseq's `BaseSublayer`).
     switch: y = p_e(x) * FFN_e(x) for the top-1 expert, over-capacity tokens get y = 0.
     gshard: y = sum over top-2 of normalized p * FFN_e(x), capacity 2S/E; the load-balancing
@@ -112,7 +114,8 @@ class TMoE(nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # checkpoints written before the router was a module hold its tensors under the layer's own names
-        for old in ("centroids", "gate.weight", "hash_table", "eval_prices.price_E", "eval_prices.price_weight"):
+        for old in ("centroids", "gate.weight", "hash_table", "eval_prices.price_E", "eval_prices.price_weight",
+                    "eval_prices.pending_E1"):
             if prefix + old in state_dict and prefix + "router." + old not in state_dict:
                 state_dict[prefix + "router." + old] = state_dict.pop(prefix + old)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
@@ -305,7 +308,7 @@ class SMoE(nn.Module):
             P = cfg.router_len
             self.router = nn.Parameter(torch.randn(P, cfg.num_experts) * P ** -0.5)
         if routing.balanced:  # the prices evaluation routes with (smlp/routing/prices.py)
-            self.eval_prices = RouterPrices(cfg.num_experts)
+            self.eval_prices = RouterPrices(cfg.num_experts, cfg.eval_routing)
         if not routing.causal:
             logger.warning(LEAKY_ROUTING_WARNING)
         self.register_buffer(
@@ -316,7 +319,7 @@ class SMoE(nn.Module):
         self.dropped, self.slots = None, 0  # no capacity: nothing is dropped
         self.comm_time = None  # the dispatcher's timed sections of the last forward (CommTime)
         self.layer_name = f"SMoE ({cfg.routing} routing)"  # LanguageModel sets the module path, for errors
-        self.assign_as_in_training = self.route_greedily = False  # as TMoE's
+        self.assign_as_in_training = False  # as TMoE's
 
     @property
     def comm_seconds(self) -> float:
@@ -351,8 +354,6 @@ class SMoE(nn.Module):
             raise ValueError(f"SMoE expects (batch, length, {cfg.dim}), got {tuple(z_BNF.shape)}")
         n = z_BNF.shape[1]
         check_length(n, cfg.seq_len)
-        if self.training and self.routing.balanced:  # on every rank, every training forward (RouterPrices.fold)
-            self.eval_prices.fold(self.dispatcher.sum_over_ranks)
         P = min(cfg.prefix_len, n)  # a sequence no longer than the routing prefix has nothing to predict
         z1_BNC, z2_BNC = z_BNF.chunk(2, dim=-1) if cfg.split else (z_BNF, z_BNF)
         rows = self.route(self.norm(z2_BNC), P, training=self.training or self.assign_as_in_training,
@@ -476,7 +477,7 @@ class SMoE(nn.Module):
             else:
                 prefix_SP = v_BNC[:, :P, :].transpose(1, 2).reshape(B * C, P)
                 logits_SE = router_logits(prefix_SP, self.router)
-            plan = self.routing.route(logits_SE, training=training, layer=self.layer_name, defer_checks=defer_checks,
+            plan = self.routing.route(logits_SE, layer=self.layer_name, defer_checks=defer_checks,
                                       expert_S=self.balanced_experts(logits_SE, training))
         rows = SMoERows(rows_SM, plan.experts_SK[:, 0], plan.weights_SK[:, 0].to(dtype), fault=plan.fault)
         if decided is not None:  # the routing prefix is complete: the decision holds for every later step
@@ -484,10 +485,9 @@ class SMoE(nn.Module):
         return rows
 
     def balanced_experts(self, logits_SE: Tensor, training: bool) -> Tensor | None:
-        """The rows' experts (S,) under a balanced routing (RouterPrices.experts): the balanced assignment
-        when `training`, else argmax(logit - price) (priced) or None (greedy)."""
-        return self.eval_prices.experts(logits_SE, assign=training, observe=self.training,
-                                        priced=self.cfg.eval_routing == "priced" and not self.route_greedily)
+        """The rows' experts (S,) under a balanced routing, as RouterPrices.experts decides: the balanced
+        assignment when `training`, else argmax(logit - price) (priced) or None (greedy)."""
+        return self.eval_prices.experts(logits_SE, assign=training, observe=self.training)
 
     def dispatch(self, rows: SMoERows, *, hi: int | None = None,
                  width: int | None = None) -> tuple[Tensor, list[int], DispatchState]:

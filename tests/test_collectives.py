@@ -2,7 +2,8 @@
 
 NCCL rejects CPU tensors; a CPU-only machine runs gloo, which accepts them. The collectives of the
 project (audited: smlp/dispatch.py's all2all and its split/width exchanges, Base Layers' token shuffle
-and unshuffle with their backward, smlp/expert_data_parallel.py's replica all-reduce of expert gradients,
+and unshuffle with their backward, the optimizer step's fold of the balanced routers' prices (one all-reduce for
+every layer, smlp/routing/prices.py), smlp/expert_data_parallel.py's replica all-reduce of expert gradients,
 the zero-shot scorer's batch-count max and score sum, the generation token broadcast, the end-of-run barrier, and
 smlp-launch's graceful-stop vote; fairseq_plugins calls none itself) run here on 2 gloo ranks under
 `tests/fake_nccl.pretend_nccl()`, which reports an NCCL backend and fails on any CPU tensor that
@@ -137,6 +138,15 @@ def _worker(rank: int, world: int, init: str, out: str) -> None:
             n0 = len(calls)
             layer(torch.randn(11 + rank, 6).to("cuda").requires_grad_()).square().sum().backward()
             report["base_step"] = [c for c, _ in calls[n0:]]
+            # the optimizer step's fold of the prices: one all-reduce for every balanced layer of the model
+            from smlp.routing.prices import fold_prices, price_modules
+
+            second = TMoE(TMoEConfig(d_model=6, d_ffn=8, num_experts=4, router="base"), disp).to("cuda").train()
+            second(torch.randn(7 + rank, 6).to("cuda"))
+            both = torch.nn.ModuleList([layer, second])
+            n0 = len(calls)
+            fold_prices(both)
+            report["price_fold"] = {"collectives": [c for c, _ in calls[n0:]], "layers": len(price_modules(both))}
 
             # the replica all-reduce of expert gradients (expert-data parallelism): 2 replicas of one expert
             torch.manual_seed(0)
@@ -175,10 +185,11 @@ def test_no_cpu_tensor_reaches_a_collective_when_the_backend_is_nccl(tmp_path):
         # shuffle: counts + rows; unshuffle: rows; backward: both row exchanges reversed
         assert r["shuffle"]["collectives"] == ["all_to_all_single"] * 5
         assert r["shuffle"]["round_trip"] and r["shuffle"]["grad"] and r["shuffle"]["sizes"][0] in (9, 10)
-        # forward: the evaluation prices' fold (one all-reduce of E + 1 numbers, every training forward),
-        # shuffle of the scores (counts, scores), their experts back, dispatch (counts, tokens), combine;
-        # backward: the 2 token exchanges reversed (the scores and experts carry no gradient)
-        assert r["base_step"] == ["all_reduce"] + ["all_to_all_single"] * 8
+        # forward: shuffle of the scores (counts, scores), their experts back, dispatch (counts, tokens), combine;
+        # backward: the 2 token exchanges reversed (the scores and experts carry no gradient); the prices are
+        # folded by the optimizer step: one all-reduce for every balanced layer
+        assert r["base_step"] == ["all_to_all_single"] * 8
+        assert r["price_fold"] == {"collectives": ["all_reduce"], "layers": 2}
         assert r["replica_collectives"] == ["all_reduce"] * 4  # w1, b1, w2, b2
         assert r["synchronized"] == 0  # nothing waited for the device
         assert r["stop_vote"] is False

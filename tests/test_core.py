@@ -146,7 +146,7 @@ class LeakyRouterSMoE(SMoE):
         B, n, _ = z.shape
         v = self.norm(z.chunk(2, -1)[1])
         rows = v.transpose(1, 2).reshape(-1, n)
-        plan = smoe_partial_route(rows @ self.full_router[:n], training=self.training)
+        plan = smoe_partial_route(rows @ self.full_router[:n])
         gate = (plan.weights_SK[:, 0, None] * rows).reshape(B, -1, n).transpose(1, 2)
         return z.chunk(2, -1)[0] * gate
 
@@ -280,10 +280,10 @@ def test_non_finite_scores_are_refused_by_the_routers():
     scores[5, 2] = float("-inf")
     with pytest.raises(NonFiniteScoresError,
                        match=r"layers\.7 \(test\): .* 3 of 32 rows \(first: row 0; 1 NaN, 4 \+inf, 1 -inf"):
-        base_route(scores, training=True, layer="layers.7 (test)")
+        base_route(scores, layer="layers.7 (test)")
     assert torch.isfinite(sanitize_scores(scores)).all()
     with pytest.raises(NonFiniteScoresError, match="sMoE router"):
-        smoe_partial_route(torch.full((8, 4), float("nan")), training=False)
+        smoe_partial_route(torch.full((8, 4), float("nan")))
 
 
 @pytest.mark.parametrize("make, message", [

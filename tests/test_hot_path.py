@@ -409,7 +409,7 @@ def test_a_decoding_step_raises_what_the_router_raises_on_its_own(router):
 
 def test_standalone_routers_still_raise_at_once():
     with pytest.raises(NonFiniteScoresError, match="base router: router scores are not finite in 32 of 32"):
-        base_route(torch.full((32, 4), float("nan")), training=True)
+        base_route(torch.full((32, 4), float("nan")))
     with pytest.raises(ValueError, match="hash table covers ids 0..4"):
         hash_route(torch.tensor([1, 5]), torch.arange(5))
 

@@ -112,7 +112,7 @@ class GreedyRouter(Router):
     def routing(self, logits_SE, token_ids_S, *, layer, defer_checks):
         from smlp.routing import base_route
 
-        return base_route(logits_SE, training=False, layer=layer, defer_checks=defer_checks)
+        return base_route(logits_SE, layer=layer, defer_checks=defer_checks)
 
 
 GREEDY = TokenRouter("greedy", "Greedy (test)", top_k=1, aux_loss=None, capacity=None, placement="fairseq",

@@ -1,5 +1,5 @@
-"""How the balanced routers' evaluation routing scores a trained checkpoint, and why (issue: validation
-perplexity of equal trainings 6-12% apart).
+"""How the balanced routers' evaluation routing scores a trained checkpoint, and why (issue 35: the validation
+perplexity of equal trainings apart under greedy evaluation routing).
 
     python -m smlp_bench.micro.eval_routing CHECKPOINT [CHECKPOINT ...] --data DATA_BIN
         [--batches 20] [--batch-size 16] [--calibration-batches 30] [--out results/eval_routing.json]
@@ -21,7 +21,6 @@ A table on the terminal, the JSON record at --out.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import torch
@@ -64,7 +63,7 @@ class _PlanTap:
 def _score(model, core, layers, tap, valid, routing: str, pad: int):
     nll, experts = [], [[] for _ in layers]
     for layer in layers:  # priced, whatever the checkpoint's --balanced-eval-routing; greedy below
-        layer.router.cfg = dataclasses.replace(layer.router.cfg, eval_routing="priced")
+        layer.router.eval_prices.eval_routing = "priced"
     context = {"trained": core.assigning_as_in_training, "greedy": core.routing_greedily}.get(routing)
     for sample in valid:
         with torch.no_grad():
@@ -82,14 +81,18 @@ def _score(model, core, layers, tap, valid, routing: str, pad: int):
 
 
 def _calibrate(model, core, layers, task, batches: int) -> None:
-    """Prices measured afresh at the checkpoint's weights: training-mode routing of training batches."""
+    """Prices measured afresh at the checkpoint's weights: training-mode routing of training batches, each folded
+    as an optimizer step folds it."""
+    from smlp.routing.prices import fold_prices
+
     for layer in layers:
-        layer.router.eval_prices.price_E.zero_()
-        layer.router.eval_prices.price_weight.zero_()
+        for buffer in layer.router.eval_prices.buffers():
+            buffer.zero_()
     core.train()
     with torch.no_grad():
         for sample in _batches(task, "train", batches, 8):
             model(**sample["net_input"])
+            fold_prices(core)
     core.eval()
 
 

@@ -1,18 +1,23 @@
-"""Evaluation routing of the balanced routers: greedy on the scores minus the experts' prices.
+"""Evaluation routing of the balanced routers: each row to argmax of its score minus the experts' prices.
 
 Training assigns rows to experts with exact balance (assignment.py); evaluation cannot, because a
 balanced assignment couples the rows of a batch (a token's expert would depend on later tokens).
 Plain greedy routing (argmax of the scores, fairseq's BaseLayer) routes differently from training:
-at the scale of this project's benchmarks the busiest expert gets 2-5x the mean load, and the
-validation loss depends on which experts a run happens to overload, so equal trainings score
-6-12% apart.
+at the scale of this project's benchmarks the busiest expert gets 1.9-3.3x the mean load, and those
+tokens cost 3.2-6.5% of perplexity over the training assignment, by an amount that differs from run to
+run (docs/benchmarks.md, "Evaluation noise"; record docs/benchmark/eval_noise/mechanism.json).
 
 The auction that makes the balanced assignment also yields its dual: one price per expert, such
 that argmax_e(score - price_e) gives every row its assigned expert (up to the auction's eps).
-`RouterPrices` keeps an exponential average of those prices over training steps, averaged over
-all data-parallel ranks (one all-reduce of E + 1 numbers at the start of each training forward of
-the layer), and evaluation routes each row on its own by argmax(score - price):
-per row (causal, independent of the batch), and as training would assign on average.
+`RouterPrices` (one per balanced layer, its buffers in the checkpoint) records those prices while the
+layer trains; `fold_prices` folds every layer's record into its exponential average once per optimizer
+step, for all layers in one all-reduce over the ranks that hold copies of the routers, so every rank
+of every layout ends each step with the same prices (the way torchtitan updates its routers' expert
+bias in an optimizer pre-step hook and Megatron-Core all-reduces the token counts once per step).
+The training loop calls it: the fairseq plugin before every optimizer step (fairseq_plugins/patches.py),
+a plain loop through `install_price_fold(optimizer, model, group)`. Evaluation reads the prices:
+`RouterPrices.experts` alone decides between priced routing, greedy routing (`eval_routing="greedy"`,
+or the `route_greedily` diagnostic) and the training assignment.
 
 Shapes: the core's legend (smlp/__init__.py); here S rows, E experts.
 """
@@ -21,74 +26,80 @@ from __future__ import annotations
 import logging
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
+from ..process_group import collective_device, rank_and_world
 from .assignment import balanced_assignment
 
-__all__ = ["RouterPrices", "BALANCED_EVAL_ROUTINGS", "DEFAULT_PRICE_DECAY"]
+__all__ = ["RouterPrices", "BALANCED_EVAL_ROUTINGS", "DEFAULT_PRICE_DECAY", "price_modules", "fold_prices",
+           "install_price_fold"]
 
 logger = logging.getLogger(__name__)
 
 # "priced": argmax(score - price) with the averaged training prices; "greedy": argmax(score)
 BALANCED_EVAL_ROUTINGS = ("priced", "greedy")
 DEFAULT_PRICE_DECAY = 0.95
+_BUFFERS = ("price_E", "price_weight", "pending_E1")
 
 
 class RouterPrices(nn.Module):
-    """The expert prices a balanced router evaluates with, averaged over training steps.
+    """The expert prices a balanced router evaluates with, averaged over optimizer steps.
 
     Buffers (in the checkpoint, kept in fp32 whatever the model's dtype):
         price_E: (E,) the exponential average of the auction's centred prices, in score units
-        price_weight: () the average's total weight (0 before the first training step: then the
-                 prices are zero and evaluation is greedy)
+        price_weight: () the average's total weight (0 before the first step: then the prices are zero
+                 and evaluation is greedy)
+        pending_E1: (E + 1,) prices x rows and rows recorded since the last fold (zero after every optimizer
+                 step; kept so that a step skipped by a loss scaler loses nothing across a checkpoint)
     """
 
-    def __init__(self, num_experts: int, decay: float = DEFAULT_PRICE_DECAY):
+    def __init__(self, num_experts: int, eval_routing: str = "priced", decay: float = DEFAULT_PRICE_DECAY):
         super().__init__()
         if not 0.0 <= decay < 1.0:
             raise ValueError(f"price decay {decay} must be in [0, 1) (the weight of the previous average per step)")
-        self.decay = decay
+        if eval_routing not in BALANCED_EVAL_ROUTINGS:
+            raise ValueError(f"eval_routing={eval_routing!r}: valid: {', '.join(BALANCED_EVAL_ROUTINGS)}")
+        self.decay, self.eval_routing = decay, eval_routing
+        self.route_greedily = False  # LanguageModel.routing_greedily: the greedy diagnostic
         self.register_buffer("price_E", torch.zeros(num_experts))
         self.register_buffer("price_weight", torch.zeros(()))
-        self._pending: Tensor | None = None  # (E + 1,) prices x rows and rows recorded since the last fold
+        self.register_buffer("pending_E1", torch.zeros(num_experts + 1))
+
+    @property
+    def priced(self) -> bool:
+        """Whether evaluation routes by the prices (else greedily, by the scores alone)."""
+        return self.eval_routing == "priced" and not self.route_greedily
 
     def observe(self, price_E: Tensor, rows: int) -> None:
-        """Record one assignment's prices (from `rows` rows) for the next `fold`; no collective, no host read."""
+        """Record one assignment's prices (from `rows` rows) for the next fold; no collective, no host read."""
         with torch.no_grad():
-            stat = torch.cat([price_E.float() * rows, price_E.new_full((1,), float(rows), dtype=torch.float32)])
-            self._pending = stat if self._pending is None else self._pending + stat.to(self._pending.device)
+            self.pending_E1[:-1].add_(price_E.to(self.pending_E1.device, torch.float32), alpha=float(rows))
+            self.pending_E1[-1].add_(float(rows))
 
-    def fold(self, reduce=None) -> None:
-        """Fold the prices recorded since the last fold into the average.
-
-        The owning layer calls it once at the start of every training forward, on every rank, whatever its
-        rows (so every rank makes the same collectives): `reduce` sums over the data-parallel ranks (the
-        dispatcher's `sum_over_ranks`), and every rank gets the same average, the rows-weighted mean of the
-        ranks' prices. Nothing recorded on any rank changes nothing. No host read.
-        """
+    def fold(self, stat_E1: Tensor) -> None:
+        """Fold a recorded statistic (prices x rows, rows: this layer's `pending_E1` summed over the ranks,
+        `fold_prices`) into the average and clear the record. Nothing recorded changes nothing. No host read."""
         with torch.no_grad():
-            stat = self._pending if self._pending is not None else self.price_E.new_zeros(self.price_E.shape[0] + 1)
-            self._pending = None
-            if reduce is not None:
-                stat = reduce(stat)
-            stat = stat.to(self.price_E.device)
-            total = stat[-1]
-            mean_E = stat[:-1] / total.clamp(min=1.0)
+            stat_E1 = stat_E1.to(self.price_E.device, torch.float32)
+            total = stat_E1[-1]
+            mean_E = stat_E1[:-1] / total.clamp(min=1.0)
             step = (total > 0).float() * (1.0 - self.decay)
             self.price_E.mul_(1.0 - step).add_(step * mean_E)
             self.price_weight.mul_(1.0 - step).add_(step)
+            self.pending_E1.zero_()
 
-    def experts(self, scores_SE: Tensor, *, assign: bool, observe: bool, priced: bool) -> Tensor | None:
-        """The rows' experts (S,) under a balanced router: with `assign` the balanced assignment of the rows
-        (its prices recorded when `observe`, a training step); otherwise argmax(score - price) per row when
-        `priced`, else None (greedy: the rule takes the argmax of the scores)."""
+    def experts(self, scores_SE: Tensor, *, assign: bool, observe: bool) -> Tensor | None:
+        """The rows' experts (S,) under a balanced router, the one place that decides: with `assign` the
+        balanced assignment of the rows (its prices recorded when `observe`, a training forward); otherwise
+        argmax(score - price) per row when `priced`, else None (greedy: the rule takes the argmax)."""
         with torch.no_grad():
             if assign:
                 expert_S, price_E = balanced_assignment(scores_SE.detach(), with_prices=True)
                 if observe:
                     self.observe(price_E, scores_SE.shape[0])
                 return expert_S
-            return self.route(scores_SE.detach()) if priced else None
+            return self.route(scores_SE.detach()) if self.priced else None
 
     def prices(self) -> Tensor:
         """(E,) the bias-corrected average; zeros before any training step (0 / tiny)."""
@@ -100,7 +111,7 @@ class RouterPrices(nn.Module):
 
     def _apply(self, fn, recurse=True):
         # model.half() / .to(bfloat16) would round the prices: keep them in fp32 on the new device
-        saved = {name: getattr(self, name) for name in ("price_E", "price_weight")}
+        saved = {name: getattr(self, name) for name in _BUFFERS}
         super()._apply(fn, recurse)
         for name, old in saved.items():
             new = getattr(self, name)
@@ -117,5 +128,34 @@ class RouterPrices(nn.Module):
                            "(argmax of its scores) until a training step records prices", prefix.rstrip("."))
             for n in missing:
                 state_dict[prefix + n] = torch.zeros_like(getattr(self, n))
+        if prefix + "pending_E1" not in state_dict:  # written before the record was kept: nothing pending
+            state_dict[prefix + "pending_E1"] = torch.zeros_like(self.pending_E1)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
+
+
+def price_modules(model: nn.Module) -> list[RouterPrices]:
+    """Every balanced router's prices in `model`, in module order (the same on every rank)."""
+    return [m for m in model.modules() if isinstance(m, RouterPrices)]
+
+
+def fold_prices(model: nn.Module, group=None) -> None:
+    """Fold every balanced layer's recorded prices into its average: once per optimizer step, on every rank
+    of `group` (the ranks that hold copies of the routers: the data-parallel group, which expert parallelism
+    does not split, since routers are replicated), all layers in one all-reduce. Every rank then holds the
+    same prices, the rows-weighted mean over the ranks and micro-batches of the step. No host read."""
+    mods = price_modules(model)
+    if not mods:
+        return
+    flat = torch.cat([m.pending_E1 for m in mods])
+    if rank_and_world(group)[1] > 1:
+        flat = flat.to(collective_device(group), copy=True)
+        dist.all_reduce(flat, group=group)
+    for m, stat in zip(mods, flat.split([m.pending_E1.numel() for m in mods])):
+        m.fold(stat)
+
+
+def install_price_fold(optimizer: torch.optim.Optimizer, model: nn.Module, group=None):
+    """For a plain torch training loop: fold the prices before every `optimizer.step()` (an optimizer pre-step
+    hook, as torchtitan updates its routers' balancing state). Returns the hook's handle."""
+    return optimizer.register_step_pre_hook(lambda opt, args, kwargs: fold_prices(model, group))

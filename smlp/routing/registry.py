@@ -48,8 +48,9 @@ class TokenRouter:
     expert_norm, zero_init_output, shuffle: defaults of the tMoE for this router (TMoEConfig):
                       experts normalize their own input, their second projection starts at zero,
                       tokens go through a random shuffle of ranks before the assignment (Base Layers)
-    balanced:         training assigns with exact balance and evaluation greedily (top-1), so the two
-                      route differently; `LanguageModel.assigning_as_in_training()` evaluates with the
+    balanced:         training assigns with exact balance and evaluation routes each row on its own, by
+                      its score minus the experts' averaged training prices (prices.py; greedy top-1 with
+                      eval_routing="greedy"); `LanguageModel.assigning_as_in_training()` evaluates with the
                       training rule (without the shuffle)
     reference:        where the rule comes from
     """
@@ -118,8 +119,9 @@ class SMoERouting:
     causal:         the output at position t depends on positions <= t only
     route:          the pure routing function (routes.py): deterministic's channel -> expert
                     table, or the router's logits -> plan
-    balanced:       training assigns hidden dimensions with exact balance, evaluation greedily
-                    (`LanguageModel.assigning_as_in_training()` evaluates with the training rule)
+    balanced:       training assigns hidden dimensions with exact balance, evaluation routes each by its
+                    logits minus the averaged training prices (prices.py; greedy with eval_routing="greedy";
+                    `LanguageModel.assigning_as_in_training()` evaluates with the training rule)
     reference:      where the rule comes from
 
     Accounting (FLOPs, step time) follows from `router_reads`: the experts mix the positions after

@@ -2,8 +2,10 @@
 Layers (Roller et al. 2021) and the sMoE's deterministic and partial-prediction routings (sMLP sec.
 3.2.1 and 3.2.2).
 
-Balanced assignment in training makes a row's expert depend on the other rows of the batch, so
-these routers are causal per position only at inference, where each row is routed on its own scores.
+The balanced routings' experts are decided by their layer's prices (prices.RouterPrices.experts: the
+balanced assignment in training, which makes a row's expert depend on the other rows of the batch;
+argmax of score minus price at inference, row by row) and passed in as `expert_S`; without one a row
+goes to the argmax of its scores (greedy, fairseq's BaseLayer at inference).
 Non-finite scores raise NonFiniteScoresError naming `layer`, at once or, with `defer_checks`, where
 the dispatcher reads the plan's fault record (plan.py). Shapes: the core's legend (smlp/__init__.py).
 """
@@ -12,21 +14,18 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .assignment import balanced_assignment
 from .plan import RoutingPlan, score_check, token_id_check
 
 __all__ = ["base_route", "hash_route", "smoe_deterministic_experts", "smoe_partial_route"]
 
 
-def base_route(scores_SE: Tensor, *, training: bool, layer: str = "base router",
-               defer_checks: bool | str = False, expert_S: Tensor | None = None) -> RoutingPlan:
-    """Base Layers (Lewis et al. 2021): balanced assignment in training, greedy top-1 at inference.
+def base_route(scores_SE: Tensor, *, layer: str = "base router", defer_checks: bool | str = False,
+               expert_S: Tensor | None = None) -> RoutingPlan:
+    """Base Layers (Lewis et al. 2021): the rows' experts as their layer decided (`expert_S`: the balanced
+    assignment in training, priced routing at inference; token_routers.BaseLayersRouter), else greedy top-1.
 
     The combine weight is sigmoid(x . c_e) of the chosen expert, so the layer output
-    sigmoid * expert(x) + (1 - sigmoid) * x gives the centroids a gradient. Degenerate but finite
-    scores are still assigned with exact balance.
-
-    expert_S: an assignment made elsewhere, used instead (Base Layers' shuffle, moe.TMoE).
+    sigmoid * expert(x) + (1 - sigmoid) * x gives the centroids a gradient.
     """
     scores_SE = scores_SE.float()
     fault = score_check(scores_SE, layer, defer_checks)
@@ -34,7 +33,7 @@ def base_route(scores_SE: Tensor, *, training: bool, layer: str = "base router",
         expert_S = expert_S.reshape(-1).long()
     else:
         with torch.no_grad():
-            expert_S = balanced_assignment(scores_SE.detach()) if training else scores_SE.detach().argmax(dim=-1)
+            expert_S = scores_SE.detach().argmax(dim=-1)
     chosen_S = scores_SE.gather(1, expert_S[:, None]).squeeze(1)
     weight_S = torch.sigmoid(chosen_S)
     return RoutingPlan(expert_S[:, None], weight_S[:, None], fault=fault)
@@ -65,15 +64,15 @@ def smoe_deterministic_experts(num_channels: int, num_experts: int, device=None)
     return torch.arange(num_experts, device=device).repeat_interleave(num_channels // num_experts)
 
 
-def smoe_partial_route(logits_SE: Tensor, *, training: bool, layer: str = "sMoE router",
-                       defer_checks: bool | str = False, expert_S: Tensor | None = None) -> RoutingPlan:
+def smoe_partial_route(logits_SE: Tensor, *, layer: str = "sMoE router", defer_checks: bool | str = False,
+                       expert_S: Tensor | None = None) -> RoutingPlan:
     """sMoE partial prediction routing (sec. 3.2.2, eq. 5).
 
     logits_SE: the router logits of each hidden-dimension vector, read from the first P positions.
-    Training assigns every expert the same number of vectors; inference routes each vector to its
-    most probable expert. The combine weight is that expert's softmax probability (eq. 7), which
-    trains the router. expert_S: an assignment made elsewhere, used instead (the priced evaluation
-    routing, smlp/routing/prices.py).
+    expert_S: the vectors' experts as the layer decided (moe.SMoE.balanced_experts: training assigns every
+    expert the same number of vectors, inference routes each by its logits minus the prices); without
+    one, each vector to its most probable expert (greedy). The combine weight is that expert's softmax
+    probability (eq. 7), which trains the router.
     """
     logits_SE = logits_SE.float()
     fault = score_check(logits_SE, layer, defer_checks)
@@ -82,6 +81,6 @@ def smoe_partial_route(logits_SE: Tensor, *, training: bool, layer: str = "sMoE 
         expert_S = expert_S.reshape(-1).long()
     else:
         with torch.no_grad():
-            expert_S = balanced_assignment(logits_SE.detach()) if training else logits_SE.detach().argmax(dim=-1)
+            expert_S = logits_SE.detach().argmax(dim=-1)
     weight_S = probs_SE.gather(1, expert_S[:, None]).squeeze(1)
     return RoutingPlan(expert_S[:, None], weight_S[:, None], fault=fault)

@@ -61,31 +61,24 @@ class BaseLayersRouter(Router):
 
     The combine weight is sigmoid(x . c_e). Training assigns with exact balance, after the shuffle of
     rows to random ranks when the layer shuffles (fairseq's --base-shuffle; only the scores travel);
-    the assignment's expert prices join `eval_prices`. Evaluation routes argmax(score - price)
-    (`cfg.eval_routing` "priced") or argmax(score) ("greedy", fairseq's BaseLayer), or assigns as in
-    training over the batch (`assign_as_in_training`, a diagnostic: not causal).
+    the assignment's expert prices are recorded in `eval_prices` (folded once per optimizer step,
+    prices.fold_prices). Evaluation routes as `eval_prices.experts` decides: argmax(score - price)
+    (`cfg.eval_routing` "priced"), argmax(score) ("greedy", fairseq's BaseLayer), or the assignment
+    over the batch (`assign_as_in_training`, a diagnostic: not causal).
     """
 
     def __init__(self, cfg, dispatcher):
         super().__init__(cfg, dispatcher)
         self.centroids = nn.Parameter(torch.empty(cfg.num_experts, cfg.d_model))
         nn.init.orthogonal_(self.centroids, gain=0.1)
-        self.eval_prices = RouterPrices(cfg.num_experts)
+        self.eval_prices = RouterPrices(cfg.num_experts, cfg.eval_routing)
         self.assign_as_in_training = False  # LanguageModel.assigning_as_in_training
-        self.route_greedily = False  # LanguageModel.routing_greedily
-
-    def forward(self, x_SD: Tensor, token_ids_S: Tensor | None = None, *, layer: str = "router",
-                defer_checks: bool | str = False) -> RoutingPlan:
-        if self.training:  # on every rank, every training forward: the same all-reduce everywhere
-            self.eval_prices.fold(self.dispatcher.sum_over_ranks)
-        return super().forward(x_SD, token_ids_S, layer=layer, defer_checks=defer_checks)
 
     def gating(self, x_SD: Tensor) -> Tensor:
         return logits.router_logits(x_SD, self.centroids.t())
 
     def routing(self, logits_SE, token_ids_S, *, layer, defer_checks):
-        balanced = self.training or self.assign_as_in_training
-        return base_route(logits_SE, training=balanced, layer=layer, defer_checks=defer_checks,
+        return base_route(logits_SE, layer=layer, defer_checks=defer_checks,
                           expert_S=self.balanced_experts(logits_SE))
 
     def balanced_experts(self, scores_SE: Tensor) -> Tensor | None:
@@ -93,8 +86,7 @@ class BaseLayersRouter(Router):
         if self.training and self.cfg.uses_shuffle:
             return self._shuffled_assignment(scores_SE)
         return self.eval_prices.experts(scores_SE, assign=self.training or self.assign_as_in_training,
-                                        observe=self.training,
-                                        priced=self.cfg.eval_routing == "priced" and not self.route_greedily)
+                                        observe=self.training)
 
     def _shuffled_assignment(self, scores_SE: Tensor) -> Tensor:
         """Base Layers' training-time assignment (fairseq's `base_shuffle`), moving routing metadata only.
@@ -102,8 +94,8 @@ class BaseLayersRouter(Router):
         fairseq's BaseLayer sends every token to a random rank, assigns there, then sends it to its
         expert; the assignment reads only the scores, so:
         1. send the scores (S x E, fp32, no gradient) through the shuffle: fairseq's permutation and split;
-        2. assign with exact balance over the rows that arrive (fairseq's assignment); its prices join
-           the evaluation prices;
+        2. assign with exact balance over the rows that arrive (fairseq's assignment); its prices are
+           recorded for the evaluation prices;
         3. send each row's expert back to its home rank.
         The tokens then go from home straight to their expert and back (one exchange each way, not two).
         """

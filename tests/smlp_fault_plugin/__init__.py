@@ -18,6 +18,16 @@ Importing it registers everything fairseq_plugins registers, then reads these va
       the other ranks wait for it inside fairseq's own process group, not the default one.
   SMLP_FAULT_STEP_SLEEP="S[,restart=C]"
       Every training step sleeps S seconds (a bigger model, so a time limit arrives mid-run).
+  SMLP_FAULT_KILL_AT_UPDATE="U"
+      Every rank prints "[fault] rank R killed at update U" and kills itself (SIGKILL) as it starts the
+      training step after update U: a job killed between two checkpoints.
+
+And, not a fault, a record for the tests of the balanced routers' prices (smlp/routing/prices.py):
+
+  SMLP_RECORD_PRICES=DIR
+      Every fold of the prices (once per optimizer step) appends a line to DIR/rankR.jsonl: for each balanced
+      layer, in module order, the statistic it recorded since the last fold (pending_E1, before the
+      all-reduce) and how many assignments recorded it.
 """
 import os
 import signal
@@ -112,3 +122,41 @@ if stop:
         return _all_reduce(tensor, group, op=op)
 
     fairseq_distributed.all_reduce = all_reduce
+
+kill = _spec("SMLP_FAULT_KILL_AT_UPDATE")
+if kill:
+    from fairseq.trainer import Trainer
+
+    _step = Trainer.train_step
+
+    def train_step(self, *args, **kwargs):
+        if self.get_num_updates() == int(kill["0"]):
+            _say(f"rank {_rank()} killed at update {self.get_num_updates()}")
+            os.kill(os.getpid(), signal.SIGKILL)
+        return _step(self, *args, **kwargs)
+
+    Trainer.train_step = train_step
+
+record = os.environ.get("SMLP_RECORD_PRICES")
+if record:
+    import json
+
+    from smlp.routing import prices as _prices
+
+    _observe, _fold = _prices.RouterPrices.observe, _prices.fold_prices
+
+    def observe(self, price_E, rows):
+        self._smlp_observed = getattr(self, "_smlp_observed", 0) + 1
+        return _observe(self, price_E, rows)
+
+    def fold_prices(model, group=None):
+        layers = []
+        for m in _prices.price_modules(model):
+            layers.append({"pending": m.pending_E1.tolist(), "observed": getattr(m, "_smlp_observed", 0)})
+            m._smlp_observed = 0
+        with open(os.path.join(record, f"rank{_rank()}.jsonl"), "a") as f:
+            f.write(json.dumps({"layers": layers}) + "\n")
+        return _fold(model, group)
+
+    _prices.RouterPrices.observe = observe
+    _prices.fold_prices = fold_prices
