@@ -10,7 +10,10 @@ scratch, with no error. Here:
 
 - Writing (`torch_persistent_save`, the copies inside `save_checkpoint`): temporary file in the same
   directory, fsync, rename, fsync of the directory, so a file is either the old one or the whole new
-  one. A failed write (disk full) removes its temporary file, keeps the previous checkpoint and says so.
+  one. A failed write (disk full) removes its temporary file, keeps the previous checkpoint and ends the
+  run with one line naming the file and its folder (`CheckpointWriteError`). A write killed partway
+  (SIGKILL, a lost node) cannot remove its temporary file: each rank removes those of its own checkpoint
+  names when training starts again (`remove_stale_temp_files`), before anything is loaded or written.
 - Tagging: every trainer state records under `smlp_shard` its rank, world size, update, epoch and a
   set id `<run id>:<update>` (the run id is drawn by rank 0 when training starts and broadcast), so
   the shards of one save carry the same id and shards of different saves or runs never do.
@@ -64,6 +67,13 @@ class CheckpointSetError(ValueError, RefusedInput):
     """The checkpoint to resume from is not one consistent save, or does not fit this run."""
 
 
+class CheckpointWriteError(OSError, RefusedInput):
+    """A checkpoint could not be written (disk full, quota): said in one line, naming the file and its folder."""
+
+    def __str__(self) -> str:
+        return str(self.strerror)  # without OSError's "[Errno 28] " prefix
+
+
 # ----------------------------------------------------------------------------- atomic writes
 
 
@@ -103,12 +113,48 @@ def atomic_write(path: str, write: Callable[[object], None]) -> None:
                 free = f"{shutil.disk_usage(directory).free / 2 ** 20:.1f} MiB free"
             except OSError:
                 free = "free space unknown"
-            raise OSError(exc.errno, f"could not write checkpoint {path}: {os.strerror(exc.errno)} ({free} in "
-                                     f"{directory}). The previous {os.path.basename(path)} is unchanged and no "
-                                     f"partial file was left; free space (or use --keep-interval-updates / "
-                                     f"--no-epoch-checkpoints) and resume") from exc
+            raise CheckpointWriteError(
+                exc.errno, f"could not write checkpoint {path}: {os.strerror(exc.errno)} ({free} in {directory}). "
+                           f"The previous {os.path.basename(path)} is unchanged and no partial file was left; free "
+                           f"space (or use --keep-interval-updates / --no-epoch-checkpoints) and resume") from exc
         raise
     _fsync_dir(directory)
+
+
+# atomic_write's temporary files: NAME.pt.XXXXXXXX.tmp (tempfile.mkstemp: 8 of [a-z0-9_])
+_TEMP_FILE = re.compile(r"^(?P<name>checkpoint[^/]*\.pt)\.[a-z0-9_]{8}\.tmp$")
+
+
+def stale_temp_files(save_dir: str, suffix: str) -> list[str]:
+    """The temporary files atomic_write left in `save_dir` for checkpoint names ending in `suffix`.pt (this rank's
+    names: `-rank-R`, or "" for a run that writes one file: then names with a rank suffix are not its own)."""
+    try:
+        names = sorted(os.listdir(save_dir))
+    except OSError:
+        return []
+    out = []
+    for name in names:
+        m = _TEMP_FILE.match(name)
+        if m and m.group("name").endswith(suffix + ".pt") and (suffix or not _RANK_FILE.match(m.group("name"))):
+            out.append(os.path.join(save_dir, name))
+    return out
+
+
+def remove_stale_temp_files(save_dir: str, suffix: str) -> list[str]:
+    """Delete `stale_temp_files`: partial writes of a run killed while it saved (nothing else removes them, and
+    each is up to a whole checkpoint in size). Called by each rank for its own names before training starts,
+    when no rank of this run is writing."""
+    removed = []
+    for path in stale_temp_files(save_dir, suffix):
+        try:
+            size = os.path.getsize(path)
+            os.remove(path)
+        except OSError:
+            continue
+        removed.append(path)
+        logger.info("removed %s (%.1f MiB): a checkpoint write that never finished (the run was stopped while it "
+                    "saved)", os.path.basename(path), size / 2 ** 20)
+    return removed
 
 
 def atomic_torch_save(obj, path: str) -> None:
@@ -444,6 +490,8 @@ def plan_and_check_resume(cfg, trainer) -> ResumePlan:
             f"Pass the checkpoint name without the suffix: --restore-file "
             f"{os.path.join(os.path.dirname(cfg.restore_file), m.group('stem') + '.pt')}")
     reads_file = sharded or rank == 0  # without shards only rank 0 reads (and broadcasts) the checkpoint
+    if reads_file and "://" not in str(cfg.save_dir):  # ... and writes it
+        remove_stale_temp_files(cfg.save_dir, suffix)
     mine = read_shard(shard_path(restore_base, suffix)) if reads_file else None
     foreign = _foreign_layout(cfg.save_dir, sharded, world) if rank == 0 and default_restore else None
     gathered = _gather((mine, foreign))
