@@ -74,7 +74,7 @@ def plan_moment(kind: str, rng: random.Random, resumed: int, updates: int, save_
             "step_fraction": round(rng.random(), 2), "rank": rank}
 
 
-def train_args(data: Path, updates: int, save_every: int, extra=()) -> list[str]:
+def train_args(data: Path, updates: int, save_every: int) -> list[str]:
     """fairseq-train's arguments: the tiny recipe, sMLP-det, a save every `save_every` updates, the last 2 kept."""
     recipe = (REPO / "configs" / "smlp_tiny.args").read_text().split()
     i = recipe.index("--max-update")
@@ -83,7 +83,7 @@ def train_args(data: Path, updates: int, save_every: int, extra=()) -> list[str]
     return [str(data), "--user-dir", str(_plugins_dir()), *recipe[:i], *recipe[i + 2:], "--smoe-routing",
             "deterministic", "--max-update", str(updates), "--save-interval-updates", str(save_every),
             "--keep-interval-updates", "2", "--no-epoch-checkpoints", "--disable-validation", "--seed", "1",
-            "--log-format", "simple", "--log-interval", "1", "--no-progress-bar", *extra]
+            "--log-format", "simple", "--log-interval", "1", "--no-progress-bar"]
 
 
 class Job:
@@ -245,6 +245,10 @@ def _losses(text: str) -> dict[int, str]:
     return out
 
 
+def _loaded(text: str) -> bool:
+    return "Loaded checkpoint" in text or "No existing checkpoint" in text
+
+
 def _resumed(text: str) -> int:
     loaded = loaded_updates(text)
     return loaded[-1] if loaded else 0
@@ -256,9 +260,11 @@ def _step_s(stamps: dict[int, float]) -> float | None:
     return gaps[len(gaps) // 2] if gaps else None
 
 
-def run(data: Path, out: Path, *, updates: int = 60, save_every: int = 4, kills: int | list[str] = 20, seed: int = 1,
-        extra=(), timeout: float = 1800) -> dict:
-    """The baseline, the chaos run and their comparison; returns the record (paths relative to `out`)."""
+def run(out: Path, args: list[str], *, updates: int, save_every: int, kills: int | list[str] = 20, seed: int = 1,
+        baseline: tuple[Path, str] | None = None, timeout: float = 1800) -> dict:
+    """Chaos run of the training `args` (fairseq-train's, without --save-dir; it must stop at `updates` and save
+    every `save_every` updates) in out/chaos, compared with `baseline` (its save directory and rank 0's log, the
+    same training uninterrupted), or with a baseline run here first in out/baseline. Returns the record."""
     from fairseq_plugins.checkpoints import save_differences
 
     if updates < 2 * save_every or save_every < 1:
@@ -266,21 +272,23 @@ def run(data: Path, out: Path, *, updates: int = 60, save_every: int = 4, kills:
                          f"least twice it, so that a kill can land between two saves")
     rng = random.Random(seed)
     kinds = kills if isinstance(kills, list) else plan_kinds(kills, rng)
-    args = train_args(data, updates, save_every, extra)
-    for folder in ("baseline", "chaos"):
-        (out / folder).mkdir(parents=True, exist_ok=False)
-    t0 = time.monotonic()
-    base = Job(args, out / "baseline" / "ckpt", out / "baseline" / "train.log")
-    if base.wait(timeout) != 0:
-        raise BenchError(f"the uninterrupted run failed; see {base.log}")
-    base.poll()
-    baseline_wall, step_s = time.monotonic() - t0, _step_s(base.stamps) or 0.5
-    start_up = min(base.stamps.values()) - base.started if base.stamps else None
-    baseline = _losses(base.text())
+    (out / "chaos").mkdir(parents=True, exist_ok=False)
+    step_s, start_up, baseline_wall = 0.5, None, None
+    if baseline is None:
+        (out / "baseline").mkdir()
+        t0 = time.monotonic()
+        base = Job(args, out / "baseline" / "ckpt", out / "baseline" / "train.log")
+        if base.wait(timeout) != 0:
+            raise BenchError(f"the uninterrupted run failed; see {base.log}")
+        baseline_wall, step_s = time.monotonic() - t0, _step_s(base.poll()) or step_s
+        start_up = min(base.stamps.values()) - base.started if base.stamps else None
+        baseline = (out / "baseline" / "ckpt", base.text())
+    expected = _losses(baseline[1])
 
     save, events, attempts, t0 = out / "chaos" / "ckpt", [], [], time.monotonic()
     try:
         for n in range(len(kinds) + 1):
+            before = set(_inspect(save)[1])
             job = Job(args, save, out / "chaos" / f"attempt-{n + 1:02d}.log")
             attempts.append(job)
             if n == len(kinds):
@@ -288,8 +296,7 @@ def run(data: Path, out: Path, *, updates: int = 60, save_every: int = 4, kills:
             if kinds[n] not in IN_SAVE and start_up and rng.random() < START_UP_SHARE:
                 moment = {"start_up_s": round(rng.uniform(0.2, 1.0) * start_up, 2), "rank": rng.randrange(NPROC)}
             else:
-                while job.proc.poll() is None and not ("Loaded checkpoint" in (t := job.text())
-                                                       or "No existing checkpoint" in t):
+                while job.proc.poll() is None and not _loaded(job.text()):
                     time.sleep(0.02)
                 moment = plan_moment(kinds[n], rng, _resumed(job.text()), updates, save_every)
             landed = _drive(job, kinds[n], moment, save, save_every, updates, step_s)
@@ -298,6 +305,7 @@ def run(data: Path, out: Path, *, updates: int = 60, save_every: int = 4, kills:
                 break  # the attempt came to its end before the kill's moment
             code = job.wait(120)
             torn, temps = _inspect(save)
+            temps = [t for t in temps if t not in before]
             landed["phase"] = ("checkpoint write" if landed.pop("writing", None) or temps else
                                "start-up" if landed["after_update"] is None else "training")
             events.append({"kind": kinds[n], "planned": moment, "landed": landed, "launcher_exit": code,
@@ -313,43 +321,38 @@ def run(data: Path, out: Path, *, updates: int = 60, save_every: int = 4, kills:
     problems, mismatches, logged = [], [], set()
     for i, job in enumerate(attempts):
         text = job.text()
-        resumed = _resumed(text)
-        ups = sorted(_losses(text))
-        logged |= set(ups)
-        mismatches += [f"attempt {i + 1}, update {u}: {loss} (baseline {baseline.get(u)})"
-                       for u, loss in sorted(_losses(text).items()) if baseline.get(u) != loss]
-        if ups and ups != list(range(resumed + 1, resumed + 1 + len(ups))):
-            problems.append(f"attempt {i + 1} resumed at update {resumed} and logged {ups}")
-        if i < len(events):
-            e, nxt = events[i], attempts[i + 1]
-            nxt_resumed = _resumed(nxt.text())
-            e["resumed_from"] = nxt_resumed
-            reached = e["landed"]["after_update"] if e["landed"]["after_update"] is not None else nxt_resumed
-            e["updates_redone"] = max(0, reached - nxt_resumed)
-            back = nxt.stamps.get(reached + 1)
-            e["seconds_lost"] = round(back - e.pop("killed_at"), 1) if back else None
-            e["fell_back_to_an_older_save"] = "Resuming from the newest complete save" in nxt.text()
+        resumed, losses = _resumed(text), _losses(text)
+        logged |= set(losses)
+        mismatches += [f"attempt {i + 1}, update {u}: loss {loss} (uninterrupted: {expected.get(u)})"
+                       for u, loss in sorted(losses.items()) if expected.get(u) != loss]
+        if losses and sorted(losses) != list(range(resumed + 1, resumed + 1 + len(losses))):
+            problems.append(f"attempt {i + 1} resumed at update {resumed} and logged {sorted(losses)}")
+    for i, e in enumerate(events):  # the next attempt that loaded a save, and the first back past the kill
+        later = [j for j in attempts[i + 1:] if _loaded(j.text())]
+        e["resumed_from"] = _resumed(later[0].text()) if later else None
+        reached = e["landed"]["after_update"]
+        reached = e["resumed_from"] if reached is None else reached
+        e["updates_redone"] = max(0, reached - e["resumed_from"]) if later else None
+        back = [j.stamps[reached + 1] for j in later if reached is not None and reached + 1 in j.stamps]
+        e["seconds_lost"] = round(back[0] - e["killed_at"], 1) if back else None
+        e["fell_back_to_an_older_save"] = bool(later) and "Resuming from the newest complete save" in later[0].text()
+        del e["killed_at"]
     if final != 0:
         problems.append(f"the last attempt exited with {final}")
     if logged != set(range(1, updates + 1)):
         problems.append(f"updates never logged: {sorted(set(range(1, updates + 1)) - logged)}")
-    for job in attempts + [base]:
+    for job in attempts:
         job._reader.close()
     torn, temps = _inspect(save)
     differing = {}
     for rank in range(NPROC):
         name = f"checkpoint_last-rank-{rank}.pt"
-        differing.update({f"rank {rank}: {k}": v for k, v in
-                          save_differences(out / "baseline" / "ckpt" / name, save / name).items()})
+        differing.update({f"rank {rank}: {k}": v for k, v in save_differences(baseline[0] / name, save / name).items()})
     torn_any = sorted({t for e in events for t in e["torn_files"]} | set(torn))
     return {
-        "benchmark": "chaos", "config": {"model": "smlp_lm_tiny, --smoe-routing deterministic",
-                                         "recipe": "configs/smlp_tiny.args", "ranks": NPROC, "updates": updates,
-                                         "save_every": save_every, "kills": len(kinds), "seed": seed,
-                                         "extra_flags": list(extra)},
-        "baseline": {"wall_s": round(baseline_wall, 1), "step_s": round(step_s, 3), "log": "baseline/train.log"},
+        "baseline": {"wall_s": baseline_wall and round(baseline_wall, 1), "step_s": round(step_s, 3)},
         "chaos": {"wall_s": round(chaos_wall, 1), "attempts": [str(j.log.relative_to(out)) for j in attempts]},
-        "time_lost_s": round(chaos_wall - baseline_wall, 1),
+        "time_lost_s": baseline_wall and round(chaos_wall - baseline_wall, 1),
         "kills": events,
         "result": {"equal": not (differing or mismatches or problems or torn_any or temps),
                    "differing": differing, "loss_mismatches": mismatches, "update_problems": problems,
@@ -362,15 +365,16 @@ def summary(record: dict) -> str:
     r, c = record["result"], record["config"]
     kinds = {k: sum(e["kind"] == k for e in record["kills"]) for k in KINDS}
     lines = [f"# Chaos run: {len(record['kills'])} kills, {c['updates']} updates, a save every {c['save_every']}", "",
-             f"{c['model']}, {c['ranks']} ranks, {c['recipe']}. Kills: "
+             f"{c['model']}, {c['ranks']} ranks, {c['recipe']}, data {c['data']}. Kills: "
              + ", ".join(f"{v} {k}" for k, v in kinds.items() if v) + ".", "",
              "| # | kind | landed | after update | resumed from | updates redone | seconds lost |",
              "|---:|---|---|---:|---:|---:|---:|"]
     for i, e in enumerate(record["kills"], 1):
         where = e["landed"]["phase"] + (f" ({e['temp_files_left'][0].split('.pt')[0]}.pt)"
                                         if e["landed"]["phase"] == "checkpoint write" and e["temp_files_left"] else "")
-        lines.append(f"| {i} | {e['kind']} ({e['landed']['victim']}) | {where} | {e['landed']['after_update']} | "
-                     f"{e.get('resumed_from')} | {e.get('updates_redone')} | {e.get('seconds_lost')} |")
+        cells = [e["landed"]["after_update"], e["resumed_from"], e["updates_redone"], e["seconds_lost"]]
+        lines.append(f"| {i} | {e['kind']} ({e['landed']['victim']}) | {where} | "
+                     + " | ".join("-" if c is None else str(c) for c in cells) + " |")
     verdict = "bitwise equal to the uninterrupted run's" if r["equal"] else "NOT equal to the uninterrupted run's"
     lines += ["", f"Time lost: {record['time_lost_s']} s ({record['chaos']['wall_s']} s against "
               f"{record['baseline']['wall_s']} s uninterrupted). Final weights, optimizer state and logged losses: "
@@ -390,9 +394,13 @@ def main(args, data: Path) -> int:
           f"output {out}", flush=True)
     from .machine import code_identity, machine_info
 
-    record = run(data, out, updates=args.updates or 60, save_every=args.save_every, kills=args.kills,
-                 seed=args.chaos_seed)
-    record.update(machine=machine_info(), code=code_identity(), data=data.name)
+    updates = args.updates or 60
+    record = {"benchmark": "chaos", "config": {
+        "model": "smlp_lm_tiny, --smoe-routing deterministic", "recipe": "configs/smlp_tiny.args", "ranks": NPROC,
+        "updates": updates, "save_every": args.save_every, "kills": args.kills, "seed": args.chaos_seed,
+        "data": data.name}, "machine": machine_info(), "code": code_identity()}
+    record.update(run(out, train_args(data, updates, args.save_every), updates=updates, save_every=args.save_every,
+                      kills=args.kills, seed=args.chaos_seed))
     tmp = out / "chaos.json.tmp"
     tmp.write_text(json.dumps(record, indent=1) + "\n")
     tmp.replace(out / "chaos.json")

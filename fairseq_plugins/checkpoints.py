@@ -352,8 +352,8 @@ def _tensor_difference(a: torch.Tensor, b: torch.Tensor) -> str | None:
     bits_a, bits_b = (t.detach().cpu().contiguous().reshape(-1).view(torch.uint8) for t in (a, b))
     if torch.equal(bits_a, bits_b):
         return None
+    unequal = int((bits_a != bits_b).reshape(a.numel(), -1).any(dim=1).sum())
     flat_a, flat_b = a.detach().cpu().reshape(-1), b.detach().cpu().reshape(-1)
-    unequal = int((flat_a != flat_b).sum()) if a.dtype != torch.bool else int((flat_a ^ flat_b).sum())
     text = f"{unequal} of {a.numel()} values differ"
     if a.is_floating_point() and unequal:
         text += f", max |a - b| {float((flat_a.double() - flat_b.double()).abs().nan_to_num(float('inf')).max()):.3g}"
