@@ -99,15 +99,20 @@ def atomic_write(path: str, write: Callable[[object], None]) -> None:
     """
     directory = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=directory)
+    f = None
     try:
-        with os.fdopen(fd, "wb") as f:
+        with os.fdopen(fd, "wb") as real:
+            f = _WriteErrors(real)
             write(f)
-            f.flush()
-            os.fsync(f.fileno())
+            real.flush()
+            os.fsync(real.fileno())
         os.replace(tmp, path)
-    except BaseException as exc:
+    except BaseException as caught:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        exc = caught
+        if f is not None and f.error is not None and not isinstance(caught, OSError):
+            exc = f.error  # torch.save's zip writer reports a failed write as "unexpected pos N vs M"
         if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
             try:
                 free = f"{shutil.disk_usage(directory).free / 2 ** 20:.1f} MiB free"
@@ -116,9 +121,29 @@ def atomic_write(path: str, write: Callable[[object], None]) -> None:
             raise CheckpointWriteError(
                 exc.errno, f"could not write checkpoint {path}: {os.strerror(exc.errno)} ({free} in {directory}). "
                            f"The previous {os.path.basename(path)} is unchanged and no partial file was left; free "
-                           f"space (or use --keep-interval-updates / --no-epoch-checkpoints) and resume") from exc
+                           f"space (or use --keep-interval-updates / --no-epoch-checkpoints) and resume") from caught
+        if exc is not caught:
+            raise exc from caught
         raise
     _fsync_dir(directory)
+
+
+class _WriteErrors:
+    """The file `atomic_write` hands to its writer: keeps the first OSError of its writes (a full disk), which
+    torch.save's zip writer does not pass on: it fails later with `unexpected pos N vs M`."""
+
+    def __init__(self, f):
+        self._f, self.error = f, None
+
+    def write(self, data) -> int:
+        try:
+            return self._f.write(data)
+        except OSError as exc:
+            self.error = self.error or exc
+            raise
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
 
 
 # atomic_write's temporary files: NAME.pt.XXXXXXXX.tmp (tempfile.mkstemp: 8 of [a-z0-9_])

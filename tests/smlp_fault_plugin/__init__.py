@@ -18,8 +18,13 @@ Importing it registers everything fairseq_plugins registers, then reads these va
       the other ranks wait for it inside fairseq's own process group, not the default one.
   SMLP_FAULT_STEP_SLEEP="S[,restart=C]"
       Every training step sleeps S seconds (a bigger model, so a time limit arrives mid-run).
+  SMLP_FAULT_ENOSPC="nth=K[,bytes=B]"
+      The disk fills up: on every rank, the K-th write of a numbered checkpoint (checkpoint_E_U*.pt) prints
+      "[fault] rank R disk full while writing NAME" and raises ENOSPC once B bytes (default 65536) are written.
 """
+import errno
 import os
+import re
 import signal
 import sys
 import time
@@ -112,3 +117,38 @@ if stop:
         return _all_reduce(tensor, group, op=op)
 
     fairseq_distributed.all_reduce = all_reduce
+
+full = _spec("SMLP_FAULT_ENOSPC")
+if full:
+    from fairseq_plugins import checkpoint_sets
+
+    _atomic_write = checkpoint_sets.atomic_write
+    numbered = [0]
+
+    class _FullDisk:
+        """A file that takes `room` bytes, then raises ENOSPC (part of the write lands, as on a real full disk)."""
+
+        def __init__(self, f, room):
+            self.f, self.room = f, room
+
+        def write(self, data):
+            if len(data) > self.room:
+                self.f.write(bytes(data[:self.room]))
+                self.room = 0
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            self.room -= len(data)
+            return self.f.write(data)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+    def atomic_write(path, write):
+        if re.match(r"checkpoint_\d+_\d+", os.path.basename(path)):
+            numbered[0] += 1
+            if numbered[0] == int(full["nth"]):
+                _say(f"rank {_rank()} disk full while writing {os.path.basename(path)}")
+                room = int(full.get("bytes", 65536))
+                return _atomic_write(path, lambda f: write(_FullDisk(f, room)))
+        return _atomic_write(path, write)
+
+    checkpoint_sets.atomic_write = atomic_write
