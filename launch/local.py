@@ -610,9 +610,10 @@ class Launcher:
             self.say("then: " + ", ".join(others))
         if w.log_path is not None and not shown:
             tail = _tail(w.log_path)
-            last = tail.rstrip().rsplit("\n", 1)[-1]
-            if re.match(r"^[\w.-]+: error: ", last):  # a one-line error (fairseq_plugins.errors): it says it all
-                self.say(f"rank {w.rank}: {last}")
+            # a one-line error (fairseq_plugins.errors) says it all; torch prefixes a rank's lines with [rankR]:
+            error = re.match(r"^(?:\[rank\d+\]: )?([\w.-]+: error: .*)$", tail.rstrip().rsplit("\n", 1)[-1])
+            if error:
+                self.say(f"rank {w.rank}: {error.group(1)}")
             else:
                 self.say(f"last lines of {w.log_path}:")
                 print(tail, file=self.out, flush=True)

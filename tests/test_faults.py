@@ -154,9 +154,9 @@ def test_a_full_disk_while_saving_ends_the_job_in_one_line_and_the_previous_save
     ckpt = tmp_path / "ckpt"
     assert rc == 1 and "disk full while writing checkpoint_1_3-rank-" in text, text[-3000:]
     errors = [line for line in text.splitlines() if ": error: " in line]
-    assert errors and all(re.search(rf"^(smlp-launch: rank 1: )?fairseq-train: error: could not write checkpoint "
-                                     rf"{ckpt}/checkpoint_1_3-rank-[01]\.pt: No space left on device \([\d.]+ MiB "
-                                     rf"free in {ckpt}\)\. ", line) for line in errors), errors
+    assert errors and all(re.search(rf"^(smlp-launch: rank 1: |\[rank0\]: )fairseq-train: error: could not write "
+                                     rf"checkpoint {ckpt}/checkpoint_1_3-rank-[01]\.pt: No space left on device "
+                                     rf"\([\d.]+ MiB free in {ckpt}\)\. ", line) for line in errors), errors
     assert "Traceback" not in text + rank_log(tmp_path, 1), text[-3000:]
     assert sorted(p.name for p in ckpt.glob("checkpoint*")) == [
         f"checkpoint_{n}-rank-{r}.pt" for n in ("1_1", "1_2", "last") for r in (0, 1)]

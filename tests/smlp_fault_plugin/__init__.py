@@ -142,13 +142,23 @@ if full:
         def __getattr__(self, name):
             return getattr(self.f, name)
 
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
     def atomic_write(path, write):
         if re.match(r"checkpoint_\d+_\d+", os.path.basename(path)):
             numbered[0] += 1
             if numbered[0] == int(full["nth"]):
                 _say(f"rank {_rank()} disk full while writing {os.path.basename(path)}")
-                room = int(full.get("bytes", 65536))
-                return _atomic_write(path, lambda f: write(_FullDisk(f, room)))
+                room, real_fdopen = int(full.get("bytes", 65536)), os.fdopen
+                os.fdopen = lambda fd, *args, **kwargs: _FullDisk(real_fdopen(fd, *args, **kwargs), room)
+                try:  # the file atomic_write opens runs out of space
+                    return _atomic_write(path, write)
+                finally:
+                    os.fdopen = real_fdopen
         return _atomic_write(path, write)
 
     checkpoint_sets.atomic_write = atomic_write
