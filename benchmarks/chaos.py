@@ -93,6 +93,7 @@ class Job:
         cmd = [str(BIN / "smlp-launch"), "--nproc", str(NPROC), "--cpu", "--threads", "1", "--grace", "5", "--",
                *args, "--save-dir", str(save)]
         self.log, self.started, self.stamps, self.lines, self._rest = log, time.monotonic(), {}, [], ""
+        self._pids: dict[int, int | None] = {}
         with open(log, "w") as f:
             self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -113,6 +114,11 @@ class Job:
         return self.stamps
 
     def worker(self, rank: int) -> int | None:
+        if self._pids.get(rank) is None:
+            self._pids[rank] = self._find(rank)
+        return self._pids[rank]
+
+    def _find(self, rank: int) -> int | None:
         for d in Path("/proc").iterdir():
             try:
                 ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
@@ -179,11 +185,11 @@ def _drive(job: Job, kind: str, moment: dict, save: Path, save_every: int, updat
             if last is None or last < target["save"] - 1:
                 time.sleep(0.02)
                 continue
+            pid = job.worker(target["rank"])  # looked up before the write starts: a copy takes a few ms
             written = _writing(save, target, last)
             if written is None:
                 time.sleep(0.001)
                 continue
-            pid = job.worker(target["rank"])
             _signal(pid, signal.SIGSTOP)
             if pid is None or not _stopped(pid) or not (save / written).exists():
                 _signal(pid, signal.SIGCONT)  # that write ended before the stop: the next one
@@ -194,7 +200,8 @@ def _drive(job: Job, kind: str, moment: dict, save: Path, save_every: int, updat
                 _signal(pid, signal.SIGTERM)
                 job.preempt()
                 _signal(pid, signal.SIGCONT)
-            return {"writing": written, "victim": f"rank {target['rank']}", "after_update": last}
+            return {"writing": written.split(".pt.")[0] + ".pt", "victim": f"rank {target['rank']}",
+                    "after_update": last}
         due = (job.started + target["start_up_s"] if "start_up_s" in target else
                stamps[target["after_update"]] + target["step_fraction"] * step_s
                if target["after_update"] in stamps else None)
@@ -306,7 +313,7 @@ def run(out: Path, args: list[str], *, updates: int, save_every: int, kills: int
             code = job.wait(120)
             torn, temps = _inspect(save)
             temps = [t for t in temps if t not in before]
-            landed["phase"] = ("checkpoint write" if landed.pop("writing", None) or temps else
+            landed["phase"] = ("checkpoint write" if landed.get("writing") or temps else
                                "start-up" if landed["after_update"] is None else "training")
             events.append({"kind": kinds[n], "planned": moment, "landed": landed, "launcher_exit": code,
                            "torn_files": torn, "temp_files_left": temps, "killed_at": killed_at})
@@ -370,8 +377,8 @@ def summary(record: dict) -> str:
              "| # | kind | landed | after update | resumed from | updates redone | seconds lost |",
              "|---:|---|---|---:|---:|---:|---:|"]
     for i, e in enumerate(record["kills"], 1):
-        where = e["landed"]["phase"] + (f" ({e['temp_files_left'][0].split('.pt')[0]}.pt)"
-                                        if e["landed"]["phase"] == "checkpoint write" and e["temp_files_left"] else "")
+        writing = e["landed"].get("writing") or (e["temp_files_left"] or [""])[0].split(".pt.")[0] + ".pt"
+        where = e["landed"]["phase"] + (f" ({writing})" if e["landed"]["phase"] == "checkpoint write" else "")
         cells = [e["landed"]["after_update"], e["resumed_from"], e["updates_redone"], e["seconds_lost"]]
         lines.append(f"| {i} | {e['kind']} ({e['landed']['victim']}) | {where} | "
                      + " | ".join("-" if c is None else str(c) for c in cells) + " |")
