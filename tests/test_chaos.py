@@ -38,7 +38,9 @@ def test_a_training_killed_three_times_ends_bitwise_equal_to_the_uninterrupted_o
     record = chaos.run(tmp_path, args, updates=SHARED_RUN_UPDATES, save_every=4, kills=3, seed=1,
                        baseline=(save, log), timeout=600)
     kills, result = record["kills"], record["result"]
-    print("\n" + "\n".join(f"{e['kind']}: {e['landed']}, resumed from {e['resumed_from']}" for e in kills))
+    for e in kills:
+        print(f"\n{e['kind']}: planned {e['planned']}, landed {e['landed']}, resumed from {e['resumed_from']}, "
+              f"{e['seconds_lost']} s lost")
     assert sorted(e["kind"] for e in kills) == ["sigkill-in-save", "sigkill-worker", "sigterm-job"], kills
     in_save = next(e for e in kills if e["kind"] == "sigkill-in-save")
     assert in_save["landed"]["phase"] == "checkpoint write" and in_save["temp_files_left"], in_save
