@@ -345,7 +345,9 @@ def run(out: Path, args: list[str], *, updates: int, save_every: int, kills: int
         e["fell_back_to_an_older_save"] = bool(later) and "Resuming from the newest complete save" in later[0].text()
         del e["killed_at"]
     if final != 0:
-        problems.append(f"the last attempt exited with {final}")
+        errors = [line for line in attempts[-1].lines if ": error: " in line or "Error" in line]
+        problems.append(f"attempt {len(attempts)} failed by itself (exit {final})"
+                        + (f": {errors[-1].strip()[:400]}".replace(f"{out}/", "") if errors else ""))
     if logged != set(range(1, updates + 1)):
         problems.append(f"updates never logged: {sorted(set(range(1, updates + 1)) - logged)}")
     for job in attempts:
@@ -354,6 +356,9 @@ def run(out: Path, args: list[str], *, updates: int, save_every: int, kills: int
     differing = {}
     for rank in range(NPROC):
         name = f"checkpoint_last-rank-{rank}.pt"
+        if not (save / name).is_file():
+            differing[f"rank {rank}"] = f"no {name}"
+            continue
         differing.update({f"rank {rank}: {k}": v for k, v in save_differences(baseline[0] / name, save / name).items()})
     torn_any = sorted({t for e in events for t in e["torn_files"]} | set(torn))
     return {

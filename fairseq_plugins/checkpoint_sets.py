@@ -59,6 +59,7 @@ logger = logging.getLogger(__name__)
 
 SHARD_KEY = "smlp_shard"
 DEFAULT_RESTORE = "checkpoint_last.pt"
+NO_CHECKPOINT = "checkpoint_none.pt"  # what ranks that start from scratch load: no file has this name
 _RANK_FILE = re.compile(r"^(?P<stem>.*)-rank-(?P<rank>\d+)\.pt$")
 _MAX_LISTED = 8
 
@@ -177,7 +178,7 @@ def remove_stale_temp_files(save_dir: str, suffix: str) -> list[str]:
         except OSError:
             continue
         removed.append(path)
-        logger.info("removed %s (%.1f MiB): a checkpoint write that never finished (the run was stopped while it "
+        logger.warning("removed %s (%.1f MiB): a checkpoint write that never finished (the run was stopped while it "
                     "saved)", os.path.basename(path), size / 2 ** 20)
     return removed
 
@@ -357,16 +358,21 @@ def from_several_runs(infos: list[ShardInfo]) -> bool:
 class ResumePlan:
     restore_file: str | None   # None: let fairseq do what it would; else the checkpoint name to load
     message: str | None = None  # a warning to log (rank 0)
+    from_scratch: bool = False  # every rank starts as if there were no checkpoint
 
 
 def decide_resume(requested: list[ShardInfo], candidates: dict[str, list[ShardInfo]], *, world: int,
-                  sharded: bool, default_restore: bool, restore_name: str, single_file_exists: bool = False
-                  ) -> ResumePlan:
+                  sharded: bool, default_restore: bool, restore_name: str, single_file_exists: bool = False,
+                  others: list[ShardInfo] = (), first_save: int | None = None) -> ResumePlan:
     """What to load, from what every rank found. Raises CheckpointSetError when nothing consistent is.
 
     requested:  the file each rank would load (one entry when the checkpoint is not sharded).
     candidates: checkpoint base path -> the files of that save, one per rank (for the fallback).
     single_file_exists: `restore_name` itself exists as one file (consolidated, or from one process).
+    others:     every other checkpoint file any rank found in the save directory.
+    first_save: the update of a run's first save (--save-interval-updates), if it saves by updates: when no
+                complete save exists and no file is past it, the run was stopped while it wrote its first save
+                and starts again from scratch (it loses what any interrupted save loses), instead of refusing.
     """
     if not any(i.exists for i in requested):
         if not default_restore and sharded and single_file_exists:
@@ -399,6 +405,12 @@ def decide_resume(requested: list[ShardInfo], candidates: dict[str, list[ShardIn
     complete = [(infos[0].num_updates or 0, infos[0].epoch or 0, base) for base, infos in candidates.items()
                 if len(infos) == len(requested) and set_problem(infos, world, sharded) is None]
     if not complete:
+        found = [i for i in [*requested, *others] if i.exists]
+        if first_save and sharded and all(i.readable and (i.num_updates or 0) <= first_save for i in found):
+            return ResumePlan(None, f"{what}, and no complete save exists: the run was stopped while its ranks wrote "
+                                    f"their first save (update {max(i.num_updates or 0 for i in found)}, "
+                                    f"--save-interval-updates {first_save}). Starting from scratch; the first save "
+                                    f"replaces these files.", from_scratch=True)
         raise CheckpointSetError(f"{what}, and no complete older save was found in the save directory. {hint}.")
     updates, _, base = max(complete)
     shown = os.path.basename(shard_path(base, "-rank-*" if sharded else ""))
@@ -527,18 +539,22 @@ def plan_and_check_resume(cfg, trainer) -> ResumePlan:
     needs_fallback = (default_restore and any(i.exists for i in requested)
                       and set_problem(requested, world, sharded) is not None)
     candidates: dict[str, list[ShardInfo]] = {}
+    others: list[ShardInfo] = []
     if needs_fallback:
         local = _candidates_here(cfg.save_dir, suffix) if reads_file else None
         per_rank = [c for c in _gather(local) if c is not None]
         for base in set().union(*[set(c) for c in per_rank]):
             if os.path.basename(base) == DEFAULT_RESTORE:
                 continue
+            others += [c[base] for c in per_rank if base in c]
             if all(base in c for c in per_rank):
                 candidates[base] = [c[base] for c in per_rank]
     single = _broadcast(os.path.isfile(restore_base) if rank == 0 else None)
+    restarts_first = not cfg.finetune_from_model and not getattr(cfg, "continue_once", None)
     plan = decide_resume(requested, candidates, world=world, sharded=sharded, default_restore=default_restore,
                          restore_name=os.path.basename(restore_base) if default_restore else cfg.restore_file,
-                         single_file_exists=single)
+                         single_file_exists=single, others=others,
+                         first_save=(cfg.save_interval_updates or None) if restarts_first else None)
     _check_fits_model(plan, restore_base, suffix, trainer, reads_file)
     if plan.message and rank == 0:
         logger.warning(plan.message)
@@ -606,7 +622,7 @@ def _check_fits_model(plan: ResumePlan, restore_base: str, suffix: str, trainer,
     model = trainer.get_model() if hasattr(trainer, "get_model") else trainer.model
     ours = hasattr(model, "core")
     problem = None
-    if ours and reads_file:
+    if ours and reads_file and not plan.from_scratch:
         path = shard_path(plan.restore_file or restore_base, suffix)
         if os.path.isfile(path):
             info = read_shard(path, with_shapes=True)
@@ -719,10 +735,11 @@ def install() -> bool:
 
     def load_checkpoint(cfg, trainer, **passthrough_args):
         plan = plan_and_check_resume(cfg, trainer)
-        if plan.restore_file is None:
+        if plan.restore_file is None and not plan.from_scratch:
             return original_load(cfg, trainer, **passthrough_args)
         previous = cfg.restore_file
-        cfg.restore_file = plan.restore_file
+        # from scratch: a name no save has (fairseq then starts as on a first launch, on every rank)
+        cfg.restore_file = os.path.join(cfg.save_dir, NO_CHECKPOINT) if plan.from_scratch else plan.restore_file
         try:
             return original_load(cfg, trainer, **passthrough_args)
         finally:

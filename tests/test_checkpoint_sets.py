@@ -49,14 +49,35 @@ def write_set(d: Path, stem: str, updates: list[int], run: str = "run1", world: 
             torch.save(fake_state(u, rank=rank, world=world or len(updates), run=run), d / f"{stem}-rank-{rank}.pt")
 
 
-def decide(d: Path, world: int = 2, default: bool = True, name: str = "checkpoint_last.pt"):
+def decide(d: Path, world: int = 2, default: bool = True, name: str = "checkpoint_last.pt",
+           first_save: int | None = None):
     """What every rank decides, computed as plan_and_check_resume does after its all_gather."""
     requested = [read_shard(str(d / name.replace(".pt", f"-rank-{r}.pt"))) for r in range(world)]
     per_rank = [_candidates_here(str(d), f"-rank-{r}") for r in range(world)]
     candidates = {b: [c[b] for c in per_rank] for b in per_rank[0]
                   if all(b in c for c in per_rank) and not b.endswith("checkpoint_last.pt")}
+    others = [i for c in per_rank for b, i in c.items() if not b.endswith("checkpoint_last.pt")]
     return decide_resume(requested, candidates, world=world, sharded=True, default_restore=default,
-                         restore_name=name)
+                         restore_name=name, others=others, first_save=first_save)
+
+
+def test_a_run_stopped_while_it_wrote_its_first_save_starts_again_from_scratch(tmp_path):
+    """Rank 1 was killed while it wrote the first save (update 4); rank 0 had written its shards. No complete save
+    exists, and none would be lost by starting over: every rank starts from scratch (this stopped a chaos run for
+    good before: the resume refused). Past the first save, a missing rank is still refused: its progress would
+    be lost without a word."""
+    write_set(tmp_path, "checkpoint_1_4", [4, None])
+    write_set(tmp_path, "checkpoint_last", [4, None])
+    plan = decide(tmp_path, first_save=4)
+    assert plan.from_scratch and plan.restore_file is None
+    assert "stopped while its ranks wrote their first save (update 4, --save-interval-updates 4). Starting from " \
+           "scratch" in plan.message, plan.message
+    with pytest.raises(CheckpointSetError, match="no complete older save"):
+        decide(tmp_path)  # saves by epoch: the first save's update is not known
+    write_set(tmp_path, "checkpoint_1_8", [8, None])
+    write_set(tmp_path, "checkpoint_last", [8, None])
+    with pytest.raises(CheckpointSetError, match="no complete older save"):
+        decide(tmp_path, first_save=4)
 
 
 # ----------------------------------------------------------------------------- atomic writes
