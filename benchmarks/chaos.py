@@ -300,13 +300,16 @@ def run(out: Path, args: list[str], *, updates: int, save_every: int, kills: int
             attempts.append(job)
             if n == len(kinds):
                 break
-            if kinds[n] not in IN_SAVE and start_up and rng.random() < START_UP_SHARE:
+            kind = kinds[n]
+            if kind not in IN_SAVE and start_up and rng.random() < START_UP_SHARE:
                 moment = {"start_up_s": round(rng.uniform(0.2, 1.0) * start_up, 2), "rank": rng.randrange(NPROC)}
             else:
                 while job.proc.poll() is None and not _loaded(job.text()):
                     time.sleep(0.02)
-                moment = plan_moment(kinds[n], rng, _resumed(job.text()), updates, save_every)
-            landed = _drive(job, kinds[n], moment, save, save_every, updates, step_s)
+                moment = plan_moment(kind, rng, _resumed(job.text()), updates, save_every)
+                if kind in IN_SAVE and "save" not in moment:  # no save left before the end: the same signal
+                    moment["instead_of"], kind = kind, kind.replace("-in-save", "-job" if "term" in kind else "-worker")
+            landed = _drive(job, kind, moment, save, save_every, updates, step_s)
             killed_at = time.monotonic()
             if landed is None:
                 break  # the attempt came to its end before the kill's moment
@@ -315,7 +318,7 @@ def run(out: Path, args: list[str], *, updates: int, save_every: int, kills: int
             temps = [t for t in temps if t not in before]
             landed["phase"] = ("checkpoint write" if landed.get("writing") or temps else
                                "start-up" if landed["after_update"] is None else "training")
-            events.append({"kind": kinds[n], "planned": moment, "landed": landed, "launcher_exit": code,
+            events.append({"kind": kind, "planned": moment, "landed": landed, "launcher_exit": code,
                            "torn_files": torn, "temp_files_left": temps, "killed_at": killed_at})
             step_s = _step_s(job.stamps) or step_s
             start_up = min(job.stamps.values()) - job.started if job.stamps else start_up
@@ -388,6 +391,8 @@ def summary(record: dict) -> str:
         lines.append(f"| {i} | {e['kind']} ({e['landed']['victim']}) | {where} | "
                      + " | ".join("-" if c is None else str(c) for c in cells) + " |")
     verdict = "bitwise equal to the uninterrupted run's" if r["equal"] else "NOT equal to the uninterrupted run's"
+    lines += ["", "After update: the last update logged before the kill. Seconds lost: from the kill until training "
+              "logged the update after it again (restarts, redone updates and any later kill before that)."]
     lines += ["", f"Time lost: {record['time_lost_s']} s ({record['chaos']['wall_s']} s against "
               f"{record['baseline']['wall_s']} s uninterrupted). Final weights, optimizer state and logged losses: "
               f"{verdict}.", ""]
