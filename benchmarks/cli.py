@@ -3,6 +3,8 @@
     smlp-bench [--preset quick|full|long] [--output-dir DIR] [--resume] [--seeds N] [--models a,b,...]
     smlp-bench --experiment NAME [--output-dir DIR] [--resume]     (benchmarks/experiments.py)
     smlp-bench --publish RESULTS_JSON [RESULTS_JSON ...]           (docs/benchmarks.md sections + docs/benchmark/)
+    smlp-bench --chaos [--kills N] [--updates U] [--save-every K]  (a training killed N times ends bitwise equal to
+                                                                    an uninterrupted one: benchmarks/chaos.py)
 
 One question: at matched FLOPs on the same data, how fast does each model train (words/s, MFU)
 and how low does its validation perplexity go (against tokens and against time)?
@@ -82,6 +84,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--commit-store", action="store_true",
                    help="with --fair: commit each stage's store (runs.json, results.json) to the repository that "
                         "holds it after every finished run, so that --resume continues from a fresh clone")
+    p.add_argument("--chaos", action="store_true",
+                   help="a 2-rank sMLP-det training killed --kills times at random moments (SIGKILL of a worker, "
+                        "SIGTERM of the job, both also inside a checkpoint write), resumed each time by smlp-launch, "
+                        "against the same training uninterrupted: final weights, optimizer state and every logged "
+                        "loss must be bitwise equal (benchmarks/chaos.py; record in OUTPUT_DIR/chaos.json)")
+    p.add_argument("--kills", type=int, default=20, help="with --chaos: how many kills (20)")
+    p.add_argument("--save-every", type=int, default=4, help="with --chaos: updates between checkpoints (4)")
+    p.add_argument("--chaos-seed", type=int, default=1, help="with --chaos: seed of the kills' kinds and moments (1)")
     p.add_argument("--output-dir", type=Path, default=None,
                    help="where results go (results/bench, or results/<experiment>)")
     p.add_argument("--resume", action="store_true",
@@ -189,6 +199,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 finish(record, args.report)
             print(f"   results: {args.report / 'results.json'} ({'complete' if record['complete'] else 'PARTIAL'})")
             return 0
+        if args.chaos:
+            from . import chaos
+
+            args.output_dir = (args.output_dir or Path("results/chaos")).expanduser().absolute()
+            args.output_dir.mkdir(parents=True, exist_ok=True)
+            previous_sigterm = _stop_on_sigterm()
+            return chaos.main(args, prepare(args))
         if args.fair:
             from . import fair
 

@@ -10,7 +10,10 @@ scratch, with no error. Here:
 
 - Writing (`torch_persistent_save`, the copies inside `save_checkpoint`): temporary file in the same
   directory, fsync, rename, fsync of the directory, so a file is either the old one or the whole new
-  one. A failed write (disk full) removes its temporary file, keeps the previous checkpoint and says so.
+  one. A failed write (disk full) removes its temporary file, keeps the previous checkpoint and ends the
+  run with one line naming the file and its folder (`CheckpointWriteError`). A write killed partway
+  (SIGKILL, a lost node) cannot remove its temporary file: each rank removes those of its own checkpoint
+  names when training starts again (`remove_stale_temp_files`), before anything is loaded or written.
 - Tagging: every trainer state records under `smlp_shard` its rank, world size, update, epoch and a
   set id `<run id>:<update>` (the run id is drawn by rank 0 when training starts and broadcast), so
   the shards of one save carry the same id and shards of different saves or runs never do.
@@ -56,12 +59,20 @@ logger = logging.getLogger(__name__)
 
 SHARD_KEY = "smlp_shard"
 DEFAULT_RESTORE = "checkpoint_last.pt"
+NO_CHECKPOINT = "checkpoint_none.pt"  # what ranks that start from scratch load: no file has this name
 _RANK_FILE = re.compile(r"^(?P<stem>.*)-rank-(?P<rank>\d+)\.pt$")
 _MAX_LISTED = 8
 
 
 class CheckpointSetError(ValueError, RefusedInput):
     """The checkpoint to resume from is not one consistent save, or does not fit this run."""
+
+
+class CheckpointWriteError(OSError, RefusedInput):
+    """A checkpoint could not be written (disk full, quota): said in one line, naming the file and its folder."""
+
+    def __str__(self) -> str:
+        return str(self.strerror)  # without OSError's "[Errno 28] " prefix
 
 
 # ----------------------------------------------------------------------------- atomic writes
@@ -89,26 +100,87 @@ def atomic_write(path: str, write: Callable[[object], None]) -> None:
     """
     directory = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=directory)
+    f = None
     try:
-        with os.fdopen(fd, "wb") as f:
+        with os.fdopen(fd, "wb") as real:
+            f = _WriteErrors(real)
             write(f)
-            f.flush()
-            os.fsync(f.fileno())
+            real.flush()
+            os.fsync(real.fileno())
         os.replace(tmp, path)
-    except BaseException as exc:
+    except BaseException as caught:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        exc = caught
+        if f is not None and f.error is not None and not isinstance(caught, OSError):
+            exc = f.error  # torch.save's zip writer reports a failed write as "unexpected pos N vs M"
         if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
             try:
                 free = f"{shutil.disk_usage(directory).free / 2 ** 20:.1f} MiB free"
             except OSError:
                 free = "free space unknown"
-            raise OSError(exc.errno, f"could not write checkpoint {path}: {os.strerror(exc.errno)} ({free} in "
-                                     f"{directory}). The previous {os.path.basename(path)} is unchanged and no "
-                                     f"partial file was left; free space (or use --keep-interval-updates / "
-                                     f"--no-epoch-checkpoints) and resume") from exc
+            raise CheckpointWriteError(
+                exc.errno, f"could not write checkpoint {path}: {os.strerror(exc.errno)} ({free} in {directory}). "
+                           f"The previous {os.path.basename(path)} is unchanged and no partial file was left; free "
+                           f"space (or use --keep-interval-updates / --no-epoch-checkpoints) and resume") from caught
+        if exc is not caught:
+            raise exc from caught
         raise
     _fsync_dir(directory)
+
+
+class _WriteErrors:
+    """The file `atomic_write` hands to its writer: keeps the first OSError of its writes (a full disk), which
+    torch.save's zip writer does not pass on: it fails later with `unexpected pos N vs M`."""
+
+    def __init__(self, f):
+        self._f, self.error = f, None
+
+    def write(self, data) -> int:
+        try:
+            return self._f.write(data)
+        except OSError as exc:
+            self.error = self.error or exc
+            raise
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+
+# atomic_write's temporary files: NAME.pt.XXXXXXXX.tmp (tempfile.mkstemp: 8 of [a-z0-9_])
+_TEMP_FILE = re.compile(r"^(?P<name>checkpoint[^/]*\.pt)\.[a-z0-9_]{8}\.tmp$")
+
+
+def stale_temp_files(save_dir: str, suffix: str) -> list[str]:
+    """The temporary files atomic_write left in `save_dir` for checkpoint names ending in `suffix`.pt (this rank's
+    names: `-rank-R`, or "" for a run that writes one file: then names with a rank suffix are not its own)."""
+    try:
+        names = sorted(os.listdir(save_dir))
+    except OSError:
+        return []
+    out = []
+    for name in names:
+        m = _TEMP_FILE.match(name)
+        if m and m.group("name").endswith(suffix + ".pt") and (suffix or not _RANK_FILE.match(m.group("name"))):
+            out.append(os.path.join(save_dir, name))
+    return out
+
+
+def remove_stale_temp_files(save_dir: str, suffix: str) -> list[str]:
+    """Delete `stale_temp_files`: partial writes of a run killed while it saved (nothing else removes them, and
+    each is up to a whole checkpoint in size). Called by each rank for its own names before training starts,
+    when no rank of this run is writing."""
+    removed = []
+    for path in stale_temp_files(save_dir, suffix):
+        try:
+            size = os.path.getsize(path)
+            os.remove(path)
+        except OSError:
+            continue
+        removed.append(path)
+        logger.warning("removed %s (%.1f MiB): a checkpoint write that never finished (the run was stopped while it "
+                    "saved)", os.path.basename(path), size / 2 ** 20)
+    return removed
 
 
 def atomic_torch_save(obj, path: str) -> None:
@@ -286,16 +358,21 @@ def from_several_runs(infos: list[ShardInfo]) -> bool:
 class ResumePlan:
     restore_file: str | None   # None: let fairseq do what it would; else the checkpoint name to load
     message: str | None = None  # a warning to log (rank 0)
+    from_scratch: bool = False  # every rank starts as if there were no checkpoint
 
 
 def decide_resume(requested: list[ShardInfo], candidates: dict[str, list[ShardInfo]], *, world: int,
-                  sharded: bool, default_restore: bool, restore_name: str, single_file_exists: bool = False
-                  ) -> ResumePlan:
+                  sharded: bool, default_restore: bool, restore_name: str, single_file_exists: bool = False,
+                  others: list[ShardInfo] = (), first_save: int | None = None) -> ResumePlan:
     """What to load, from what every rank found. Raises CheckpointSetError when nothing consistent is.
 
     requested:  the file each rank would load (one entry when the checkpoint is not sharded).
     candidates: checkpoint base path -> the files of that save, one per rank (for the fallback).
     single_file_exists: `restore_name` itself exists as one file (consolidated, or from one process).
+    others:     every other checkpoint file any rank found in the save directory.
+    first_save: the update of a run's first save (--save-interval-updates), if it saves by updates: when no
+                complete save exists and no file is past it, the run was stopped while it wrote its first save
+                and starts again from scratch (it loses what any interrupted save loses), instead of refusing.
     """
     if not any(i.exists for i in requested):
         if not default_restore and sharded and single_file_exists:
@@ -328,6 +405,12 @@ def decide_resume(requested: list[ShardInfo], candidates: dict[str, list[ShardIn
     complete = [(infos[0].num_updates or 0, infos[0].epoch or 0, base) for base, infos in candidates.items()
                 if len(infos) == len(requested) and set_problem(infos, world, sharded) is None]
     if not complete:
+        found = [i for i in [*requested, *others] if i.exists]
+        if first_save and sharded and all(i.readable and (i.num_updates or 0) <= first_save for i in found):
+            return ResumePlan(None, f"{what}, and no complete save exists: the run was stopped while its ranks wrote "
+                                    f"their first save (update {max(i.num_updates or 0 for i in found)}, "
+                                    f"--save-interval-updates {first_save}). Starting from scratch; the first save "
+                                    f"replaces these files.", from_scratch=True)
         raise CheckpointSetError(f"{what}, and no complete older save was found in the save directory. {hint}.")
     updates, _, base = max(complete)
     shown = os.path.basename(shard_path(base, "-rank-*" if sharded else ""))
@@ -444,6 +527,8 @@ def plan_and_check_resume(cfg, trainer) -> ResumePlan:
             f"Pass the checkpoint name without the suffix: --restore-file "
             f"{os.path.join(os.path.dirname(cfg.restore_file), m.group('stem') + '.pt')}")
     reads_file = sharded or rank == 0  # without shards only rank 0 reads (and broadcasts) the checkpoint
+    if reads_file and "://" not in str(cfg.save_dir):  # ... and writes it
+        remove_stale_temp_files(cfg.save_dir, suffix)
     mine = read_shard(shard_path(restore_base, suffix)) if reads_file else None
     foreign = _foreign_layout(cfg.save_dir, sharded, world) if rank == 0 and default_restore else None
     gathered = _gather((mine, foreign))
@@ -454,18 +539,22 @@ def plan_and_check_resume(cfg, trainer) -> ResumePlan:
     needs_fallback = (default_restore and any(i.exists for i in requested)
                       and set_problem(requested, world, sharded) is not None)
     candidates: dict[str, list[ShardInfo]] = {}
+    others: list[ShardInfo] = []
     if needs_fallback:
         local = _candidates_here(cfg.save_dir, suffix) if reads_file else None
         per_rank = [c for c in _gather(local) if c is not None]
         for base in set().union(*[set(c) for c in per_rank]):
             if os.path.basename(base) == DEFAULT_RESTORE:
                 continue
+            others += [c[base] for c in per_rank if base in c]
             if all(base in c for c in per_rank):
                 candidates[base] = [c[base] for c in per_rank]
     single = _broadcast(os.path.isfile(restore_base) if rank == 0 else None)
+    restarts_first = not cfg.finetune_from_model and not getattr(cfg, "continue_once", None)
     plan = decide_resume(requested, candidates, world=world, sharded=sharded, default_restore=default_restore,
                          restore_name=os.path.basename(restore_base) if default_restore else cfg.restore_file,
-                         single_file_exists=single)
+                         single_file_exists=single, others=others,
+                         first_save=(cfg.save_interval_updates or None) if restarts_first else None)
     _check_fits_model(plan, restore_base, suffix, trainer, reads_file)
     if plan.message and rank == 0:
         logger.warning(plan.message)
@@ -533,7 +622,7 @@ def _check_fits_model(plan: ResumePlan, restore_base: str, suffix: str, trainer,
     model = trainer.get_model() if hasattr(trainer, "get_model") else trainer.model
     ours = hasattr(model, "core")
     problem = None
-    if ours and reads_file:
+    if ours and reads_file and not plan.from_scratch:
         path = shard_path(plan.restore_file or restore_base, suffix)
         if os.path.isfile(path):
             info = read_shard(path, with_shapes=True)
@@ -646,10 +735,11 @@ def install() -> bool:
 
     def load_checkpoint(cfg, trainer, **passthrough_args):
         plan = plan_and_check_resume(cfg, trainer)
-        if plan.restore_file is None:
+        if plan.restore_file is None and not plan.from_scratch:
             return original_load(cfg, trainer, **passthrough_args)
         previous = cfg.restore_file
-        cfg.restore_file = plan.restore_file
+        # from scratch: a name no save has (fairseq then starts as on a first launch, on every rank)
+        cfg.restore_file = os.path.join(cfg.save_dir, NO_CHECKPOINT) if plan.from_scratch else plan.restore_file
         try:
             return original_load(cfg, trainer, **passthrough_args)
         finally:

@@ -20,6 +20,9 @@ each holding that rank's experts. Here:
 - `check_current`: a file X.pt beside rank shards X-rank-R.pt of another save (merged at update 10, then
   training went on to update 12) is refused by every loading path, naming both, instead of evaluating the
   older one.
+- `save_differences`: what two checkpoint files of one training hold differently, bitwise (every tensor of the
+  model, criterion and optimizer state, the update count, the learning-rate scheduler and the data position),
+  each entry by name: a run interrupted and resumed must end with none (benchmarks/chaos.py).
 """
 from __future__ import annotations
 
@@ -327,3 +330,63 @@ def load_for_eval(path: str, data_dir: str | None = None, overrides: dict | None
     state, existing = read_checkpoint_any_layout(path, arg_overrides or None)
     models, _cfg, task = checkpoint_utils.load_model_ensemble_and_task([existing], state=state, strict=True)
     return models[0].eval(), task
+
+
+# what a training's checkpoint holds that decides its continuation (the rest: config, meters, timings, history)
+TRAINING_STATE = ("model", "criterion", "last_optimizer_state", "optimizer_history[-1]", "extra_state.train_iterator")
+
+
+def _training_state(state: Mapping) -> dict:
+    history = state.get("optimizer_history") or [{}]
+    return {"model": state.get("model"), "criterion": state.get("criterion"),
+            "last_optimizer_state": state.get("last_optimizer_state"),
+            "optimizer_history[-1]": {k: history[-1].get(k) for k in ("num_updates", "lr_scheduler_state")},
+            "extra_state.train_iterator": (state.get("extra_state") or {}).get("train_iterator")}
+
+
+def _tensor_difference(a: torch.Tensor, b: torch.Tensor) -> str | None:
+    """None when a and b are the same bits (dtype, shape and every byte: -0.0 and 0.0 or two NaNs with other
+    payloads differ), else what differs."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return f"{a.dtype} {tuple(a.shape)} vs {b.dtype} {tuple(b.shape)}"
+    bits_a, bits_b = (t.detach().cpu().contiguous().reshape(-1).view(torch.uint8) for t in (a, b))
+    if torch.equal(bits_a, bits_b):
+        return None
+    unequal = int((bits_a != bits_b).reshape(a.numel(), -1).any(dim=1).sum())
+    flat_a, flat_b = a.detach().cpu().reshape(-1), b.detach().cpu().reshape(-1)
+    text = f"{unequal} of {a.numel()} values differ"
+    if a.is_floating_point() and unequal:
+        text += f", max |a - b| {float((flat_a.double() - flat_b.double()).abs().nan_to_num(float('inf')).max()):.3g}"
+    return text
+
+
+def _differences(a, b, name: str, out: dict[str, str]) -> None:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+            out[name] = f"{type(a).__name__} vs {type(b).__name__}"
+        elif (why := _tensor_difference(a, b)) is not None:
+            out[name] = why
+    elif isinstance(a, Mapping) and isinstance(b, Mapping):
+        for key in list(a) + [k for k in b if k not in a]:
+            child = f"{name}.{key}" if name else str(key)
+            if key not in b or key not in a:
+                out[child] = f"only in {'the first' if key in a else 'the second'}"
+            else:
+                _differences(a[key], b[key], child, out)
+    elif isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b):
+        for i, (x, y) in enumerate(zip(a, b)):
+            _differences(x, y, f"{name}[{i}]", out)
+    elif type(a) is not type(b) or a != b:
+        out[name] = f"{a!r} vs {b!r}"
+
+
+def save_differences(a: str | os.PathLike, b: str | os.PathLike) -> dict[str, str]:
+    """Name -> what differs, for every entry of TRAINING_STATE in which checkpoint files `a` and `b` differ
+    (tensors compared bit for bit); empty when `b` continues exactly as `a` would. Names are the state's keys,
+    e.g. `model.decoder.core.layers.1.tmoe.router.eval_prices.price_E` or `last_optimizer_state.state.3.exp_avg`.
+    Compare files of the same rank (`X-rank-R.pt`): each holds that rank's experts and optimizer state."""
+    allow_fairseq_checkpoints()
+    states = [torch.load(p, map_location="cpu", weights_only=True) for p in (a, b)]
+    out: dict[str, str] = {}
+    _differences(*(_training_state(s) for s in states), "", out)
+    return out

@@ -21,10 +21,11 @@ oversubscribe the cores (2 ranks on 2 cores trained 3.9x slower here).
 
 Failure handling: every worker runs in its own process group and dies with the launcher
 (PR_SET_PDEATHSIG). If a worker exits non-zero, the launcher sends SIGTERM to every other worker's
-process group, SIGKILL after --grace seconds, prints the tail of the failed rank's log and exits
-non-zero naming the rank. Ctrl-C / SIGTERM / SIGHUP to the launcher stop all workers the same way
-(a second Ctrl-C kills at once). SIGUSR1 to the launcher is forwarded: the workers save a checkpoint
-after the current update and stop (smlp_launch.worker), and the launcher exits 0.
+process group, SIGKILL after --grace seconds, prints the tail of the failed rank's log (only its last
+line when that is a one-line error, `fairseq-train: error: ...`) and exits non-zero naming the rank.
+Ctrl-C / SIGTERM / SIGHUP to the launcher stop all workers the same way (a second Ctrl-C kills at once).
+SIGUSR1 to the launcher is forwarded: the workers save a checkpoint after the current update and stop
+(smlp_launch.worker), and the launcher exits 0.
 Rank 0 writes to the console; rank R > 0 writes to LOG_DIR/rankR.log. On a terminal the launcher shows
 rank 0's training as a progress bar over --max-update (updates, loss, words/s, time left; smlp_launch.progress),
 prints its other lines above the bar and keeps all of them in LOG_DIR/rank0.log (--log-interval 10 unless
@@ -49,6 +50,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
+import re
 import shlex
 import signal
 import socket
@@ -607,8 +609,14 @@ class Launcher:
         if others:
             self.say("then: " + ", ".join(others))
         if w.log_path is not None and not shown:
-            self.say(f"last lines of {w.log_path}:")
-            print(_tail(w.log_path), file=self.out, flush=True)
+            tail = _tail(w.log_path)
+            # a one-line error (fairseq_plugins.errors) says it all; torch prefixes a rank's lines with [rankR]:
+            error = re.match(r"^(?:\[rank\d+\]: )?([\w.-]+: error: .*)$", tail.rstrip().rsplit("\n", 1)[-1])
+            if error:
+                self.say(f"rank {w.rank}: {error.group(1)}")
+            else:
+                self.say(f"last lines of {w.log_path}:")
+                print(tail, file=self.out, flush=True)
         where = f" (log: {w.log_path})" if w.log_path else " (its output is above)"
         self.say(f"FAILED: {what}{where}")
         return _exit_status(code)

@@ -27,6 +27,7 @@ from fairseq_plugins.checkpoint_sets import (
     shape_mismatch,
 )
 from fairseq_plugins.checkpoints import consolidate
+from fairseq_plugins.errors import RefusedInput
 
 
 def fake_state(updates: int, *, rank: int = 0, world: int = 2, run: str = "run1", experts: int = 1, sharded=True):
@@ -48,14 +49,35 @@ def write_set(d: Path, stem: str, updates: list[int], run: str = "run1", world: 
             torch.save(fake_state(u, rank=rank, world=world or len(updates), run=run), d / f"{stem}-rank-{rank}.pt")
 
 
-def decide(d: Path, world: int = 2, default: bool = True, name: str = "checkpoint_last.pt"):
+def decide(d: Path, world: int = 2, default: bool = True, name: str = "checkpoint_last.pt",
+           first_save: int | None = None):
     """What every rank decides, computed as plan_and_check_resume does after its all_gather."""
     requested = [read_shard(str(d / name.replace(".pt", f"-rank-{r}.pt"))) for r in range(world)]
     per_rank = [_candidates_here(str(d), f"-rank-{r}") for r in range(world)]
     candidates = {b: [c[b] for c in per_rank] for b in per_rank[0]
                   if all(b in c for c in per_rank) and not b.endswith("checkpoint_last.pt")}
+    others = [i for c in per_rank for b, i in c.items() if not b.endswith("checkpoint_last.pt")]
     return decide_resume(requested, candidates, world=world, sharded=True, default_restore=default,
-                         restore_name=name)
+                         restore_name=name, others=others, first_save=first_save)
+
+
+def test_a_run_stopped_while_it_wrote_its_first_save_starts_again_from_scratch(tmp_path):
+    """Rank 1 was killed while it wrote the first save (update 4); rank 0 had written its shards. No complete save
+    exists, and none would be lost by starting over: every rank starts from scratch (this stopped a chaos run for
+    good before: the resume refused). Past the first save, a missing rank is still refused: its progress would
+    be lost without a word."""
+    write_set(tmp_path, "checkpoint_1_4", [4, None])
+    write_set(tmp_path, "checkpoint_last", [4, None])
+    plan = decide(tmp_path, first_save=4)
+    assert plan.from_scratch and plan.restore_file is None
+    assert "stopped while its ranks wrote their first save (update 4, --save-interval-updates 4). Starting from " \
+           "scratch" in plan.message, plan.message
+    with pytest.raises(CheckpointSetError, match="no complete older save"):
+        decide(tmp_path)  # saves by epoch: the first save's update is not known
+    write_set(tmp_path, "checkpoint_1_8", [8, None])
+    write_set(tmp_path, "checkpoint_last", [8, None])
+    with pytest.raises(CheckpointSetError, match="no complete older save"):
+        decide(tmp_path, first_save=4)
 
 
 # ----------------------------------------------------------------------------- atomic writes
@@ -69,13 +91,39 @@ def test_atomic_save_replaces_whole_files_and_leaves_no_temporary(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint_last.pt"]
 
 
-@pytest.mark.parametrize("where", ["write", "fsync"])
+class FullDisk:
+    """A file that takes `room` bytes and then raises ENOSPC, as a disk that fills up (the part written lands)."""
+
+    def __init__(self, f, room: int):
+        self.f, self.room = f, room
+
+    def write(self, data):
+        if len(data) > self.room:
+            self.f.write(bytes(data[:self.room]))
+            self.room = 0
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self.room -= len(data)
+        return self.f.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.f.close()
+
+
+@pytest.mark.parametrize("where", ["write", "torch-zip-writer", "fsync"])
 def test_disk_full_while_saving_keeps_the_previous_checkpoint(tmp_path, monkeypatch, where):
-    """ENOSPC in the middle of torch.save (a full disk) or at fsync (delayed allocation, NFS)."""
+    """ENOSPC in the middle of torch.save (a full disk), inside torch's own zip writer (which reports it as
+    `unexpected pos N vs M`; the error must still say the disk is full), or at fsync (delayed allocation, NFS):
+    one line (a refusal, no traceback) naming the file and its folder."""
     path = tmp_path / "checkpoint_last-rank-0.pt"
     atomic_torch_save({"update": 7, "w": torch.randn(100)}, str(path))
     before = path.read_bytes()
-    real_save = torch.save
+    real_save, real_fdopen = torch.save, os.fdopen
 
     def full_disk_save(obj, f, *a, **k):
         f.write(b"PK\x03\x04 half a checkpoint")
@@ -86,17 +134,38 @@ def test_disk_full_while_saving_keeps_the_previous_checkpoint(tmp_path, monkeypa
 
     if where == "write":
         monkeypatch.setattr(torch, "save", full_disk_save)
+    elif where == "torch-zip-writer":
+        monkeypatch.setattr(os, "fdopen", lambda fd, mode: FullDisk(real_fdopen(fd, mode), 300))
     else:
         monkeypatch.setattr(os, "fsync", full_disk_fsync)
     with pytest.raises(OSError) as err:
-        atomic_torch_save({"update": 8, "w": torch.randn(100)}, str(path))
+        atomic_torch_save({"update": 8, "w": torch.randn(1000)}, str(path))
     monkeypatch.setattr(torch, "save", real_save)
+    monkeypatch.setattr(os, "fdopen", real_fdopen)
     message = str(err.value)
-    assert err.value.errno == errno.ENOSPC
-    assert f"could not write checkpoint {path}" in message and "No space left on device" in message, message
-    assert "checkpoint_last-rank-0.pt is unchanged" in message and "MiB free" in message, message
+    assert err.value.errno == errno.ENOSPC and isinstance(err.value, RefusedInput)
+    assert message.startswith(f"could not write checkpoint {path}: No space left on device (") and "\n" not in message
+    assert f"MiB free in {tmp_path}). " in message and "checkpoint_last-rank-0.pt is unchanged" in message, message
     assert path.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]
+
+
+def test_a_write_killed_partway_leaves_a_temporary_file_that_its_rank_removes_at_the_next_start(tmp_path):
+    """A kill inside atomic_write leaves NAME.pt.XXXXXXXX.tmp (nothing else removes it, and it can be a whole
+    checkpoint in size). When training starts again each rank removes those of its own checkpoint names, and
+    nothing else: not another rank's, not train.sbatch's `X.pt.tmp`, not a file of another name."""
+    from fairseq_plugins.checkpoint_sets import remove_stale_temp_files, stale_temp_files
+
+    names = ["checkpoint_1_8-rank-1.pt.ab12cd_4.tmp", "checkpoint_last-rank-1.pt.zz99yy88.tmp",
+             "checkpoint_last-rank-0.pt.k3j2h1g0.tmp", "checkpoint_last.pt.abcdefgh.tmp",
+             "checkpoint_last-rank-1.pt.tmp", "notes.pt.abcdefgh.tmp", "checkpoint_last-rank-1.pt",
+             "checkpoint_1_8-rank-11.pt.ab12cd34.tmp"]
+    for name in names:
+        (tmp_path / name).write_bytes(b"PK\x03\x04 part of a checkpoint")
+    assert [Path(p).name for p in stale_temp_files(str(tmp_path), "")] == ["checkpoint_last.pt.abcdefgh.tmp"]
+    removed = remove_stale_temp_files(str(tmp_path), "-rank-1")
+    assert sorted(Path(p).name for p in removed) == names[:2]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[2:])
 
 
 def test_fairseq_writes_go_through_the_atomic_tagged_writer(tmp_path, monkeypatch):

@@ -144,6 +144,31 @@ def test_sigkill_while_saving_ends_all_workers_and_the_resume_is_consistent(tiny
     assert_no_processes(str(tmp_path), within=10)
 
 
+def test_a_full_disk_while_saving_ends_the_job_in_one_line_and_the_previous_save_resumes(tiny_lm_data, tmp_path,
+                                                                                          baseline):
+    """The disk fills up while both ranks write update 3 (each write raises ENOSPC partway): each rank ends with
+    one line naming the file and its folder, no traceback; update 2's checkpoints stay whole, no partial file is
+    left, and the same command (the disk freed) resumes from update 2 with the baseline's losses."""
+    proc, out = launch(tmp_path, tiny_lm_data, "--user-dir", FAULT_PLUGIN, env={"SMLP_FAULT_ENOSPC": "nth=3"})
+    rc, text, _ = finish(proc, out, 240)
+    ckpt = tmp_path / "ckpt"
+    assert rc == 1 and "disk full while writing checkpoint_1_3-rank-" in text, text[-3000:]
+    errors = [line for line in text.splitlines() if ": error: " in line]
+    assert errors and all(re.search(rf"^(smlp-launch: rank 1: |\[rank0\]: )fairseq-train: error: could not write "
+                                     rf"checkpoint {ckpt}/checkpoint_1_3-rank-[01]\.pt: No space left on device "
+                                     rf"\([\d.]+ MiB free in {ckpt}\)\. ", line) for line in errors), errors
+    assert "Traceback" not in text + rank_log(tmp_path, 1), text[-3000:]
+    assert sorted(p.name for p in ckpt.glob("checkpoint*")) == [
+        f"checkpoint_{n}-rank-{r}.pt" for n in ("1_1", "1_2", "last") for r in (0, 1)]
+    from fairseq_plugins.checkpoint_sets import read_shard
+
+    assert [read_shard(str(ckpt / f"checkpoint_last-rank-{r}.pt")).num_updates for r in (0, 1)] == [2, 2]
+    proc, out = launch(tmp_path, tiny_lm_data, "--user-dir", PLUGINS, name="resume")
+    rc, text, _ = finish(proc, out, 300)
+    assert rc == 0 and loaded_updates(text) == [2], text[-3000:]
+    assert sorted(assert_same_losses(text, baseline)) == list(range(3, MAX_UPDATE + 1))
+
+
 def test_sigkill_inside_the_all2all_ends_all_workers(tiny_lm_data, tmp_path):
     """Rank 1 is SIGKILLed while it waits inside the all2all for rank 0, which then enters it."""
     proc, out = launch(tmp_path, tiny_lm_data, "--user-dir", FAULT_PLUGIN, max_update=100000,

@@ -21,6 +21,9 @@ Importing it registers everything fairseq_plugins registers, then reads these va
   SMLP_FAULT_KILL_AT_UPDATE="U"
       Every rank prints "[fault] rank R killed at update U" and kills itself (SIGKILL) as it starts the
       training step after update U: a job killed between two checkpoints.
+  SMLP_FAULT_ENOSPC="nth=K[,bytes=B]"
+      The disk fills up: on every rank, the K-th write of a numbered checkpoint (checkpoint_E_U*.pt) prints
+      "[fault] rank R disk full while writing NAME" and raises ENOSPC once B bytes (default 65536) are written.
 
 And, not a fault, a record for the tests of the balanced routers' prices (smlp/routing/prices.py):
 
@@ -29,7 +32,9 @@ And, not a fault, a record for the tests of the balanced routers' prices (smlp/r
       layer, in module order, the statistic it recorded since the last fold (pending_E1, before the
       all-reduce) and how many assignments recorded it.
 """
+import errno
 import os
+import re
 import signal
 import sys
 import time
@@ -160,3 +165,48 @@ if record:
 
     _prices.RouterPrices.observe = observe
     _prices.fold_prices = fold_prices
+
+full = _spec("SMLP_FAULT_ENOSPC")
+if full:
+    from fairseq_plugins import checkpoint_sets
+
+    _atomic_write = checkpoint_sets.atomic_write
+    numbered = [0]
+
+    class _FullDisk:
+        """A file that takes `room` bytes, then raises ENOSPC (part of the write lands, as on a real full disk)."""
+
+        def __init__(self, f, room):
+            self.f, self.room = f, room
+
+        def write(self, data):
+            if len(data) > self.room:
+                self.f.write(bytes(data[:self.room]))
+                self.room = 0
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            self.room -= len(data)
+            return self.f.write(data)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+    def atomic_write(path, write):
+        if re.match(r"checkpoint_\d+_\d+", os.path.basename(path)):
+            numbered[0] += 1
+            if numbered[0] == int(full["nth"]):
+                _say(f"rank {_rank()} disk full while writing {os.path.basename(path)}")
+                room, real_fdopen = int(full.get("bytes", 65536)), os.fdopen
+                os.fdopen = lambda fd, *args, **kwargs: _FullDisk(real_fdopen(fd, *args, **kwargs), room)
+                try:  # the file atomic_write opens runs out of space
+                    return _atomic_write(path, write)
+                finally:
+                    os.fdopen = real_fdopen
+        return _atomic_write(path, write)
+
+    checkpoint_sets.atomic_write = atomic_write
