@@ -510,7 +510,7 @@ def check_fairseq(run: Run) -> Outcome:
     try:
         import fairseq  # noqa: F401
 
-        from .micro.hot_path import _Replay, criterion, fairseq_model, lm_sample
+        from .micro.host_syncs import _Replay, criterion, fairseq_model, lm_sample
     except ImportError as e:
         out.skipped, out.figures["import_error"] = "fairseq not installed", f"{type(e).__name__}: {e}"
         return out

@@ -21,8 +21,8 @@ from smlp.lm import LanguageModel, LMConfig
 from smlp.routing import assignment
 
 from .fair import FAIR_TARGET
+from .micro.host_syncs import FAMILIES as HOT_PATH_FAMILIES
 from .micro.host_syncs import HostSyncCounter, accelerator_paths
-from .micro.hot_path import FAMILIES as HOT_PATH_FAMILIES
 
 # Every family, with the core config fields that make it (the sizes come from `Sizes`): the hot-path
 # benchmark's families and the token mixers and token-routed gMLP beside them.
@@ -217,7 +217,7 @@ class SameRouting:
 
     @contextlib.contextmanager
     def _patched(self, replay: bool):
-        from smlp.routing import gates, prices, routes, token_routers
+        from smlp.routing import gates, prices, token_routers
 
         original = assignment.balanced_assignment
         replayed = iter(self.assignments)
@@ -239,7 +239,6 @@ class SameRouting:
 
         with mock.patch.object(prices, "balanced_assignment", assigned), \
                 mock.patch.object(token_routers, "balanced_assignment", assigned), \
-                mock.patch.object(routes, "balanced_assignment", assigned), \
                 mock.patch.object(gates, "_gumbel_like", gumbel):
             yield
 
