@@ -73,13 +73,12 @@ from .gpu_support import (
     rounding_bound,
     router_logit_dtypes,
     speed_configs,
+    time_in_turns,
     tokens_for,
-    write_text,
 )
-from .micro.harness import environment, time_in_turns
 from .micro.host_syncs import torch_assignment_path
 from .presets import MATCH_TOLERANCE
-from .schedule import atomic_write_json
+from .store import atomic_write_json, environment, write_text
 
 CHECKS = ("auction", "fp32", "autocast", "cached-decoding", "causality", "host-syncs", "speed", "fairseq")
 RECORD, TABLE = "gpu_check.json", "gpu_check.md"
@@ -464,7 +463,7 @@ def _speed_of(run: Run, c: SpeedConfig, peak_bf16: float, budget_s: float) -> Ou
                           max_iters=3 if run.dry_run else 200)
     tokens_per_step = c.batch * c.seq_len
     for name, (model, cfg, state) in models.items():
-        wall = times[name].wall
+        wall = times[name]
         wps = tokens_per_step / statistics.median(wall)
         flops = count_flops(cfg, method="analytic")
         train_flops_per_token = 3 * flops.flops / cfg.seq_len
@@ -576,9 +575,7 @@ def table(results: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m smlp_bench.gpu_check", description=__doc__.split("\n")[0],
-                                epilog="make gpu-check GPU_CHECK_ARGS='...' passes these options.")
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dry-run", action="store_true", help="run on the CPU at tiny sizes (no GPU needed)")
     p.add_argument("--output-dir", type=Path, default=Path("results/gpu-check"),
                    help=f"where {RECORD} and {TABLE} go (default results/gpu-check)")
@@ -593,23 +590,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--plant-fault", action="store_true",
                    help="the check's own test: one weight of every device model off by 1e-3 of itself in the fp32 "
                         "comparison, which must then fail")
-    args = p.parse_args(argv)
-    for opt in ("only", "skip"):
-        names = [n for n in getattr(args, opt).split(",") if n]
-        unknown = [n for n in names if n not in CHECKS]
-        if unknown:
-            p.error(f"--{opt}: unknown checks {unknown}; valid: {', '.join(CHECKS)}")
-        setattr(args, opt, names)
-    families = [n for n in args.families.split(",") if n]
-    unknown = [n for n in families if n not in FAMILIES]
-    if unknown:
-        p.error(f"--families: unknown {unknown}; valid: {', '.join(FAMILIES)}")
-    args.families = tuple(families) or (DRY_RUN_FAMILIES if args.dry_run else tuple(FAMILIES))
-    return args
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
+    p = argparse.ArgumentParser(prog="python -m smlp_bench.gpu_check", description=__doc__.split("\n")[0],
+                                epilog="make gpu-check GPU_CHECK_ARGS='...' passes these options.")
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+def run(args) -> int:
+    for opt, valid in (("only", CHECKS), ("skip", CHECKS), ("families", FAMILIES)):
+        names = [n for n in getattr(args, opt).split(",") if n]
+        if unknown := [n for n in names if n not in valid]:
+            raise SystemExit(f"gpu_check: error: --{opt}: unknown {unknown}; valid: {', '.join(valid)}")
+        setattr(args, opt, names)
+    args.families = tuple(args.families) or (DRY_RUN_FAMILIES if args.dry_run else tuple(FAMILIES))
     started = time.monotonic()
     if not args.dry_run and not torch.cuda.is_available():
         print("gpu_check: no CUDA device here; run with --dry-run on a CPU-only machine", file=sys.stderr)

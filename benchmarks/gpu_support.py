@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import time
 import warnings
 from collections import Counter
@@ -291,10 +290,17 @@ def device_info(device: torch.device) -> dict:
             "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version()}
 
 
-def write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+def time_in_turns(fns: dict, iters: int, *, min_seconds: float = 0.0, max_iters: int = 1000) -> dict[str, list]:
+    """Seconds of every call of each function, called in turn (a, b, a, b, ...) so that a change of the load weighs
+    on all alike: at least `iters` rounds, more (up to `max_iters`) until each has run `min_seconds`."""
+    times = {name: [] for name in fns}
+    while (done := min(map(len, times.values()))) < iters or (
+            done < max_iters and min(map(sum, times.values())) < min_seconds):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return times
 
 
 def _numpy_version() -> str | None:

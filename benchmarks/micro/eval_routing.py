@@ -26,7 +26,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .harness import environment, parser, write_record
+from ..store import environment, write_record
+from . import parser
 
 ROUTINGS = ("trained", "greedy", "priced", "calibrated")
 
@@ -149,7 +150,7 @@ def table(records: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    ap = parser("eval_routing", __doc__, out="results/eval_routing.json", threads=1, raw=True)
+    ap = parser("python -m smlp_bench.micro.eval_routing", __doc__, out="results/eval_routing.json")
     ap.add_argument("checkpoints", nargs="+", help="checkpoints (a consolidated .pt or the stem of a shard set)")
     ap.add_argument("--data", required=True, help="the data-bin the checkpoints were trained on")
     ap.add_argument("--batches", type=int, default=20, help="validation batches (20)")

@@ -42,7 +42,8 @@ from smlp.generation import generate
 from smlp.lm import LanguageModel, LMConfig
 
 from ..presets import MATCH_TOLERANCE, MOE_BASELINES, NAMES, OUR_FAMILIES, TARGET
-from .harness import environment, parser, write_record
+from ..store import environment, write_record
+from . import parser
 
 PROG = "smlp-bench-generation"
 EOS = 2
@@ -198,8 +199,7 @@ def main(argv=None) -> int:
 
 def run(argv=None) -> dict:
     """The benchmark; returns the JSON record it writes."""
-    ap = parser("generation", __doc__.split("\n\n")[2], out="results/bench_generation.json", threads=1, raw=True,
-                prog=PROG)
+    ap = parser(PROG, __doc__.split("\n\n")[2], out="results/bench_generation.json")
     ap.add_argument("--models", default=",".join(DEFAULT_MODELS),
                     help=f"comma-separated, of {', '.join(MODEL_ORDER)} (default: all but hypermixer)")
     ap.add_argument("--experts", type=int, default=2, help="experts per sparse layer, all in this process (smlp-bench "

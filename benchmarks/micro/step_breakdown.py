@@ -72,7 +72,7 @@ from smlp.token_routed import TokenRoutedGMLPBlock
 from smlp.transformer import TransformerBlock
 
 from ..machine import code_identity
-from .harness import environment, parser, write_record
+from ..store import environment, write_record
 
 FAMILIES = ("smlp_det", "gmlp", "transformer", "base", "switch", "hash", "gshard")
 PLANNED = (*FAMILIES, "smlp_partial")  # what --families may name
@@ -629,27 +629,40 @@ def table(record: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-    p = parser("step_breakdown", __doc__.split("\n\n")[2].replace("\n", " "), out="results/step_breakdown.json",
-               warmup=2)
+def add_arguments(p) -> None:
+    p.add_argument("--out", type=Path, default=Path("results/step_breakdown.json"), help="the JSON record")
     p.add_argument("--size", choices=tuple(SIZES), default="fair")
     p.add_argument("--families", default=",".join(FAMILIES), help=f"a subset of {', '.join(PLANNED)}")
     p.add_argument("--ranks", default="1,2", help="world sizes to run (1,2)")
     p.add_argument("--steps", type=int, default=3, help="timed steps, then as many profiled (3)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (2)")
     p.add_argument("--decode-steps", type=int, default=16, help="cached decoding steps per round (16; 0: none)")
     p.add_argument("--smoe-parallel", choices=("auto", "expert", "replicated"), default="auto")
     p.add_argument("--vocab", type=int, default=None, help="vocabulary (fair: 4000, the demo corpus's size)")
     p.add_argument("--label", default="", help="a name for this run in the record (e.g. before, after)")
     p.add_argument("--baseline", type=Path, default=None, help="an earlier record whose operator counts to keep "
                                                                "beside this run's")
-    args = p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m smlp_bench.micro.step_breakdown", description=__doc__.split("\n")[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+def run(args) -> int:
+    def error(msg):
+        raise SystemExit(f"step_breakdown: error: {msg}")
+
     keys = [k for k in args.families.split(",") if k]
     unknown = [k for k in keys if k not in PLANNED]
     if unknown or not keys:
-        p.error(f"--families: unknown {', '.join(unknown) or '(none given)'}; valid: {', '.join(PLANNED)}")
+        error(f"--families: unknown {', '.join(unknown) or '(none given)'}; valid: {', '.join(PLANNED)}")
     worlds = sorted({int(w) for w in args.ranks.split(",") if w})
     if args.steps < 1 or any(w < 1 for w in worlds):
-        p.error("--steps and --ranks must be positive")
+        error("--steps and --ranks must be positive")
     size = SIZES[args.size]
     baseline = json.loads(args.baseline.read_text()) if args.baseline else None
     cfgs = configs(args.size, keys, args.vocab or size["vocab"])
