@@ -40,15 +40,8 @@ from smlp.routing import (
     nonfinite_fault,
     routing_error,
 )
-from smlp_bench.micro.host_syncs import (
-    FAMILIES,
-    HostSyncCounter,
-    accelerator_paths,
-    count_host_syncs,
-    count_step,
-    tiny_config,
-    tokens,
-)
+from smlp_bench.micro.host_syncs import HostSyncCounter, accelerator_paths, count_host_syncs
+from tiny_steps import FAMILIES, count_step, tiny_config, tokens
 
 # ---------------------------------------------------------------- the counter
 
@@ -290,7 +283,7 @@ def test_the_budget_holds_for_other_batches(seed):
 
 
 def test_a_padded_partial_prediction_batch_costs_the_criterion_one_read():
-    from smlp_bench.micro.host_syncs import _Replay, criterion, fairseq_model, lm_sample
+    from tiny_steps import _Replay, criterion, fairseq_model, lm_sample
 
     torch.manual_seed(0)
     core = LanguageModel(tiny_config("sMLP-partial")).train()
@@ -473,7 +466,7 @@ def test_the_all2all_timer_is_off_by_default_and_never_synchronises(monkeypatch)
 
 
 def test_the_criterion_logs_tensors_and_the_all2all_time_only_when_asked(monkeypatch):
-    from smlp_bench.micro.host_syncs import criterion, fairseq_model, lm_sample
+    from tiny_steps import criterion, fairseq_model, lm_sample
 
     torch.manual_seed(0)
     core = LanguageModel(tiny_config("Switch")).train()
