@@ -22,7 +22,7 @@ STORE_FORMAT = "smlp-bench-runs/1"
 # record kind -> the fields its readers use
 KINDS = {"runs": ("plan", "schedule", "records"), "preset": ("models", "settings", "nproc", "machine"),
          "experiment": ("experiment", "claims", "models"), "fair": ("stages", "stages_complete", "target", "rule"),
-         "speed": ("rows", "targets", "settings", "complete"), "measurement": ("machine",)}
+         "speed": ("rows", "targets", "settings", "complete"), "measurement": ()}
 
 
 def atomic_write_json(path: Path, obj) -> None:
@@ -92,10 +92,9 @@ def read_record(path: Path) -> tuple[str, dict]:
         raise BenchError(f"{path} is not a benchmark record of this version (format {d['format']!r}, expected "
                          f"{STORE_FORMAT!r})")
     kind = record_kind(d)
-    fields = KINDS[kind] if kind != "measurement" else ()
-    if kind == "measurement" and not ("machine" in d or "environment" in d or "runs" in d):
+    if kind == "measurement" and not {"machine", "environment", "runs"} & set(d):
         raise BenchError(f"{path}: a measurement without its machine")
-    missing = [k for k in fields if k not in d]
+    missing = [k for k in KINDS[kind] if k not in d]
     if missing:
         raise BenchError(f"{path}: a {kind} record without {', '.join(missing)}")
     if kind == "runs":
