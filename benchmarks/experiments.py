@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from .plots import plot
+from .plots import plot, png_axes
 from .presets import LONG_TARGET, MATCH_TOLERANCE, BenchError, Model, target_flags
 from .store import atomic_write_json
 from .verdicts import compare, pooled_log_sd
@@ -298,24 +298,17 @@ def cpu_note(target: dict | None) -> str:
 
 
 def table4_record(source: dict, step_rows: list[dict] | None) -> dict:
-    """Paper, step-time model and CPU (from the interleaved long benchmark) speed relative to sMLP-det."""
-    rr = source["ratios"].get("smlp_det_wps_over_range", {})
-    rows = []
-    steps = {r["name"]: r for r in (step_rows or [])}
+    """Paper, step-time model and CPU (the interleaved long benchmark) speed relative to sMLP-det (the CPU's: 1 /
+    sMLP-det's speed over the model, its range inverted)."""
+    rr, steps, rows = source["ratios"].get("smlp_det_wps_over_range", {}), {r["name"]: r for r in step_rows or []}, []
     for name, key in TABLE4_KEYS.items():
-        st = steps.get(name)
-        cpu = rr.get(key)
-        row = {"model": name, "key": key,
-               "paper_wps": st["paper_wps"] if st else None,
-               "paper_vs_smlp": st["paper_vs_smlp"] if st else None,
-               "predicted_wps": st["words_per_second"] if st else None,
-               "predicted_vs_smlp": st["vs_smlp"] if st else None,
-               "cpu_wps": source["models"].get(key, {}).get("wps"),
-               # speed of the model over sMLP-det's: 1 / (sMLP-det over the model), range inverted
-               "cpu_vs_smlp": 1.0 if key == "smlp_det" else (1 / cpu["ratio"] if cpu else None),
-               "cpu_vs_smlp_lo": 1.0 if key == "smlp_det" else (1 / cpu["hi"] if cpu else None),
-               "cpu_vs_smlp_hi": 1.0 if key == "smlp_det" else (1 / cpu["lo"] if cpu else None)}
-        rows.append(row)
+        st, cpu, ref = steps.get(name) or {}, rr.get(key), key == "smlp_det"
+        rows.append({"model": name, "key": key, "paper_wps": st.get("paper_wps"),
+                     "paper_vs_smlp": st.get("paper_vs_smlp"), "predicted_wps": st.get("words_per_second"),
+                     "predicted_vs_smlp": st.get("vs_smlp"),
+                     "cpu_wps": source["models"].get(key, {}).get("wps"),
+                     **{f"cpu_vs_smlp{s}": 1.0 if ref else (1 / cpu[c] if cpu else None)
+                        for s, c in (("", "ratio"), ("_lo", "hi"), ("_hi", "lo"))}})
     return {"rows": rows, "note": cpu_note(source.get("target")), "source_preset": source.get("preset"),
             "source_complete": source.get("complete", True)}
 
@@ -396,30 +389,19 @@ def table4_markdown(t4: dict) -> str:
 
 
 def plot_table4(t4: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = t4["rows"]
-    xs = range(len(rows))
-    fig, ax = plt.subplots(figsize=(8, 4))
-    for i, (k, label) in enumerate((("paper_vs_smlp", "paper, 32 V100s"), ("predicted_vs_smlp", "step-time model"),
-                                    ("cpu_vs_smlp", "CPU here (adjacent runs)"))):
-        vals = [r[k] if r[k] is not None else math.nan for r in rows]
-        bars = ax.bar([x + (i - 1) * 0.27 for x in xs], vals, 0.27, label=label)
-        if k == "cpu_vs_smlp":
-            lo = [v - (r["cpu_vs_smlp_lo"] or v) for v, r in zip(vals, rows)]
-            hi = [(r["cpu_vs_smlp_hi"] or v) - v for v, r in zip(vals, rows)]
-            ax.errorbar([b.get_x() + b.get_width() / 2 for b in bars], vals, yerr=[lo, hi], fmt="none", color="k")
-    ax.axhline(1.0, color="grey", lw=0.8)
-    ax.set_xticks(list(xs), [r["model"] for r in rows], fontsize=8)
-    ax.set_ylabel("words/s relative to sMLP-det")
-    ax.legend(fontsize=8)
-    ax.set_title("Table 4 (top): training speed relative to sMLP-deterministic")
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
+    with png_axes(path, "Table 4 (top): training speed relative to sMLP-deterministic", "",
+                  "words/s relative to sMLP-det", figsize=(8, 4)) as ax:
+        for i, (k, label) in enumerate((("paper_vs_smlp", "paper, 32 V100s"), ("predicted_vs_smlp", "step-time model"),
+                                        ("cpu_vs_smlp", "CPU here (adjacent runs)"))):
+            vals = [r[k] if r[k] is not None else math.nan for r in rows]
+            bars = ax.bar([x + (i - 1) * 0.27 for x in range(len(rows))], vals, 0.27, label=label)
+            if k == "cpu_vs_smlp":
+                ax.errorbar([b.get_x() + b.get_width() / 2 for b in bars], vals, fmt="none", color="k",
+                            yerr=[[v - (r["cpu_vs_smlp_lo"] or v) for v, r in zip(vals, rows)],
+                                  [(r["cpu_vs_smlp_hi"] or v) - v for v, r in zip(vals, rows)]])
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xticks(list(range(len(rows))), [r["model"] for r in rows], fontsize=8)
 
 
 class _Table4(Experiment):

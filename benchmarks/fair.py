@@ -1,21 +1,12 @@
 """The deciding comparison, `smlp-bench fair` (`--fair`): does sMLP beat Transformer-MoE at matched FLOPs, fairly?
 
-Every family FLOP-matched to sMLP-det (9+3 blocks, D=128, F=512, T=128) with 8 experts per sparse layer, heads of
-dimension 64, a learning rate per family from a sweep, and deciding runs on seeds the sweep never used; the
-balanced routers evaluate priced, every run also logs greedy routing, the training-time assignment and the
-positions sMLP-partial predicts. Stages, each an interleaved, resumable run store in OUTPUT_DIR/STAGE/ (committed
-as runs finish with --commit-store; logs in --work-dir), planned from the stages before it:
-
-1. lr-sweep   every family at 2e-3, 4e-3, 8e-3, 200 updates, seed 1, no probes; a best rate at an edge gets the next
-              rate beyond it (a factor 2, at most twice, within 1e-3..3.2e-2);
-2. deciding   every family at its rate, seeds 2 and 3, 500 updates; seeds 4 and 5 for sMLP-det and the sweep's best
-              Transformer-MoE (the primary pair), fixed in advance;
-3. experts    sMLP-det and the best Transformer-MoE at 2 and 32 experts, seed 2: a trend;
-4. width      (opt-in, --stages width) the same two at D=256 (F=1024), seed 2.
-
-A stage runs the code of the commit it started at (benchmarks/pinned.py); `--no-pin` runs this checkout's code,
-and such a stage resumes only while the code that decides perplexity (machine.PERPLEXITY_PATHS) is unchanged.
-The answers: benchmarks/fair_report.py.
+Every family FLOP-matched to sMLP-det (9+3 blocks, D=128, F=512, T=128, 8 experts, heads of dimension 64), each at
+its own learning rate, in stages that are each an interleaved, resumable run store in OUTPUT_DIR/STAGE/ (committed
+as runs finish with --commit-store; logs in --work-dir), planned from the stages before them: lr-sweep (2e-3, 4e-3,
+8e-3, seed 1, widened past an edge), deciding (seeds 2-3; 2-5 for sMLP-det and the sweep's best Transformer-MoE,
+fixed in advance), experts (2 and 32 experts, a trend) and width (opt-in: D=256). A stage runs the code of the commit
+it started at (benchmarks/pinned.py); `--no-pin` runs this checkout's, resuming only while the code that decides
+perplexity (machine.PERPLEXITY_PATHS) is unchanged. docs/benchmarks.md says why; benchmarks/fair_report.py answers.
 """
 from __future__ import annotations
 

@@ -3,13 +3,11 @@
     smlp-bench speed [--output-dir results/speed] [--updates 40] [--seeds 2] [--resume]   (python -m smlp_bench.speed)
     smlp-bench speed --publish results/speed/speed.json      # rewrite its section of docs/benchmarks.md
 
-In words/s on 2 CPU gloo ranks, in the fair comparison's configuration (benchmarks/fair.py: D=128, F=512, T=128,
-9+3 blocks, 8 experts, 16 sequences per rank, every family FLOP-matched), how fast does sMLP-det train with each
-layout of its sMoE (`smlp_det`: --smoe-parallel auto, which picks replicated here; `smlp_det_expert`: expert, the
-layout before issue 30) and with its all2all overlapped (`smlp_det_overlap`: --all2all-chunks 2), against gMLP and
-the fastest Transformer-MoE? The harness's interleaved rounds with probes (every ratio from runs adjacent in time),
-no validation, 3 profiled steps per model. OUTPUT_DIR/speed.json (beside results.json) has the issue's targets:
-sMLP-det at least 1.0x the fastest Transformer-MoE and 0.92x gMLP; take the ratios from a quiet machine.
+In words/s on 2 CPU gloo ranks, in the fair comparison's configuration, sMLP-det with its sMoE's layout chosen
+(`smlp_det`, replicated here), expert-parallel (`smlp_det_expert`) and with its all2all overlapped
+(`smlp_det_overlap`) against gMLP and the fastest Transformer-MoE, in the harness's interleaved rounds with probes,
+no validation, 3 profiled steps per model; OUTPUT_DIR/speed.json has the issue's targets (1.0x the fastest
+Transformer-MoE, 0.92x gMLP). Take the ratios from a quiet machine.
 """
 from __future__ import annotations
 

@@ -1,15 +1,11 @@
-"""The run step of the harness: one fairseq-train run, and every pending run of a store in order.
+"""The run step: one fairseq-train run through `smlp-launch --nproc W --cpu` (one gloo rank and thread per core), its
+log read as it goes, every worker's peak memory polled and, with `profile=True`, a window of steps near the end
+profiled inside fairseq-train (`SMLP_PROFILE_STEPS`, fairseq_plugins/step_profiler.py); with `code` (a pinned
+Checkout) that commit's command and code. `execute` runs a store's pending slots, recording each at once.
 
-`run_training` runs the real fairseq-train through `smlp-launch --nproc W --cpu` (one gloo rank and one thread per
-core), reads its log as it goes, polls every worker's peak resident memory and, with `profile=True`, profiles a
-window of steps near the end inside fairseq-train (`SMLP_PROFILE_STEPS`, fairseq_plugins/step_profiler.py: routing,
-all2all, experts, token mixing and the rest). With `code` (a benchmarks.pinned.Checkout) the command is that
-commit's and every process of the run executes its code. `execute` runs a store's pending slots, recording each at
-once; `run_schedule` plans, opens (or resumes) the store, measures the matmul peak and executes.
-
-Words/s are tokens read per second over all ranks: fairseq's `wps` (tokens scored) times bsz x seq_len / wpb (only
-partial prediction differs: its routing prefix is read, not scored), the median over the log intervals that hold no
-warm-up, validation or profiled step.
+Words/s are tokens read per second over all ranks: fairseq's `wps` (tokens scored) x bsz x seq_len / wpb (partial
+prediction reads its routing prefix without scoring it), the median over the intervals free of warm-up, validation
+and the profiled window.
 """
 from __future__ import annotations
 

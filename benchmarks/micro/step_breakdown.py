@@ -1,27 +1,16 @@
-"""Where a training step of each FLOP-matched family goes, per rank and per block, with its operators and host syncs
-(issue 38): the one profiler breakdown, `smlp-bench breakdown` (`python -m smlp_bench.micro.step_breakdown`).
+"""Where a training step of each FLOP-matched family goes (issue 38): the one profiler breakdown, `smlp-bench
+breakdown` (`python -m smlp_bench.micro.step_breakdown`), on one process and on 2 gloo ranks x 1 thread.
 
-The models are the core's (smlp.lm.LanguageModel) in the fair comparison's configuration (`--size fair`: D=128,
-F=512, T=128, 8 experts, 16 sequences per rank, FLOP-matched by smlp_bench.presets.plan_models; it needs fairseq
-for the plan) or tiny (`--size tiny`, for the test), on one process and on 2 gloo ranks x 1 thread. The step is a
-plain loop as fairseq's train_step runs it: zero_grad, forward, loss (+ 0.01 x the auxiliary loss), backward, the
-non-expert gradients' all-reduce in one flat buffer (legacy_ddp; 2 ranks), clipping at 1.0, Adam; on 2 ranks the
-tMoE's experts spread over the ranks and the sMoE takes `--smoe-parallel` (auto: fairseq-train's choice). Per family,
-world size and rank:
-
-- step_ms: --steps steps without the profiler (after --warmup);
-- breakdown_ms: --steps more under torch.profiler, each event's own time by part (smlp.profiling.step_parts): the
-  forward per block kind (smlp.profiling.BLOCKS), the loss, the backward, the optimizer, the gradient all-reduce,
-  the all2all, other collectives (the price folds), waiting in collectives (a rank that enters the i-th collective
-  before its peer waits for it: latest entry - own entry), the loop's own time and `rest` (what no event holds);
-  also the forward by block and range (routing, all2all, experts, token_mixing) and the backward by block;
-- ops: the operators of one step by phase and block (benchmarks/micro/op_count.py); profiler_events;
-- host_syncs: of one step, on the path an accelerator takes (benchmarks/micro/host_syncs.py).
-
-And cached decoding at batch 1 of every family: operators of one step per block (the second after the prompt) and
-ms per new token. Times on a shared machine are noise (the record keeps the load average); operator counts are
-exact. `--baseline RECORD` keeps an earlier record's operator counts beside this run's (e.g. of an older checkout
-of smlp/ put first on PYTHONPATH, `--label before`).
+The core's models (the fair configuration's FLOP matches, `--size fair`, planned by smlp_bench.presets, which needs
+fairseq; or `--size tiny`) train in a plain loop as fairseq's train_step runs it (zero_grad, forward, loss + 0.01 x
+the auxiliary loss, backward, the non-expert gradients' all-reduce on 2 ranks, clipping, Adam). Per family, world
+size and rank: step_ms (no profiler); breakdown_ms, each profiled event's own time by part (smlp.profiling.step_parts:
+the forward per block kind, the loss, the backward, the optimizer, the gradient all-reduce, the all2all, other
+collectives, waiting in collectives, the loop's own time, `rest`), the forward by block and range and the backward
+by block; ops, by phase and block (op_count.py); host syncs on the accelerator's path (host_syncs.py). And cached
+decoding at batch 1: its operators per block and ms per token, with the cache and recomputing the prefix. Times on a
+shared machine are noise (the record keeps the load average); operator counts are exact. `--baseline RECORD` keeps
+an earlier record's operator counts beside this run's (e.g. of an older smlp/ first on PYTHONPATH, `--label before`).
 """
 from __future__ import annotations
 
