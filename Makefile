@@ -40,7 +40,6 @@ test-fast: install
 # Benchmarks write figures (JSON, PNG, markdown) under results/; they are not tests.
 BENCH_ARGS ?=
 bench: install
-	$(PY) -m smlp_bench.micro.balanced_assignment
 	$(VENV)/bin/smlp-bench --output-dir results/bench $(BENCH_ARGS)
 
 bench-quick: install

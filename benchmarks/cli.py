@@ -1,277 +1,247 @@
-"""smlp-bench: FLOP-matched speed and quality of sMLP against its baselines (sMLP Table 4, Figure 5).
+"""smlp-bench: every benchmark of the project, each a program over one harness (plan, run, record, publish).
 
-    smlp-bench [--preset quick|full|long] [--output-dir DIR] [--resume] [--seeds N] [--models a,b,...]
-    smlp-bench --experiment NAME [--output-dir DIR] [--resume]     (benchmarks/experiments.py)
-    smlp-bench --publish RESULTS_JSON [RESULTS_JSON ...]           (docs/benchmarks.md sections + docs/benchmark/)
-    smlp-bench --chaos [--kills N] [--updates U] [--save-every K]  (a training killed N times ends bitwise equal to
-                                                                    an uninterrupted one: benchmarks/chaos.py)
+    smlp-bench preset [--preset quick|full|long] ...   FLOP-matched speed and quality (sMLP Table 4, Figure 5)
+    smlp-bench fair [--stages ...] [--commit-store]    the deciding comparison (benchmarks/fair.py)
+    smlp-bench experiment NAME                         the paper's other experiments (benchmarks/experiments.py)
+    smlp-bench speed [--publish SPEED_JSON]            sMLP-det's layouts against gMLP and the MoEs (speed.py)
+    smlp-bench report DIR                              results.json and figures from DIR/runs.json, runs so far
+    smlp-bench publish RESULTS_JSON ...                docs/benchmarks.md's sections and README's from the records
+    smlp-bench gpu-check [--dry-run]                   the GPU check (benchmarks/gpu_check.py, docs/gpu.md)
+    smlp-bench breakdown                               where a training step goes (benchmarks/micro/step_breakdown.py)
+    smlp-bench chaos [--kills N]                       a training killed N times ends bitwise equal (chaos.py)
 
-One question: at matched FLOPs on the same data, how fast does each model train (words/s, MFU)
-and how low does its validation perplexity go (against tokens and against time)?
+The earlier spellings stay: `smlp-bench [--preset P | --quick] ...` (no command) is `preset`, `--fair` is `fair`,
+`--experiment NAME` is `experiment NAME`, `--report DIR` is `report DIR`, `--publish FILES` is `publish FILES`,
+`--chaos` is `chaos`.
 
-1. data:     the demo corpus (Gutenberg plays, sentencepiece 4k, fairseq binary; built once);
-2. peak:     dense fp32 matmul FLOP/s of W concurrent processes with one thread each, the MFU
-             denominator, measured in this run on this machine (benchmarks/machine.py);
-3. matching: the target sMLP-deterministic and every other family FLOP-matched to it by the FLOPs
-             calculator (`smlp_eval.flops.match`) at run time (benchmarks/presets.py);
-4. training: every model runs the real fairseq-train through `smlp-launch --nproc W --cpu` (one
-             gloo rank and one thread per core), same data, tokens, updates, optimizer and seeds,
-             in the interleaved schedule of benchmarks/schedule.py: one round per seed, the order
-             rotated from round to round (reversed, then shuffled with the recorded --order-seed),
-             and a short probe run of the reference model (sMLP-det) before, between and after
-             the training runs. Every speed ratio divides each run's words/s by the probes right
-             before and after it (runs adjacent in time), and is reported with its range. Each
-             finished run is written to OUTPUT_DIR/runs.json at once (temporary file, fsync,
-             rename), so `--resume` continues a stopped benchmark: finished runs are skipped, an
-             interrupted one starts again. Anchors in the quick and full presets: fairseq's own
-             `transformer_lm` (dense, and with --base-layers) at the sizes of our Transformer and
-             Base Layers (benchmarks/plan.py runs the schedule, benchmarks/training.py one run);
-5. profile:  a window of steps near the end of the first seed's run is profiled inside
-             fairseq-train (`SMLP_PROFILE_STEPS`, torch.profiler): routing, all2all, experts,
-             token mixing and the rest of a step;
-6. report:   results.json, Figure 5 (perplexity against tokens and against time), a Table 4 style
-             table (table.md), and a summary on the console (benchmarks/report.py: the figures from
-             benchmarks/summary.py, the verdicts from benchmarks/verdicts.py, the figure from
-             benchmarks/plots.py). `--publish` writes docs/ from the JSON (benchmarks/publish.py).
-
-The presets and why they have their size: benchmarks/presets.py. The time axis, words/s and MFU:
-benchmarks/summary.py and benchmarks/training.py.
-
-This module is the command line. The FLOP-matched benchmark's modules and the paper's other
-experiments (benchmarks/experiments.py), which build on them, sit below it, so none imports it back.
+The harness: plan (benchmarks/presets.py the models, benchmarks/schedule.py the interleaved schedule and its
+probes), run (benchmarks/training.py, from a pinned commit: benchmarks/pinned.py), record (benchmarks/store.py),
+publish (benchmarks/report.py, verdicts.py, plots.py, publish.py).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from . import schedule as S
-from .experiments import EXPERIMENTS, finish, get_experiment
-from .plan import run_schedule
+from . import gpu_check, speed
+from .experiments import EXPERIMENTS, get_experiment
+from .micro import step_breakdown
 from .presets import MODEL_ORDER, PRESETS, BenchError, plan_models
 from .publish import FIGURE_DIR, PAGE, publish
 from .report import fmt, report
+from .store import RunStore
+from .training import prepare, run_schedule, vocab_size
 
 PROG = "smlp-bench"
+ALIASES = {"--fair": "fair", "--experiment": "experiment", "--report": "report", "--publish": "publish",
+           "--chaos": "chaos"}
+
+
+def add_training(p: argparse.ArgumentParser, output: str) -> None:
+    """The options of every program that trains through the harness."""
+    p.add_argument("--output-dir", type=Path, default=None, help=f"where results go ({output})")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the benchmark recorded in OUTPUT_DIR: skip finished runs, start the interrupted one "
+                        "again")
+    p.add_argument("--data", type=Path, default=None,
+                   help="a fairseq data-bin (default: the demo corpus, built once into the output or work folder)")
+    p.add_argument("--nproc", type=int, default=2, help="expert-parallel CPU ranks (2)")
+    p.add_argument("--order-seed", type=int, default=1, help="seed of the shuffled orders of rounds 3+ (recorded)")
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", choices=tuple(PRESETS), default=None, help="quick, full (default) or long")
-    p.add_argument("--quick", action="store_true", help="the same as --preset quick")
-    p.add_argument("--experiment", default=None, metavar="NAME",
-                   help="one of the paper's other experiments (benchmarks/experiments.py): "
-                        "figure7-routing, table7-token-routed-gmlp, figure4-dense, table4-speed")
-    p.add_argument("--fair", action="store_true",
-                   help="the deciding benchmark (benchmarks/fair.py): a learning-rate sweep per family, then every "
-                        "family at its rate with 8 experts on seeds the sweep did not use, an expert sweep and a "
-                        "second width; each stage resumable, its store in docs/benchmark/fair/ (in the repository)")
-    p.add_argument("--stages", default=None,
-                   help="with --fair: a comma-separated list of its stages, in order (default: lr-sweep,deciding,"
-                        "experts; width runs only when named)")
-    p.add_argument("--no-pin", action="store_true",
-                   help="with --fair: run this checkout's code instead of each stage's pinned commit (to try out "
-                        "uncommitted code; such a stage resumes only while the code that decides perplexity is "
-                        "unchanged)")
-    p.add_argument("--work-dir", type=Path, default=None,
-                   help="with --fair: where the runs' logs and the stages' pinned worktrees (WORK_DIR/code/) go "
-                        "(default results/fair-work; the store keeps each run's figures, not its log)")
-    p.add_argument("--commit-store", action="store_true",
-                   help="with --fair: commit each stage's store (runs.json, results.json) to the repository that "
-                        "holds it after every finished run, so that --resume continues from a fresh clone")
-    p.add_argument("--chaos", action="store_true",
-                   help="a 2-rank sMLP-det training killed --kills times at random moments (SIGKILL of a worker, "
-                        "SIGTERM of the job, both also inside a checkpoint write), resumed each time by smlp-launch, "
-                        "against the same training uninterrupted: final weights, optimizer state and every logged "
-                        "loss must be bitwise equal (benchmarks/chaos.py; record in OUTPUT_DIR/chaos.json)")
-    p.add_argument("--kills", type=int, default=20, help="with --chaos: how many kills (20)")
-    p.add_argument("--save-every", type=int, default=4, help="with --chaos: updates between checkpoints (4)")
-    p.add_argument("--chaos-seed", type=int, default=1, help="with --chaos: seed of the kills' kinds and moments (1)")
-    p.add_argument("--output-dir", type=Path, default=None,
-                   help="where results go (results/bench, or results/<experiment>)")
-    p.add_argument("--resume", action="store_true",
-                   help="continue the benchmark recorded in OUTPUT_DIR/runs.json: skip finished runs, start the "
-                        "interrupted one again")
-    p.add_argument("--data", type=Path, default=None,
-                   help="a fairseq data-bin (default: the demo corpus, built into OUTPUT_DIR/data-bin once)")
-    p.add_argument("--models", default=None,
-                   help=f"comma-separated subset of {','.join(MODEL_ORDER)} (default: the preset's)")
-    p.add_argument("--seeds", type=int, default=None, help="seeds per model (quick: 1, full: 3, long: 1 + phase 2)")
-    p.add_argument("--updates", type=int, default=None,
-                   help="training updates per run (quick: 24, full: 60, long: 750)")
-    p.add_argument("--nproc", type=int, default=2, help="expert-parallel CPU ranks = experts (2)")
-    p.add_argument("--order-seed", type=int, default=1, help="seed of the shuffled orders of rounds 3+ (recorded)")
-    p.add_argument("--source", type=Path, default=None, metavar="RESULTS_JSON",
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n")[2])
+    old = p.add_argument_group("the earlier spellings (each is rewritten to its command)")
+    old.add_argument("--fair", action="store_true", help="smlp-bench fair")
+    old.add_argument("--experiment", metavar="NAME", help="smlp-bench experiment NAME")
+    old.add_argument("--report", metavar="OUTPUT_DIR", help="smlp-bench report OUTPUT_DIR")
+    old.add_argument("--publish", metavar="RESULTS_JSON", nargs="+", help="smlp-bench publish RESULTS_JSON ...")
+    old.add_argument("--chaos", action="store_true", help="smlp-bench chaos")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    s = sub.add_parser("preset", help="FLOP-matched speed and quality of every family (the default command)")
+    s.add_argument("--preset", choices=tuple(PRESETS), default=None, help="quick, full (default) or long")
+    s.add_argument("--quick", action="store_true", help="the same as --preset quick")
+    s.add_argument("--models", default=None, help=f"comma-separated subset of {','.join(MODEL_ORDER)}")
+    s.add_argument("--seeds", type=int, default=None, help="seeds per model (quick: 1, full: 3, long: 1 + phase 2)")
+    s.add_argument("--updates", type=int, default=None, help="updates per run (quick: 24, full: 60, long: 750)")
+    add_training(s, "results/bench")
+    s = sub.add_parser("fair", help="the deciding comparison; each stage resumable, its store in docs/benchmark/fair/")
+    s.add_argument("--stages", default=None, help="comma-separated stages, in order (default: lr-sweep,deciding,"
+                                                   "experts; width runs only when named)")
+    s.add_argument("--no-pin", action="store_true",
+                   help="run this checkout's code instead of each stage's pinned commit (to try out uncommitted code; "
+                        "such a stage resumes only while the code that decides perplexity is unchanged)")
+    s.add_argument("--work-dir", type=Path, default=None,
+                   help="where the runs' logs and the stages' pinned worktrees (WORK_DIR/code/) go (results/fair-work)")
+    s.add_argument("--commit-store", action="store_true",
+                   help="commit each stage's store (runs.json, results.json) after every finished run, so that "
+                        "--resume continues from a fresh clone")
+    add_training(s, "docs/benchmark/fair")
+    s = sub.add_parser("experiment", help="one of the paper's other experiments")
+    s.add_argument("name", choices=tuple(EXPERIMENTS), metavar="NAME", help=", ".join(EXPERIMENTS))
+    s.add_argument("--source", type=Path, default=None, metavar="RESULTS_JSON",
                    help="table4-speed: the long benchmark's results.json (default docs/benchmark/long/results.json)")
-    p.add_argument("--report", type=Path, default=None, metavar="OUTPUT_DIR",
-                   help="do not train: rewrite results.json, table.md and the figure from OUTPUT_DIR/runs.json "
-                        "(also while a benchmark is running or stopped)")
-    p.add_argument("--publish", type=Path, nargs="+", default=None, metavar="RESULTS_JSON",
-                   help="do not train: copy each RESULTS_JSON's figures to docs/benchmark/ and rewrite the sections "
-                        "of docs/benchmarks.md it feeds (preset table, long-preset verdict, claims table); run from "
-                        "the repository root")
+    add_training(s, "results/NAME")
+    s = sub.add_parser("report", help="do not train: results.json, table.md and the figure from OUTPUT_DIR/runs.json "
+                                      "(also while a benchmark runs or after it stopped)")
+    s.add_argument("report", type=Path, metavar="OUTPUT_DIR")
+    s = sub.add_parser("publish", help="do not train: copy each record's figures to docs/benchmark/ and rewrite the "
+                                       "sections of docs/benchmarks.md (and README) it feeds; run from the root")
+    s.add_argument("publish", type=Path, nargs="+", metavar="RESULTS_JSON")
+    s = sub.add_parser("chaos", help="a 2-rank sMLP-det training killed --kills times at random moments (SIGKILL of "
+                                     "a worker, SIGTERM of the job, both also inside a checkpoint write), resumed each "
+                                     "time, against the same training uninterrupted: bitwise equal (chaos.py)")
+    s.add_argument("--kills", type=int, default=20, help="how many kills (20)")
+    s.add_argument("--updates", type=int, default=None, help="training updates (60)")
+    s.add_argument("--save-every", type=int, default=4, help="updates between checkpoints (4)")
+    s.add_argument("--chaos-seed", type=int, default=1, help="seed of the kills' kinds and moments (1)")
+    s.add_argument("--data", type=Path, default=None, help="a fairseq data-bin (default: the demo corpus)")
+    s.add_argument("--output-dir", type=Path, default=None, help="where its record goes (results/chaos)")
+    for name, module in (("speed", speed), ("gpu-check", gpu_check), ("breakdown", step_breakdown)):
+        module.add_arguments(sub.add_parser(name, help=module.__doc__.split("\n")[0]))
     return p
 
 
-def prepare(args) -> Path:
-    if args.data:
-        if not (args.data / "dict.txt").is_file():
-            raise BenchError(f"--data {args.data} is not a fairseq data-bin (no dict.txt); build one with "
-                             f"smlp-prepare-data")
-        return args.data.expanduser().absolute()
-    from smlp_launch.data import DataPrepError, prepare_data
-
-    try:
-        # the fair benchmark's output folder is in the repository: its data goes to the work folder
-        out, _ = prepare_data((getattr(args, "work_dir", None) or args.output_dir) / "data-bin", demo=True,
-                              vocab_size=4000, seed=1,
-                              log=lambda msg: print(f"   {msg}", flush=True))
-    except DataPrepError as exc:
-        raise BenchError(f"data preparation failed: {exc}") from exc
-    return out
+def spelled(argv: Sequence[str]) -> list[str]:
+    """argv with an earlier spelling rewritten to its command (no command at all: `preset`)."""
+    argv = list(argv)
+    if argv and (argv[0] in COMMANDS or argv[0] in ("-h", "--help")):
+        return argv
+    for flag, command in ALIASES.items():
+        for i, a in enumerate(argv):
+            if a == flag or a.startswith(f"{flag}="):
+                return [command, *argv[:i], *([a.split("=", 1)[1]] if "=" in a else []), *argv[i + 1:]]
+    return ["preset", *argv]
 
 
-def vocab_size(data: Path) -> int:
-    """The size of the dictionary fairseq builds for this data-bin (its specials included)."""
-    from fairseq.data import Dictionary
-
-    return len(Dictionary.load(str(data / "dict.txt")))
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(spelled(sys.argv[1:] if argv is None else argv))
 
 
-def settings_from_args(args) -> tuple[str, dict]:
-    name = "quick" if args.quick else (args.preset or "full")
-    settings = dict(PRESETS[name])
-    if args.seeds is not None:
-        settings["seeds"] = args.seeds
-    if args.updates is not None:
-        settings["updates"] = args.updates
-    if args.models:
-        settings["models"] = tuple(k.strip() for k in args.models.split(",") if k.strip())
-    return name, settings
+def _out(args, default: Path) -> Path:
+    args.output_dir = (args.output_dir or default).expanduser().absolute()
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    return args.output_dir
 
 
-def check_settings(settings: dict, nproc: int) -> None:
-    if nproc < 2:
-        raise BenchError(f"--nproc {nproc}: expert parallelism needs at least 2 ranks")
+def run_fair(args) -> int:
+    from . import fair
+
+    _out(args, Path("docs/benchmark/fair"))
+    args.work_dir = (args.work_dir or Path("results/fair-work")).expanduser().absolute()
+    args.work_dir.mkdir(parents=True, exist_ok=True)
+    data = prepare(args.data, args.work_dir)  # the store is in the repository: the data goes to the work folder
+    return fair.main(args, data, vocab_size(data))
+
+
+def run_trainings(args) -> int:
+    """The preset benchmark, or an experiment: plan, train every run of the schedule, report."""
+    if args.command == "experiment":
+        exp = get_experiment(args.name)
+        out = _out(args, Path("results") / exp.name)
+        if exp.needs_training is False:
+            exp.run_without_training(args)
+            return 0
+        name, settings = exp.name, dict(exp.settings, models=tuple(m.key for m in exp.models))
+    else:
+        name = "quick" if args.quick else (args.preset or "full")
+        settings = dict(PRESETS[name], **{k: v for k in ("seeds", "updates") if (v := getattr(args, k)) is not None})
+        if args.models:
+            settings["models"] = tuple(k.strip() for k in args.models.split(",") if k.strip())
+        out = _out(args, Path("results/bench"))
+    if args.nproc < 2:
+        raise BenchError(f"--nproc {args.nproc}: expert parallelism needs at least 2 ranks")
     if settings["seeds"] < 1 or settings["updates"] < 2 * settings["validate_every"]:
         raise BenchError(f"--seeds must be >= 1 and --updates >= {2 * settings['validate_every']}")
+    t0 = time.time()
+    print(f"== {PROG} ({name}): {len(settings['models'])} models x {settings['seeds']} seed(s), "
+          f"{settings['updates']} updates each, {args.nproc} ranks, output {out}\n== 1/4 data", flush=True)
+    data = prepare(args.data, out)
+    print("== 2/4 models", flush=True)
+    plan = exp.plan_models if args.command == "experiment" else \
+        lambda v, n: plan_models(v, n, settings["models"], settings["target"])
+    models, matching = plan(vocab_size(data), args.nproc)
+    for m in models:
+        print(f"   {m.title:<40} {m.layers:>6}  {m.fwd_flops_per_seq / 1e9:.3f} GFLOPs/seq  {m.note}")
+    print("== 3/4 training", flush=True)
+    store = run_schedule(name, settings, models, matching, data, args.nproc, out, resume=args.resume,
+                         order_seed=args.order_seed, experiment=exp.name if args.command == "experiment" else None)
+    print("== 4/4 report", flush=True)
+    record = report(store, out)
+    if args.command == "experiment":
+        exp.finish(record, out)
+    else:
+        for t in record["targets"]:
+            print(f"   {({True: 'met', False: 'MISSED', None: '-'}[t['met']]):>6}  {t['target']}: "
+                  f"{fmt(t['measured'])} (goal {t['goal']})")
+    for v in record["verdicts"].values():
+        if v:
+            print(f"   {v['model']}: {v['text']}")
+    print(f"   results: {out / 'results.json'}, {out / 'table.md'}, {out / 'figure5.png'}  "
+          f"({(time.time() - t0) / 60:.1f} min)")
+    return 0
 
 
-def _stop_on_sigterm():
-    """SIGTERM (kill, a scheduler's stop) stops like Ctrl-C: the running launcher and its workers are
-    stopped too (run_training's cleanup), and --resume restarts the interrupted run. Returns the
-    previous handler (restored when main returns)."""
-    import signal
+def run_report(args) -> int:
+    store = RunStore.load(args.report / "runs.json")
+    record = report(store, args.report)
+    if record.get("experiment"):
+        get_experiment(record["experiment"]).finish(record, args.report)
+    print(f"   results: {args.report / 'results.json'} ({'complete' if record['complete'] else 'PARTIAL'})")
+    return 0
 
-    def stop(signum, frame):
-        raise KeyboardInterrupt
 
+def run_publish(args) -> int:
     try:
-        return signal.signal(signal.SIGTERM, stop)
-    except ValueError:  # not the main thread
-        return None
+        root = Path.cwd()
+        for line in publish(args.publish, root / PAGE, root / FIGURE_DIR, experiment_order=list(EXPERIMENTS),
+                            readme=root / "README.md"):
+            print(f"   {line}")
+    except (BenchError, OSError, KeyError, json.JSONDecodeError) as exc:
+        print(f"{PROG}: error: cannot publish {' '.join(map(str, args.publish))}: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def run_chaos(args) -> int:
+    from . import chaos
+
+    out = _out(args, Path("results/chaos"))
+    return chaos.main(args, prepare(args.data, out))
+
+
+COMMANDS = {"chaos": run_chaos, "preset": run_trainings, "experiment": run_trainings, "fair": run_fair,
+            "report": run_report, "publish": run_publish, "speed": speed.run, "gpu-check": gpu_check.run,
+            "breakdown": step_breakdown.run}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    previous_sigterm = None
-    if args.publish:
-        try:
-            root = Path.cwd()
-            for line in publish(args.publish, root / PAGE, root / FIGURE_DIR,
-                                      experiment_order=list(EXPERIMENTS), readme=root / "README.md"):
-                print(f"   {line}")
-        except (BenchError, OSError, KeyError, json.JSONDecodeError) as exc:
-            print(f"{PROG}: error: cannot publish {' '.join(map(str, args.publish))}: {exc}",
-                  file=sys.stderr)
-            return 1
-        return 0
+    args = parse_args(argv)
+
+    def stop(signum, frame):  # SIGTERM (kill, a scheduler's stop) stops like Ctrl-C: the runs stop, --resume goes on
+        raise KeyboardInterrupt
+
     try:
-        if args.report:
-            store = S.RunStore.load(args.report / "runs.json")
-            record = report(store, args.report)
-            if record.get("experiment"):
-                finish(record, args.report)
-            print(f"   results: {args.report / 'results.json'} ({'complete' if record['complete'] else 'PARTIAL'})")
-            return 0
-        if args.chaos:
-            from . import chaos
-
-            args.output_dir = (args.output_dir or Path("results/chaos")).expanduser().absolute()
-            args.output_dir.mkdir(parents=True, exist_ok=True)
-            previous_sigterm = _stop_on_sigterm()
-            return chaos.main(args, prepare(args))
-        if args.fair:
-            from . import fair
-
-            args.output_dir = (args.output_dir or Path("docs/benchmark/fair")).expanduser().absolute()
-            args.output_dir.mkdir(parents=True, exist_ok=True)
-            args.work_dir = (args.work_dir or Path("results/fair-work")).expanduser().absolute()
-            args.work_dir.mkdir(parents=True, exist_ok=True)
-            previous_sigterm = _stop_on_sigterm()
-            data = prepare(args)
-            return fair.main(args, data, vocab_size(data))
-        if args.experiment:
-            exp = get_experiment(args.experiment)
-            args.output_dir = (args.output_dir or Path("results") / exp.name).expanduser().absolute()
-            if exp.needs_training is False:
-                args.output_dir.mkdir(parents=True, exist_ok=True)
-                exp.run_without_training(args)
-                return 0
-            name, settings = exp.name, dict(exp.settings, models=tuple(m.key for m in exp.models))
-        else:
-            name, settings = settings_from_args(args)
-            args.output_dir = (args.output_dir or Path("results/bench")).expanduser().absolute()
-        check_settings(settings, args.nproc)
-        args.output_dir.mkdir(parents=True, exist_ok=True)
-        previous_sigterm = _stop_on_sigterm()
-        t0 = time.time()
-        print(f"== {PROG} ({name}): {len(settings['models'])} models x {settings['seeds']} seed(s), "
-              f"{settings['updates']} updates each, {args.nproc} ranks, output {args.output_dir}", flush=True)
-        print("== 1/4 data", flush=True)
-        data = prepare(args)
-        print("== 2/4 models", flush=True)
-        if args.experiment:
-            models, matching = exp.plan_models(vocab_size(data), args.nproc)
-        else:
-            models, matching = plan_models(vocab_size(data), args.nproc, settings["models"],
-                                                 settings["target"])
-        for m in models:
-            print(f"   {m.title:<40} {m.layers:>6}  {m.fwd_flops_per_seq / 1e9:.3f} GFLOPs/seq  {m.note}")
-        print("== 3/4 training", flush=True)
-        store = run_schedule(name, settings, models, matching, data, args.nproc, args.output_dir,
-                             resume=args.resume, order_seed=args.order_seed,
-                             experiment=args.experiment and exp.name)
-        print("== 4/4 report", flush=True)
-        record = report(store, args.output_dir)
-        if args.experiment:
-            exp.finish(record, args.output_dir)
-        print()
-        for t in ([] if args.experiment else record["targets"]):
-            met = {True: "met", False: "MISSED", None: "-"}[t["met"]]
-            print(f"   {met:>6}  {t['target']}: {fmt(t['measured'])} (goal {t['goal']})")
-        for v in record["verdicts"].values():
-            if v:
-                print(f"   {v['model']}: {v['text']}")
-        print(f"   results: {args.output_dir / 'results.json'}, {args.output_dir / 'table.md'}, "
-              f"{args.output_dir / 'figure5.png'}  ({(time.time() - t0) / 60:.1f} min)")
-    except (BenchError, S.ScheduleError) as exc:
+        previous = signal.signal(signal.SIGTERM, stop)
+    except ValueError:  # not the main thread
+        previous = None
+    try:
+        return COMMANDS[args.command](args)
+    except BenchError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted; continue with --resume", file=sys.stderr)
         return 130
     finally:
-        if previous_sigterm is not None:
-            import signal
-
-            signal.signal(signal.SIGTERM, previous_sigterm)
-    return 0
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

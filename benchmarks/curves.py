@@ -1,9 +1,6 @@
-"""Validation curves: mean over seeds, where two curves cross, and when the ranking settles.
-
-A curve is validation perplexity at increasing x (tokens read, or seconds). Curves are compared
-in log perplexity, linearly interpolated between validation points; two curves cross where the
-sign of their difference changes inside the x range both cover.
-"""
+"""Validation curves: the mean over seeds, where two curves cross, and when the ranking settles. A curve is
+validation perplexity at increasing x (tokens read, or seconds), compared in log perplexity, linearly interpolated
+between validation points; two curves cross where their difference changes sign inside the x range both cover."""
 from __future__ import annotations
 
 import bisect
@@ -13,15 +10,13 @@ from collections.abc import Sequence
 
 
 def mean_curve(curves: Sequence[dict], xkey: str) -> tuple[list[float], list[float]]:
-    """Mean x and geometric-mean perplexity over seeds, point by point (as many points as the
-    shortest curve)."""
+    """Mean x and geometric-mean perplexity over seeds, point by point (as many points as the shortest curve)."""
     curves = [c for c in curves if c.get("ppl") and c.get(xkey)]  # no time axis without a measured speed
     if not curves:
         return [], []
     n = min(min(len(c["ppl"]), len(c[xkey])) for c in curves)
-    xs = [statistics.mean(c[xkey][i] for c in curves) for i in range(n)]
-    ys = [math.exp(statistics.mean(math.log(c["ppl"][i]) for c in curves)) for i in range(n)]
-    return xs, ys
+    return ([statistics.mean(c[xkey][i] for c in curves) for i in range(n)],
+            [math.exp(statistics.mean(math.log(c["ppl"][i]) for c in curves)) for i in range(n)])
 
 
 def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
@@ -29,26 +24,20 @@ def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
     i = bisect.bisect_left(xs, x)
     if i < len(xs) and xs[i] == x:
         return math.log(ys[i])
-    lo, hi = i - 1, i
-    t = (x - xs[lo]) / (xs[hi] - xs[lo])
-    return (1 - t) * math.log(ys[lo]) + t * math.log(ys[hi])
+    t = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+    return (1 - t) * math.log(ys[i - 1]) + t * math.log(ys[i])
 
 
 def crossings(xa: Sequence[float], ya: Sequence[float], xb: Sequence[float], yb: Sequence[float]) -> list[dict]:
-    """Where curve a and curve b cross: [{x, ppl, lower_after: 'a' | 'b'}], in increasing x.
-
-    Both are interpolated on the union of their x values inside the common range; a crossing
-    is a sign change of log ppl_a - log ppl_b between two neighbouring x (a touch without a
-    change of sign is not a crossing)."""
+    """Where curve a and curve b cross: [{x, ppl, lower_after: 'a' | 'b'}], in increasing x: a sign change of log
+    ppl_a - log ppl_b between two neighbouring x of the union of their points (a touch is no crossing)."""
     if len(xa) < 2 or len(xb) < 2:
         return []
     lo, hi = max(xa[0], xb[0]), min(xa[-1], xb[-1])
     grid = sorted({x for x in (*xa, *xb) if lo <= x <= hi})
-    if len(grid) < 2:
-        return []
-    diffs = [(_interp(xa, ya, x) - _interp(xb, yb, x), x) for x in grid]
     out, prev = [], None
-    for d, x in diffs:
+    for x in grid if len(grid) >= 2 else []:
+        d = _interp(xa, ya, x) - _interp(xb, yb, x)
         if d == 0:
             continue
         if prev is not None and (prev[0] < 0) != (d < 0):
@@ -60,39 +49,31 @@ def crossings(xa: Sequence[float], ya: Sequence[float], xb: Sequence[float], yb:
 
 
 def ranking_history(curves: dict[str, tuple[Sequence[float], Sequence[float]]]) -> list[dict]:
-    """The ranking (lowest perplexity first) at every validation point all curves share (by index),
-    with each model's perplexity there."""
+    """The ranking (lowest perplexity first) at every validation point all curves share (by index), with each
+    model's perplexity there."""
     n = min((len(ys) for _, ys in curves.values()), default=0)
-    out = []
-    for i in range(n):
-        order = sorted(curves, key=lambda k: curves[k][1][i])
-        out.append({"x": statistics.mean(curves[k][0][i] for k in curves), "ranking": order,
-                    "ppl": {k: curves[k][1][i] for k in curves}})
-    return out
-
-
-def _agrees(point: dict, final: Sequence[str], top: int, tol: float) -> bool:
-    """Whether a point keeps the final ranking's first `top` places (each above every model ranked
-    after it), counting two models within `tol` of each other as tied (a swap inside the seeds'
-    spread is not a change of ranking)."""
-    ppl = point.get("ppl")
-    if ppl is None:
-        return point["ranking"][:top] == list(final[:top])
-    return all(ppl[a] <= ppl[b] * (1 + tol) for i, a in enumerate(final[:top]) for b in final[i + 1:])
+    return [{"x": statistics.mean(curves[k][0][i] for k in curves),
+             "ranking": sorted(curves, key=lambda k: curves[k][1][i]), "ppl": {k: curves[k][1][i] for k in curves}}
+            for i in range(n)]
 
 
 def settled_from(history: Sequence[dict], top: int | None = None, tol: float = 0.0) -> dict | None:
-    """The first validation point from which the ranking (its first `top` places) no longer changes,
-    up to ties within `tol` (relative perplexity).
-
-    Returns {x, index, points_unchanged, fraction, tolerance} with fraction = x / the last x, or None
-    for no history."""
+    """The first validation point from which the ranking (its first `top` places) no longer changes, two models
+    within `tol` (relative perplexity) of each other counting as tied: {x, index, points_unchanged, fraction,
+    tolerance}, fraction = x / the last x; None for no history."""
     if not history:
         return None
     final = history[-1]["ranking"]
     top = top or len(final)
+
+    def agrees(point: dict) -> bool:  # keeps the final ranking's first `top` places, each above everyone after it
+        ppl = point.get("ppl")
+        if ppl is None:
+            return point["ranking"][:top] == list(final[:top])
+        return all(ppl[a] <= ppl[b] * (1 + tol) for i, a in enumerate(final[:top]) for b in final[i + 1:])
+
     i = len(history) - 1
-    while i > 0 and _agrees(history[i - 1], final, top, tol):
+    while i > 0 and agrees(history[i - 1]):
         i -= 1
     return {"x": history[i]["x"], "index": i, "points_unchanged": len(history) - i,
             "fraction": history[i]["x"] / history[-1]["x"] if history[-1]["x"] else None, "tolerance": tol}

@@ -1,28 +1,19 @@
-"""The paper's other experiments, runnable: `smlp-bench --experiment NAME` (JSON + PNG each).
+"""The paper's other experiments, `smlp-bench experiment NAME` (`--experiment NAME`): JSON and PNG each.
 
-Each trains its models with the interleaved, resumable schedule of the benchmark (rounds, probes,
-runs.json; benchmarks/schedule.py) at the long preset's width (D=128, F=512, T=128, 2 ranks, 4,096
-tokens per update), 150 updates (614k tokens, 5x the full preset) per run, so an experiment takes
-10-20 minutes here. Layer counts are FLOP-matched to sMLP-deterministic 9+3 by the calculator
-(gMLP 12, Transformer 7); every model's flags come from `smlp_eval.flops.fairseq_flags`, which
-carries every field of the core config to the training command.
+Each trains its models through the harness (interleaved, resumable, probed) at the long preset's width (D=128,
+F=512, T=128, 2 ranks, 4,096 tokens per update) for 150 updates, FLOP-matched to sMLP-det 9+3 by the calculator;
+every model's flags come from `smlp_eval.flops.fairseq_flags`, which carries every field of the core config:
 
-    figure7-routing          sMLP's sMoE routed three ways (Figure 7, Appendix B): deterministic,
-                             partial, and the paper's first design, a router over all T positions
-                             (`--smoe-routing leaky-full-sequence`), which sees the future.
-    table7-token-routed-gmlp gMLP extended to token-level routing (Appendix A, Figure 6 right,
-                             Table 7) with 1, 2 and 4 experts (1 expert = dense gMLP).
-    figure4-dense            dense models at matched FLOPs (Figure 4): gMLP with 1, 4 and 16 SGU
-                             heads, the Transformer with 1 and 16 attention heads, and sMLP-det.
-    table4-speed             no training: the words/s ratios of the interleaved long benchmark
-                             (`--source`, default docs/benchmark/long/results.json) beside the
-                             paper's Table 4 (top) and the step-time model's prediction for the
-                             paper's 32 V100s (`smlp-flops --table4 top`).
+    figure7-routing          sMLP's sMoE routed deterministically, partially, and by a router over all T positions
+                             (`--smoe-routing leaky-full-sequence`, Appendix B), which sees the future
+    table7-token-routed-gmlp gMLP with token-level routing (Table 7) with 1, 8 and 32 experts (1 expert = dense)
+    figure4-dense            gMLP with 1, 4 and 16 SGU heads, the Transformer with 1 to 16 heads, sMLP-det (Figure 4)
+    table4-speed             no training: the long benchmark's words/s ratios (`--source`) beside the paper's Table 4
+                             and the step-time model's prediction for its 32 V100s (`smlp-flops --table4 top`)
 
-Each writes OUTPUT_DIR/results.json with "claims": rows of the docs/benchmarks.md table "claim | paper | here |
-holds?", and OUTPUT_DIR/figure.png. Which models claim to be causal is recorded per model
-(`causal`); tests/test_claims_models.py checks every one of them with the model-level causality
-check, and that the leaky router fails it.
+OUTPUT_DIR/results.json holds "claims": the rows of docs/benchmarks.md's claims table, each decided by the seed rule
+(benchmarks/verdicts.py `compare`). Which models claim to be causal is recorded per model; the model-level
+causality check runs on each (tests/test_claims_models.py checks them too, and that the leaky router fails).
 """
 from __future__ import annotations
 
@@ -32,9 +23,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from .plots import plot
+from .plots import plot, png_axes
 from .presets import LONG_TARGET, MATCH_TOLERANCE, BenchError, Model, target_flags
-from .schedule import atomic_write_json
+from .store import atomic_write_json
 from .verdicts import compare, pooled_log_sd
 
 EXP_TARGET = dict(LONG_TARGET)
@@ -111,21 +102,16 @@ class Experiment:
                                for m, mm in zip(self.models, out)}}
         return out, matching
 
-    def finish(self, record: dict, out_dir: Path, seed_spread: dict | None = None) -> dict:
-        """Add the causality checks, the claims and the experiment's figure to its results.json.
-
-        seed_spread: the pooled seed spread the claims' verdicts use (benchmarks/verdicts.py SEED_RULE),
-        from the deciding comparison of `smlp-bench --fair`; without it, the experiment's own models
-        with two seeds or more give it, and with none the verdicts are "undecided"."""
+    def finish(self, record: dict, out_dir: Path) -> dict:
+        """Add the causality checks, the claims (their seed spread pooled over the experiment's models with two seeds
+        or more; none: "undecided") and the experiment's figure to its results.json."""
         record["experiment"] = self.name
         record["kind"] = "experiment"
         record["title"] = self.title
         record["causal"] = {m.key: m.causal for m in self.models}
         record["causality_check"] = causality_checks(record)
-        own = pooled_log_sd(m["valid_ppl_per_seed"] for m in record["models"].values())
-        record["seed_spread"] = seed_spread or own
-        record["seed_spread_from"] = ("the deciding comparison (smlp-bench --fair)" if seed_spread
-                                      else ("this experiment's seeds" if own else None))
+        record["seed_spread"] = pooled_log_sd(m["valid_ppl_per_seed"] for m in record["models"].values())
+        record["seed_spread_from"] = "this experiment's seeds" if record["seed_spread"] else None
         record["claims"] = self.claims(record) if self.claims else []
         if any(m["curves"] for m in record["models"].values()):
             plot(record["models"], out_dir / "figure.png", f"{self.name}: {self.title}")
@@ -312,24 +298,17 @@ def cpu_note(target: dict | None) -> str:
 
 
 def table4_record(source: dict, step_rows: list[dict] | None) -> dict:
-    """Paper, step-time model and CPU (from the interleaved long benchmark) speed relative to sMLP-det."""
-    rr = source["ratios"].get("smlp_det_wps_over_range", {})
-    rows = []
-    steps = {r["name"]: r for r in (step_rows or [])}
+    """Paper, step-time model and CPU (the interleaved long benchmark) speed relative to sMLP-det (the CPU's: 1 /
+    sMLP-det's speed over the model, its range inverted)."""
+    rr, steps, rows = source["ratios"].get("smlp_det_wps_over_range", {}), {r["name"]: r for r in step_rows or []}, []
     for name, key in TABLE4_KEYS.items():
-        st = steps.get(name)
-        cpu = rr.get(key)
-        row = {"model": name, "key": key,
-               "paper_wps": st["paper_wps"] if st else None,
-               "paper_vs_smlp": st["paper_vs_smlp"] if st else None,
-               "predicted_wps": st["words_per_second"] if st else None,
-               "predicted_vs_smlp": st["vs_smlp"] if st else None,
-               "cpu_wps": source["models"].get(key, {}).get("wps"),
-               # speed of the model over sMLP-det's: 1 / (sMLP-det over the model), range inverted
-               "cpu_vs_smlp": 1.0 if key == "smlp_det" else (1 / cpu["ratio"] if cpu else None),
-               "cpu_vs_smlp_lo": 1.0 if key == "smlp_det" else (1 / cpu["hi"] if cpu else None),
-               "cpu_vs_smlp_hi": 1.0 if key == "smlp_det" else (1 / cpu["lo"] if cpu else None)}
-        rows.append(row)
+        st, cpu, ref = steps.get(name) or {}, rr.get(key), key == "smlp_det"
+        rows.append({"model": name, "key": key, "paper_wps": st.get("paper_wps"),
+                     "paper_vs_smlp": st.get("paper_vs_smlp"), "predicted_wps": st.get("words_per_second"),
+                     "predicted_vs_smlp": st.get("vs_smlp"),
+                     "cpu_wps": source["models"].get(key, {}).get("wps"),
+                     **{f"cpu_vs_smlp{s}": 1.0 if ref else (1 / cpu[c] if cpu else None)
+                        for s, c in (("", "ratio"), ("_lo", "hi"), ("_hi", "lo"))}})
     return {"rows": rows, "note": cpu_note(source.get("target")), "source_preset": source.get("preset"),
             "source_complete": source.get("complete", True)}
 
@@ -410,30 +389,19 @@ def table4_markdown(t4: dict) -> str:
 
 
 def plot_table4(t4: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = t4["rows"]
-    xs = range(len(rows))
-    fig, ax = plt.subplots(figsize=(8, 4))
-    for i, (k, label) in enumerate((("paper_vs_smlp", "paper, 32 V100s"), ("predicted_vs_smlp", "step-time model"),
-                                    ("cpu_vs_smlp", "CPU here (adjacent runs)"))):
-        vals = [r[k] if r[k] is not None else math.nan for r in rows]
-        bars = ax.bar([x + (i - 1) * 0.27 for x in xs], vals, 0.27, label=label)
-        if k == "cpu_vs_smlp":
-            lo = [v - (r["cpu_vs_smlp_lo"] or v) for v, r in zip(vals, rows)]
-            hi = [(r["cpu_vs_smlp_hi"] or v) - v for v, r in zip(vals, rows)]
-            ax.errorbar([b.get_x() + b.get_width() / 2 for b in bars], vals, yerr=[lo, hi], fmt="none", color="k")
-    ax.axhline(1.0, color="grey", lw=0.8)
-    ax.set_xticks(list(xs), [r["model"] for r in rows], fontsize=8)
-    ax.set_ylabel("words/s relative to sMLP-det")
-    ax.legend(fontsize=8)
-    ax.set_title("Table 4 (top): training speed relative to sMLP-deterministic")
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
+    with png_axes(path, "Table 4 (top): training speed relative to sMLP-deterministic", "",
+                  "words/s relative to sMLP-det", figsize=(8, 4)) as ax:
+        for i, (k, label) in enumerate((("paper_vs_smlp", "paper, 32 V100s"), ("predicted_vs_smlp", "step-time model"),
+                                        ("cpu_vs_smlp", "CPU here (adjacent runs)"))):
+            vals = [r[k] if r[k] is not None else math.nan for r in rows]
+            bars = ax.bar([x + (i - 1) * 0.27 for x in range(len(rows))], vals, 0.27, label=label)
+            if k == "cpu_vs_smlp":
+                ax.errorbar([b.get_x() + b.get_width() / 2 for b in bars], vals, fmt="none", color="k",
+                            yerr=[[v - (r["cpu_vs_smlp_lo"] or v) for v, r in zip(vals, rows)],
+                                  [(r["cpu_vs_smlp_hi"] or v) - v for v, r in zip(vals, rows)]])
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xticks(list(range(len(rows))), [r["model"] for r in rows], fontsize=8)
 
 
 class _Table4(Experiment):
@@ -479,7 +447,3 @@ def get_experiment(name: str) -> Experiment:
         raise BenchError(f"--experiment {name!r} is unknown: valid names are {', '.join(EXPERIMENTS)}")
     return EXPERIMENTS[name]
 
-
-def finish(record: dict, out_dir: Path) -> dict:
-    """The experiment's claims and figure for a (possibly partial) record written by `smlp-bench --report`."""
-    return get_experiment(record["experiment"]).finish(record, out_dir)

@@ -1,15 +1,19 @@
-"""The GPU check's parts that are not checks: the families and their sizes, losses and bounds, the host-sync
-counter on CUDA, and the replay of one routing on two devices (benchmarks/gpu_check.py runs the checks).
+"""The GPU check's parts (benchmarks/gpu_check.py runs the checks): its families and sizes, losses and bounds, the
+host-sync count on CUDA, the replay of one routing on two devices, and its two checks outside the core's paths:
+speed (timed in turns) and the fairseq plugin's step.
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import math
-import os
+import statistics
 import time
+import traceback
 import warnings
 from collections import Counter
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from unittest import mock
 
@@ -19,31 +23,32 @@ import torch.nn.functional as F
 from smlp.dispatch import synchronize
 from smlp.lm import LanguageModel, LMConfig
 from smlp.routing import assignment
+from smlp_eval.flops.counting import count as count_flops
+from smlp_eval.flops.matching import match
 
 from .fair import FAIR_TARGET
 from .micro.host_syncs import HostSyncCounter, accelerator_paths
-from .micro.hot_path import FAMILIES as HOT_PATH_FAMILIES
+from .presets import MATCH_TOLERANCE
 
-# Every family, with the core config fields that make it (the sizes come from `Sizes`): the hot-path
-# benchmark's families and the token mixers and token-routed gMLP beside them.
-FAMILIES = {
-    **HOT_PATH_FAMILIES,
-    "gMLP token-routed": dict(family="gmlp", token_routed_experts=-1),  # -1: the check's number of experts
-    "HyperMixer": dict(family="gmlp", token_mixer="hypermixer"),
-    "NiNformer": dict(family="gmlp", token_mixer="ninformer"),
-}
-# A dry run's families: every path of the checks (both auctions of partial prediction, GShard's noise, a
-# model without cached decoding, the deterministic sMoE's budget) at a fraction of the time.
+# every family, with the core config fields that make it (the sizes come from `Sizes`)
+FAMILIES = {"sMLP-det": dict(family="smlp", smoe_routing="deterministic"),
+            "sMLP-partial": dict(family="smlp", smoe_routing="partial"),
+            **{n: dict(family="transformer", moe_router=n.lower()) for n in ("Base", "GShard", "HASH", "Switch")},
+            "gMLP": dict(family="gmlp"), "Transformer": dict(family="transformer"),
+            "gMLP token-routed": dict(family="gmlp", token_routed_experts=-1),  # -1: the check's num_experts
+            "HyperMixer": dict(family="gmlp", token_mixer="hypermixer"),
+            "NiNformer": dict(family="gmlp", token_mixer="ninformer")}
+# a dry run's: every path of the checks (partial prediction's two auctions, GShard's noise, a model without cached
+# decoding, the deterministic sMoE's budget) at a fraction of the time
 DRY_RUN_FAMILIES = ("sMLP-det", "sMLP-partial", "GShard", "gMLP token-routed")
-# The families of the speed check: sMLP-det, its dense rivals and the Transformer-MoEs (matching.py's keys).
-SPEED_FAMILIES = ("gmlp", "transformer", "switch", "gshard", "base", "hash")
+SPEED_FAMILIES = ("gmlp", "transformer", "switch", "gshard", "base", "hash")  # besides sMLP-det (matching's keys)
 SPEED_NAMES = dict(zip(SPEED_FAMILIES, ("gMLP", "Transformer", "Switch", "GShard", "Base", "HASH")))
 
 
 @dataclass(frozen=True)
 class Sizes:
-    """The models of the correctness checks (tiny: they compare paths, not speed): dense + sparse layers of
-    the sparse families, dense + sparse layers of the dense ones (the token-routed gMLP: dense)."""
+    """The correctness checks' models (tiny: they compare paths, not speed); dense families get dense + sparse
+    layers (the token-routed gMLP: dense)."""
 
     vocab_size: int = 64
     d_model: int = 32
@@ -72,36 +77,31 @@ class SpeedConfig:
     vocab_size: int
     batch: int
     dtype: torch.dtype | None  # autocast dtype, None: fp32
-    families: tuple[str, ...] = SPEED_FAMILIES  # besides sMLP-det
+    families: tuple[str, ...] = SPEED_FAMILIES
 
 
 def speed_configs(dry_run: bool) -> list[SpeedConfig]:
     if dry_run:
-        return [SpeedConfig("fair", 16, 32, 8, 2, 1, 4, 32, 2, None, ("gmlp", "switch")),
-                SpeedConfig("gpu-sized", 16, 32, 8, 2, 1, 4, 32, 2, torch.bfloat16, ("gmlp", "switch"))]
-    t = FAIR_TARGET
-    # the fair benchmark's tokens per update (2 ranks x 16 x 128) in one process
-    return [SpeedConfig("fair", t["d_model"], t["d_ffn"], t["seq_len"], t["dense"], t["sparse"], t["experts"],
-                        4000, 32, None),
-            SpeedConfig("gpu-sized", 1024, 4096, 512, 9, 3, 8, 32000, 8, torch.bfloat16)]
+        return [SpeedConfig(n, 16, 32, 8, 2, 1, 4, 32, 2, d, ("gmlp", "switch"))
+                for n, d in (("fair", None), ("gpu-sized", torch.bfloat16))]
+    t = FAIR_TARGET  # the fair comparison's tokens per update (2 ranks x 16 x 128) in one process
+    return [SpeedConfig("fair", t["d_model"], t["d_ffn"], t["seq_len"], t["dense"], t["sparse"], t["experts"], 4000, 32,
+                        None), SpeedConfig("gpu-sized", 1024, 4096, 512, 9, 3, 8, 32000, 8, torch.bfloat16)]
 
 
 def family_config(name: str, s: Sizes, **overrides) -> LMConfig:
-    """The check's config of a family (see Sizes)."""
     spec = dict(FAMILIES[name])
-    sparse = spec["family"] == "smlp" or "moe_router" in spec
     if spec.get("token_routed_experts") == -1:
         spec["token_routed_experts"] = s.num_experts
-    layers = dict(dense_layers=s.dense, sparse_layers=s.sparse) if sparse else \
-        dict(dense_layers=s.dense if "token_routed_experts" in spec else s.dense + s.sparse)
+    layers = dict(dense_layers=s.dense, sparse_layers=s.sparse) if spec["family"] == "smlp" or "moe_router" in spec \
+        else dict(dense_layers=s.dense if "token_routed_experts" in spec else s.dense + s.sparse)
     heads = 2 if spec["family"] == "transformer" else 1  # SGU heads of gMLP blocks stay 1 (token mixers need it)
     return LMConfig(vocab_size=s.vocab_size, d_model=s.d_model, d_ffn=s.d_ffn, seq_len=s.seq_len,
                     num_experts=s.num_experts, heads=heads, **layers, **{**spec, **overrides})
 
 
 def tokens_for(cfg: LMConfig, batch: int, seed: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(4, cfg.vocab_size, (batch, cfg.seq_len), generator=g)
+    return torch.randint(4, cfg.vocab_size, (batch, cfg.seq_len), generator=torch.Generator().manual_seed(seed))
 
 
 def lm_loss(model: LanguageModel, tokens_BN: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,8 +128,7 @@ def perturbed(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
 
 
 def rounding_bound(expected: torch.Tensor, reduction: int, depth: int, scale: float | None = None) -> float:
-    """tests/tolerance.py's order_tolerance: depth x reduction x eps(fp32) x scale (tests/test_gpu_check.py
-    checks that the two agree)."""
+    """tests/tolerance.py's order_tolerance: depth x reduction x eps(fp32) x scale."""
     scale = float(expected.detach().abs().max()) if scale is None else scale
     return depth * reduction * torch.finfo(torch.float32).eps * scale
 
@@ -142,23 +141,16 @@ def max_difference(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def device_paths(device: torch.device):
-    """The paths the device takes: on the CPU (a dry run) the accelerator's forced (torch auction with its
-    completion checks, grouped expert products); on an accelerator they are the defaults already."""
+    """The paths the device takes: on the CPU (a dry run) the accelerator's, forced (host_syncs.accelerator_paths)."""
     return accelerator_paths() if device.type == "cpu" else contextlib.nullcontext()
 
 
-# ---------------------------------------------------------------- counting host syncs
-
-
 class SyncCount:
-    """Synchronizing calls inside the block: on CUDA every call torch.cuda.set_sync_debug_mode warns about,
-    with the Python line it came from; on the CPU the CPU counter's count on the accelerator's paths (a dry
-    run). `count`, `sites` ("file:line" or the counter's site -> calls)."""
+    """Synchronizing calls inside the block: on CUDA every one torch.cuda.set_sync_debug_mode warns about, with its
+    Python line; on the CPU (a dry run) the CPU counter's count on the accelerator's paths. `count`, `sites`."""
 
     def __init__(self, device: torch.device):
-        self.device = device
-        self.count = 0
-        self.sites: Counter = Counter()
+        self.device, self.count, self.sites = device, 0, Counter()
         self.method = "torch.cuda.set_sync_debug_mode" if device.type == "cuda" else "HostSyncCounter (CPU)"
         self._stack = contextlib.ExitStack()
 
@@ -178,50 +170,36 @@ class SyncCount:
             torch.cuda.set_sync_debug_mode(0)
             for w in self._caught:
                 if "synchroniz" in str(w.message):
+                    parts = Path(w.filename).parts
+                    anchor = next((a for a in ("smlp", "benchmarks", "torch") if a in parts), None)
+                    where = "/".join(parts[len(parts) - 1 - parts[::-1].index(anchor):]) if anchor else w.filename
                     self.count += 1
-                    self.sites[f"{_short(w.filename)}:{w.lineno}"] += 1
+                    self.sites[f"{where}:{w.lineno}"] += 1
         self._stack.close()
         if self.device.type != "cuda":
             self.count, self.sites = self._counter.count, Counter(self._counter.by_site)
         return False
 
 
-def _short(filename: str) -> str:
-    parts = Path(filename).parts
-    for anchor in ("smlp", "benchmarks", "torch"):
-        if anchor in parts:
-            return "/".join(parts[len(parts) - 1 - parts[::-1].index(anchor):])
-    return filename
-
-
-# ---------------------------------------------------------------- the same routing on both devices
-
-
 class SameRouting:
-    """Routing decisions that depend on other rows or on random draws, made on the CPU and replayed on the
-    device: balanced assignments (an auction's result moves with a rounding of its scores) and GShard's
-    Gumbel noise (each device has its own generator). Top-k choices and capacities stay the device's own."""
+    """Routing decisions that depend on other rows or on random draws, made on the CPU and replayed on the device:
+    balanced assignments (an auction's result moves with a rounding of its scores) and GShard's Gumbel noise (each
+    device has its own generator). Top-k choices and capacities stay the device's own."""
 
     def __init__(self):
         self.assignments: list = []
 
-    @contextlib.contextmanager
     def recording(self):
-        with self._patched(replay=False):
-            yield
+        return self._patched(replay=False)
 
-    @contextlib.contextmanager
     def replaying(self):
-        with self._patched(replay=True):
-            yield
+        return self._patched(replay=True)
 
     @contextlib.contextmanager
     def _patched(self, replay: bool):
-        from smlp.routing import gates, prices, routes, token_routers
+        from smlp.routing import gates, prices, token_routers
 
-        original = assignment.balanced_assignment
-        replayed = iter(self.assignments)
-        draws = iter(range(1 << 30))
+        original, replayed, draws = assignment.balanced_assignment, iter(self.assignments), iter(range(1 << 30))
 
         def assigned(scores_SE, **kwargs):
             if replay:
@@ -233,13 +211,11 @@ class SameRouting:
             return out
 
         def gumbel(logits_SE):
-            g = torch.Generator().manual_seed(next(draws))
-            u = torch.rand(logits_SE.shape, generator=g).clamp(torch.finfo(torch.float32).tiny, 1 - 1e-7)
-            return (-(-u.log()).log()).to(logits_SE.device)
+            u = torch.rand(logits_SE.shape, generator=torch.Generator().manual_seed(next(draws)))
+            return (-(-u.clamp(torch.finfo(torch.float32).tiny, 1 - 1e-7).log()).log()).to(logits_SE.device)
 
         with mock.patch.object(prices, "balanced_assignment", assigned), \
                 mock.patch.object(token_routers, "balanced_assignment", assigned), \
-                mock.patch.object(routes, "balanced_assignment", assigned), \
                 mock.patch.object(gates, "_gumbel_like", gumbel):
             yield
 
@@ -264,11 +240,9 @@ def router_logit_dtypes(seen: list):
 
 def matmul_rate(device: torch.device, dtype: torch.dtype, n: int, seconds: float) -> float:
     """Dense matmul FLOP/s of n x n products in `dtype` on `device` (fp32 without TF32)."""
-    prev = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
+    prev, torch.backends.cuda.matmul.allow_tf32 = torch.backends.cuda.matmul.allow_tf32, False
     try:
-        a = torch.randn(n, n, device=device, dtype=dtype)
-        b = torch.randn(n, n, device=device, dtype=dtype)
+        a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
         for _ in range(3):
             a @ b
         synchronize(device)
@@ -283,6 +257,19 @@ def matmul_rate(device: torch.device, dtype: torch.dtype, n: int, seconds: float
         torch.backends.cuda.matmul.allow_tf32 = prev
 
 
+def time_in_turns(fns: dict, iters: int, *, min_seconds: float = 0.0, max_iters: int = 1000) -> dict[str, list]:
+    """Seconds of every call of each function, called in turn (a, b, a, b, ...) so that a change of the load weighs
+    on all alike: at least `iters` rounds, more (up to `max_iters`) until each has run `min_seconds`."""
+    times = {name: [] for name in fns}
+    while (done := min(map(len, times.values()))) < iters or (
+            done < max_iters and min(map(sum, times.values())) < min_seconds):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
 def device_info(device: torch.device) -> dict:
     if device.type != "cuda":
         return {"type": device.type, "name": "CPU (dry run)"}
@@ -292,16 +279,172 @@ def device_info(device: torch.device) -> dict:
             "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version()}
 
 
-def write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+@dataclass
+class Outcome:
+    """What a check found: its figures, its failures (empty: passed) or why it was skipped."""
+
+    figures: dict = field(default_factory=dict)
+    failures: list[str] = field(default_factory=list)
+    skipped: str | None = None
+
+    def expect(self, ok: bool, failure: str) -> bool:
+        if not ok:
+            self.failures.append(failure)
+        return ok
+
+    @property
+    def status(self) -> str:
+        return "skipped" if self.skipped else ("failed" if self.failures else "passed")
 
 
-def _numpy_version() -> str | None:
+@contextlib.contextmanager
+def guarded(out: Outcome, what: str):
+    """An error in one case is that case's failure (with its traceback in the figures): the others still run."""
     try:
-        import numpy
+        yield
+    except Exception as e:
+        out.failures.append(f"{what}: error: {type(e).__name__}: {e}")
+        out.figures.setdefault("errors", {})[what] = traceback.format_exc().splitlines()[-12:]
 
-        return numpy.__version__
-    except ImportError:
-        return None
+
+@dataclass
+class Run:
+    device: torch.device
+    dry_run: bool
+    sizes: Sizes
+    families: tuple[str, ...]
+    plant_fault: bool
+    deadline: float
+    log: Callable[[str], None]
+
+    def seconds_left(self) -> float:
+        return self.deadline - time.monotonic()
+
+
+def speed_models(c: SpeedConfig) -> dict[str, LMConfig]:
+    """sMLP-det at the configuration and its FLOP matches (smlp_eval's analytic counts: no fairseq)."""
+    target = LMConfig(family="smlp", vocab_size=c.vocab_size, d_model=c.d_model, d_ffn=c.d_ffn, seq_len=c.seq_len,
+                      dense_layers=c.dense, sparse_layers=c.sparse, num_experts=c.experts)
+    rows = match(count_flops(target, method="analytic"), tolerance=MATCH_TOLERANCE, method="analytic",
+                 families=c.families)
+    return {"sMLP-det": target, **{SPEED_NAMES[r.family]: r.count.cfg for r in rows}}
+
+
+def _speed_of(run: Run, c: SpeedConfig, peak_bf16: float, budget_s: float) -> Outcome:
+    """Every model of the configuration built, warmed up, then timed in turns (one process, every expert local)."""
+    out, device, steps, models, memory = Outcome(), run.device, {}, {}, {}
+    for name, cfg in speed_models(c).items():
+        held = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+        torch.manual_seed(0)
+        model = LanguageModel(cfg).to(device).train()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        batches, state = [tokens_for(cfg, c.batch, seed=i).to(device) for i in range(2)], {"i": 0, "loss": None}
+
+        def step(model=model, opt=opt, batches=batches, state=state):
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast(device.type, dtype=c.dtype, enabled=c.dtype is not None):
+                loss, _ = lm_loss(model, batches[state["i"] % 2])
+            loss.backward()
+            opt.step()
+            state["i"], state["loss"] = state["i"] + 1, loss.detach()
+            synchronize(device)
+
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        for _ in range(1 if run.dry_run else 3):  # warm-up: caches, kernels, the optimizer's state
+            step()
+        # the step's peak above what the models built before this one hold
+        memory[name] = torch.cuda.max_memory_allocated(device) - held if device.type == "cuda" else None
+        steps[name], models[name] = step, (model, cfg, state)
+        run.log(f"  speed {c.name} {name}: {cfg.dense_layers}+{cfg.sparse_layers} layers built and warm")
+    times = time_in_turns(steps, iters=2 if run.dry_run else 5, max_iters=3 if run.dry_run else 200,
+                          min_seconds=0.0 if run.dry_run else budget_s / max(1, len(steps)))
+    tokens_per_step = c.batch * c.seq_len
+    for name, (model, cfg, state) in models.items():
+        wps, flops, final = tokens_per_step / statistics.median(times[name]), count_flops(cfg, method="analytic"), \
+            float(state["loss"])
+        per_token = 3 * flops.flops / cfg.seq_len
+        out.figures[name] = {"layers": f"{cfg.dense_layers}+{cfg.sparse_layers}", "heads": cfg.heads,
+                             "words_per_s": wps, "median_step_ms": 1000 * statistics.median(times[name]),
+                             "steps_timed": len(times[name]), "train_flops_per_token": per_token,
+                             "fwd_flops_per_seq": flops.flops, "mfu": per_token * wps / peak_bf16,
+                             "peak_memory_gib": None if memory[name] is None else memory[name] / 2 ** 30,
+                             "params": sum(p.numel() for p in model.parameters()), "final_loss": final}
+        out.expect(math.isfinite(final), f"{c.name} {name}: loss not finite ({final})")
+    out.figures["_config"] = {"d_model": c.d_model, "d_ffn": c.d_ffn, "seq_len": c.seq_len,
+                              "target": f"{c.dense}+{c.sparse}", "experts": c.experts, "vocab_size": c.vocab_size,
+                              "batch": c.batch, "tokens_per_step": tokens_per_step,
+                              "dtype": str(c.dtype or torch.float32), "match_tolerance": MATCH_TOLERANCE}
+    return out
+
+
+def check_speed(run: Run) -> Outcome:
+    """Training words/s, MFU and peak memory of sMLP-det and its FLOP matches, per configuration."""
+    out = Outcome()
+    n, seconds = (128, 0.05) if run.dry_run else (8192, 1.0)
+    peak_bf16 = matmul_rate(run.device, torch.bfloat16, n, seconds)
+    out.figures["matmul_flops_per_s"] = {"bf16": peak_bf16, "n": n,
+                                         "fp32": matmul_rate(run.device, torch.float32, n // 2, seconds)}
+    run.log(f"  matmul bf16 {peak_bf16 / 1e12:.1f} TFLOP/s")
+    configs = speed_configs(run.dry_run)
+    for i, c in enumerate(configs):
+        with guarded(out, c.name):
+            budget = 0.0 if run.dry_run else max(10.0, min(60.0, 0.4 * run.seconds_left() / (len(configs) - i)))
+            part = _speed_of(run, c, peak_bf16, budget)
+            out.figures[c.name] = part.figures
+            out.failures += part.failures
+            if run.device.type == "cuda":
+                torch.cuda.empty_cache()
+    return out
+
+
+def check_fairseq(run: Run) -> Outcome:
+    """A training step through the fairseq plugin (wrapper and criterion) on the device, where fairseq imports."""
+    out = Outcome()
+    try:
+        from fairseq.data import Dictionary
+
+        from fairseq_plugins.criterion import SMLPLanguageModelLoss
+        from fairseq_plugins.models import CoreLMDecoder, _CoreLanguageModel
+    except ImportError as e:
+        out.skipped, out.figures["import_error"] = "fairseq not installed", f"{type(e).__name__}: {e}"
+        return out
+
+    class Replay(torch.nn.Module):  # the forward's output computed before: only the criterion's own work counts
+        def __init__(self, inner, net_output):
+            super().__init__()
+            self.inner, self.net_output, self.decoder = inner, net_output, inner.decoder
+
+        def forward(self, **net_input):
+            return self.net_output
+
+        def get_normalized_probs(self, net_output, log_probs):
+            return self.inner.get_normalized_probs(net_output, log_probs=log_probs)
+
+        def get_targets(self, sample, net_output):
+            return self.inner.get_targets(sample, net_output)
+
+    for name in ("sMLP-det", "Switch"):
+        with guarded(out, name):
+            cfg = family_config(name, run.sizes)
+            torch.manual_seed(0)
+            dictionary = Dictionary()
+            for i in range(cfg.vocab_size - len(dictionary)):
+                dictionary.add_symbol(f"w{i}")
+            model = _CoreLanguageModel(CoreLMDecoder(dictionary, LanguageModel(cfg).to(run.device).train()))
+            x = tokens_for(cfg, run.sizes.batch, seed=6).to(run.device)
+            target = torch.roll(x, -1, dims=1)
+            sample = {"net_input": {"src_tokens": x, "src_lengths": torch.full((x.shape[0],), x.shape[1],
+                                                                               device=run.device)},
+                      "target": target, "ntokens": int((target != dictionary.pad()).sum()), "nsentences": x.shape[0]}
+            with device_paths(run.device):
+                net_output = model(**sample["net_input"])
+                with SyncCount(run.device) as syncs:
+                    loss, _, _ = SMLPLanguageModelLoss(argparse.Namespace(target_dictionary=dictionary), 0.01, False)(
+                        Replay(model, net_output), sample)
+                loss.backward()
+            out.figures[name] = {"loss": float(loss.detach()), "criterion_host_syncs": syncs.count}
+            out.expect(math.isfinite(float(loss.detach())) and grads_finite(model),
+                       f"{name}: the plugin's training step is not finite")
+            out.expect(syncs.count == 0, f"{name}: the criterion made {syncs.count} host syncs ({dict(syncs.sites)})")
+    return out

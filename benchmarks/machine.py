@@ -1,15 +1,19 @@
-"""The machine a benchmark runs on: its description, and the dense matmul peak that MFU divides by.
-
-The peak is measured in the same run, on this machine, with the ranks' own layout: W concurrent
-processes with one thread each, dense fp32 matmuls (smlp-bench step 3).
-"""
+"""The machine a benchmark runs on, the dense matmul peak that MFU divides by (measured in the same run with the
+ranks' own layout: W concurrent processes with one thread each), and the code a run executes."""
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
 import platform
+import subprocess
 import time
+from importlib.metadata import version
 from pathlib import Path
+
+CODE_ROOT = Path(__file__).resolve().parents[1]
+# what decides a run's perplexity: the model, the plugins, the data pipeline, the models' flags and the command
+PERPLEXITY_PATHS = ("smlp/", "fairseq_plugins/", "launch/", "benchmarks/presets.py", "benchmarks/training.py",
+                    "pyproject.toml")
 
 
 def machine_info() -> dict:
@@ -18,17 +22,13 @@ def machine_info() -> dict:
     info = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
             "cpus": os.cpu_count(), "processor": platform.processor()}
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                info["cpu_model"] = line.split(":", 1)[1].strip()
-                break
-    except OSError:
+        info["cpu_model"] = next(line.split(":", 1)[1].strip() for line in
+                                 Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name"))
+    except (OSError, StopIteration):
         pass
-    for pkg in ("fairseq", "fvcore"):
+    for pkg, dist in (("fairseq", "fairseq-fixed"), ("fvcore", "fvcore")):
         try:
-            from importlib.metadata import version
-
-            info[pkg] = version({"fairseq": "fairseq-fixed"}.get(pkg, pkg))
+            info[pkg] = version(dist)
         except Exception:
             pass
     return info
@@ -60,17 +60,7 @@ def matmul_peak(nproc: int, n: int = 1024, seconds: float = 4.0) -> dict:
     return {"per_rank": rates, "total": sum(rates), "n": n, "threads_per_rank": 1}
 
 
-# ---------------------------------------------------------------- the code a run used
-
-CODE_ROOT = Path(__file__).resolve().parents[1]
-# what decides a run's perplexity: the model, the plugins, the data pipeline, the models' flags and the command
-PERPLEXITY_PATHS = ("smlp/", "fairseq_plugins/", "launch/", "benchmarks/presets.py", "benchmarks/training.py",
-                    "pyproject.toml")
-
-
 def _git(*args: str) -> str | None:
-    import subprocess
-
     try:
         out = subprocess.run(["git", "-C", str(CODE_ROOT), *args], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.SubprocessError):
@@ -82,8 +72,7 @@ def code_identity() -> dict:
     """The commit of the code running (None outside a git checkout) and whether files that decide a run's
     perplexity differ from it (uncommitted changes under PERPLEXITY_PATHS)."""
     commit = _git("rev-parse", "HEAD")
-    dirty = _git("status", "--porcelain", "--", *PERPLEXITY_PATHS) if commit else None
-    return {"commit": commit, "dirty": bool(dirty)}
+    return {"commit": commit, "dirty": bool(commit and _git("status", "--porcelain", "--", *PERPLEXITY_PATHS))}
 
 
 def perplexity_changes(old: str, new: str) -> list[str] | None:

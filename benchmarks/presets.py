@@ -1,29 +1,13 @@
 """The benchmark's models and presets: the target sMLP, its FLOP matches, and how each preset trains them.
 
-A `Model` is one row of the comparison: a key, its fairseq-train flags and its forward FLOPs per
-sequence from the calculator (`smlp_eval.flops`). `plan_models` builds the target sMLP-deterministic
-and every other family FLOP-matched to it at run time; a plan stores each model as `Model.as_dict()`
-and `models_from_plan` reads it back.
-
-Presets (tokens per update = 2 ranks x batch x T):
-    quick  D=256, F=1024, T=256, 9+3; 1 seed x 24 updates of 2,048 tokens (~15 min here);
-    full   the same models; 3 seeds x 60 updates of 2,048 tokens = 123k tokens per run (~65 min);
-    long   D=128, F=512, T=128, 9+3 (2 experts) and its FLOP matches (Transformer 7, gMLP 12,
-           NiNformer 6, GShard 3+3, Switch, Base Layers and HASH 4+3: the layer counts of the full
-           preset at half the width and half the sequence, so the spatial-to-channel cost ratio
-           T/D stays 1 as in the paper's D=T=1024); 750 updates of 2 x 16 x 128 = 4,096 tokens =
-           3.07M tokens per run, 25x the full preset. Why this size: `smlp-flops --arch smlp_lm
-           --decoder-embed-dim 128 --decoder-ffn-embed-dim 512 --tokens-per-sample 128
-           --decoder-layers 9 --sparse-layers 3 --num-experts 2 --match` gives these layer counts,
-           and a few updates measured here gave sMLP-det 7,200 words/s (Transformer 9,600, Switch
-           8,500), so 9 runs + 3 second seeds + 14 probes take ~95 minutes on a quiet machine; at
-           D=256, T=256 a run of 3M tokens would take 30 minutes (1,600 words/s), at D=128, T=256
-           about 12 (4,200). The demo corpus holds 1.45M training tokens: a run reads it about
-           twice. Phase 1 trains the nine FLOP-matched families once (seed 1); phase 2, scheduled
-           by the program when phase 1 is done, trains the three with the lowest final validation
-           perplexity again with seed 2. Validation every 50 updates (205k tokens) over the same
-           10 batches; results.json holds each curve against tokens and against time, where the
-           curves cross, and from which point on the ranking no longer changes.
+A `Model` is one row of a comparison: a key, its fairseq-train flags and its forward FLOPs per sequence from the
+calculator (`smlp_eval.flops`); `plan_models` builds the target sMLP-deterministic and every family FLOP-matched to
+it at run time, a plan stores each as `Model.as_dict()` and `models_from_plan` reads it back. The presets: quick and
+full at D=256, F=1024, T=256 (9+3, 2,048 tokens an update); long at D=128, F=512, T=128 (the full preset's layer
+counts at half the width and sequence, so T/D stays 1 as at the paper's D=T=1024; `smlp-flops --arch smlp_lm
+--decoder-embed-dim 128 --decoder-ffn-embed-dim 512 --tokens-per-sample 128 --decoder-layers 9 --sparse-layers 3
+--num-experts 2 --match` gives them), 750 updates of 4,096 tokens (25x the full preset), then a second seed for the
+three lowest final perplexities (docs/benchmarks.md).
 """
 from __future__ import annotations
 
@@ -48,9 +32,8 @@ NAMES = {"smlp_det": SMOE_ROUTINGS["deterministic"].title, "smlp_partial": SMOE_
          "fairseq_transformer_lm": "fairseq transformer_lm",
          "fairseq_base_layers": "fairseq transformer_lm --base-layers"}
 REFERENCE = "smlp_det"
-# Causal HyperMixer keeps a d' x C state per position: at this size one block's training step takes
-# ~12 s on one CPU thread against ~0.1 s for the SGU (elementwise-bound, see smlp/hypermixer.py), so
-# a run would take hours. It is benchmarked only when asked for (--models ...,hypermixer).
+# causal HyperMixer's step takes ~12 s a block here against ~0.1 s for the SGU (smlp/hypermixer.py): only when
+# asked for (--models ...,hypermixer)
 DEFAULT_MODELS = tuple(k for k in MODEL_ORDER if k != "hypermixer")
 # The FLOP-matched families of the long preset (no fairseq anchors: they check our speed, not quality).
 LONG_MODELS = ("smlp_det", "smlp_partial", "gmlp", "ninformer", "transformer", *MOE_BASELINES)
@@ -58,11 +41,10 @@ PRESETS = {
     # quick: one seed, short runs (a smoke test of the comparison)
     "quick": dict(seeds=1, updates=24, batch_size=4, log_interval=2, validate_every=8, valid_steps=8,
                   warmup=8, lr=2e-3, profile_steps=2, probe_updates=10, target=TARGET, models=DEFAULT_MODELS),
-    # full: three seeds, longer runs (~95 s a run, of which ~13 s validation; validating every 10
-    # updates over 16 batches took it past an hour)
+    # full: three seeds, longer runs (~95 s a run, ~13 s of it validation)
     "full": dict(seeds=3, updates=60, batch_size=4, log_interval=2, validate_every=15, valid_steps=8,
                  warmup=10, lr=2e-3, profile_steps=3, probe_updates=12, target=TARGET, models=DEFAULT_MODELS),
-    # long: 25x the full preset's tokens, then a second seed for the three best (module docstring)
+    # long: 25x the full preset's tokens, then a second seed for the three best
     "long": dict(seeds=1, updates=750, batch_size=16, log_interval=10, validate_every=50, valid_steps=10,
                  warmup=50, lr=2e-3, profile_steps=3, probe_updates=20, target=LONG_TARGET, models=LONG_MODELS,
                  second_phase=dict(top=3, seeds=[2])),

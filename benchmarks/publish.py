@@ -1,24 +1,32 @@
-"""Publishing: the generated sections of docs/benchmarks.md and README's summaries, from the JSON records.
+"""The publish step: the generated sections of docs/benchmarks.md and README, from the JSON records.
 
-`smlp-bench --publish RESULTS_JSON ...` copies each record (without its per-run bookkeeping) and its
-figures under docs/benchmark/ and rewrites the sections between the page's markers: the benchmark
-table (quick/full preset), "Does sMLP beat Transformer-MoE at matched FLOPs here?" (`smlp-bench --fair`),
-the earlier 2-expert long preset's section and the claims table (the experiments). Nothing in those
-sections is typed by hand.
+`smlp-bench publish RESULTS_JSON ...` (`--publish`) copies each record (without its per-run bookkeeping) and its
+figures under docs/benchmark/ and rewrites the sections between the page's markers it feeds: the benchmark table
+(quick/full preset), the long preset's section, "Does sMLP beat Transformer-MoE at matched FLOPs here?" (the fair
+comparison, benchmarks/fair_report.py renders it) and the claims table (the experiments). Nothing in them is typed.
 """
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
-import statistics
 from collections.abc import Sequence
 from pathlib import Path
 
+from .fair_report import (
+    FAIR_END,
+    FAIR_FIGURES,
+    FAIR_PENDING,
+    FAIR_START,
+    README_FAIR_END,
+    README_FAIR_START,
+    SWEEP_DONE,
+    render_fair,
+    render_fair_summary,
+)
 from .presets import MOE_BASELINES, BenchError
 from .report import fmt
-from .schedule import atomic_write_json
+from .store import atomic_write_json
 from .verdicts import PPL_TARGET_PREFIX, long_ppl_target, ppl_at
 
 # The page the generated sections live in and the folder of the records and figures they show, relative to
@@ -142,7 +150,7 @@ SECTION_HEADINGS = {LONG_START: LONG_HEADING,
                     CLAIMS_START: "### The paper's other experiments"}
 
 
-def _replace_section(text: str, start: str, end: str, body: str, page: Path) -> str:
+def replace_section(text: str, start: str, end: str, body: str, page: Path) -> str:
     """Rewrite the generated section between the markers. A long-preset or claims section that is not
     there yet is added with its heading: after the benchmark table's section (the claims after the
     long-preset section when there is one)."""
@@ -207,12 +215,12 @@ def _publish_readme(readme: Path, long_rec: dict | None, all_exp: list[dict], fi
             body = FAIR_PENDING.format(page=_link(page, root))
             if fair_rec is not None and fair_rec.get("stages_complete", {}).get("lr-sweep"):
                 body += " " + SWEEP_DONE.format(page=_link(page, root))
-        text = _replace_section(text, README_FAIR_START, README_FAIR_END, body, readme)
+        text = replace_section(text, README_FAIR_START, README_FAIR_END, body, readme)
     if long_rec is not None and README_LONG_START in text:
-        text = _replace_section(text, README_LONG_START, README_LONG_END, render_long_summary(
+        text = replace_section(text, README_LONG_START, README_LONG_END, render_long_summary(
             long_rec, _link(figure_dir / "long" / "figure5.png", root), _link(page, root)), readme)
     if all_exp and README_CLAIMS_START in text:
-        text = _replace_section(text, README_CLAIMS_START, README_CLAIMS_END, render_claims(all_exp), readme)
+        text = replace_section(text, README_CLAIMS_START, README_CLAIMS_END, render_claims(all_exp), readme)
     if text == before:
         return None
     readme.write_text(text)
@@ -226,10 +234,8 @@ def publish(results_jsons: Sequence[Path], page: Path, figure_dir: Path,
     quick/full preset -> the benchmark table; long preset -> its earlier-configuration section
     (and the perplexity target of the benchmark table); the fair record -> 'Does sMLP beat Transformer-MoE
     ...'; experiments -> the claims table. Works on partial results (the sections then say PARTIAL).
-    The claims table lists the experiments in
-    `experiment_order` (benchmarks/experiments.py's, from the CLI), others after them. With `readme`,
-    README's two summaries (the long preset's verdict, the claims table) are rewritten too where README
-    carries their markers."""
+    The claims table lists the experiments in `experiment_order`, others after them. With `readme`, README's
+    summaries are rewritten too where README carries their markers."""
     text = page.read_text()
     done = []
     records = [(Path(p), json.loads(Path(p).read_text())) for p in results_jsons]
@@ -240,7 +246,7 @@ def publish(results_jsons: Sequence[Path], page: Path, figure_dir: Path,
         dst.mkdir(parents=True, exist_ok=True)
         atomic_write_json(dst / "results.json", _docs_record(p))
         _copy(p.parent, dst, ["figure5.png", "table.md"])
-        text = _replace_section(text, LONG_START, LONG_END,
+        text = replace_section(text, LONG_START, LONG_END,
                                 render_long(rec, _link(dst / "figure5.png", root)), page)
         done.append(f"{p}: long preset -> {page.name} '{LONG_HEADING.lstrip('# ')}'")
     long_rec = long_recs[-1][1] if long_recs else (
@@ -254,7 +260,7 @@ def publish(results_jsons: Sequence[Path], page: Path, figure_dir: Path,
         if p.resolve() != (figure_dir / "results.json").resolve():
             atomic_write_json(figure_dir / "results.json", _docs_record(p))
         figure = _link(figure_dir / "figure5.png", root)
-        text = _replace_section(text, TABLE_START, TABLE_END, render_markdown(rec, figure, long_rec), page)
+        text = replace_section(text, TABLE_START, TABLE_END, render_markdown(rec, figure, long_rec), page)
         done.append(f"{p}: {rec['preset']} preset -> {page.name} benchmark table"
                     + (" (perplexity target from the long preset)" if long_rec else ""))
     fair_rec = None
@@ -275,7 +281,7 @@ def publish(results_jsons: Sequence[Path], page: Path, figure_dir: Path,
     order = list(experiment_order)
     all_exp.sort(key=lambda r: order.index(r["experiment"]) if r["experiment"] in order else len(order))
     if exps or any(r.get("kind") == "fair" for _, r in records):
-        text = _replace_section(text, CLAIMS_START, CLAIMS_END, render_claims(all_exp), page)
+        text = replace_section(text, CLAIMS_START, CLAIMS_END, render_claims(all_exp), page)
     if not done:
         raise BenchError("nothing to publish: each RESULTS_JSON must come from a preset or an experiment")
     page.write_text(text)
@@ -284,239 +290,22 @@ def publish(results_jsons: Sequence[Path], page: Path, figure_dir: Path,
     return done
 
 
-# ---------------------------------------------------------------- the deciding comparison (smlp-bench --fair)
-
-FAIR_START, FAIR_END = "<!-- smlp-bench-fair:start -->", "<!-- smlp-bench-fair:end -->"
-README_FAIR_START, README_FAIR_END = "<!-- smlp-bench-readme-fair:start -->", "<!-- smlp-bench-readme-fair:end -->"
-FAIR_FIGURES = ("lr_sweep.png", "width.png", "experts.png")
-FAIR_PENDING = ("Not published yet: the deciding comparison (`smlp-bench --fair`: 8 experts per sparse layer, heads of "
-                "dimension 64, a learning rate per family, deciding runs on seeds the sweep did not use) writes this "
-                "answer; its runs are in progress, their store in docs/benchmark/fair/. The earlier runs "
-                "with 2 experts per sparse layer and one learning rate for all families, in [benchmarks.md]({page}), "
-                "cannot test the paper's claim: at 2 experts GShard's top-2 sends every token to both experts, and "
-                "Switch, GShard and Base Layers ended beside the dense Transformer.")
-SWEEP_DONE = ("Its learning-rate sweep has finished (each family's rates in [benchmarks.md]({page})); the deciding "
-              "runs are under way.")
-METRIC_WORDS = {"ppl": "all positions", "suffix_ppl": "the positions after sMLP-partial's routing prefix"}
-ANSWER = {"better": "yes", "worse": "no", "undecided": "undecided"}
-SCALE_NOTE = ("Scale: about 2M non-expert parameters trained on about 2M tokens of one small corpus (Gutenberg plays, "
-              "a 4k sentencepiece vocabulary, repeated after about 1.3 epochs), on CPU ranks. The answer says which "
-              "family learns this corpus fastest per FLOP at this size and budget; it cannot say how the families "
-              "rank at the paper's scale (hundreds of millions of parameters, billions of tokens), where larger "
-              "experts, longer training and hardware speed change the trade-offs.")
-BASE_NOTE = ("Base Layers here equals fairseq's `BaseLayer` with the same weights (outputs and gradients, "
-             "tests/test_distributed.py); its greedy validation loads are in the diagnostic column: a property of "
-             "the router at this scale, not a broken baseline.")
-
-
-def _ci(c: dict) -> str:
-    if c.get("ci_pct") is None:
-        return f"{c['ratio'] - 1:+.1%}, no seed spread known"
-    lo, hi = c["ci_pct"]
-    borrowed = ", one seed a side: spread borrowed from the deciding seeds" if c.get("borrowed") else ""
-    return f"{c['ratio'] - 1:+.1%}, 95% CI {lo:+.1%} to {hi:+.1%}, Welch df {c['df']:.1f}{borrowed}"
-
-
-def _answer(c: dict) -> str:
-    if c["verdict"] == "tie":
-        return f"no difference larger than {c['bound_pct']:.1%} at this budget"
-    if c["verdict"] == "undecided" and c.get("why_undecided"):
-        return f"undecided ({c['why_undecided']})"
-    return ANSWER[c["verdict"]]
-
-
-def _rate_words(c: dict, names: dict) -> str:
-    words = []
-    for k, r in (c.get("rates") or {}).items():
-        if r.get("rate") is not None:
-            words.append(f"{names.get(k, k)} at lr {r['rate']:g}" + ("" if r.get("bracketed") else
-                                                                    " (at the sweep's edge)"))
-    return "; ".join(words)
-
-
-def fair_verdicts(record: dict) -> list[str]:
-    """The deciding comparison's answers, one bullet each (docs/benchmarks.md and README): the primary
-    comparison first, the secondary ones labelled."""
-    names = {k: f["name"] for k, f in (record.get("families") or {}).items()}
-    v = record.get("verdicts") or {}
-    lines = []
-    state = "" if record.get("complete") else " **PARTIAL: the benchmark has not finished; the answers may change.**"
-    p = v.get("primary")
-    if p:
-        best = names.get(p["against"], p["against"])
-        lines.append(f"- **Does sMLP-deterministic beat the best Transformer-MoE ({best}) at matched FLOPs? "
-                     f"{_answer(p)}.** The primary comparison: validation perplexity on all positions "
-                     f"{p['ppl_a']:.1f} against {p['ppl_b']:.1f} ({_ci(p)}; {p['seeds'][0]} and {p['seeds'][1]} "
-                     f"seeds, none used to choose a rate; {_rate_words(p, names)}). {best} is the Transformer-MoE "
-                     f"with the best perplexity in the learning-rate sweep.")
-    for c in v.get("secondary", []):
-        a, b = names.get(c["model"], c["model"]), names.get(c["against"], c["against"])
-        lines.append(f"- Secondary, {a} against {b} "
-                     f"on {METRIC_WORDS[c['metric']]}: {_answer(c)} ({c['ppl_a']:.1f} against {c['ppl_b']:.1f}, "
-                     f"{_ci(c)}).")
-    lines.append("- Evaluation routing: the balanced routers (Base Layers, sMLP's tMoE, sMLP-partial's sMoE) route "
-                 "each token by its score minus the expert prices averaged over training (causal, per token); greedy "
-                 "routing and the training-time assignment over the batch (not causal) are diagnostic columns, "
-                 "never a verdict.")
-    w = record.get("width")
-    if w and len(w.get("points", [])) == 2:
-        a, b = w["points"]
-        lines.append(f"- Width (a trend, one seed per model at D={b['d_model']}): sMLP-det's difference to "
-                     f"{names.get(w['best_moe'], w['best_moe'])} is {a['ratio'] - 1:+.1%} at D={a['d_model']} and "
-                     f"{b['ratio'] - 1:+.1%} at D={b['d_model']}.")
-    e = record.get("experts")
-    if e:
-        gaps = ", ".join(f"{x} experts {g['ratio'] - 1:+.1%}"
-                         for x, g in sorted(e["gaps"].items(), key=lambda kv: int(kv[0])))
-        lines.append(f"- Experts (a trend, one seed at 2 and 32): sMLP-det's difference to "
-                     f"{names.get(e['best_moe'], e['best_moe'])}: {gaps}. {e.get('note', '')}")
-    lines.append(f"- Rule: {v.get('rule', record.get('rule'))}.")
-    if state:
-        lines.append(f"-{state}")
-    return lines
-
-
-def render_fair(record: dict, figures: dict[str, str]) -> str:
-    """docs/benchmarks.md section 'Does sMLP beat Transformer-MoE at matched FLOPs here?' from `smlp-bench --fair`."""
-    fam = record.get("families") or {}
-    lines = fair_verdicts(record)
-    t = record["target"]
-    lines += ["", f"Every family FLOP-matched to sMLP-det ({t['dense']}+{t['sparse']} blocks, D={t['d_model']}, "
-                  f"F={t['d_ffn']}, T={t['seq_len']}), {t['experts']} experts per sparse layer on 2 CPU ranks, "
-                  f"Transformers with heads of dimension 64, each family at its own learning rate"
-                  + (":" if fam else ". The deciding runs (seeds the sweep did not use) have not finished: no "
-                     "family's perplexity is published yet.")]
-    if fam:
-        lines += ["", "| model | layers | lr | valid ppl (seeds) | seed spread (sd of log ppl) | on sMLP-partial's "
-                  "positions | diagnostic: greedy routing (busiest expert / mean) | diagnostic: training-time "
-                  "assignment |", "|---|---|---:|---:|---:|---:|---:|---:|"]
-
-    def seeds(vals):
-        if not vals:
-            return "-"
-        m = math.exp(statistics.mean(math.log(x) for x in vals))
-        return f"{m:.1f}" + (f" ({', '.join(f'{x:.1f}' for x in vals)})" if len(vals) > 1 else "")
-
-    for key in sorted(fam, key=lambda k: fam[k]["valid_ppl"] or float("inf")):
-        f = fam[key]
-        load = f" ({f['greedy_max_load']:.1f}x)" if f.get("greedy_max_load") else ""
-        lr = f"{f['lr']:g}" + ("" if f.get("bracketed") is not False else " (edge)")
-        sp = f.get("log_spread")
-        spread = f"{sp['sd']:.4f}" if sp else ("unknown (1 seed)" if f["valid_ppl_per_seed"] else "-")
-        lines.append(f"| {f['name']} | {f['layers']} | {lr} | {seeds(f['valid_ppl_per_seed'])} | {spread} | "
-                     f"{seeds(f.get('valid_suffix_ppl_per_seed'))} | "
-                     f"{seeds(f.get('valid_greedy_routing_ppl_per_seed'))}{load} | "
-                     f"{seeds(f.get('valid_trained_routing_ppl_per_seed'))} |")
-    if fam:
-        lines += ["", "Speed is not measured here: these runs share the machine with other work. Words/s at "
-                      "matched FLOPs are the speed benchmark's (`python -m smlp_bench.speed`, section \"Where "
-                      "sMLP-det's step goes\")."]
-    if fam and "figure5.png" in figures:
-        lines += ["", f"![validation perplexity against tokens and against time, the deciding runs]"
-                      f"({figures['figure5.png']})"]
-    rates = record.get("rates") or {}
-    if rates:
-        lines += ["", "Learning rates (inverse-sqrt schedule, the same warmup), chosen by a sweep of one seed (seed 1, "
-                      "which no deciding run uses) at a shorter budget; final validation perplexity per rate:", "",
-                  "| model | rates tried: ppl | chosen | inside the rates tried |", "|---|---|---:|---|"]
-        for key, c in rates.items():
-            tried = ", ".join(f"{r}: {p:.1f}" for r, p in sorted(c["tried"].items(), key=lambda kv: float(kv[0])))
-            lines.append(f"| {fam.get(key, {}).get('name', key)} | {tried} | {c['chosen']:g} | "
-                         f"{'yes' if c['bracketed'] else 'no (at the edge after widening)'} |")
-        if "lr_sweep.png" in figures:
-            lines += ["", f"![final perplexity against learning rate per family]({figures['lr_sweep.png']})"]
-    w = record.get("width")
-    if w:
-        lines += ["", f"| width (trend) | sMLP-det vs {fam.get(w['best_moe'], {}).get('name', w['best_moe'])} |",
-                  "|---|---:|"]
-        for pt in w["points"]:
-            lines.append(f"| D={pt['d_model']} | {_ci(pt)} |")
-        if "width.png" in figures:
-            lines += ["", f"![sMLP-det's gap against width]({figures['width.png']})"]
-    e = record.get("experts")
-    if e:
-        es = sorted({int(x) for r in e["rows"] for x in r["ppl"]})
-        lines += ["", "| model | " + " | ".join(f"{x} experts" for x in es) + " |", "|---|" + "---:|" * len(es)]
-        for r in e["rows"]:
-            lines.append(f"| {r['name']} | " + " | ".join(
-                f"{r['ppl'][str(x)] if str(x) in r['ppl'] else r['ppl'].get(x, float('nan')):.1f}" for x in es) + " |")
-        if "experts.png" in figures:
-            lines += ["", f"![perplexity against the number of experts]({figures['experts.png']})"]
-    lines += ["", BASE_NOTE, "", SCALE_NOTE]
-    lines += ["", "Generated by `smlp-bench --fair` from `docs/benchmark/fair/results.json` and its stages' records "
-                  "(`docs/benchmark/fair/<stage>/runs.json`, `results.json`)."]
-    return "\n".join(lines)
-
-
-def render_fair_summary(record: dict, figure: str | None, page: str) -> str:
-    """README's answer in one paragraph (the primary verdict with its interval, sMLP-det against dense gMLP as the
-    secondary, the scale), the curves, and the page for the rest."""
-    names = {k: f["name"] for k, f in (record.get("families") or {}).items()}
-    v = record.get("verdicts") or {}
-    p = v.get("primary")
-    t = record["target"]
-    if p is None:
-        return FAIR_PENDING.format(page=page)
-    best = names.get(p["against"], p["against"])
-    text = (f"**Does sMLP-deterministic beat the best Transformer-MoE at matched FLOPs? {_answer(p)}.** "
-            f"At {t['d_model']}-wide models with {t['experts']} experts per sparse layer, trained for about 2M tokens "
-            f"on 2 CPU ranks (about 2M non-expert parameters, each family at its own learning rate), sMLP-det "
-            f"reaches validation perplexity {p['ppl_a']:.1f} against {p['ppl_b']:.1f} for {best}, the "
-            f"Transformer-MoE with the best perplexity in the learning-rate sweep ({_ci(p)}; {p['seeds'][0]} and "
-            f"{p['seeds'][1]} seeds, fixed in advance).")
-    g = next((c for c in v.get("secondary", []) if c["against"] == "gmlp" and c["model"] == "smlp_det"), None)
-    if g:
-        text += (f" Against dense gMLP (secondary): {_answer(g)} ({g['ppl_a']:.1f} against {g['ppl_b']:.1f}, "
-                 f"{_ci(g)}).")
-    text += (" This is the answer at this small scale only; the paper's claim is at hundreds of millions of "
-             "parameters and billions of tokens.")
-    if not record.get("complete"):
-        text += " **PARTIAL: the benchmark has not finished.**"
-    lines = [text]
-    if figure:
-        lines += ["", f"![validation perplexity against tokens and against time, the deciding runs]({figure})"]
-    lines += ["", f"Every family's perplexity per seed, the secondary comparisons, the rule and the expert-count "
-                  f"trend: [{Path(page).name}]({page}). Generated by `smlp-bench --publish`."]
-    return "\n".join(lines)
-
-
 def publish_fair(path: Path, page_text: str, page: Path, figure_dir: Path) -> tuple[str, dict]:
-    """Copy a `smlp-bench --fair` output folder (its results.json at `path`) under figure_dir/fair/ (and its
-    experiment stages under figure_dir/experiments/, where the claims table reads them); returns the page
-    with its section rewritten and the record."""
-    src = path.parent
-    record = _docs_record(path)
-    dst = figure_dir / "fair"
+    """Copy a fair comparison's output folder (its results.json at `path`, unless it is figure_dir/fair itself,
+    where the benchmark writes it) under figure_dir/fair/; returns the page with its section rewritten and the
+    record."""
+    src, dst, record = path.parent, figure_dir / "fair", _docs_record(path)
     dst.mkdir(parents=True, exist_ok=True)
-    in_place = src.resolve() == dst.resolve()  # the benchmark writes its store here (docs/benchmark/fair)
     atomic_write_json(dst / "results.json", record)
-    if not in_place:
+    if src.resolve() != dst.resolve():
         _copy(src, dst, FAIR_FIGURES)
-    for stage in record.get("stages", {}):
-        if in_place:
-            continue
-        rec_path = src / stage / "results.json"
-        if not rec_path.exists():
-            continue
-        stage_rec = _docs_record(rec_path)
-        (dst / stage).mkdir(parents=True, exist_ok=True)
-        atomic_write_json(dst / stage / "results.json", stage_rec)
-        _copy(src / stage, dst / stage, ["figure5.png", "figure.png", "table.md"])
-        if stage_rec.get("kind") == "experiment":
-            exp_dst = figure_dir / "experiments" / stage_rec["experiment"]
-            exp_dst.mkdir(parents=True, exist_ok=True)
-            atomic_write_json(exp_dst / "results.json", stage_rec)
-            _copy(src / stage, exp_dst, ["figure.png", "table.md"])
+        for stage in record.get("stages", {}):
+            if (src / stage / "results.json").exists():
+                (dst / stage).mkdir(parents=True, exist_ok=True)
+                atomic_write_json(dst / stage / "results.json", _docs_record(src / stage / "results.json"))
+                _copy(src / stage, dst / stage, ["figure5.png", "table.md"])
     if (src / "deciding" / "figure5.png").exists():
         shutil.copy2(src / "deciding" / "figure5.png", dst / "figure5.png")
-    for stage_dir in ([] if not in_place else [dst / k for k in record.get("stages", {})]):
-        exp = stage_dir / "results.json"
-        stage_rec = json.loads(exp.read_text()) if exp.exists() else {}
-        if stage_rec.get("kind") == "experiment":  # Table 4 from the deciding speeds: where the claims table reads it
-            exp_dst = figure_dir / "experiments" / stage_rec["experiment"]
-            exp_dst.mkdir(parents=True, exist_ok=True)
-            atomic_write_json(exp_dst / "results.json", stage_rec)
-            _copy(stage_dir, exp_dst, ["figure.png", "table.md"])
     root = page.parent.resolve()
     figures = {name: _link(dst / name, root) for name in (*FAIR_FIGURES, "figure5.png") if (dst / name).exists()}
-    return _replace_section(page_text, FAIR_START, FAIR_END, render_fair(record, figures), page), record
+    return replace_section(page_text, FAIR_START, FAIR_END, render_fair(record, figures), page), record

@@ -1,19 +1,133 @@
-"""The report of a benchmark, complete or not: results.json, the Table 4 style table.md and Figure 5.
+"""A benchmark's report, complete or not, from its run store: results.json, table.md and Figure 5.
 
-`report` reads the recorded runs (runs.json), summarises them (benchmarks/summary.py), adds the
-verdicts (benchmarks/verdicts.py) and writes the three files; `smlp-bench --report` runs it alone.
+Per model (`summarise`): words/s (the mean over seeds of each run's clean median, benchmarks/training.py), the final
+validation perplexity, the curves against tokens, wall time and load-corrected time (tokens / (the run's words/s
+over its adjacent probes' x the median probe words/s): the time at the benchmark's median load, without
+validation), MFU = words/s x training FLOPs per token / the matmul peak measured in the same run (training FLOPs =
+3 x the calculator's forward FLOPs, the paper's convention; "executed" without the causal products' zero triangle),
+the profiled step's breakdown and the peak memory. `ratios`: the paper's comparisons from runs adjacent in time.
+The verdicts come from benchmarks/verdicts.py; `smlp-bench report DIR` runs `report` alone.
 """
 from __future__ import annotations
 
+import math
+import statistics
 from pathlib import Path
 
 from . import schedule as S
 from .machine import machine_info
 from .plots import plot
-from .presets import models_from_plan
-from .schedule import atomic_write_json
-from .summary import probe_median, ratios, speeds, summarise
+from .presets import MOE_BASELINES, REFERENCE, Model, models_from_plan
+from .store import RunStore, atomic_write_json, final_ppl
 from .verdicts import analyse_curves, targets, verdict
+
+# validation perplexities besides `ppl` that runs may log (fairseq_plugins/criterion.py): on the positions
+# sMLP-partial scores, and with balanced routers assigning as in training or routing greedily
+EXTRA_METRICS = ("suffix_ppl", "trained_routing_ppl", "greedy_routing_ppl")
+
+
+def greedy_max_load(record: dict) -> float | None:
+    """The busiest expert's load over the mean, the largest over a run's balanced layers, at its last validation
+    with greedy routing (`load_greedy_<layer>`, --valid-greedy-routing); None when not logged."""
+    last = record["valid"][-1] if record.get("valid") else {}
+    loads = [float(v) for k, v in last.items() if k.startswith("load_greedy_")]
+    return max(loads) if loads else None
+
+
+def speeds(store: RunStore) -> dict:
+    return S.normalized_speeds(store.slots, {rid: r["wps"] for rid, r in store.records.items() if r.get("wps")})
+
+
+def probe_median(store: RunStore) -> float | None:
+    w = [r["wps"] for r in store.records.values() if r["kind"] == S.PROBE and r.get("wps")]
+    return statistics.median(w) if w else None
+
+
+def summarise(store: RunStore, models: list[Model], peak: dict | None) -> dict:
+    settings = store.plan["settings"]
+    norms, meter, out = speeds(store), probe_median(store), {}
+    for m in models:
+        rs = [(s, store.records[s.run_id]) for s in store.slots
+              if s.kind == S.TRAIN and s.key == m.key and s.run_id in store.records]
+        if not rs:
+            continue
+        wps_seed = [r["wps"] for _, r in rs if r.get("wps")]
+        ppl_seed = [final_ppl(r) for _, r in rs if final_ppl(r) is not None]
+        wps = statistics.mean(wps_seed) if wps_seed else None
+        prof = next((r["profile"] for _, r in rs if r.get("profile")), None)
+        curves = []
+        for s, r in rs:
+            tpu = r.get("tokens_per_update") or store.plan["nproc"] * settings["batch_size"] * m.seq_len
+            ups = [int(v["num_updates"]) for v in r["valid"]]
+            tokens = [u * tpu for u in ups]
+            nv = norms.get(s.run_id)
+            speed = nv["norm"] * meter if nv and meter else r.get("wps")
+            curve = {"seed": r["seed"], "updates": ups, "tokens": tokens, "wall": [v["wall"] for v in r["valid"]],
+                     "time": [t / speed for t in tokens] if speed else [], "ppl": [v["ppl"] for v in r["valid"]]}
+            for metric in EXTRA_METRICS:  # logged by the criterion where the benchmark asked for them
+                if r["valid"] and all(metric in v for v in r["valid"]):
+                    curve[metric] = [v[metric] for v in r["valid"]]
+            curves.append(curve)
+        extra = {}
+        greedy = [v for v in (greedy_max_load(r) for _, r in rs) if v is not None]
+        if greedy:
+            extra["greedy_max_load"] = statistics.mean(greedy)
+        for metric in EXTRA_METRICS:
+            finals = [final_ppl(r, metric) for _, r in rs if final_ppl(r, metric) is not None]
+            if finals:
+                extra[f"valid_{metric}"] = statistics.mean(finals)
+                extra[f"valid_{metric}_per_seed"] = finals
+        out[m.key] = {
+            "name": m.title, "layers": m.layers, "fairseq_flags": " ".join(m.flags), "note": m.note,
+            "wps": wps, "wps_std": statistics.stdev(wps_seed) if len(wps_seed) > 1 else 0.0,
+            "wps_per_seed": wps_seed, "speed_vs_reference": S.model_speed(norms, m.key),
+            "valid_ppl": statistics.mean(ppl_seed) if ppl_seed else None,
+            "valid_ppl_std": statistics.stdev(ppl_seed) if len(ppl_seed) > 1 else 0.0,
+            "valid_ppl_per_seed": ppl_seed, "seeds": [r["seed"] for _, r in rs],
+            "flops_per_token": m.train_flops_per_token, "fwd_flops_per_seq": m.fwd_flops_per_seq,
+            "mfu": wps * m.train_flops_per_token / peak["total"] if wps and peak else None,
+            "executed_flops_per_token": m.executed_train_flops_per_token,
+            "mfu_executed": wps * m.executed_train_flops_per_token / peak["total"] if wps and peak else None,
+            "breakdown": prof["breakdown"] if prof else None,
+            "profiled_seconds_per_step": prof["seconds_per_step"] if prof else None,
+            "top_ops": prof["top_ops_rank0"] if prof else None,
+            "peak_mem_mb": max((max(r["peak_rss_mb"]) for _, r in rs if r.get("peak_rss_mb")), default=None),
+            "curves": curves, "seconds": [r["seconds"] for _, r in rs], **extra,
+        }
+        if m.lr is not None:
+            out[m.key]["lr"] = m.lr
+    return out
+
+
+def ratios(results: dict, norms: dict, reference: str = REFERENCE) -> dict:
+    """The comparisons the paper makes (Table 4) and the anchors' checks, each from runs adjacent in time
+    (speed_ratio: median, range lo..hi, pairs); `*_unpaired` are the plain ratios of mean words/s."""
+    def r(a, b):
+        v = S.speed_ratio(norms, a, b) if a in results and b in results else None
+        return v["ratio"] if v else None
+
+    def plain(a, b):
+        wa, wb = results.get(a, {}).get("wps"), results.get(b, {}).get("wps")
+        return wa / wb if wa and wb else None
+
+    others = [k for k in results if k != reference]
+    out = {"reference": reference, "smlp_det_wps_over": {k: r(reference, k) for k in others},
+           "smlp_det_wps_over_range": {k: S.speed_ratio(norms, reference, k) for k in others},
+           "smlp_det_wps_over_unpaired": {k: plain(reference, k) for k in others}}
+    moe = [k for k in MOE_BASELINES if k in results and results[k]["wps"]]
+    if moe and reference in results:
+        fastest = max(moe, key=lambda k: results[k].get("speed_vs_reference") or results[k]["wps"])
+        best = min(moe, key=lambda k: results[k]["valid_ppl"] or float("inf"))
+        out.update(fastest_moe_baseline=fastest, smlp_det_over_fastest_moe=r(reference, fastest),
+                   smlp_det_over_fastest_moe_range=S.speed_ratio(norms, reference, fastest),
+                   best_moe_baseline_ppl=best, smlp_det_ppl_minus_best_moe=(results[reference]["valid_ppl"] or 0)
+                   - (results[best]["valid_ppl"] or 0))
+    out["transformer_over_fairseq"] = r("transformer", "fairseq_transformer_lm")
+    out["base_over_fairseq_base_layers"] = r("base", "fairseq_base_layers")
+    if "base" in results and "fairseq_base_layers" in results and out["base_over_fairseq_base_layers"]:
+        out["base_over_fairseq_base_layers_flop_rate"] = out["base_over_fairseq_base_layers"] * \
+            results["base"]["flops_per_token"] / results["fairseq_base_layers"]["flops_per_token"]
+    return out
 
 
 def table(results: dict, rat: dict, peak: dict | None, machine: dict, plan: dict, complete: bool = True) -> str:
@@ -30,37 +144,31 @@ def table(results: dict, rat: dict, peak: dict | None, machine: dict, plan: dict
              "| MFU (executed) | routing + all2all | peak RSS / rank |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for key, m in results.items():
-        rr = rat["smlp_det_wps_over_range"].get(key)
-        b = m["breakdown"]
-        comm = f"{(b['routing'] + b['all2all']):.1%}" if b else "-"
-        wps = f"{m['wps']:,.0f} ± {m['wps_std']:,.0f}" if m["wps"] else "-"
-        ppl = f"{m['valid_ppl']:.1f} ± {m['valid_ppl_std']:.1f}" if m["valid_ppl"] else "-"
-        speed = f"{rr['ratio']:.2f}x [{rr['lo']:.2f}-{rr['hi']:.2f}]" if rr else "-"
-        mfu = f"{m['mfu']:.1%}" if m["mfu"] else "-"
-        mfu_executed = f"{m['mfu_executed']:.1%}" if m.get("mfu_executed") else "-"
-        mem = f"{m['peak_mem_mb']:.0f} MB" if m["peak_mem_mb"] else "-"
+        rr, b = rat["smlp_det_wps_over_range"].get(key), m["breakdown"]
+        cells = [f"{(b['routing'] + b['all2all']):.1%}" if b else "-",
+                 f"{m['wps']:,.0f} ± {m['wps_std']:,.0f}" if m["wps"] else "-",
+                 f"{m['valid_ppl']:.1f} ± {m['valid_ppl_std']:.1f}" if m["valid_ppl"] else "-",
+                 f"{rr['ratio']:.2f}x [{rr['lo']:.2f}-{rr['hi']:.2f}]" if rr else "-",
+                 f"{m['mfu']:.1%}" if m["mfu"] else "-", f"{m['mfu_executed']:.1%}" if m.get("mfu_executed") else "-",
+                 f"{m['peak_mem_mb']:.0f} MB" if m["peak_mem_mb"] else "-"]
+        comm, wps, ppl, speed, mfu, mfu_executed, mem = cells
         lines.append(f"| {m['name']} | {m['layers']} | {m['flops_per_token'] / 1e9:.4f} | {wps} | {speed} | {ppl} "
                      f"| {mfu} | {mfu_executed} | {comm} | {mem} |")
     return "\n".join(lines)
 
 
+def geo_cell(vals) -> str:
+    """Per-seed perplexities as a table shows them: their geometric mean, then the seeds when there are several."""
+    if not vals:
+        return "-"
+    m = math.exp(statistics.mean(math.log(v) for v in vals))
+    return f"{m:.1f}" + (f" ({', '.join(f'{v:.1f}' for v in vals)})" if len(vals) > 1 else "")
+
+
 def perplexity_table(results: dict, plan: dict, complete: bool = True) -> str:
-    """A perplexity-only table (the fair benchmark's stages, whose runs share the machine: no speed): each
-    model's geometric mean over its seeds, the seeds, their spread (unknown from one seed), and the same on the
-    positions sMLP-partial predicts."""
-    import math
-    import statistics
-
+    """A perplexity-only table (the fair comparison's stages, whose runs share the machine: no speed): per model the
+    geometric mean over its seeds, the seeds, their spread, and the same on the positions sMLP-partial predicts."""
     s, t = plan["settings"], plan["settings"]["target"]
-
-    def geo(vals):
-        return math.exp(statistics.mean(math.log(v) for v in vals))
-
-    def cell(vals):
-        if not vals:
-            return "-"
-        return f"{geo(vals):.1f}" + (f" ({', '.join(f'{v:.1f}' for v in vals)})" if len(vals) > 1 else "")
-
     lines = [f"{plan['name']}: validation perplexity after {s['updates']} updates (D={t['d_model']}, F={t['d_ffn']}, "
              f"T={t['seq_len']}, {t.get('experts', plan['nproc'])} experts), {plan['nproc']} ranks"
              + ("" if complete else " - PARTIAL: the stage has not finished") + ".", "",
@@ -71,8 +179,8 @@ def perplexity_table(results: dict, plan: dict, complete: bool = True) -> str:
         spread = f"{statistics.stdev(math.log(v) for v in vals):.4f}" if len(vals) > 1 else \
             ("unknown (1 seed)" if vals else "-")
         lr = f"{m['lr']:g}" if m.get("lr") is not None else f"{s['lr']:g}"
-        lines.append(f"| {m['name']} | {m['layers']} | {lr} | {cell(vals)} | {spread} | "
-                     f"{cell(m.get('valid_suffix_ppl_per_seed'))} |")
+        lines.append(f"| {m['name']} | {m['layers']} | {lr} | {geo_cell(vals)} | {spread} | "
+                     f"{geo_cell(m.get('valid_suffix_ppl_per_seed'))} |")
     return "\n".join(lines)
 
 
@@ -83,16 +191,14 @@ def fmt(value) -> str:
     return f"{value:.2f}" if abs(value) >= 2 or value < 0 else f"{value:.3f}"
 
 
-def report(store: S.RunStore, out_dir: Path, *, machine: dict | None = None, quiet: bool = False) -> dict:
+def report(store: RunStore, out_dir: Path, *, machine: dict | None = None, quiet: bool = False) -> dict:
     """results.json, table.md and the figure from the recorded runs (complete or not)."""
     plan = store.plan
-    models = models_from_plan(plan)
     peaks = store.extra.get("peaks") or []
-    # the highest of the peaks measured at each start: the least loaded one (MFU is only meaningful on a
-    # quiet machine; under load a run's words/s and the peak are measured at different loads)
+    # the highest of the peaks measured at each start: the least loaded one
     peak = {"total": max(p["total"] for p in peaks), "measurements": peaks} if peaks else None
     machine = machine or store.extra.get("machine") or machine_info()
-    results = summarise(store, models, peak)
+    results = summarise(store, models_from_plan(plan), peak)
     norms = speeds(store)
     complete = not store.pending() and (not plan["settings"].get("second_phase") or "phase2" in store.extra)
     rat = ratios(results, norms, plan["reference"])
@@ -104,11 +210,9 @@ def report(store: S.RunStore, out_dir: Path, *, machine: dict | None = None, qui
               "schedule": [s.as_dict() for s in store.slots], "order_seed": plan["order_seed"],
               "phase2": store.extra.get("phase2"), "matching": store.extra.get("matching"), "machine": machine,
               "peak_flops": peak, "settings": plan["settings"], "target": plan["settings"]["target"],
-              "nproc": plan["nproc"], "seconds": round(_elapsed(store), 1)}
+              "nproc": plan["nproc"], "seconds": round(sum(r.get("seconds", 0.0) for r in store.records.values()), 1)}
     record["analysis"] = analyse_curves(results)
-    if plan["name"].startswith("fair/"):
-        # the fair benchmark's stages: perplexity only, and no verdict here (benchmarks/fair.py `verdicts`, one rule
-        # in one place, decides every sentence it publishes)
+    if plan["name"].startswith("fair/"):  # perplexity only; benchmarks/fair_report.py decides what it says
         record["table_md"] = perplexity_table(results, plan, complete)
     else:
         record["table_md"] = table(results, rat, peak, machine, plan, complete)
@@ -123,7 +227,3 @@ def report(store: S.RunStore, out_dir: Path, *, machine: dict | None = None, qui
     if not quiet:
         print(record["table_md"])
     return record
-
-
-def _elapsed(store: S.RunStore) -> float:
-    return sum(r.get("seconds", 0.0) for r in store.records.values())

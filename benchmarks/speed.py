@@ -1,24 +1,13 @@
 """Training speed of sMLP-det's layouts against gMLP and the Transformer-MoEs, fair configuration (issue 30).
 
-    python -m smlp_bench.speed [--output-dir results/speed] [--updates 40] [--seeds 2] [--resume]
-    python -m smlp_bench.speed --publish results/speed/speed.json      # rewrite its section of docs/benchmarks.md
+    smlp-bench speed [--output-dir results/speed] [--updates 40] [--seeds 2] [--resume]   (python -m smlp_bench.speed)
+    smlp-bench speed --publish results/speed/speed.json      # rewrite its section of docs/benchmarks.md
 
-One question: in words/s on 2 CPU gloo ranks, in smlp-bench --fair's configuration (D=128, F=512, T=128,
-sMLP-det with 9 dense + 3 sparse blocks, 8 experts per sparse layer, 16 sequences per rank, every family
-FLOP-matched to it: benchmarks/fair.py), how fast does sMLP-det train with each parallel layout of its
-sMoE and with its all2all overlapped, against gMLP and the fastest Transformer-MoE? Models:
-
-    smlp_det            --smoe-parallel auto (what the step-time model picks here: replicated)
-    smlp_det_expert     --smoe-parallel expert (the layout before issue 30: the sMoE's rows by all2all)
-    smlp_det_overlap    auto, with --all2all-chunks 2 (each exchange overlapped with the experts)
-    gmlp, switch, base, hash, gshard   the FLOP-matched baselines
-
-The runs are smlp-bench's (benchmarks/plan.py): interleaved rounds (one per seed, the order reversed from
-round to round), a short probe run of sMLP-det before, between and after the runs, every speed ratio from
-runs adjacent in time. Validation is off (a speed question), and 3 steps of every model are profiled
-(the breakdown: routing, all2all, experts, token mixing). The record (OUTPUT_DIR/speed.json, beside
-smlp-bench's results.json) has the issue's targets: sMLP-det at least 1.0x the fastest Transformer-MoE and
-at least 0.92x gMLP; absolute words/s on a loaded machine mean nothing, take the ratios from a quiet one.
+In words/s on 2 CPU gloo ranks, in the fair comparison's configuration, sMLP-det with its sMoE's layout chosen
+(`smlp_det`, replicated here), expert-parallel (`smlp_det_expert`) and with its all2all overlapped
+(`smlp_det_overlap`) against gMLP and the fastest Transformer-MoE, in the harness's interleaved rounds with probes,
+no validation, 3 profiled steps per model; OUTPUT_DIR/speed.json has the issue's targets (1.0x the fastest
+Transformer-MoE, 0.92x gMLP). Take the ratios from a quiet machine.
 """
 from __future__ import annotations
 
@@ -30,31 +19,30 @@ from dataclasses import replace
 from pathlib import Path
 
 from .presets import MOE_BASELINES, NAMES, BenchError, plan_models
-from .schedule import atomic_write_json
+from .publish import PAGE, replace_section
+from .report import report
+from .store import atomic_write_json
+from .training import prepare, run_schedule, vocab_size
 
-PAGE = Path("docs/benchmarks.md")
 START, END = "<!-- smlp-speed:start -->", "<!-- smlp-speed:end -->"
 BASELINES = ("gmlp", "switch", "base", "hash", "gshard")
 VARIANTS = {  # key -> (display name, extra fairseq-train flags of sMLP-det)
     "smlp_det_expert": ("sMLP-det, sMoE expert-parallel", ["--smoe-parallel", "expert"]),
     "smlp_det_overlap": ("sMLP-det, all2all overlapped", ["--all2all-chunks", "2"]),
 }
+MODELS = ("smlp_det", *VARIANTS, *BASELINES)
 TARGETS = (("fastest Transformer-MoE", 1.0), ("gMLP", 0.92))
 
 
 def settings(updates: int, seeds: int) -> dict:
     from .fair import COMMON, FAIR_TARGET
 
-    return dict(COMMON, seeds=seeds, updates=updates, validate_every=10 * updates, profile_steps=3,
-                target=FAIR_TARGET)
-
-
-MODELS = ("smlp_det", *VARIANTS, *BASELINES)
+    return dict(COMMON, seeds=seeds, updates=updates, validate_every=10 * updates, profile_steps=3, target=FAIR_TARGET)
 
 
 def min_updates() -> int:
-    """The fewest updates that leave a clean log interval to read words/s from (training.clean_wps): the
-    first interval is warm-up, and the last `profile_steps` + 2 updates hold the profiled window."""
+    """The fewest updates that leave a clean log interval to read words/s from (training.clean_wps): the first
+    interval is warm-up, the last `profile_steps` + 2 updates hold the profiled window."""
     s = settings(1, 1)
     return 2 * s["log_interval"] + s["profile_steps"] + 2
 
@@ -63,8 +51,7 @@ def models(vocab_size: int, nproc: int, keys=MODELS) -> list:
     """The models of `keys` (sMLP-det, the reference of every ratio, always first)."""
     from .fair import FAIR_TARGET
 
-    unknown = [k for k in keys if k not in MODELS]
-    if unknown:
+    if unknown := [k for k in keys if k not in MODELS]:
         raise BenchError(f"--models: unknown {', '.join(unknown)}; valid: {', '.join(MODELS)}")
     base, _ = plan_models(vocab_size, nproc, ("smlp_det", *(k for k in BASELINES if k in keys)), FAIR_TARGET)
     by_key = {m.key: m for m in base}
@@ -75,23 +62,21 @@ def models(vocab_size: int, nproc: int, keys=MODELS) -> list:
 
 
 def analyse(record: dict) -> dict:
-    """The issue's targets from smlp-bench's record: each sMLP-det variant against gMLP and the fastest
-    Transformer-MoE (ratios of runs adjacent in time, against the probe: summary.py)."""
+    """The issue's targets from the report: each sMLP-det variant against gMLP and the fastest Transformer-MoE
+    (ratios of runs adjacent in time: a variant over another model = (reference over it) / (reference over variant))."""
     res, ratio = record["models"], record["ratios"]["smlp_det_wps_over"]
     moe = [k for k in MOE_BASELINES if k in res and res[k].get("wps")]
     fastest = max(moe, key=lambda k: res[k].get("speed_vs_reference") or 0.0) if moe else None
     rows = []
     for key in ("smlp_det", *VARIANTS):
-        if key not in res:
-            continue
-        # key over another model: (reference over other) / (reference over key)
-        own = 1.0 if key == "smlp_det" else ratio.get(key)
-        row = {"model": key, "name": res[key].get("name") or NAMES.get(key, key), "wps": res[key].get("wps"),
-               "breakdown": res[key].get("breakdown")}
-        for label, other in (("fastest Transformer-MoE", fastest), ("gMLP", "gmlp")):
-            r = ratio.get(other) if other else None
-            row[label] = r / own if r and own else None
-        rows.append(row)
+        if key in res:
+            own = 1.0 if key == "smlp_det" else ratio.get(key)
+            row = {"model": key, "name": res[key].get("name") or NAMES.get(key, key), "wps": res[key].get("wps"),
+                   "breakdown": res[key].get("breakdown")}
+            for label, other in (("fastest Transformer-MoE", fastest), ("gMLP", "gmlp")):
+                r = ratio.get(other) if other else None
+                row[label] = r / own if r and own else None
+            rows.append(row)
     targets = [{"target": f"sMLP-det words/s over {label}" + (f" ({fastest})" if label.startswith("fastest") else ""),
                 "goal": f">= {goal:.2f}x", "measured": rows[0][label] if rows else None,
                 "met": None if not rows or rows[0][label] is None else rows[0][label] >= goal}
@@ -102,9 +87,8 @@ def analyse(record: dict) -> dict:
 
 def markdown(speed: dict) -> str:
     m = speed.get("machine") or {}
-    cpu = m.get("cpu_model") or m.get("cpu", "?")
-    lines = [f"Measured by `python -m smlp_bench.speed` on {cpu}, 2 gloo ranks x 1 thread, "
-             f"{speed['settings']['updates']} updates x {speed['settings']['seeds']} seed(s) per model, fair "
+    lines = [f"Measured by `python -m smlp_bench.speed` on {m.get('cpu_model') or m.get('cpu', '?')}, 2 gloo ranks x "
+             f"1 thread, {speed['settings']['updates']} updates x {speed['settings']['seeds']} seed(s) per model, fair "
              f"configuration (8 experts); {'complete' if speed['complete'] else 'PARTIAL'}.", "",
              f"| sMLP-det | words/s | over gMLP | over the fastest Transformer-MoE ({speed['fastest_moe']}) "
              "| routing + all2all share |", "|---|---:|---:|---:|---:|"]
@@ -122,14 +106,10 @@ def markdown(speed: dict) -> str:
 
 
 def publish(path: Path, page: Path = PAGE) -> None:
-    from .publish import _replace_section
-
-    speed = json.loads(path.read_text())
-    page.write_text(_replace_section(page.read_text(), START, END, markdown(speed), page))
+    page.write_text(replace_section(page.read_text(), START, END, markdown(json.loads(path.read_text())), page))
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m smlp_bench.speed", description=__doc__.split("\n\n")[1])
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-dir", type=Path, default=Path("results/speed"))
     p.add_argument("--updates", type=int, default=40, help="updates per training run (40)")
     p.add_argument("--seeds", type=int, default=2, help="rounds: every model once per seed (2)")
@@ -139,24 +119,23 @@ def main(argv=None) -> int:
     p.add_argument("--resume", action="store_true")
     p.add_argument("--publish", type=Path, default=None, metavar="SPEED_JSON",
                    help="do not train: rewrite the speed section of docs/benchmarks.md from SPEED_JSON")
-    args = p.parse_args(argv)
+
+
+def run(args) -> int:
     if args.publish:
         publish(args.publish)
         print(f"   {PAGE}: the speed section from {args.publish}")
         return 0
     if args.updates < min_updates() or args.seeds < 1:
-        p.error(f"--updates {args.updates}: a run needs at least {min_updates()} updates (--seeds >= 1): words/s "
-                f"are read from log intervals after the first one, outside the profiled steps near the end")
-    from .cli import prepare, vocab_size
-    from .plan import run_schedule
-    from .report import report
-
+        print(f"smlp_bench.speed: error: --updates {args.updates}: a run needs at least {min_updates()} updates "
+              f"(--seeds >= 1): words/s are read from log intervals after the first one, outside the profiled steps "
+              f"near the end", file=sys.stderr)
+        raise SystemExit(2)
     out = args.output_dir.expanduser().absolute()
     out.mkdir(parents=True, exist_ok=True)
-    args.output_dir = out
     t0 = time.time()
     try:
-        data = prepare(args)
+        data = prepare(args.data, out)
         ms = models(vocab_size(data), args.nproc, [k.strip() for k in args.models.split(",") if k.strip()])
         s = dict(settings(args.updates, args.seeds), models=tuple(m.key for m in ms))
         store = run_schedule("speed", s, ms, {}, data, args.nproc, out, resume=args.resume, reference="smlp_det")
@@ -169,6 +148,12 @@ def main(argv=None) -> int:
     print(f"   {out / 'speed.json'} ({(time.time() - t0) / 60:.0f} min); publish with "
           f"python -m smlp_bench.speed --publish {out / 'speed.json'}")
     return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m smlp_bench.speed", description=__doc__.split("\n\n")[2])
+    add_arguments(p)
+    return run(p.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -1,16 +1,11 @@
-"""One training run of the benchmark: the fairseq-train command, running it, and the figures of its log.
+"""The run step: one fairseq-train run through `smlp-launch --nproc W --cpu` (one gloo rank and thread per core), its
+log read as it goes, every worker's peak memory polled and, with `profile=True`, a window of steps near the end
+profiled inside fairseq-train (`SMLP_PROFILE_STEPS`, fairseq_plugins/step_profiler.py); with `code` (a pinned
+Checkout) that commit's command and code. `execute` runs a store's pending slots, recording each at once.
 
-`run_training` runs the real fairseq-train through `smlp-launch --nproc W --cpu` (one gloo rank and
-one thread per core), reads its log as it goes, polls every worker's peak resident memory, and with
-`profile=True` profiles a window of steps near the end inside fairseq-train (`SMLP_PROFILE_STEPS`,
-torch.profiler: routing, all2all, experts, token mixing and the rest of a step). `run_record` turns
-a run into the JSON record `runs.json` keeps.
-
-Words/s are tokens read per second over all ranks: fairseq's `wps` (tokens scored) times
-bsz x seq_len / wpb, which only differs for partial prediction (its routing prefix is read, not
-scored; see `input_tokens_per_target`), from log intervals that contain neither a validation, the
-warm-up, nor the profiled window (`clean_wps`); the figure per run is the median over those
-intervals.
+Words/s are tokens read per second over all ranks: fairseq's `wps` (tokens scored) x bsz x seq_len / wpb (partial
+prediction reads its routing prefix without scoring it), the median over the intervals free of warm-up, validation
+and the profiled window.
 """
 from __future__ import annotations
 
@@ -29,12 +24,16 @@ from pathlib import Path
 from smlp_launch.fairseq_log import as_floats, train_fields, valid_fields
 from smlp_launch.memory import peak_rss, process_tree
 
+from . import machine
 from . import schedule as S
-from .presets import TARGET, BenchError, Model
+from .presets import REFERENCE, TARGET, BenchError, Model, models_from_plan
+from .store import RunStore, final_ppl
 
 BIN = Path(sys.executable).parent
-# probes: words/s from the intervals after this many updates (process start, first allocations)
-PROBE_SKIP_UPDATES = 4
+PROBE_SKIP_UPDATES = 4  # a probe's words/s: from the intervals after this many updates (start-up, allocations)
+# the fields of fairseq's training log intervals a record keeps (the per-layer routing figures stay in the log)
+INTERVAL_FIELDS = ("num_updates", "loss", "nll_loss", "ppl", "wps", "ups", "wpb", "bsz", "lr", "gnorm", "clip",
+                   "train_wall", "wall", "aux_loss")
 
 
 @dataclass
@@ -94,6 +93,28 @@ def _plugins_dir() -> Path:
     return Path(spec.submodule_search_locations[0]).resolve()
 
 
+def prepare(data: Path | None, folder: Path) -> Path:
+    """The data-bin runs train on: `data`, or the demo corpus built once into `folder`/data-bin."""
+    if data:
+        if not (data / "dict.txt").is_file():
+            raise BenchError(f"--data {data} is not a fairseq data-bin (no dict.txt); build one with smlp-prepare-data")
+        return data.expanduser().absolute()
+    from smlp_launch.data import DataPrepError, prepare_data
+
+    try:
+        return prepare_data(folder / "data-bin", demo=True, vocab_size=4000, seed=1,
+                            log=lambda msg: print(f"   {msg}", flush=True))[0]
+    except DataPrepError as exc:
+        raise BenchError(f"data preparation failed: {exc}") from exc
+
+
+def vocab_size(data: Path) -> int:
+    """The size of the dictionary fairseq builds for this data-bin (its specials included)."""
+    from fairseq.data import Dictionary
+
+    return len(Dictionary.load(str(data / "dict.txt")))
+
+
 def profile_window(preset: dict) -> tuple[int, int]:
     """0-based training steps profiled: near the end, after the last validation before it."""
     count = preset["profile_steps"]
@@ -103,8 +124,7 @@ def profile_window(preset: dict) -> tuple[int, int]:
 def run_training(model: Model, data: Path, settings: dict, nproc: int, seed: int, out: Path, *,
                  profile: bool = False, updates: int | None = None, validate: bool = True,
                  log_interval: int | None = None, on_line=None, code=None) -> Run:
-    """One fairseq-train run through smlp-launch; its log goes to out/train.log. With `code` (a
-    benchmarks.pinned.Checkout) the command is that commit's and every process of the run executes its code."""
+    """One fairseq-train run through smlp-launch; its log goes to out/train.log."""
     if out.exists():  # an interrupted run starts again from scratch
         shutil.rmtree(out)
     out.mkdir(parents=True)
@@ -133,12 +153,11 @@ def run_training(model: Model, data: Path, settings: dict, nproc: int, seed: int
                     if on_line:
                         on_line("train", f)
                 elif (logged := valid_fields(line)) is not None:
-                    f = as_floats(logged)
-                    f["wall"] = last_wall
+                    f = {**as_floats(logged), "wall": last_wall}
                     run.valid.append(f)
                     if on_line:
                         on_line("valid", f)
-            code = proc.wait()
+            rc = proc.wait()
         finally:
             if proc.poll() is None:  # interrupted: stop the launcher (it stops its workers)
                 proc.terminate()
@@ -148,26 +167,21 @@ def run_training(model: Model, data: Path, settings: dict, nproc: int, seed: int
                     proc.kill()
             memory.stop.set()
             memory.join(timeout=5)
-    run.seconds = time.perf_counter() - t0
-    run.finished = time.time()
+    run.seconds, run.finished = time.perf_counter() - t0, time.time()
     run.peak_rss_mb = sorted(memory.peaks.values(), reverse=True)[:nproc]
-    if code != 0:
+    if rc != 0:
         tail = "".join((out / "train.log").read_text(errors="replace").splitlines(keepends=True)[-30:])
-        raise BenchError(f"{model.key} (seed {seed}) failed with exit code {code}; log: {out / 'train.log'}\n{tail}")
+        raise BenchError(f"{model.key} (seed {seed}) failed with exit code {rc}; log: {out / 'train.log'}\n{tail}")
     if profile:
         ranks = [json.loads(p.read_text()) for p in sorted(out.glob("profile.rank*.json"))]
         if len(ranks) != nproc:
             raise BenchError(f"{model.key}: expected {nproc} profile files in {out}, found {len(ranks)}")
-        run.profile = _merge_profiles(ranks)
+        # the mean over ranks of each category's share of the step, the slowest rank's step time
+        run.profile = {"breakdown": {c: statistics.mean(r["breakdown"][c] for r in ranks)
+                                     for c in ranks[0]["breakdown"]},
+                       "seconds_per_step": max(r["seconds_per_step"] for r in ranks),
+                       "top_ops_rank0": ranks[0]["top_ops"][:10]}
     return run
-
-
-def _merge_profiles(ranks: list[dict]) -> dict:
-    """Mean over ranks of each category's share of the step, plus the slowest rank's step time."""
-    cats = ranks[0]["breakdown"].keys()
-    return {"breakdown": {c: statistics.mean(r["breakdown"][c] for r in ranks) for c in cats},
-            "seconds_per_step": max(r["seconds_per_step"] for r in ranks),
-            "top_ops_rank0": ranks[0]["top_ops"][:10]}
 
 
 def clean_wps(run: Run, preset: dict) -> list[float]:
@@ -187,50 +201,147 @@ def clean_wps(run: Run, preset: dict) -> list[float]:
     return out
 
 
-def probe_wps(intervals: Sequence[dict], seq_len: int) -> float | None:
-    """A probe's words/s: the median of its intervals after the first PROBE_SKIP_UPDATES updates."""
-    w = [f["wps"] * input_tokens_per_target(f, seq_len) for f in intervals
-         if f.get("num_updates", 0) > PROBE_SKIP_UPDATES and "wps" in f]
-    return statistics.median(w) if w else None
-
-
 def input_tokens_per_target(interval: dict, seq_len: int = TARGET["seq_len"]) -> float:
-    """Tokens the model read per token it was scored on. fairseq's wps counts targets (the
-    criterion's ntokens); a partial-prediction model reads its routing prefix without scoring it, so
-    its wps alone would understate its speed by the prefix share (20%). With bsz sequences of
-    seq_len tokens per update and wpb targets: bsz x seq_len / wpb (1 for every other model)."""
+    """Tokens read per token scored: bsz x seq_len / wpb (fairseq's wps counts targets; a partial-prediction model
+    reads its routing prefix without scoring it, so its wps alone would understate its speed by 20%)."""
     if "bsz" in interval and interval.get("wpb"):
         return interval["bsz"] * seq_len / interval["wpb"]
     return 1.0
 
 
-def final_ppl(record: dict, metric: str = "ppl") -> float | None:
-    """The last validation perplexity of a run record (None: it never validated, or did not log
-    `metric`: `suffix_ppl` the positions sMLP-partial scores, `trained_routing_ppl` balanced routers
-    with their training-time assignment; fairseq_plugins/criterion.py)."""
-    return record["valid"][-1].get(metric) if record.get("valid") else None
-
-
-# the fields of fairseq's training log intervals a record keeps (the per-layer routing figures stay in the log)
-INTERVAL_FIELDS = ("num_updates", "loss", "nll_loss", "ppl", "wps", "ups", "wpb", "bsz", "lr", "gnorm", "clip",
-                   "train_wall", "wall", "aux_loss")
-
-
 def run_record(slot: S.Slot, run: Run, settings: dict, nproc: int, code=None) -> dict:
-    """The JSON record runs.json keeps of a finished run (a probe's words/s, or a training run's clean median),
-    with the code it ran (the pinned commit's `code.identity()`, else machine.code_identity)."""
-    from .machine import code_identity
-
+    """The record runs.json keeps of a finished run (a probe's words/s, or a training run's clean median), with the
+    code it ran (the pinned commit's, else this checkout's)."""
     seq_len = settings["target"]["seq_len"]
-    intervals = [{k: f[k] for k in INTERVAL_FIELDS if k in f} for f in run.intervals]
     rec = {"key": run.key, "seed": run.seed, "kind": slot.kind, "seconds": round(run.seconds, 2),
            "started": run.started, "finished": run.finished, "peak_rss_mb": run.peak_rss_mb,
-           "intervals": intervals, "valid": run.valid, "profile": run.profile, "log": run.log,
-           "code": code.identity() if code is not None else code_identity()}
+           "intervals": [{k: f[k] for k in INTERVAL_FIELDS if k in f} for f in run.intervals], "valid": run.valid,
+           "profile": run.profile, "log": run.log,
+           "code": code.identity() if code is not None else machine.code_identity()}
     if slot.kind == S.PROBE:
-        rec["wps"] = probe_wps(run.intervals, seq_len)
+        w = [f["wps"] * input_tokens_per_target(f, seq_len) for f in run.intervals
+             if f.get("num_updates", 0) > PROBE_SKIP_UPDATES and "wps" in f]
     else:
         w = clean_wps(run, settings)
-        rec["wps"] = statistics.median(w) if w else None
         rec["tokens_per_update"] = nproc * settings["batch_size"] * seq_len
+    rec["wps"] = statistics.median(w) if w else None
     return rec
+
+
+# ---------------------------------------------------------------- a store's runs, in order
+
+
+def second_phase(store: RunStore) -> bool:
+    """After phase 1, append phase 2 once: the models with the lowest final validation perplexity of seed 1 (in
+    phase-1 order) with the plan's other seeds. True if appended."""
+    spec = store.plan["settings"].get("second_phase")
+    if not spec or "phase2" in store.extra or store.pending():
+        return False
+    finals = {s.key: final_ppl(store.records[s.run_id]) for s in store.slots
+              if s.kind == S.TRAIN and s.phase == 1 and s.seed == 1}
+    best = set(sorted((k for k, v in finals.items() if v is not None), key=lambda k: finals[k])[:spec["top"]])
+    keys = [m["key"] for m in store.plan["models"] if m["key"] in best]
+    rounds = S.seed_rounds(keys, spec["seeds"], store.plan["order_seed"], phase=2,
+                           first_round=len(S.plan_seeds(store.plan["settings"])))
+    store.slots = S.extend_schedule(store.slots, rounds, S.probe_reference(store.plan))
+    store.extra["phase2"] = {"models": keys, "rule": f"the {spec['top']} lowest final validation perplexities "
+                                                     f"of phase 1", "seeds": spec["seeds"]}
+    store.save()
+    return True
+
+
+def execute(store: RunStore, models: dict[str, Model], data: Path, *, log_dir: Path, on_recorded=None,
+            code=None) -> None:
+    """Run every pending slot in order (then phase 2, if the plan has one), recording each at once; the runs' logs go
+    under log_dir (the store keeps each run's figures, not its log)."""
+    settings, nproc = store.plan["settings"], store.plan["nproc"]
+    pin = {"code": code} if code is not None else {}
+    for rid in store.prepare_resume():
+        print(f"   resuming: measuring the probe before the next run again ({rid})", flush=True)
+    while True:
+        todo = store.pending()
+        if not todo:
+            if not second_phase(store):
+                return
+            print(f"   phase 2: second seed for {', '.join(store.extra['phase2']['models'])} "
+                  f"({store.extra['phase2']['rule']})", flush=True)
+            continue
+        slot, done, model = todo[0], len(store.finished()), models[todo[0].key]
+        if slot.kind == S.PROBE:
+            run = run_training(model, data, settings, nproc, slot.seed, log_dir / "probes" / slot.run_id,
+                               updates=settings["probe_updates"], validate=False, log_interval=2, **pin)
+            rec = run_record(slot, run, settings, nproc, code)
+            print(f"   [{done + 1}/{len(store.slots)}] probe {slot.run_id}: {rec['wps'] or float('nan'):,.0f} "
+                  f"words/s ({run.seconds:.0f} s)", flush=True)
+        else:
+            first_seed = min(s.seed for s in store.slots if s.kind == S.TRAIN and s.key == slot.key)
+            profile = bool(settings.get("profile_steps")) and model.ours and slot.seed == first_seed
+            run = run_training(model, data, settings, nproc, slot.seed, log_dir / "runs" / slot.run_id,
+                               profile=profile, **pin)
+            rec = run_record(slot, run, settings, nproc, code)
+            ppl = final_ppl(rec)
+            print(f"   [{done + 1}/{len(store.slots)}] {slot.run_id:<28} {rec['wps'] or float('nan'):>8,.0f} words/s, "
+                  f"valid ppl {ppl if ppl is not None else float('nan'):.1f}, {run.seconds:.0f} s "
+                  f"(phase {slot.phase}, round {slot.round})", flush=True)
+        store.record(slot, {**rec, "log": _under(rec.get("log"), log_dir)})
+        left = store.pending()
+        if left:
+            took = {k: [store.records[s.run_id]["seconds"] for s in store.finished() if s.kind == k]
+                    for k in (S.TRAIN, S.PROBE)}
+            est = sum(statistics.mean(took[s.kind]) if took[s.kind] else run.seconds for s in left)
+            print(f"   {len(left)} runs left, about {est / 60:.0f} min", flush=True)
+        if on_recorded is not None and slot.kind == S.TRAIN:
+            try:  # a partial results.json after every training run; never stop the benchmark for it
+                on_recorded()
+            except Exception as exc:  # noqa: BLE001
+                print(f"   (partial report failed: {type(exc).__name__}: {exc})", flush=True)
+
+
+def _under(path: str | None, folder: Path) -> str | None:
+    """A run's log path relative to the logs' folder (a store committed to the repository names no machine's
+    paths); as is when it lies elsewhere."""
+    if path is None:
+        return None
+    try:
+        return str(Path(path).resolve().relative_to(Path(folder).resolve()))
+    except ValueError:
+        return path
+
+
+def run_schedule(name: str, settings: dict, models: Sequence[Model], matching: dict, data: Path, nproc: int,
+                 out_dir: Path, *, resume: bool, order_seed: int = 1, reference: str | None = None,
+                 experiment: str | None = None, log_dir: Path | None = None, after_run=None,
+                 extra: dict | None = None, code=None, before_runs=None) -> RunStore:
+    """Plan, open (or resume) the run store in out_dir, measure the matmul peak and train every pending run (logs
+    under log_dir, default out_dir; `before_runs(store)` once the store is open, `after_run()` after each recorded
+    training run and its partial report; `code`: the pinned commit every run executes, benchmarks/pinned.py)."""
+    from .report import report
+
+    keys = [m.key for m in models]
+    plan = S.make_plan(name, settings, models, nproc, order_seed,
+                       reference or (REFERENCE if REFERENCE in keys else keys[0]), experiment=experiment)
+    store = RunStore.open(out_dir / "runs.json", plan, resume=resume)
+    if not store.slots:
+        store.slots = S.initial_schedule(plan)
+        store.extra["matching"] = matching
+    for k, v in (extra or {}).items():  # facts of the store's start (kept on resume)
+        store.extra.setdefault(k, v)
+    if before_runs is not None:
+        before_runs(store)
+    store.extra["machine"] = machine.machine_info()
+    print(f"   dense matmul peak ({nproc} processes x 1 thread) ...", flush=True)
+    peak = machine.matmul_peak(nproc)
+    store.extra.setdefault("peaks", []).append({"total": peak["total"], "at": time.time()})
+    store.save()
+    print(f"   {peak['total'] / 1e9:.1f} GFLOP/s in total", flush=True)
+    print(f"   training: {len(store.pending())} of {len(store.slots)} runs to go "
+          f"({len([s for s in store.slots if s.kind == S.PROBE])} of them probes)", flush=True)
+
+    def recorded():
+        report(store, out_dir, quiet=True)
+        if after_run is not None:
+            after_run()
+
+    execute(store, {m.key: m for m in models_from_plan(store.plan)}, data, log_dir=log_dir or out_dir,
+            on_recorded=recorded, code=code)
+    return store

@@ -1,9 +1,7 @@
-"""What the figures say: where the curves cross and when the ranking settles, whether sMLP beats the
-best Transformer-MoE (`verdict`), and the issue's targets with their goals (`targets`).
-
-Every rule that turns measured figures into a yes / no / tied sits here; the summary
-(benchmarks/summary.py) only measures, the report and the docs (benchmarks/report.py,
-benchmarks/publish.py) only show.
+"""The rules that turn measured figures into yes / no / tied: the seed rule of the experiments (`compare`), the
+Welch interval of the fair comparison (`t_compare`, T_RULE), where curves cross and when the ranking settles
+(`analyse_curves`), whether sMLP beats the best Transformer-MoE (`verdict`) and the issue's targets (`targets`).
+The report and the docs (benchmarks/report.py, benchmarks/publish.py) only show what these decide.
 """
 from __future__ import annotations
 
@@ -21,13 +19,6 @@ PPL_TARGET_PREFIX = "sMLP-det valid ppl minus the best MoE baseline's"
 RANK_TIE = 0.01
 
 
-# ---------------------------------------------------------------- the one rule for better / tie / worse
-
-SEED_RULE = ("better or worse when the difference of mean log perplexity exceeds twice its standard error, "
-             "sd x sqrt(1/n_a + 1/n_b) with sd the seed-to-seed standard deviation of log perplexity pooled over "
-             "every model of the comparison that has two seeds or more; otherwise a tie")
-
-
 def pooled_log_sd(groups: Iterable[Sequence[float]]) -> dict | None:
     """The seed spread of a comparison: the standard deviation of log perplexity pooled over the models
     (groups of per-seed perplexities) with two seeds or more, and its degrees of freedom. None if no
@@ -43,8 +34,9 @@ def pooled_log_sd(groups: Iterable[Sequence[float]]) -> dict | None:
 
 
 def compare(a: Sequence[float], b: Sequence[float], sd: float | None) -> dict:
-    """Model a against model b from their per-seed perplexities, by SEED_RULE: "better" (a lower),
-    "worse", "tie", or "undecided" when no seed spread is known."""
+    """Model a against model b from their per-seed perplexities: "better" (a lower) or "worse" when the difference
+    of mean log perplexity exceeds twice its standard error, sd x sqrt(1/n_a + 1/n_b) with `sd` the seed spread
+    pooled over the comparison's models (`pooled_log_sd`), else "tie"; "undecided" without a spread."""
     if not a or not b:
         raise ValueError(f"compare needs perplexities on both sides, got {len(a)} and {len(b)}")
     la, lb = statistics.mean(math.log(v) for v in a), statistics.mean(math.log(v) for v in b)
@@ -113,14 +105,6 @@ def t_compare(a: Sequence[float], b: Sequence[float], spread_a: dict | None = No
                bound_pct=max(abs(math.expm1(lo)), abs(math.expm1(hi))),
                verdict="better" if hi < 0 else ("worse" if lo > 0 else "tie"))
     return out
-
-
-def describe(c: dict, a: str, b: str) -> str:
-    """One comparison in words: "sMLP-det 70.1 vs HASH 81.4: 13.9% lower (± 2.1%, 2 x 2 seeds): better"."""
-    if c["se"] is None:
-        return f"{a} {c['ppl_a']:.1f} vs {b} {c['ppl_b']:.1f}: {c['ratio'] - 1:+.1%} (no seed spread known): undecided"
-    return (f"{a} {c['ppl_a']:.1f} vs {b} {c['ppl_b']:.1f}: {c['ratio'] - 1:+.1%} (2 SE {2 * c['se']:.1%}, "
-            f"{c['seeds'][0]} vs {c['seeds'][1]} seeds): {c['verdict']}")
 
 
 def analyse_curves(results: dict, keys: Sequence[str] | None = None) -> dict:

@@ -259,7 +259,7 @@ class FFNExperts(nn.Module):
             self.norm_weight = self.norm_bias = None
         mark_expert(self)
         # unequal counts through torch's grouped matmul: None = on accelerators only (on the CPU it is no
-        # faster than the loop: benchmarks/micro/local_experts.py); True / False force it
+        # faster than the loop: docs/benchmarks.md); True / False force it
         self.grouped: bool | None = None
         self.explicit_experts = False  # the loop, for FLOP counting (flop_forms.py)
 

@@ -102,7 +102,7 @@ def load_gate_bias_offset(state_dict: dict, prefix: str) -> None:
 
 # ---------------------------------------------------------------- causal products
 
-# Rows per block, measured at the benchmark's and the paper's sizes (benchmarks/micro/causal_product.py):
+# Rows per block, measured at the benchmark's and the paper's sizes (docs/benchmarks.md, commit 60aed7a):
 # smaller blocks skip more zeros but make more, thinner GEMMs.
 BLOCK = 128
 

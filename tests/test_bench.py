@@ -131,32 +131,3 @@ def test_speed_refuses_a_run_too_short_to_measure_and_accepts_the_shortest_that_
     with pytest.raises(SystemExit):
         speed.main(["--updates", str(low - 1)])
     assert f"at least {low} updates" in capsys.readouterr().err
-
-
-def test_eval_noise_reads_the_runs_and_gives_each_routing_its_spread_and_error(tmp_path):
-    """smlp_bench.eval_noise on two runs' logs: per family the perplexities of each routing, their spread (sd of
-    log perplexity) and each routing's error over the training-time assignment, and the page section rewritten."""
-    import json
-    import math
-
-    from smlp_bench import eval_noise
-
-    def log(loss, ppl, greedy, trained):
-        return (f"2026 | INFO | train_inner | epoch 001:    400 / 355 loss={loss}, num_updates=400\n"
-                f"2026 | INFO | valid | epoch 001 | valid on 'valid' subset | loss 6.5 | ppl {ppl} | "
-                f"trained_routing_ppl {trained} | greedy_routing_ppl {greedy} | num_updates 400\n")
-
-    for name, args in (("det_a", (6.4, 88.0, 92.0, 88.0)), ("det_b", (6.5, 90.0, 95.0, 90.1))):
-        (tmp_path / name).mkdir()
-        (tmp_path / name / "train.log").write_text(log(*args))
-    page = tmp_path / "page.md"
-    page.write_text(f"x\n{eval_noise.START}\nold\n{eval_noise.END}\ny\n")
-    out = tmp_path / "r.json"
-    assert eval_noise.main([str(tmp_path / "det_a"), str(tmp_path / "det_b"), "--out", str(out),
-                            "--publish", str(page)]) == 0
-    row = json.loads(out.read_text())["families"]["det"]
-    assert row["ppl"] == [88.0, 90.0] and row["train_loss"] == [6.4, 6.5]
-    assert row["ppl_spread"]["sd_log"] == pytest.approx(abs(math.log(88 / 90)) / math.sqrt(2))
-    assert row["greedy_routing_ppl_over_trained"] == pytest.approx([92 / 88 - 1, 95 / 90.1 - 1])
-    text = page.read_text()
-    assert "old" not in text and "| sMLP-det | det_a, det_b |" in text and text.endswith(f"{eval_noise.END}\ny\n")

@@ -7,15 +7,17 @@ import os
 import re
 import shutil
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
 from smlp_bench import cli, machine, presets, publish, training, verdicts
 from smlp_bench import curves as C
 from smlp_bench import schedule as S
-from smlp_bench.plan import execute, initial_schedule, make_plan
+from smlp_bench.presets import BenchError
 from smlp_bench.report import report
+from smlp_bench.schedule import initial_schedule, make_plan
+from smlp_bench.store import RunStore, atomic_write_json
+from smlp_bench.training import execute
 
 KEYS = ["a", "b", "c", "d"]
 
@@ -57,7 +59,7 @@ def test_extending_a_schedule_continues_its_probes_and_refuses_a_duplicate_run()
     assert [s.kind for s in added] == [S.TRAIN, S.PROBE, S.TRAIN, S.PROBE]  # the last probe of phase 1 serves
     assert [s.key for s in added if s.kind == S.TRAIN] == ["b", "c"]        # round 1: reversed
     assert all(s.phase == 2 for s in added)
-    with pytest.raises(S.ScheduleError, match="scheduled twice"):
+    with pytest.raises(BenchError, match="scheduled twice"):
         S.extend_schedule(slots, S.seed_rounds(["b"], [1], 0), "a")
 
 
@@ -112,35 +114,35 @@ def _plan(**kw):
 
 def test_store_writes_atomically_and_resume_skips_finished_runs(tmp_path):
     path = tmp_path / "runs.json"
-    store = S.RunStore.open(path, _plan(), resume=False)
+    store = RunStore.open(path, _plan(), resume=False)
     store.slots = S.extend_schedule([], S.seed_rounds(KEYS, [1], 0), "a")
     store.save()
     for slot in store.slots[:5]:
         store.record(slot, {"kind": slot.kind, "wps": 1.0})
     assert not list(tmp_path.glob(".runs.json.tmp*"))  # the temporary file was renamed
-    with pytest.raises(S.ScheduleError, match="--resume"):
-        S.RunStore.open(path, _plan(), resume=False)  # never overwrite a benchmark in progress
-    with pytest.raises(S.ScheduleError, match="planned differently.*order_seed"):
-        S.RunStore.open(path, _plan(order_seed=1), resume=True)
-    again = S.RunStore.open(path, _plan(), resume=True)
+    with pytest.raises(BenchError, match="--resume"):
+        RunStore.open(path, _plan(), resume=False)  # never overwrite a benchmark in progress
+    with pytest.raises(BenchError, match="planned differently.*order_seed"):
+        RunStore.open(path, _plan(order_seed=1), resume=True)
+    again = RunStore.open(path, _plan(), resume=True)
     assert [s.run_id for s in again.finished()] == [s.run_id for s in store.slots[:5]]
     # slot 5 (a training run) was interrupted: it is the next one; the probe before it is measured again
     assert store.slots[4].kind == S.PROBE and store.slots[5].kind == S.TRAIN
     assert again.prepare_resume() == [store.slots[4].run_id]
     assert [s.index for s in again.pending()][:2] == [4, 5]
-    assert S.RunStore.load(path).records.keys() == again.records.keys()
+    assert RunStore.load(path).records.keys() == again.records.keys()
 
 
 def test_a_stop_while_writing_leaves_the_previous_record(tmp_path, monkeypatch):
     path = tmp_path / "runs.json"
-    S.atomic_write_json(path, {"v": 1})
+    atomic_write_json(path, {"v": 1})
 
     def crash(src, dst):
         raise KeyboardInterrupt  # stopped between writing the temporary file and renaming it
 
     monkeypatch.setattr(os, "replace", crash)
     with pytest.raises(KeyboardInterrupt):
-        S.atomic_write_json(path, {"v": 2})
+        atomic_write_json(path, {"v": 2})
     assert json.loads(path.read_text()) == {"v": 1}
 
 
@@ -171,10 +173,10 @@ def _bench(tmp_path, trainer, resume=False):
                     second_phase=dict(top=2, seeds=[2]))
     models = [presets.Model(k, ["--arch", "x"], 10 ** 9, "1", seq_len=presets.TARGET["seq_len"]) for k in "abc"]
     plan = make_plan("long", settings, models, 2, 0, "a")
-    store = S.RunStore.open(tmp_path / "runs.json", plan, resume=resume)
+    store = RunStore.open(tmp_path / "runs.json", plan, resume=resume)
     if not store.slots:
         store.slots = initial_schedule(plan)
-    execute(store, {m.key: m for m in models}, tmp_path, SimpleNamespace(), out_dir=tmp_path)
+    execute(store, {m.key: m for m in models}, tmp_path, log_dir=tmp_path)
     return store
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from smlp_bench import cli, fair, machine, report, schedule, training
+from smlp_bench import cli, fair, machine, report, store, training
 from smlp_bench import verdicts as V
 
 # the stand-in's optimum rate per family: sMLP-det's above the first sweep (widened twice, to the bound),
@@ -71,7 +71,7 @@ def fake_training(monkeypatch):
     monkeypatch.setattr(machine, "code_identity", lambda: {"commit": "c0ffee", "dirty": False})
     monkeypatch.setattr(fair, "code_identity", lambda: {"commit": "c0ffee", "dirty": False})
     monkeypatch.setattr(report, "plot", lambda *a, **k: None)  # the stages' Figure 5 (the fair figures are drawn)
-    monkeypatch.setattr(schedule.os, "fsync", lambda fd: None)  # runs.json's durability is not what is tested here
+    monkeypatch.setattr(store.os, "fsync", lambda fd: None)  # runs.json's durability is not what is tested here
     return calls
 
 
@@ -128,7 +128,7 @@ def test_the_fair_benchmark_sweeps_decides_and_resumes(tmp_path, data, fake_trai
     monkeypatch.setattr(fair, "code_identity", lambda: {"commit": "beef", "dirty": False})
     monkeypatch.setattr(fair, "perplexity_changes", lambda a, b: ["smlp/moe.py"])
     with _raises_bench_error("smlp/moe.py"):
-        fair.main(cli.build_parser().parse_args([*args, "--resume"]), data, 96)
+        fair.main(cli.parse_args([*args, "--resume"]), data, 96)
     monkeypatch.setattr(fair, "code_identity", lambda: {"commit": "c0ffee", "dirty": False})
     monkeypatch.setattr(fair, "perplexity_changes", lambda a, b: [] if a == b else ["smlp/moe.py"])
     # ... and continues with --resume: finished runs are kept, the interrupted one starts again
@@ -194,7 +194,7 @@ def test_the_fair_benchmark_sweeps_decides_and_resumes(tmp_path, data, fake_trai
     assert "speed-up" not in (out / "deciding" / "table.md").read_text()
 
     # 5. --publish puts the answers in the page and README, from the store in place
-    from smlp_bench import publish
+    from smlp_bench import fair_report, publish
 
     docs = repo / "docs"
     page = docs / "benchmarks.md"
@@ -209,7 +209,7 @@ def test_the_fair_benchmark_sweeps_decides_and_resumes(tmp_path, data, fake_trai
             "larger than") in text
     assert "- Secondary, sMLP-deterministic against Base Layers on all positions: yes" in text
     assert "| sMLP-deterministic | 9+3 | 0.016 |" in text and "| gMLP | 12 | 0.001 (edge) |" in text
-    assert "Rule: " + V.T_RULE in text and publish.SCALE_NOTE in text and publish.BASE_NOTE in text
+    assert "Rule: " + V.T_RULE in text and fair_report.SCALE_NOTE in text and fair_report.BASE_NOTE in text
     answer = summary.split(publish.README_FAIR_START)[1]
     assert answer.startswith("\n**Does sMLP-deterministic beat the best Transformer-MoE at matched FLOPs? no diff")
     assert "for HASH Layers" in answer and "Against dense gMLP (secondary): undecided" in answer

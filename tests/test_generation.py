@@ -442,29 +442,6 @@ def test_expert_parallel_cached_decoding_equals_one_process():
         assert not list(failures), "\n".join(failures)
 
 
-# ---------------------------------------------------------------- the benchmark program
-
-
-def test_generation_benchmark_records_both_modes_per_position(tmp_path):
-    """smlp-bench-generation at the benchmark size, cut to 3 tokens: the record has every generated
-    token's interval for both modes, and the cached tokens equal the recomputed ones."""
-    from smlp_bench.micro.generation import run
-
-    out = tmp_path / "gen.json"
-    record = run(["--models", "smlp_partial,transformer", "--max-new-tokens", "3", "--vocab-size", "64",
-                  "--out", str(out)])
-    assert out.exists() and record["all_same_tokens"]
-    partial, transformer = record["results"]
-    assert partial["prompt_positions"] == 52 and transformer["prompt_positions"] == 1  # P = 0.2 x 256 + </s>
-    for r in record["results"]:
-        assert r["new_tokens"] == 3
-        for mode in ("cached", "full"):
-            # the prefill predicts the first token; each later model call (one position) the next
-            assert r[mode]["positions"] == [r["prompt_positions"] + 1, r["prompt_positions"] + 2]
-            assert all(ms > 0 for ms in r[mode]["per_token_wall_ms"])
-        assert r["speedup_wall"] == r["full"]["total_wall_s"] / r["cached"]["total_wall_s"]
-
-
 @pytest.mark.parametrize("overrides", [dict(family="gmlp", dense_layers=2, token_routed_experts=2),
                                        dict(family="smlp", dense_layers=1, sparse_layers=1, num_experts=2,
                                             smoe_routing="leaky-full-sequence")])

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from smlp_bench import gpu_check
+from smlp_bench import gpu_check, gpu_support
 from tolerance import order_tolerance
 
 REPO = Path(__file__).resolve().parents[1]
@@ -100,10 +100,10 @@ def test_the_timing_harness_produced_numbers(dry_run):
 
 
 def test_the_real_configurations_are_the_fair_one_and_a_gpu_sized_one():
-    fair, gpu = gpu_check.speed_configs(dry_run=False)
+    fair, gpu = gpu_support.speed_configs(dry_run=False)
     assert (fair.d_model, fair.d_ffn, fair.seq_len, fair.dense, fair.sparse, fair.experts) == (128, 512, 128, 9, 3, 8)
     assert (gpu.d_model, gpu.seq_len, gpu.experts, gpu.dtype) == (1024, 512, 8, torch.bfloat16)
-    layers = {k: (c.dense_layers, c.sparse_layers) for k, c in gpu_check.speed_models(fair).items()}
+    layers = {k: (c.dense_layers, c.sparse_layers) for k, c in gpu_support.speed_models(fair).items()}
     assert layers == {"sMLP-det": (9, 3), "gMLP": (12, 0), "Transformer": (7, 0), "Switch": (4, 3),
                       "GShard": (3, 3), "Base": (4, 3), "HASH": (4, 3)}  # the fair benchmark's table
 
@@ -166,6 +166,6 @@ def test_make_gpu_check_runs_uninstalled_and_without_fairseq(tmp_path):
 
 def test_the_fp32_bound_is_the_suites_rounding_rule():
     x = torch.randn(5, 7) * 3
-    assert gpu_check.rounding_bound(x, 64, 5) == pytest.approx(order_tolerance(x, reduction=64, depth=5))
-    assert gpu_check.rounding_bound(x, 9, 2, scale=2.0) == pytest.approx(
+    assert gpu_support.rounding_bound(x, 64, 5) == pytest.approx(order_tolerance(x, reduction=64, depth=5))
+    assert gpu_support.rounding_bound(x, 9, 2, scale=2.0) == pytest.approx(
         order_tolerance(x, reduction=9, depth=2, scale=2.0))

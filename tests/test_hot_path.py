@@ -41,7 +41,7 @@ from smlp.routing import (
     routing_error,
 )
 from smlp_bench.micro.host_syncs import HostSyncCounter, accelerator_paths, count_host_syncs
-from smlp_bench.micro.hot_path import FAMILIES, count_step, tiny_config, tokens
+from tiny_steps import FAMILIES, count_step, tiny_config, tokens
 
 # ---------------------------------------------------------------- the counter
 
@@ -283,7 +283,7 @@ def test_the_budget_holds_for_other_batches(seed):
 
 
 def test_a_padded_partial_prediction_batch_costs_the_criterion_one_read():
-    from smlp_bench.micro.hot_path import _Replay, criterion, fairseq_model, lm_sample
+    from tiny_steps import _Replay, criterion, fairseq_model, lm_sample
 
     torch.manual_seed(0)
     core = LanguageModel(tiny_config("sMLP-partial")).train()
@@ -466,7 +466,7 @@ def test_the_all2all_timer_is_off_by_default_and_never_synchronises(monkeypatch)
 
 
 def test_the_criterion_logs_tensors_and_the_all2all_time_only_when_asked(monkeypatch):
-    from smlp_bench.micro.hot_path import criterion, fairseq_model, lm_sample
+    from tiny_steps import criterion, fairseq_model, lm_sample
 
     torch.manual_seed(0)
     core = LanguageModel(tiny_config("Switch")).train()

@@ -37,7 +37,7 @@ def test_ffn_experts_as_one_product_equal_the_loop(monkeypatch, counts, path, no
     want = _run(experts, experts.forward_loop, x, counts, grad)
     if path == "grouped" and not grouped_mm_supported(x.device, x.dtype):
         pytest.skip("torch's grouped matmul does not run here: the layer loops")
-    experts.grouped = True  # on the CPU the layer loops by default (no faster, benchmarks/micro/local_experts.py)
+    experts.grouped = True  # on the CPU the layer loops by default (no faster, docs/benchmarks.md)
     monkeypatch.setattr(experts, "forward_loop", _refuse)
     got = _run(experts, experts, x, counts, grad)
     for a, b in zip(got, want):

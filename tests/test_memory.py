@@ -169,7 +169,7 @@ def _long_run(rank, world, init_file, steps, results):
 
 @pytest.mark.slow
 def test_no_memory_growth_over_many_updates_on_two_ranks():
-    """300 updates (benchmarks/micro/memory_growth.py runs thousands through fairseq-train); RSS after the first
+    """300 updates (docs/faults.md: the 3,000-update version through fairseq-train was removed); RSS after the first
     20% may move by allocator noise, not by a per-step leak."""
     import torch.multiprocessing as mp
 

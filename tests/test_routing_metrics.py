@@ -40,7 +40,7 @@ def test_router_z_loss_is_the_mean_squared_logsumexp_of_each_row():
 
 
 def _tiny_core(router, **kw):
-    from smlp_bench.micro.hot_path import tiny_config
+    from tiny_steps import tiny_config
 
     torch.manual_seed(0)
     return LanguageModel(tiny_config(router, **kw)).train()
@@ -48,7 +48,7 @@ def _tiny_core(router, **kw):
 
 def test_the_criterion_adds_the_weighted_z_loss_only_when_asked(monkeypatch):
     import smlp.routing.logits  # the router logits, which the registry's route functions call
-    from smlp_bench.micro.hot_path import criterion, fairseq_model, lm_sample, tokens
+    from tiny_steps import criterion, fairseq_model, lm_sample, tokens
 
     captured = []
     real = smlp.routing.logits.router_logits
@@ -111,7 +111,7 @@ def test_routing_figures_come_from_counts_summed_over_ranks():
 
 
 def test_layers_keep_their_counts_and_drops_for_the_logs():
-    from smlp_bench.micro.hot_path import tokens
+    from tiny_steps import tokens
 
     core = _tiny_core("Switch")
     core(tokens())
@@ -175,7 +175,7 @@ def test_the_criterion_scores_every_model_on_the_suffix_partial_prediction_predi
     """--valid-suffix-from N: in validation, suffix_loss is the loss over target positions >= N only (by
     hand from the model's log-probabilities); a partial-prediction model's suffix from its own prefix is
     its loss; nothing is logged in training."""
-    from smlp_bench.micro.hot_path import criterion, fairseq_model, lm_sample, tokens
+    from tiny_steps import criterion, fairseq_model, lm_sample, tokens
 
     core = _tiny_core(router)
     model, dictionary = fairseq_model(core)
@@ -207,7 +207,7 @@ def test_the_criterion_scores_balanced_routers_with_their_training_assignment_to
     """--valid-trained-routing: in validation, trained_routing_loss is the loss of the same targets with every
     balanced router (Base Layers, sMLP's tMoE, sMLP-partial's sMoE) assigning as in training; a model without
     one logs its own loss there; nothing is logged in training (issue 29)."""
-    from smlp_bench.micro.hot_path import criterion, fairseq_model, lm_sample, tokens
+    from tiny_steps import criterion, fairseq_model, lm_sample, tokens
 
     core = _tiny_core(router)
     model, dictionary = fairseq_model(core)

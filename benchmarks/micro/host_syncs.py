@@ -1,4 +1,5 @@
-"""Count host syncs on CPU: the device-to-host reads a CUDA run of the same code would stall on.
+"""Count host syncs on CPU: the device-to-host reads a CUDA run of the same code would stall on (the host syncs of
+the step breakdown, the GPU check's CPU reference, the budget tests/test_hot_path.py enforces).
 
 On a GPU every read of a device value by the host (a Python number from a tensor, a branch on a
 tensor, an output whose size depends on the data) waits until the stream has caught up. On the

@@ -1,49 +1,16 @@
-"""Where a training step of each FLOP-matched family goes, per rank, and its operators (issue 38).
+"""Where a training step of each FLOP-matched family goes (issue 38): the one profiler breakdown, `smlp-bench
+breakdown` (`python -m smlp_bench.micro.step_breakdown`), on one process and on 2 gloo ranks x 1 thread.
 
-    python -m smlp_bench.micro.step_breakdown [--out results/step_breakdown.json] [--size fair|tiny]
-        [--families smlp_det,gmlp,transformer,base,switch,hash,gshard] [--ranks 1,2] [--steps 3]
-        [--warmup 2] [--decode-steps 16] [--smoe-parallel auto|expert|replicated]
-
-One question: what does one training step of each family spend its time and its operators on, on one
-process and on 2 gloo ranks x 1 thread? The models are built from the core (smlp.lm.LanguageModel), in
-smlp-bench --fair's configuration (`--size fair`: D=128, F=512, T=128, 8 experts, 16 sequences per rank,
-the layer counts of benchmarks/fair.py's FAIR_TARGET matched by smlp_bench.presets.plan_models: sMLP-det
-9 dense + 3 sparse blocks, gMLP 12, Transformer 7, Base/Switch/HASH 4 + 3, GShard 3 + 3; it needs
-fairseq for the plan) or tiny (`--size tiny`, for the test). The step is a plain loop, as fairseq's
-train_step runs it (no fairseq around it): zero_grad, forward, loss (cross-entropy + 0.01 x the
-auxiliary loss), backward, the all-reduce of the non-expert gradients (one flat buffer, as legacy_ddp;
-2 ranks only), gradient clipping at 1.0 and Adam. On 2 ranks the tMoE's experts are spread over the
-ranks (all2all) and the sMoE's take `--smoe-parallel` (auto: what fairseq-train would pick,
-smlp.steptime.choose_smoe_layout). Each rank draws its own random tokens.
-
-For each family and world size, on every rank:
-
-- step_ms: --steps steps timed without the profiler (after --warmup untimed ones);
-- breakdown_ms: --steps more steps under torch.profiler, each event's own time by part
-  (smlp.profiling.step_parts): the forward per block type (embedding_head, gmlp_block, smoe, tmoe,
-  attention, ffn; smlp.profiling.BLOCKS says what each holds) and the loss, the backward, the
-  optimizer (zero_grad, clipping, Adam), the gradient all-reduce (its flattening and its collective's
-  transfer), the all2all (the collectives' transfer), other collectives (the routers' price folds),
-  waiting in collectives, the loop's own time between the phases, and `rest`: the profiled steps' wall
-  time that no event holds (profiler and stopwatch edges). Waiting: the collectives are timed on
-  entry on every rank; a rank that enters the i-th collective before its peer waits for it (latest
-  entry - own entry, at most the call's time), the rest of the call is transfer. Also the forward by
-  block and range (routing, all2all, experts, token_mixing of smlp.profiling.RANGES; the dispatcher's
-  local work counts in its block) and the backward by block;
-- ops: the operators of one step that reach the kernels (a TorchDispatchMode below autograd, forward
-  and backward: aten's and the collectives', not the profiler's range marks), by phase and block (the
-  backward's by the block whose forward made the autograd node), and per block of each type;
-  profiler_events: every event the profiler records in a step (composite ops, ranges and autograd
-  nodes included: a larger count);
-- host_syncs: of one step, on the path an accelerator takes (smlp_bench.micro.host_syncs).
-
-And cached decoding at batch 1 (one process, eval mode) of every family: operators of one step per
-block type (the second after the prompt: the first grows the cache), and ms per new token (a prompt
-of T/8 tokens, then --decode-steps steps; the families in turns, round by round).
-
-Absolute times on a shared machine are noise: the record keeps the load average; operator counts are
-exact whatever the load. `--baseline RECORD` copies an earlier record's operator counts (e.g. of an older
-checkout of smlp/ put first on PYTHONPATH, `--label before`) into this one, and the table shows both.
+The core's models (the fair configuration's FLOP matches, `--size fair`, planned by smlp_bench.presets, which needs
+fairseq; or `--size tiny`) train in a plain loop as fairseq's train_step runs it (zero_grad, forward, loss + 0.01 x
+the auxiliary loss, backward, the non-expert gradients' all-reduce on 2 ranks, clipping, Adam). Per family, world
+size and rank: step_ms (no profiler); breakdown_ms, each profiled event's own time by part (smlp.profiling.step_parts:
+the forward per block kind, the loss, the backward, the optimizer, the gradient all-reduce, the all2all, other
+collectives, waiting in collectives, the loop's own time, `rest`), the forward by block and range and the backward
+by block; ops, by phase and block (op_count.py); host syncs on the accelerator's path (host_syncs.py). And cached
+decoding at batch 1: its operators per block and ms per token, with the cache and recomputing the prefix. Times on a
+shared machine are noise (the record keeps the load average); operator counts are exact. `--baseline RECORD` keeps
+an earlier record's operator counts beside this run's (e.g. of an older smlp/ first on PYTHONPATH, `--label before`).
 """
 from __future__ import annotations
 
@@ -53,8 +20,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections import Counter, defaultdict
-from collections.abc import Callable
+from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -62,17 +28,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile, record_function
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from smlp.gmlp import GMLPBlock
 from smlp.lm import LanguageModel, LMConfig
-from smlp.moe import SparseBlock, TMoE
-from smlp.profiling import BLOCKS, COLLECTIVE, STEP, STEP_RANGES, step_parts
-from smlp.token_routed import TokenRoutedGMLPBlock
-from smlp.transformer import TransformerBlock
+from smlp.profiling import COLLECTIVE, STEP, STEP_RANGES, step_parts
 
 from ..machine import code_identity
-from .harness import environment, parser, write_record
+from ..store import environment, write_record
+from .op_count import block_ranges, count_ops, decoding_ops
 
 FAMILIES = ("smlp_det", "gmlp", "transformer", "base", "switch", "hash", "gshard")
 PLANNED = (*FAMILIES, "smlp_partial")  # what --families may name
@@ -90,68 +52,6 @@ COLLECTIVES = ("all_to_all_single", "all_reduce", "all_gather", "all_gather_into
 # the parts of a step, in the table's order (forward/<block> first)
 PARTS = ("backward", "optimizer", "grad_all_reduce", "all2all", "other_collectives", "collective_wait",
          "loop_overhead", "rest")
-
-
-# ---------------------------------------------------------------- the models
-
-
-# ---------------------------------------------------------------- the blocks' ranges (smlp.profiling.BLOCKS)
-
-
-def block_kinds(model) -> list[tuple[object, str, bool]]:
-    """(module, block kind of BLOCKS, whether the module is one block of its kind) for every module of
-    `model` that opens a block range (a Transformer block's norm opens its attention's range but is no
-    block of its own)."""
-    out = []
-    for module in model.modules():
-        if isinstance(module, LanguageModel):
-            out.append((module, "embedding_head", True))
-        elif isinstance(module, (GMLPBlock, TokenRoutedGMLPBlock)):
-            out.append((module, "gmlp_block", True))
-        elif isinstance(module, SparseBlock):
-            out.append((module, "smoe", True))
-        elif isinstance(module, TMoE):
-            out.append((module, "tmoe", True))
-        elif isinstance(module, TransformerBlock):
-            dense = not isinstance(module.ffn, TMoE)
-            out += [(module, "ffn" if dense else "tmoe", dense), (module.norm1, "attention", False),
-                    (module.attn, "attention", True)]
-    return out
-
-
-@contextlib.contextmanager
-def block_ranges(model, listener: Callable[[str, str], None] | None = None):
-    """Within the block, every block's `forward` and `step` (cached decoding) runs inside its BLOCKS range;
-    `listener(event, kind)`, if given, hears ("enter", kind) and ("exit", kind) around each call."""
-    wrapped = []
-    for module, kind, _ in block_kinds(model):
-        for method in ("forward", "step"):
-            original = getattr(module, method, None)
-            if original is None or method in vars(module):
-                continue
-            setattr(module, method, _in_range(original, kind, listener))
-            wrapped.append((module, method))
-    try:
-        yield
-    finally:
-        for module, method in wrapped:
-            delattr(module, method)
-
-
-def _in_range(method, kind: str, listener):
-    name = BLOCKS[kind]
-
-    def run(*args, **kwargs):
-        with record_function(name):
-            if listener is not None:
-                listener("enter", kind)
-            try:
-                return method(*args, **kwargs)
-            finally:
-                if listener is not None:
-                    listener("exit", kind)
-    return run
-
 
 
 def configs(size: str, keys: list[str], vocab_size: int) -> dict[str, LMConfig]:
@@ -314,100 +214,6 @@ def breakdown_ms(parts, waited: list[float], wall: float, steps: int) -> tuple[d
     return scale(out), scale(forward_ranges), scale(backward_blocks)
 
 
-# ---------------------------------------------------------------- operator counts
-
-
-class OpCounter(TorchDispatchMode):
-    """Operators by (phase, block): aten's and the collectives' (c10d), not the profiler's range marks.
-
-    Forward ops count for the innermost block running (smlp.profiling.block_ranges tells it); backward
-    ops for the block whose forward created the autograd node that runs them: each block's span of
-    autograd sequence numbers is marked on entry and exit, and a gradient accumulation counts for the
-    block that owns the parameter."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.counts: Counter = Counter()
-        self.phase: str | None = None
-        self.blocks: list[tuple[str, int]] = []
-        self.spans: list[tuple[int, int, str]] = []
-        self.param_block = {}
-        for module, kind, _ in block_kinds(model):  # outer blocks first: an inner one overrides
-            for p in module.parameters():
-                self.param_block[p] = kind
-        self._paused = False
-        self._node_block: dict = {}
-
-    @contextlib.contextmanager
-    def within(self, phase: str):  # Loop.within
-        self.phase = phase
-        try:
-            yield
-        finally:
-            self.phase = None
-
-    def _sequence_nr(self) -> int:
-        """The next autograd sequence number (a throwaway node takes it; not counted)."""
-        self._paused = True
-        try:
-            with torch.enable_grad():
-                return torch.ones((), requires_grad=True).mul(1).grad_fn._sequence_nr()
-        finally:
-            self._paused = False
-
-    def __call__(self, event: str, kind: str) -> None:  # block_ranges' listener
-        if event == "enter":
-            self.blocks.append((kind, self._sequence_nr()))
-        else:
-            kind, first = self.blocks.pop()
-            self.spans.append((first, self._sequence_nr(), kind))
-
-    def _block_of_node(self, node) -> str:
-        if node not in self._node_block:
-            variable = getattr(node, "variable", None)
-            if variable is not None:  # AccumulateGrad
-                block = self.param_block.get(variable, "unknown")
-            else:
-                seq = node._sequence_nr()
-                inside = [(first, kind) for first, last, kind in self.spans if first <= seq < last]
-                block = max(inside)[1] if inside else ("loss" if self.spans and seq >= self.spans[-1][1] else "unknown")
-            self._node_block[node] = block
-        return self._node_block[node]
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not self._paused and func.namespace != "profiler":
-            node = torch._C._current_autograd_node()
-            if node is not None:
-                self.counts["backward", self._block_of_node(node)] += 1
-            elif self.phase == "forward":
-                self.counts["forward", self.blocks[-1][0] if self.blocks else "embedding_head"] += 1
-            elif self.phase == "backward":
-                self.counts["backward", "engine"] += 1
-            else:
-                self.counts[self.phase or "loop", ""] += 1
-        return func(*args, **(kwargs or {}))
-
-
-def count_ops(loop: Loop, tokens: torch.Tensor) -> dict:
-    """aten operators of one training step by phase and block."""
-    counter = OpCounter(loop.model)
-    loop.within = counter.within
-    try:
-        with block_ranges(loop.model, counter), counter:
-            loop.step(tokens)
-    finally:
-        loop.within = None
-    forward = {b: n for (p, b), n in counter.counts.items() if p == "forward"}
-    backward = {b: n for (p, b), n in counter.counts.items() if p == "backward"}
-    instances = Counter(kind for _, kind, whole in block_kinds(loop.model) if whole)
-    return {"total": sum(counter.counts.values()), "forward": forward, "backward": backward,
-            **{p: sum(n for (q, _), n in counter.counts.items() if q == p)
-               for p in ("loss", "optimizer", "grad_all_reduce", "loop")},
-            "per_block": {b: {"blocks": instances[b], "forward": forward.get(b, 0) // max(instances[b], 1),
-                              "backward": backward.get(b, 0) // max(instances[b], 1)}
-                          for b in sorted(instances)}}
-
-
 # ---------------------------------------------------------------- one family on one rank
 
 
@@ -507,26 +313,9 @@ def run_world(cfgs: dict, world: int, settings: dict) -> list[dict]:
 # ---------------------------------------------------------------- cached decoding
 
 
-class _ForwardOps(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.counts: Counter = Counter()
-        self.blocks: list[str] = []
-
-    def __call__(self, event: str, kind: str) -> None:
-        if event == "enter":
-            self.blocks.append(kind)
-        else:
-            self.blocks.pop()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace != "profiler":
-            self.counts[self.blocks[-1] if self.blocks else "embedding_head"] += 1
-        return func(*args, **(kwargs or {}))
-
-
 def decoding(cfgs: dict, steps: int, rounds: int = 5) -> dict:
-    """Per family: aten operators of one cached decoding step at batch 1 by block, and ms per new token."""
+    """Per family: operators of one cached decoding step at batch 1 by block, and ms per new token with the cache
+    and recomputing the prefix without it."""
     torch.set_num_threads(1)
     models, out = {}, {}
     for key, cfg in cfgs.items():
@@ -544,10 +333,8 @@ def decoding(cfgs: dict, steps: int, rounds: int = 5) -> dict:
             cache = model.new_cache()
             model(tokens[:, :prompt], cache=cache)
             model(tokens[:, prompt:prompt + 1], cache=cache)  # the first step grows the cache's buffers
-            counter = _ForwardOps()
-            with block_ranges(model, counter), counter:
-                model(tokens[:, prompt + 1:prompt + 2], cache=cache)
-            out[key] = {"ops": sum(counter.counts.values()), "ops_by_block": dict(counter.counts)}
+            by_block = decoding_ops(model, tokens[:, prompt + 1:prompt + 2], cache)
+            out[key] = {"ops": sum(by_block.values()), "ops_by_block": by_block}
         for _ in range(rounds):  # the families in turns, so that a change of load weighs on all alike
             for key in out:
                 model, cache = models[key], models[key].new_cache()
@@ -555,9 +342,12 @@ def decoding(cfgs: dict, steps: int, rounds: int = 5) -> dict:
                 for i in range(prompt, prompt + steps):
                     t0 = time.perf_counter()
                     model(tokens[:, i:i + 1], cache=cache)
-                    times[key].append(time.perf_counter() - t0)
+                    t1 = time.perf_counter()
+                    model(tokens[:, :i + 1])  # the same token without the cache: the whole prefix again
+                    times[key].append((t1 - t0, time.perf_counter() - t1))
     for key in out:
-        out[key]["step_ms"] = 1000 * statistics.median(times[key])
+        out[key]["step_ms"] = 1000 * statistics.median(c for c, _ in times[key])
+        out[key]["recompute_ms"] = 1000 * statistics.median(f for _, f in times[key])
     return out
 
 
@@ -620,36 +410,50 @@ def table(record: dict) -> str:
             for label, cell in rows:
                 lines.append(f"{label:<26}" + "".join(f"{cell(f):>16}" for f in families.values()))
     if record.get("decoding"):
-        lines.append("\ncached decoding, batch 1: aten ops per step (by block) and ms per token")
+        lines.append("\ncached decoding, batch 1: aten ops per step (by block) and ms per token (without the cache)")
         for key, d in record["decoding"].items():
             blocks = ", ".join(f"{b} {n}" for b, n in sorted(d["ops_by_block"].items()))
-            lines.append(f"  {key:<14} {d['ops']:>6} ops  {d['step_ms']:7.2f} ms   ({blocks})")
+            full = f" ({d['recompute_ms']:.2f})" if "recompute_ms" in d else ""
+            lines.append(f"  {key:<14} {d['ops']:>6} ops  {d['step_ms']:7.2f} ms{full}   ({blocks})")
     if record.get("baseline"):
         lines += _compared(record)
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-    p = parser("step_breakdown", __doc__.split("\n\n")[2].replace("\n", " "), out="results/step_breakdown.json",
-               warmup=2)
+def add_arguments(p) -> None:
+    p.add_argument("--out", type=Path, default=Path("results/step_breakdown.json"), help="the JSON record")
     p.add_argument("--size", choices=tuple(SIZES), default="fair")
     p.add_argument("--families", default=",".join(FAMILIES), help=f"a subset of {', '.join(PLANNED)}")
     p.add_argument("--ranks", default="1,2", help="world sizes to run (1,2)")
     p.add_argument("--steps", type=int, default=3, help="timed steps, then as many profiled (3)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (2)")
     p.add_argument("--decode-steps", type=int, default=16, help="cached decoding steps per round (16; 0: none)")
     p.add_argument("--smoe-parallel", choices=("auto", "expert", "replicated"), default="auto")
     p.add_argument("--vocab", type=int, default=None, help="vocabulary (fair: 4000, the demo corpus's size)")
     p.add_argument("--label", default="", help="a name for this run in the record (e.g. before, after)")
     p.add_argument("--baseline", type=Path, default=None, help="an earlier record whose operator counts to keep "
                                                                "beside this run's")
-    args = p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m smlp_bench.micro.step_breakdown", description=__doc__.split("\n")[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+def run(args) -> int:
+    def error(msg):
+        raise SystemExit(f"step_breakdown: error: {msg}")
+
     keys = [k for k in args.families.split(",") if k]
     unknown = [k for k in keys if k not in PLANNED]
     if unknown or not keys:
-        p.error(f"--families: unknown {', '.join(unknown) or '(none given)'}; valid: {', '.join(PLANNED)}")
+        error(f"--families: unknown {', '.join(unknown) or '(none given)'}; valid: {', '.join(PLANNED)}")
     worlds = sorted({int(w) for w in args.ranks.split(",") if w})
     if args.steps < 1 or any(w < 1 for w in worlds):
-        p.error("--steps and --ranks must be positive")
+        error("--steps and --ranks must be positive")
     size = SIZES[args.size]
     baseline = json.loads(args.baseline.read_text()) if args.baseline else None
     cfgs = configs(args.size, keys, args.vocab or size["vocab"])

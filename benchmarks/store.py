@@ -1,0 +1,184 @@
+"""Records: the run store every benchmark writes its runs to, the other records, and the one reader of them all.
+
+- `RunStore` (`runs.json`, format smlp-bench-runs/1): a plan, its schedule and each finished run's record,
+  rewritten atomically after every run, so that `--resume` continues where a stop left it;
+- `atomic_write_json` / `write_record`: any other record (results.json, speed.json, a measurement's), whole or not
+  at all;
+- `read_record`: every record kind the benchmarks have written, checked for the fields its readers use
+  (tests/test_records.py reads each record under docs/benchmark/ through it).
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from .presets import BenchError
+from .schedule import Slot
+
+STORE_FORMAT = "smlp-bench-runs/1"
+# record kind -> the fields its readers use
+KINDS = {"runs": ("plan", "schedule", "records"), "preset": ("models", "settings", "nproc", "machine"),
+         "experiment": ("experiment", "claims", "models"), "fair": ("stages", "stages_complete", "target", "rule"),
+         "speed": ("rows", "targets", "settings", "complete"), "measurement": ()}
+
+
+def atomic_write_json(path: Path, obj) -> None:
+    """Write JSON so that a stop at any moment leaves either the old file or the whole new one."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    try:  # the rename itself survives a power cut only once the directory is synced
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+def write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def environment(machine: Mapping | None = None, versions: Mapping | None = None) -> dict:
+    """A measurement's machine (with its load average: absolute times on a shared machine are noise) and versions."""
+    import torch
+
+    return {"machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+                        "loadavg": os.getloadavg(), "platform": platform.platform(), **(machine or {})},
+            "versions": {"torch": torch.__version__, "python": platform.python_version(), **(versions or {})}}
+
+
+def write_record(path: str | Path, record: dict) -> Path:
+    """Write a measurement's record atomically (creating its folder) and say where."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(path, record)
+    print(f"wrote {path}")
+    return path
+
+
+def record_kind(d: dict) -> str:
+    if d.get("format") == STORE_FORMAT:
+        return "runs"
+    if d.get("kind") in KINDS:
+        return d["kind"]
+    if "table_md" in d and "models" in d:
+        return "preset"  # written before records named their kind
+    if "rows" in d and "targets" in d:
+        return "speed"
+    if "question" in d or "benchmark" in d:
+        return "measurement"
+    raise BenchError(f"not a benchmark record: fields {sorted(d)[:8]}")
+
+
+def read_record(path: Path) -> tuple[str, dict]:
+    """(kind, record) of a JSON record of any kind (KINDS); a run store is checked slot by slot."""
+    try:
+        d = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise BenchError(f"cannot read the benchmark record {path}: {exc}") from exc
+    if "format" in d and d["format"] != STORE_FORMAT:
+        raise BenchError(f"{path} is not a benchmark record of this version (format {d['format']!r}, expected "
+                         f"{STORE_FORMAT!r})")
+    kind = record_kind(d)
+    if kind == "measurement" and not {"machine", "environment", "runs"} & set(d):
+        raise BenchError(f"{path}: a measurement without its machine")
+    missing = [k for k in KINDS[kind] if k not in d]
+    if missing:
+        raise BenchError(f"{path}: a {kind} record without {', '.join(missing)}")
+    if kind == "runs":
+        for s in d["schedule"]:
+            Slot.from_dict(s)
+        unknown = set(d["records"]) - {s["run_id"] for s in d["schedule"]}
+        if unknown:
+            raise BenchError(f"{path}: records of runs not in its schedule: {sorted(unknown)[:4]}")
+    return kind, d
+
+
+def final_ppl(record: dict, metric: str = "ppl") -> float | None:
+    """The last validation perplexity of a run record (None: it never validated, or did not log `metric`:
+    `suffix_ppl`, `trained_routing_ppl`, `greedy_routing_ppl`; fairseq_plugins/criterion.py)."""
+    return record["valid"][-1].get(metric) if record.get("valid") else None
+
+
+class RunStore:
+    """`runs.json`: the plan, the schedule and every finished run's record, rewritten atomically."""
+
+    def __init__(self, path: Path, plan: dict, slots: Sequence[Slot] = (), records: dict | None = None,
+                 extra: dict | None = None):
+        self.path = Path(path)
+        self.plan = plan
+        self.slots = list(slots)
+        self.records: dict[str, dict] = dict(records or {})
+        self.extra: dict = dict(extra or {})
+
+    def save(self) -> None:
+        atomic_write_json(self.path, {"format": STORE_FORMAT, "plan": self.plan,
+                                      "schedule": [s.as_dict() for s in self.slots],
+                                      "records": self.records, "extra": self.extra})
+
+    @classmethod
+    def load(cls, path: Path) -> RunStore:
+        kind, d = read_record(path)
+        if kind != "runs":
+            raise BenchError(f"{path} is not a run store (a {kind} record)")
+        return cls(path, d["plan"], [Slot.from_dict(s) for s in d["schedule"]], d["records"], d.get("extra"))
+
+    @classmethod
+    def open(cls, path: Path, plan: dict, *, resume: bool) -> RunStore:
+        """A new store, or with resume the recorded one, whose plan must equal `plan` (models a stage added to its
+        own plan while it ran, extra["added_models"], aside)."""
+        path = Path(path)
+        if not resume:
+            if path.exists():
+                old = cls.load(path)
+                raise BenchError(f"{path.parent} holds a benchmark with {len(old.finished())} of {len(old.slots)} "
+                                 f"runs recorded; pass --resume to continue it, or choose another --output-dir")
+            return cls(path, plan)
+        if not path.exists():
+            raise BenchError(f"--resume: no benchmark record at {path}; start one without --resume")
+        old = cls.load(path)
+        added = set(old.extra.get("added_models", ()))
+        started = {**old.plan, "models": [m for m in old.plan["models"] if m["key"] not in added]} if added \
+            else old.plan
+        diff = [f"{k}: recorded {started.get(k)!r}, now {plan.get(k)!r}" for k in sorted(set(started) | set(plan))
+                if started.get(k) != plan.get(k)]
+        if diff:
+            raise BenchError(f"--resume: the recorded benchmark in {path.parent} was planned differently "
+                             f"({'; '.join(diff)}); rerun with its settings, or choose another --output-dir")
+        return old
+
+    def record(self, slot: Slot, record: dict) -> None:
+        self.records[slot.run_id] = {**record, "slot": slot.as_dict()}
+        self.save()
+
+    def finished(self) -> list[Slot]:
+        return [s for s in self.slots if s.run_id in self.records]
+
+    def pending(self) -> list[Slot]:
+        """Unrecorded slots, in order."""
+        return [s for s in self.slots if s.run_id not in self.records]
+
+    def prepare_resume(self) -> list[str]:
+        """Drop the record of the probe right before the first unrecorded training run (it is measured again, as
+        the load before a stop says nothing of the load after it); returns the run ids dropped."""
+        todo = self.pending()
+        if not todo or todo[0].index == 0:
+            return []
+        prev = self.slots[todo[0].index - 1]
+        if prev.kind == "probe" and todo[0].kind == "train" and prev.run_id in self.records:
+            del self.records[prev.run_id]
+            self.save()
+            return [prev.run_id]
+        return []
