@@ -8,12 +8,13 @@ non-atomic copy. A crash or a SLURM requeue while the ranks save can therefore l
 fairseq would resume each rank from its own file: experts of different updates, or one rank from
 scratch, with no error. Here:
 
-- Writing (`torch_persistent_save`, the copies inside `save_checkpoint`): temporary file in the same
-  directory, fsync, rename, fsync of the directory, so a file is either the old one or the whole new
-  one. A failed write (disk full) removes its temporary file, keeps the previous checkpoint and ends the
-  run with one line naming the file and its folder (`CheckpointWriteError`). A write killed partway
-  (SIGKILL, a lost node) cannot remove its temporary file: each rank removes those of its own checkpoint
-  names when training starts again (`remove_stale_temp_files`), before anything is loaded or written.
+- Writing (`torch_persistent_save`, the copies inside `save_checkpoint`; fairseq_plugins/atomic_files.py):
+  temporary file in the same directory, fsync, rename, fsync of the directory, so a file is either the old
+  one or the whole new one. A failed write (disk full) removes its temporary file, keeps the previous
+  checkpoint and ends the run with one line naming the file and its folder (`CheckpointWriteError`). A
+  write killed partway (SIGKILL, a lost node) cannot remove its temporary file: each rank removes those of
+  its own checkpoint names when training starts again (`remove_stale_temp_files`), before anything is
+  loaded or written.
 - Tagging: every trainer state records under `smlp_shard` its rank, world size, update, epoch and a
   set id `<run id>:<update>` (the run id is drawn by rank 0 when training starts and broadcast), so
   the shards of one save carry the same id and shards of different saves or runs never do.
@@ -39,20 +40,18 @@ fairseq's own files are not changed: `install()` wraps three functions of `fairs
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import os
 import re
-import shutil
-import tempfile
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from smlp.process_group import rank_and_world
 
+from .atomic_files import RANK_FILE as _RANK_FILE
+from .atomic_files import atomic_copy, atomic_torch_save, remove_stale_temp_files
 from .errors import RefusedInput
 
 logger = logging.getLogger(__name__)
@@ -60,138 +59,11 @@ logger = logging.getLogger(__name__)
 SHARD_KEY = "smlp_shard"
 DEFAULT_RESTORE = "checkpoint_last.pt"
 NO_CHECKPOINT = "checkpoint_none.pt"  # what ranks that start from scratch load: no file has this name
-_RANK_FILE = re.compile(r"^(?P<stem>.*)-rank-(?P<rank>\d+)\.pt$")
 _MAX_LISTED = 8
 
 
 class CheckpointSetError(ValueError, RefusedInput):
     """The checkpoint to resume from is not one consistent save, or does not fit this run."""
-
-
-class CheckpointWriteError(OSError, RefusedInput):
-    """A checkpoint could not be written (disk full, quota): said in one line, naming the file and its folder."""
-
-    def __str__(self) -> str:
-        return str(self.strerror)  # without OSError's "[Errno 28] " prefix
-
-
-# ----------------------------------------------------------------------------- atomic writes
-
-
-def _fsync_dir(directory: str) -> None:
-    try:
-        fd = os.open(directory or ".", os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # some filesystems refuse fsync on directories; the rename is still atomic
-        pass
-    finally:
-        os.close(fd)
-
-
-def atomic_write(path: str, write: Callable[[object], None]) -> None:
-    """write(f) into a temporary file next to `path`, fsync it, rename it over `path`.
-
-    A reader sees the old file or the whole new one, never a part. If anything fails (disk full,
-    quota, I/O error) the temporary file is removed, `path` is left as it was, and the error names
-    the file and the free space.
-    """
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=directory)
-    f = None
-    try:
-        with os.fdopen(fd, "wb") as real:
-            f = _WriteErrors(real)
-            write(f)
-            real.flush()
-            os.fsync(real.fileno())
-        os.replace(tmp, path)
-    except BaseException as caught:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        exc = caught
-        if f is not None and f.error is not None and not isinstance(caught, OSError):
-            exc = f.error  # torch.save's zip writer reports a failed write as "unexpected pos N vs M"
-        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            try:
-                free = f"{shutil.disk_usage(directory).free / 2 ** 20:.1f} MiB free"
-            except OSError:
-                free = "free space unknown"
-            raise CheckpointWriteError(
-                exc.errno, f"could not write checkpoint {path}: {os.strerror(exc.errno)} ({free} in {directory}). "
-                           f"The previous {os.path.basename(path)} is unchanged and no partial file was left; free "
-                           f"space (or use --keep-interval-updates / --no-epoch-checkpoints) and resume") from caught
-        if exc is not caught:
-            raise exc from caught
-        raise
-    _fsync_dir(directory)
-
-
-class _WriteErrors:
-    """The file `atomic_write` hands to its writer: keeps the first OSError of its writes (a full disk), which
-    torch.save's zip writer does not pass on: it fails later with `unexpected pos N vs M`."""
-
-    def __init__(self, f):
-        self._f, self.error = f, None
-
-    def write(self, data) -> int:
-        try:
-            return self._f.write(data)
-        except OSError as exc:
-            self.error = self.error or exc
-            raise
-
-    def __getattr__(self, name):
-        return getattr(self._f, name)
-
-
-# atomic_write's temporary files: NAME.pt.XXXXXXXX.tmp (tempfile.mkstemp: 8 of [a-z0-9_])
-_TEMP_FILE = re.compile(r"^(?P<name>checkpoint[^/]*\.pt)\.[a-z0-9_]{8}\.tmp$")
-
-
-def stale_temp_files(save_dir: str, suffix: str) -> list[str]:
-    """The temporary files atomic_write left in `save_dir` for checkpoint names ending in `suffix`.pt (this rank's
-    names: `-rank-R`, or "" for a run that writes one file: then names with a rank suffix are not its own)."""
-    try:
-        names = sorted(os.listdir(save_dir))
-    except OSError:
-        return []
-    out = []
-    for name in names:
-        m = _TEMP_FILE.match(name)
-        if m and m.group("name").endswith(suffix + ".pt") and (suffix or not _RANK_FILE.match(m.group("name"))):
-            out.append(os.path.join(save_dir, name))
-    return out
-
-
-def remove_stale_temp_files(save_dir: str, suffix: str) -> list[str]:
-    """Delete `stale_temp_files`: partial writes of a run killed while it saved (nothing else removes them, and
-    each is up to a whole checkpoint in size). Called by each rank for its own names before training starts,
-    when no rank of this run is writing."""
-    removed = []
-    for path in stale_temp_files(save_dir, suffix):
-        try:
-            size = os.path.getsize(path)
-            os.remove(path)
-        except OSError:
-            continue
-        removed.append(path)
-        logger.warning("removed %s (%.1f MiB): a checkpoint write that never finished (the run was stopped while it "
-                    "saved)", os.path.basename(path), size / 2 ** 20)
-    return removed
-
-
-def atomic_torch_save(obj, path: str) -> None:
-    atomic_write(path, lambda f: torch.save(obj, f))
-
-
-def atomic_copy(src: str, dst: str) -> None:
-    def write(f):
-        with open(src, "rb") as s:
-            shutil.copyfileobj(s, f, 16 * 2 ** 20)
-    atomic_write(dst, write)
 
 
 # ----------------------------------------------------------------------------- tags

@@ -286,7 +286,7 @@ def consolidate(path: str, out: str | None = None) -> str:
         cfg["model"]["num_experts"] = int(merged["model"][keys[0]].shape[0])
         merged["cfg"] = cfg  # stored as plain containers, as fairseq stores it
     out = out or path
-    from .checkpoint_sets import atomic_torch_save
+    from .atomic_files import atomic_torch_save
 
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     atomic_torch_save(merged, out)

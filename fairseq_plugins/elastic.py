@@ -48,12 +48,12 @@ from smlp.experts import is_expert
 from smlp.process_group import rank_and_world
 from smlp.resharding import replicated_keys, reshard_model_state, reshard_optimizer_state, source_positions
 
+from .atomic_files import atomic_torch_save
 from .checkpoint_sets import (
     DEFAULT_RESTORE,
     SHARD_KEY,
     _broadcast,
     _gather,
-    atomic_torch_save,
     check_same_architecture,
     rank_shards,
     read_shard,

@@ -15,12 +15,11 @@ import pytest
 import torch
 
 import fairseq_plugins  # noqa: F401  (installs the hooks)
+from fairseq_plugins.atomic_files import atomic_copy, atomic_torch_save
 from fairseq_plugins.checkpoint_sets import (
     SHARD_KEY,
     CheckpointSetError,
     _candidates_here,
-    atomic_copy,
-    atomic_torch_save,
     decide_resume,
     explain_mismatch,
     read_shard,
@@ -154,7 +153,7 @@ def test_a_write_killed_partway_leaves_a_temporary_file_that_its_rank_removes_at
     """A kill inside atomic_write leaves NAME.pt.XXXXXXXX.tmp (nothing else removes it, and it can be a whole
     checkpoint in size). When training starts again each rank removes those of its own checkpoint names, and
     nothing else: not another rank's, not train.sbatch's `X.pt.tmp`, not a file of another name."""
-    from fairseq_plugins.checkpoint_sets import remove_stale_temp_files, stale_temp_files
+    from fairseq_plugins.atomic_files import remove_stale_temp_files, stale_temp_files
 
     names = ["checkpoint_1_8-rank-1.pt.ab12cd_4.tmp", "checkpoint_last-rank-1.pt.zz99yy88.tmp",
              "checkpoint_last-rank-0.pt.k3j2h1g0.tmp", "checkpoint_last.pt.abcdefgh.tmp",

@@ -168,9 +168,9 @@ if record:
 
 full = _spec("SMLP_FAULT_ENOSPC")
 if full:
-    from fairseq_plugins import checkpoint_sets
+    from fairseq_plugins import atomic_files
 
-    _atomic_write = checkpoint_sets.atomic_write
+    _atomic_write = atomic_files.atomic_write
     numbered = [0]
 
     class _FullDisk:
@@ -209,4 +209,4 @@ if full:
                     os.fdopen = real_fdopen
         return _atomic_write(path, write)
 
-    checkpoint_sets.atomic_write = atomic_write
+    atomic_files.atomic_write = atomic_write
