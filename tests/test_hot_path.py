@@ -31,6 +31,7 @@ from smlp.lm import LanguageModel
 from smlp.moe import TMoE
 from smlp.routing import (
     FAULT_WIDTH,
+    DeferredCheck,
     NonFiniteScoresError,
     assignment,
     balanced_assignment,
@@ -379,11 +380,39 @@ def test_a_deferred_check_raises_what_the_router_raises_on_its_own(router):
     with pytest.raises((NonFiniteScoresError, ValueError)) as own:
         layer.route(x, ids)  # read at once
     plan = layer.route(x, ids, defer_checks=True)
-    assert plan.fault is not None and plan.fault[0] != 0  # left on the device
+    assert isinstance(plan.fault, DeferredCheck)  # left for the dispatcher: a verdict, the record when asked
+    assert plan.fault.flag().tolist() == [True] and plan.fault.record()[0] != 0
     with HostSyncCounter() as c, pytest.raises(type(own.value)) as deferred:
         layer(x, ids)  # read with the split sizes
     assert str(deferred.value) == str(own.value) and str(own.value).startswith("layers.1.ffn (TMoE): ")
-    assert c.count == 1 or router == "base"  # base: plus its auction's checks
+    # the verdict read with the split sizes, then (on the fault path only) the record that words the error
+    assert c.count == 2 or router == "base"  # base: plus its auction's checks
+
+
+@pytest.mark.parametrize("name", ["sMLP-det", "sMLP-partial", "Base", "GShard", "HASH", "Switch"])
+def test_a_training_forward_builds_a_fault_record_only_on_a_fault(name):
+    """A router's check is a verdict of a few operators read with the counts (issue 47: the record's two dozen
+    operators per layer and forward were built in every step); the record, whose figures the error states, is
+    built only once a verdict shows a fault, and the error is the router's own."""
+    from smlp.routing import plan as plan_module
+
+    torch.manual_seed(0)
+    model, x = LanguageModel(tiny_config(name)).train(), tokens()
+    with mock.patch.object(plan_module, "nonfinite_fault", wraps=plan_module.nonfinite_fault) as nonfinite, \
+            mock.patch.object(plan_module, "hash_fault", wraps=plan_module.hash_fault) as hashed:
+        model(x)
+        assert nonfinite.call_count == hashed.call_count == 0
+        if name in ("HASH", "sMLP-det"):  # no scores: token ids always in the table / no router
+            return
+        _, module = [(n, m) for n, m in model.moe_modules() if getattr(m, "router", None) is not None][-1]
+        router = module.router  # the sMoE's router weight, or a tMoE's router module
+        if not isinstance(router, torch.nn.Parameter):
+            router = router.centroids if hasattr(router, "centroids") else router.gate.weight
+        with torch.no_grad():
+            router[0, 0] = float("nan")
+        with pytest.raises(NonFiniteScoresError, match="router scores are not finite"):
+            model(x)
+        assert nonfinite.call_count == 1
 
 
 @pytest.mark.parametrize("router", ["base", "switch", "gshard", "hash"])

@@ -16,8 +16,17 @@ that turns logits into a plan):
 The rules never call a collective; the dispatcher (smlp/dispatch.py) moves the rows.
 """
 from .assignment import balanced_assignment, expert_capacities
-from .plan import FAULT_WIDTH, NonFiniteScoresError, RoutingPlan, hash_fault, nonfinite_fault, routing_error
+from .plan import (
+    FAULT_WIDTH,
+    DeferredCheck,
+    NonFiniteScoresError,
+    RoutingPlan,
+    hash_fault,
+    nonfinite_fault,
+    routing_error,
+)
 from .routes import base_route, hash_route, smoe_partial_route
 
-__all__ = ["balanced_assignment", "expert_capacities", "FAULT_WIDTH", "NonFiniteScoresError", "RoutingPlan",
-           "hash_fault", "nonfinite_fault", "routing_error", "base_route", "hash_route", "smoe_partial_route"]
+__all__ = ["balanced_assignment", "expert_capacities", "FAULT_WIDTH", "DeferredCheck", "NonFiniteScoresError",
+           "RoutingPlan", "hash_fault", "nonfinite_fault", "routing_error", "base_route", "hash_route",
+           "smoe_partial_route"]
