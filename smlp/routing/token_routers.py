@@ -105,7 +105,8 @@ class BaseLayersRouter(Router):
         """
         with torch.no_grad():
             shuffled_SE, shuffle = self.dispatcher.shuffle(scores_SE.detach())
-            expert_S, price_E = balanced_assignment(shuffled_SE, with_prices=True)
+            expert_S, price_E = balanced_assignment(shuffled_SE, with_prices=True,
+                                                    check_every=self.eval_prices.auction_checks)
             self.eval_prices.observe(price_E, shuffled_SE.shape[0])
             return self.dispatcher.unshuffle_assignment(expert_S, shuffle, shuffled_SE)
 
