@@ -256,16 +256,23 @@ def _smlp_det_worker(rank: int, world: int, init: str, out: str) -> None:
                             and all(torch.equal(g, before["grads"][n]) for n, g in once["grads"].items()),
                             "loads": all(torch.equal(a, b) for a, b in zip(once["loads"], before["loads"])),
                             "prices": all(torch.equal(a, b) for a, b in zip(once["prices"], before["prices"]))}}
-            # host reads of a training forward on the accelerator's path, per MoE module
+            # host reads of a training forward on the accelerator's path, per MoE module: the second of two
+            # forwards of the same batch and shuffle (each layer's auction checks first where its last completed)
             model = build(layout)
-            per_module = {}
-            with count_host_syncs() as counter:
-                for name, module in model.moe_modules():
-                    module.register_forward_pre_hook(lambda m, a: setattr(m, "_before", counter.count))
-                    module.register_forward_hook(lambda m, a, o, name=name, into=per_module: into.__setitem__(
-                        name, counter.count - m._before))
-                torch.manual_seed(100 + rank)
-                model(tokens[:, :-1])
+            for _ in range(2):
+                per_module = {}
+                with count_host_syncs() as counter:
+                    hooks = []
+                    for name, module in model.moe_modules():
+                        hooks.append(module.register_forward_pre_hook(
+                            lambda m, a: setattr(m, "_before", counter.count)))
+                        hooks.append(module.register_forward_hook(
+                            lambda m, a, o, name=name, into=per_module: into.__setitem__(name,
+                                                                                          counter.count - m._before)))
+                    torch.manual_seed(100 + rank)
+                    model(tokens[:, :-1])
+                    for hook in hooks:
+                        hook.remove()
             report[layout]["host_reads"] = {"forward": counter.count, "per_module": per_module,
                                             "sites": {k: v for k, v in counter.by_site.items()}}
         dist.barrier()
@@ -284,8 +291,10 @@ def test_an_smlp_det_training_step_on_2_ranks_makes_fewer_collectives_with_the_s
     Per sparse block before: the shuffle's split sizes, the scores, the experts back, the dispatch's counts, the
     tokens out and back (+ the sMoE's counts, rows out and back when spread); now the split sizes once per forward
     (the sMoE's counts too), the dispatch's counts with the experts. The outputs, every gradient, the loads and the
-    prices are bitwise the same (only the exchanges changed), no CPU tensor reaches a collective under NCCL, and a
-    training forward reads the host at most 3 times per balanced layer (counted on the accelerator's path)."""
+    prices are bitwise the same (only the exchanges changed), and no CPU tensor reaches a collective under NCCL.
+    A training forward reads the host (counted on the accelerator's path) once per forward for the shuffle's split
+    sizes, and per balanced layer once for its auction's completion (AuctionChecks: checked first where the
+    layer's last auction completed) and once for its dispatch's counts; a spread sMoE once per forward."""
     torch.multiprocessing.spawn(_smlp_det_worker, args=(2, f"file://{tmp_path}/rdzv", str(tmp_path)), nprocs=2,
                                 start_method="forkserver")
     for rank in range(2):
