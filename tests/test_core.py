@@ -121,6 +121,49 @@ def test_smoe_deterministic_equals_multihead_sgu(split, experts):
     assert within_bound(smoe.norm.weight.grad, sgu.norm.weight.grad, **rule)
 
 
+def _rows_path(smoe: SMoE, z: torch.Tensor) -> torch.Tensor:
+    """The sMoE's forward through its rows, as an exchange needs them: LayerNorm(z2) copied into (channel, sequence)
+    rows, the experts on them, the results permuted back into the gate (what one process ran before issue 47)."""
+    z1, z2 = z.chunk(2, dim=-1) if smoe.cfg.split else (z, z)
+    rows = smoe.route(smoe.norm(z2), 0, training=smoe.training, dtype=z.dtype, defer_checks=True)
+    x_RM, counts_L, dstate = smoe.dispatch(rows)
+    return smoe.combine(smoe.run_experts(x_RM, counts_L), dstate, rows, z1, z.shape[1])
+
+
+@pytest.mark.parametrize("split", [True, False])
+@pytest.mark.parametrize("experts", [1, 4])
+def test_local_deterministic_smoe_mixes_in_place_as_the_multihead_sgu(split, experts):
+    """Every expert here (one process, or the replicated layout): expert i mixes channel chunk i where it lies
+    (issue 47), which is exactly the multi-head SGU with one head per expert (bit for bit, forward and every
+    gradient), and equals the rows' path within the summation-order bound; no row is copied into a layout."""
+    torch.manual_seed(0)
+    smoe = SMoE(SMoEConfig(dim=16, seq_len=10, num_experts=experts, split=split))
+    randomize_spatial_(smoe)
+    with torch.no_grad():
+        smoe.experts.bias_offset.normal_()
+    sgu = SpatialGatingUnit(SGUConfig(dim=16, seq_len=10, heads=experts, split=split))
+    copy_smoe_into_sgu(smoe, sgu)
+    z = torch.randn(3, 9, 16)
+    g = torch.randn(3, 9, 8 if split else 16)
+    results = {}
+    for name, fn, module in (("in place", smoe, smoe), ("sgu", sgu, sgu),
+                             ("rows", lambda x: _rows_path(smoe, x), smoe)):
+        module.zero_grad()
+        x = z.clone().requires_grad_(True)
+        y = fn(x)
+        y.backward(g)
+        grads = [p.grad.clone() for p in module.parameters()]
+        results[name] = [y.detach(), x.grad, *grads]
+    for a, b in zip(results["in place"], results["sgu"]):
+        assert torch.equal(a, b)
+    rule = dict(reduction=3 * 9, depth=2)
+    for a, b in zip(results["in place"], results["rows"]):
+        assert within_bound(a, b, **rule)
+    assert smoe.load_E.tolist() == [3 * 16 // (2 if split else 1) // experts] * experts
+    smoe(torch.randn(3, 7, 16))  # the constant counts are made once per share, not every forward
+    assert list(smoe._constant_counts) == [(3 * 16 // (2 if split else 1) // experts, z.device)]
+
+
 @pytest.mark.parametrize("routing", ["deterministic", "partial"])
 @pytest.mark.parametrize("mode", ["train", "eval"])
 def test_smoe_is_causal(routing, mode):
