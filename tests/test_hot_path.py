@@ -441,6 +441,53 @@ def test_a_decoding_step_raises_what_the_router_raises_on_its_own(router):
     assert str(step.value) == str(own.value) and str(own.value).startswith("layers.1.ffn (TMoE): ")
 
 
+class _Ops(torch.utils._python_dispatch.TorchDispatchMode):
+    """The operators that reach the kernels (below autograd), by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_decoding_step_takes_its_experts_and_prices_as_prepared():
+    """Cached decoding (issue 47): a tMoE step picks its expert's weights from views made once and routes by prices
+    divided out once, so neither costs an operator per token (8 of the 33 of a Base Layers step before); the views
+    and prices follow every change of the weights and buffers (in place, a load, a move), and the step equals the
+    layer's forward."""
+    torch.manual_seed(0)
+    layer = TMoE(TMoEConfig(d_model=8, d_ffn=16, num_experts=4, router="base")).eval()
+    with torch.no_grad():
+        layer.experts.w2.normal_()
+        layer.router.eval_prices.observe(torch.randn(4), rows=8)
+        layer.router.eval_prices.fold(layer.router.eval_prices.pending_E1.clone())
+    x = torch.randn(1, 8)
+    with torch.no_grad():
+        layer.step(x)  # prepares
+        with _Ops() as ops:
+            y = layer.step(x)
+        assert not [n for n in ops.names if "select" in n or "unbind" in n or "div" in n or "clamp" in n], ops.names
+        assert len(ops.names) <= 25, ops.names
+        torch.testing.assert_close(y, layer(x))
+        # an in-place update, a load, a move to another dtype, new prices: each reaches the next step
+        layer.experts.w1.mul_(2)
+        torch.testing.assert_close(layer.step(x), layer(x))
+        state = {k: v * 3 if k.endswith("b2") or k.endswith("price_E") else v for k, v in layer.state_dict().items()}
+        layer.load_state_dict(state)
+        torch.testing.assert_close(layer.step(x), layer(x))
+        layer.load_state_dict({k: v.clone() * 0.5 for k, v in state.items()}, assign=True)
+        torch.testing.assert_close(layer.step(x), layer(x))
+        layer.double()
+        torch.testing.assert_close(layer.step(x.double()), layer(x.double()))
+        layer.router.eval_prices.price_E.mul_(-1)
+        assert torch.equal(layer.router.eval_prices.prices(),
+                           layer.router.eval_prices.price_E / layer.router.eval_prices.price_weight.clamp(min=1e-12))
+        torch.testing.assert_close(layer.step(x.double()), layer(x.double()))
+
+
 def test_standalone_routers_still_raise_at_once():
     with pytest.raises(NonFiniteScoresError, match="base router: router scores are not finite in 32 of 32"):
         base_route(torch.full((32, 4), float("nan")))

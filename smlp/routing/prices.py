@@ -63,6 +63,7 @@ class RouterPrices(nn.Module):
         self.decay, self.eval_routing = decay, eval_routing
         self.route_greedily = False  # LanguageModel.routing_greedily: the greedy diagnostic
         self.auction_checks = AuctionChecks()  # the layer's assignments' completion checks on an accelerator
+        self._prices: tuple | None = None  # (the buffers' versions, `prices()`): made once per change
         self.register_buffer("price_E", torch.zeros(num_experts))
         self.register_buffer("price_weight", torch.zeros(()))
         self.register_buffer("pending_E1", torch.zeros(num_experts + 1))
@@ -104,8 +105,13 @@ class RouterPrices(nn.Module):
             return self.route(scores_SE.detach()) if self.priced else None
 
     def prices(self) -> Tensor:
-        """(E,) the bias-corrected average; zeros before any training step (0 / tiny)."""
-        return self.price_E / self.price_weight.clamp(min=1e-12)
+        """(E,) the bias-corrected average; zeros before any training step (0 / tiny). Made once per change of
+        the buffers (a fold, a load, a move; their version counters tell), not once per decoding step."""
+        key = tuple((id(t), t._version, t.data_ptr()) for t in (self.price_E, self.price_weight))
+        if self._prices is None or self._prices[0] != key:
+            with torch.no_grad():
+                self._prices = (key, self.price_E / self.price_weight.clamp(min=1e-12))
+        return self._prices[1]
 
     def route(self, scores_SE: Tensor) -> Tensor:
         """(S,) each row's expert: argmax_e(score - price_e), row by row (greedy before any training step)."""
