@@ -163,6 +163,7 @@ def test_local_deterministic_smoe_mixes_one_sequence_in_place_as_the_multihead_s
     for a, b in zip(results["in place"], results["rows"]):
         assert within_bound(a, b, **rule)
     assert ops["in place"][0] < ops["rows"][0] and ops["in place"][1] < ops["rows"][1], ops
+    assert_causal(smoe, torch.randn(1, 10, 16), first_checked=0, positions=[0, 4, 8])
     C = 16 // (2 if split else 1)
     assert smoe.load_E.tolist() == [C // experts] * experts
     smoe(torch.randn(3, 7, 16))  # the rows' path; the constant counts are made once per share, not every forward
