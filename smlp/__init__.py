@@ -48,7 +48,7 @@ capital (n of N positions, c = C / H of an SGU head's channels); `E1` is E + 1 e
     K  expert slots per row (top-k: 1, or 2 for GShard)
     E  experts of a layer                     L  local experts of a rank, E / W
     W  ranks of an expert-parallel group      R  rows a rank's experts compute (received, or tiled)
-    X  values each rank sends every other rank with its row counts (and a router's fault record)
+    X  values each rank sends every other rank with its row counts (and a router's check verdict)
     Z  the balanced-assignment auction's key-table rows: E padded to a power of two
     Blocks of a computation
     A  batch entries of a spatial product    G  weight groups of a spatial product

@@ -2,7 +2,7 @@
 
 Shapes: the core's legend (smlp/__init__.py); here S rows on this rank, R rows its experts receive
 (grouped by local expert), D row width (M positions for sMoE rows), X values each rank sends every
-other rank with its counts (row counts, a router's fault record, the row width).
+other rank with its counts (row counts, a router's check verdict, the row width).
 
 Both dispatchers share one interface, so every expert-parallel layer has a single-process twin:
 

@@ -48,7 +48,7 @@ class Router(nn.Module):
     def forward(self, x_SD: Tensor, token_ids_S: Tensor | None = None, *, layer: str = "router",
                 defer_checks: bool | str = False) -> RoutingPlan:
         """The rows' plan. `layer` names the layer in errors; defer_checks leaves the input check in the
-        plan's fault record for the dispatcher to read (plan.py), or with FLAG_ONLY its bare verdict.
+        plan for the dispatcher to read (a DeferredCheck, plan.py), or with FLAG_ONLY its bare verdict.
 
         Returns:
             RoutingPlan: experts_SK (S, K), weights_SK (S, K), aux_loss (scalar or None), fault
