@@ -32,7 +32,7 @@ from .routing.plan import FLAG_ONLY, RoutingPlan, count_rows
 from .routing.prices import RouterPrices
 from .routing.registry import SMOE_ROUTINGS, TOKEN_ROUTERS
 from .routing.token_routers import hash_table
-from .spatial import causal_product, causal_weight, check_length
+from .spatial import causal_product, check_length
 
 __all__ = ["TMoE", "SMoE", "SparseBlock", "SMoERows", "TokenSlots", "hash_table", "LEAKY_ROUTING_WARNING"]
 
@@ -363,7 +363,8 @@ class SMoE(nn.Module):
         check_length(n, cfg.seq_len)
         P = min(cfg.prefix_len, n)  # a sequence no longer than the routing prefix has nothing to predict
         z1_BNC, z2_BNC = z_BNF.chunk(2, dim=-1) if cfg.split else (z_BNF, z_BNF)
-        if self.deterministic and z_BNF.shape[0] == 1 and self.dispatcher.num_local_experts == cfg.num_experts:
+        if (self.deterministic and z_BNF.shape[0] == 1 and self.dispatcher.num_local_experts == cfg.num_experts
+                and not self.experts.explicit_spatial):  # the FLOP counter's form: the experts' dense product
             return self._mix_in_place(z1_BNC, self.norm(z2_BNC))
         rows = self.route(self.norm(z2_BNC), P, training=self.training or self.assign_as_in_training,
                           dtype=z_BNF.dtype, defer_checks=True)
@@ -394,11 +395,7 @@ class SMoE(nn.Module):
         self.load_E, self.comm_time = self._share_counts(C // E * B, v_BNC.device)[1:], None
         experts = self.experts
         with record_function(RANGES["token_mixing"]):  # the sMoE's experts mix positions
-            v_BNEc = v_BNC.reshape(B, n, E, C // E)
-            if experts.explicit_spatial:  # the masked dense product (FLOP counting: the paper's full T x T)
-                y_BNEc = torch.einsum("ets,bsec->btec", causal_weight(experts.weight, n), v_BNEc)
-            else:
-                y_BNEc = causal_product(experts.weight, v_BNEc)
+            y_BNEc = causal_product(experts.weight, v_BNC.reshape(B, n, E, C // E))
             dev_BNC = (y_BNEc + experts.bias_offset[:, :n].t()[None, :, :, None]).reshape(B, n, C)
         return z1_BNC + z1_BNC * dev_BNC
 
