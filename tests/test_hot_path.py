@@ -27,8 +27,9 @@ from unittest import mock
 import pytest
 import torch
 
+from smlp.comm_timer import CommTimer
 from smlp.config import TMoEConfig
-from smlp.dispatch import CommTimer, LocalDispatcher
+from smlp.dispatch import LocalDispatcher
 from smlp.lm import LanguageModel
 from smlp.moe import TMoE
 from smlp.routing import (
