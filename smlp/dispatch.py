@@ -389,6 +389,7 @@ class AllToAllDispatcher(LocalDispatcher):
         # global ranks of the group, named in routing errors
         self.group_ranks = (list(range(world)) if ep_group is None
                             else [dist.get_global_rank(ep_group, r) for r in range(world)])
+        self._indices: dict = {}  # split sizes -> _AssignmentIndex (`unshuffle_assignment`)
 
     def _exchange_counts(self, counts_WX: Tensor) -> Tensor:
         """counts_WX[w] goes to rank w; returns what arrives from each rank, on the collective's device."""
@@ -444,27 +445,27 @@ class AllToAllDispatcher(LocalDispatcher):
         """
         W, L, E = self.world_size, self.num_local_experts, self.num_experts
         device = expert_R.device
-        # 1. one scatter into (W, E + 1): column E counts the non-finite rows
-        first_R = self._once("the shuffled rows' sources", (tuple(state.recv_splits), E), lambda: torch.cat(
-            [expert_R.new_full((n,), w * (E + 1)) for w, n in enumerate(state.recv_splits)]))
-        counts_WE1 = torch.zeros(W * (E + 1), dtype=torch.long, device=device)
-        counts_WE1.scatter_add_(0, expert_R + first_R, torch.ones_like(expert_R))
-        counts_WE1.scatter_add_(0, first_R + E, nonfinite_rows(scores_RE).long())
-        counts_WE1 = counts_WE1.view(W, E + 1)
+        X = E + W * L + W
+        key = (tuple(state.send_splits), tuple(state.recv_splits), E, X, device)
+        index = self._indices.get(key)
+        if index is None:  # the same split sizes come back step after step: kept for the last few
+            index = self._indices[key] = _AssignmentIndex(state, E, X, device)
+            while len(self._indices) > 4:
+                self._indices.pop(next(iter(self._indices)))
+        # 1. one scatter into (W, E + 1); a non-finite row counts in column E instead of its expert's (then
+        #    every rank raises before the counts are used)
+        at_R = torch.where(nonfinite_rows(scores_RE), index.bad_R, expert_R + index.first_R)
+        counts_WE1 = torch.zeros(W * (E + 1), dtype=torch.long, device=device).scatter_add_(
+            0, at_R, torch.ones_like(at_R)).view(W, E + 1)
         c_WE, bad_W = counts_WE1[:, :E], counts_WE1[:, E]
         # 2. row h of extra_WX goes to rank h, after the experts of h's rows
         extra_WX = torch.cat([c_WE, c_WE.reshape(W, W, L).transpose(0, 1).reshape(W, W * L), bad_W.expand(W, W)], 1)
-        X = extra_WX.shape[1]
-        rows_W = expert_R.split(state.recv_splits)
-        send = torch.cat([part for h in range(W) for part in (rows_W[h], extra_WX[h])])
-        out_splits, in_splits = [n + X for n in state.send_splits], [n + X for n in state.recv_splits]
+        send = torch.cat([expert_R, extra_WX.view(-1)])[index.send]
         with self.timer(device):
-            received = _exchange(send, out_splits, in_splits, self.ep_group)
+            received = _exchange(send, index.out_splits, index.in_splits, self.ep_group)
         # 3. this rank's rows' experts (in the order they were sent) and the counts summed over the assigners
-        pieces = received.split(out_splits)
-        expert_S = torch.cat([p[:n] for p, n in zip(pieces, state.send_splits)])
-        counts_X = torch.stack([p[n:] for p, n in zip(pieces, state.send_splits)]).sum(0)
-        return _unsort_rows(expert_S, state.order_S), counts_X
+        counts_X = received[index.received_counts].view(W, X).sum(0)
+        return _unsort_rows(received[index.received_experts], state.order_S), counts_X
 
     @property
     def _device(self) -> torch.device:
@@ -615,6 +616,27 @@ class AllToAllDispatcher(LocalDispatcher):
             out.append(torch.bincount(source_R[first:first + c], minlength=W).tolist())
             first += c
         return out
+
+
+class _AssignmentIndex:
+    """Where `unshuffle_assignment`'s values go, for one shuffle's split sizes (kept while they recur): each
+    received row's place in the (W, E + 1) counts, the send buffer's order (rank h's rows' experts, then the
+    X counts for h) and where the experts and the counts lie in what arrives. Made on the device from
+    ranges: no host-to-device copy."""
+
+    def __init__(self, state: ShuffleState, E: int, X: int, device: torch.device):
+        sent, received = state.send_splits, state.recv_splits
+        R = sum(received)
+        self.first_R = torch.cat([torch.full((n,), w * (E + 1), dtype=torch.long, device=device)
+                                  for w, n in enumerate(received)])
+        self.bad_R = self.first_R + E
+        starts = [sum(received[:h]) for h in range(len(received))]
+        self.send = torch.cat([torch.arange(a, b, device=device) for h, n in enumerate(received)
+                               for a, b in ((starts[h], starts[h] + n), (R + h * X, R + (h + 1) * X))])
+        self.out_splits, self.in_splits = [n + X for n in sent], [n + X for n in received]
+        firsts = [sum(self.out_splits[:a]) for a in range(len(sent))]
+        self.received_experts = torch.cat([torch.arange(f, f + n, device=device) for f, n in zip(firsts, sent)])
+        self.received_counts = torch.cat([torch.arange(f + n, f + n + X, device=device) for f, n in zip(firsts, sent)])
 
 
 def _sort_rows(x_SD: Tensor, expert_S: Tensor, presorted: bool) -> tuple[Tensor | None, Tensor]:
