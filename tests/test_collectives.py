@@ -2,12 +2,17 @@
 
 NCCL rejects CPU tensors; a CPU-only machine runs gloo, which accepts them. The collectives of the
 project (audited: smlp/dispatch.py's all2all and its split/width exchanges, Base Layers' token shuffle
-and unshuffle with their backward, the optimizer step's fold of the balanced routers' prices (one all-reduce for
-every layer, smlp/routing/prices.py), smlp/expert_data_parallel.py's replica all-reduce of expert gradients,
+and unshuffle with their backward and the assigned experts' way home with the dispatch's counts, the
+optimizer step's fold of the balanced routers' prices (one all-reduce for every layer,
+smlp/routing/prices.py), smlp/expert_data_parallel.py's replica all-reduce of expert gradients,
 the zero-shot scorer's batch-count max and score sum, the generation token broadcast, the end-of-run barrier, and
 smlp-launch's graceful-stop vote; fairseq_plugins calls none itself) run here on 2 gloo ranks under
 `tests/fake_nccl.pretend_nccl()`, which reports an NCCL backend and fails on any CPU tensor that
 reaches a collective. A negative control shows the check fails on the mistake it exists for.
+
+The same runs count the collectives of a training step of sMLP-det on 2 ranks (issue 47: the shuffle's split
+sizes and the deterministic sMoE's counts once per forward, the dispatch's counts home with the assigned experts)
+and check that the step computes bit for bit what the per-layer exchanges computed.
 """
 from __future__ import annotations
 
