@@ -13,6 +13,7 @@ import here: the fairseq registrations live in `fairseq_plugins/`.
     moe.py                 the tMoE and sMoE layers as stages, and the sMLP sparse block
     routing/               where a row goes: the router registry, logits, rules, balanced assignment
     dispatch.py            dispatchers: move routed rows to their experts' ranks and back
+    comm_timer.py          the dispatchers' all2all time, measured when asked
     experts.py             FFN and spatial experts: the parameters that live on one rank
     expert_data_parallel.py  expert-parallel layouts and groups, expert gradients and their norm
     resharding.py          moving expert weights and optimizer state between layouts
@@ -48,7 +49,7 @@ capital (n of N positions, c = C / H of an SGU head's channels); `E1` is E + 1 e
     K  expert slots per row (top-k: 1, or 2 for GShard)
     E  experts of a layer                     L  local experts of a rank, E / W
     W  ranks of an expert-parallel group      R  rows a rank's experts compute (received, or tiled)
-    X  values each rank sends every other rank with its row counts (and a router's fault record)
+    X  values each rank sends every other rank with its row counts (and a router's check verdict)
     Z  the balanced-assignment auction's key-table rows: E padded to a power of two
     Blocks of a computation
     A  batch entries of a spatial product    G  weight groups of a spatial product

@@ -2,36 +2,36 @@
 
 Shapes: the core's legend (smlp/__init__.py); here S rows on this rank, R rows its experts receive
 (grouped by local expert), D row width (M positions for sMoE rows), X values each rank sends every
-other rank with its counts (row counts, a router's fault record, the row width).
+other rank with its counts (row counts, a router's check verdict, the row width).
 
 Both dispatchers share one interface, so every expert-parallel layer has a single-process twin:
 
     x_RD, counts_L, state = dispatcher.dispatch(x_SD, expert_S, fault=plan.fault, layer=name)
     y_SD = dispatcher.combine(experts(x_RD, counts_L), state)
 
-plus `shuffle` / `unshuffle` for Base Layers' training-time shuffle of routing scores. Each dispatch
-reads one thing on the host, its split sizes, and the router's fault record travels with them, so a
-fault seen by one rank raises the same error on every rank in the same collective. Dispatchers hold
-no parameters, take their process group as an argument, and are the only place that calls a collective.
+plus `shuffle` / `unshuffle_assignment` for Base Layers' training-time shuffle of routing scores. Each
+dispatch reads one thing on the host, its split sizes, and the router's check travels with them, so a
+fault seen by one rank raises the same error on every rank before any row moves. Within `one_forward`
+(one forward of a model whose layers share the dispatcher) what does not change from layer to layer is
+exchanged once: the shuffle's split sizes, the deterministic sMoE's counts. Dispatchers hold no
+parameters, take their process group as an argument, and are the only place that calls a collective.
 """
 from __future__ import annotations
 
-import time
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.profiler import record_function
 
 from . import expert_data_parallel
+from .comm_timer import CommTimer
 from .process_group import collective_device
-from .profiling import RANGES
-from .routing.plan import FAULT_WIDTH, count_rows, raise_on_fault
+from .routing.plan import FAULT_WIDTH, DeferredCheck, count_rows, nonfinite_rows, raise_on_fault
 
-__all__ = ["LocalDispatcher", "AllToAllDispatcher", "CommTimer", "CommTime", "ShuffleState",
-           "Chunks", "ExchangedChunks", "all_to_all", "start_all_to_all", "wait_all_to_all",
-           "synchronize"]
+__all__ = ["LocalDispatcher", "AllToAllDispatcher", "ShuffleState", "Chunks", "ExchangedChunks", "all_to_all",
+           "start_all_to_all", "wait_all_to_all", "synchronize"]
 
 
 def synchronize(device: torch.device) -> None:
@@ -42,93 +42,6 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
     elif hasattr(torch, "accelerator") and torch.accelerator.is_available():
         torch.accelerator.synchronize()
-
-
-def _host_clock(device: torch.device) -> bool:
-    # Collectives on host tensors (gloo) return when done: the wall clock measures them.
-    return device.type in ("cpu", "meta")
-
-
-class CommTime:
-    """The timed sections of one layer's forward; `seconds` reads them (waits for the last event)."""
-
-    def __init__(self, records: list):
-        self.records = records
-
-    @property
-    def seconds(self) -> float:
-        total = 0.0
-        for record in self.records:
-            if isinstance(record, float):
-                total += record
-            else:  # (start, end) events: elapsed_time needs the end event to have happened
-                start, end = record
-                end.synchronize()
-                total += start.elapsed_time(end) / 1000.0
-        return total
-
-
-class CommTimer:
-    """All2all time of one dispatcher, measured only when `enabled` (off by default).
-
-        with timer(device):   # a profiler range; if enabled, a start mark
-            ...collectives... # if enabled, an end mark
-
-    On an accelerator the marks are timing events (`torch.Event`) recorded on the device's
-    current stream: nothing waits, and the time is read later, when the logs are written
-    (`CommTime.seconds`). On the CPU they are wall-clock readings. A layer takes the records of
-    its own forward with `mark()` / `take(mark)`.
-    """
-
-    def __init__(self, enabled: bool = False):
-        self.enabled = enabled
-        self.records: list = []
-
-    def __call__(self, device: torch.device) -> _TimedSection:
-        return _TimedSection(self, device)
-
-    def mark(self) -> int:
-        return len(self.records)
-
-    def take(self, mark: int) -> CommTime:
-        """The records since `mark`, removed from the timer (so it holds nothing between steps)."""
-        taken = self.records[mark:]
-        del self.records[mark:]
-        return CommTime(taken)
-
-    @property
-    def seconds(self) -> float:
-        """Time of the sections not taken by a layer yet."""
-        return CommTime(self.records).seconds
-
-
-class _TimedSection:
-    """One timed communication section, also a torch.profiler range (smlp/profiling.py)."""
-
-    def __init__(self, timer: CommTimer, device: torch.device):
-        self.timer, self.device = timer, device
-        self.range = record_function(RANGES["all2all"])
-
-    def __enter__(self):
-        self.range.__enter__()
-        if self.timer.enabled:
-            if _host_clock(self.device):
-                self.start = time.perf_counter()
-            else:
-                self.start = torch.Event(device=self.device, enable_timing=True)
-                self.start.record()
-        return self
-
-    def __exit__(self, *exc):
-        if self.timer.enabled and exc[0] is None:
-            if _host_clock(self.device):
-                self.timer.records.append(time.perf_counter() - self.start)
-            else:
-                end = torch.Event(device=self.device, enable_timing=True)
-                end.record()
-                self.timer.records.append((self.start, end))
-        self.range.__exit__(*exc)
-        return False
 
 
 @dataclass
@@ -251,6 +164,19 @@ class DispatchState:
     counts_dev_L: Tensor | None = None
 
 
+@dataclass
+class _Counts:
+    """What a dispatch over the group reads before the rows move: rows routed nowhere (kept home), rows this
+    rank sends each expert, rows each rank sends each local expert here (host ints, and on the device for
+    the regrouping and the experts' offsets), and the widest rank's row width (common_width) or None."""
+
+    dropped: int
+    sent_E: list[int]
+    recv_WL: list[list[int]]
+    recv_dev_WL: Tensor
+    widest: int | None = None
+
+
 class LocalDispatcher:
     """All experts live in this process: sorting rows by expert is the whole dispatch.
 
@@ -270,10 +196,45 @@ class LocalDispatcher:
         self.replicated = replicated
         self.chunks = chunks  # > 1: the layers pipeline their rows in as many chunks (dispatch_chunks)
         self.timer = CommTimer(timing)
+        self._fixed: dict | None = None  # what `one_forward` keeps: name -> (key, value)
+        self._forwards = 0  # depth of nested `one_forward` blocks
 
     @property
     def comm_seconds(self) -> float:
         return self.timer.seconds
+
+    @contextlib.contextmanager
+    def one_forward(self):
+        """Within the block: one forward of a model whose layers share this dispatcher (LanguageModel). Every
+        layer's rows come in the same numbers on each rank then (the tokens of the batch, the sMoE rows of its
+        sequences), so what an exchange's split sizes depend on is exchanged by the first layer and kept until
+        the block ends (`_once`); a later layer with other numbers raises instead of exchanging alone."""
+        self._forwards += 1
+        if self._forwards == 1:
+            self._fixed = {}
+        try:
+            yield self
+        finally:
+            self._forwards -= 1
+            if self._forwards == 0:
+                self._fixed = None
+
+    def _once(self, what: str, key, make):
+        """make(), or inside `one_forward` its value from the first layer that asked, whose `key` (the row
+        counts it depends on) every later layer must repeat: every rank's layers ask in the same order, so a
+        rank that skipped an exchange another rank made would leave its peers waiting."""
+        if self._fixed is None:
+            return make()
+        if what in self._fixed:
+            known, value = self._fixed[what]
+            if known != key:
+                raise RuntimeError(f"{what}: a layer of this forward has row counts {key} where its first layer had "
+                                   f"{known}; within one_forward every layer sharing the dispatcher must route "
+                                   f"the same rows (exchange per layer outside it)")
+            return value
+        value = make()
+        self._fixed[what] = (key, value)
+        return value
 
     def shuffle(self, x_SD: Tensor) -> tuple[Tensor, ShuffleState | None]:
         """One process: every row stays here, so the shuffle is the identity.
@@ -286,9 +247,15 @@ class LocalDispatcher:
     def unshuffle(self, y_SD: Tensor, state: ShuffleState | None) -> Tensor:
         return y_SD
 
+    def unshuffle_assignment(self, expert_S: Tensor, state: ShuffleState | None,
+                             scores_SE: Tensor) -> tuple[Tensor, Tensor | None]:
+        """One process: the experts as assigned, and no counts (the dispatch counts the rows itself)."""
+        return expert_S, None
+
     def dispatch(self, x_SD: Tensor, expert_S: Tensor | None, *, presorted: bool = False,
-                 counts_E1: Tensor | None = None, host_counts_E: list[int] | None = None, fault: Tensor | None = None,
-                 layer: str = "", common_width: bool = False) -> tuple[Tensor, list[int], DispatchState]:
+                 counts_E1: Tensor | None = None, host_counts_E: list[int] | None = None,
+                 fault: DeferredCheck | None = None, layer: str = "", common_width: bool = False,
+                 assigned: Tensor | None = None) -> tuple[Tensor, list[int], DispatchState]:
         """Sort the rows by expert; rows of expert -1 (dropped slots) come first and are cut off.
 
         expert_S:      (S,) each row's expert; None for presorted rows whose counts are given (host_counts_E
@@ -296,25 +263,26 @@ class LocalDispatcher:
         presorted:     the caller guarantees expert_S is non-decreasing (no sort, no gather).
         counts_E1:     `count_rows(expert_S, E)` if the caller has it (on the device).
         host_counts_E: rows per expert when the caller knows them on the host (no dropped rows):
-                       then nothing is read from the device unless there is a fault record.
-        fault:       the router's fault record (routing/plan.py), read with the counts; a fault
-                       raises the router's error naming `layer`.
+                       then nothing is read from the device unless there is a check.
+        fault:         the router's deferred check (routing/plan.py): its verdict is read with the counts,
+                       and a fault raises the router's error naming `layer`.
         common_width:  the ranks' rows may differ in width (sMoE rows are as long as the local
                        sequence): zero-pad them on the right to the widest (nothing to do here).
+        assigned:      a plan's dispatch_counts (AllToAllDispatcher; one process never has them).
         """
         E = self.num_experts
         order_S, x_sorted = _sort_rows(x_SD, expert_S, presorted)
         counts_dev_L = None
         if host_counts_E is not None:
             counts, dropped = list(host_counts_E), 0
-            if fault is not None:
-                raise_on_fault([fault.tolist()], layer)
+            if fault is not None and bool(fault.flag()):
+                raise_on_fault([fault.record().tolist()], layer)
         else:
             counts_E1 = count_rows(expert_S, E) if counts_E1 is None else counts_E1
-            parts = [counts_E1] if fault is None else [counts_E1, fault.to(counts_E1.device)]
+            parts = [counts_E1] if fault is None else [counts_E1, fault.flag().to(counts_E1.device)]
             host = torch.cat(parts).tolist()  # the one host read of a dispatch
-            if fault is not None:
-                raise_on_fault([host[E + 1:]], layer)
+            if fault is not None and host[E + 1]:  # a fault: its record, which words the error
+                raise_on_fault([fault.record().tolist()], layer)
             dropped, counts = host[0], host[1:E + 1]
             counts_dev_L = counts_E1[1:]
         return _kept(x_sorted, dropped), counts, DispatchState(order_S, dropped=dropped, counts_dev_L=counts_dev_L)
@@ -323,8 +291,8 @@ class LocalDispatcher:
         return _unsort_rows(_restore_dropped(y_RD, state.dropped), state.order_S)
 
     def dispatch_chunks(self, chunks: list[tuple[Tensor, Tensor]], *, presorted: bool = False,
-                        host_counts: list[list[int]] | None = None, fault: Tensor | None = None, layer: str = "",
-                        common_width: bool = False) -> Chunks:
+                        host_counts: list[list[int]] | None = None, fault: DeferredCheck | None = None,
+                        layer: str = "", common_width: bool = False) -> Chunks:
         """`dispatch` of each chunk (x_SD, expert_S) of a layer's rows, for a pipelined layer (module
         docstring): in one process each chunk is dispatched at once. `host_counts`: rows per expert of
         each chunk when known on the host; `fault` (one record for all chunks) is read with the first."""
@@ -421,6 +389,7 @@ class AllToAllDispatcher(LocalDispatcher):
         # global ranks of the group, named in routing errors
         self.group_ranks = (list(range(world)) if ep_group is None
                             else [dist.get_global_rank(ep_group, r) for r in range(world)])
+        self._indices: dict = {}  # split sizes -> _AssignmentIndex (`unshuffle_assignment`)
 
     def _exchange_counts(self, counts_WX: Tensor) -> Tensor:
         """counts_WX[w] goes to rank w; returns what arrives from each rank, on the collective's device."""
@@ -440,17 +409,63 @@ class AllToAllDispatcher(LocalDispatcher):
         S, W = x_SD.shape[0], self.world_size
         order_S = torch.randperm(S, device=x_SD.device)
         send_splits = shuffle_splits(S, W)
-        # the same split sizes made on the collective's device (no host-to-device copy)
-        send_W = S // W + (torch.arange(W, device=self._device) < S % W).long()
         with self.timer(x_SD.device):
-            recv_splits = self._exchange_counts(send_W).tolist()  # the one host read of this exchange
+            # what every rank sends this one: exchanged once per `one_forward` (every layer shuffles the
+            # same number of rows on each rank)
+            recv_splits = self._once("the shuffle's split sizes", S, lambda: self._shuffle_recv_splits(S))
             x_recv = all_to_all(x_SD[order_S], recv_splits, send_splits, self.ep_group)
         return x_recv, ShuffleState(order_S, send_splits, recv_splits)
+
+    def _shuffle_recv_splits(self, S: int) -> list[int]:
+        W = self.world_size
+        # the split sizes made on the collective's device (no host-to-device copy)
+        send_W = S // W + (torch.arange(W, device=self._device) < S % W).long()
+        return self._exchange_counts(send_W).tolist()  # the one host read of the shuffle
 
     def unshuffle(self, y_SD: Tensor, state: ShuffleState) -> Tensor:
         with self.timer(y_SD.device):
             y_home = all_to_all(y_SD, state.send_splits, state.recv_splits, self.ep_group)
         return _unsort_rows(y_home, state.order_S)
+
+    def unshuffle_assignment(self, expert_R: Tensor, state: ShuffleState, scores_RE: Tensor) -> tuple[Tensor, Tensor]:
+        """The experts this rank assigned to the rows the shuffle brought it, sent home, with what the home
+        rank's dispatch would otherwise exchange (sMLP's tMoE, Base Layers): this rank knows the expert and
+        the home of every row it assigned, so the counts need no exchange of their own nor a read before it.
+
+        1. Count, on the device, the rows from each rank w per expert, c[w, e], and the non-finite rows
+           among each rank's scores (the router's check: whose scores they were travels with the count).
+        2. Send rank h, after the experts of its rows: c[h, :] (its rows per expert), c[:, experts of h]
+           (the rows each rank will send h's experts) and the non-finite rows per rank.
+        3. Each rank sums what the assigning ranks sent it: `RoutingPlan.dispatch_counts`, (E + W L + W,),
+           which `dispatch` reads (its one host read) in place of the count exchange.
+
+        Returns:
+            expert_S: (S,) int64 each home row's expert, in the home rows' order
+            counts_X: (E + W L + W,) int64 the plan's dispatch_counts
+        """
+        W, L, E = self.world_size, self.num_local_experts, self.num_experts
+        device = expert_R.device
+        X = E + W * L + W
+        key = (tuple(state.send_splits), tuple(state.recv_splits), E, X, device)
+        index = self._indices.get(key)
+        if index is None:  # the same split sizes come back step after step: kept for the last few
+            index = self._indices[key] = _AssignmentIndex(state, E, X, device)
+            while len(self._indices) > 4:
+                self._indices.pop(next(iter(self._indices)))
+        # 1. one scatter into (W, E + 1); a non-finite row counts in column E instead of its expert's (then
+        #    every rank raises before the counts are used)
+        at_R = torch.where(nonfinite_rows(scores_RE), index.bad_R, expert_R + index.first_R)
+        counts_WE1 = torch.zeros(W * (E + 1), dtype=torch.long, device=device).scatter_add_(
+            0, at_R, torch.ones_like(at_R)).view(W, E + 1)
+        c_WE, bad_W = counts_WE1[:, :E], counts_WE1[:, E]
+        # 2. row h of extra_WX goes to rank h, after the experts of h's rows
+        extra_WX = torch.cat([c_WE, c_WE.reshape(W, W, L).transpose(0, 1).reshape(W, W * L), bad_W.expand(W, W)], 1)
+        send = torch.cat([expert_R, extra_WX.view(-1)])[index.send]
+        with self.timer(device):
+            received = _exchange(send, index.out_splits, index.in_splits, self.ep_group)
+        # 3. this rank's rows' experts (in the order they were sent) and the counts summed over the assigners
+        counts_X = received[index.received_counts].view(W, X).sum(0)
+        return _unsort_rows(received[index.received_experts], state.order_S), counts_X
 
     @property
     def _device(self) -> torch.device:
@@ -458,94 +473,120 @@ class AllToAllDispatcher(LocalDispatcher):
         return collective_device(self.ep_group)
 
     def dispatch(self, x_SD: Tensor, expert_S: Tensor | None, *, presorted: bool = False,
-                 counts_E1: Tensor | None = None, host_counts_E: list[int] | None = None, fault: Tensor | None = None,
-                 layer: str = "", common_width: bool = False) -> tuple[Tensor, list[int], DispatchState]:
-        """As LocalDispatcher.dispatch, over the group (host_counts_E is not needed: the counts are
-        exchanged on the device either way). With common_width every rank's row width travels with
-        its counts, and the rows are zero-padded on the right to the widest before they move: no
-        collective of its own."""
-        W, L, E, width = self.world_size, self.num_local_experts, self.num_experts, FAULT_WIDTH
-        X = L + width + (1 if common_width else 0)  # values each rank sends every other rank
+                 counts_E1: Tensor | None = None, host_counts_E: list[int] | None = None,
+                 fault: DeferredCheck | None = None, layer: str = "", common_width: bool = False,
+                 assigned: Tensor | None = None) -> tuple[Tensor, list[int], DispatchState]:
+        """As LocalDispatcher.dispatch, over the group. With common_width every rank's row width travels with
+        its counts, and the rows are zero-padded on the right to the widest before they move: no collective of
+        its own. With `assigned` (a plan's dispatch_counts, which Base Layers' shuffle brought home with the
+        experts) nothing is exchanged before the rows. Rows whose counts are known on the host and that carry
+        no check (the deterministic sMoE's) exchange their counts once per `one_forward`."""
+        W, L = self.world_size, self.num_local_experts
         # 1. Sort rows by global expert: rows for rank w are then contiguous, ordered by local expert
         #    (already so when the caller says expert_S is non-decreasing, e.g. deterministic sMoE);
         #    dropped rows (expert -1) come first.
         order_S, x_sorted = _sort_rows(x_SD, expert_S, presorted)
-        counts_E1 = count_rows(expert_S, E) if counts_E1 is None else counts_E1
-        if fault is None:
-            fault = torch.zeros(width, dtype=torch.long, device=counts_E1.device)
+        width = x_SD.shape[-1] if common_width else None
         with self.timer(x_SD.device):
-            # 2. Tell every rank how many rows it will get for each of its local experts, and
-            #    every rank this rank's fault record (the same FAULT_WIDTH values to each).
-            parts = [counts_E1[1:].view(W, L), fault.to(counts_E1.device).view(1, width).expand(W, width)]
-            if common_width:  # and the row width: the widest pads every rank's rows
-                parts.append(counts_E1.new_full((W, 1), x_SD.shape[-1]))
-            recv_WX = self._exchange_counts(torch.cat(parts, 1))
-            # 3. One host read: this rank's counts and what every rank sends it (split sizes, fault
-            #    records, widths). Every rank raises the same error on a fault, before the rows move.
-            host = torch.cat([counts_E1.to(recv_WX.device), recv_WX.reshape(-1)]).tolist()
-            recv = [host[E + 1 + w * X:E + 1 + (w + 1) * X] for w in range(W)]
-            raise_on_fault([row[L:L + width] for row in recv], layer, self.group_ranks)
-            dropped, sent_E = host[0], host[1:E + 1]
-            send_splits = [sum(sent_E[w * L:(w + 1) * L]) for w in range(W)]
-            recv_splits = [sum(row[:L]) for row in recv]
-            x_send = _kept(x_sorted, dropped)
-            if common_width and max(row[-1] for row in recv) > x_SD.shape[-1]:
-                x_send = torch.nn.functional.pad(x_send, (0, max(row[-1] for row in recv) - x_SD.shape[-1]))
+            # 2. Learn how many rows every rank sends each local expert here, how many this rank sends each
+            #    expert, and whether a rank's router saw a fault: from the assignment's counts, or by
+            #    exchanging this rank's counts, check verdict and row width with every rank (`_counts`).
+            # 3. One host read (`_Counts`); on a fault every rank raises the same error before the rows move.
+            if assigned is not None:
+                counts = self._assigned_counts(assigned, fault, layer)
+            elif host_counts_E is not None and fault is None:
+                counts = self._once("the presorted rows' counts", (tuple(host_counts_E), width),
+                                    lambda: self._counts([(expert_S, counts_E1)], None, layer, width)[0])
+            else:
+                counts = self._counts([(expert_S, counts_E1)], fault, layer, width)[0]
+            send_splits = [sum(counts.sent_E[w * L:(w + 1) * L]) for w in range(W)]
+            recv_splits = [sum(row) for row in counts.recv_WL]
+            x_send = _kept(x_sorted, counts.dropped)
+            if width is not None and counts.widest > width:
+                x_send = torch.nn.functional.pad(x_send, (0, counts.widest - width))
             # 4. Exchange the rows; they arrive grouped by (source rank, local expert).
             x_recv = all_to_all(x_send, recv_splits, send_splits, self.ep_group)
         # 5. Regroup by (local expert, source rank) so each local expert sees one contiguous block
         #    (nothing to do with one local expert per rank, the paper's layout).
-        counts_L = [sum(row[l] for row in recv) for l in range(L)]
-        counts_dev_L = recv_WX[:, :L].sum(0)  # on the collective's device, for the experts' grouped product
+        counts_L = [sum(row[l] for row in counts.recv_WL) for l in range(L)]
+        counts_dev_L = counts.recv_dev_WL.sum(0)  # on the device, for the experts' grouped product
         if L == 1:
-            return x_recv, counts_L, DispatchState(order_S, send_splits, recv_splits, None, dropped, counts_dev_L)
-        by_expert_R = _block_transpose(recv_WX[:, :L].to(x_SD.device), sum(recv_splits))
-        state = DispatchState(order_S, send_splits, recv_splits, by_expert_R, dropped, counts_dev_L)
+            return x_recv, counts_L, DispatchState(order_S, send_splits, recv_splits, None, counts.dropped,
+                                                   counts_dev_L)
+        by_expert_R = _block_transpose(counts.recv_dev_WL.to(x_SD.device), sum(recv_splits))
+        state = DispatchState(order_S, send_splits, recv_splits, by_expert_R, counts.dropped, counts_dev_L)
         return x_recv[by_expert_R], counts_L, state
 
+    def _counts(self, chunks: list[tuple[Tensor | None, Tensor | None]], fault: DeferredCheck | None, layer: str,
+                width: int | None) -> list[_Counts]:
+        """Exchange every chunk's rows per local expert (counted on the device unless given), the check's verdict
+        and, with a `width`, the row width with every rank; read them with this rank's counts (one host read).
+        chunks: (expert_S, counts_E1 or None) of each chunk of a layer's rows."""
+        W, L, E = self.world_size, self.num_local_experts, self.num_experts
+        counts = [count_rows(e, E) if c is None else c for e, c in chunks]
+        n = len(counts)
+        flag = fault.flag().to(counts[0].device) if fault is not None else counts[0].new_zeros(1)
+        parts = [c[1:].view(W, L) for c in counts] + [flag.view(1, 1).expand(W, 1)]
+        if width is not None:
+            parts.append(counts[0].new_full((W, 1), width))
+        recv_WX = self._exchange_counts(torch.cat(parts, 1))
+        host = torch.cat([*(c.to(recv_WX.device) for c in counts), recv_WX.reshape(-1)]).tolist()
+        X = n * L + 1 + (width is not None)
+        mine, recv = host[:n * (E + 1)], [host[n * (E + 1) + w * X:n * (E + 1) + (w + 1) * X] for w in range(W)]
+        if any(row[n * L] for row in recv):
+            self._raise_fault(fault, layer)
+        widest = max(row[-1] for row in recv) if width is not None else None
+        return [_Counts(mine[i * (E + 1)], mine[i * (E + 1) + 1:(i + 1) * (E + 1)],
+                        [row[i * L:(i + 1) * L] for row in recv], recv_WX[:, i * L:(i + 1) * L], widest)
+                for i in range(n)]
+
+    def _assigned_counts(self, counts_X: Tensor, fault: DeferredCheck | None, layer: str) -> _Counts:
+        """A plan's dispatch_counts read on the host (`unshuffle_assignment`): a fault raises on every rank."""
+        W, L, E = self.world_size, self.num_local_experts, self.num_experts
+        host = counts_X.tolist()  # the one host read of this dispatch
+        if any(host[E + W * L:]):  # non-finite scores on some rank: every rank counted them
+            self._raise_fault(fault, layer)
+        recv = host[E:E + W * L]
+        return _Counts(0, host[:E], [recv[w * L:(w + 1) * L] for w in range(W)], counts_X[E:E + W * L].view(W, L))
+
+    def _raise_fault(self, fault: DeferredCheck | None, layer: str) -> None:
+        """Every rank of the group read a fault verdict: each sends the others its fault record (zeros where its
+        check passed) and all raise the error of the first faulty one, naming every rank that saw a fault."""
+        W = self.world_size
+        record = fault.record().to(self._device) if fault is not None else \
+            torch.zeros(FAULT_WIDTH, dtype=torch.long, device=self._device)
+        records = self._exchange_counts(record.view(1, FAULT_WIDTH).expand(W, FAULT_WIDTH).contiguous()).tolist()
+        raise_on_fault(records, layer, self.group_ranks)
+        raise RuntimeError(f"{layer}: a rank's router check failed but no rank's fault record shows a fault")
+
     def dispatch_chunks(self, chunks: list[tuple[Tensor, Tensor]], *, presorted: bool = False,
-                        host_counts: list[list[int]] | None = None, fault: Tensor | None = None, layer: str = "",
-                        common_width: bool = False) -> ExchangedChunks:
+                        host_counts: list[list[int]] | None = None, fault: DeferredCheck | None = None,
+                        layer: str = "", common_width: bool = False) -> ExchangedChunks:
         """As `dispatch` for each chunk (x_SD, expert_S) of a layer's rows, every chunk's rows sent at once
         without waiting (`ExchangedChunks`). host_counts is not needed (the counts are exchanged anyway).
 
         1. Sort each chunk's rows by global expert (dropped rows first), count them on the device.
-        2. One exchange of every chunk's counts per local expert, the fault record (one for the layer)
+        2. One exchange of every chunk's counts per local expert, the check's verdict (one for the layer)
            and, with common_width, the row width: one host read for all chunks; a fault raises on
            every rank before any row moves.
         3. Start every chunk's row exchange (async); `ExchangedChunks.rows(i)` waits for chunk i."""
-        W, L, E, width = self.world_size, self.num_local_experts, self.num_experts, FAULT_WIDTH
-        n = len(chunks)
-        X = n * L + width + (1 if common_width else 0)
+        W, L = self.world_size, self.num_local_experts
         sorted_rows = [_sort_rows(x, e, presorted) for x, e in chunks]
-        counts = [count_rows(e, E) for _, e in chunks]
         device = chunks[0][0].device
-        if fault is None:
-            fault = torch.zeros(width, dtype=torch.long, device=counts[0].device)
+        width = max(x.shape[-1] for x, _ in chunks) if common_width else None
         with self.timer(device):
-            parts = [c[1:].view(W, L) for c in counts]
-            parts.append(fault.to(counts[0].device).view(1, width).expand(W, width))
-            if common_width:
-                parts.append(counts[0].new_full((W, 1), max(x.shape[-1] for x, _ in chunks)))
-            recv_WX = self._exchange_counts(torch.cat(parts, 1))
-            host = torch.cat([*(c.to(recv_WX.device) for c in counts), recv_WX.reshape(-1)]).tolist()
-        mine, recv = host[:n * (E + 1)], [host[n * (E + 1) + w * X:n * (E + 1) + (w + 1) * X] for w in range(W)]
-        raise_on_fault([row[n * L:n * L + width] for row in recv], layer, self.group_ranks)
-        widest = max(row[-1] for row in recv) if common_width else None
+            counts = self._counts([(e, None) for _, e in chunks], fault, layer, width)
         states, flights, counts_L = [], [], []
-        for i, (order_S, x_sorted) in enumerate(sorted_rows):
-            dropped, sent_E = mine[i * (E + 1)], mine[i * (E + 1) + 1:(i + 1) * (E + 1)]
-            recv_L = [row[i * L:(i + 1) * L] for row in recv]
-            send_splits = [sum(sent_E[w * L:(w + 1) * L]) for w in range(W)]
-            recv_splits = [sum(r) for r in recv_L]
-            x_send = _kept(x_sorted, dropped)
-            if widest is not None and widest > x_send.shape[-1]:
-                x_send = torch.nn.functional.pad(x_send, (0, widest - x_send.shape[-1]))
+        for (order_S, x_sorted), c in zip(sorted_rows, counts):
+            send_splits = [sum(c.sent_E[w * L:(w + 1) * L]) for w in range(W)]
+            recv_splits = [sum(r) for r in c.recv_WL]
+            x_send = _kept(x_sorted, c.dropped)
+            if width is not None and c.widest > x_send.shape[-1]:
+                x_send = torch.nn.functional.pad(x_send, (0, c.widest - x_send.shape[-1]))
             flights.append(start_all_to_all(x_send, recv_splits, send_splits, self.ep_group))
-            by_expert_R = None if L == 1 else _block_transpose(recv_WX[:, i * L:(i + 1) * L].to(device),
-                                                               sum(recv_splits))
-            states.append(DispatchState(order_S, send_splits, recv_splits, by_expert_R, dropped))
-            counts_L.append([sum(r[l] for r in recv_L) for l in range(L)])
+            by_expert_R = None if L == 1 else _block_transpose(c.recv_dev_WL.to(device), sum(recv_splits))
+            states.append(DispatchState(order_S, send_splits, recv_splits, by_expert_R, c.dropped))
+            counts_L.append([sum(r[l] for r in c.recv_WL) for l in range(L)])
         return ExchangedChunks(self, states, flights, counts_L)
 
     def combine(self, y_RD: Tensor, state: DispatchState) -> Tensor:
@@ -575,6 +616,27 @@ class AllToAllDispatcher(LocalDispatcher):
             out.append(torch.bincount(source_R[first:first + c], minlength=W).tolist())
             first += c
         return out
+
+
+class _AssignmentIndex:
+    """Where `unshuffle_assignment`'s values go, for one shuffle's split sizes (kept while they recur): each
+    received row's place in the (W, E + 1) counts, the send buffer's order (rank h's rows' experts, then the
+    X counts for h) and where the experts and the counts lie in what arrives. Made on the device from
+    ranges: no host-to-device copy."""
+
+    def __init__(self, state: ShuffleState, E: int, X: int, device: torch.device):
+        sent, received = state.send_splits, state.recv_splits
+        R = sum(received)
+        self.first_R = torch.cat([torch.full((n,), w * (E + 1), dtype=torch.long, device=device)
+                                  for w, n in enumerate(received)])
+        self.bad_R = self.first_R + E
+        starts = [sum(received[:h]) for h in range(len(received))]
+        self.send = torch.cat([torch.arange(a, b, device=device) for h, n in enumerate(received)
+                               for a, b in ((starts[h], starts[h] + n), (R + h * X, R + (h + 1) * X))])
+        self.out_splits, self.in_splits = [n + X for n in sent], [n + X for n in received]
+        firsts = [sum(self.out_splits[:a]) for a in range(len(sent))]
+        self.received_experts = torch.cat([torch.arange(f, f + n, device=device) for f, n in zip(firsts, sent)])
+        self.received_counts = torch.cat([torch.arange(f + n, f + n + X, device=device) for f, n in zip(firsts, sent)])
 
 
 def _sort_rows(x_SD: Tensor, expert_S: Tensor, presorted: bool) -> tuple[Tensor | None, Tensor]:

@@ -262,6 +262,7 @@ class FFNExperts(nn.Module):
         # faster than the loop: docs/benchmarks.md); True / False force it
         self.grouped: bool | None = None
         self.explicit_experts = False  # the loop, for FLOP counting (flop_forms.py)
+        self._unbound: tuple | None = None  # (key, each expert's weights): `expert_rows` without a grad
 
     def forward(self, x_RD: Tensor, counts_L: list[int], *, counts_dev_L: Tensor | None = None,
                 fixed_counts: bool = False) -> Tensor:
@@ -343,8 +344,24 @@ class FFNExperts(nn.Module):
 
     def expert_rows(self, x_RD: Tensor, l: int) -> Tensor:
         """Local expert l on rows x, (R, D): the cached decoding step's product (moe.TMoE.step), on views
-        of the stacked weights (decoding has no backward pass to pay for indexing them)."""
-        return self._one_expert(x_RD, self.w1[l], self.b1[l], self.w2[l], self.b2[l], *self._norm_params(l))
+        of the stacked weights (decoding has no backward pass to pay for indexing them). Without a grad the
+        views are made once and kept while the weights are the same tensors (`_per_expert`)."""
+        if torch.is_grad_enabled():
+            return self._one_expert(x_RD, self.w1[l], self.b1[l], self.w2[l], self.b2[l], *self._norm_params(l))
+        return self._one_expert(x_RD, *self._per_expert()[l])
+
+    def _per_expert(self) -> list[tuple]:
+        """Each local expert's (w1, b1, w2, b2, norm weight, norm bias) as views of the stacked weights, made once
+        (no operator per decoding step) and again whenever a weight is another tensor or storage (a load that
+        assigns, `.to()`, a dtype change): in-place updates reach the views by themselves."""
+        params = (self.w1, self.b1, self.w2, self.b2, self.norm_weight, self.norm_bias)
+        key = tuple((id(p), p.data_ptr(), p.dtype) if p is not None else None for p in params)
+        if self._unbound is None or self._unbound[0] != key:
+            L = self.w1.shape[0]
+            with torch.no_grad():
+                views = [p.unbind(0) if p is not None else (None,) * L for p in params]
+            self._unbound = (key, list(zip(*views)))
+        return self._unbound[1]
 
     def forward_loop(self, x_RD: Tensor, counts_L: list[int]) -> Tensor:
         """One product per local expert: the reference the other forms are tested against. The weights are

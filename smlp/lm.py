@@ -14,6 +14,7 @@ Shapes: the core's legend (smlp/__init__.py).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, replace
 
@@ -298,9 +299,19 @@ class LanguageModel(nn.Module):
         if self.cfg.family == "transformer":
             x = x + sinusoidal_positions(n, self.cfg.d_model, x.device, x.dtype)
         x = self.dropout(x)
-        for layer in self.layers:
-            x = layer(x, tokens_BN) if isinstance(layer, TransformerBlock) else layer(x)
+        with self.one_forward():
+            for layer in self.layers:
+                x = layer(x, tokens_BN) if isinstance(layer, TransformerBlock) else layer(x)
         return self.final_norm(x)
+
+    def one_forward(self) -> contextlib.ExitStack:
+        """The dispatchers' `one_forward` blocks (smlp/dispatch.py): every sparse layer of a forward routes the
+        same rows (the batch's B x N tokens, or sMoE rows of its sequences), so what their exchanges' split
+        sizes depend on is exchanged once per forward instead of once per layer."""
+        stack = contextlib.ExitStack()
+        for dispatcher in {id(d): d for d in (self.dispatcher, self.smoe_dispatcher) if d is not None}.values():
+            stack.enter_context(dispatcher.one_forward())
+        return stack
 
     def forward(self, tokens_BN: Tensor, cache: DecodingCache | None = None) -> Tensor:
         """Logits (B, N, V); with `cache`, of the N new positions that follow the cached ones (`step`)."""

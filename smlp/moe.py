@@ -32,7 +32,7 @@ from .routing.plan import FLAG_ONLY, RoutingPlan, count_rows
 from .routing.prices import RouterPrices
 from .routing.registry import SMOE_ROUTINGS, TOKEN_ROUTERS
 from .routing.token_routers import hash_table
-from .spatial import check_length
+from .spatial import causal_product, check_length
 
 __all__ = ["TMoE", "SMoE", "SparseBlock", "SMoERows", "TokenSlots", "hash_table", "LEAKY_ROUTING_WARNING"]
 
@@ -223,16 +223,22 @@ class TMoE(nn.Module):
         """
         slots, x_slots, expert_SK = self._slots(x_SD, plan)
         x_RD, counts_L, slots.state = self.dispatcher.dispatch(x_slots, expert_SK, counts_E1=slots.counts_E1,
-                                                               fault=plan.fault, layer=self.layer_name)
+                                                               fault=plan.fault, layer=self.layer_name,
+                                                               assigned=plan.dispatch_counts)
         return x_RD, counts_L, slots
 
     def _slots(self, x_SD: Tensor, plan: RoutingPlan) -> tuple[TokenSlots, Tensor, Tensor]:
         """(TokenSlots without a dispatch state yet, the rows of the S * K slots, their experts); the slots
-        are counted per expert on the device (load_E, dropped)."""
+        are counted per expert on the device (load_E, dropped), or taken from the plan's dispatch_counts
+        (the ranks that assigned them counted them; nothing dropped)."""
         S, K = plan.experts_SK.shape
         expert_SK = plan.experts_SK.reshape(-1)  # flattened (S * K,), slot-major per row
-        counts_E1 = count_rows(expert_SK, self.cfg.num_experts)
-        self.load_E = counts_E1[1:].detach()
+        if plan.dispatch_counts is not None and not self.token_router.drops:
+            counts_E1 = None
+            self.load_E = plan.dispatch_counts[:self.cfg.num_experts]
+        else:
+            counts_E1 = count_rows(expert_SK, self.cfg.num_experts)
+            self.load_E = counts_E1[1:].detach()
         self.dropped, self.slots = (counts_E1[0].detach(), S * K) if self.token_router.drops else (None, 0)
         row_SK = torch.arange(S, device=x_SD.device).repeat_interleave(K) if K > 1 else None
         slots = TokenSlots(None, row_SK, plan.weights_SK.reshape(-1).to(x_SD.dtype), counts_E1)
@@ -320,6 +326,7 @@ class SMoE(nn.Module):
         self.comm_time = None  # the dispatcher's timed sections of the last forward (CommTime)
         self.layer_name = f"SMoE ({cfg.routing} routing)"  # LanguageModel sets the module path, for errors
         self.assign_as_in_training = False  # as TMoE's
+        self._constant_counts: dict = {}  # (share, device) -> the deterministic routing's counts (`_share_counts`)
 
     @property
     def comm_seconds(self) -> float:
@@ -356,6 +363,9 @@ class SMoE(nn.Module):
         check_length(n, cfg.seq_len)
         P = min(cfg.prefix_len, n)  # a sequence no longer than the routing prefix has nothing to predict
         z1_BNC, z2_BNC = z_BNF.chunk(2, dim=-1) if cfg.split else (z_BNF, z_BNF)
+        if (self.deterministic and z_BNF.shape[0] == 1 and self.dispatcher.num_local_experts == cfg.num_experts
+                and not self.experts.explicit_spatial):  # the FLOP counter's form: the experts' dense product
+            return self._mix_in_place(z1_BNC, self.norm(z2_BNC))
         rows = self.route(self.norm(z2_BNC), P, training=self.training or self.assign_as_in_training,
                           dtype=z_BNF.dtype, defer_checks=True)
         mark = self.dispatcher.timer.mark()
@@ -367,6 +377,38 @@ class SMoE(nn.Module):
             out_BNC = self.combine(y_RM, dstate, rows, z1_BNC, n - P)
         self.comm_time = self.dispatcher.timer.take(mark)
         return out_BNC
+
+    def _mix_in_place(self, z1_BNC: Tensor, v_BNC: Tensor) -> Tensor:
+        """Stages 2-4 of deterministic routing for one sequence with every expert here (one process, or the
+        replicated layout): expert i mixes channel chunk i where it lies, as head i of a multi-head SGU
+        (gmlp.SpatialProjection), one blocked causal product over the experts (spatial.py), without the rows'
+        copy and the gate's permuted view. For B > 1 sequences the rows' layout stays: a chunk of B sequences
+        is no strided matrix, so mixing in place takes one product per sequence and block (forward, input and
+        weight gradients: 97 + 187 operators against the rows' 30 + 45 at B = 16, D = T = 128, 8 experts),
+        where the rows take one product per block for all of them.
+
+        Returns:
+            (B, n, C): z1 gated, z1 + z1 * (W_i v + (b_i - 1)) in chunk i
+        """
+        B, n, C = v_BNC.shape
+        E = self.cfg.num_experts
+        self.load_E, self.comm_time = self._share_counts(C // E * B, v_BNC.device)[1:], None
+        experts = self.experts
+        with record_function(RANGES["token_mixing"]):  # the sMoE's experts mix positions
+            y_BNEc = causal_product(experts.weight, v_BNC.reshape(B, n, E, C // E))
+            dev_BNC = (y_BNEc + experts.bias_offset[:, :n].t()[None, :, :, None]).reshape(B, n, C)
+        return z1_BNC + z1_BNC * dev_BNC
+
+    def _share_counts(self, share: int, device: torch.device) -> Tensor:
+        """(E + 1,) the deterministic routing's counts: no row routed nowhere, `share` rows per expert. Made
+        once per share and device (read-only: the layers hand it out as load_E)."""
+        key = (share, device)
+        counts_E1 = self._constant_counts.get(key)
+        if counts_E1 is None:
+            counts_E1 = torch.full((self.cfg.num_experts + 1,), share, dtype=torch.long, device=device)
+            counts_E1[0] = 0
+            self._constant_counts[key] = counts_E1
+        return counts_E1
 
     def pipelined(self, rows: SMoERows, z1_BNC: Tensor, m: int) -> Tensor:
         """Stages 2-4 with the sequences in `dispatcher.chunks` chunks, each chunk's exchange overlapped with
@@ -519,8 +561,7 @@ class SMoE(nn.Module):
         """(E + 1,) rows routed nowhere, then rows per expert (`count_rows`), on the device; deterministic
         rows' equal shares are made from the shapes, not counted."""
         if rows.expert_S is None:
-            share = rows.host_counts_E[0]
-            return F.pad(rows.rows_SM.new_full((self.cfg.num_experts,), share, dtype=torch.long), (1, 0))
+            return self._share_counts(rows.host_counts_E[0], rows.rows_SM.device)
         return count_rows(rows.expert_S, self.cfg.num_experts)
 
     def _row_experts(self, rows: SMoERows) -> Tensor:

@@ -422,3 +422,171 @@ def test_bad_arguments_are_refused():
         balanced_assignment(torch.zeros(8, 2), tail_fraction=1.0)
     with pytest.raises(ValueError, match="check_every"):
         balanced_assignment(torch.zeros(8, 2), check_every=0)
+
+
+# ---------------------------------------------------------------- a layer's own completion checks (issue 47)
+
+
+def _frozen_auction(ops, key_ZS, cap_Z, row_S, expert_S, price_Z, E: int, sh: int, levels: int, eps_q: int,
+                    max_rounds: int, checks, stop_at: int):
+    """assignment._auction as it was before issue 47 (commit 8246884), kept as the reference."""
+    Z, S = key_ZS.shape
+    i32, i64 = ops.int32, ops.int64
+    # Best expert of a row = (rotation - priority) mod E with rotation = (row - 1) mod E (see
+    # _priorities), looked up in a table at rotation * Z + priority.
+    rotation_S = ((row_S - 1) % E) * Z
+    expert_of_EZ = ((ops.arange(E, i64)[:, None] - ops.arange(Z, i64)) % E).reshape(-1)
+    # Sort key of a bid for expert e with margin m: band_Z[e] - m. The bands [e << margin_bits,
+    # (e + 1) << margin_bits) hold the margins in [-levels, levels] in descending order, so one
+    # sort groups the bids by expert, highest first, and a search for the band edges finds the
+    # groups.
+    # The sort runs on the unique int64 keys (sort key << pos_bits) | position, so a plain sort,
+    # faster than a stable one, orders them as a stable sort of the sort keys would.
+    margin_bits = (2 * levels).bit_length()
+    pos_bits = max(1, (S - 1).bit_length())
+    edge_Z1 = ops.arange(Z + 1, i32) << ops.const(margin_bits, i32)
+    band_Z = edge_Z1[:Z] + ops.const(levels, i32)
+    band_eps_Z = band_Z + ops.const(eps_q, i32)
+    edge_Z1 = ops.as_int64(edge_Z1) << ops.const(pos_bits, i64)
+    shift, low_t = ops.const(sh, i32), ops.const(Z - 1, i32)
+    zero_t, one_t, none_t = ops.const(0, i64), ops.const(1, i64), ops.const(-1, i64)
+    pos_shift, pos_mask = ops.const(pos_bits, i64), ops.const((1 << pos_bits) - 1, i64)
+    price_sh_Z = price_Z << shift  # the price in key units
+    margin_S = ops.full(S, 0, i32)
+    pos_S = ops.arange(S, i64)
+    rank_S = ops.full(S, 0, i64)
+    net_ZS = key_ZS * 1
+    net_flat = net_ZS.reshape(-1)  # a view
+    S_t, min_key = ops.const(S, i64), -(1 << 31)  # min_key a Python int: index_fill_ takes it as is
+    bound_Z1 = limit_Z = over_Z = None  # of the last round, read by the completion check
+    rounds = 0
+    unassigned = None
+    while rounds < max_rounds:
+        if checks.due(rounds):
+            # Rows not kept by the last round (each row bid for exactly one expert): none if
+            # no expert was over-subscribed.
+            if stop_at == 0:
+                unassigned = None if bool(over_Z.any()) else 0
+            else:
+                unassigned = int(ops.clip(bound_Z1[1:] - limit_Z, 0, None).sum())
+                unassigned = unassigned if unassigned <= stop_at else None
+            if unassigned is not None:
+                break
+        rounds += 1
+        ops.sub_out(key_ZS, price_sh_Z[:, None], net_ZS)
+        best_expert_S = ops.take(expert_of_EZ, rotation_S + (ops.amax0(net_ZS) & low_t))
+        target_S = ops.where(expert_S >= zero_t, expert_S, best_expert_S)
+        # A row bids price[target] + margin: the price at which it would be indifferent, with
+        # margin = net value at the target - the best net value elsewhere.
+        at_S = target_S * S_t + pos_S  # flat index of (target, row) in net_ZS
+        own_S = ops.take(net_flat, at_S)
+        ops.put(net_flat, at_S, min_key)
+        margin_S = ops.clip((own_S >> shift) - (ops.amax0(net_ZS) >> shift), -levels, levels)
+        # ties keep the earlier row
+        sorted_S = ops.sort((ops.as_int64(ops.take(band_Z, target_S) - margin_S) << pos_shift) | pos_S)
+        bound_Z1 = ops.searchsorted(sorted_S, edge_Z1)  # expert e's bids are sorted_S[bound[e]:bound[e + 1]]
+        limit_Z = bound_Z1[:-1] + cap_Z  # and it keeps those before its limit
+        ops.put(rank_S, sorted_S & pos_mask, pos_S)
+        expert_S = ops.where(rank_S < ops.take(limit_Z, target_S), target_S, none_t)
+        # Over-subscribed experts: new price = max(old price, lowest kept bid) + eps, i.e. the
+        # price plus max(0, margin of the lowest kept bid) + eps.
+        last_kept_Z = ops.as_int32(ops.take_clipped(sorted_S, limit_Z - one_t) >> pos_shift)
+        over_Z = bound_Z1[1:] > limit_Z
+        price_sh_Z = ops.where(over_Z, price_sh_Z + ((band_eps_Z - ops.minimum(last_kept_Z, band_Z)) << shift),
+                               price_sh_Z)
+    return expert_S, price_sh_Z >> shift, margin_S, rounds, unassigned
+
+
+def _reference(scores, monkeypatch, *, numpy_path: bool, **kwargs):
+    """(experts, prices) of the auction before issue 47: the CPU's numpy path checking every round, or the torch
+    path an accelerator runs, checking at ACCELERATOR_CHECKS."""
+    with monkeypatch.context() as m:
+        m.setattr(assignment, "_auction", _frozen_auction)
+        if not numpy_path:
+            m.setattr(assignment, "_array_ops", lambda device: assignment._TorchOps(device))
+            m.setattr(assignment, "_check_schedule", lambda device: assignment.ACCELERATOR_CHECKS)
+        return balanced_assignment(scores, with_prices=True, **kwargs)
+
+
+def _with_checks(scores, checks, monkeypatch, *, numpy_path: bool, **kwargs):
+    with monkeypatch.context() as m:
+        if not numpy_path:
+            m.setattr(assignment, "_array_ops", lambda device: assignment._TorchOps(device))
+            m.setattr(assignment, "_check_schedule", lambda device: assignment.ACCELERATOR_CHECKS)
+        return balanced_assignment(scores, with_prices=True, check_every=checks, **kwargs)
+
+
+def _random_problem(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    S = int(torch.randint(1, 2048, (1,), generator=g))
+    E = [3, 4, 5, 7, 8, 12, 16, 32][int(torch.randint(0, 8, (1,), generator=g))]
+    kind = ["uniform", "randn", "softmax", "coarse", "narrow", "nonfinite"][seed % 6]
+    scores = torch.randn(S, E, generator=g)
+    if kind == "uniform":
+        scores = torch.rand(S, E, generator=g)
+    elif kind == "softmax":
+        scores = torch.softmax(3 * scores, -1)
+    elif kind == "coarse":  # many exact ties
+        scores = (torch.rand(S, E, generator=g) * 3).round()
+    elif kind == "narrow":  # a router at init: every row nearly indifferent
+        scores = 1e-3 * scores + torch.randn(E, generator=g)
+    elif kind == "nonfinite":
+        scores[0, 0], scores[S // 2, E - 1] = float("nan"), float("inf")
+    return scores, S, E
+
+
+@pytest.mark.parametrize("block", range(3))
+def test_a_layers_own_checks_give_the_assignment_and_prices_of_the_former_auction(monkeypatch, block):
+    """AuctionChecks (the first check at the most rounds a layer's recent auctions took, issue 47) change when the
+    host reads, never what the auction computes: on 60 random problems (sizes, expert counts, ties, non-finite and
+    nearly indifferent scores), whatever the layer's history, the experts and prices equal, bit for bit, those of
+    the auction loop as it was (frozen above) on the accelerator's path and on the CPU's."""
+    for seed in range(20 * block, 20 * (block + 1)):
+        scores, S, E = _random_problem(seed)
+        before_torch = _reference(scores, monkeypatch, numpy_path=False)
+        before_numpy = _reference(scores, monkeypatch, numpy_path=True)
+        for history in ([], [1], [3, 40], [int(seed % 17) + 1]):
+            checks = assignment.AuctionChecks()
+            for rounds in history:
+                checks.completed(rounds)
+            for numpy_path, before in ((False, before_torch), (True, before_numpy)):
+                expert_S, price_E = _with_checks(scores, checks, monkeypatch, numpy_path=numpy_path)
+                assert torch.equal(expert_S, before[0]) and torch.equal(price_E, before[1]), (seed, S, E, history)
+        _assert_balanced(before_torch[0], S, E)
+
+
+def test_a_layers_own_checks_stay_out_of_step_4(monkeypatch):
+    """Where step 4 runs, its start moves with the checks: the layer's checks are not used there, and the result
+    is the former accelerator path's (and the CPU's where its every-round checks start step 4 alike)."""
+    scores = _scores(4096, 16, "randn", seed=23)  # 65536 keys: step 4 runs
+    checks = assignment.AuctionChecks()
+    checks.completed(3)
+    before = _reference(scores, monkeypatch, numpy_path=False)
+    after = _with_checks(scores, checks, monkeypatch, numpy_path=False)
+    assert torch.equal(after[0], before[0]) and torch.equal(after[1], before[1])
+    assert list(checks.recent) == [3]  # nothing observed: the default checks ran
+
+
+def test_a_layers_own_checks_read_once_for_an_auction_like_its_last(monkeypatch):
+    """The read at a check says when the auction completed; the next auction of the layer checks first there:
+    one host read (counted as an accelerator syncs) where checking at round 16 read twice or wasted rounds."""
+    from smlp_bench.micro.host_syncs import count_host_syncs
+
+    rounds = []
+    real = assignment._auction
+    monkeypatch.setattr(assignment, "_auction", lambda *a: (lambda out: rounds.append(out[3]) or out)(real(*a)))
+    for S, E, kind, seed in ((80, 4, "randn", 0), (1024, 8, "softmax", 1), (2000, 32, "randn", 2),
+                             (300, 5, "uniform", 3)):
+        scores = _scores(S, E, kind, seed=seed)
+        rounds.clear()
+        balanced_assignment(scores, check_every=1)  # the CPU's every-round checks: the completion round
+        completion = rounds[0]
+        checks = assignment.AuctionChecks()
+        with count_host_syncs() as c:
+            balanced_assignment(scores, check_every=checks)
+        first_reads = c.count
+        assert first_reads == ((completion - 1) // 16).bit_length() + 1, (S, E, completion, first_reads)  # 16, 32..
+        assert list(checks.recent) == [completion] and checks.first == completion
+        with count_host_syncs() as c:
+            balanced_assignment(scores, check_every=checks)
+        assert c.count == 1 and rounds[-1] == completion, (S, E, completion)  # no round wasted either

@@ -2,18 +2,25 @@
 
 NCCL rejects CPU tensors; a CPU-only machine runs gloo, which accepts them. The collectives of the
 project (audited: smlp/dispatch.py's all2all and its split/width exchanges, Base Layers' token shuffle
-and unshuffle with their backward, the optimizer step's fold of the balanced routers' prices (one all-reduce for
-every layer, smlp/routing/prices.py), smlp/expert_data_parallel.py's replica all-reduce of expert gradients,
+and unshuffle with their backward and the assigned experts' way home with the dispatch's counts, the
+optimizer step's fold of the balanced routers' prices (one all-reduce for every layer,
+smlp/routing/prices.py), smlp/expert_data_parallel.py's replica all-reduce of expert gradients,
 the zero-shot scorer's batch-count max and score sum, the generation token broadcast, the end-of-run barrier, and
 smlp-launch's graceful-stop vote; fairseq_plugins calls none itself) run here on 2 gloo ranks under
 `tests/fake_nccl.pretend_nccl()`, which reports an NCCL backend and fails on any CPU tensor that
 reaches a collective. A negative control shows the check fails on the mistake it exists for.
+
+The same runs count the collectives of a training step of sMLP-det on 2 ranks (issue 47: the shuffle's split
+sizes and the deterministic sMoE's counts once per forward, the dispatch's counts home with the assigned experts)
+and check that the step computes bit for bit what the per-layer exchanges computed.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 from types import SimpleNamespace
+from unittest import mock
 
 import pytest
 import torch
@@ -170,6 +177,156 @@ def _worker(rank: int, world: int, init: str, out: str) -> None:
         json.dump(report, f)
 
 
+# ---------------------------------------------------------------- sMLP-det's training step (issue 47)
+
+SMLP_DET = dict(family="smlp", vocab_size=64, d_model=16, d_ffn=32, seq_len=16, dense_layers=9, sparse_layers=3,
+                num_experts=4, heads=2, padding_idx=1)  # the fair configuration's 9 + 3 blocks, tiny widths
+
+
+@contextlib.contextmanager
+def per_layer_exchanges():
+    """The exchanges of a step as they were before issue 47: every layer exchanges its split sizes (the shuffle's,
+    the deterministic sMoE's counts), and each dispatch exchanges its counts after the experts came home alone."""
+    from smlp.dispatch import AllToAllDispatcher
+    from smlp.lm import LanguageModel
+
+    def experts_alone(self, expert_R, state, scores_RE):
+        return self.unshuffle(expert_R, state), None
+
+    with mock.patch.object(LanguageModel, "one_forward", lambda self: contextlib.nullcontext()), \
+            mock.patch.object(AllToAllDispatcher, "unshuffle_assignment", experts_alone):
+        yield
+
+
+def _training_step(model, tokens, calls) -> dict:
+    """One training step as fairseq runs it (forward, loss, backward, the optimizer step's price fold, legacy_ddp's
+    all-reduce of the shared gradients): its collectives by phase, and what it computed."""
+    import torch.nn.functional as F
+
+    from smlp.experts import is_expert
+    from smlp.routing.prices import fold_prices
+
+    n0 = len(calls)
+    logits = model(tokens[:, :-1])
+    n1 = len(calls)
+    F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)).backward()
+    n2 = len(calls)
+    grads = {n: p.grad.cpu().clone() for n, p in model.named_parameters() if p.grad is not None}
+    loads = [m.load_E.cpu() for _, m in model.moe_modules()]
+    fold_prices(model)
+    prices = [m.price_E.cpu().clone() for m in model.modules() if hasattr(m, "pending_E1")]
+    shared = [p.grad for p in model.parameters() if not is_expert(p) and p.grad is not None]
+    dist.all_reduce(torch.cat([g.reshape(-1) for g in shared]))
+    names = [c for c, _ in calls[n0:]]
+    return {"collectives": {"forward": names[:n1 - n0], "backward": names[n1 - n0:n2 - n0], "step": names[n2 - n0:]},
+            "logits": logits.detach().cpu(), "grads": grads, "loads": loads, "prices": prices}
+
+
+def _smlp_det_worker(rank: int, world: int, init: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    report: dict = {}
+    try:
+        from smlp.dispatch import AllToAllDispatcher, LocalDispatcher
+        from smlp.lm import LanguageModel, LMConfig
+        from smlp_bench.micro.host_syncs import count_host_syncs
+
+        cfg = LMConfig(**SMLP_DET)
+        tokens = torch.randint(4, 64, (2 + rank, 17), generator=torch.Generator().manual_seed(rank))  # uneven ranks
+
+        def build(layout):
+            torch.manual_seed(0)
+            smoe = LocalDispatcher(4, replicated=True) if layout == "replicated" else None
+            return LanguageModel(cfg, AllToAllDispatcher(4), smoe_dispatcher=smoe).train()
+
+        for layout in ("expert", "replicated"):
+            runs = {}
+            for path in ("once", "per_layer"):
+                model = build(layout)
+                with pretend_nccl() as (mode, calls), \
+                        (per_layer_exchanges() if path == "per_layer" else contextlib.nullcontext()):
+                    model.to("cuda")
+                    x = tokens.to("cuda")
+                    torch.manual_seed(100 + rank)  # the shuffle's permutations, alike in both runs
+                    runs[path] = _training_step(model, x, calls)
+                    runs[path]["synchronized"] = len(mode.synchronized)
+            once, before = runs["once"], runs["per_layer"]
+            report[layout] = {
+                "collectives": {path: {k: len(v) for k, v in r["collectives"].items()} for path, r in runs.items()},
+                "kinds": {path: sorted(set(sum(r["collectives"].values(), []))) for path, r in runs.items()},
+                "synchronized": once["synchronized"],
+                "bitwise": {"logits": torch.equal(once["logits"], before["logits"]),
+                            "grads": once["grads"].keys() == before["grads"].keys()
+                            and all(torch.equal(g, before["grads"][n]) for n, g in once["grads"].items()),
+                            "loads": all(torch.equal(a, b) for a, b in zip(once["loads"], before["loads"])),
+                            "prices": all(torch.equal(a, b) for a, b in zip(once["prices"], before["prices"]))}}
+            # host reads of a training forward on the accelerator's path, per MoE module: the second of two
+            # forwards of the same batch and shuffle (each layer's auction checks first where its last completed)
+            model = build(layout)
+            for _ in range(2):
+                per_module = {}
+                with count_host_syncs() as counter:
+                    hooks = []
+                    for name, module in model.moe_modules():
+                        hooks.append(module.register_forward_pre_hook(
+                            lambda m, a: setattr(m, "_before", counter.count)))
+                        hooks.append(module.register_forward_hook(
+                            lambda m, a, o, name=name, into=per_module: into.__setitem__(name,
+                                                                                          counter.count - m._before)))
+                    torch.manual_seed(100 + rank)
+                    model(tokens[:, :-1])
+                    for hook in hooks:
+                        hook.remove()
+            report[layout]["host_reads"] = {"forward": counter.count, "per_module": per_module,
+                                            "sites": {k: v for k, v in counter.by_site.items()}}
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    with open(f"{out}/{rank}.json", "w") as f:
+        json.dump(report, f)
+
+
+@pytest.mark.slow
+def test_an_smlp_det_training_step_on_2_ranks_makes_fewer_collectives_with_the_same_results(tmp_path):
+    """sMLP-det (9 dense + 3 sparse blocks, the Base Layers tMoE with its shuffle) on 2 ranks of unequal batches,
+    its sMoE experts spread over the ranks or replicated: the collectives of one training step, and the same step
+    with every layer exchanging its own split sizes and every dispatch its own counts, as before issue 47.
+
+    Per sparse block before: the shuffle's split sizes, the scores, the experts back, the dispatch's counts, the
+    tokens out and back (+ the sMoE's counts, rows out and back when spread); now the split sizes once per forward
+    (the sMoE's counts too), the dispatch's counts with the experts. The outputs, every gradient, the loads and the
+    prices are bitwise the same (only the exchanges changed), and no CPU tensor reaches a collective under NCCL.
+    A training forward reads the host (counted on the accelerator's path) once per forward for the shuffle's split
+    sizes, and per balanced layer once for its auction's completion (AuctionChecks: checked first where the
+    layer's last auction completed) and once for its dispatch's counts; a spread sMoE once per forward."""
+    torch.multiprocessing.spawn(_smlp_det_worker, args=(2, f"file://{tmp_path}/rdzv", str(tmp_path)), nprocs=2,
+                                start_method="forkserver")
+    for rank in range(2):
+        r = json.loads((tmp_path / f"{rank}.json").read_text())
+        # forward, backward, step (the price fold and the shared gradients' all-reduce); once -> per layer:
+        #   replicated: forward 1 + 3 x 4 (was 3 x 6), backward 3 x 2, step 2: 21 (was 26)
+        #   expert:     forward 2 + 3 x 6 (was 3 x 9), backward 3 x 4, step 2: 34 (was 41)
+        assert r["replicated"]["collectives"] == {"once": {"forward": 13, "backward": 6, "step": 2},
+                                                  "per_layer": {"forward": 18, "backward": 6, "step": 2}}, r
+        assert r["expert"]["collectives"] == {"once": {"forward": 20, "backward": 12, "step": 2},
+                                              "per_layer": {"forward": 27, "backward": 12, "step": 2}}, r
+        for layout in ("expert", "replicated"):
+            got = r[layout]
+            assert got["kinds"]["once"] == ["all_reduce", "all_to_all_single"], got["kinds"]
+            assert got["bitwise"] == {"logits": True, "grads": True, "loads": True, "prices": True}, (layout, got)
+            assert got["synchronized"] == 0
+            reads = got["host_reads"]
+            tmoe = [n for n in reads["per_module"] if n.endswith(".tmoe")]
+            smoe = [n for n in reads["per_module"] if n.endswith(".smoe")]
+            assert len(tmoe) == len(smoe) == 3, reads
+            # the first tMoE: the shuffle's split sizes, its auction's check, the dispatch's counts; the others
+            # 2; a spread sMoE reads its counts in the first block only, a replicated one never
+            assert [reads["per_module"][n] for n in tmoe] == [3, 2, 2], reads
+            assert [reads["per_module"][n] for n in smoe] == ([1, 0, 0] if layout == "expert" else [0, 0, 0]), reads
+            assert reads["forward"] == (8 if layout == "expert" else 7), reads
+
+
 @pytest.mark.slow
 def test_no_cpu_tensor_reaches_a_collective_when_the_backend_is_nccl(tmp_path):
     torch.multiprocessing.spawn(_worker, args=(2, f"file://{tmp_path}/rdzv", str(tmp_path)), nprocs=2,
@@ -185,10 +342,10 @@ def test_no_cpu_tensor_reaches_a_collective_when_the_backend_is_nccl(tmp_path):
         # shuffle: counts + rows; unshuffle: rows; backward: both row exchanges reversed
         assert r["shuffle"]["collectives"] == ["all_to_all_single"] * 5
         assert r["shuffle"]["round_trip"] and r["shuffle"]["grad"] and r["shuffle"]["sizes"][0] in (9, 10)
-        # forward: shuffle of the scores (counts, scores), their experts back, dispatch (counts, tokens), combine;
-        # backward: the 2 token exchanges reversed (the scores and experts carry no gradient); the prices are
-        # folded by the optimizer step: one all-reduce for every balanced layer
-        assert r["base_step"] == ["all_to_all_single"] * 8
+        # forward: shuffle of the scores (split sizes, scores), their experts back with the dispatch's counts,
+        # tokens out, combine; backward: the 2 token exchanges reversed (the scores and experts carry no
+        # gradient); the prices are folded by the optimizer step: one all-reduce for every balanced layer
+        assert r["base_step"] == ["all_to_all_single"] * 7
         assert r["price_fold"] == {"collectives": ["all_reduce"], "layers": 2}
         assert r["replica_collectives"] == ["all_reduce"] * 4  # w1, b1, w2, b2
         assert r["synchronized"] == 0  # nothing waited for the device

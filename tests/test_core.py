@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from smlp.causality import assert_causal, earlier_outputs_unchanged
 from smlp.config import GMLPConfig, SGUConfig, SMoEConfig, SparseBlockConfig, TMoEConfig
@@ -119,6 +120,67 @@ def test_smoe_deterministic_equals_multihead_sgu(split, experts):
     assert within_bound(z.grad, z_ref.grad, **rule)
     assert within_bound(smoe.experts.weight.grad, sgu.proj.weight.grad, **rule)
     assert within_bound(smoe.norm.weight.grad, sgu.norm.weight.grad, **rule)
+
+
+def _rows_path(smoe: SMoE, z: torch.Tensor) -> torch.Tensor:
+    """The sMoE's forward through its rows, as an exchange needs them: LayerNorm(z2) copied into (channel, sequence)
+    rows, the experts on them, the results permuted back into the gate (what one process ran before issue 47)."""
+    z1, z2 = z.chunk(2, dim=-1) if smoe.cfg.split else (z, z)
+    rows = smoe.route(smoe.norm(z2), 0, training=smoe.training, dtype=z.dtype, defer_checks=True)
+    x_RM, counts_L, dstate = smoe.dispatch(rows)
+    return smoe.combine(smoe.run_experts(x_RM, counts_L), dstate, rows, z1, z.shape[1])
+
+
+@pytest.mark.parametrize("split", [True, False])
+@pytest.mark.parametrize("experts", [1, 4])
+def test_local_deterministic_smoe_mixes_one_sequence_in_place_as_the_multihead_sgu(split, experts):
+    """Every expert here (one process, or the replicated layout) and one sequence: expert i mixes channel chunk i
+    where it lies (issue 47), which is exactly the multi-head SGU with one head per expert (bit for bit, forward
+    and every gradient), and equals the rows' path within the summation-order bound, with fewer operators."""
+    torch.manual_seed(0)
+    smoe = SMoE(SMoEConfig(dim=16, seq_len=10, num_experts=experts, split=split))
+    randomize_spatial_(smoe)
+    with torch.no_grad():
+        smoe.experts.bias_offset.normal_()
+    sgu = SpatialGatingUnit(SGUConfig(dim=16, seq_len=10, heads=experts, split=split))
+    copy_smoe_into_sgu(smoe, sgu)
+    z = torch.randn(1, 9, 16)
+    g = torch.randn(1, 9, 8 if split else 16)
+    results, ops = {}, {}
+    for name, fn, module in (("in place", smoe, smoe), ("sgu", sgu, sgu),
+                             ("rows", lambda x: _rows_path(smoe, x), smoe)):
+        module.zero_grad()
+        x = z.clone().requires_grad_(True)
+        with _OpCount() as forward:
+            y = fn(x)
+        with _OpCount() as backward:
+            y.backward(g)
+        grads = [p.grad.clone() for p in module.parameters()]
+        results[name], ops[name] = [y.detach(), x.grad, *grads], (forward.n, backward.n)
+    for a, b in zip(results["in place"], results["sgu"]):
+        assert torch.equal(a, b)
+    rule = dict(reduction=9, depth=2)
+    for a, b in zip(results["in place"], results["rows"]):
+        assert within_bound(a, b, **rule)
+    assert ops["in place"][0] < ops["rows"][0] and ops["in place"][1] < ops["rows"][1], ops
+    assert_causal(smoe, torch.randn(1, 10, 16), first_checked=0, positions=[0, 4, 8])
+    C = 16 // (2 if split else 1)
+    assert smoe.load_E.tolist() == [C // experts] * experts
+    smoe(torch.randn(3, 7, 16))  # the rows' path; the constant counts are made once per share, not every forward
+    smoe(torch.randn(3, 9, 16))
+    assert list(smoe._constant_counts) == [(C // experts, z.device), (3 * C // experts, z.device)]
+
+
+class _OpCount(TorchDispatchMode):
+    """Operators that reach the kernels (below autograd), as smlp_bench.micro.step_breakdown counts them."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += func.namespace != "profiler"
+        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("routing", ["deterministic", "partial"])

@@ -11,6 +11,7 @@ to a power of two, at least 2), s rows of step 4's working set.
 """
 from __future__ import annotations
 
+import collections
 import functools
 from dataclasses import dataclass
 
@@ -19,7 +20,8 @@ from torch import Tensor
 
 from .auction_arrays import _NumpyOps, _TorchOps, sanitize_scores
 
-__all__ = ["ACCELERATOR_CHECKS", "CheckSchedule", "balanced_assignment", "expert_capacities", "sanitize_scores"]
+__all__ = ["ACCELERATOR_CHECKS", "AuctionChecks", "CheckSchedule", "balanced_assignment", "expert_capacities",
+           "sanitize_scores"]
 
 # Scores are measured in gain units (step 0). Scores further than _CLIP_GAINS units below a row's best
 # are clipped there: that row never wants such an expert, and the clip keeps every key inside int32.
@@ -60,6 +62,34 @@ class CheckSchedule:
 # auctions end within 16 rounds at their sizes (docs/gpu.md), so one check is the rule, and a slow
 # auction costs a read per doubling of its rounds, never one per few rounds.
 ACCELERATOR_CHECKS = CheckSchedule(16, doubling=True)
+
+
+class AuctionChecks:
+    """One balanced layer's completion checks on an accelerator, sized from its own auctions.
+
+    A check is a host read that stalls the stream, and a round past completion is wasted work: checking
+    first at round 16 wastes 4-12 rounds at the routers' sizes (docs/gpu.md) and reads twice when an
+    auction needs 17. These checks come first at the most rounds the layer's last `window` auctions took
+    to complete (16 before any), then at its doublings. The read at a check is the number of rounds that
+    left an expert over-subscribed, which says at which round the auction completed: one read, as a
+    completion flag would be. Rounds after completion change nothing, so the assignment and the prices do
+    not depend on the checks; `balanced_assignment` uses these only where its step 4, whose start moves
+    with the checks, does not run, and where a check costs a read (not on the CPU's numpy path)."""
+
+    def __init__(self, window: int = 8):
+        self.recent: collections.deque[int] = collections.deque(maxlen=window)
+        self.first = ACCELERATOR_CHECKS.every
+
+    def due(self, rounds: int) -> bool:
+        if rounds < 1 or rounds % self.first:
+            return False
+        k = rounds // self.first
+        return k & (k - 1) == 0
+
+    def completed(self, rounds: int) -> None:
+        """An auction completed in `rounds` rounds (its last round over-subscribed no expert)."""
+        self.recent.append(rounds)
+        self.first = max(self.recent)
 
 
 def expert_capacities(num_rows: int, num_experts: int, device=None) -> Tensor:
@@ -116,9 +146,11 @@ def balanced_assignment(
             full auction to the end.
         working_fraction: held rows in step 4's working set, as a fraction of S (at least 1024).
         max_rounds: round budget of steps 1-4 before the fill; default max(64, 4 * E, 4 / eps).
-        check_every: rounds between completion checks (each a host sync on an accelerator), or a
-            CheckSchedule; default every round on the CPU, where a check costs nothing, and
-            ACCELERATOR_CHECKS elsewhere (rounds 16, 32, 64, ...: usually one read per call).
+        check_every: rounds between completion checks (each a host sync on an accelerator), a
+            CheckSchedule, or a layer's AuctionChecks; default every round on the CPU, where a check costs
+            nothing, and ACCELERATOR_CHECKS elsewhere (rounds 16, 32, 64, ...: usually one read per call).
+            AuctionChecks apply where a check costs a read and step 4 does not run (the assignment is
+            then the same whatever the checks); elsewhere the default applies.
         with_prices: also return the final expert prices.
 
     Returns:
@@ -145,7 +177,7 @@ def balanced_assignment(
         max_rounds = max(64, 4 * E, int(4 / eps))
     if max_rounds < 0:
         raise ValueError(f"need max_rounds >= 0, got {max_rounds}")
-    if check_every is None:
+    if check_every is None or isinstance(check_every, AuctionChecks):
         checks = _check_schedule(device)
     else:
         checks = check_every if isinstance(check_every, CheckSchedule) else CheckSchedule(check_every)
@@ -163,6 +195,8 @@ def balanced_assignment(
     # costs much more than setting it up.
     work_rows = max(int(working_fraction * S), _MIN_WORKING_ROWS)
     tail_rows = int(tail_fraction * S) if 2 * work_rows <= S and S << sh >= _MIN_TAIL_KEYS else 0
+    if isinstance(check_every, AuctionChecks) and tail_rows == 0 and checks != CheckSchedule(1):
+        checks = check_every  # a read per check: the layer's own checks (the same assignment)
     expert_S, price_Z, unassigned = _solve(ops, key_ZS, E, sh, levels, eps_q, max_rounds, checks, tail_rows,
                                            work_rows)
     # unassigned is None if the round budget ran out first
@@ -328,7 +362,7 @@ def _solve(ops, key_ZS, E: int, sh: int, levels: int, eps_q: int, max_rounds: in
 
 
 def _auction(ops, key_ZS, cap_Z, row_S, expert_S, price_Z, E: int, sh: int, levels: int, eps_q: int,
-             max_rounds: int, checks: CheckSchedule, stop_at: int):
+             max_rounds: int, checks: CheckSchedule | AuctionChecks, stop_at: int):
     """Steps 1-3 on keys (Z, S) from the given state, in arrays of the `ops` backend.
 
     row_S are the rows' indices in the full problem (they set the tie priorities); cap_Z the
@@ -366,13 +400,21 @@ def _auction(ops, key_ZS, cap_Z, row_S, expert_S, price_Z, E: int, sh: int, leve
     net_flat = net_ZS.reshape(-1)  # a view
     S_t, min_key = ops.const(S, i64), -(1 << 31)  # min_key a Python int: index_fill_ takes it as is
     bound_Z1 = limit_Z = over_Z = None  # of the last round, read by the completion check
+    # AuctionChecks: the rounds that over-subscribed an expert, counted on the device (read at a check)
+    counted = isinstance(checks, AuctionChecks) and stop_at == 0
+    active = ops.const(0, i64)
     rounds = 0
     unassigned = None
     while rounds < max_rounds:
         if checks.due(rounds):
             # Rows not kept by the last round (each row bid for exactly one expert): none if
             # no expert was over-subscribed.
-            if stop_at == 0:
+            if counted:  # an over-subscribed expert in every round so far: not done; else done at active + 1
+                active_rounds = int(active)
+                unassigned = None if active_rounds == rounds else 0
+                if unassigned == 0:
+                    checks.completed(active_rounds + 1)
+            elif stop_at == 0:
                 unassigned = None if bool(over_Z.any()) else 0
             else:
                 unassigned = int(ops.clip(bound_Z1[1:] - limit_Z, 0, None).sum())
@@ -401,6 +443,8 @@ def _auction(ops, key_ZS, cap_Z, row_S, expert_S, price_Z, E: int, sh: int, leve
         over_Z = bound_Z1[1:] > limit_Z
         price_sh_Z = ops.where(over_Z, price_sh_Z + ((band_eps_Z - ops.minimum(last_kept_Z, band_Z)) << shift),
                                price_sh_Z)
+        if counted:
+            active = active + over_Z.any()
     return expert_S, price_sh_Z >> shift, margin_S, rounds, unassigned
 
 

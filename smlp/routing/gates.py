@@ -9,8 +9,8 @@ Pure functions from router logits (logits.py) to a `RoutingPlan`: no collective,
 Capacity drops rows in order of position; a dropped slot has expert -1 and weight 0, and its row
 keeps only the residual. Capacity couples the rows of a batch, so in eval mode both gates route each
 row on its own logits with no limit by default, which keeps evaluation causal (routes.py). The one
-host read is the check that the logits are usable; with `defer_checks` its verdict stays in the
-plan's fault record, and the dispatcher reads it with the split sizes (plan.py).
+host read is the check that the logits are usable; with `defer_checks` it stays in the plan (a
+DeferredCheck), and the dispatcher reads its verdict with the split sizes (plan.py).
 
 Shapes: the core's legend (smlp/__init__.py); K is 1 for Switch, 2 for GShard.
 """
@@ -89,11 +89,11 @@ def router_z_loss(logits_SE: Tensor) -> Tensor:
 
 def _open_gate(fn: str, logits_SE: Tensor, noise_SE: Tensor | None, layer: str,
                defer_checks: bool | str) -> tuple[Tensor | None, Tensor, Tensor]:
-    """Check the logits, take their fault record (plan.py), and move them to at least fp32 (Switch
+    """Check the logits (their deferred check, plan.py), and move them to at least fp32 (Switch
     sec. 2.4, "selective precision").
 
     Returns:
-        fault:   the fault record to leave in the plan (defer_checks), or None once read
+        fault:   the check to leave in the plan (defer_checks), or None once read
         logits_SE: the logits in the compute dtype, (S, E)
         probs_SE:  their softmax, (S, E)
     """
@@ -153,7 +153,7 @@ def switch_top1(
     noise_SE:             optional noise added to the logits for the choice only; weights and P_e
                           use the clean probabilities. The paper uses none.
     layer:                the layer's name, for the error on non-finite logits.
-    defer_checks:         leave that check's verdict in the plan's fault record (plan.py).
+    defer_checks:         leave that check in the plan for the dispatcher (plan.py).
     """
     factor = capacity_factor if training else eval_capacity_factor
     if capacity_factor is not None:

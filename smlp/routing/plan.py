@@ -14,21 +14,23 @@ Shapes: the core's legend (smlp/__init__.py).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-__all__ = ["RoutingPlan", "NonFiniteScoresError", "FAULT_WIDTH", "FLAG_ONLY", "count_rows", "nonfinite_fault",
-           "nonfinite_flag", "hash_fault", "hash_flag", "routing_error", "raise_on_fault", "check_finite_scores",
-           "deferred_or_raised", "score_check", "token_id_check"]
+__all__ = ["RoutingPlan", "NonFiniteScoresError", "DeferredCheck", "FAULT_WIDTH", "FLAG_ONLY", "count_rows",
+           "nonfinite_fault", "nonfinite_flag", "nonfinite_rows", "hash_fault", "hash_flag", "routing_error",
+           "raise_on_fault", "check_finite_scores", "deferred_or_raised", "score_check", "token_id_check"]
 
 
 class _PlanFields(NamedTuple):
     experts_SK: Tensor
     weights_SK: Tensor
     aux_loss: Tensor | None = None
-    fault: Tensor | None = None
+    fault: DeferredCheck | Tensor | None = None
+    dispatch_counts: Tensor | None = None
 
 
 class RoutingPlan(_PlanFields):
@@ -38,8 +40,13 @@ class RoutingPlan(_PlanFields):
     weights_SK: combine weight per (row, slot); differentiable w.r.t. the router's scores.
                 A dropped slot has weight 0.
     aux_loss:   auxiliary load-balancing loss (scalar) or None when the router has none.
-    fault:      the router's input check left on the device (`defer_checks=True`), a (FAULT_WIDTH,)
-                int64 record, or None when the check was read already.
+    fault:      the router's input check left for the dispatcher: a `DeferredCheck` (`defer_checks=True`),
+                its bare verdict (FLAG_ONLY), or None when the check was read already.
+    dispatch_counts: (E + W L + W,) int64, what the dispatch reads instead of exchanging row counts, or None:
+                the rows this rank sends each expert, the rows each rank w sends each of this rank's
+                L experts ((W, L), flattened), the non-finite rows among each rank's scores. Base Layers'
+                shuffle brings them home with the experts: the ranks that assigned the rows counted them
+                (dispatch.AllToAllDispatcher.unshuffle_assignment).
 
     A tuple: a router module returns it from `forward`, and torch's module hooks (fairseq's
     NanDetector among them) expect a module's output to be a tensor or a tuple of them.
@@ -48,13 +55,13 @@ class RoutingPlan(_PlanFields):
     __slots__ = ()
 
     def __new__(cls, experts_SK: Tensor, weights_SK: Tensor, aux_loss: Tensor | None = None,
-                fault: Tensor | None = None):
+                fault: DeferredCheck | Tensor | None = None, dispatch_counts: Tensor | None = None):
         if experts_SK.dim() != 2 or experts_SK.shape != weights_SK.shape:
             raise ValueError(
                 f"RoutingPlan needs experts_SK and weights_SK of the same (S, K) shape, got "
                 f"{tuple(experts_SK.shape)} and {tuple(weights_SK.shape)}"
             )
-        return super().__new__(cls, experts_SK, weights_SK, aux_loss, fault)
+        return super().__new__(cls, experts_SK, weights_SK, aux_loss, fault, dispatch_counts)
 
     def counts(self, num_experts: int) -> Tensor:
         """Rows per expert (dropped slots excluded): (E,) long, on the device (no host sync)."""
@@ -72,6 +79,27 @@ def count_rows(expert_S: Tensor, num_experts: int) -> Tensor:
 
 class NonFiniteScoresError(FloatingPointError):
     """Router scores with NaN or +-inf entries; the message names the layer and what to check."""
+
+
+class DeferredCheck:
+    """A router's input check left for the dispatcher (`defer_checks=True`).
+
+    flag():   its verdict on the device, (1,) bool, True on a fault: a few operators, read with the counts
+    record(): its fault record (FAULT_WIDTH,) int64, the figures an error states: built only once a flag
+              was read (two dozen operators that a step without a fault does not run)
+    Neither reads the host. The check keeps the scores or token ids it reads (the layer's graph keeps them too).
+    """
+
+    __slots__ = ("_flag", "_record")
+
+    def __init__(self, flag: Callable[[], Tensor], record: Callable[[], Tensor]):
+        self._flag, self._record = flag, record
+
+    def flag(self) -> Tensor:
+        return self._flag()
+
+    def record(self) -> Tensor:
+        return self._record()
 
 
 # A fault record: FAULT_WIDTH int64 values, record[0] the kind of fault (0: none), the rest its
@@ -184,24 +212,34 @@ def check_finite_scores(scores_SE: Tensor, layer: str, *, allow_neg_inf: bool = 
     _raise_now(nonfinite_fault(scores_SE, allow_neg_inf=allow_neg_inf), layer)
 
 
-def deferred_or_raised(fault: Tensor, layer: str, defer: bool) -> Tensor | None:
-    """The record to leave in the plan (`defer`), or None after reading it (and raising if it is a fault)."""
+def deferred_or_raised(check: DeferredCheck, layer: str, defer: bool) -> DeferredCheck | None:
+    """The check to leave in the plan (`defer`), or None after reading its record (and raising if it is a fault)."""
     if defer:
-        return fault
-    _raise_now(fault, layer)
+        return check
+    _raise_now(check.record(), layer)
     return None
 
 
-def score_check(scores_SE: Tensor, layer: str, defer: bool | str, *, allow_neg_inf: bool = False) -> Tensor | None:
-    """A rule's check of its scores: read at once (defer False: raises on a fault, returns None), its fault
-    record left for the dispatcher (True), or its bare verdict (FLAG_ONLY)."""
+def score_check(scores_SE: Tensor, layer: str, defer: bool | str, *,
+                allow_neg_inf: bool = False) -> DeferredCheck | Tensor | None:
+    """A rule's check of its scores: read at once (defer False: raises on a fault, returns None), left for
+    the dispatcher (True: a DeferredCheck), or its bare verdict (FLAG_ONLY)."""
     if defer == FLAG_ONLY:
         return nonfinite_flag(scores_SE, allow_neg_inf=allow_neg_inf)
-    return deferred_or_raised(nonfinite_fault(scores_SE, allow_neg_inf=allow_neg_inf), layer, defer)
+    check = DeferredCheck(lambda: nonfinite_flag(scores_SE.detach(), allow_neg_inf=allow_neg_inf),
+                          lambda: nonfinite_fault(scores_SE, allow_neg_inf=allow_neg_inf))
+    return deferred_or_raised(check, layer, defer)
 
 
-def token_id_check(token_ids_S: Tensor, table_size: int, layer: str, defer: bool | str) -> Tensor | None:
+def token_id_check(token_ids_S: Tensor, table_size: int, layer: str,
+                   defer: bool | str) -> DeferredCheck | Tensor | None:
     """The HASH rule's check of its token ids, as `score_check`."""
     if defer == FLAG_ONLY:
         return hash_flag(token_ids_S, table_size)
-    return deferred_or_raised(hash_fault(token_ids_S, table_size), layer, defer)
+    check = DeferredCheck(lambda: hash_flag(token_ids_S, table_size), lambda: hash_fault(token_ids_S, table_size))
+    return deferred_or_raised(check, layer, defer)
+
+
+def nonfinite_rows(scores_SE: Tensor) -> Tensor:
+    """(S,) bool: the rows with a NaN or infinite score (x - x is 0 for a finite x, NaN otherwise); no sync."""
+    return (scores_SE - scores_SE).ne(0).any(dim=-1)

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..process_group import collective_device, rank_and_world
-from .assignment import balanced_assignment
+from .assignment import AuctionChecks, balanced_assignment
 
 __all__ = ["RouterPrices", "BALANCED_EVAL_ROUTINGS", "DEFAULT_PRICE_DECAY", "price_modules", "fold_prices",
            "install_price_fold"]
@@ -62,6 +62,8 @@ class RouterPrices(nn.Module):
             raise ValueError(f"eval_routing={eval_routing!r}: valid: {', '.join(BALANCED_EVAL_ROUTINGS)}")
         self.decay, self.eval_routing = decay, eval_routing
         self.route_greedily = False  # LanguageModel.routing_greedily: the greedy diagnostic
+        self.auction_checks = AuctionChecks()  # the layer's assignments' completion checks on an accelerator
+        self._prices: tuple | None = None  # (the buffers' versions, `prices()`): made once per change
         self.register_buffer("price_E", torch.zeros(num_experts))
         self.register_buffer("price_weight", torch.zeros(()))
         self.register_buffer("pending_E1", torch.zeros(num_experts + 1))
@@ -95,15 +97,21 @@ class RouterPrices(nn.Module):
         argmax(score - price) per row when `priced`, else None (greedy: the rule takes the argmax)."""
         with torch.no_grad():
             if assign:
-                expert_S, price_E = balanced_assignment(scores_SE.detach(), with_prices=True)
+                expert_S, price_E = balanced_assignment(scores_SE.detach(), with_prices=True,
+                                                        check_every=self.auction_checks)
                 if observe:
                     self.observe(price_E, scores_SE.shape[0])
                 return expert_S
             return self.route(scores_SE.detach()) if self.priced else None
 
     def prices(self) -> Tensor:
-        """(E,) the bias-corrected average; zeros before any training step (0 / tiny)."""
-        return self.price_E / self.price_weight.clamp(min=1e-12)
+        """(E,) the bias-corrected average; zeros before any training step (0 / tiny). Made once per change of
+        the buffers (a fold, a load, a move; their version counters tell), not once per decoding step."""
+        key = tuple((id(t), t._version, t.data_ptr()) for t in (self.price_E, self.price_weight))
+        if self._prices is None or self._prices[0] != key:
+            with torch.no_grad():
+                self._prices = (key, self.price_E / self.price_weight.clamp(min=1e-12))
+        return self._prices[1]
 
     def route(self, scores_SE: Tensor) -> Tensor:
         """(S,) each row's expert: argmax_e(score - price_e), row by row (greedy before any training step)."""

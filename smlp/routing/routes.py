@@ -7,7 +7,7 @@ balanced assignment in training, which makes a row's expert depend on the other 
 argmax of score minus price at inference, row by row) and passed in as `expert_S`; without one a row
 goes to the argmax of its scores (greedy, fairseq's BaseLayer at inference).
 Non-finite scores raise NonFiniteScoresError naming `layer`, at once or, with `defer_checks`, where
-the dispatcher reads the plan's fault record (plan.py). Shapes: the core's legend (smlp/__init__.py).
+the dispatcher reads the plan's check (plan.py). Shapes: the core's legend (smlp/__init__.py).
 """
 from __future__ import annotations
 

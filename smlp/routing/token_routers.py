@@ -48,7 +48,7 @@ class Router(nn.Module):
     def forward(self, x_SD: Tensor, token_ids_S: Tensor | None = None, *, layer: str = "router",
                 defer_checks: bool | str = False) -> RoutingPlan:
         """The rows' plan. `layer` names the layer in errors; defer_checks leaves the input check in the
-        plan's fault record for the dispatcher to read (plan.py), or with FLAG_ONLY its bare verdict.
+        plan for the dispatcher to read (a DeferredCheck, plan.py), or with FLAG_ONLY its bare verdict.
 
         Returns:
             RoutingPlan: experts_SK (S, K), weights_SK (S, K), aux_loss (scalar or None), fault
@@ -78,17 +78,20 @@ class BaseLayersRouter(Router):
         return logits.router_logits(x_SD, self.centroids.t())
 
     def routing(self, logits_SE, token_ids_S, *, layer, defer_checks):
+        if self.training and self.cfg.uses_shuffle:
+            expert_S, counts_X = self._shuffled_assignment(logits_SE)
+            plan = base_route(logits_SE, layer=layer, defer_checks=defer_checks, expert_S=expert_S)
+            return plan if counts_X is None else plan._replace(dispatch_counts=counts_X)
         return base_route(logits_SE, layer=layer, defer_checks=defer_checks,
                           expert_S=self.balanced_experts(logits_SE))
 
     def balanced_experts(self, scores_SE: Tensor) -> Tensor | None:
-        """The rows' experts (S,), or None for greedy routing (the rule takes the argmax of the scores)."""
-        if self.training and self.cfg.uses_shuffle:
-            return self._shuffled_assignment(scores_SE)
+        """The rows' experts (S,) without the shuffle, or None for greedy routing (the rule takes the argmax
+        of the scores)."""
         return self.eval_prices.experts(scores_SE, assign=self.training or self.assign_as_in_training,
                                         observe=self.training)
 
-    def _shuffled_assignment(self, scores_SE: Tensor) -> Tensor:
+    def _shuffled_assignment(self, scores_SE: Tensor) -> tuple[Tensor, Tensor | None]:
         """Base Layers' training-time assignment (fairseq's `base_shuffle`), moving routing metadata only.
 
         fairseq's BaseLayer sends every token to a random rank, assigns there, then sends it to its
@@ -96,14 +99,16 @@ class BaseLayersRouter(Router):
         1. send the scores (S x E, fp32, no gradient) through the shuffle: fairseq's permutation and split;
         2. assign with exact balance over the rows that arrive (fairseq's assignment); its prices are
            recorded for the evaluation prices;
-        3. send each row's expert back to its home rank.
+        3. send each row's expert back to its home rank, with the rows per (rank, expert) that the
+           dispatch needs (the plan's dispatch_counts; None in one process).
         The tokens then go from home straight to their expert and back (one exchange each way, not two).
         """
         with torch.no_grad():
             shuffled_SE, shuffle = self.dispatcher.shuffle(scores_SE.detach())
-            expert_S, price_E = balanced_assignment(shuffled_SE, with_prices=True)
+            expert_S, price_E = balanced_assignment(shuffled_SE, with_prices=True,
+                                                    check_every=self.eval_prices.auction_checks)
             self.eval_prices.observe(price_E, shuffled_SE.shape[0])
-            return self.dispatcher.unshuffle(expert_S, shuffle)
+            return self.dispatcher.unshuffle_assignment(expert_S, shuffle, shuffled_SE)
 
 
 class _SoftmaxGate(Router):
