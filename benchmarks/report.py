@@ -30,8 +30,7 @@ def greedy_max_load(record: dict) -> float | None:
     """The busiest expert's load over the mean, the largest over a run's balanced layers, at its last validation
     with greedy routing (`load_greedy_<layer>`, --valid-greedy-routing); None when not logged."""
     last = record["valid"][-1] if record.get("valid") else {}
-    loads = [float(v) for k, v in last.items() if k.startswith("load_greedy_")]
-    return max(loads) if loads else None
+    return max((float(v) for k, v in last.items() if k.startswith("load_greedy_")), default=None)
 
 
 def speeds(store: RunStore) -> dict:
