@@ -50,17 +50,11 @@ class Run:
     finished: float = 0.0
 
 
-class _PeakMemory(threading.Thread):
+def _poll_peaks(pid: int, peaks: dict, stop: threading.Event) -> None:
     """Highest resident set (VmHWM, MiB) of every process under a launcher, polled until `stop` is set."""
-
-    def __init__(self, pid: int):
-        super().__init__(daemon=True)
-        self.pid, self.peaks, self.stop = pid, {}, threading.Event()
-
-    def run(self) -> None:
-        while not self.stop.wait(0.5):
-            for kid, hwm in peak_rss(process_tree(self.pid)[1:]).items():
-                self.peaks[kid] = max(self.peaks.get(kid, 0.0), hwm / 2 ** 20)
+    while not stop.wait(0.5):
+        for kid, hwm in peak_rss(process_tree(pid)[1:]).items():
+            peaks[kid] = max(peaks.get(kid, 0.0), hwm / 2 ** 20)
 
 
 def train_command(model: Model, data: Path, settings: dict, nproc: int, seed: int, logdir: Path, *,
@@ -74,11 +68,10 @@ def train_command(model: Model, data: Path, settings: dict, nproc: int, seed: in
         "--", str(data), *ours, *model.flags, "--task", "language_modeling", "--sample-break-mode", "none",
         "--batch-size", str(p["batch_size"]), "--optimizer", "adam", "--adam-betas", "(0.9,0.98)",
         "--lr", str(model.lr or p["lr"]), "--lr-scheduler", "inverse_sqrt", "--warmup-updates", str(p["warmup"]),
-        "--warmup-init-lr", "1e-7", "--clip-norm", "1.0", "--dropout", "0",
-        "--max-update", str(updates or p["updates"]),
-        "--validate-interval-updates", str(validate_every), "--max-valid-steps", str(p["valid_steps"]),
-        "--log-format", "simple", "--log-interval", str(log_interval or p["log_interval"]), "--no-progress-bar",
-        "--no-save", "--num-workers", "0", "--seed", str(seed),
+        "--warmup-init-lr", "1e-7", "--clip-norm", "1.0", "--dropout", "0", "--max-update",
+        str(updates or p["updates"]), "--validate-interval-updates", str(validate_every), "--max-valid-steps",
+        str(p["valid_steps"]), "--log-format", "simple", "--log-interval", str(log_interval or p["log_interval"]),
+        "--no-progress-bar", "--no-save", "--num-workers", "0", "--seed", str(seed),
         "--validate-interval", "1000",  # no end-of-epoch validation
         *(["--disable-validation"] if not validate else []),
     ]
@@ -123,7 +116,7 @@ def profile_window(preset: dict) -> tuple[int, int]:
 
 def run_training(model: Model, data: Path, settings: dict, nproc: int, seed: int, out: Path, *,
                  profile: bool = False, updates: int | None = None, validate: bool = True,
-                 log_interval: int | None = None, on_line=None, code=None) -> Run:
+                 log_interval: int | None = None, code=None) -> Run:
     """One fairseq-train run through smlp-launch; its log goes to out/train.log."""
     if out.exists():  # an interrupted run starts again from scratch
         shutil.rmtree(out)
@@ -140,23 +133,18 @@ def run_training(model: Model, data: Path, settings: dict, nproc: int, seed: int
     with open(out / "train.log", "w") as log:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env,
                                 cwd=code.root if code is not None else None)
-        memory = _PeakMemory(proc.pid)
+        peaks, stop = {}, threading.Event()
+        memory = threading.Thread(target=_poll_peaks, args=(proc.pid, peaks, stop), daemon=True)
         memory.start()
         last_wall = 0.0
         try:
             for line in proc.stdout:
                 log.write(line)
                 if (logged := train_fields(line)) is not None:
-                    f = as_floats(logged)
-                    run.intervals.append(f)
+                    run.intervals.append(f := as_floats(logged))
                     last_wall = f.get("wall", last_wall)
-                    if on_line:
-                        on_line("train", f)
                 elif (logged := valid_fields(line)) is not None:
-                    f = {**as_floats(logged), "wall": last_wall}
-                    run.valid.append(f)
-                    if on_line:
-                        on_line("valid", f)
+                    run.valid.append({**as_floats(logged), "wall": last_wall})
             rc = proc.wait()
         finally:
             if proc.poll() is None:  # interrupted: stop the launcher (it stops its workers)
@@ -165,10 +153,10 @@ def run_training(model: Model, data: Path, settings: dict, nproc: int, seed: int
                     proc.wait(timeout=30)
                 except subprocess.TimeoutExpired:
                     proc.kill()
-            memory.stop.set()
+            stop.set()
             memory.join(timeout=5)
     run.seconds, run.finished = time.perf_counter() - t0, time.time()
-    run.peak_rss_mb = sorted(memory.peaks.values(), reverse=True)[:nproc]
+    run.peak_rss_mb = sorted(peaks.values(), reverse=True)[:nproc]
     if rc != 0:
         tail = "".join((out / "train.log").read_text(errors="replace").splitlines(keepends=True)[-30:])
         raise BenchError(f"{model.key} (seed {seed}) failed with exit code {rc}; log: {out / 'train.log'}\n{tail}")
@@ -194,9 +182,7 @@ def clean_wps(run: Run, preset: dict) -> list[float]:
     for f in run.intervals:
         end = int(f.get("num_updates", 0))
         first = end - L + 1
-        if first <= L or (first - 1) % V == 0 or profiled & set(range(first, end + 1)):
-            continue
-        if "wps" in f:
+        if first > L and (first - 1) % V and not profiled & set(range(first, end + 1)) and "wps" in f:
             out.append(f["wps"] * input_tokens_per_target(f, seq_len))
     return out
 
@@ -267,18 +253,16 @@ def execute(store: RunStore, models: dict[str, Model], data: Path, *, log_dir: P
                   f"({store.extra['phase2']['rule']})", flush=True)
             continue
         slot, done, model = todo[0], len(store.finished()), models[todo[0].key]
+        first_seed = min((s.seed for s in store.slots if s.kind == S.TRAIN and s.key == slot.key), default=0)
+        kw = dict(updates=settings["probe_updates"], validate=False, log_interval=2) if slot.kind == S.PROBE else \
+            dict(profile=bool(settings.get("profile_steps")) and model.ours and slot.seed == first_seed)
+        run = run_training(model, data, settings, nproc, slot.seed,
+                           log_dir / ("probes" if slot.kind == S.PROBE else "runs") / slot.run_id, **kw, **pin)
+        rec = run_record(slot, run, settings, nproc, code)
         if slot.kind == S.PROBE:
-            run = run_training(model, data, settings, nproc, slot.seed, log_dir / "probes" / slot.run_id,
-                               updates=settings["probe_updates"], validate=False, log_interval=2, **pin)
-            rec = run_record(slot, run, settings, nproc, code)
             print(f"   [{done + 1}/{len(store.slots)}] probe {slot.run_id}: {rec['wps'] or float('nan'):,.0f} "
                   f"words/s ({run.seconds:.0f} s)", flush=True)
         else:
-            first_seed = min(s.seed for s in store.slots if s.kind == S.TRAIN and s.key == slot.key)
-            profile = bool(settings.get("profile_steps")) and model.ours and slot.seed == first_seed
-            run = run_training(model, data, settings, nproc, slot.seed, log_dir / "runs" / slot.run_id,
-                               profile=profile, **pin)
-            rec = run_record(slot, run, settings, nproc, code)
             ppl = final_ppl(rec)
             print(f"   [{done + 1}/{len(store.slots)}] {slot.run_id:<28} {rec['wps'] or float('nan'):>8,.0f} words/s, "
                   f"valid ppl {ppl if ppl is not None else float('nan'):.1f}, {run.seconds:.0f} s "
@@ -300,10 +284,8 @@ def execute(store: RunStore, models: dict[str, Model], data: Path, *, log_dir: P
 def _under(path: str | None, folder: Path) -> str | None:
     """A run's log path relative to the logs' folder (a store committed to the repository names no machine's
     paths); as is when it lies elsewhere."""
-    if path is None:
-        return None
     try:
-        return str(Path(path).resolve().relative_to(Path(folder).resolve()))
+        return None if path is None else str(Path(path).resolve().relative_to(Path(folder).resolve()))
     except ValueError:
         return path
 
