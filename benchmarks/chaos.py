@@ -1,16 +1,13 @@
-"""smlp-bench chaos (--chaos): killed at random, a training loses nothing (docs/faults.md says how and what it found).
+"""smlp-bench chaos (--chaos): a 2-rank sMLP-det training killed N times at random moments and resumed each time
+ends bitwise equal to the same training uninterrupted (docs/faults.md says how, what it checks and what it found).
 
     smlp-bench chaos [--kills 20] [--updates 60] [--save-every 4] [--chaos-seed 1] [--data DIR] [--output-dir DIR]
 
-A 2-rank sMLP-deterministic training (configs/smlp_tiny.args through `smlp-launch --nproc 2 --cpu`, a save every K
-updates) runs once uninterrupted, then in another save directory killed N times, each time resumed by the same
-command; the kinds (KINDS, shuffled, each present when N >= 4) and their moments are drawn from --chaos-seed. After
-each kill every checkpoint*.pt must be readable; at the end every logged loss, each rank's final checkpoint
-(fairseq_plugins.checkpoints.save_differences) and the logged updates must equal the uninterrupted run's and no
-temporary file may be left. OUTPUT_DIR/chaos.json (paths relative to OUTPUT_DIR) and its summary chaos.md.
+OUTPUT_DIR/chaos.json (paths relative to OUTPUT_DIR) and its summary chaos.md.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -145,22 +142,18 @@ class Job:
 
 def _stopped(pid: int, timeout: float = 2.0) -> bool:
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
+    with contextlib.suppress(OSError):  # the process is gone
+        while time.monotonic() < deadline:
             if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in "tT":
                 return True
-        except OSError:
-            return False
-        time.sleep(0.0005)
+            time.sleep(0.0005)
     return False
 
 
 def _signal(pid: int | None, sig: int) -> None:
-    if pid is not None:
-        try:
+    with contextlib.suppress(ProcessLookupError):
+        if pid is not None:
             os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
 
 
 def _drive(job: Job, kind: str, moment: dict, save: Path, save_every: int, updates: int, step_s: float) -> dict | None:
@@ -242,18 +235,15 @@ def _loaded(text: str) -> bool:
 
 
 def _resumed(text: str) -> int:
-    loaded = loaded_updates(text)
-    return loaded[-1] if loaded else 0
+    return (loaded_updates(text) or [0])[-1]
 
 
-def _step_s(stamps: dict[int, float]) -> float | None:
-    ups = sorted(stamps)
-    gaps = sorted(stamps[b] - stamps[a] for a, b in zip(ups, ups[1:]) if b == a + 1)
-    return gaps[len(gaps) // 2] if gaps else None
-
-
-def _start_up(job: Job, default: float | None) -> float | None:
-    return min(job.stamps.values()) - job.started if job.stamps else default
+def _times(job: Job, step_s: float | None, start_up: float | None) -> tuple[float | None, float | None]:
+    """(the median step's seconds, the start-up's) of an attempt, else the ones known before."""
+    ups = sorted(job.stamps)
+    gaps = sorted(job.stamps[b] - job.stamps[a] for a, b in zip(ups, ups[1:]) if b == a + 1)
+    return (gaps[len(gaps) // 2] if gaps else step_s), (min(job.stamps.values()) - job.started if job.stamps
+                                                        else start_up)
 
 
 def run(out: Path, args: list[str], *, updates: int, save_every: int, kills: int | list[str] = 20, seed: int = 1,
@@ -276,8 +266,8 @@ def run(out: Path, args: list[str], *, updates: int, save_every: int, kills: int
         base = Job(args, out / "baseline" / "ckpt", out / "baseline" / "train.log")
         if base.wait(timeout) != 0:
             raise BenchError(f"the uninterrupted run failed; see {base.log}")
-        baseline_wall, step_s, start_up = time.monotonic() - t0, _step_s(base.poll()) or step_s, _start_up(base, None)
-        baseline = (out / "baseline" / "ckpt", base.text())
+        baseline_wall, baseline = time.monotonic() - t0, (out / "baseline" / "ckpt", base.text())
+        step_s, start_up = _times(base, step_s, None)
     expected = _losses(baseline[1])
 
     save, events, attempts, t0 = out / "chaos" / "ckpt", [], [], time.monotonic()
@@ -307,7 +297,7 @@ def run(out: Path, args: list[str], *, updates: int, save_every: int, kills: int
                                "start-up" if landed["after_update"] is None else "training")
             events.append({"kind": kind, "planned": moment, "landed": landed, "launcher_exit": code,
                            "torn_files": torn, "temp_files_left": temps, "killed_at": killed_at})
-            step_s, start_up = _step_s(job.stamps) or step_s, _start_up(job, start_up)
+            step_s, start_up = _times(job, step_s, start_up)
         final = attempts[-1].wait(timeout)
     finally:
         for job in attempts:
@@ -341,12 +331,9 @@ def run(out: Path, args: list[str], *, updates: int, save_every: int, kills: int
         job._reader.close()
     torn, temps = _inspect(save)
     differing = {}
-    for rank in range(NPROC):
-        name = f"checkpoint_last-rank-{rank}.pt"
-        if not (save / name).is_file():
-            differing[f"rank {rank}"] = f"no {name}"
-            continue
-        differing.update({f"rank {rank}: {k}": v for k, v in save_differences(baseline[0] / name, save / name).items()})
+    for rank, name in ((r, f"checkpoint_last-rank-{r}.pt") for r in range(NPROC)):
+        differing.update({f"rank {rank}: {k}": v for k, v in save_differences(baseline[0] / name, save / name).items()}
+                         if (save / name).is_file() else {f"rank {rank}": f"no {name}"})
     torn_any = sorted({t for e in events for t in e["torn_files"]} | set(torn))
     return {
         "baseline": {"wall_s": baseline_wall and round(baseline_wall, 1), "step_s": round(step_s, 3)},

@@ -170,8 +170,7 @@ def run_trainings(args) -> int:
 
 
 def run_report(args) -> int:
-    record = report(RunStore.load(args.report / "runs.json"), args.report)
-    if record.get("experiment"):
+    if (record := report(RunStore.load(args.report / "runs.json"), args.report)).get("experiment"):
         get_experiment(record["experiment"]).finish(record, args.report)
     print(f"   results: {args.report / 'results.json'} ({'complete' if record['complete'] else 'PARTIAL'})")
     return 0

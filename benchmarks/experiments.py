@@ -1,19 +1,11 @@
-"""The paper's other experiments, `smlp-bench experiment NAME` (`--experiment NAME`): JSON and PNG each.
-
-Each trains its models through the harness (interleaved, resumable, probed) at the long preset's width (D=128,
-F=512, T=128, 2 ranks, 4,096 tokens per update) for 150 updates, FLOP-matched to sMLP-det 9+3 by the calculator;
-every model's flags come from `smlp_eval.flops.fairseq_flags`, which carries every field of the core config:
-
-    figure7-routing          sMLP's sMoE routed deterministically, partially, and by a router over all T positions
-                             (`--smoe-routing leaky-full-sequence`, Appendix B), which sees the future
-    table7-token-routed-gmlp gMLP with token-level routing (Table 7) with 1, 8 and 32 experts (1 expert = dense)
-    figure4-dense            gMLP with 1, 4 and 16 SGU heads, the Transformer with 1 to 16 heads, sMLP-det (Figure 4)
-
-OUTPUT_DIR/results.json holds "claims": the rows of docs/benchmarks.md's claims table, each decided by the seed rule
-(benchmarks/verdicts.py `compare`). Which models claim to be causal is recorded per model; the model-level
-causality check runs on each (tests/test_claims_models.py checks them too, and that the leaky router fails).
-Table 4's row is its committed record's (docs/benchmark/experiments/table4-speed/; docs/benchmarks.md says which
-commit measured it): speed is the speed benchmark's.
+"""The paper's other experiments, `smlp-bench experiment NAME` (`--experiment NAME`; docs/benchmarks.md): each trains
+its models through the harness at the long preset's width for 150 updates, FLOP-matched to sMLP-det 9+3 (flags from
+`smlp_eval.flops.fairseq_flags`, which carries every field of the core config), and writes JSON and a figure with
+its claims (docs/benchmarks.md's claims table, each decided by the seed rule, benchmarks/verdicts.py `compare`) and
+the model-level causality check of every trained configuration. figure7-routing: sMLP's sMoE routed
+deterministically, partially, and by a router over all T positions that sees the future (Appendix B);
+table7-token-routed-gmlp: gMLP with token-level routing, 1, 8 and 32 experts; figure4-dense: gMLP with 1, 4 and 16 SGU
+heads, the Transformer with 1 to 16 heads, sMLP-det. Table 4's row is its committed record's.
 """
 from __future__ import annotations
 
@@ -135,9 +127,6 @@ def causality_checks(record: dict) -> dict:
     return out
 
 
-# ---------------------------------------------------------------- claims
-
-
 def _ppl(record: dict, key: str) -> float | None:
     m = record["models"].get(key)
     return m["valid_ppl"] if m else None
@@ -241,9 +230,6 @@ def figure4_claims(record: dict) -> list[dict]:
                              f"{record['models'][best]['name']}, {_ppl(record, best):.1f} ({_here(record, [])[1]}): "
                              f"{c['verdict']} ({note})", "holds": _holds_if_better(c)})
     return rows
-
-
-# ---------------------------------------------------------------- the registry
 
 
 def _smlp(routing: str) -> Callable:

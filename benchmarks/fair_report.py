@@ -37,9 +37,6 @@ BASE_NOTE = ("Base Layers here equals fairseq's `BaseLayer` with the same weight
              "the router at this scale, not a broken baseline.")
 
 
-# ---------------------------------------------------------------- the verdicts
-
-
 def _seeds(res: dict, key: str, metric: str = "ppl") -> list[float]:
     m = res.get(key) or {}
     return list(m.get("valid_ppl_per_seed" if metric == "ppl" else f"valid_{metric}_per_seed") or [])
@@ -214,9 +211,6 @@ def print_summary(rec: dict) -> None:
     for label, c in ([("PRIMARY", v["primary"])] if v.get("primary") else []) + \
             [("secondary", c) for c in v.get("secondary", [])]:
         print(f"   {label} [{c['scored']}] {c['text']}")
-
-
-# ---------------------------------------------------------------- the published text
 
 
 def _ci(c: dict) -> str:

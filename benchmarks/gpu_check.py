@@ -1,11 +1,10 @@
-"""The GPU check: the project's training paths on one CUDA device, against the CPU (docs/gpu.md).
+"""The GPU check (docs/gpu.md): the project's training paths on one CUDA device against the CPU, and their speed.
 
     make gpu-check [GPU_CHECK_ARGS="--output-dir DIR"]     (python -m smlp_bench.gpu_check, smlp-bench gpu-check)
 
-For a machine with one CUDA GPU and only torch and numpy (nothing here imports fairseq). Checks (docs/gpu.md says
-when each passes): fp32, autocast, host-syncs, speed. --dry-run runs them on the CPU at tiny sizes with the
-accelerator's paths forced (tests/test_gpu_check.py). Writes OUTPUT_DIR/gpu_check.json and gpu_check.md; exits 1 if
-a check failed, 2 without a GPU and --dry-run.
+For a machine with one CUDA GPU and only torch and numpy. --dry-run runs the checks on the CPU at tiny sizes with the
+accelerator's paths forced. Writes OUTPUT_DIR/gpu_check.json and gpu_check.md; exits 1 if a check failed, 2 without
+a GPU and --dry-run.
 """
 from __future__ import annotations
 
@@ -29,7 +28,7 @@ from smlp.routing import assignment
 from smlp.routing.registry import SMOE_ROUTINGS, TOKEN_ROUTERS
 
 from . import gpu_support as G
-from .gpu_support import DRY_RUN_FAMILIES, FAMILIES, Outcome, SyncCount, guarded
+from .gpu_support import DRY_RUN_FAMILIES, FAMILIES, Outcome, SyncCount
 from .micro.host_syncs import torch_assignment_path
 from .store import atomic_write_json, environment, write_text
 
@@ -44,7 +43,7 @@ def check_fp32(run) -> Outcome:
     prev, torch.backends.cuda.matmul.allow_tf32 = torch.backends.cuda.matmul.allow_tf32, False  # fp32 in fp32
     try:
         for name in run.families:
-            with guarded(out, name):
+            with out.case(name):
                 cfg = G.family_config(name, s)
                 torch.manual_seed(0)
                 ref = G.perturbed(LanguageModel(cfg)).train()
@@ -52,11 +51,11 @@ def check_fp32(run) -> Outcome:
                 if run.plant_fault:  # the check's own test: a weight off by 1e-3 of itself must fail it
                     with torch.no_grad():
                         next(p for p in dev.layers[0].parameters() if p.dim() >= 2).mul_(1 + 1e-3)
-                x, routing = G.tokens_for(cfg, s.batch, seed=1), G.SameRouting()
-                with routing.patched(replay=False):
+                x, routing = G.tokens_for(cfg, s.batch, seed=1), []
+                with G.same_routing(routing, replay=False):
                     loss_ref, logits_ref = G.lm_loss(ref, x)
                 loss_ref.backward()
-                with routing.patched(replay=True), G.device_paths(run.device):
+                with G.same_routing(routing, replay=True), G.device_paths(run.device):
                     loss_dev, logits_dev = G.lm_loss(dev, x.to(run.device))
                     loss_dev.backward()
                 depth, widths = len(ref.layers) + 1, max(s.d_model, s.d_ffn, s.seq_len)
@@ -73,7 +72,7 @@ def check_fp32(run) -> Outcome:
                 for what, (got, want, limit) in checks.items():
                     f[what] = {"max_difference": (err := G.max_difference(got, want)), "bound": limit}
                     out.expect(err <= limit, f"{name}: {what} differ by {err:.3g}, bound {limit:.3g}")
-                f["routing_replayed"] = len(routing.assignments)
+                f["routing_replayed"] = len(routing)
                 run.log(f"  fp32 {name}: logits {f['logits']['max_difference']:.2g} (bound {bound:.2g}), gradients "
                         f"{f['gradients']['max_difference']:.2g} (bound {f['gradients']['bound']:.2g})")
     finally:
@@ -88,7 +87,7 @@ def check_autocast(run) -> Outcome:
     for dtype in (torch.bfloat16, torch.float16):
         label = str(dtype).removeprefix("torch.")
         for name in run.families:
-            with guarded(out, case := f"{name} {label}"):
+            with out.case(case := f"{name} {label}"):
                 cfg = G.family_config(name, run.sizes)
                 torch.manual_seed(0)
                 model = G.perturbed(LanguageModel(cfg)).to(run.device).train()
@@ -121,11 +120,10 @@ def check_autocast(run) -> Outcome:
 
 def _auction(run, out: Outcome) -> None:
     """Balanced assignment on the device against the CPU's numpy path with the device's completion checks (the same
-    integer algorithm: the same experts and prices), and its host reads per call (docs/gpu.md: one per call, two
-    with its step 4, none with 2 experts)."""
+    integer algorithm: the same experts and prices), and its host reads per call."""
     # E = 2 is exact; 8192 x 8 runs step 4 (a dry run's shapes: tests/test_hot_path.py checks step 4's reads)
     for S, E in [(80, 4), (64, 2), (512, 8)] if run.dry_run else [(80, 4), (512, 2), (2048, 8), (1024, 32), (8192, 8)]:
-        with guarded(out, key := f"auction {S}x{E}"):
+        with out.case(key := f"auction {S}x{E}"):
             scores = torch.randn(S, E, generator=torch.Generator().manual_seed(S + E))
             expert_ref, price_ref = assignment.balanced_assignment(scores, with_prices=True,
                                                                    check_every=assignment.ACCELERATOR_CHECKS)
@@ -156,11 +154,8 @@ def _auction(run, out: Outcome) -> None:
 
 def check_host_syncs(run) -> Outcome:
     """Synchronizing calls on the device: the auction's per call (`_auction`), then a training step of every family
-    (a warm-up step, then one counted by part: forward with the loss, backward and, on CUDA, the optimizer step,
-    whose host-side reads the CPU counter would count on the CPU) against tests/test_hot_path.py's budget (one
-    split-size read per dispatch that reads counts, up to 3 auction checks per sparse layer with a balanced router;
-    none for the token-routed gMLP) and against the CPU counter's count of the same step (a sync it does not see is
-    a gap the test suite relies on). The optimizer step's count is recorded, not judged."""
+    counted by part against tests/test_hot_path.py's budget (none for the token-routed gMLP) and against the CPU
+    counter's count of the same step (a sync it does not see is a gap the test suite relies on)."""
     out = Outcome()
     with SyncCount(run.device) as control:  # the counting method sees a sync, and nothing else
         (torch.ones(4, device=run.device) * 2).sum().item()
@@ -169,7 +164,7 @@ def check_host_syncs(run) -> Outcome:
         return out
     _auction(run, out)
     for name in run.families:
-        with guarded(out, name):
+        with out.case(name):
             cfg = G.family_config(name, run.sizes)
             x_cpu, counted = G.tokens_for(cfg, run.sizes.batch, seed=5), {}
             for device in (torch.device("cpu"), run.device) if run.device.type != "cpu" else (run.device,):

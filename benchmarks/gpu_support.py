@@ -1,7 +1,5 @@
-"""The GPU check's parts (benchmarks/gpu_check.py runs the checks, docs/gpu.md says what each verifies): families
-and sizes, losses and bounds, the host-sync count on CUDA, the replay of one routing on two devices, and the speed
-check (one process, every expert local, the models timed in turns).
-"""
+"""The GPU check's parts (benchmarks/gpu_check.py runs the checks; docs/gpu.md): families and sizes, losses and
+bounds, the host-sync count on CUDA, one routing replayed on two devices, and the speed check."""
 from __future__ import annotations
 
 import contextlib
@@ -36,18 +34,19 @@ FAMILIES = {"sMLP-det": dict(family="smlp", smoe_routing="deterministic"),
             "gMLP token-routed": dict(family="gmlp", token_routed_experts=-1),  # -1: the check's num_experts
             "HyperMixer": dict(family="gmlp", token_mixer="hypermixer"),
             "NiNformer": dict(family="gmlp", token_mixer="ninformer")}
-# a dry run's: every path of the checks (partial prediction's two auctions, GShard's noise, a model without cached
-# decoding, the deterministic sMoE's budget) at a fraction of the time
+# a dry run's: every path of the checks (partial prediction's two auctions, GShard's noise, a family without a
+# host-sync budget, the deterministic sMoE's budget) at a fraction of the time
 DRY_RUN_FAMILIES = ("sMLP-det", "sMLP-partial", "GShard", "gMLP token-routed")
 SPEED_FAMILIES = ("gmlp", "transformer", "switch", "gshard", "base", "hash")  # besides sMLP-det (matching's keys)
 SPEED_NAMES = dict(zip(SPEED_FAMILIES, ("gMLP", "Transformer", "Switch", "GShard", "Base", "HASH")))
-
-
 # the correctness checks' models (tiny: they compare paths, not speed); dense families get dense + sparse layers (the
 # token-routed gMLP: dense)
 Sizes = namedtuple("Sizes", "vocab_size d_model d_ffn seq_len num_experts batch dense sparse",
                    defaults=(64, 32, 64, 32, 4, 4, 2, 2))
 DRY_RUN_SIZES = Sizes(vocab_size=32, d_model=16, d_ffn=32, seq_len=12, batch=2, dense=1, sparse=1)
+# one configuration of the speed check: the sMLP-det target and how it trains (dtype: autocast's, None: fp32)
+SpeedConfig = namedtuple("SpeedConfig", "name d_model d_ffn seq_len dense sparse experts vocab_size batch dtype "
+                                        "families", defaults=(SPEED_FAMILIES,))
 
 
 def family_config(name: str, s: Sizes, **overrides) -> LMConfig:
@@ -67,11 +66,9 @@ def tokens_for(cfg: LMConfig, batch: int, seed: int = 0) -> torch.Tensor:
 
 def lm_loss(model: LanguageModel, tokens_BN: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(next-token cross-entropy on the predicted positions + 0.01 x the routers' auxiliary loss, logits)."""
-    logits = model(tokens_BN)
-    start = model.cfg.prediction_start
+    logits, start = model(tokens_BN), model.cfg.prediction_start
     loss = F.cross_entropy(logits[:, start:-1].float().flatten(0, 1), tokens_BN[:, start + 1:].flatten())
-    aux = model.aux_loss()
-    return (loss if aux is None else loss + 0.01 * aux), logits
+    return (loss if (aux := model.aux_loss()) is None else loss + 0.01 * aux), logits
 
 
 def perturbed(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
@@ -107,9 +104,8 @@ class SyncCount:
     Python line; on the CPU (a dry run) the CPU counter's count on the accelerator's paths. `count`, `sites`."""
 
     def __init__(self, device: torch.device):
-        self.device, self.count, self.sites = device, 0, Counter()
+        self.device, self.count, self.sites, self._stack = device, 0, Counter(), contextlib.ExitStack()
         self.method = "torch.cuda.set_sync_debug_mode" if device.type == "cuda" else "HostSyncCounter (CPU)"
-        self._stack = contextlib.ExitStack()
 
     def __enter__(self):
         if self.device.type == "cuda":
@@ -125,48 +121,42 @@ class SyncCount:
     def __exit__(self, *exc):
         if self.device.type == "cuda":
             torch.cuda.set_sync_debug_mode(0)
-            for w in self._caught:
-                if "synchroniz" in str(w.message):
-                    parts = Path(w.filename).parts
-                    anchor = next((a for a in ("smlp", "benchmarks", "torch") if a in parts), None)
-                    where = "/".join(parts[len(parts) - 1 - parts[::-1].index(anchor):]) if anchor else w.filename
-                    self.count += 1
-                    self.sites[f"{where}:{w.lineno}"] += 1
+            for w in (w for w in self._caught if "synchroniz" in str(w.message)):
+                parts = Path(w.filename).parts
+                anchor = next((a for a in ("smlp", "benchmarks", "torch") if a in parts), None)
+                where = "/".join(parts[len(parts) - 1 - parts[::-1].index(anchor):]) if anchor else w.filename
+                self.count += 1
+                self.sites[f"{where}:{w.lineno}"] += 1
         self._stack.close()
         if self.device.type != "cuda":
             self.count, self.sites = self._counter.count, Counter(self._counter.by_site)
         return False
 
 
-class SameRouting:
-    """Routing decisions that depend on other rows or on random draws, made on the CPU and replayed on the device:
-    balanced assignments (an auction's result moves with a rounding of its scores) and GShard's Gumbel noise (each
-    device has its own generator). Top-k choices and capacities stay the device's own."""
+@contextlib.contextmanager
+def same_routing(assignments: list, replay: bool):
+    """Routing decisions that depend on other rows or on random draws, made on the CPU (`assignments` records them)
+    and replayed on the device: balanced assignments (an auction's result moves with a rounding of its scores) and
+    GShard's Gumbel noise (each device has its own generator). Top-k choices and capacities stay the device's own."""
+    from smlp.routing import gates, prices, token_routers
 
-    def __init__(self):
-        self.assignments: list = []
+    original, replayed, draws = assignment.balanced_assignment, iter(assignments), iter(range(1 << 30))
 
-    @contextlib.contextmanager
-    def patched(self, replay: bool):
-        from smlp.routing import gates, prices, token_routers
+    def assigned(scores_SE, **kwargs):
+        if not replay:
+            assignments.append(out := original(scores_SE, **kwargs))
+            return out
+        out = next(replayed)
+        return tuple(t.to(scores_SE.device) for t in out) if isinstance(out, tuple) else out.to(scores_SE.device)
 
-        original, replayed, draws = assignment.balanced_assignment, iter(self.assignments), iter(range(1 << 30))
+    def gumbel(logits_SE):
+        u = torch.rand(logits_SE.shape, generator=torch.Generator().manual_seed(next(draws)))
+        return (-(-u.clamp(torch.finfo(torch.float32).tiny, 1 - 1e-7).log()).log()).to(logits_SE.device)
 
-        def assigned(scores_SE, **kwargs):
-            if not replay:
-                self.assignments.append(out := original(scores_SE, **kwargs))
-                return out
-            out = next(replayed)
-            return tuple(t.to(scores_SE.device) for t in out) if isinstance(out, tuple) else out.to(scores_SE.device)
-
-        def gumbel(logits_SE):
-            u = torch.rand(logits_SE.shape, generator=torch.Generator().manual_seed(next(draws)))
-            return (-(-u.clamp(torch.finfo(torch.float32).tiny, 1 - 1e-7).log()).log()).to(logits_SE.device)
-
-        with mock.patch.object(prices, "balanced_assignment", assigned), \
-                mock.patch.object(token_routers, "balanced_assignment", assigned), \
-                mock.patch.object(gates, "_gumbel_like", gumbel):
-            yield
+    with mock.patch.object(prices, "balanced_assignment", assigned), \
+            mock.patch.object(token_routers, "balanced_assignment", assigned), \
+            mock.patch.object(gates, "_gumbel_like", gumbel):
+        yield
 
 
 @contextlib.contextmanager
@@ -199,19 +189,18 @@ class Outcome:
             self.failures.append(failure)
         return ok
 
+    @contextlib.contextmanager
+    def case(self, what: str):
+        """An error in one case is that case's failure (with its traceback in the figures): the others still run."""
+        try:
+            yield
+        except Exception as e:
+            self.failures.append(f"{what}: error: {type(e).__name__}: {e}")
+            self.figures.setdefault("errors", {})[what] = traceback.format_exc().splitlines()[-12:]
+
     @property
     def status(self) -> str:
         return "skipped" if self.skipped else ("failed" if self.failures else "passed")
-
-
-@contextlib.contextmanager
-def guarded(out: Outcome, what: str):
-    """An error in one case is that case's failure (with its traceback in the figures): the others still run."""
-    try:
-        yield
-    except Exception as e:
-        out.failures.append(f"{what}: error: {type(e).__name__}: {e}")
-        out.figures.setdefault("errors", {})[what] = traceback.format_exc().splitlines()[-12:]
 
 
 def device_info(device: torch.device) -> dict:
@@ -221,14 +210,6 @@ def device_info(device: torch.device) -> dict:
     return {"type": "cuda", "name": p.name, "capability": list(torch.cuda.get_device_capability(device)),
             "memory_gib": p.total_memory / 2 ** 30, "multiprocessors": p.multi_processor_count,
             "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version()}
-
-
-# ---------------------------------------------------------------- the speed check
-
-
-# one configuration of the speed check: the sMLP-det target and how it trains (dtype: autocast's, None: fp32)
-SpeedConfig = namedtuple("SpeedConfig", "name d_model d_ffn seq_len dense sparse experts vocab_size batch dtype "
-                                        "families", defaults=(SPEED_FAMILIES,))
 
 
 def speed_configs(dry_run: bool) -> list[SpeedConfig]:
@@ -303,10 +284,9 @@ def _speed_of(run, c: SpeedConfig, peak_bf16: float, budget_s: float) -> Outcome
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
-    tokens_per_step = c.batch * c.seq_len
     for name, (model, cfg, state) in models.items():
         median, flops, final = statistics.median(times[name]), count_flops(cfg, method="analytic"), float(state["loss"])
-        per_token, wps = 3 * flops.flops / cfg.seq_len, tokens_per_step / median
+        per_token, wps = 3 * flops.flops / cfg.seq_len, c.batch * c.seq_len / median
         out.figures[name] = {"layers": f"{cfg.dense_layers}+{cfg.sparse_layers}", "heads": cfg.heads,
                              "words_per_s": wps, "median_step_ms": 1000 * median, "steps_timed": len(times[name]),
                              "train_flops_per_token": per_token, "fwd_flops_per_seq": flops.flops,
@@ -316,26 +296,24 @@ def _speed_of(run, c: SpeedConfig, peak_bf16: float, budget_s: float) -> Outcome
         out.expect(math.isfinite(final), f"{c.name} {name}: loss not finite ({final})")
     out.figures["_config"] = {"d_model": c.d_model, "d_ffn": c.d_ffn, "seq_len": c.seq_len,
                               "target": f"{c.dense}+{c.sparse}", "experts": c.experts, "vocab_size": c.vocab_size,
-                              "batch": c.batch, "tokens_per_step": tokens_per_step,
+                              "batch": c.batch, "tokens_per_step": c.batch * c.seq_len,
                               "dtype": str(c.dtype or torch.float32), "match_tolerance": MATCH_TOLERANCE}
     return out
 
 
 def check_speed(run) -> Outcome:
-    """Training words/s, MFU and peak memory of sMLP-det and its FLOP matches, per configuration."""
-    out = Outcome()
-    n, seconds = (128, 0.05) if run.dry_run else (8192, 1.0)
+    """Training words/s, MFU and peak memory of sMLP-det and its FLOP matches, per configuration (one process, every
+    expert local)."""
+    out, (n, seconds), configs = Outcome(), (128, 0.05) if run.dry_run else (8192, 1.0), speed_configs(run.dry_run)
     peak_bf16 = matmul_rate(run.device, torch.bfloat16, n, seconds)
     out.figures["matmul_flops_per_s"] = {"bf16": peak_bf16, "n": n,
                                          "fp32": matmul_rate(run.device, torch.float32, n // 2, seconds)}
     run.log(f"  matmul bf16 {peak_bf16 / 1e12:.1f} TFLOP/s")
-    configs = speed_configs(run.dry_run)
     for i, c in enumerate(configs):
-        with guarded(out, c.name):
+        with out.case(c.name):
             budget = 0.0 if run.dry_run else max(10.0, min(60.0, 0.4 * run.seconds_left() / (len(configs) - i)))
             part = _speed_of(run, c, peak_bf16, budget)
-            out.figures[c.name] = part.figures
-            out.failures += part.failures
+            out.figures[c.name], out.failures = part.figures, out.failures + part.failures
             if run.device.type == "cuda":
                 torch.cuda.empty_cache()
     return out

@@ -1,11 +1,8 @@
 """The run step: one fairseq-train run through `smlp-launch --nproc W --cpu` (one gloo rank and thread per core), its
 log read as it goes, every worker's peak memory polled and, with `profile=True`, a window of steps near the end
-profiled inside fairseq-train (`SMLP_PROFILE_STEPS`, fairseq_plugins/step_profiler.py); with `code` (a pinned
-Checkout) that commit's command and code. `execute` runs a store's pending slots, recording each at once.
-
-Words/s are tokens read per second over all ranks: fairseq's `wps` (tokens scored) x bsz x seq_len / wpb (partial
-prediction reads its routing prefix without scoring it), the median over the intervals free of warm-up, validation
-and the profiled window.
+profiled inside fairseq-train (fairseq_plugins/step_profiler.py); with `code` (a pinned Checkout) that commit's
+command and code. `execute` runs a store's pending slots, recording each at once. Words/s are tokens read per second
+over all ranks (`input_tokens_per_target`), the median over the intervals free of warm-up, validation and profiling.
 """
 from __future__ import annotations
 
@@ -80,8 +77,7 @@ def train_command(model: Model, data: Path, settings: dict, nproc: int, seed: in
 def _plugins_dir() -> Path:
     import importlib.util
 
-    spec = importlib.util.find_spec("fairseq_plugins")
-    if spec is None or not spec.submodule_search_locations:
+    if (spec := importlib.util.find_spec("fairseq_plugins")) is None or not spec.submodule_search_locations:
         raise BenchError("the fairseq_plugins package is not installed: run `make install` first")
     return Path(spec.submodule_search_locations[0]).resolve()
 
@@ -110,8 +106,7 @@ def vocab_size(data: Path) -> int:
 
 def profile_window(preset: dict) -> tuple[int, int]:
     """0-based training steps profiled: near the end, after the last validation before it."""
-    count = preset["profile_steps"]
-    return preset["updates"] - count - 2, count
+    return preset["updates"] - preset["profile_steps"] - 2, preset["profile_steps"]
 
 
 def run_training(model: Model, data: Path, settings: dict, nproc: int, seed: int, out: Path, *,
@@ -190,9 +185,7 @@ def clean_wps(run: Run, preset: dict) -> list[float]:
 def input_tokens_per_target(interval: dict, seq_len: int = TARGET["seq_len"]) -> float:
     """Tokens read per token scored: bsz x seq_len / wpb (fairseq's wps counts targets; a partial-prediction model
     reads its routing prefix without scoring it, so its wps alone would understate its speed by 20%)."""
-    if "bsz" in interval and interval.get("wpb"):
-        return interval["bsz"] * seq_len / interval["wpb"]
-    return 1.0
+    return interval["bsz"] * seq_len / interval["wpb"] if "bsz" in interval and interval.get("wpb") else 1.0
 
 
 def run_record(slot: S.Slot, run: Run, settings: dict, nproc: int, code=None) -> dict:
@@ -212,9 +205,6 @@ def run_record(slot: S.Slot, run: Run, settings: dict, nproc: int, code=None) ->
         rec["tokens_per_update"] = nproc * settings["batch_size"] * seq_len
     rec["wps"] = statistics.median(w) if w else None
     return rec
-
-
-# ---------------------------------------------------------------- a store's runs, in order
 
 
 def second_phase(store: RunStore) -> bool:
@@ -268,8 +258,7 @@ def execute(store: RunStore, models: dict[str, Model], data: Path, *, log_dir: P
                   f"valid ppl {ppl if ppl is not None else float('nan'):.1f}, {run.seconds:.0f} s "
                   f"(phase {slot.phase}, round {slot.round})", flush=True)
         store.record(slot, {**rec, "log": _under(rec.get("log"), log_dir)})
-        left = store.pending()
-        if left:
+        if left := store.pending():
             took = {k: [store.records[s.run_id]["seconds"] for s in store.finished() if s.kind == k]
                     for k in (S.TRAIN, S.PROBE)}
             est = sum(statistics.mean(took[s.kind]) if took[s.kind] else run.seconds for s in left)
@@ -302,10 +291,8 @@ def run_schedule(name: str, settings: dict, models: Sequence[Model], matching: d
     keys = [m.key for m in models]
     plan = S.make_plan(name, settings, models, nproc, order_seed,
                        reference or (REFERENCE if REFERENCE in keys else keys[0]), experiment=experiment)
-    store = RunStore.open(out_dir / "runs.json", plan, resume=resume)
-    if not store.slots:
-        store.slots = S.initial_schedule(plan)
-        store.extra["matching"] = matching
+    if not (store := RunStore.open(out_dir / "runs.json", plan, resume=resume)).slots:
+        store.slots, store.extra["matching"] = S.initial_schedule(plan), matching
     for k, v in (extra or {}).items():  # facts of the store's start (kept on resume)
         store.extra.setdefault(k, v)
     if before_runs is not None:

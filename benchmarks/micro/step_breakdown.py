@@ -87,9 +87,6 @@ def batches(cfg: LMConfig, batch: int, rank: int, count: int) -> list[torch.Tens
     return [torch.randint(4, cfg.vocab_size, (batch, cfg.seq_len + 1), generator=g) for _ in range(count)]
 
 
-# ---------------------------------------------------------------- the training step
-
-
 class Loop:
     """One training step as a plain loop (zero_grad, forward, loss + 0.01 x the auxiliary loss, backward, the
     non-expert gradients' all-reduce on 2 ranks, clipping, Adam); each phase inside its STEP_RANGES range and, if
@@ -167,27 +164,22 @@ def waits(calls: list[tuple[str, float, float]], world: int) -> list[float]:
     every: list = [None] * world
     dist.all_gather_object(every, [c[1] for c in calls])
     n = min(len(e) for e in every)
-    out = []
-    for i, (_, t0, t1) in enumerate(calls):
-        latest = max(e[i] for e in every) if i < n else t0
-        out.append(min(max(latest - t0, 0.0), t1 - t0))
-    return out
+    return [min(max((max(e[i] for e in every) if i < n else t0) - t0, 0.0), t1 - t0)
+            for i, (_, t0, t1) in enumerate(calls)]
 
 
 def breakdown_ms(parts, waited: list[float], wall: float, steps: int) -> tuple[dict, dict, dict]:
     """(ms per step by part, the forward by (block, range), the backward by block) of the profiled steps."""
-    out: dict = defaultdict(float)
-    forward_ranges: dict = defaultdict(float)
+    out, forward_ranges, backward_blocks = defaultdict(float), defaultdict(float), defaultdict(float)
     for (block, within), s in parts.forward.items():
         out[f"forward/{block}"] += s
         forward_ranges[f"{block}/{within}"] += s
-    backward_blocks: dict = defaultdict(float)
     for (block, _), s in parts.backward.items():
         out["backward"] += s
         backward_blocks[block] += s
-    out["optimizer"] += parts.phases.get("optimizer", 0.0)
-    out["grad_all_reduce"] += parts.phases.get("grad_all_reduce", 0.0)
-    for (name, phase, s), w in zip(parts.collectives, waited + [0.0] * (len(parts.collectives) - len(waited))):
+    for phase in ("optimizer", "grad_all_reduce"):
+        out[phase] += parts.phases.get(phase, 0.0)
+    for (name, phase, s), w in zip(parts.collectives, waited):
         w = min(w, s)
         kind = ("all2all" if name == "all_to_all_single" else
                 "grad_all_reduce" if phase == "grad_all_reduce" else "other_collectives")
@@ -197,9 +189,6 @@ def breakdown_ms(parts, waited: list[float], wall: float, steps: int) -> tuple[d
     out["rest"] = max(wall - parts.total, 0.0)
     scale = lambda d: {k: 1000 * v / steps for k, v in d.items()}  # noqa: E731
     return scale(out), scale(forward_ranges), scale(backward_blocks)
-
-
-# ---------------------------------------------------------------- one family on one rank
 
 
 def count_syncs(loop: Loop, tokens: torch.Tensor) -> dict:
@@ -284,9 +273,6 @@ def run_world(cfgs: dict, world: int, settings: dict) -> list[dict]:
         return [json.loads(Path(tmp, f"{world}-{r}.json").read_text()) for r in range(world)]
 
 
-# ---------------------------------------------------------------- cached decoding
-
-
 def decoding(cfgs: dict, steps: int, rounds: int = 5) -> dict:
     """Per family: operators of one cached decoding step at batch 1 by block, and ms per new token with the cache
     and recomputing the prefix without it."""
@@ -322,9 +308,6 @@ def decoding(cfgs: dict, steps: int, rounds: int = 5) -> dict:
     return out
 
 
-# ---------------------------------------------------------------- the record and the table
-
-
 def op_counts(record: dict) -> dict:
     """A record's operator counts: per world size and family (rank 0's), and of a decoding step."""
     return {"training": {w: {k: {"total": f["ops"]["total"], "per_block": f["ops"]["per_block"]}
@@ -354,11 +337,6 @@ def _compared(record: dict) -> list[str]:
     return lines
 
 
-def _share(f: dict, part: str) -> str:
-    ms = f["breakdown_ms"].get(part, 0.0)
-    return f"{ms:.1f} ({ms / f['profiled_step_ms']:.0%})"
-
-
 def table(record: dict) -> str:
     """The record as text: per world size and rank, the parts of a step by family; then decoding."""
     lines = []
@@ -371,7 +349,8 @@ def table(record: dict) -> str:
             parts += [p for p in PARTS if any(p in f["breakdown_ms"] for f in families.values())]
             rows = [("step (no profiler)", lambda f: f"{f['step_ms']:.1f}"),
                     ("step (profiled)", lambda f: f"{f['profiled_step_ms']:.1f}"),
-                    *((p, lambda f, p=p: _share(f, p)) for p in parts),
+                    *((p, lambda f, p=p: f"{f['breakdown_ms'].get(p, 0.0):.1f} "
+                          f"({f['breakdown_ms'].get(p, 0.0) / f['profiled_step_ms']:.0%})") for p in parts),
                     ("aten ops per step", lambda f: f"{f['ops']['total']}"),
                     ("profiler events", lambda f: f"{f['profiler_events']}"),
                     ("host syncs (CUDA path)", lambda f: f"{f['host_syncs']['total']}")]
