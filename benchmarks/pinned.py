@@ -28,12 +28,7 @@ import json, sys
 from pathlib import Path
 req = json.loads(Path(sys.argv[1]).read_text())
 op = req["op"]
-if op == "where":
-    import smlp, fairseq_plugins, smlp_bench, smlp_launch
-    out = {name: str(Path(m.__file__).resolve().parent) for name, m in
-           (("smlp", smlp), ("fairseq_plugins", fairseq_plugins), ("smlp_bench", smlp_bench),
-            ("smlp_launch", smlp_launch))}
-elif op == "plan":
+if op == "plan":
     from smlp_bench.presets import plan_models
     models, matching = plan_models(req["vocab_size"], req["nproc"], req["keys"], req["target"])
     out = {"models": [m.as_dict() for m in models], "matching": matching}
