@@ -1,34 +1,13 @@
-"""smlp-bench --chaos: killed at random, a training loses nothing.
+"""smlp-bench chaos (--chaos): a 2-rank sMLP-det training killed N times at random moments and resumed each time
+ends bitwise equal to the same training uninterrupted (docs/faults.md says how, what it checks and what it found).
 
-    smlp-bench --chaos [--kills 20] [--updates 60] [--save-every 4] [--chaos-seed 1] [--data DIR] [--output-dir DIR]
+    smlp-bench chaos [--kills 20] [--updates 60] [--save-every 4] [--chaos-seed 1] [--data DIR] [--output-dir DIR]
 
-One question: does a 2-rank sMLP-deterministic training (experts spread over the ranks, a checkpoint every K
-updates), killed N times at random moments and each time resumed by the project's own resume path, end exactly
-where the same training ends uninterrupted?
-
-1. baseline: the tiny recipe (configs/smlp_tiny.args) trained once through `smlp-launch --nproc 2 --cpu`.
-2. chaos:    the same command in another save directory, killed N times; after each kill the same command again
-             (smlp-launch resumes from --save-dir's checkpoint_last). The kinds, shuffled, each present when N >= 4:
-             sigkill-worker  SIGKILL to one rank (a lost node): the launcher ends the other;
-             sigterm-job     SIGTERM to the whole job, as SLURM's preemption sends it: to the launcher, which stops
-                             every worker with SIGTERM;
-             sigkill-in-save / sigterm-in-save: the same while a rank writes a checkpoint file. The tool sees the
-                             file's temporary name appear (fairseq_plugins.checkpoint_sets writes atomically), stops
-                             the writer (SIGSTOP), checks the write is still under way, then kills.
-             The other kills land after a random one of the next 2K updates, a random fraction of a step later,
-             or during start-up (one in five, once a start-up time is known).
-3. checks:   after each kill, every checkpoint*.pt of the save directory is readable (none torn); each attempt
-             loads a whole save and logs the updates after it with no gap; every logged loss equals the baseline's
-             at that update; at the end no temporary file is left and each rank's final checkpoint equals the
-             baseline's bit for bit: every tensor of the model (parameters and buffers), the optimizer state, the
-             update count, the scheduler and the data position (fairseq_plugins.checkpoints.save_differences),
-             each differing entry named.
-4. record:   OUTPUT_DIR/chaos.json (paths relative to OUTPUT_DIR) and its summary OUTPUT_DIR/chaos.md: every kill
-             (kind, where it landed, updates redone, seconds from the kill until training was past that point
-             again), the time lost in all (chaos wall time minus the baseline's) and the result.
+OUTPUT_DIR/chaos.json (paths relative to OUTPUT_DIR) and its summary chaos.md.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -43,13 +22,28 @@ from smlp_launch.fairseq_log import loaded_updates, train_fields
 
 from .presets import BenchError
 
+HELP = ("a 2-rank sMLP-det training killed --kills times at random moments (SIGKILL of a worker, SIGTERM of the job, "
+        "both also inside a checkpoint write), resumed each time, against the same training uninterrupted: bitwise "
+        "equal (chaos.py)")
 BIN = Path(sys.executable).parent
 REPO = Path(__file__).resolve().parents[1]
 NPROC = 2
+# sigkill-worker: one rank (a lost node), the launcher ends the other; sigterm-job: the whole job, as SLURM's
+# preemption sends it; *-in-save: the same while a rank writes a checkpoint file, the writer stopped (SIGSTOP) once
+# its temporary file appears (fairseq_plugins.checkpoint_sets writes atomically) and checked still writing
 KINDS = ("sigkill-worker", "sigterm-job", "sigkill-in-save", "sigterm-in-save")
 IN_SAVE = ("sigkill-in-save", "sigterm-in-save")
 TEMP = re.compile(r"^(?P<file>checkpoint\w*?-rank-(?P<rank>\d+)\.pt)\.[a-z0-9_]{8}\.tmp$")  # atomic_write's names
 START_UP_SHARE = 0.2  # of the kills at a random moment, those that land during start-up
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--kills", type=int, default=20, help="how many kills (20)")
+    p.add_argument("--updates", type=int, default=None, help="training updates (60)")
+    p.add_argument("--save-every", type=int, default=4, help="updates between checkpoints (4)")
+    p.add_argument("--chaos-seed", type=int, default=1, help="seed of the kills' kinds and moments (1)")
+    p.add_argument("--data", type=Path, default=None, help="a fairseq data-bin (default: the demo corpus)")
+    p.add_argument("--output-dir", type=Path, default=None, help="where its record goes (results/chaos)")
 
 
 def plan_kinds(kills: int, rng: random.Random) -> list[str]:
@@ -76,10 +70,10 @@ def plan_moment(kind: str, rng: random.Random, resumed: int, updates: int, save_
 
 def train_args(data: Path, updates: int, save_every: int) -> list[str]:
     """fairseq-train's arguments: the tiny recipe, sMLP-det, a save every `save_every` updates, the last 2 kept."""
-    recipe = (REPO / "configs" / "smlp_tiny.args").read_text().split()
-    i = recipe.index("--max-update")
     from .training import _plugins_dir
 
+    recipe = (REPO / "configs" / "smlp_tiny.args").read_text().split()
+    i = recipe.index("--max-update")
     return [str(data), "--user-dir", str(_plugins_dir()), *recipe[:i], *recipe[i + 2:], "--smoe-routing",
             "deterministic", "--max-update", str(updates), "--save-interval-updates", str(save_every),
             "--keep-interval-updates", "2", "--no-epoch-checkpoints", "--disable-validation", "--seed", "1",
@@ -92,8 +86,7 @@ class Job:
     def __init__(self, args: list[str], save: Path, log: Path):
         cmd = [str(BIN / "smlp-launch"), "--nproc", str(NPROC), "--cpu", "--threads", "1", "--grace", "5", "--",
                *args, "--save-dir", str(save)]
-        self.log, self.started, self.stamps, self.lines, self._rest = log, time.monotonic(), {}, [], ""
-        self._pids: dict[int, int | None] = {}
+        self.log, self.started, self.stamps, self.lines, self._rest, self._pids = log, time.monotonic(), {}, [], "", {}
         with open(log, "w") as f:
             self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -115,20 +108,17 @@ class Job:
 
     def worker(self, rank: int) -> int | None:
         if self._pids.get(rank) is None:
-            self._pids[rank] = self._find(rank)
-        return self._pids[rank]
-
-    def _find(self, rank: int) -> int | None:
-        for d in Path("/proc").iterdir():
-            try:
-                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                argv = (d / "cmdline").read_bytes().decode(errors="replace").split("\0")
-            except (OSError, ValueError, IndexError):
-                continue
-            if ppid == self.proc.pid and "--distributed-rank" in argv and \
-                    argv[argv.index("--distributed-rank") + 1] == str(rank):
-                return int(d.name)
-        return None
+            for d in Path("/proc").iterdir():
+                try:
+                    ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                    argv = (d / "cmdline").read_bytes().decode(errors="replace").split("\0")
+                except (OSError, ValueError, IndexError):
+                    continue
+                if ppid == self.proc.pid and "--distributed-rank" in argv and \
+                        argv[argv.index("--distributed-rank") + 1] == str(rank):
+                    self._pids[rank] = int(d.name)
+                    break
+        return self._pids.get(rank)
 
     def preempt(self) -> None:
         os.kill(self.proc.pid, signal.SIGTERM)  # the launcher stops every worker with SIGTERM, as SLURM does
@@ -152,22 +142,18 @@ class Job:
 
 def _stopped(pid: int, timeout: float = 2.0) -> bool:
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
+    with contextlib.suppress(OSError):  # the process is gone
+        while time.monotonic() < deadline:
             if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in "tT":
                 return True
-        except OSError:
-            return False
-        time.sleep(0.0005)
+            time.sleep(0.0005)
     return False
 
 
 def _signal(pid: int | None, sig: int) -> None:
-    if pid is not None:
-        try:
+    with contextlib.suppress(ProcessLookupError):
+        if pid is not None:
             os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
 
 
 def _drive(job: Job, kind: str, moment: dict, save: Path, save_every: int, updates: int, step_s: float) -> dict | None:
@@ -176,7 +162,6 @@ def _drive(job: Job, kind: str, moment: dict, save: Path, save_every: int, updat
     while job.proc.poll() is None:
         stamps = job.poll()
         last = max(stamps, default=None)
-        now = time.monotonic()
         if "save" in target:
             if last is not None and last > target["save"]:  # that save went by unseen: the next one, any file
                 target = {**target, "save": target["save"] + save_every, "file": "any"}
@@ -205,16 +190,13 @@ def _drive(job: Job, kind: str, moment: dict, save: Path, save_every: int, updat
         due = (job.started + target["start_up_s"] if "start_up_s" in target else
                stamps[target["after_update"]] + target["step_fraction"] * step_s
                if target["after_update"] in stamps else None)
-        if due is None or now < due:
+        if due is None or time.monotonic() < due:
             time.sleep(0.01)
             continue
-        if kind == "sigterm-job":
+        pid = None if kind == "sigterm-job" else job.worker(target["rank"])
+        if pid is None:  # the job, or a worker not started yet (an early start-up kill): the job instead
             job.preempt()
-            return {"victim": "job", "after_update": last}
-        pid = job.worker(target["rank"])
-        if pid is None:  # not started yet (an early start-up kill): the job instead
-            job.preempt()
-            return {"victim": "job (no worker yet)", "after_update": last}
+            return {"victim": "job" if kind == "sigterm-job" else "job (no worker yet)", "after_update": last}
         _signal(pid, signal.SIGKILL)
         return {"victim": f"rank {target['rank']}", "after_update": last}
     return None
@@ -244,12 +226,8 @@ def _inspect(save: Path) -> tuple[list[str], list[str]]:
 
 
 def _losses(text: str) -> dict[int, str]:
-    out = {}
-    for line in text.splitlines():
-        fields = train_fields(line)
-        if fields and {"num_updates", "loss"} <= fields.keys():
-            out[int(fields["num_updates"])] = fields["loss"]
-    return out
+    return {int(f["num_updates"]): f["loss"] for f in map(train_fields, text.splitlines())
+            if f and {"num_updates", "loss"} <= f.keys()}
 
 
 def _loaded(text: str) -> bool:
@@ -257,14 +235,15 @@ def _loaded(text: str) -> bool:
 
 
 def _resumed(text: str) -> int:
-    loaded = loaded_updates(text)
-    return loaded[-1] if loaded else 0
+    return (loaded_updates(text) or [0])[-1]
 
 
-def _step_s(stamps: dict[int, float]) -> float | None:
-    ups = sorted(stamps)
-    gaps = sorted(stamps[b] - stamps[a] for a, b in zip(ups, ups[1:]) if b == a + 1)
-    return gaps[len(gaps) // 2] if gaps else None
+def _times(job: Job, step_s: float | None, start_up: float | None) -> tuple[float | None, float | None]:
+    """(the median step's seconds, the start-up's) of an attempt, else the ones known before."""
+    ups = sorted(job.stamps)
+    gaps = sorted(job.stamps[b] - job.stamps[a] for a, b in zip(ups, ups[1:]) if b == a + 1)
+    return (gaps[len(gaps) // 2] if gaps else step_s), (min(job.stamps.values()) - job.started if job.stamps
+                                                        else start_up)
 
 
 def run(out: Path, args: list[str], *, updates: int, save_every: int, kills: int | list[str] = 20, seed: int = 1,
@@ -287,17 +266,15 @@ def run(out: Path, args: list[str], *, updates: int, save_every: int, kills: int
         base = Job(args, out / "baseline" / "ckpt", out / "baseline" / "train.log")
         if base.wait(timeout) != 0:
             raise BenchError(f"the uninterrupted run failed; see {base.log}")
-        baseline_wall, step_s = time.monotonic() - t0, _step_s(base.poll()) or step_s
-        start_up = min(base.stamps.values()) - base.started if base.stamps else None
-        baseline = (out / "baseline" / "ckpt", base.text())
+        baseline_wall, baseline = time.monotonic() - t0, (out / "baseline" / "ckpt", base.text())
+        step_s, start_up = _times(base, step_s, None)
     expected = _losses(baseline[1])
 
     save, events, attempts, t0 = out / "chaos" / "ckpt", [], [], time.monotonic()
     try:
         for n in range(len(kinds) + 1):
             before = set(_inspect(save)[1])
-            job = Job(args, save, out / "chaos" / f"attempt-{n + 1:02d}.log")
-            attempts.append(job)
+            attempts.append(job := Job(args, save, out / "chaos" / f"attempt-{n + 1:02d}.log"))
             if n == len(kinds):
                 break
             kind = kinds[n]
@@ -320,8 +297,7 @@ def run(out: Path, args: list[str], *, updates: int, save_every: int, kills: int
                                "start-up" if landed["after_update"] is None else "training")
             events.append({"kind": kind, "planned": moment, "landed": landed, "launcher_exit": code,
                            "torn_files": torn, "temp_files_left": temps, "killed_at": killed_at})
-            step_s = _step_s(job.stamps) or step_s
-            start_up = min(job.stamps.values()) - job.started if job.stamps else start_up
+            step_s, start_up = _times(job, step_s, start_up)
         final = attempts[-1].wait(timeout)
     finally:
         for job in attempts:
@@ -338,15 +314,13 @@ def run(out: Path, args: list[str], *, updates: int, save_every: int, kills: int
         if losses and sorted(losses) != list(range(resumed + 1, resumed + 1 + len(losses))):
             problems.append(f"attempt {i + 1} resumed at update {resumed} and logged {sorted(losses)}")
     for i, e in enumerate(events):  # the next attempt that loaded a save, and the first back past the kill
-        later = [j for j in attempts[i + 1:] if _loaded(j.text())]
+        killed_at, later = e.pop("killed_at"), [j for j in attempts[i + 1:] if _loaded(j.text())]
         e["resumed_from"] = _resumed(later[0].text()) if later else None
-        reached = e["landed"]["after_update"]
-        reached = e["resumed_from"] if reached is None else reached
+        reached = e["resumed_from"] if e["landed"]["after_update"] is None else e["landed"]["after_update"]
         e["updates_redone"] = max(0, reached - e["resumed_from"]) if later else None
         back = [j.stamps[reached + 1] for j in later if reached is not None and reached + 1 in j.stamps]
-        e["seconds_lost"] = round(back[0] - e["killed_at"], 1) if back else None
+        e["seconds_lost"] = round(back[0] - killed_at, 1) if back else None
         e["fell_back_to_an_older_save"] = bool(later) and "Resuming from the newest complete save" in later[0].text()
-        del e["killed_at"]
     if final != 0:
         errors = [line for line in attempts[-1].lines if ": error: " in line or "Error" in line]
         problems.append(f"attempt {len(attempts)} failed by itself (exit {final})"
@@ -357,12 +331,9 @@ def run(out: Path, args: list[str], *, updates: int, save_every: int, kills: int
         job._reader.close()
     torn, temps = _inspect(save)
     differing = {}
-    for rank in range(NPROC):
-        name = f"checkpoint_last-rank-{rank}.pt"
-        if not (save / name).is_file():
-            differing[f"rank {rank}"] = f"no {name}"
-            continue
-        differing.update({f"rank {rank}: {k}": v for k, v in save_differences(baseline[0] / name, save / name).items()})
+    for rank, name in ((r, f"checkpoint_last-rank-{r}.pt") for r in range(NPROC)):
+        differing.update({f"rank {rank}: {k}": v for k, v in save_differences(baseline[0] / name, save / name).items()}
+                         if (save / name).is_file() else {f"rank {rank}": f"no {name}"})
     torn_any = sorted({t for e in events for t in e["torn_files"]} | set(torn))
     return {
         "baseline": {"wall_s": baseline_wall and round(baseline_wall, 1), "step_s": round(step_s, 3)},
@@ -392,8 +363,8 @@ def summary(record: dict) -> str:
                      + " | ".join("-" if c is None else str(c) for c in cells) + " |")
     verdict = "bitwise equal to the uninterrupted run's" if r["equal"] else "NOT equal to the uninterrupted run's"
     lines += ["", "After update: the last update logged before the kill. Seconds lost: from the kill until training "
-              "logged the update after it again (restarts, redone updates and any later kill before that)."]
-    lines += ["", f"Time lost: {record['time_lost_s']} s ({record['chaos']['wall_s']} s against "
+              "logged the update after it again (restarts, redone updates and any later kill before that).", "",
+              f"Time lost: {record['time_lost_s']} s ({record['chaos']['wall_s']} s against "
               f"{record['baseline']['wall_s']} s uninterrupted). Final weights, optimizer state and logged losses: "
               f"{verdict}.", ""]
     for key in ("differing", "loss_mismatches", "update_problems", "torn_files", "temp_files_at_end"):
@@ -404,23 +375,21 @@ def summary(record: dict) -> str:
 
 
 def main(args, data: Path) -> int:
-    out = args.output_dir
+    from .machine import code_identity, machine_info
+    from .store import write_text
+
+    out, updates = args.output_dir, args.updates or 60
     if (out / "chaos.json").exists() or (out / "chaos").exists():
         raise BenchError(f"--output-dir {out} already holds a chaos run; choose another folder")
-    print(f"== smlp-bench --chaos: {args.kills} kills, {args.updates or 60} updates, a save every {args.save_every}, "
+    print(f"== smlp-bench --chaos: {args.kills} kills, {updates} updates, a save every {args.save_every}, "
           f"output {out}", flush=True)
-    from .machine import code_identity, machine_info
-
-    updates = args.updates or 60
     record = {"benchmark": "chaos", "config": {
         "model": "smlp_lm_tiny, --smoe-routing deterministic", "recipe": "configs/smlp_tiny.args", "ranks": NPROC,
         "updates": updates, "save_every": args.save_every, "kills": args.kills, "seed": args.chaos_seed,
         "data": data.name}, "machine": machine_info(), "code": code_identity()}
     record.update(run(out, train_args(data, updates, args.save_every), updates=updates, save_every=args.save_every,
                       kills=args.kills, seed=args.chaos_seed))
-    tmp = out / "chaos.json.tmp"
-    tmp.write_text(json.dumps(record, indent=1) + "\n")
-    tmp.replace(out / "chaos.json")
+    write_text(out / "chaos.json", json.dumps(record, indent=1) + "\n")
     (out / "chaos.md").write_text(summary(record))
     print(summary(record))
     return 0 if record["result"]["equal"] else 1

@@ -13,10 +13,6 @@
 The earlier spellings stay: `smlp-bench [--preset P | --quick] ...` (no command) is `preset`, `--fair` is `fair`,
 `--experiment NAME` is `experiment NAME`, `--report DIR` is `report DIR`, `--publish FILES` is `publish FILES`,
 `--chaos` is `chaos`.
-
-The harness: plan (benchmarks/presets.py the models, benchmarks/schedule.py the interleaved schedule and its
-probes), run (benchmarks/training.py, from a pinned commit: benchmarks/pinned.py), record (benchmarks/store.py),
-publish (benchmarks/report.py, verdicts.py, plots.py, publish.py).
 """
 from __future__ import annotations
 
@@ -28,7 +24,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from . import gpu_check, speed
+from . import chaos, gpu_check, speed
 from .experiments import EXPERIMENTS, get_experiment
 from .micro import step_breakdown
 from .presets import MODEL_ORDER, PRESETS, BenchError, plan_models
@@ -85,8 +81,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_training(s, "docs/benchmark/fair")
     s = sub.add_parser("experiment", help="one of the paper's other experiments")
     s.add_argument("name", choices=tuple(EXPERIMENTS), metavar="NAME", help=", ".join(EXPERIMENTS))
-    s.add_argument("--source", type=Path, default=None, metavar="RESULTS_JSON",
-                   help="table4-speed: the long benchmark's results.json (default docs/benchmark/long/results.json)")
     add_training(s, "results/NAME")
     s = sub.add_parser("report", help="do not train: results.json, table.md and the figure from OUTPUT_DIR/runs.json "
                                       "(also while a benchmark runs or after it stopped)")
@@ -94,17 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("publish", help="do not train: copy each record's figures to docs/benchmark/ and rewrite the "
                                        "sections of docs/benchmarks.md (and README) it feeds; run from the root")
     s.add_argument("publish", type=Path, nargs="+", metavar="RESULTS_JSON")
-    s = sub.add_parser("chaos", help="a 2-rank sMLP-det training killed --kills times at random moments (SIGKILL of "
-                                     "a worker, SIGTERM of the job, both also inside a checkpoint write), resumed each "
-                                     "time, against the same training uninterrupted: bitwise equal (chaos.py)")
-    s.add_argument("--kills", type=int, default=20, help="how many kills (20)")
-    s.add_argument("--updates", type=int, default=None, help="training updates (60)")
-    s.add_argument("--save-every", type=int, default=4, help="updates between checkpoints (4)")
-    s.add_argument("--chaos-seed", type=int, default=1, help="seed of the kills' kinds and moments (1)")
-    s.add_argument("--data", type=Path, default=None, help="a fairseq data-bin (default: the demo corpus)")
-    s.add_argument("--output-dir", type=Path, default=None, help="where its record goes (results/chaos)")
-    for name, module in (("speed", speed), ("gpu-check", gpu_check), ("breakdown", step_breakdown)):
-        module.add_arguments(sub.add_parser(name, help=module.__doc__.split("\n")[0]))
+    for name, module in (("chaos", chaos), ("speed", speed), ("gpu-check", gpu_check), ("breakdown", step_breakdown)):
+        module.add_arguments(sub.add_parser(name, help=getattr(module, "HELP", module.__doc__.split("\n")[0])))
     return p
 
 
@@ -142,13 +127,10 @@ def run_fair(args) -> int:
 
 def run_trainings(args) -> int:
     """The preset benchmark, or an experiment: plan, train every run of the schedule, report."""
-    if args.command == "experiment":
-        exp = get_experiment(args.name)
-        out = _out(args, Path("results") / exp.name)
-        if exp.needs_training is False:
-            exp.run_without_training(args)
-            return 0
-        name, settings = exp.name, dict(exp.settings, models=tuple(m.key for m in exp.models))
+    exp = get_experiment(args.name) if args.command == "experiment" else None
+    if exp is not None:
+        out, name, settings = _out(args, Path("results") / exp.name), exp.name, dict(exp.settings)
+        settings["models"] = tuple(m.key for m in exp.models)
     else:
         name = "quick" if args.quick else (args.preset or "full")
         settings = dict(PRESETS[name], **{k: v for k in ("seeds", "updates") if (v := getattr(args, k)) is not None})
@@ -164,17 +146,16 @@ def run_trainings(args) -> int:
           f"{settings['updates']} updates each, {args.nproc} ranks, output {out}\n== 1/4 data", flush=True)
     data = prepare(args.data, out)
     print("== 2/4 models", flush=True)
-    plan = exp.plan_models if args.command == "experiment" else \
-        lambda v, n: plan_models(v, n, settings["models"], settings["target"])
-    models, matching = plan(vocab_size(data), args.nproc)
+    models, matching = exp.plan_models(vocab_size(data), args.nproc) if exp else \
+        plan_models(vocab_size(data), args.nproc, settings["models"], settings["target"])
     for m in models:
         print(f"   {m.title:<40} {m.layers:>6}  {m.fwd_flops_per_seq / 1e9:.3f} GFLOPs/seq  {m.note}")
     print("== 3/4 training", flush=True)
     store = run_schedule(name, settings, models, matching, data, args.nproc, out, resume=args.resume,
-                         order_seed=args.order_seed, experiment=exp.name if args.command == "experiment" else None)
+                         order_seed=args.order_seed, experiment=exp and exp.name)
     print("== 4/4 report", flush=True)
     record = report(store, out)
-    if args.command == "experiment":
+    if exp is not None:
         exp.finish(record, out)
     else:
         for t in record["targets"]:
@@ -189,9 +170,7 @@ def run_trainings(args) -> int:
 
 
 def run_report(args) -> int:
-    store = RunStore.load(args.report / "runs.json")
-    record = report(store, args.report)
-    if record.get("experiment"):
+    if (record := report(RunStore.load(args.report / "runs.json"), args.report)).get("experiment"):
         get_experiment(record["experiment"]).finish(record, args.report)
     print(f"   results: {args.report / 'results.json'} ({'complete' if record['complete'] else 'PARTIAL'})")
     return 0
@@ -210,10 +189,7 @@ def run_publish(args) -> int:
 
 
 def run_chaos(args) -> int:
-    from . import chaos
-
-    out = _out(args, Path("results/chaos"))
-    return chaos.main(args, prepare(args.data, out))
+    return chaos.main(args, prepare(args.data, _out(args, Path("results/chaos"))))
 
 
 COMMANDS = {"chaos": run_chaos, "preset": run_trainings, "experiment": run_trainings, "fair": run_fair,

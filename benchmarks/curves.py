@@ -21,8 +21,7 @@ def mean_curve(curves: Sequence[dict], xkey: str) -> tuple[list[float], list[flo
 
 def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
     """Linear interpolation of log y at x (xs increasing, x inside [xs[0], xs[-1]])."""
-    i = bisect.bisect_left(xs, x)
-    if i < len(xs) and xs[i] == x:
+    if (i := bisect.bisect_left(xs, x)) < len(xs) and xs[i] == x:
         return math.log(ys[i])
     t = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
     return (1 - t) * math.log(ys[i - 1]) + t * math.log(ys[i])
@@ -67,10 +66,8 @@ def settled_from(history: Sequence[dict], top: int | None = None, tol: float = 0
     top = top or len(final)
 
     def agrees(point: dict) -> bool:  # keeps the final ranking's first `top` places, each above everyone after it
-        ppl = point.get("ppl")
-        if ppl is None:
-            return point["ranking"][:top] == list(final[:top])
-        return all(ppl[a] <= ppl[b] * (1 + tol) for i, a in enumerate(final[:top]) for b in final[i + 1:])
+        return all(point["ppl"][a] <= point["ppl"][b] * (1 + tol) for i, a in enumerate(final[:top])
+                   for b in final[i + 1:])
 
     i = len(history) - 1
     while i > 0 and agrees(history[i - 1]):

@@ -1,12 +1,9 @@
-"""The deciding comparison, `smlp-bench fair` (`--fair`): does sMLP beat Transformer-MoE at matched FLOPs, fairly?
-
-Every family FLOP-matched to sMLP-det (9+3 blocks, D=128, F=512, T=128, 8 experts, heads of dimension 64), each at
-its own learning rate, in stages that are each an interleaved, resumable run store in OUTPUT_DIR/STAGE/ (committed
-as runs finish with --commit-store; logs in --work-dir), planned from the stages before them: lr-sweep (2e-3, 4e-3,
-8e-3, seed 1, widened past an edge), deciding (seeds 2-3; 2-5 for sMLP-det and the sweep's best Transformer-MoE,
-fixed in advance), experts (2 and 32 experts, a trend) and width (opt-in: D=256). A stage runs the code of the commit
-it started at (benchmarks/pinned.py); `--no-pin` runs this checkout's, resuming only while the code that decides
-perplexity (machine.PERPLEXITY_PATHS) is unchanged. docs/benchmarks.md says why; benchmarks/fair_report.py answers.
+"""The deciding comparison, `smlp-bench fair` (`--fair`; docs/benchmarks.md says how and why): every family
+FLOP-matched to sMLP-det (9+3 blocks, D=128, F=512, T=128, 8 experts), each at its own learning rate, in stages that
+are each an interleaved, resumable run store in OUTPUT_DIR/STAGE/, planned from the stages before them: lr-sweep,
+deciding, experts and (opt-in) width. A stage runs the code of the commit it started at (benchmarks/pinned.py);
+`--no-pin` runs this checkout's, resuming only while the code that decides perplexity is unchanged. The answers:
+benchmarks/fair_report.py.
 """
 from __future__ import annotations
 
@@ -129,9 +126,6 @@ TARGETS = {"lr-sweep": FAIR_TARGET, "deciding": FAIR_TARGET, "experts": FAIR_TAR
 NEEDS = {"lr-sweep": (), "deciding": ("lr-sweep",), "experts": ("lr-sweep",), "width": ("lr-sweep",)}
 
 
-# ---------------------------------------------------------------- the sweep: choose, widen
-
-
 def rates_tried(record: dict) -> dict[str, dict[float, float]]:
     """family -> {rate: final validation perplexity} of a sweep record."""
     out: dict[str, dict[float, float]] = {}
@@ -195,9 +189,6 @@ def primary_seeds(store: RunStore, ctx: Context) -> list[str]:
                                             "seeds 2-3"}
     store.save()
     return keys
-
-
-# ---------------------------------------------------------------- running the stages
 
 
 def check_code(store_path: Path, stage: str) -> dict:

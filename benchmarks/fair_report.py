@@ -1,7 +1,6 @@
-"""The fair comparison's answers from its stages' records: the verdicts (one rule, verdicts.T_RULE, decides every
-published sentence), the trends over width and experts, OUTPUT_DIR/results.json with its figures, and the text of
-its section of docs/benchmarks.md and of README. No speed: the runs share the machine (speed is smlp_bench.speed's).
-benchmarks/fair.py runs the stages.
+"""The fair comparison's answers from its stages' records (benchmarks/fair.py runs them): the verdicts (one rule,
+verdicts.T_RULE, decides every published sentence), the trends over width and experts, OUTPUT_DIR/results.json with
+its figures, and the text of its sections of docs/benchmarks.md and README. No speed: the runs share the machine.
 """
 from __future__ import annotations
 
@@ -38,67 +37,51 @@ BASE_NOTE = ("Base Layers here equals fairseq's `BaseLayer` with the same weight
              "the router at this scale, not a broken baseline.")
 
 
-# ---------------------------------------------------------------- the verdicts
-
-
 def _seeds(res: dict, key: str, metric: str = "ppl") -> list[float]:
     m = res.get(key) or {}
     return list(m.get("valid_ppl_per_seed" if metric == "ppl" else f"valid_{metric}_per_seed") or [])
-
-
-def _judged(c: dict, a: str, b: str, rates: dict) -> dict:
-    """A comparison with both sides' rates beside it: a side whose best rate is at the edge of the sweep cannot be
-    called worse (a rate beyond the edge might have done better)."""
-    out = {**c, "rates": {k: {"rate": (rates.get(k) or {}).get("chosen"),
-                              "bracketed": (rates.get(k) or {}).get("bracketed")} for k in (a, b)}}
-    loser = b if c["verdict"] == "better" else (a if c["verdict"] == "worse" else None)
-    if loser is not None and (rates.get(loser) or {}).get("bracketed") is False:
-        out["verdict"] = "undecided"
-        out["why_undecided"] = (f"{NAMES.get(loser, loser)}'s best rate ({rates[loser]['chosen']:g}) is at the "
-                                f"edge of the sweep")
-    return out
 
 
 def verdicts(deciding: dict, sweep: dict) -> dict:
     """The primary comparison (sMLP-det against the sweep's best Transformer-MoE, all positions, the balanced routers
     evaluating priced) and the secondary ones, each with its 95% Welch interval and both sides' rates; the greedy and
     training-time routings as diagnostics, never a verdict."""
-    res = deciding["models"]
-    rates, best = sweep.get("rates") or {}, sweep.get("best_moe")
-    out = {"rule": T_RULE, "best_moe": best, "primary": None, "secondary": [], "diagnostics": {}}
+    res, rates, best = deciding["models"], sweep.get("rates") or {}, sweep.get("best_moe")
 
     def comparison(a, b, metric, label):
         sa, sb = _seeds(res, a, metric), _seeds(res, b, metric)
         if not sa or not sb:
             return None
-        c = _judged(t_compare(sa, sb), a, b, rates)
+        c = t_compare(sa, sb)
+        c["rates"] = {k: {"rate": (rates.get(k) or {}).get("chosen"), "bracketed": (rates.get(k) or {}).get(
+            "bracketed")} for k in (a, b)}
+        # a side whose best rate is at the edge of the sweep is never called worse (a rate beyond might do better)
+        loser = b if c["verdict"] == "better" else (a if c["verdict"] == "worse" else None)
+        if loser is not None and (rates.get(loser) or {}).get("bracketed") is False:
+            c["verdict"] = "undecided"
+            c["why_undecided"] = f"{NAMES.get(loser, loser)}'s best rate ({rates[loser]['chosen']:g}) is at the edge " \
+                                 "of the sweep"
         return {"model": a, "against": b, "metric": metric, "scored": label, **c,
                 "text": describe_t(c, NAMES.get(a, a), NAMES.get(b, b))}
 
-    if best is not None:
-        out["primary"] = comparison("smlp_det", best, "ppl", "all positions")
     pairs = [("smlp_det", b, "ppl") for b in ("gmlp", "transformer", *MOE_BASELINES) if b != best]
     # sMLP-partial on the positions it predicts, sMLP-det on the same positions beside it
     pairs += [("smlp_partial", b, "suffix_ppl") for b in (best, "gmlp", "smlp_det") if b]
-    for a, b, metric in pairs:
-        if c := comparison(a, b, metric, METRIC_WORDS[metric] if metric == "ppl" else
-                           "positions after the routing prefix"):
-            out["secondary"].append(c)
-    for key, m in res.items():
-        out["diagnostics"][key] = {metric: m.get(f"valid_{metric}") for metric in
-                                   ("ppl", "greedy_routing_ppl", "trained_routing_ppl")}
-    return out
+    return {"rule": T_RULE, "best_moe": best,
+            "primary": comparison("smlp_det", best, "ppl", "all positions") if best is not None else None,
+            "secondary": [c for a, b, metric in pairs if (c := comparison(
+                a, b, metric, METRIC_WORDS[metric] if metric == "ppl" else "positions after the routing prefix"))],
+            "diagnostics": {key: {metric: m.get(f"valid_{metric}") for metric in
+                                  ("ppl", "greedy_routing_ppl", "trained_routing_ppl")} for key, m in res.items()}}
 
 
 def describe_t(c: dict, a: str, b: str) -> str:
     """One comparison in words with its interval; a tie says how large a difference the interval rules out."""
+    head = f"{a} {c['ppl_a']:.1f} vs {b} {c['ppl_b']:.1f}: {c['ratio'] - 1:+.1%}"
     if c.get("ci_pct") is None:
-        why = c.get("why_undecided") or "no seed spread known"
-        return f"{a} {c['ppl_a']:.1f} vs {b} {c['ppl_b']:.1f}: {c['ratio'] - 1:+.1%} ({why}): undecided"
-    lo, hi = c["ci_pct"]
-    df = "-" if c["df"] is None else f"{c['df']:.1f}"
-    head = (f"{a} {c['ppl_a']:.1f} vs {b} {c['ppl_b']:.1f}: {c['ratio'] - 1:+.1%} (95% CI {lo:+.1%} to {hi:+.1%}, "
-            f"{c['seeds'][0]} vs {c['seeds'][1]} seeds, Welch df {df})")
+        return f"{head} ({c.get('why_undecided') or 'no seed spread known'}): undecided"
+    (lo, hi), df = c["ci_pct"], "-" if c["df"] is None else f"{c['df']:.1f}"
+    head += f" (95% CI {lo:+.1%} to {hi:+.1%}, {c['seeds'][0]} vs {c['seeds'][1]} seeds, Welch df {df})"
     if c["verdict"] == "tie":
         return f"{head}: no difference larger than {c['bound_pct']:.1%} at this budget"
     if c["verdict"] == "undecided":
@@ -106,19 +89,19 @@ def describe_t(c: dict, a: str, b: str) -> str:
     return f"{head}: {a} {'lower (better)' if c['verdict'] == 'better' else 'higher (worse)'}"
 
 
-def _gap(a: list[float], b: list[float], spreads: dict, ka: str, kb: str) -> dict | None:
-    """A trend point's gap: one seed a side borrows the family's own spread at the deciding budget."""
-    return t_compare(a, b, spreads.get(ka), spreads.get(kb)) if a and b else None
+def _gap(res: dict, suffix: str, best: str, spreads: dict) -> dict | None:
+    """sMLP-det's gap to `best` in a trend's record: one seed a side borrows the family's own spread at the deciding
+    budget."""
+    a, b = _seeds(res, f"smlp_det{suffix}"), _seeds(res, f"{best}{suffix}")
+    return t_compare(a, b, spreads.get("smlp_det"), spreads.get(best)) if a and b else None
 
 
 def width_trend(deciding: dict, width: dict, best: str) -> dict:
     """sMLP-det's gap to the best Transformer-MoE at the deciding width (its seeds) and the wider one (one seed each,
     each family's spread borrowed from its deciding seeds): a trend, not a verdict."""
-    spreads, points = deciding["fair"]["seed_spread"], []
-    for rec in (deciding, width):
-        if c := _gap(_seeds(rec["models"], "smlp_det"), _seeds(rec["models"], best), spreads, "smlp_det", best):
-            points.append({"d_model": rec["target"]["d_model"], **c})
-    return {"points": points, "best_moe": best,
+    spreads = deciding["fair"]["seed_spread"]
+    return {"points": [{"d_model": rec["target"]["d_model"], **c} for rec in (deciding, width)
+                       if (c := _gap(rec["models"], "", best, spreads))], "best_moe": best,
             "label": "trend (one seed per model at D=256, spreads borrowed from the deciding seeds), not a verdict"}
 
 
@@ -134,11 +117,9 @@ def expert_trend(deciding: dict, experts: dict, best: str) -> dict:
         es = sorted(e for e in by_e if by_e[e])
         rows.append({"model": k, "name": NAMES[k], "ppl": {e: statistics.mean(by_e[e]) for e in es},
                      "seeds": {e: len(by_e[e]) for e in es}})
-    gaps = {e: c for e, (res, suffix) in sorted(source.items())
-            if (c := _gap(_seeds(res, f"smlp_det{suffix}"), _seeds(res, f"{best}{suffix}"), spreads, "smlp_det",
-                          best))}
-    return {"rows": rows, "gaps": gaps, "best_moe": best,
-            "seed_spread": {k: spreads.get(k) for k in ("smlp_det", best)},
+    return {"rows": rows, "gaps": {e: c for e, (res, suffix) in sorted(source.items())
+                                   if (c := _gap(res, suffix, best, spreads))},
+            "best_moe": best, "seed_spread": {k: spreads.get(k) for k in ("smlp_det", best)},
             "label": "trend (one seed at 2 and 32 experts, spreads borrowed from the deciding seeds), not a verdict",
             "note": "sMLP-det's sMoE routes deterministically: every token passes through every sMoE expert (each a "
                     "spatial gating unit over D/E channels), so more experts split the same channels finer rather "
@@ -152,9 +133,9 @@ def analysed_stage(record: dict, extra: dict) -> dict:
 
 
 def _analysed(record: dict) -> dict:
-    """A stage record with its seed spreads per family (also for a record written before they were)."""
+    """A stage record with its seed spreads per family (also a partial one, or one written before they were)."""
     fair = dict(record.get("fair") or {})
-    if not isinstance(fair.get("seed_spread"), dict) or "sd" in fair.get("seed_spread", {}):
+    if not isinstance(fair.get("seed_spread"), dict) or "sd" in fair["seed_spread"]:
         fair["seed_spread"] = analysed_stage(record, {})["seed_spread"]
     return {**record, "fair": fair}
 
@@ -172,24 +153,19 @@ def final_report(records: dict, out_dir: Path, design: dict) -> dict:
     if "lr-sweep" in records:
         rec["rates"], rec["best_moe"] = sweep["rates"], sweep.get("best_moe")
         plot_sweep(rec["rates"], out_dir / "lr_sweep.png")
-    if "deciding" in records:
-        d = records["deciding"]
-        spreads = {k: log_spread(m["valid_ppl_per_seed"]) for k, m in d["models"].items()}
+    if d := records.get("deciding"):
+        spreads = analysed_stage(d, {})["seed_spread"]
         keep = ("valid_suffix_ppl_per_seed", "valid_greedy_routing_ppl_per_seed", "valid_trained_routing_ppl_per_seed")
         rec["families"] = {k: {"name": m["name"], "layers": m["layers"], "lr": m.get("lr"),
                                "bracketed": (sweep.get("rates", {}).get(k) or {}).get("bracketed"),
                                "valid_ppl": m["valid_ppl"], "valid_ppl_per_seed": m["valid_ppl_per_seed"],
                                "seeds": m["seeds"], "log_spread": spreads[k], **{f: m.get(f) for f in keep},
                                "greedy_max_load": m.get("greedy_max_load")} for k, m in d["models"].items()}
-        rec["seed_spread"] = spreads
-        rec["verdicts"] = verdicts(d, sweep)
-    best = rec.get("best_moe")
-    if "deciding" in records and "width" in records and best:
-        rec["width"] = width_trend(_analysed(records["deciding"]), records["width"], best)
-        plot_width(rec["width"], out_dir / "width.png")
-    if "deciding" in records and "experts" in records and best:
-        rec["experts"] = expert_trend(_analysed(records["deciding"]), records["experts"], best)
-        plot_experts(rec["experts"], out_dir / "experts.png")
+        rec["seed_spread"], rec["verdicts"] = spreads, verdicts(d, sweep)
+    for stage, trend, plot in (("width", width_trend, plot_width), ("experts", expert_trend, plot_experts)):
+        if "deciding" in records and stage in records and rec.get("best_moe"):
+            rec[stage] = trend(_analysed(records["deciding"]), records[stage], rec["best_moe"])
+            plot(rec[stage], out_dir / f"{stage}.png")
     atomic_write_json(out_dir / "results.json", rec)
     return rec
 
@@ -235,9 +211,6 @@ def print_summary(rec: dict) -> None:
     for label, c in ([("PRIMARY", v["primary"])] if v.get("primary") else []) + \
             [("secondary", c) for c in v.get("secondary", [])]:
         print(f"   {label} [{c['scored']}] {c['text']}")
-
-
-# ---------------------------------------------------------------- the published text
 
 
 def _ci(c: dict) -> str:

@@ -1,18 +1,14 @@
-"""The GPU check's parts (benchmarks/gpu_check.py runs the checks): its families and sizes, losses and bounds, the
-host-sync count on CUDA, the replay of one routing on two devices, and its two checks outside the core's paths:
-speed (timed in turns) and the fairseq plugin's step.
-"""
+"""The GPU check's parts (benchmarks/gpu_check.py runs the checks; docs/gpu.md): families and sizes, losses and
+bounds, the host-sync count on CUDA, one routing replayed on two devices, and the speed check."""
 from __future__ import annotations
 
-import argparse
 import contextlib
 import math
 import statistics
 import time
 import traceback
 import warnings
-from collections import Counter
-from collections.abc import Callable
+from collections import Counter, namedtuple
 from dataclasses import dataclass, field
 from pathlib import Path
 from unittest import mock
@@ -38,55 +34,19 @@ FAMILIES = {"sMLP-det": dict(family="smlp", smoe_routing="deterministic"),
             "gMLP token-routed": dict(family="gmlp", token_routed_experts=-1),  # -1: the check's num_experts
             "HyperMixer": dict(family="gmlp", token_mixer="hypermixer"),
             "NiNformer": dict(family="gmlp", token_mixer="ninformer")}
-# a dry run's: every path of the checks (partial prediction's two auctions, GShard's noise, a model without cached
-# decoding, the deterministic sMoE's budget) at a fraction of the time
+# a dry run's: every path of the checks (partial prediction's two auctions, GShard's noise, a family without a
+# host-sync budget, the deterministic sMoE's budget) at a fraction of the time
 DRY_RUN_FAMILIES = ("sMLP-det", "sMLP-partial", "GShard", "gMLP token-routed")
 SPEED_FAMILIES = ("gmlp", "transformer", "switch", "gshard", "base", "hash")  # besides sMLP-det (matching's keys)
 SPEED_NAMES = dict(zip(SPEED_FAMILIES, ("gMLP", "Transformer", "Switch", "GShard", "Base", "HASH")))
-
-
-@dataclass(frozen=True)
-class Sizes:
-    """The correctness checks' models (tiny: they compare paths, not speed); dense families get dense + sparse
-    layers (the token-routed gMLP: dense)."""
-
-    vocab_size: int = 64
-    d_model: int = 32
-    d_ffn: int = 64
-    seq_len: int = 32
-    num_experts: int = 4
-    batch: int = 4
-    dense: int = 2
-    sparse: int = 2
-
-
+# the correctness checks' models (tiny: they compare paths, not speed); dense families get dense + sparse layers (the
+# token-routed gMLP: dense)
+Sizes = namedtuple("Sizes", "vocab_size d_model d_ffn seq_len num_experts batch dense sparse",
+                   defaults=(64, 32, 64, 32, 4, 4, 2, 2))
 DRY_RUN_SIZES = Sizes(vocab_size=32, d_model=16, d_ffn=32, seq_len=12, batch=2, dense=1, sparse=1)
-
-
-@dataclass(frozen=True)
-class SpeedConfig:
-    """One configuration of the speed check: the sMLP-det target and how it trains."""
-
-    name: str
-    d_model: int
-    d_ffn: int
-    seq_len: int
-    dense: int
-    sparse: int
-    experts: int
-    vocab_size: int
-    batch: int
-    dtype: torch.dtype | None  # autocast dtype, None: fp32
-    families: tuple[str, ...] = SPEED_FAMILIES
-
-
-def speed_configs(dry_run: bool) -> list[SpeedConfig]:
-    if dry_run:
-        return [SpeedConfig(n, 16, 32, 8, 2, 1, 4, 32, 2, d, ("gmlp", "switch"))
-                for n, d in (("fair", None), ("gpu-sized", torch.bfloat16))]
-    t = FAIR_TARGET  # the fair comparison's tokens per update (2 ranks x 16 x 128) in one process
-    return [SpeedConfig("fair", t["d_model"], t["d_ffn"], t["seq_len"], t["dense"], t["sparse"], t["experts"], 4000, 32,
-                        None), SpeedConfig("gpu-sized", 1024, 4096, 512, 9, 3, 8, 32000, 8, torch.bfloat16)]
+# one configuration of the speed check: the sMLP-det target and how it trains (dtype: autocast's, None: fp32)
+SpeedConfig = namedtuple("SpeedConfig", "name d_model d_ffn seq_len dense sparse experts vocab_size batch dtype "
+                                        "families", defaults=(SPEED_FAMILIES,))
 
 
 def family_config(name: str, s: Sizes, **overrides) -> LMConfig:
@@ -106,15 +66,9 @@ def tokens_for(cfg: LMConfig, batch: int, seed: int = 0) -> torch.Tensor:
 
 def lm_loss(model: LanguageModel, tokens_BN: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(next-token cross-entropy on the predicted positions + 0.01 x the routers' auxiliary loss, logits)."""
-    logits = model(tokens_BN)
-    start = model.cfg.prediction_start
+    logits, start = model(tokens_BN), model.cfg.prediction_start
     loss = F.cross_entropy(logits[:, start:-1].float().flatten(0, 1), tokens_BN[:, start + 1:].flatten())
-    aux = model.aux_loss()
-    return (loss if aux is None else loss + 0.01 * aux), logits
-
-
-def grads_finite(model: torch.nn.Module) -> bool:
-    return all(bool(torch.isfinite(p.grad).all()) for p in model.parameters() if p.grad is not None)
+    return (loss if (aux := model.aux_loss()) is None else loss + 0.01 * aux), logits
 
 
 def perturbed(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
@@ -150,9 +104,8 @@ class SyncCount:
     Python line; on the CPU (a dry run) the CPU counter's count on the accelerator's paths. `count`, `sites`."""
 
     def __init__(self, device: torch.device):
-        self.device, self.count, self.sites = device, 0, Counter()
+        self.device, self.count, self.sites, self._stack = device, 0, Counter(), contextlib.ExitStack()
         self.method = "torch.cuda.set_sync_debug_mode" if device.type == "cuda" else "HostSyncCounter (CPU)"
-        self._stack = contextlib.ExitStack()
 
     def __enter__(self):
         if self.device.type == "cuda":
@@ -168,56 +121,42 @@ class SyncCount:
     def __exit__(self, *exc):
         if self.device.type == "cuda":
             torch.cuda.set_sync_debug_mode(0)
-            for w in self._caught:
-                if "synchroniz" in str(w.message):
-                    parts = Path(w.filename).parts
-                    anchor = next((a for a in ("smlp", "benchmarks", "torch") if a in parts), None)
-                    where = "/".join(parts[len(parts) - 1 - parts[::-1].index(anchor):]) if anchor else w.filename
-                    self.count += 1
-                    self.sites[f"{where}:{w.lineno}"] += 1
+            for w in (w for w in self._caught if "synchroniz" in str(w.message)):
+                parts = Path(w.filename).parts
+                anchor = next((a for a in ("smlp", "benchmarks", "torch") if a in parts), None)
+                where = "/".join(parts[len(parts) - 1 - parts[::-1].index(anchor):]) if anchor else w.filename
+                self.count += 1
+                self.sites[f"{where}:{w.lineno}"] += 1
         self._stack.close()
         if self.device.type != "cuda":
             self.count, self.sites = self._counter.count, Counter(self._counter.by_site)
         return False
 
 
-class SameRouting:
-    """Routing decisions that depend on other rows or on random draws, made on the CPU and replayed on the device:
-    balanced assignments (an auction's result moves with a rounding of its scores) and GShard's Gumbel noise (each
-    device has its own generator). Top-k choices and capacities stay the device's own."""
+@contextlib.contextmanager
+def same_routing(assignments: list, replay: bool):
+    """Routing decisions that depend on other rows or on random draws, made on the CPU (`assignments` records them)
+    and replayed on the device: balanced assignments (an auction's result moves with a rounding of its scores) and
+    GShard's Gumbel noise (each device has its own generator). Top-k choices and capacities stay the device's own."""
+    from smlp.routing import gates, prices, token_routers
 
-    def __init__(self):
-        self.assignments: list = []
+    original, replayed, draws = assignment.balanced_assignment, iter(assignments), iter(range(1 << 30))
 
-    def recording(self):
-        return self._patched(replay=False)
-
-    def replaying(self):
-        return self._patched(replay=True)
-
-    @contextlib.contextmanager
-    def _patched(self, replay: bool):
-        from smlp.routing import gates, prices, token_routers
-
-        original, replayed, draws = assignment.balanced_assignment, iter(self.assignments), iter(range(1 << 30))
-
-        def assigned(scores_SE, **kwargs):
-            if replay:
-                out = next(replayed)
-                return tuple(t.to(scores_SE.device) for t in out) if isinstance(out, tuple) else \
-                    out.to(scores_SE.device)
-            out = original(scores_SE, **kwargs)
-            self.assignments.append(out)
+    def assigned(scores_SE, **kwargs):
+        if not replay:
+            assignments.append(out := original(scores_SE, **kwargs))
             return out
+        out = next(replayed)
+        return tuple(t.to(scores_SE.device) for t in out) if isinstance(out, tuple) else out.to(scores_SE.device)
 
-        def gumbel(logits_SE):
-            u = torch.rand(logits_SE.shape, generator=torch.Generator().manual_seed(next(draws)))
-            return (-(-u.clamp(torch.finfo(torch.float32).tiny, 1 - 1e-7).log()).log()).to(logits_SE.device)
+    def gumbel(logits_SE):
+        u = torch.rand(logits_SE.shape, generator=torch.Generator().manual_seed(next(draws)))
+        return (-(-u.clamp(torch.finfo(torch.float32).tiny, 1 - 1e-7).log()).log()).to(logits_SE.device)
 
-        with mock.patch.object(prices, "balanced_assignment", assigned), \
-                mock.patch.object(token_routers, "balanced_assignment", assigned), \
-                mock.patch.object(gates, "_gumbel_like", gumbel):
-            yield
+    with mock.patch.object(prices, "balanced_assignment", assigned), \
+            mock.patch.object(token_routers, "balanced_assignment", assigned), \
+            mock.patch.object(gates, "_gumbel_like", gumbel):
+        yield
 
 
 @contextlib.contextmanager
@@ -229,13 +168,66 @@ def router_logit_dtypes(seen: list):
     original = logits.router_logits
 
     def recorded(x_SD, weight_DE):
-        out = original(x_SD, weight_DE)
-        seen.append(out.dtype)
+        seen.append((out := original(x_SD, weight_DE)).dtype)
         return out
 
     with mock.patch.object(logits, "router_logits", recorded), mock.patch.object(moe, "router_logits", recorded), \
             mock.patch.object(token_routed, "router_logits", recorded):
         yield
+
+
+@dataclass
+class Outcome:
+    """What a check found: its figures, its failures (empty: passed) or why it was skipped."""
+
+    figures: dict = field(default_factory=dict)
+    failures: list[str] = field(default_factory=list)
+    skipped: str | None = None
+
+    def expect(self, ok: bool, failure: str) -> bool:
+        if not ok:
+            self.failures.append(failure)
+        return ok
+
+    @contextlib.contextmanager
+    def case(self, what: str):
+        """An error in one case is that case's failure (with its traceback in the figures): the others still run."""
+        try:
+            yield
+        except Exception as e:
+            self.failures.append(f"{what}: error: {type(e).__name__}: {e}")
+            self.figures.setdefault("errors", {})[what] = traceback.format_exc().splitlines()[-12:]
+
+    @property
+    def status(self) -> str:
+        return "skipped" if self.skipped else ("failed" if self.failures else "passed")
+
+
+def device_info(device: torch.device) -> dict:
+    if device.type != "cuda":
+        return {"type": device.type, "name": "CPU (dry run)"}
+    p = torch.cuda.get_device_properties(device)
+    return {"type": "cuda", "name": p.name, "capability": list(torch.cuda.get_device_capability(device)),
+            "memory_gib": p.total_memory / 2 ** 30, "multiprocessors": p.multi_processor_count,
+            "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version()}
+
+
+def speed_configs(dry_run: bool) -> list[SpeedConfig]:
+    if dry_run:
+        return [SpeedConfig(n, 16, 32, 8, 2, 1, 4, 32, 2, d, ("gmlp", "switch"))
+                for n, d in (("fair", None), ("gpu-sized", torch.bfloat16))]
+    t = FAIR_TARGET  # the fair comparison's tokens per update (2 ranks x 16 x 128) in one process
+    return [SpeedConfig("fair", t["d_model"], t["d_ffn"], t["seq_len"], t["dense"], t["sparse"], t["experts"], 4000, 32,
+                        None), SpeedConfig("gpu-sized", 1024, 4096, 512, 9, 3, 8, 32000, 8, torch.bfloat16)]
+
+
+def speed_models(c: SpeedConfig) -> dict[str, LMConfig]:
+    """sMLP-det at the configuration and its FLOP matches (smlp_eval's analytic counts: no fairseq)."""
+    target = LMConfig(family="smlp", vocab_size=c.vocab_size, d_model=c.d_model, d_ffn=c.d_ffn, seq_len=c.seq_len,
+                      dense_layers=c.dense, sparse_layers=c.sparse, num_experts=c.experts)
+    rows = match(count_flops(target, method="analytic"), tolerance=MATCH_TOLERANCE, method="analytic",
+                 families=c.families)
+    return {"sMLP-det": target, **{SPEED_NAMES[r.family]: r.count.cfg for r in rows}}
 
 
 def matmul_rate(device: torch.device, dtype: torch.dtype, n: int, seconds: float) -> float:
@@ -257,81 +249,9 @@ def matmul_rate(device: torch.device, dtype: torch.dtype, n: int, seconds: float
         torch.backends.cuda.matmul.allow_tf32 = prev
 
 
-def time_in_turns(fns: dict, iters: int, *, min_seconds: float = 0.0, max_iters: int = 1000) -> dict[str, list]:
-    """Seconds of every call of each function, called in turn (a, b, a, b, ...) so that a change of the load weighs
-    on all alike: at least `iters` rounds, more (up to `max_iters`) until each has run `min_seconds`."""
-    times = {name: [] for name in fns}
-    while (done := min(map(len, times.values()))) < iters or (
-            done < max_iters and min(map(sum, times.values())) < min_seconds):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
-    return times
-
-
-def device_info(device: torch.device) -> dict:
-    if device.type != "cuda":
-        return {"type": device.type, "name": "CPU (dry run)"}
-    p = torch.cuda.get_device_properties(device)
-    return {"type": "cuda", "name": p.name, "capability": list(torch.cuda.get_device_capability(device)),
-            "memory_gib": p.total_memory / 2 ** 30, "multiprocessors": p.multi_processor_count,
-            "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version()}
-
-
-@dataclass
-class Outcome:
-    """What a check found: its figures, its failures (empty: passed) or why it was skipped."""
-
-    figures: dict = field(default_factory=dict)
-    failures: list[str] = field(default_factory=list)
-    skipped: str | None = None
-
-    def expect(self, ok: bool, failure: str) -> bool:
-        if not ok:
-            self.failures.append(failure)
-        return ok
-
-    @property
-    def status(self) -> str:
-        return "skipped" if self.skipped else ("failed" if self.failures else "passed")
-
-
-@contextlib.contextmanager
-def guarded(out: Outcome, what: str):
-    """An error in one case is that case's failure (with its traceback in the figures): the others still run."""
-    try:
-        yield
-    except Exception as e:
-        out.failures.append(f"{what}: error: {type(e).__name__}: {e}")
-        out.figures.setdefault("errors", {})[what] = traceback.format_exc().splitlines()[-12:]
-
-
-@dataclass
-class Run:
-    device: torch.device
-    dry_run: bool
-    sizes: Sizes
-    families: tuple[str, ...]
-    plant_fault: bool
-    deadline: float
-    log: Callable[[str], None]
-
-    def seconds_left(self) -> float:
-        return self.deadline - time.monotonic()
-
-
-def speed_models(c: SpeedConfig) -> dict[str, LMConfig]:
-    """sMLP-det at the configuration and its FLOP matches (smlp_eval's analytic counts: no fairseq)."""
-    target = LMConfig(family="smlp", vocab_size=c.vocab_size, d_model=c.d_model, d_ffn=c.d_ffn, seq_len=c.seq_len,
-                      dense_layers=c.dense, sparse_layers=c.sparse, num_experts=c.experts)
-    rows = match(count_flops(target, method="analytic"), tolerance=MATCH_TOLERANCE, method="analytic",
-                 families=c.families)
-    return {"sMLP-det": target, **{SPEED_NAMES[r.family]: r.count.cfg for r in rows}}
-
-
-def _speed_of(run: Run, c: SpeedConfig, peak_bf16: float, budget_s: float) -> Outcome:
-    """Every model of the configuration built, warmed up, then timed in turns (one process, every expert local)."""
+def _speed_of(run, c: SpeedConfig, peak_bf16: float, budget_s: float) -> Outcome:
+    """Every model of the configuration built and warmed up, then timed in turns (a, b, a, b, ...: a change of load
+    weighs on all alike), at least 5 rounds and more until each has run its share of `budget_s`."""
     out, device, steps, models, memory = Outcome(), run.device, {}, {}, {}
     for name, cfg in speed_models(c).items():
         held = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
@@ -357,94 +277,43 @@ def _speed_of(run: Run, c: SpeedConfig, peak_bf16: float, budget_s: float) -> Ou
         memory[name] = torch.cuda.max_memory_allocated(device) - held if device.type == "cuda" else None
         steps[name], models[name] = step, (model, cfg, state)
         run.log(f"  speed {c.name} {name}: {cfg.dense_layers}+{cfg.sparse_layers} layers built and warm")
-    times = time_in_turns(steps, iters=2 if run.dry_run else 5, max_iters=3 if run.dry_run else 200,
-                          min_seconds=0.0 if run.dry_run else budget_s / max(1, len(steps)))
-    tokens_per_step = c.batch * c.seq_len
+    times = {name: [] for name in steps}
+    (iters, most), least_s = (2, 3) if run.dry_run else (5, 200), 0.0 if run.dry_run else budget_s / max(1, len(steps))
+    while (done := min(map(len, times.values()))) < iters or (done < most and min(map(sum, times.values())) < least_s):
+        for name, fn in steps.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
     for name, (model, cfg, state) in models.items():
-        wps, flops, final = tokens_per_step / statistics.median(times[name]), count_flops(cfg, method="analytic"), \
-            float(state["loss"])
-        per_token = 3 * flops.flops / cfg.seq_len
+        median, flops, final = statistics.median(times[name]), count_flops(cfg, method="analytic"), float(state["loss"])
+        per_token, wps = 3 * flops.flops / cfg.seq_len, c.batch * c.seq_len / median
         out.figures[name] = {"layers": f"{cfg.dense_layers}+{cfg.sparse_layers}", "heads": cfg.heads,
-                             "words_per_s": wps, "median_step_ms": 1000 * statistics.median(times[name]),
-                             "steps_timed": len(times[name]), "train_flops_per_token": per_token,
-                             "fwd_flops_per_seq": flops.flops, "mfu": per_token * wps / peak_bf16,
+                             "words_per_s": wps, "median_step_ms": 1000 * median, "steps_timed": len(times[name]),
+                             "train_flops_per_token": per_token, "fwd_flops_per_seq": flops.flops,
+                             "mfu": per_token * wps / peak_bf16,
                              "peak_memory_gib": None if memory[name] is None else memory[name] / 2 ** 30,
                              "params": sum(p.numel() for p in model.parameters()), "final_loss": final}
         out.expect(math.isfinite(final), f"{c.name} {name}: loss not finite ({final})")
     out.figures["_config"] = {"d_model": c.d_model, "d_ffn": c.d_ffn, "seq_len": c.seq_len,
                               "target": f"{c.dense}+{c.sparse}", "experts": c.experts, "vocab_size": c.vocab_size,
-                              "batch": c.batch, "tokens_per_step": tokens_per_step,
+                              "batch": c.batch, "tokens_per_step": c.batch * c.seq_len,
                               "dtype": str(c.dtype or torch.float32), "match_tolerance": MATCH_TOLERANCE}
     return out
 
 
-def check_speed(run: Run) -> Outcome:
-    """Training words/s, MFU and peak memory of sMLP-det and its FLOP matches, per configuration."""
-    out = Outcome()
-    n, seconds = (128, 0.05) if run.dry_run else (8192, 1.0)
+def check_speed(run) -> Outcome:
+    """Training words/s, MFU and peak memory of sMLP-det and its FLOP matches, per configuration (one process, every
+    expert local)."""
+    out, (n, seconds), configs = Outcome(), (128, 0.05) if run.dry_run else (8192, 1.0), speed_configs(run.dry_run)
     peak_bf16 = matmul_rate(run.device, torch.bfloat16, n, seconds)
     out.figures["matmul_flops_per_s"] = {"bf16": peak_bf16, "n": n,
                                          "fp32": matmul_rate(run.device, torch.float32, n // 2, seconds)}
     run.log(f"  matmul bf16 {peak_bf16 / 1e12:.1f} TFLOP/s")
-    configs = speed_configs(run.dry_run)
     for i, c in enumerate(configs):
-        with guarded(out, c.name):
+        with out.case(c.name):
             budget = 0.0 if run.dry_run else max(10.0, min(60.0, 0.4 * run.seconds_left() / (len(configs) - i)))
             part = _speed_of(run, c, peak_bf16, budget)
-            out.figures[c.name] = part.figures
-            out.failures += part.failures
+            out.figures[c.name], out.failures = part.figures, out.failures + part.failures
             if run.device.type == "cuda":
                 torch.cuda.empty_cache()
-    return out
-
-
-def check_fairseq(run: Run) -> Outcome:
-    """A training step through the fairseq plugin (wrapper and criterion) on the device, where fairseq imports."""
-    out = Outcome()
-    try:
-        from fairseq.data import Dictionary
-
-        from fairseq_plugins.criterion import SMLPLanguageModelLoss
-        from fairseq_plugins.models import CoreLMDecoder, _CoreLanguageModel
-    except ImportError as e:
-        out.skipped, out.figures["import_error"] = "fairseq not installed", f"{type(e).__name__}: {e}"
-        return out
-
-    class Replay(torch.nn.Module):  # the forward's output computed before: only the criterion's own work counts
-        def __init__(self, inner, net_output):
-            super().__init__()
-            self.inner, self.net_output, self.decoder = inner, net_output, inner.decoder
-
-        def forward(self, **net_input):
-            return self.net_output
-
-        def get_normalized_probs(self, net_output, log_probs):
-            return self.inner.get_normalized_probs(net_output, log_probs=log_probs)
-
-        def get_targets(self, sample, net_output):
-            return self.inner.get_targets(sample, net_output)
-
-    for name in ("sMLP-det", "Switch"):
-        with guarded(out, name):
-            cfg = family_config(name, run.sizes)
-            torch.manual_seed(0)
-            dictionary = Dictionary()
-            for i in range(cfg.vocab_size - len(dictionary)):
-                dictionary.add_symbol(f"w{i}")
-            model = _CoreLanguageModel(CoreLMDecoder(dictionary, LanguageModel(cfg).to(run.device).train()))
-            x = tokens_for(cfg, run.sizes.batch, seed=6).to(run.device)
-            target = torch.roll(x, -1, dims=1)
-            sample = {"net_input": {"src_tokens": x, "src_lengths": torch.full((x.shape[0],), x.shape[1],
-                                                                               device=run.device)},
-                      "target": target, "ntokens": int((target != dictionary.pad()).sum()), "nsentences": x.shape[0]}
-            with device_paths(run.device):
-                net_output = model(**sample["net_input"])
-                with SyncCount(run.device) as syncs:
-                    loss, _, _ = SMLPLanguageModelLoss(argparse.Namespace(target_dictionary=dictionary), 0.01, False)(
-                        Replay(model, net_output), sample)
-                loss.backward()
-            out.figures[name] = {"loss": float(loss.detach()), "criterion_host_syncs": syncs.count}
-            out.expect(math.isfinite(float(loss.detach())) and grads_finite(model),
-                       f"{name}: the plugin's training step is not finite")
-            out.expect(syncs.count == 0, f"{name}: the criterion made {syncs.count} host syncs ({dict(syncs.sites)})")
     return out

@@ -1,20 +1,9 @@
-"""Runs from a pinned commit: a stage's trainings execute the code of the commit the stage started at,
-whatever the checkout running the benchmark holds now.
-
-`checkout(commit, work_dir)` makes (or reuses) a git worktree of that commit under WORK_DIR/code/ and
-links the installed package names to its folders (smlp_bench -> benchmarks/, smlp_eval -> eval/,
-smlp_launch -> launch/; smlp and fairseq_plugins are top-level folders), as `make gpu-check` does, so the
-already installed environment (torch, fairseq) runs the pinned code with no second build. Every step
-that decides a run's perplexity then runs in a process whose path starts with that worktree:
-
-- planning the FLOP-matched models (their fairseq flags: `smlp_bench.presets.plan_models`, through the
-  FLOPs calculator) and the criterion's flags;
-- building the fairseq-train command (`smlp_bench.training.train_command`);
-- the training itself (smlp-launch, its workers, fairseq's --user-dir plugins).
-
-The benchmark that schedules the runs, records them and publishes the answers is the checkout's own
-(the store, reports and commits go where it says). The pinned code is asked through ADAPTER, run in
-the worktree: what it calls there is the contract a pinned commit must keep (the names above).
+"""Runs from a pinned commit (docs/benchmarks.md, "Pinned code"): a stage's trainings execute the code of the commit
+the stage started at, from a git worktree of it under WORK_DIR/code/ whose installed package names are linked to its
+folders (as `make gpu-check` does), in the environment already installed. The worktree's code plans the models
+(`smlp_bench.presets.plan_models`), builds the fairseq-train command (`smlp_bench.training.train_command`) and trains;
+the checkout's own benchmark schedules, records and publishes. ADAPTER, run in the worktree, is the contract a pinned
+commit must keep (the names above).
 """
 from __future__ import annotations
 
@@ -39,12 +28,7 @@ import json, sys
 from pathlib import Path
 req = json.loads(Path(sys.argv[1]).read_text())
 op = req["op"]
-if op == "where":
-    import smlp, fairseq_plugins, smlp_bench, smlp_launch
-    out = {name: str(Path(m.__file__).resolve().parent) for name, m in
-           (("smlp", smlp), ("fairseq_plugins", fairseq_plugins), ("smlp_bench", smlp_bench),
-            ("smlp_launch", smlp_launch))}
-elif op == "plan":
+if op == "plan":
     from smlp_bench.presets import plan_models
     models, matching = plan_models(req["vocab_size"], req["nproc"], req["keys"], req["target"])
     out = {"models": [m.as_dict() for m in models], "matching": matching}

@@ -1,13 +1,7 @@
-"""The benchmark's models and presets: the target sMLP, its FLOP matches, and how each preset trains them.
-
-A `Model` is one row of a comparison: a key, its fairseq-train flags and its forward FLOPs per sequence from the
-calculator (`smlp_eval.flops`); `plan_models` builds the target sMLP-deterministic and every family FLOP-matched to
-it at run time, a plan stores each as `Model.as_dict()` and `models_from_plan` reads it back. The presets: quick and
-full at D=256, F=1024, T=256 (9+3, 2,048 tokens an update); long at D=128, F=512, T=128 (the full preset's layer
-counts at half the width and sequence, so T/D stays 1 as at the paper's D=T=1024; `smlp-flops --arch smlp_lm
---decoder-embed-dim 128 --decoder-ffn-embed-dim 512 --tokens-per-sample 128 --decoder-layers 9 --sparse-layers 3
---num-experts 2 --match` gives them), 750 updates of 4,096 tokens (25x the full preset), then a second seed for the
-three lowest final perplexities (docs/benchmarks.md).
+"""The benchmark's models and presets: the target sMLP, its FLOP matches (`plan_models`, through the calculator
+`smlp_eval.flops`; a plan stores each `Model.as_dict()`, `models_from_plan` reads it back), and how each preset
+trains them (docs/benchmarks.md): quick and full at D=256, F=1024, T=256; long at D=128, F=512, T=128 (T/D stays 1
+as at the paper's D=T=1024), 750 updates of 4,096 tokens, then a second seed for the three lowest perplexities.
 """
 from __future__ import annotations
 

@@ -1,12 +1,10 @@
-"""A benchmark's report, complete or not, from its run store: results.json, table.md and Figure 5.
-
-Per model (`summarise`): words/s (the mean over seeds of each run's clean median, benchmarks/training.py), the final
-validation perplexity, the curves against tokens, wall time and load-corrected time (tokens / (the run's words/s
-over its adjacent probes' x the median probe words/s): the time at the benchmark's median load, without
-validation), MFU = words/s x training FLOPs per token / the matmul peak measured in the same run (training FLOPs =
-3 x the calculator's forward FLOPs, the paper's convention; "executed" without the causal products' zero triangle),
-the profiled step's breakdown and the peak memory. `ratios`: the paper's comparisons from runs adjacent in time.
-The verdicts come from benchmarks/verdicts.py; `smlp-bench report DIR` runs `report` alone.
+"""A benchmark's report, complete or not, from its run store (`smlp-bench report DIR` runs it alone): results.json,
+table.md and Figure 5. Per model (`summarise`): words/s (the mean over seeds of each run's clean median), the final
+validation perplexity, the curves against tokens, wall time and load-corrected time (tokens / (the run's words/s over
+its adjacent probes' x the median probe words/s)), MFU (words/s x 3 x the calculator's forward FLOPs per token / the
+matmul peak measured in the same run; "executed" without the causal products' zero triangle), the profiled step's
+breakdown and the peak memory; `ratios`, the paper's comparisons from runs adjacent in time; the verdicts
+(benchmarks/verdicts.py).
 """
 from __future__ import annotations
 
@@ -30,8 +28,7 @@ def greedy_max_load(record: dict) -> float | None:
     """The busiest expert's load over the mean, the largest over a run's balanced layers, at its last validation
     with greedy routing (`load_greedy_<layer>`, --valid-greedy-routing); None when not logged."""
     last = record["valid"][-1] if record.get("valid") else {}
-    loads = [float(v) for k, v in last.items() if k.startswith("load_greedy_")]
-    return max(loads) if loads else None
+    return max((float(v) for k, v in last.items() if k.startswith("load_greedy_")), default=None)
 
 
 def speeds(store: RunStore) -> dict:
@@ -68,15 +65,11 @@ def summarise(store: RunStore, models: list[Model], peak: dict | None) -> dict:
                 if r["valid"] and all(metric in v for v in r["valid"]):
                     curve[metric] = [v[metric] for v in r["valid"]]
             curves.append(curve)
-        extra = {}
         greedy = [v for v in (greedy_max_load(r) for _, r in rs) if v is not None]
-        if greedy:
-            extra["greedy_max_load"] = statistics.mean(greedy)
+        extra = {"greedy_max_load": statistics.mean(greedy)} if greedy else {}
         for metric in EXTRA_METRICS:
-            finals = [final_ppl(r, metric) for _, r in rs if final_ppl(r, metric) is not None]
-            if finals:
-                extra[f"valid_{metric}"] = statistics.mean(finals)
-                extra[f"valid_{metric}_per_seed"] = finals
+            if finals := [final_ppl(r, metric) for _, r in rs if final_ppl(r, metric) is not None]:
+                extra.update({f"valid_{metric}": statistics.mean(finals), f"valid_{metric}_per_seed": finals})
         out[m.key] = {
             "name": m.title, "layers": m.layers, "fairseq_flags": " ".join(m.flags), "note": m.note,
             "wps": wps, "wps_std": statistics.stdev(wps_seed) if len(wps_seed) > 1 else 0.0,
@@ -145,13 +138,13 @@ def table(results: dict, rat: dict, peak: dict | None, machine: dict, plan: dict
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for key, m in results.items():
         rr, b = rat["smlp_det_wps_over_range"].get(key), m["breakdown"]
-        cells = [f"{(b['routing'] + b['all2all']):.1%}" if b else "-",
-                 f"{m['wps']:,.0f} ± {m['wps_std']:,.0f}" if m["wps"] else "-",
-                 f"{m['valid_ppl']:.1f} ± {m['valid_ppl_std']:.1f}" if m["valid_ppl"] else "-",
-                 f"{rr['ratio']:.2f}x [{rr['lo']:.2f}-{rr['hi']:.2f}]" if rr else "-",
-                 f"{m['mfu']:.1%}" if m["mfu"] else "-", f"{m['mfu_executed']:.1%}" if m.get("mfu_executed") else "-",
-                 f"{m['peak_mem_mb']:.0f} MB" if m["peak_mem_mb"] else "-"]
-        comm, wps, ppl, speed, mfu, mfu_executed, mem = cells
+        comm, wps, ppl, speed, mfu, mfu_executed, mem = (
+            f"{(b['routing'] + b['all2all']):.1%}" if b else "-",
+            f"{m['wps']:,.0f} ± {m['wps_std']:,.0f}" if m["wps"] else "-",
+            f"{m['valid_ppl']:.1f} ± {m['valid_ppl_std']:.1f}" if m["valid_ppl"] else "-",
+            f"{rr['ratio']:.2f}x [{rr['lo']:.2f}-{rr['hi']:.2f}]" if rr else "-",
+            f"{m['mfu']:.1%}" if m["mfu"] else "-", f"{m['mfu_executed']:.1%}" if m.get("mfu_executed") else "-",
+            f"{m['peak_mem_mb']:.0f} MB" if m["peak_mem_mb"] else "-")
         lines.append(f"| {m['name']} | {m['layers']} | {m['flops_per_token'] / 1e9:.4f} | {wps} | {speed} | {ppl} "
                      f"| {mfu} | {mfu_executed} | {comm} | {mem} |")
     return "\n".join(lines)
@@ -161,8 +154,8 @@ def geo_cell(vals) -> str:
     """Per-seed perplexities as a table shows them: their geometric mean, then the seeds when there are several."""
     if not vals:
         return "-"
-    m = math.exp(statistics.mean(math.log(v) for v in vals))
-    return f"{m:.1f}" + (f" ({', '.join(f'{v:.1f}' for v in vals)})" if len(vals) > 1 else "")
+    return f"{math.exp(statistics.mean(math.log(v) for v in vals)):.1f}" + (
+        f" ({', '.join(f'{v:.1f}' for v in vals)})" if len(vals) > 1 else "")
 
 
 def perplexity_table(results: dict, plan: dict, complete: bool = True) -> str:
@@ -186,9 +179,7 @@ def perplexity_table(results: dict, plan: dict, complete: bool = True) -> str:
 
 def fmt(value) -> str:
     """A measured figure (a ratio, a share, a perplexity gap) as the tables show it; "-" when missing."""
-    if value is None:
-        return "-"
-    return f"{value:.2f}" if abs(value) >= 2 or value < 0 else f"{value:.3f}"
+    return "-" if value is None else f"{value:.2f}" if abs(value) >= 2 or value < 0 else f"{value:.3f}"
 
 
 def report(store: RunStore, out_dir: Path, *, machine: dict | None = None, quiet: bool = False) -> dict:

@@ -1,19 +1,7 @@
-"""The plan of a benchmark and its interleaved schedule, and speed ratios from runs adjacent in time.
-
-On a shared machine the load changes while a benchmark runs; run one model after another and a change of load
-lands on one model (a quick run once gave sMLP-det 0.75x of Switch under light load, 0.93x and 0.99x on a quiet
-machine). So:
-
-1. every seed is one round that trains each model once: round 0 in the given order, round 1 reversed, later
-   rounds shuffled with `random.Random(order_seed * 1009 + round)` (the order seed is recorded);
-2. a short run of the reference model (a probe: the same command, `probe_updates` updates, no validation) goes
-   before the first training run, between every two and after the last. A run's words/s over the mean of its two
-   adjacent probes is its normalized speed (each probe alone gives its range);
-3. the speed ratio of model A over model B is the median over every pair of their runs of norm(a) / norm(b), with
-   the range over pairs and probe bounds: every factor comes from runs adjacent in time, so a load change between
-   two runs cancels.
-
-Pure functions: the tests check the schedule, the pairing and resume without training.
+"""The plan of a benchmark and its interleaved schedule, and speed ratios from runs adjacent in time: rounds of one
+seed each (as given, reversed, then shuffled with the recorded order seed), a short probe run of the reference model
+before, between and after the training runs, each run's words/s over its adjacent probes' and ratios of those
+normalized speeds (docs/benchmarks.md says why). Pure functions: the tests check them without training.
 """
 from __future__ import annotations
 
@@ -56,10 +44,8 @@ def initial_schedule(plan: dict) -> list[Slot]:
 def round_order(keys: Sequence[str], round_index: int, order_seed: int) -> list[str]:
     """The order of one round: as given, then reversed, then shuffled with a recorded seed."""
     keys = list(keys)
-    if round_index == 0:
-        return keys
-    if round_index == 1:
-        return keys[::-1]
+    if round_index < 2:
+        return keys if round_index == 0 else keys[::-1]
     random.Random(order_seed * 1009 + round_index).shuffle(keys)
     return keys
 
@@ -84,8 +70,7 @@ class Slot:
 
     @classmethod
     def from_dict(cls, d: dict) -> Slot:
-        return cls(index=d["index"], kind=d["kind"], key=d["key"], seed=d["seed"], phase=d["phase"],
-                   round=d["round"])
+        return cls(**{k: d[k] for k in ("index", "kind", "key", "seed", "phase", "round")})
 
 
 def extend_schedule(slots: Sequence[Slot], rounds: Iterable[tuple[int, int, int, Sequence[str]]],
@@ -101,8 +86,7 @@ def extend_schedule(slots: Sequence[Slot], rounds: Iterable[tuple[int, int, int,
         if keys and reference is not None:
             out.append(Slot(len(out), PROBE, reference, 1, phase, rnd))
     ids = [s.run_id for s in out if s.kind == TRAIN]
-    twice = sorted({i for i in ids if ids.count(i) > 1})
-    if twice:
+    if twice := sorted({i for i in ids if ids.count(i) > 1}):
         raise BenchError(f"{twice[0]} is scheduled twice")
     return out
 
@@ -126,10 +110,8 @@ def normalized_speeds(slots: Sequence[Slot], wps: dict[str, float]) -> dict[str,
     run) over the mean of its adjacent probes' (lo / hi: over the larger / smaller alone; one probe will do)."""
     out = {}
     for s in slots:
-        if s.kind != TRAIN or s.run_id not in wps:
-            continue
         probes = [p for p in adjacent_probes(slots, s.index) if p is not None and wps.get(p.run_id)]
-        if not probes:
+        if s.kind != TRAIN or s.run_id not in wps or not probes:
             continue
         meters = [wps[p.run_id] for p in probes]
         w = wps[s.run_id]

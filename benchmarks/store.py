@@ -1,14 +1,11 @@
-"""Records: the run store every benchmark writes its runs to, the other records, and the one reader of them all.
-
-- `RunStore` (`runs.json`, format smlp-bench-runs/1): a plan, its schedule and each finished run's record,
-  rewritten atomically after every run, so that `--resume` continues where a stop left it;
-- `atomic_write_json` / `write_record`: any other record (results.json, speed.json, a measurement's), whole or not
-  at all;
-- `read_record`: every record kind the benchmarks have written, checked for the fields its readers use
-  (tests/test_records.py reads each record under docs/benchmark/ through it).
+"""Records: the run store every benchmark writes its runs to (`RunStore`, runs.json, format smlp-bench-runs/1,
+rewritten atomically after every run so that `--resume` continues where a stop left it), any other record written
+whole or not at all (`atomic_write_json`, `write_record`), and `read_record`, the one reader of every record kind
+(tests/test_records.py reads each record under docs/benchmark/ through it).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -34,14 +31,12 @@ def atomic_write_json(path: Path, obj) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    try:  # the rename itself survives a power cut only once the directory is synced
+    with contextlib.suppress(OSError):  # the rename itself survives a power cut only once the directory is synced
         fd = os.open(path.parent, os.O_RDONLY)
         try:
             os.fsync(fd)
         finally:
             os.close(fd)
-    except OSError:
-        pass
 
 
 def write_text(path: Path, text: str) -> None:
@@ -50,12 +45,12 @@ def write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def environment(machine: Mapping | None = None, versions: Mapping | None = None) -> dict:
+def environment(versions: Mapping | None = None) -> dict:
     """A measurement's machine (with its load average: absolute times on a shared machine are noise) and versions."""
     import torch
 
     return {"machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                        "loadavg": os.getloadavg(), "platform": platform.platform(), **(machine or {})},
+                        "loadavg": os.getloadavg(), "platform": platform.platform()},
             "versions": {"torch": torch.__version__, "python": platform.python_version(), **(versions or {})}}
 
 
@@ -94,14 +89,12 @@ def read_record(path: Path) -> tuple[str, dict]:
     kind = record_kind(d)
     if kind == "measurement" and not {"machine", "environment", "runs"} & set(d):
         raise BenchError(f"{path}: a measurement without its machine")
-    missing = [k for k in KINDS[kind] if k not in d]
-    if missing:
+    if missing := [k for k in KINDS[kind] if k not in d]:
         raise BenchError(f"{path}: a {kind} record without {', '.join(missing)}")
     if kind == "runs":
         for s in d["schedule"]:
             Slot.from_dict(s)
-        unknown = set(d["records"]) - {s["run_id"] for s in d["schedule"]}
-        if unknown:
+        if unknown := set(d["records"]) - {s["run_id"] for s in d["schedule"]}:
             raise BenchError(f"{path}: records of runs not in its schedule: {sorted(unknown)[:4]}")
     return kind, d
 
@@ -117,9 +110,7 @@ class RunStore:
 
     def __init__(self, path: Path, plan: dict, slots: Sequence[Slot] = (), records: dict | None = None,
                  extra: dict | None = None):
-        self.path = Path(path)
-        self.plan = plan
-        self.slots = list(slots)
+        self.path, self.plan, self.slots = Path(path), plan, list(slots)
         self.records: dict[str, dict] = dict(records or {})
         self.extra: dict = dict(extra or {})
 
@@ -152,9 +143,8 @@ class RunStore:
         added = set(old.extra.get("added_models", ()))
         started = {**old.plan, "models": [m for m in old.plan["models"] if m["key"] not in added]} if added \
             else old.plan
-        diff = [f"{k}: recorded {started.get(k)!r}, now {plan.get(k)!r}" for k in sorted(set(started) | set(plan))
-                if started.get(k) != plan.get(k)]
-        if diff:
+        if diff := [f"{k}: recorded {started.get(k)!r}, now {plan.get(k)!r}" for k in sorted(set(started) | set(plan))
+                    if started.get(k) != plan.get(k)]:
             raise BenchError(f"--resume: the recorded benchmark in {path.parent} was planned differently "
                              f"({'; '.join(diff)}); rerun with its settings, or choose another --output-dir")
         return old
@@ -173,11 +163,10 @@ class RunStore:
     def prepare_resume(self) -> list[str]:
         """Drop the record of the probe right before the first unrecorded training run (it is measured again, as
         the load before a stop says nothing of the load after it); returns the run ids dropped."""
-        todo = self.pending()
-        if not todo or todo[0].index == 0:
+        if not (todo := self.pending()) or todo[0].index == 0:
             return []
-        prev = self.slots[todo[0].index - 1]
-        if prev.kind == "probe" and todo[0].kind == "train" and prev.run_id in self.records:
+        if (prev := self.slots[todo[0].index - 1]).kind == "probe" and todo[0].kind == "train" and \
+                prev.run_id in self.records:
             del self.records[prev.run_id]
             self.save()
             return [prev.run_id]

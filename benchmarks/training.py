@@ -1,11 +1,8 @@
 """The run step: one fairseq-train run through `smlp-launch --nproc W --cpu` (one gloo rank and thread per core), its
 log read as it goes, every worker's peak memory polled and, with `profile=True`, a window of steps near the end
-profiled inside fairseq-train (`SMLP_PROFILE_STEPS`, fairseq_plugins/step_profiler.py); with `code` (a pinned
-Checkout) that commit's command and code. `execute` runs a store's pending slots, recording each at once.
-
-Words/s are tokens read per second over all ranks: fairseq's `wps` (tokens scored) x bsz x seq_len / wpb (partial
-prediction reads its routing prefix without scoring it), the median over the intervals free of warm-up, validation
-and the profiled window.
+profiled inside fairseq-train (fairseq_plugins/step_profiler.py); with `code` (a pinned Checkout) that commit's
+command and code. `execute` runs a store's pending slots, recording each at once. Words/s are tokens read per second
+over all ranks (`input_tokens_per_target`), the median over the intervals free of warm-up, validation and profiling.
 """
 from __future__ import annotations
 
@@ -50,17 +47,11 @@ class Run:
     finished: float = 0.0
 
 
-class _PeakMemory(threading.Thread):
+def _poll_peaks(pid: int, peaks: dict, stop: threading.Event) -> None:
     """Highest resident set (VmHWM, MiB) of every process under a launcher, polled until `stop` is set."""
-
-    def __init__(self, pid: int):
-        super().__init__(daemon=True)
-        self.pid, self.peaks, self.stop = pid, {}, threading.Event()
-
-    def run(self) -> None:
-        while not self.stop.wait(0.5):
-            for kid, hwm in peak_rss(process_tree(self.pid)[1:]).items():
-                self.peaks[kid] = max(self.peaks.get(kid, 0.0), hwm / 2 ** 20)
+    while not stop.wait(0.5):
+        for kid, hwm in peak_rss(process_tree(pid)[1:]).items():
+            peaks[kid] = max(peaks.get(kid, 0.0), hwm / 2 ** 20)
 
 
 def train_command(model: Model, data: Path, settings: dict, nproc: int, seed: int, logdir: Path, *,
@@ -74,11 +65,10 @@ def train_command(model: Model, data: Path, settings: dict, nproc: int, seed: in
         "--", str(data), *ours, *model.flags, "--task", "language_modeling", "--sample-break-mode", "none",
         "--batch-size", str(p["batch_size"]), "--optimizer", "adam", "--adam-betas", "(0.9,0.98)",
         "--lr", str(model.lr or p["lr"]), "--lr-scheduler", "inverse_sqrt", "--warmup-updates", str(p["warmup"]),
-        "--warmup-init-lr", "1e-7", "--clip-norm", "1.0", "--dropout", "0",
-        "--max-update", str(updates or p["updates"]),
-        "--validate-interval-updates", str(validate_every), "--max-valid-steps", str(p["valid_steps"]),
-        "--log-format", "simple", "--log-interval", str(log_interval or p["log_interval"]), "--no-progress-bar",
-        "--no-save", "--num-workers", "0", "--seed", str(seed),
+        "--warmup-init-lr", "1e-7", "--clip-norm", "1.0", "--dropout", "0", "--max-update",
+        str(updates or p["updates"]), "--validate-interval-updates", str(validate_every), "--max-valid-steps",
+        str(p["valid_steps"]), "--log-format", "simple", "--log-interval", str(log_interval or p["log_interval"]),
+        "--no-progress-bar", "--no-save", "--num-workers", "0", "--seed", str(seed),
         "--validate-interval", "1000",  # no end-of-epoch validation
         *(["--disable-validation"] if not validate else []),
     ]
@@ -87,8 +77,7 @@ def train_command(model: Model, data: Path, settings: dict, nproc: int, seed: in
 def _plugins_dir() -> Path:
     import importlib.util
 
-    spec = importlib.util.find_spec("fairseq_plugins")
-    if spec is None or not spec.submodule_search_locations:
+    if (spec := importlib.util.find_spec("fairseq_plugins")) is None or not spec.submodule_search_locations:
         raise BenchError("the fairseq_plugins package is not installed: run `make install` first")
     return Path(spec.submodule_search_locations[0]).resolve()
 
@@ -117,13 +106,12 @@ def vocab_size(data: Path) -> int:
 
 def profile_window(preset: dict) -> tuple[int, int]:
     """0-based training steps profiled: near the end, after the last validation before it."""
-    count = preset["profile_steps"]
-    return preset["updates"] - count - 2, count
+    return preset["updates"] - preset["profile_steps"] - 2, preset["profile_steps"]
 
 
 def run_training(model: Model, data: Path, settings: dict, nproc: int, seed: int, out: Path, *,
                  profile: bool = False, updates: int | None = None, validate: bool = True,
-                 log_interval: int | None = None, on_line=None, code=None) -> Run:
+                 log_interval: int | None = None, code=None) -> Run:
     """One fairseq-train run through smlp-launch; its log goes to out/train.log."""
     if out.exists():  # an interrupted run starts again from scratch
         shutil.rmtree(out)
@@ -140,23 +128,18 @@ def run_training(model: Model, data: Path, settings: dict, nproc: int, seed: int
     with open(out / "train.log", "w") as log:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env,
                                 cwd=code.root if code is not None else None)
-        memory = _PeakMemory(proc.pid)
+        peaks, stop = {}, threading.Event()
+        memory = threading.Thread(target=_poll_peaks, args=(proc.pid, peaks, stop), daemon=True)
         memory.start()
         last_wall = 0.0
         try:
             for line in proc.stdout:
                 log.write(line)
                 if (logged := train_fields(line)) is not None:
-                    f = as_floats(logged)
-                    run.intervals.append(f)
+                    run.intervals.append(f := as_floats(logged))
                     last_wall = f.get("wall", last_wall)
-                    if on_line:
-                        on_line("train", f)
                 elif (logged := valid_fields(line)) is not None:
-                    f = {**as_floats(logged), "wall": last_wall}
-                    run.valid.append(f)
-                    if on_line:
-                        on_line("valid", f)
+                    run.valid.append({**as_floats(logged), "wall": last_wall})
             rc = proc.wait()
         finally:
             if proc.poll() is None:  # interrupted: stop the launcher (it stops its workers)
@@ -165,10 +148,10 @@ def run_training(model: Model, data: Path, settings: dict, nproc: int, seed: int
                     proc.wait(timeout=30)
                 except subprocess.TimeoutExpired:
                     proc.kill()
-            memory.stop.set()
+            stop.set()
             memory.join(timeout=5)
     run.seconds, run.finished = time.perf_counter() - t0, time.time()
-    run.peak_rss_mb = sorted(memory.peaks.values(), reverse=True)[:nproc]
+    run.peak_rss_mb = sorted(peaks.values(), reverse=True)[:nproc]
     if rc != 0:
         tail = "".join((out / "train.log").read_text(errors="replace").splitlines(keepends=True)[-30:])
         raise BenchError(f"{model.key} (seed {seed}) failed with exit code {rc}; log: {out / 'train.log'}\n{tail}")
@@ -194,9 +177,7 @@ def clean_wps(run: Run, preset: dict) -> list[float]:
     for f in run.intervals:
         end = int(f.get("num_updates", 0))
         first = end - L + 1
-        if first <= L or (first - 1) % V == 0 or profiled & set(range(first, end + 1)):
-            continue
-        if "wps" in f:
+        if first > L and (first - 1) % V and not profiled & set(range(first, end + 1)) and "wps" in f:
             out.append(f["wps"] * input_tokens_per_target(f, seq_len))
     return out
 
@@ -204,9 +185,7 @@ def clean_wps(run: Run, preset: dict) -> list[float]:
 def input_tokens_per_target(interval: dict, seq_len: int = TARGET["seq_len"]) -> float:
     """Tokens read per token scored: bsz x seq_len / wpb (fairseq's wps counts targets; a partial-prediction model
     reads its routing prefix without scoring it, so its wps alone would understate its speed by 20%)."""
-    if "bsz" in interval and interval.get("wpb"):
-        return interval["bsz"] * seq_len / interval["wpb"]
-    return 1.0
+    return interval["bsz"] * seq_len / interval["wpb"] if "bsz" in interval and interval.get("wpb") else 1.0
 
 
 def run_record(slot: S.Slot, run: Run, settings: dict, nproc: int, code=None) -> dict:
@@ -226,9 +205,6 @@ def run_record(slot: S.Slot, run: Run, settings: dict, nproc: int, code=None) ->
         rec["tokens_per_update"] = nproc * settings["batch_size"] * seq_len
     rec["wps"] = statistics.median(w) if w else None
     return rec
-
-
-# ---------------------------------------------------------------- a store's runs, in order
 
 
 def second_phase(store: RunStore) -> bool:
@@ -267,25 +243,22 @@ def execute(store: RunStore, models: dict[str, Model], data: Path, *, log_dir: P
                   f"({store.extra['phase2']['rule']})", flush=True)
             continue
         slot, done, model = todo[0], len(store.finished()), models[todo[0].key]
+        first_seed = min((s.seed for s in store.slots if s.kind == S.TRAIN and s.key == slot.key), default=0)
+        kw = dict(updates=settings["probe_updates"], validate=False, log_interval=2) if slot.kind == S.PROBE else \
+            dict(profile=bool(settings.get("profile_steps")) and model.ours and slot.seed == first_seed)
+        run = run_training(model, data, settings, nproc, slot.seed,
+                           log_dir / ("probes" if slot.kind == S.PROBE else "runs") / slot.run_id, **kw, **pin)
+        rec = run_record(slot, run, settings, nproc, code)
         if slot.kind == S.PROBE:
-            run = run_training(model, data, settings, nproc, slot.seed, log_dir / "probes" / slot.run_id,
-                               updates=settings["probe_updates"], validate=False, log_interval=2, **pin)
-            rec = run_record(slot, run, settings, nproc, code)
             print(f"   [{done + 1}/{len(store.slots)}] probe {slot.run_id}: {rec['wps'] or float('nan'):,.0f} "
                   f"words/s ({run.seconds:.0f} s)", flush=True)
         else:
-            first_seed = min(s.seed for s in store.slots if s.kind == S.TRAIN and s.key == slot.key)
-            profile = bool(settings.get("profile_steps")) and model.ours and slot.seed == first_seed
-            run = run_training(model, data, settings, nproc, slot.seed, log_dir / "runs" / slot.run_id,
-                               profile=profile, **pin)
-            rec = run_record(slot, run, settings, nproc, code)
             ppl = final_ppl(rec)
             print(f"   [{done + 1}/{len(store.slots)}] {slot.run_id:<28} {rec['wps'] or float('nan'):>8,.0f} words/s, "
                   f"valid ppl {ppl if ppl is not None else float('nan'):.1f}, {run.seconds:.0f} s "
                   f"(phase {slot.phase}, round {slot.round})", flush=True)
         store.record(slot, {**rec, "log": _under(rec.get("log"), log_dir)})
-        left = store.pending()
-        if left:
+        if left := store.pending():
             took = {k: [store.records[s.run_id]["seconds"] for s in store.finished() if s.kind == k]
                     for k in (S.TRAIN, S.PROBE)}
             est = sum(statistics.mean(took[s.kind]) if took[s.kind] else run.seconds for s in left)
@@ -300,10 +273,8 @@ def execute(store: RunStore, models: dict[str, Model], data: Path, *, log_dir: P
 def _under(path: str | None, folder: Path) -> str | None:
     """A run's log path relative to the logs' folder (a store committed to the repository names no machine's
     paths); as is when it lies elsewhere."""
-    if path is None:
-        return None
     try:
-        return str(Path(path).resolve().relative_to(Path(folder).resolve()))
+        return None if path is None else str(Path(path).resolve().relative_to(Path(folder).resolve()))
     except ValueError:
         return path
 
@@ -320,10 +291,8 @@ def run_schedule(name: str, settings: dict, models: Sequence[Model], matching: d
     keys = [m.key for m in models]
     plan = S.make_plan(name, settings, models, nproc, order_seed,
                        reference or (REFERENCE if REFERENCE in keys else keys[0]), experiment=experiment)
-    store = RunStore.open(out_dir / "runs.json", plan, resume=resume)
-    if not store.slots:
-        store.slots = S.initial_schedule(plan)
-        store.extra["matching"] = matching
+    if not (store := RunStore.open(out_dir / "runs.json", plan, resume=resume)).slots:
+        store.slots, store.extra["matching"] = S.initial_schedule(plan), matching
     for k, v in (extra or {}).items():  # facts of the store's start (kept on resume)
         store.extra.setdefault(k, v)
     if before_runs is not None:

@@ -20,16 +20,12 @@ RANK_TIE = 0.01
 
 
 def pooled_log_sd(groups: Iterable[Sequence[float]]) -> dict | None:
-    """The seed spread of a comparison: the standard deviation of log perplexity pooled over the models
-    (groups of per-seed perplexities) with two seeds or more, and its degrees of freedom. None if no
-    model has two seeds."""
+    """The seed spread of a comparison: the standard deviation of log perplexity pooled over the models (groups of
+    per-seed perplexities) with two seeds or more, and its degrees of freedom. None if no model has two seeds."""
     squares, df = 0.0, 0
-    for g in groups:
-        if len(g) >= 2:
-            logs = [math.log(v) for v in g]
-            m = statistics.mean(logs)
-            squares += sum((x - m) ** 2 for x in logs)
-            df += len(g) - 1
+    for logs in ([math.log(v) for v in g] for g in groups if len(g) >= 2):
+        squares += sum((x - statistics.mean(logs)) ** 2 for x in logs)
+        df += len(logs) - 1
     return {"sd": math.sqrt(squares / df), "df": df} if df else None
 
 
@@ -37,18 +33,20 @@ def compare(a: Sequence[float], b: Sequence[float], sd: float | None) -> dict:
     """Model a against model b from their per-seed perplexities: "better" (a lower) or "worse" when the difference
     of mean log perplexity exceeds twice its standard error, sd x sqrt(1/n_a + 1/n_b) with `sd` the seed spread
     pooled over the comparison's models (`pooled_log_sd`), else "tie"; "undecided" without a spread."""
-    if not a or not b:
-        raise ValueError(f"compare needs perplexities on both sides, got {len(a)} and {len(b)}")
-    la, lb = statistics.mean(math.log(v) for v in a), statistics.mean(math.log(v) for v in b)
-    diff = la - lb
-    out = {"ppl_a": math.exp(la), "ppl_b": math.exp(lb), "log_diff": diff, "ratio": math.exp(diff),
-           "seeds": [len(a), len(b)], "se": None, "verdict": "undecided"}
-    if sd is None:
-        return out
-    se = sd * math.sqrt(1 / len(a) + 1 / len(b))
-    out["se"] = se
-    out["verdict"] = "better" if diff < -2 * se else ("worse" if diff > 2 * se else "tie")
+    out = _means("compare", a, b, se=None, verdict="undecided")
+    if sd is not None:
+        se = out["se"] = sd * math.sqrt(1 / len(a) + 1 / len(b))
+        out["verdict"] = "better" if out["log_diff"] < -2 * se else ("worse" if out["log_diff"] > 2 * se else "tie")
     return out
+
+
+def _means(rule: str, a: Sequence[float], b: Sequence[float], **fields) -> dict:
+    """Both sides' geometric mean perplexities, the difference of mean log perplexity and its ratio."""
+    if not a or not b:
+        raise ValueError(f"{rule} needs perplexities on both sides, got {len(a)} and {len(b)}")
+    la, lb = statistics.mean(math.log(v) for v in a), statistics.mean(math.log(v) for v in b)
+    return {"ppl_a": math.exp(la), "ppl_b": math.exp(lb), "log_diff": la - lb, "ratio": math.exp(la - lb),
+            "seeds": [len(a), len(b)], **fields}
 
 
 T_RULE = ("the difference of mean log perplexity with its 95% Welch interval, t(0.975, df) x sqrt(s_a^2/n_a + "
@@ -78,13 +76,9 @@ def t_compare(a: Sequence[float], b: Sequence[float], spread_a: dict | None = No
     "tie" or "undecided"."""
     from scipy.stats import t as student_t
 
-    if not a or not b:
-        raise ValueError(f"t_compare needs perplexities on both sides, got {len(a)} and {len(b)}")
-    la, lb = statistics.mean(math.log(v) for v in a), statistics.mean(math.log(v) for v in b)
-    diff = la - lb
-    out = {"ppl_a": math.exp(la), "ppl_b": math.exp(lb), "log_diff": diff, "ratio": math.exp(diff),
-           "seeds": [len(a), len(b)], "sd": None, "se": None, "df": None, "t_crit": None, "ci_log": None,
-           "ci_pct": None, "bound_pct": None, "level": level, "borrowed": [], "verdict": "undecided"}
+    out = _means("t_compare", a, b, sd=None, se=None, df=None, t_crit=None, ci_log=None, ci_pct=None, bound_pct=None,
+                 level=level, borrowed=[], verdict="undecided")
+    diff = out["log_diff"]
     sides = []
     for name, values, fallback in (("a", a, spread_a), ("b", b, spread_b)):
         own = log_spread(values)

@@ -27,16 +27,11 @@ from smlp.transformer import TransformerBlock
 def block_kinds(model) -> list[tuple[object, str, bool]]:
     """(module, block kind of BLOCKS, whether the module is one block of its kind) for every module of `model` that
     opens a block range (a Transformer block's norm opens its attention's range but is no block of its own)."""
-    out = []
+    out, kinds = [], ((LanguageModel, "embedding_head"), ((GMLPBlock, TokenRoutedGMLPBlock), "gmlp_block"),
+                      (SparseBlock, "smoe"), (TMoE, "tmoe"))
     for module in model.modules():
-        if isinstance(module, LanguageModel):
-            out.append((module, "embedding_head", True))
-        elif isinstance(module, (GMLPBlock, TokenRoutedGMLPBlock)):
-            out.append((module, "gmlp_block", True))
-        elif isinstance(module, SparseBlock):
-            out.append((module, "smoe", True))
-        elif isinstance(module, TMoE):
-            out.append((module, "tmoe", True))
+        if kind := next((k for cls, k in kinds if isinstance(module, cls)), None):
+            out.append((module, kind, True))
         elif isinstance(module, TransformerBlock):
             dense = not isinstance(module.ffn, TMoE)
             out += [(module, "ffn" if dense else "tmoe", dense), (module.norm1, "attention", False),
@@ -140,12 +135,8 @@ class OpCounter(TorchDispatchMode):
 def count_ops(loop, tokens: torch.Tensor) -> dict:
     """Operators of one training step of `loop` (step_breakdown.Loop) by phase and block, and per block of a kind."""
     counter = OpCounter(loop.model)
-    loop.within = counter.within
-    try:
-        with block_ranges(loop.model, counter), counter:
-            loop.step(tokens)
-    finally:
-        loop.within = None
+    with block_ranges(loop.model, counter), counter:
+        loop.step(tokens, counter.within)
     forward = {b: n for (p, b), n in counter.counts.items() if p == "forward"}
     backward = {b: n for (p, b), n in counter.counts.items() if p == "backward"}
     instances = Counter(kind for _, kind, whole in block_kinds(loop.model) if whole)

@@ -1,16 +1,13 @@
 """Where a training step of each FLOP-matched family goes (issue 38): the one profiler breakdown, `smlp-bench
 breakdown` (`python -m smlp_bench.micro.step_breakdown`), on one process and on 2 gloo ranks x 1 thread.
 
-The core's models (the fair configuration's FLOP matches, `--size fair`, planned by smlp_bench.presets, which needs
-fairseq; or `--size tiny`) train in a plain loop as fairseq's train_step runs it (zero_grad, forward, loss + 0.01 x
-the auxiliary loss, backward, the non-expert gradients' all-reduce on 2 ranks, clipping, Adam). Per family, world
-size and rank: step_ms (no profiler); breakdown_ms, each profiled event's own time by part (smlp.profiling.step_parts:
-the forward per block kind, the loss, the backward, the optimizer, the gradient all-reduce, the all2all, other
-collectives, waiting in collectives, the loop's own time, `rest`), the forward by block and range and the backward
-by block; ops, by phase and block (op_count.py); host syncs on the accelerator's path (host_syncs.py). And cached
-decoding at batch 1: its operators per block and ms per token, with the cache and recomputing the prefix. Times on a
-shared machine are noise (the record keeps the load average); operator counts are exact. `--baseline RECORD` keeps
-an earlier record's operator counts beside this run's (e.g. of an older smlp/ first on PYTHONPATH, `--label before`).
+The core's models (`--size fair`: the fair configuration's FLOP matches, planned with fairseq; `--size tiny`) train
+in a plain loop as fairseq's train_step runs it. Per family, world size and rank: the step's time without the
+profiler, each profiled event's own time by part (smlp.profiling.step_parts), the forward by block and range, the
+backward by block, operators by phase and block (op_count.py), host syncs on the accelerator's path (host_syncs.py);
+and cached decoding at batch 1 (operators per block, ms per token with the cache and recomputing the prefix). Times
+on a shared machine are noise (the record keeps the load average); operator counts are exact. `--baseline RECORD`
+keeps an earlier record's operator counts beside this run's (e.g. of an older smlp/ first on PYTHONPATH).
 """
 from __future__ import annotations
 
@@ -63,13 +60,8 @@ def configs(size: str, keys: list[str], vocab_size: int) -> dict[str, LMConfig]:
     from ..fair import FAIR_TARGET
     from ..presets import plan_models
 
-    models, _ = plan_models(vocab_size, 2, keys, FAIR_TARGET)
-    out = {}
-    for m in models:
-        arch = m.flags[m.flags.index("--arch") + 1]
-        flags = [f for i, f in enumerate(m.flags) if f != "--arch" and (i == 0 or m.flags[i - 1] != "--arch")]
-        out[m.key] = parse_model(arch, flags, vocab_size=vocab_size).cfg
-    return out
+    models, _ = plan_models(vocab_size, 2, keys, FAIR_TARGET)  # each model's flags: --arch ARCH, then the rest
+    return {m.key: parse_model(m.flags[1], m.flags[2:], vocab_size=vocab_size).cfg for m in models}
 
 
 def build(cfg: LMConfig, world: int, batch: int, smoe_parallel: str) -> tuple[LanguageModel, str]:
@@ -95,12 +87,10 @@ def batches(cfg: LMConfig, batch: int, rank: int, count: int) -> list[torch.Tens
     return [torch.randint(4, cfg.vocab_size, (batch, cfg.seq_len + 1), generator=g) for _ in range(count)]
 
 
-# ---------------------------------------------------------------- the training step
-
-
 class Loop:
-    """One training step as a plain loop; each phase inside its STEP_RANGES range and, if set, inside
-    `within(phase)` (a context manager: the operator and host-sync counts)."""
+    """One training step as a plain loop (zero_grad, forward, loss + 0.01 x the auxiliary loss, backward, the
+    non-expert gradients' all-reduce on 2 ranks, clipping, Adam); each phase inside its STEP_RANGES range and, if
+    given, inside `within(phase)` (a context manager: the operator and host-sync counts)."""
 
     def __init__(self, model: LanguageModel, world: int):
         from smlp.experts import is_expert
@@ -109,70 +99,62 @@ class Loop:
         self.optimizer = torch.optim.Adam(model.parameters(), lr=LR, betas=(0.9, 0.98))
         # fairseq's legacy_ddp leaves expert parameters out of the all-reduce, clip_grad_norm_ out of the norm
         self.shared = [p for p in model.parameters() if not is_expert(p)]
-        self.within = None
 
-    @contextlib.contextmanager
-    def phase(self, name: str):
-        with record_function(STEP_RANGES[name]), \
-                (self.within(name) if self.within is not None else contextlib.nullcontext()):
-            yield
+    def step(self, tokens: torch.Tensor, within=None) -> None:
+        @contextlib.contextmanager
+        def phase(name: str):
+            with record_function(STEP_RANGES[name]), within(name) if within else contextlib.nullcontext():
+                yield
 
-    def step(self, tokens: torch.Tensor) -> None:
         model, cfg = self.model, self.model.cfg
-        with self.phase("optimizer"):
+        with phase("optimizer"):
             self.optimizer.zero_grad(set_to_none=True)
-        with self.phase("forward"):
+        with phase("forward"):
             logits = model(tokens[:, :-1])
-        with self.phase("loss"):
+        with phase("loss"):
             start = cfg.prediction_start  # partial prediction scores the positions after the routing prefix
             loss = F.cross_entropy(logits[:, start:].reshape(-1, cfg.vocab_size), tokens[:, 1 + start:].reshape(-1))
             aux = model.aux_loss()
             if aux is not None:
                 loss = loss + AUX_LOSS_WEIGHT * aux
-        with self.phase("backward"):
+        with phase("backward"):
             loss.backward()
         if self.world > 1:
-            with self.phase("grad_all_reduce"):
+            with phase("grad_all_reduce"):
                 grads = [p.grad for p in self.shared if p.grad is not None]
                 flat = torch.cat([g.reshape(-1) for g in grads])
                 dist.all_reduce(flat)
                 flat.div_(self.world)
                 for g, part in zip(grads, flat.split([g.numel() for g in grads])):
                     g.copy_(part.view_as(g))
-        with self.phase("optimizer"):
+        with phase("optimizer"):
             torch.nn.utils.clip_grad_norm_(self.shared, CLIP_NORM)
             self.optimizer.step()
 
 
-class CollectiveLog:
-    """Within the block, every torch.distributed collective (COLLECTIVES) runs inside a COLLECTIVE range
-    and its entry and exit times are kept in order (`calls`: name, entry, exit; time.perf_counter, the
-    machine's monotonic clock, alike in every process). Synchronous calls only (async_op is not timed)."""
+@contextlib.contextmanager
+def collective_log():
+    """Within the block, every torch.distributed collective (COLLECTIVES) runs inside a COLLECTIVE range and its entry
+    and exit times are kept in order (the yielded list of (name, entry, exit); time.perf_counter, the machine's
+    monotonic clock, alike in every process). Synchronous calls only (async_op is not timed)."""
+    calls, saved = [], {name: getattr(dist, name) for name in COLLECTIVES}
 
-    def __init__(self):
-        self.calls: list[tuple[str, float, float]] = []
-        self._saved: dict = {}
-
-    def __enter__(self):
-        for name in COLLECTIVES:
-            self._saved[name] = original = getattr(dist, name)
-            setattr(dist, name, self._timed(name, original))
-        return self
-
-    def __exit__(self, *exc):
-        for name, original in self._saved.items():
-            setattr(dist, name, original)
-        return False
-
-    def _timed(self, name: str, original):
+    def timed(name, original):
         def call(*args, **kwargs):
             with record_function(COLLECTIVE + name):
                 t0 = time.perf_counter()
                 out = original(*args, **kwargs)
-                t1 = time.perf_counter()
-            self.calls.append((name, t0, t1))
+                calls.append((name, t0, time.perf_counter()))
             return out
         return call
+
+    for name, original in saved.items():
+        setattr(dist, name, timed(name, original))
+    try:
+        yield calls
+    finally:
+        for name, original in saved.items():
+            setattr(dist, name, original)
 
 
 def waits(calls: list[tuple[str, float, float]], world: int) -> list[float]:
@@ -182,27 +164,22 @@ def waits(calls: list[tuple[str, float, float]], world: int) -> list[float]:
     every: list = [None] * world
     dist.all_gather_object(every, [c[1] for c in calls])
     n = min(len(e) for e in every)
-    out = []
-    for i, (_, t0, t1) in enumerate(calls):
-        latest = max(e[i] for e in every) if i < n else t0
-        out.append(min(max(latest - t0, 0.0), t1 - t0))
-    return out
+    return [min(max((max(e[i] for e in every) if i < n else t0) - t0, 0.0), t1 - t0)
+            for i, (_, t0, t1) in enumerate(calls)]
 
 
 def breakdown_ms(parts, waited: list[float], wall: float, steps: int) -> tuple[dict, dict, dict]:
     """(ms per step by part, the forward by (block, range), the backward by block) of the profiled steps."""
-    out: dict = defaultdict(float)
-    forward_ranges: dict = defaultdict(float)
+    out, forward_ranges, backward_blocks = defaultdict(float), defaultdict(float), defaultdict(float)
     for (block, within), s in parts.forward.items():
         out[f"forward/{block}"] += s
         forward_ranges[f"{block}/{within}"] += s
-    backward_blocks: dict = defaultdict(float)
     for (block, _), s in parts.backward.items():
         out["backward"] += s
         backward_blocks[block] += s
-    out["optimizer"] += parts.phases.get("optimizer", 0.0)
-    out["grad_all_reduce"] += parts.phases.get("grad_all_reduce", 0.0)
-    for (name, phase, s), w in zip(parts.collectives, waited + [0.0] * (len(parts.collectives) - len(waited))):
+    for phase in ("optimizer", "grad_all_reduce"):
+        out[phase] += parts.phases.get(phase, 0.0)
+    for (name, phase, s), w in zip(parts.collectives, waited):
         w = min(w, s)
         kind = ("all2all" if name == "all_to_all_single" else
                 "grad_all_reduce" if phase == "grad_all_reduce" else "other_collectives")
@@ -214,9 +191,6 @@ def breakdown_ms(parts, waited: list[float], wall: float, steps: int) -> tuple[d
     return scale(out), scale(forward_ranges), scale(backward_blocks)
 
 
-# ---------------------------------------------------------------- one family on one rank
-
-
 def count_syncs(loop: Loop, tokens: torch.Tensor) -> dict:
     """Host syncs of one training step by phase, on the paths an accelerator takes, and where they came from.
     The optimizer is left out: torch's Adam keeps its step counts on the host (its `.item()` calls read no
@@ -224,22 +198,16 @@ def count_syncs(loop: Loop, tokens: torch.Tensor) -> dict:
     from .host_syncs import HostSyncCounter, accelerator_paths
 
     counters: dict = {}
-    loop.within = lambda phase: (contextlib.nullcontext() if phase == "optimizer"
-                                 else counters.setdefault(phase, HostSyncCounter()))
-    try:
-        with accelerator_paths():
-            loop.step(tokens)
-    finally:
-        loop.within = None
+    with accelerator_paths():
+        loop.step(tokens, lambda phase: contextlib.nullcontext() if phase == "optimizer"
+                  else counters.setdefault(phase, HostSyncCounter()))
     return {"total": sum(c.count for c in counters.values()), **{p: c.count for p, c in counters.items()},
             "sites": {p: dict(c.by_site) for p, c in counters.items() if c.count}}
 
 
 def measure(cfg: LMConfig, rank: int, world: int, batch: int, steps: int, warmup: int, smoe_parallel: str) -> dict:
     model, layout = build(cfg, world, batch, smoe_parallel)
-    loop = Loop(model, world)
-    data = batches(cfg, batch, rank, warmup + 2 * steps + 3)
-    it = iter(data)
+    loop, it = Loop(model, world), iter(batches(cfg, batch, rank, warmup + 2 * steps + 3))
     for _ in range(warmup):
         loop.step(next(it))
     barrier = dist.barrier if world > 1 else (lambda: None)
@@ -250,34 +218,29 @@ def measure(cfg: LMConfig, rank: int, world: int, batch: int, steps: int, warmup
         loop.step(next(it))
         times.append(time.perf_counter() - t0)
     barrier()
-    walls = []
     # the profiler's first step pays its start-up: one step of warm-up, then the steps kept
-    window = torch.profiler.schedule(wait=0, warmup=1, active=steps, repeat=1)
-    with CollectiveLog() as log, block_ranges(model), \
+    walls, window = [], torch.profiler.schedule(wait=0, warmup=1, active=steps, repeat=1)
+    with collective_log() as calls, block_ranges(model), \
             profile(activities=[ProfilerActivity.CPU], schedule=window) as prof:
         for i in range(steps + 1):
             if i == 1:
-                del log.calls[:]
+                del calls[:]
             t0 = time.perf_counter()
             with record_function(STEP):
                 loop.step(next(it))
             walls.append(time.perf_counter() - t0)
             prof.step()
-    walls = walls[1:]
-    events = prof.events()
-    parts = step_parts(events)
-    waited = waits(log.calls, world)
+    walls, events = walls[1:], prof.events()
+    parts, waited = step_parts(events), waits(calls, world)
     if len(waited) != len(parts.collectives):
-        raise RuntimeError(f"{len(log.calls)} collectives timed but {len(parts.collectives)} profiled")
+        raise RuntimeError(f"{len(calls)} collectives timed but {len(parts.collectives)} profiled")
     parts_ms, forward_ranges, backward_blocks = breakdown_ms(parts, waited, sum(walls), steps)
-    ops = count_ops(loop, next(it))
-    syncs = count_syncs(loop, next(it))
     return {"rank": rank, "world": world, "smoe_layout": layout, "layers": f"{cfg.dense_layers}+{cfg.sparse_layers}",
             "step_ms": 1000 * statistics.median(times), "step_ms_all": [1000 * t for t in times],
             "profiled_step_ms": 1000 * sum(walls) / steps, "breakdown_ms": parts_ms,
             "forward_by_range_ms": forward_ranges, "backward_by_block_ms": backward_blocks,
-            "ops": ops, "profiler_events": len(events) // steps,
-            "host_syncs": syncs}
+            "ops": count_ops(loop, next(it)), "profiler_events": len(events) // steps,
+            "host_syncs": count_syncs(loop, next(it))}
 
 
 def _worker(rank: int, world: int, init: str, cfgs: dict, settings: dict, out: str) -> None:
@@ -310,17 +273,11 @@ def run_world(cfgs: dict, world: int, settings: dict) -> list[dict]:
         return [json.loads(Path(tmp, f"{world}-{r}.json").read_text()) for r in range(world)]
 
 
-# ---------------------------------------------------------------- cached decoding
-
-
 def decoding(cfgs: dict, steps: int, rounds: int = 5) -> dict:
     """Per family: operators of one cached decoding step at batch 1 by block, and ms per new token with the cache
     and recomputing the prefix without it."""
     torch.set_num_threads(1)
-    models, out = {}, {}
-    for key, cfg in cfgs.items():
-        torch.manual_seed(0)
-        models[key] = LanguageModel(cfg).eval()
+    models, out = {key: torch.manual_seed(0) and LanguageModel(cfg).eval() for key, cfg in cfgs.items()}, {}
     prompt = max(1, next(iter(cfgs.values())).seq_len // 8)
     steps = min(steps, min(c.seq_len for c in cfgs.values()) - prompt - 1)
     tokens = torch.randint(4, min(c.vocab_size for c in cfgs.values()), (1, prompt + steps + 1),
@@ -351,9 +308,6 @@ def decoding(cfgs: dict, steps: int, rounds: int = 5) -> dict:
     return out
 
 
-# ---------------------------------------------------------------- the record and the table
-
-
 def op_counts(record: dict) -> dict:
     """A record's operator counts: per world size and family (rank 0's), and of a decoding step."""
     return {"training": {w: {k: {"total": f["ops"]["total"], "per_block": f["ops"]["per_block"]}
@@ -365,6 +319,7 @@ def op_counts(record: dict) -> dict:
 def _compared(record: dict) -> list[str]:
     """Operator counts of the baseline against this run's, per family."""
     base, now = record["baseline"], op_counts(record)
+    fb = lambda p: "-" if p is None else f"{p['forward']}+{p['backward']}"  # noqa: E731
     lines = [f"\noperators: {base['label'] or 'baseline'} -> {record['label'] or 'this run'} "
              "(per block of each kind: forward + backward)"]
     for world, families in now["training"].items():
@@ -372,7 +327,7 @@ def _compared(record: dict) -> list[str]:
             old = base["training"].get(world, {}).get(key)
             if old is None:
                 continue
-            blocks = ", ".join(f"{b} {_fb(old['per_block'].get(b))} -> {_fb(p)}" for b, p in f["per_block"].items()
+            blocks = ", ".join(f"{b} {fb(old['per_block'].get(b))} -> {fb(p)}" for b, p in f["per_block"].items()
                                if p["blocks"])
             lines.append(f"  {world} rank(s) {key:<12} step {old['total']} -> {f['total']}   ({blocks})")
     for key, d in now["decoding"].items():
@@ -380,15 +335,6 @@ def _compared(record: dict) -> list[str]:
         if old is not None:
             lines.append(f"  decoding    {key:<12} step {old['ops']} -> {d['ops']}")
     return lines
-
-
-def _fb(p: dict | None) -> str:
-    return "-" if p is None else f"{p['forward']}+{p['backward']}"
-
-
-def _share(f: dict, part: str) -> str:
-    ms = f["breakdown_ms"].get(part, 0.0)
-    return f"{ms:.1f} ({ms / f['profiled_step_ms']:.0%})"
 
 
 def table(record: dict) -> str:
@@ -403,7 +349,8 @@ def table(record: dict) -> str:
             parts += [p for p in PARTS if any(p in f["breakdown_ms"] for f in families.values())]
             rows = [("step (no profiler)", lambda f: f"{f['step_ms']:.1f}"),
                     ("step (profiled)", lambda f: f"{f['profiled_step_ms']:.1f}"),
-                    *((p, lambda f, p=p: _share(f, p)) for p in parts),
+                    *((p, lambda f, p=p: f"{f['breakdown_ms'].get(p, 0.0):.1f} "
+                          f"({f['breakdown_ms'].get(p, 0.0) / f['profiled_step_ms']:.0%})") for p in parts),
                     ("aten ops per step", lambda f: f"{f['ops']['total']}"),
                     ("profiler events", lambda f: f"{f['profiler_events']}"),
                     ("host syncs (CUDA path)", lambda f: f"{f['host_syncs']['total']}")]
@@ -444,24 +391,19 @@ def main(argv=None) -> int:
 
 
 def run(args) -> int:
-    def error(msg):
-        raise SystemExit(f"step_breakdown: error: {msg}")
-
     keys = [k for k in args.families.split(",") if k]
-    unknown = [k for k in keys if k not in PLANNED]
-    if unknown or not keys:
-        error(f"--families: unknown {', '.join(unknown) or '(none given)'}; valid: {', '.join(PLANNED)}")
+    if (unknown := [k for k in keys if k not in PLANNED]) or not keys:
+        raise SystemExit(f"step_breakdown: error: --families: unknown {', '.join(unknown) or '(none given)'}; "
+                         f"valid: {', '.join(PLANNED)}")
     worlds = sorted({int(w) for w in args.ranks.split(",") if w})
     if args.steps < 1 or any(w < 1 for w in worlds):
-        error("--steps and --ranks must be positive")
+        raise SystemExit("step_breakdown: error: --steps and --ranks must be positive")
     size = SIZES[args.size]
     baseline = json.loads(args.baseline.read_text()) if args.baseline else None
     cfgs = configs(args.size, keys, args.vocab or size["vocab"])
     settings = dict(batch=size["batch"], steps=args.steps, warmup=args.warmup, smoe_parallel=args.smoe_parallel)
-    training = {}
-    for world in worlds:
-        ranks = run_world(cfgs, world, settings)
-        training[str(world)] = [{"rank": r, "families": ranks[r]} for r in range(world)]
+    training = {str(w): [{"rank": r, "families": f} for r, f in enumerate(run_world(cfgs, w, settings))]
+                for w in worlds}
     record = {"question": "where a training step of each FLOP-matched family goes, per rank, and its operators",
               "label": args.label, "code": code_identity(),
               "config": {"size": args.size, **size, "vocab": args.vocab or size["vocab"], "steps": args.steps,
