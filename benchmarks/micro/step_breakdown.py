@@ -89,14 +89,17 @@ def batches(cfg: LMConfig, batch: int, rank: int, count: int) -> list[torch.Tens
 
 class Loop:
     """One training step as a plain loop (zero_grad, forward, loss + 0.01 x the auxiliary loss, backward, the
-    non-expert gradients' all-reduce on 2 ranks, clipping, Adam); each phase inside its STEP_RANGES range and, if
+    non-expert gradients' all-reduce on 2 ranks, clipping, the routers' price fold, Adam); each phase inside its STEP_RANGES range and, if
     given, inside `within(phase)` (a context manager: the operator and host-sync counts)."""
 
     def __init__(self, model: LanguageModel, world: int):
         from smlp.experts import is_expert
 
+        from smlp.routing.prices import install_price_fold
+
         self.model, self.world = model, world
         self.optimizer = torch.optim.Adam(model.parameters(), lr=LR, betas=(0.9, 0.98))
+        install_price_fold(self.optimizer, model)  # the balanced routers' prices, folded before each step (fairseq's)
         # fairseq's legacy_ddp leaves expert parameters out of the all-reduce, clip_grad_norm_ out of the norm
         self.shared = [p for p in model.parameters() if not is_expert(p)]
 
