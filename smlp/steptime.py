@@ -123,19 +123,20 @@ class Training:
 
 @dataclass(frozen=True)
 class Exchange:
-    """One all2all of a sparse layer: `rows` rows of `row_bytes` put in by each rank, `times` per step
-    (per micro-batch: forward dispatch + combine, backward the reverse of both)."""
+    """One all2all of a sparse layer: `rows` rows of `row_bytes` and `extra_bytes` more put in by each rank,
+    `times` per step (per micro-batch: forward dispatch + combine, backward the reverse of both)."""
 
     name: str
     rows: int
     row_bytes: int
     ep_size: int
     times: int = 4
+    extra_bytes: int = 0  # what rides along in the same collective (Base Layers' dispatch counts)
 
     @property
     def bytes_in(self) -> int:
         """Bytes one rank puts into one exchange (its own share included)."""
-        return self.rows * self.row_bytes
+        return self.rows * self.row_bytes + self.extra_bytes
 
     @property
     def bytes_sent(self) -> float:
@@ -154,7 +155,9 @@ def sparse_exchanges(cfg: LMConfig, *, sequences: int, tokens: int, ep_size: int
     sMoE: one row per sequence and gated channel, of the T - P positions the experts mix (sec. 3.2.1);
     nothing in the replicated layout. tMoE: the router registry's rows; with `padding`, Switch and
     GShard send E x capacity rows, as their usual implementations do (ours sends the rows routed).
-    Base Layers' shuffle in training: each token's E fp32 scores out and its expert back, forward only.
+    Base Layers' shuffle in training: each token's E fp32 scores out and its expert back, forward only; with
+    the experts, each rank sends every rank of the group the counts its dispatch reads (E + E + G int64:
+    `AllToAllDispatcher.unshuffle_assignment`), so the dispatch exchanges no counts of its own.
     """
     if not cfg.sparse_layers:
         return []
@@ -174,7 +177,8 @@ def sparse_exchanges(cfg: LMConfig, *, sequences: int, tokens: int, ep_size: int
     out.append(Exchange(f"tmoe-{router.name}", rows, row, ep_size))
     if router.shuffle and cfg.base_shuffle and training:  # scores there, experts back; no gradient
         out.append(Exchange("base-shuffle-scores", S, 4 * E, ep_size, times=1))
-        out.append(Exchange("base-shuffle-experts", S, 8, ep_size, times=1))
+        counts = ep_size * (2 * E + ep_size) * 8 if ep_size > 1 else 0
+        out.append(Exchange("base-shuffle-experts", S, 8, ep_size, times=1, extra_bytes=counts))
     return out
 
 

@@ -23,16 +23,18 @@ TINY = dict(vocab_size=40, d_model=16, d_ffn=32, seq_len=12, num_experts=4)
 def test_exchanges_of_the_paper_small_smlp():
     """sMoE: B x D rows of T positions; tMoE: B x T tokens of D values, (G - 1) / G of them leave the GPU,
     four times a step; the shuffle: the tokens' 32 fp32 scores there and their expert (int64) back, once
-    each (forward, no gradient): 17 of the tokens' 256 bytes per token and exchange."""
+    each (forward, no gradient), the experts with every rank's dispatch counts (E + E + G int64 per rank):
+    17 of the tokens' 256 bytes per token and exchange, and 96 x 32 x 8 bytes per layer."""
     spec = FL.parse_model("smlp_lm_paper_small", ["--batch-size", "4", "--fp16"])
     ex = S.sparse_exchanges(spec.cfg, sequences=4, tokens=1024, ep_size=32, dtype_bytes=2)
     assert [e.name for e in ex] == ["smoe", "tmoe-base", "base-shuffle-scores", "base-shuffle-experts"]
-    assert [(e.rows, e.row_bytes, e.times) for e in ex] == [(4 * 1024, 1024 * 2, 4), (4 * 1024, 1024 * 2, 4),
-                                                            (4 * 1024, 32 * 4, 1), (4 * 1024, 8, 1)]
+    assert [(e.rows, e.row_bytes, e.times, e.extra_bytes) for e in ex] == [
+        (4 * 1024, 1024 * 2, 4, 0), (4 * 1024, 1024 * 2, 4, 0), (4 * 1024, 32 * 4, 1, 0),
+        (4 * 1024, 8, 1, 32 * (32 + 32 + 32) * 8)]
     assert all(e.bytes_sent == 4 * 1024 * 1024 * 2 * 31 / 32 for e in ex[:2])
     tokens, shuffle = ex[1].bytes_sent * ex[1].times, sum(e.bytes_sent * e.times for e in ex[2:])
     # fairseq's token shuffle: 1 (the tokens again)
-    assert shuffle / tokens == pytest.approx((32 * 4 + 8) / (4 * 1024 * 2))
+    assert shuffle / tokens == pytest.approx((32 * 4 + 8 + 96 * 32 * 8 / (4 * 1024)) / (4 * 1024 * 2))
     assert S.sparse_exchanges(spec.cfg, sequences=4, tokens=1024, ep_size=32, dtype_bytes=2, training=False)[-1].name \
         == "tmoe-base"  # no shuffle at inference
 
