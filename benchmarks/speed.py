@@ -1,18 +1,21 @@
-"""Training speed of sMLP-det's layouts against gMLP and the Transformer-MoEs, fair configuration (issue 30).
+"""Training speed of sMLP-det's layouts against gMLP and the Transformer-MoEs, fair configuration (issues 30, 47).
 
-    smlp-bench speed [--output-dir results/speed] [--updates 40] [--seeds 2] [--resume]   (python -m smlp_bench.speed)
+    smlp-bench speed [--output-dir results/speed] [--updates 40] [--seeds 5] [--nproc 1,2] [--resume]
     smlp-bench speed --publish results/speed/speed.json      # rewrite its section of docs/benchmarks.md
 
-In words/s on 2 CPU gloo ranks, in the fair comparison's configuration, sMLP-det with its sMoE's layout chosen
-(`smlp_det`, replicated here), expert-parallel (`smlp_det_expert`) and with its all2all overlapped
-(`smlp_det_overlap`) against gMLP and the fastest Transformer-MoE, in the harness's interleaved rounds with probes,
-no validation, 3 profiled steps per model; OUTPUT_DIR/speed.json has the issue's targets (1.0x the fastest
-Transformer-MoE, 0.92x gMLP). Take the ratios from a quiet machine.
+In words/s on 1 process and on 2 CPU gloo ranks (one thread each), in the fair comparison's configuration:
+sMLP-det with its sMoE's layout chosen (`smlp_det`, replicated here) and, on 2 ranks, expert-parallel
+(`smlp_det_expert`) and with its all2all overlapped (`smlp_det_overlap`), against gMLP and the Transformer-MoEs,
+in the harness's interleaved rounds (every model once per round; no validation, 3 profiled steps per run). Every
+ratio comes from the runs themselves: the words/s of two models in the same round, median and range over rounds
+(no probes). OUTPUT_DIR/speed.json holds both sides, the scaling from 1 process to 2 ranks and the issue's targets.
+Take the ratios from a quiet machine.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from dataclasses import replace
@@ -26,12 +29,15 @@ from .training import prepare, run_schedule, vocab_size
 
 START, END = "<!-- smlp-speed:start -->", "<!-- smlp-speed:end -->"
 BASELINES = ("gmlp", "switch", "base", "hash", "gshard")
-VARIANTS = {  # key -> (display name, extra fairseq-train flags of sMLP-det)
+VARIANTS = {  # key -> (display name, extra fairseq-train flags of sMLP-det); they need 2 ranks or more
     "smlp_det_expert": ("sMLP-det, sMoE expert-parallel", ["--smoe-parallel", "expert"]),
     "smlp_det_overlap": ("sMLP-det, all2all overlapped", ["--all2all-chunks", "2"]),
 }
 MODELS = ("smlp_det", *VARIANTS, *BASELINES)
-TARGETS = (("fastest Transformer-MoE", 1.0), ("gMLP", 0.92))
+COLUMNS = ("gMLP", "fastest Transformer-MoE")
+# (side: processes, what, goal): sMLP-det's ratio over the column's model; "scaling" in points of gMLP's
+TARGETS = ((2, "fastest Transformer-MoE", 1.0), (2, "gMLP", 0.92), (1, "gMLP", 0.95))
+SCALING_POINTS = 0.05  # sMLP-det's scaling (words/s on 2 ranks over 2 x on 1 process) within 5 points of gMLP's
 
 
 def settings(updates: int, seeds: int) -> dict:
@@ -48,7 +54,7 @@ def min_updates() -> int:
 
 
 def models(vocab_size: int, nproc: int, keys=MODELS) -> list:
-    """The models of `keys` (sMLP-det, the reference of every ratio, always first)."""
+    """The models of `keys` (sMLP-det, the reference of every ratio, always first); one process runs no variant."""
     from .fair import FAIR_TARGET
 
     if unknown := [k for k in keys if k not in MODELS]:
@@ -56,47 +62,97 @@ def models(vocab_size: int, nproc: int, keys=MODELS) -> list:
     base, _ = plan_models(vocab_size, nproc, ("smlp_det", *(k for k in BASELINES if k in keys)), FAIR_TARGET)
     by_key = {m.key: m for m in base}
     det = by_key["smlp_det"]
-    by_key.update({k: replace(det, key=k, name=name, flags=[*det.flags, *extra])
-                   for k, (name, extra) in VARIANTS.items() if k in keys})
-    return [det, *(by_key[k] for k in MODELS if k in keys and k != "smlp_det")]
+    if nproc > 1:
+        by_key.update({k: replace(det, key=k, name=name, flags=[*det.flags, *extra])
+                       for k, (name, extra) in VARIANTS.items() if k in keys})
+    return [det, *(by_key[k] for k in MODELS if k in keys and k != "smlp_det" and k in by_key)]
+
+
+def round_ratio(res: dict, a: str, b: str) -> dict | None:
+    """Model a's words/s over model b's from the runs of the same round (seed): median, range, rounds."""
+    if a not in res or b not in res:
+        return None
+    wb = dict(zip(res[b]["seeds"], res[b]["wps_per_seed"]))
+    r = [w / wb[s] for s, w in zip(res[a]["seeds"], res[a]["wps_per_seed"]) if w and wb.get(s)]
+    return {"ratio": statistics.median(r), "lo": min(r), "hi": max(r), "rounds": len(r)} if r else None
 
 
 def analyse(record: dict) -> dict:
-    """The issue's targets from the report: each sMLP-det variant against gMLP and the fastest Transformer-MoE
-    (ratios of runs adjacent in time: a variant over another model = (reference over it) / (reference over variant))."""
-    res, ratio = record["models"], record["ratios"]["smlp_det_wps_over"]
-    moe = [k for k in MOE_BASELINES if k in res and res[k].get("wps")]
-    fastest = max(moe, key=lambda k: res[k].get("speed_vs_reference") or 0.0) if moe else None
+    """One side (a report of one process count): every sMLP-det variant over gMLP and over the fastest
+    Transformer-MoE (the one with the most words/s), each from the same rounds' runs."""
+    res = {k: m for k, m in record["models"].items() if m.get("wps")}
+    moe = [k for k in MOE_BASELINES if k in res]
+    fastest = max(moe, key=lambda k: res[k]["wps"]) if moe else None
     rows = []
     for key in ("smlp_det", *VARIANTS):
         if key in res:
-            own = 1.0 if key == "smlp_det" else ratio.get(key)
-            row = {"model": key, "name": res[key].get("name") or NAMES.get(key, key), "wps": res[key].get("wps"),
-                   "breakdown": res[key].get("breakdown")}
-            for label, other in (("fastest Transformer-MoE", fastest), ("gMLP", "gmlp")):
-                r = ratio.get(other) if other else None
-                row[label] = r / own if r and own else None
+            wps = res[key]["wps_per_seed"]
+            row = {"model": key, "name": res[key].get("name") or NAMES.get(key, key), "wps": statistics.median(wps),
+                   "wps_range": [min(wps), max(wps)], "rounds": len(wps), "breakdown": res[key].get("breakdown")}
+            for label, other in zip(COLUMNS, ("gmlp", fastest)):
+                row[label] = round_ratio(res, key, other) if other else None
             rows.append(row)
-    targets = [{"target": f"sMLP-det words/s over {label}" + (f" ({fastest})" if label.startswith("fastest") else ""),
-                "goal": f">= {goal:.2f}x", "measured": rows[0][label] if rows else None,
-                "met": None if not rows or rows[0][label] is None else rows[0][label] >= goal}
-               for label, goal in TARGETS]
-    return {"fastest_moe": fastest, "rows": rows, "targets": targets, "complete": record["complete"],
-            "machine": record.get("machine"), "settings": record["settings"], "seconds": record.get("seconds")}
+    wps = {k: {"median": statistics.median(m["wps_per_seed"]), "range": [min(m["wps_per_seed"]),
+                                                                          max(m["wps_per_seed"])]}
+           for k, m in res.items()}
+    return {"nproc": record["nproc"], "fastest_moe": fastest, "rows": rows, "wps": wps,
+            "complete": record["complete"], "settings": record["settings"], "seconds": record.get("seconds"),
+            "machine": record.get("machine"), "ratios_from": "the same round's runs (raw words/s, no probes)"}
+
+
+def combine(sides: dict[int, dict]) -> dict:
+    """Both sides, the scaling of every model run on both (words/s on N ranks over N x words/s on 1 process,
+    medians) and the targets."""
+    scaling = {}
+    if 1 in sides and (many := max(sides)) > 1:
+        one, n = sides[1]["wps"], sides[many]["wps"]
+        scaling = {k: n[k]["median"] / (many * one[k]["median"]) for k in n if k in one}
+    targets = []
+    for nproc, label, goal in TARGETS:
+        side = sides.get(nproc)
+        row = side["rows"][0] if side and side["rows"] and side["rows"][0]["model"] == "smlp_det" else None
+        v = row[label]["ratio"] if row and row[label] else None
+        name = f"{label} ({side['fastest_moe']})" if label.startswith("fastest") and side else label
+        targets.append({"target": f"sMLP-det words/s over {name}, {nproc} process(es)", "goal": f">= {goal:.2f}x",
+                        "measured": v, "met": None if v is None else v >= goal})
+    if "smlp_det" in scaling and "gmlp" in scaling:
+        gap = scaling["gmlp"] - scaling["smlp_det"]
+        targets.append({"target": "sMLP-det's scaling, points below gMLP's", "goal": f"<= {SCALING_POINTS:.2f}",
+                        "measured": gap, "met": gap <= SCALING_POINTS})
+    any_side = next(iter(sides.values()))
+    return {"kind": "speed", "sides": {str(k): v for k, v in sorted(sides.items())}, "scaling": scaling,
+            "targets": targets, "complete": all(s["complete"] for s in sides.values()),
+            "machine": any_side.get("machine"), "settings": any_side["settings"], "ratios_from": any_side["ratios_from"]}
+
+
+def _cell(r: dict | float | None) -> str:
+    if isinstance(r, float):  # a record of one side, written before issue 47: ratios without their range
+        return f"{r:.3f}x"
+    return f"{r['ratio']:.3f}x [{r['lo']:.2f}-{r['hi']:.2f}]" if r else "-"
 
 
 def markdown(speed: dict) -> str:
-    m = speed.get("machine") or {}
-    lines = [f"Measured by `python -m smlp_bench.speed` on {m.get('cpu_model') or m.get('cpu', '?')}, 2 gloo ranks x "
-             f"1 thread, {speed['settings']['updates']} updates x {speed['settings']['seeds']} seed(s) per model, fair "
-             f"configuration (8 experts); {'complete' if speed['complete'] else 'PARTIAL'}.", "",
-             f"| sMLP-det | words/s | over gMLP | over the fastest Transformer-MoE ({speed['fastest_moe']}) "
-             "| routing + all2all share |", "|---|---:|---:|---:|---:|"]
-    for r in speed["rows"]:
-        b = r.get("breakdown") or {}
-        share = f"{b['routing'] + b['all2all']:.1%}" if "routing" in b and "all2all" in b else "-"
-        cells = [f"{r[k]:.3f}x" if r[k] else "-" for k in ("gMLP", "fastest Transformer-MoE")]
-        lines.append(f"| {r['name']} | {r['wps'] or 0:,.0f} | {cells[0]} | {cells[1]} | {share} |")
+    m, s = speed.get("machine") or {}, speed["settings"]
+    sides = speed.get("sides") or {"2": speed}  # a record of one side (2 ranks), written before issue 47
+    lines = [f"Measured by `python -m smlp_bench.speed` on {m.get('cpu_model') or m.get('cpu', '?')}, gloo ranks x 1 "
+             f"thread, {s['updates']} updates x {s['seeds']} interleaved round(s) per model, fair configuration "
+             f"(8 experts); {'complete' if speed['complete'] else 'PARTIAL'}. Ratios from "
+             f"{speed.get('ratios_from', 'runs adjacent in time, probe-normalized')}: median [range] over rounds.", "",
+             "| processes | model | words/s [range] | over gMLP | over the fastest Transformer-MoE "
+             "| routing + all2all share |", "|---:|---|---:|---:|---:|---:|"]
+    for n, side in sides.items():
+        for r in side["rows"]:
+            b = r.get("breakdown") or {}
+            share = f"{b['routing'] + b['all2all']:.1%}" if "routing" in b and "all2all" in b else "-"
+            span = f" [{r['wps_range'][0]:,.0f}-{r['wps_range'][1]:,.0f}]" if r.get("wps_range") else ""
+            lines.append(f"| {n} | {r['name']} | {r['wps'] or 0:,.0f}{span} | {_cell(r['gMLP'])} "
+                         f"| {_cell(r['fastest Transformer-MoE'])} ({side['fastest_moe']}) "
+                         f"| {share} |")
+    if speed.get("scaling"):
+        lines += ["", "| scaling (words/s on 2 ranks / 2 x on 1 process) | " +
+                  " | ".join(NAMES.get(k, k) for k in speed["scaling"]) + " |",
+                  "|---|" + "---:|" * len(speed["scaling"]),
+                  "| | " + " | ".join(f"{v:.2f}" for v in speed["scaling"].values()) + " |"]
     lines += ["", "| target | measured | goal | met |", "|---|---:|---|---|"]
     for t in speed["targets"]:
         v = f"{t['measured']:.3f}" if t["measured"] is not None else "-"
@@ -112,8 +168,8 @@ def publish(path: Path, page: Path = PAGE) -> None:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-dir", type=Path, default=Path("results/speed"))
     p.add_argument("--updates", type=int, default=40, help="updates per training run (40)")
-    p.add_argument("--seeds", type=int, default=2, help="rounds: every model once per seed (2)")
-    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--seeds", type=int, default=5, help="rounds: every model once per seed (5)")
+    p.add_argument("--nproc", default="1,2", help="the process counts to measure, each a side of the record (1,2)")
     p.add_argument("--models", default=",".join(MODELS), help=f"a subset of {', '.join(MODELS)} (all)")
     p.add_argument("--data", type=Path, default=None, help="a fairseq data-bin (default: the demo corpus)")
     p.add_argument("--resume", action="store_true")
@@ -131,18 +187,30 @@ def run(args) -> int:
               f"(--seeds >= 1): words/s are read from log intervals after the first one, outside the profiled steps "
               f"near the end", file=sys.stderr)
         raise SystemExit(2)
+    try:
+        counts = sorted({int(n) for n in str(args.nproc).split(",") if n.strip()})
+    except ValueError:
+        counts = []
+    if not counts or counts[0] < 1:
+        print(f"smlp_bench.speed: error: --nproc {args.nproc}: give process counts, e.g. 1,2", file=sys.stderr)
+        raise SystemExit(2)
     out = args.output_dir.expanduser().absolute()
     out.mkdir(parents=True, exist_ok=True)
-    t0 = time.time()
+    t0, sides = time.time(), {}
     try:
         data = prepare(args.data, out)
-        ms = models(vocab_size(data), args.nproc, [k.strip() for k in args.models.split(",") if k.strip()])
-        s = dict(settings(args.updates, args.seeds), models=tuple(m.key for m in ms))
-        store = run_schedule("speed", s, ms, {}, data, args.nproc, out, resume=args.resume, reference="smlp_det")
-        speed = analyse(report(store, out, quiet=True))
+        keys = [k.strip() for k in args.models.split(",") if k.strip()]
+        for n in counts:  # one side after the other, each in its own interleaved rounds and store
+            print(f"== speed: {n} process(es)", flush=True)
+            ms = models(vocab_size(data), n, keys)
+            s = dict(settings(args.updates, args.seeds), models=tuple(m.key for m in ms))
+            store = run_schedule("speed", s, ms, {}, data, n, out / f"nproc{n}", resume=args.resume,
+                                 reference="smlp_det")
+            sides[n] = analyse(report(store, out / f"nproc{n}", quiet=True))
     except BenchError as exc:
         print(f"smlp_bench.speed: error: {exc}", file=sys.stderr)
         return 1
+    speed = combine(sides)
     atomic_write_json(out / "speed.json", speed)
     print(markdown(speed))
     print(f"   {out / 'speed.json'} ({(time.time() - t0) / 60:.0f} min); publish with "

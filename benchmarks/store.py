@@ -19,7 +19,7 @@ STORE_FORMAT = "smlp-bench-runs/1"
 # record kind -> the fields its readers use
 KINDS = {"runs": ("plan", "schedule", "records"), "preset": ("models", "settings", "nproc", "machine"),
          "experiment": ("experiment", "claims", "models"), "fair": ("stages", "stages_complete", "target", "rule"),
-         "speed": ("rows", "targets", "settings", "complete"), "measurement": ()}
+         "speed": ("targets", "settings", "complete"), "measurement": ()}
 
 
 def atomic_write_json(path: Path, obj) -> None:
@@ -71,7 +71,7 @@ def record_kind(d: dict) -> str:
     if "table_md" in d and "models" in d:
         return "preset"  # written before records named their kind
     if "rows" in d and "targets" in d:
-        return "speed"
+        return "speed"  # one side (2 ranks), written before issue 47
     if "question" in d or "benchmark" in d:
         return "measurement"
     raise BenchError(f"not a benchmark record: fields {sorted(d)[:8]}")

@@ -88,30 +88,43 @@ def test_plan_is_flop_matched_by_the_calculator():
     assert "--base-layers" in by["fairseq_base_layers"].flags and not by["fairseq_base_layers"].ours
 
 
-def test_speed_record_gives_each_smlp_layout_against_gmlp_and_the_fastest_moe(tmp_path):
-    """smlp_bench.speed: a variant's ratio to another model is the probe-normalized ratios divided (reference
-    over the other / reference over the variant), the targets read sMLP-det's row, and --publish rewrites
-    exactly its section of the page."""
+def test_speed_record_gives_both_sides_ratios_from_the_same_rounds_and_the_scaling(tmp_path):
+    """smlp_bench.speed without probes (issue 47: it printed "-" for every ratio): every ratio is the median over
+    rounds of the same round's words/s ratio, with its range; the fastest Transformer-MoE is the one with the most
+    words/s; the scaling is words/s on 2 ranks over 2 x on 1 process; --publish rewrites exactly its section."""
     from smlp_bench import speed
 
-    record = {"complete": True, "machine": {"cpu": "x"}, "settings": {"updates": 30, "seeds": 2}, "seconds": 1.0,
-              "models": {k: {"wps": w, "speed_vs_reference": v, "name": k, "breakdown": None}
-                         for k, w, v in (("smlp_det", 100.0, 1.0), ("smlp_det_expert", 90.0, 0.9),
-                                         ("gmlp", 110.0, 1.1), ("switch", 95.0, 0.95), ("hash", 99.0, 0.99))},
-              "ratios": {"smlp_det_wps_over": {"smlp_det_expert": 1.1, "gmlp": 0.9, "switch": 1.05, "hash": 1.01}}}
-    out = speed.analyse(record)
-    assert out["fastest_moe"] == "hash"
-    det, expert = out["rows"]
-    assert det["gMLP"] == pytest.approx(0.9) and det["fastest Transformer-MoE"] == pytest.approx(1.01)
-    assert expert["gMLP"] == pytest.approx(0.9 / 1.1) and expert["fastest Transformer-MoE"] == pytest.approx(1.01 / 1.1)
-    assert [t["met"] for t in out["targets"]] == [True, False]  # >= 1.0x the fastest MoE; >= 0.92x gMLP
+    def side(nproc, wps):  # a report's models: words/s per seed (round); seeds listed out of order on purpose
+        return {"complete": True, "machine": {"cpu": "x"}, "settings": {"updates": 40, "seeds": 3}, "seconds": 1.0,
+                "nproc": nproc, "models": {k: {"wps": sum(w) / 3, "wps_per_seed": w, "seeds": [1, 2, 3], "name": k,
+                                               "breakdown": None} for k, w in wps.items()}}
+
+    two = speed.analyse(side(2, {"smlp_det": [90.0, 80.0, 100.0], "smlp_det_expert": [45.0, 80.0, 50.0],
+                                  "gmlp": [100.0, 100.0, 100.0], "switch": [100.0, 80.0, 50.0],
+                                  "hash": [90.0, 100.0, 125.0]}))
+    one = speed.analyse(side(1, {"smlp_det": [50.0, 48.0, 52.0], "gmlp": [52.0, 50.0, 60.0],
+                                  "hash": [55.0, 55.0, 55.0]}))
+    assert two["fastest_moe"] == "hash" and one["fastest_moe"] == "hash"  # medians 100 > switch's 80
+    det, expert = two["rows"]
+    assert det["gMLP"] == {"ratio": 0.9, "lo": 0.8, "hi": 1.0, "rounds": 3}
+    assert det["fastest Transformer-MoE"] == pytest.approx({"ratio": 0.8, "lo": 0.8, "hi": 1.0, "rounds": 3})
+    assert expert["gMLP"] == {"ratio": 0.5, "lo": 0.45, "hi": 0.8, "rounds": 3}
+    assert (det["wps"], det["wps_range"]) == (90.0, [80.0, 100.0])
+    assert [r["model"] for r in one["rows"]] == ["smlp_det"]
+    assert one["rows"][0]["gMLP"]["ratio"] == pytest.approx(48 / 50)  # rounds: 50/52, 48/50, 52/60
+    out = speed.combine({2: two, 1: one})
+    assert out["scaling"]["smlp_det"] == pytest.approx(90 / (2 * 50)) and out["scaling"]["gmlp"] == 100 / (2 * 52)
+    # 0.8 < 1; 0.9 < 0.92; 0.96 >= 0.95; scaling 0.90 against gMLP's 0.96: 6 points below
+    assert [t["met"] for t in out["targets"]] == [False, False, True, False]
+    assert out["targets"][3]["measured"] == pytest.approx(1 / 1.04 - 0.9)
     (tmp_path / "s.json").write_text(__import__("json").dumps(out))
     page = tmp_path / "page.md"
     page.write_text(f"before\n{speed.START}\nold\n{speed.END}\nafter\n")
     speed.publish(tmp_path / "s.json", page)
     text = page.read_text()
     assert text.startswith("before\n") and text.endswith("after\n") and "old" not in text
-    assert "| smlp_det_expert | 90 | 0.818x | 0.918x | - |" in text and "| **no** |" in text
+    assert "| 2 | smlp_det_expert | 50 [45-80] | 0.500x [0.45-0.80] | 0.500x [0.40-0.80] (hash) | - |" in text
+    assert "| 1 | smlp_det | 50 [48-52] |" in text and "| **no** |" in text and "no probes" in text
 
 
 def test_speed_refuses_a_run_too_short_to_measure_and_accepts_the_shortest_that_measures(capsys):

@@ -89,12 +89,11 @@ def batches(cfg: LMConfig, batch: int, rank: int, count: int) -> list[torch.Tens
 
 class Loop:
     """One training step as a plain loop (zero_grad, forward, loss + 0.01 x the auxiliary loss, backward, the
-    non-expert gradients' all-reduce on 2 ranks, clipping, the routers' price fold, Adam); each phase inside its STEP_RANGES range and, if
-    given, inside `within(phase)` (a context manager: the operator and host-sync counts)."""
+    non-expert gradients' all-reduce on 2 ranks, clipping, the routers' price fold, Adam); each phase inside its
+    STEP_RANGES range and, if given, inside `within(phase)` (a context manager: the operator and host-sync counts)."""
 
     def __init__(self, model: LanguageModel, world: int):
         from smlp.experts import is_expert
-
         from smlp.routing.prices import install_price_fold
 
         self.model, self.world = model, world
