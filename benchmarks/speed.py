@@ -119,10 +119,10 @@ def combine(sides: dict[int, dict]) -> dict:
         gap = scaling["gmlp"] - scaling["smlp_det"]
         targets.append({"target": "sMLP-det's scaling, points below gMLP's", "goal": f"<= {SCALING_POINTS:.2f}",
                         "measured": gap, "met": gap <= SCALING_POINTS})
-    any_side = next(iter(sides.values()))
+    first = next(iter(sides.values()))
     return {"kind": "speed", "sides": {str(k): v for k, v in sorted(sides.items())}, "scaling": scaling,
             "targets": targets, "complete": all(s["complete"] for s in sides.values()),
-            "machine": any_side.get("machine"), "settings": any_side["settings"], "ratios_from": any_side["ratios_from"]}
+            "machine": first.get("machine"), "settings": first["settings"], "ratios_from": first["ratios_from"]}
 
 
 def _cell(r: dict | float | None) -> str:
