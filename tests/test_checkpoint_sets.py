@@ -27,6 +27,7 @@ from fairseq_plugins.checkpoint_sets import (
 )
 from fairseq_plugins.checkpoints import consolidate
 from fairseq_plugins.errors import RefusedInput
+from smlp_fault_plugin import FullDisk
 
 
 def fake_state(updates: int, *, rank: int = 0, world: int = 2, run: str = "run1", experts: int = 1, sharded=True):
@@ -88,30 +89,6 @@ def test_atomic_save_replaces_whole_files_and_leaves_no_temporary(tmp_path):
     atomic_torch_save({"a": torch.zeros(3)}, str(path))
     assert torch.equal(torch.load(path)["a"], torch.zeros(3))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint_last.pt"]
-
-
-class FullDisk:
-    """A file that takes `room` bytes and then raises ENOSPC, as a disk that fills up (the part written lands)."""
-
-    def __init__(self, f, room: int):
-        self.f, self.room = f, room
-
-    def write(self, data):
-        if len(data) > self.room:
-            self.f.write(bytes(data[:self.room]))
-            self.room = 0
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        self.room -= len(data)
-        return self.f.write(data)
-
-    def __getattr__(self, name):
-        return getattr(self.f, name)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.f.close()
 
 
 @pytest.mark.parametrize("where", ["write", "torch-zip-writer", "fsync"])

@@ -166,6 +166,31 @@ if record:
     _prices.RouterPrices.observe = observe
     _prices.fold_prices = fold_prices
 
+class FullDisk:
+    """A file that takes `room` bytes, then raises ENOSPC (the part written lands, as on a real full disk);
+    tests/test_checkpoint_sets.py uses it too."""
+
+    def __init__(self, f, room: int):
+        self.f, self.room = f, room
+
+    def write(self, data):
+        if len(data) > self.room:
+            self.f.write(bytes(data[:self.room]))
+            self.room = 0
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self.room -= len(data)
+        return self.f.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.f.close()
+
+
 full = _spec("SMLP_FAULT_ENOSPC")
 if full:
     from fairseq_plugins import atomic_files
@@ -173,36 +198,13 @@ if full:
     _atomic_write = atomic_files.atomic_write
     numbered = [0]
 
-    class _FullDisk:
-        """A file that takes `room` bytes, then raises ENOSPC (part of the write lands, as on a real full disk)."""
-
-        def __init__(self, f, room):
-            self.f, self.room = f, room
-
-        def write(self, data):
-            if len(data) > self.room:
-                self.f.write(bytes(data[:self.room]))
-                self.room = 0
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-            self.room -= len(data)
-            return self.f.write(data)
-
-        def __getattr__(self, name):
-            return getattr(self.f, name)
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            self.f.close()
-
     def atomic_write(path, write):
         if re.match(r"checkpoint_\d+_\d+", os.path.basename(path)):
             numbered[0] += 1
             if numbered[0] == int(full["nth"]):
                 _say(f"rank {_rank()} disk full while writing {os.path.basename(path)}")
                 room, real_fdopen = int(full.get("bytes", 65536)), os.fdopen
-                os.fdopen = lambda fd, *args, **kwargs: _FullDisk(real_fdopen(fd, *args, **kwargs), room)
+                os.fdopen = lambda fd, *args, **kwargs: FullDisk(real_fdopen(fd, *args, **kwargs), room)
                 try:  # the file atomic_write opens runs out of space
                     return _atomic_write(path, write)
                 finally:
