@@ -1,12 +1,5 @@
-"""The paper's other experiments, `smlp-bench experiment NAME` (`--experiment NAME`; docs/benchmarks.md): each trains
-its models through the harness at the long preset's width for 150 updates, FLOP-matched to sMLP-det 9+3 (flags from
-`smlp_eval.flops.fairseq_flags`, which carries every field of the core config), and writes JSON and a figure with
-its claims (docs/benchmarks.md's claims table, each decided by the seed rule, benchmarks/verdicts.py `compare`) and
-the model-level causality check of every trained configuration. figure7-routing: sMLP's sMoE routed
-deterministically, partially, and by a router over all T positions that sees the future (Appendix B);
-table7-token-routed-gmlp: gMLP with token-level routing, 1, 8 and 32 experts; figure4-dense: gMLP with 1, 4 and 16 SGU
-heads, the Transformer with 1 to 16 heads, sMLP-det. Table 4's row is its committed record's.
-"""
+"""The paper's other experiments, `smlp-bench experiment NAME` (docs/benchmarks.md, "smlp-bench: speed and quality at
+matched FLOPs", says what each trains and claims)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence

@@ -1,10 +1,5 @@
-"""The deciding comparison, `smlp-bench fair` (`--fair`; docs/benchmarks.md says how and why): every family
-FLOP-matched to sMLP-det (9+3 blocks, D=128, F=512, T=128, 8 experts), each at its own learning rate, in stages that
-are each an interleaved, resumable run store in OUTPUT_DIR/STAGE/, planned from the stages before them: lr-sweep,
-deciding, experts and (opt-in) width. A stage runs the code of the commit it started at (benchmarks/pinned.py);
-`--no-pin` runs this checkout's, resuming only while the code that decides perplexity is unchanged. The answers:
-benchmarks/fair_report.py.
-"""
+"""The deciding comparison, `smlp-bench fair` (docs/benchmarks.md, "The deciding comparison"): its stages, each a
+resumable run store in OUTPUT_DIR/STAGE/ planned from the stages before it; the answers: benchmarks/fair_report.py."""
 from __future__ import annotations
 
 import functools

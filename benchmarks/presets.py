@@ -1,8 +1,5 @@
-"""The benchmark's models and presets: the target sMLP, its FLOP matches (`plan_models`, through the calculator
-`smlp_eval.flops`; a plan stores each `Model.as_dict()`, `models_from_plan` reads it back), and how each preset
-trains them (docs/benchmarks.md): quick and full at D=256, F=1024, T=256; long at D=128, F=512, T=128 (T/D stays 1
-as at the paper's D=T=1024), 750 updates of 4,096 tokens, then a second seed for the three lowest perplexities.
-"""
+"""The benchmark's models and presets: the target sMLP, its FLOP matches (`plan_models`; a plan stores each
+`Model.as_dict()`, `models_from_plan` reads it back), and how each preset trains them (docs/benchmarks.md)."""
 from __future__ import annotations
 
 from collections.abc import Sequence

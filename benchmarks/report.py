@@ -1,11 +1,5 @@
-"""A benchmark's report, complete or not, from its run store (`smlp-bench report DIR` runs it alone): results.json,
-table.md and Figure 5. Per model (`summarise`): words/s (the mean over seeds of each run's clean median), the final
-validation perplexity, the curves against tokens, wall time and load-corrected time (tokens / (the run's words/s over
-its adjacent probes' x the median probe words/s)), MFU (words/s x 3 x the calculator's forward FLOPs per token / the
-matmul peak measured in the same run; "executed" without the causal products' zero triangle), the profiled step's
-breakdown and the peak memory; `ratios`, the paper's comparisons from runs adjacent in time; the verdicts
-(benchmarks/verdicts.py).
-"""
+"""A benchmark's report from its run store, complete or not (`smlp-bench report DIR`): results.json, table.md and
+Figure 5; what each figure means: docs/benchmarks.md, "smlp-bench: speed and quality at matched FLOPs"."""
 from __future__ import annotations
 
 import math

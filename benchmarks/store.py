@@ -1,8 +1,5 @@
-"""Records: the run store every benchmark writes its runs to (`RunStore`, runs.json, format smlp-bench-runs/1,
-rewritten atomically after every run so that `--resume` continues where a stop left it), any other record written
-whole or not at all (`atomic_write_json`, `write_record`), and `read_record`, the one reader of every record kind
-(tests/test_records.py reads each record under docs/benchmark/ through it).
-"""
+"""Records: the run store (`RunStore`, runs.json, rewritten atomically after every run), other records written whole or
+not at all, and `read_record`, the one reader of every record kind (tests/test_records.py)."""
 from __future__ import annotations
 
 import contextlib

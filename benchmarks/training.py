@@ -1,9 +1,5 @@
-"""The run step: one fairseq-train run through `smlp-launch --nproc W --cpu` (one gloo rank and thread per core), its
-log read as it goes, every worker's peak memory polled and, with `profile=True`, a window of steps near the end
-profiled inside fairseq-train (fairseq_plugins/step_profiler.py); with `code` (a pinned Checkout) that commit's
-command and code. `execute` runs a store's pending slots, recording each at once. Words/s are tokens read per second
-over all ranks (`input_tokens_per_target`), the median over the intervals free of warm-up, validation and profiling.
-"""
+"""The run step: one fairseq-train run through `smlp-launch --nproc W --cpu` (`run_training`), and `execute`, which runs
+a store's pending slots, recording each at once; words/s as docs/benchmarks.md defines them."""
 from __future__ import annotations
 
 import json

@@ -1,8 +1,5 @@
-"""The rules that turn measured figures into yes / no / tied: the seed rule of the experiments (`compare`), the
-Welch interval of the fair comparison (`t_compare`, T_RULE), where curves cross and when the ranking settles
-(`analyse_curves`), whether sMLP beats the best Transformer-MoE (`verdict`) and the issue's targets (`targets`).
-The report and the docs (benchmarks/report.py, benchmarks/publish.py) only show what these decide.
-"""
+"""The rules that turn measured figures into yes / no / tied (docs/benchmarks.md); the report and the docs
+(benchmarks/report.py, benchmarks/publish.py) only show what these decide."""
 from __future__ import annotations
 
 import math
