@@ -6,8 +6,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from .plots import plot
 from .presets import LONG_TARGET, MATCH_TOLERANCE, BenchError, Model, target_flags
+from .report import plot
 from .store import atomic_write_json
 from .verdicts import compare, pooled_log_sd
 
