@@ -1,10 +1,5 @@
 """smlp-bench chaos (--chaos): a 2-rank sMLP-det training killed N times at random moments and resumed each time
-ends bitwise equal to the same training uninterrupted (docs/faults.md says how, what it checks and what it found).
-
-    smlp-bench chaos [--kills 20] [--updates 60] [--save-every 4] [--chaos-seed 1] [--data DIR] [--output-dir DIR]
-
-OUTPUT_DIR/chaos.json (paths relative to OUTPUT_DIR) and its summary chaos.md.
-"""
+ends bitwise equal to the same training uninterrupted (docs/faults.md, "Killed at random, it loses nothing")."""
 from __future__ import annotations
 
 import contextlib

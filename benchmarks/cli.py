@@ -1,15 +1,5 @@
 """smlp-bench: every benchmark of the project, each a program over one harness (plan, run, record, publish).
 
-    smlp-bench preset [--preset quick|full|long] ...   FLOP-matched speed and quality (sMLP Table 4, Figure 5)
-    smlp-bench fair [--stages ...] [--commit-store]    the deciding comparison (benchmarks/fair.py)
-    smlp-bench experiment NAME                         the paper's other experiments (benchmarks/experiments.py)
-    smlp-bench speed [--publish SPEED_JSON]            sMLP-det's layouts against gMLP and the MoEs (speed.py)
-    smlp-bench report DIR                              results.json and figures from DIR/runs.json, runs so far
-    smlp-bench publish RESULTS_JSON ...                docs/benchmarks.md's sections and README's from the records
-    smlp-bench gpu-check [--dry-run]                   the GPU check (benchmarks/gpu_check.py, docs/gpu.md)
-    smlp-bench breakdown                               where a training step goes (benchmarks/micro/step_breakdown.py)
-    smlp-bench chaos [--kills N]                       a training killed N times ends bitwise equal (chaos.py)
-
 The earlier spellings stay: `smlp-bench [--preset P | --quick] ...` (no command) is `preset`, `--fair` is `fair`,
 `--experiment NAME` is `experiment NAME`, `--report DIR` is `report DIR`, `--publish FILES` is `publish FILES`,
 `--chaos` is `chaos`.
@@ -52,7 +42,7 @@ def add_training(p: argparse.ArgumentParser, output: str) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n")[2])
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n")[1])
     old = p.add_argument_group("the earlier spellings (each is rewritten to its command)")
     old.add_argument("--fair", action="store_true", help="smlp-bench fair")
     old.add_argument("--experiment", metavar="NAME", help="smlp-bench experiment NAME")

@@ -1,20 +1,13 @@
-"""The paper's other experiments, `smlp-bench experiment NAME` (`--experiment NAME`; docs/benchmarks.md): each trains
-its models through the harness at the long preset's width for 150 updates, FLOP-matched to sMLP-det 9+3 (flags from
-`smlp_eval.flops.fairseq_flags`, which carries every field of the core config), and writes JSON and a figure with
-its claims (docs/benchmarks.md's claims table, each decided by the seed rule, benchmarks/verdicts.py `compare`) and
-the model-level causality check of every trained configuration. figure7-routing: sMLP's sMoE routed
-deterministically, partially, and by a router over all T positions that sees the future (Appendix B);
-table7-token-routed-gmlp: gMLP with token-level routing, 1, 8 and 32 experts; figure4-dense: gMLP with 1, 4 and 16 SGU
-heads, the Transformer with 1 to 16 heads, sMLP-det. Table 4's row is its committed record's.
-"""
+"""The paper's other experiments, `smlp-bench experiment NAME` (docs/benchmarks.md, "smlp-bench: speed and quality at
+matched FLOPs", says what each trains and claims)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from .plots import plot
-from .presets import LONG_TARGET, MATCH_TOLERANCE, BenchError, Model, target_flags
+from .presets import LONG_TARGET, MATCH_TOLERANCE, BenchError, Model, model_of, target_flags
+from .report import plot
 from .store import atomic_write_json
 from .verdicts import compare, pooled_log_sd
 
@@ -46,29 +39,23 @@ class Experiment:
     claims: Callable  # (record) -> list of claim rows
     settings: dict = field(default_factory=lambda: dict(EXP_SETTINGS))
 
-    def configs(self, vocab_size: int, nproc: int, target: dict | None = None) -> dict:
-        """key -> the LMConfig each model trains (FLOP-matched to sMLP-det at `target`, default EXP_TARGET)."""
+    def configs(self, vocab_size: int, nproc: int) -> dict:
+        """key -> the LMConfig each model trains (FLOP-matched to sMLP-det at EXP_TARGET)."""
         from smlp_eval import flops as F
 
-        target = F.parse_model("smlp_lm", target_flags(target or EXP_TARGET, nproc)[2:], vocab_size=vocab_size)
+        target = F.parse_model("smlp_lm", target_flags(EXP_TARGET, nproc)[2:], vocab_size=vocab_size)
         matches = {r.family: r.count.cfg for r in F.match(F.count_spec(target), tolerance=MATCH_TOLERANCE,
                                                           families=("gmlp", "transformer"))}
         t = replace(target.cfg, dropout=0.0)  # as trained (the benchmark passes --dropout 0)
         return {m.key: m.build(t, matches) for m in self.models}
 
-    def plan_models(self, vocab_size: int, nproc: int, target: dict | None = None) -> tuple[list[Model], dict]:
+    def plan_models(self, vocab_size: int, nproc: int) -> tuple[list[Model], dict]:
         from smlp_eval import flops as F
 
-        target, out = target or EXP_TARGET, []
-        cfgs = self.configs(vocab_size, nproc, target)
-        for m in self.models:
-            cfg = cfgs[m.key]
-            count = F.count(cfg, cfg.seq_len)
-            layers = f"{cfg.dense_layers}+{cfg.sparse_layers}" if cfg.sparse_layers else str(cfg.dense_layers)
-            out.append(Model(m.key, F.fairseq_flags(cfg).split(), count.flops, layers, seq_len=cfg.seq_len,
-                             name=m.name, note="" if m.causal else "NOT causal: sees the future",
-                             executed_fwd_flops_per_seq=2 * F.executed_macs(count)))
-        matching = {"target": {"arch": "smlp_lm", **target, "experts": target.get("experts", nproc)},
+        cfgs = self.configs(vocab_size, nproc)
+        out = [model_of(m.key, F.count(cfgs[m.key], cfgs[m.key].seq_len), name=m.name,
+                        note="" if m.causal else "NOT causal: sees the future") for m in self.models]
+        matching = {"target": {"arch": "smlp_lm", **EXP_TARGET, "experts": EXP_TARGET.get("experts", nproc)},
                     "models": {m.key: {"flops": mm.fwd_flops_per_seq, "layers": mm.layers, "causal": m.causal}
                                for m, mm in zip(self.models, out)}}
         return out, matching

@@ -1,10 +1,5 @@
-"""The deciding comparison, `smlp-bench fair` (`--fair`; docs/benchmarks.md says how and why): every family
-FLOP-matched to sMLP-det (9+3 blocks, D=128, F=512, T=128, 8 experts), each at its own learning rate, in stages that
-are each an interleaved, resumable run store in OUTPUT_DIR/STAGE/, planned from the stages before them: lr-sweep,
-deciding, experts and (opt-in) width. A stage runs the code of the commit it started at (benchmarks/pinned.py);
-`--no-pin` runs this checkout's, resuming only while the code that decides perplexity is unchanged. The answers:
-benchmarks/fair_report.py.
-"""
+"""The deciding comparison, `smlp-bench fair` (docs/benchmarks.md, "The deciding comparison"): its stages, each a
+resumable run store in OUTPUT_DIR/STAGE/ planned from the stages before it; the answers: benchmarks/fair_report.py."""
 from __future__ import annotations
 
 import functools
@@ -42,6 +37,9 @@ STAGE_SETTINGS = {
 }
 STAGES = tuple(STAGE_SETTINGS)
 DEFAULT_STAGES = ("lr-sweep", "deciding", "experts")  # `width` only when asked for (--stages width)
+# what the comparison is, for its record (benchmarks/fair_report.py final_report)
+DESIGN = {"target": FAIR_TARGET, "wide_target": WIDE_TARGET, "settings": STAGE_SETTINGS,
+          "primary_seeds": {"seeds": [*DECIDING_SEEDS, *PRIMARY_SEEDS], "others": list(DECIDING_SEEDS)}}
 
 
 @dataclass
@@ -95,13 +93,14 @@ def _at_rate(m: Model, lr: float, key: str | None = None, name: str | None = Non
     return replace(m, key=key or m.key, lr=lr, name=name or m.title)
 
 
-def _rate_key(family: str, lr: float) -> str:
-    return f"{family}@lr{lr:g}"
+def _swept(m: Model, lr: float) -> Model:
+    """A model of the learning-rate sweep: its family at one rate, keyed and named by it."""
+    return _at_rate(m, lr, f"{m.key}@lr{lr:g}", f"{NAMES[m.key]}, lr {lr:g}")
 
 
 def sweep_models(ctx: Context) -> list[Model]:
     base = _matched(ctx, FAIR_TARGET, FAMILIES)
-    return [_at_rate(base[f], lr, _rate_key(f, lr), f"{NAMES[f]}, lr {lr:g}") for f in FAMILIES for lr in RATES]
+    return [_swept(base[f], lr) for f in FAMILIES for lr in RATES]
 
 
 def deciding_models(ctx: Context) -> list[Model]:
@@ -166,8 +165,7 @@ def widen_sweep(store: RunStore, ctx: Context, record: dict) -> list[Model]:
     added = []
     for family, c in choose_rates(rates_tried(record), widened).items():
         if c["next"] is not None:
-            added.append(_at_rate(base[family], c["next"], _rate_key(family, c["next"]),
-                                  f"{NAMES[family]}, lr {c['next']:g}"))
+            added.append(_swept(base[family], c["next"]))
             widened[family] = widened.get(family, 0) + 1
     if added:
         _append_round(store, [m.key for m in added], [SWEEP_SEED])
@@ -308,12 +306,6 @@ def run_stage(stage: str, ctx: Context, data: Path, out_dir: Path, *, order_seed
     return record
 
 
-def design() -> dict:
-    """What the comparison is, for its record (benchmarks/fair_report.py final_report)."""
-    return {"target": FAIR_TARGET, "wide_target": WIDE_TARGET, "settings": STAGE_SETTINGS,
-            "primary_seeds": {"seeds": [*DECIDING_SEEDS, *PRIMARY_SEEDS], "others": list(DECIDING_SEEDS)}}
-
-
 def main(args, data: Path, vocab_size: int) -> int:
     """The default stages in order (or those of --stages), each resumed where it stopped."""
     stages = list(DEFAULT_STAGES) if not args.stages else [s.strip() for s in args.stages.split(",") if s.strip()]
@@ -338,10 +330,10 @@ def main(args, data: Path, vocab_size: int) -> int:
         records[name] = run_stage(name, Context(vocab_size, args.nproc, records), data, out / name,
                                   order_seed=args.order_seed, log_dir=args.work_dir, commit=args.commit_store,
                                   pin=not args.no_pin)
-        final_report(records, out, design())
+        final_report(records, out, DESIGN)
         if args.commit_store:
             commit_store(out, f"fair benchmark: report after stage {name}")
-    rec = final_report(records, out, design())
+    rec = final_report(records, out, DESIGN)
     print_summary(rec)
     print(f"   results: {out / 'results.json'} ({(time.time() - t0) / 60:.0f} min)")
     return 0

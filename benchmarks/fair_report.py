@@ -8,9 +8,8 @@ import re
 import statistics
 from pathlib import Path
 
-from .plots import png_axes
 from .presets import MOE_BASELINES, NAMES
-from .report import geo_cell
+from .report import geo_cell, png_axes
 from .store import atomic_write_json
 from .verdicts import T_RULE, log_spread, t_compare
 

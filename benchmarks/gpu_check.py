@@ -1,11 +1,5 @@
 """The GPU check (docs/gpu.md): the project's training paths on one CUDA device against the CPU, and their speed.
-
-    make gpu-check [GPU_CHECK_ARGS="--output-dir DIR"]     (python -m smlp_bench.gpu_check, smlp-bench gpu-check)
-
-For a machine with one CUDA GPU and only torch and numpy. --dry-run runs the checks on the CPU at tiny sizes with the
-accelerator's paths forced. Writes OUTPUT_DIR/gpu_check.json and gpu_check.md; exits 1 if a check failed, 2 without
-a GPU and --dry-run.
-"""
+For a machine with one CUDA GPU and only torch and numpy installed."""
 from __future__ import annotations
 
 import argparse

@@ -23,6 +23,7 @@ from smlp_eval.flops.counting import count as count_flops
 from smlp_eval.flops.matching import match
 
 from .fair import FAIR_TARGET
+from .machine import matmul_rate
 from .micro.host_syncs import HostSyncCounter, accelerator_paths
 from .presets import MATCH_TOLERANCE
 
@@ -230,25 +231,6 @@ def speed_models(c: SpeedConfig) -> dict[str, LMConfig]:
     return {"sMLP-det": target, **{SPEED_NAMES[r.family]: r.count.cfg for r in rows}}
 
 
-def matmul_rate(device: torch.device, dtype: torch.dtype, n: int, seconds: float) -> float:
-    """Dense matmul FLOP/s of n x n products in `dtype` on `device` (fp32 without TF32)."""
-    prev, torch.backends.cuda.matmul.allow_tf32 = torch.backends.cuda.matmul.allow_tf32, False
-    try:
-        a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
-        for _ in range(3):
-            a @ b
-        synchronize(device)
-        done, start = 0, time.perf_counter()
-        while time.perf_counter() - start < seconds:
-            for _ in range(10):
-                a @ b
-            synchronize(device)
-            done += 10
-        return 2 * n ** 3 * done / (time.perf_counter() - start)
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = prev
-
-
 def _speed_of(run, c: SpeedConfig, peak_bf16: float, budget_s: float) -> Outcome:
     """Every model of the configuration built and warmed up, then timed in turns (a, b, a, b, ...: a change of load
     weighs on all alike), at least 5 rounds and more until each has run its share of `budget_s`."""
@@ -305,9 +287,9 @@ def check_speed(run) -> Outcome:
     """Training words/s, MFU and peak memory of sMLP-det and its FLOP matches, per configuration (one process, every
     expert local)."""
     out, (n, seconds), configs = Outcome(), (128, 0.05) if run.dry_run else (8192, 1.0), speed_configs(run.dry_run)
-    peak_bf16 = matmul_rate(run.device, torch.bfloat16, n, seconds)
+    peak_bf16 = matmul_rate(n, seconds, run.device, torch.bfloat16)
     out.figures["matmul_flops_per_s"] = {"bf16": peak_bf16, "n": n,
-                                         "fp32": matmul_rate(run.device, torch.float32, n // 2, seconds)}
+                                         "fp32": matmul_rate(n // 2, seconds, run.device, torch.float32)}
     run.log(f"  matmul bf16 {peak_bf16 / 1e12:.1f} TFLOP/s")
     for i, c in enumerate(configs):
         with out.case(c.name):

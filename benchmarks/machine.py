@@ -34,17 +34,35 @@ def machine_info() -> dict:
     return info
 
 
+def matmul_rate(n: int, seconds: float, device=None, dtype=None) -> float:
+    """Dense matmul FLOP/s of n x n products on `device` (the CPU by default) in `dtype` (fp32 by default, no TF32)."""
+    import torch
+
+    from smlp.dispatch import synchronize
+
+    device = device or torch.device("cpu")
+    prev, torch.backends.cuda.matmul.allow_tf32 = torch.backends.cuda.matmul.allow_tf32, False
+    try:
+        a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+        for _ in range(3):  # warm-up
+            a @ b
+        synchronize(device)
+        done, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            for _ in range(10):
+                a @ b
+            synchronize(device)
+            done += 10
+        return 2 * n ** 3 * done / (time.perf_counter() - start)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev
+
+
 def _matmul_worker(n: int, seconds: float, queue) -> None:
     import torch
 
     torch.set_num_threads(1)
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b  # warm-up
-    done, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        a @ b
-        done += 1
-    queue.put(2 * n ** 3 * done / (time.perf_counter() - start))
+    queue.put(matmul_rate(n, seconds))
 
 
 def matmul_peak(nproc: int, n: int = 1024, seconds: float = 4.0) -> dict:

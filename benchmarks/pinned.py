@@ -1,10 +1,5 @@
-"""Runs from a pinned commit (docs/benchmarks.md, "Pinned code"): a stage's trainings execute the code of the commit
-the stage started at, from a git worktree of it under WORK_DIR/code/ whose installed package names are linked to its
-folders (as `make gpu-check` does), in the environment already installed. The worktree's code plans the models
-(`smlp_bench.presets.plan_models`), builds the fairseq-train command (`smlp_bench.training.train_command`) and trains;
-the checkout's own benchmark schedules, records and publishes. ADAPTER, run in the worktree, is the contract a pinned
-commit must keep (the names above).
-"""
+"""Runs from a pinned commit (docs/benchmarks.md, "Pinned code"). ADAPTER, run in the commit's worktree, is the
+contract a pinned commit must keep: `smlp_bench.presets.plan_models` and `smlp_bench.training.train_command`."""
 from __future__ import annotations
 
 import json

@@ -1,8 +1,5 @@
-"""The benchmark's models and presets: the target sMLP, its FLOP matches (`plan_models`, through the calculator
-`smlp_eval.flops`; a plan stores each `Model.as_dict()`, `models_from_plan` reads it back), and how each preset
-trains them (docs/benchmarks.md): quick and full at D=256, F=1024, T=256; long at D=128, F=512, T=128 (T/D stays 1
-as at the paper's D=T=1024), 750 updates of 4,096 tokens, then a second seed for the three lowest perplexities.
-"""
+"""The benchmark's models and presets: the target sMLP, its FLOP matches (`plan_models`; a plan stores each
+`Model.as_dict()`, `models_from_plan` reads it back), and how each preset trains them (docs/benchmarks.md)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -88,6 +85,16 @@ def target_flags(target: dict, nproc: int) -> list[str]:
             "--sparse-layers", str(t["sparse"]), "--num-experts", str(t.get("experts", nproc))]
 
 
+def model_of(key: str, count, **fields) -> Model:
+    """The Model that trains a counted core config (`smlp_eval.flops`), by the flags that carry every field of it."""
+    from smlp_eval import flops as F
+
+    c = count.cfg
+    return Model(key, F.fairseq_flags(c).split(), count.flops,
+                 f"{c.dense_layers}+{c.sparse_layers}" if c.sparse_layers else str(c.dense_layers), seq_len=c.seq_len,
+                 executed_fwd_flops_per_seq=2 * F.executed_macs(count), **fields)
+
+
 def plan_models(vocab_size: int, nproc: int, keys: Sequence[str], target: dict = TARGET) -> tuple[list[Model], dict]:
     """The target and its FLOP matches, from the calculator (`smlp_eval.flops`)."""
     from smlp_eval import flops as F
@@ -106,14 +113,8 @@ def plan_models(vocab_size: int, nproc: int, keys: Sequence[str], target: dict =
                     executed_fwd_flops_per_seq=2 * F.executed_macs(tcount)),
               Model("smlp_partial", [*tflags, "--smoe-routing", "partial"], partial.flops,
                     f"{t['dense']}+{t['sparse']}", seq_len=T, executed_fwd_flops_per_seq=2 * F.executed_macs(partial))]
-    for family in OUR_FAMILIES:
-        r = rows[family]
-        c = r.count.cfg
-        flags = F.fairseq_flags(c).split()
-        layers = f"{c.dense_layers}+{c.sparse_layers}" if c.sparse_layers else str(c.dense_layers)
-        models.append(Model(family, flags, r.count.flops, layers, seq_len=T,
-                            note="" if r.within_tolerance else f"nearest FLOPs match: {r.rel:+.1%}",
-                            executed_fwd_flops_per_seq=2 * F.executed_macs(r.count)))
+    models += [model_of(f, rows[f].count, note="" if rows[f].within_tolerance else
+                        f"nearest FLOPs match: {rows[f].rel:+.1%}") for f in OUR_FAMILIES]
     # fairseq's own transformer_lm at the sizes of our Transformer and Base Layers
     tr, base = rows["transformer"].count.cfg, rows["base"].count.cfg
     # transformer_lm's --decoder-input-dim / --decoder-output-dim default to 512 whatever the model width
@@ -124,7 +125,11 @@ def plan_models(vocab_size: int, nproc: int, keys: Sequence[str], target: dict =
                       "--attention-dropout", "0"]
     models.append(Model("fairseq_transformer_lm", [*fairseq_common, "--decoder-layers", str(tr.dense_layers)],
                         rows["transformer"].count.flops, str(tr.dense_layers), ours=False, seq_len=T))
-    base_flops = _fairseq_base_layers_flops(rows, base, t)
+    # fairseq's --base-layers stack is our Base Layers stack minus the attention of its sparse blocks: its BaseLayer is
+    # the routed FFN alone (with its own LayerNorm); an attention sublayer costs the dense Transformer block's minus
+    # its FFN (2 D F multiply-adds per token) and that FFN's LayerNorm
+    attention_macs = rows["base"].count.dense.macs - 2 * t["d_model"] * t["d_ffn"] * T - 5 * T * t["d_model"]
+    base_flops = rows["base"].count.flops - 2 * base.sparse_layers * attention_macs
     models.append(Model("fairseq_base_layers", [*fairseq_common, "--decoder-layers", str(base.dense_layers),
                                                 "--base-layers", str(base.sparse_layers), "--base-sublayers", "1",
                                                 "--base-shuffle", "1"],
@@ -137,18 +142,6 @@ def plan_models(vocab_size: int, nproc: int, keys: Sequence[str], target: dict =
     matching = {"target": {"arch": "smlp_lm", **t, "experts": t.get("experts", nproc), "flops": tcount.flops},
                 "tolerance": MATCH_TOLERANCE, "matches": [r.as_dict() for r in rows.values()]}
     return [by_key[k] for k in keys], matching
-
-
-def _fairseq_base_layers_flops(rows, base_cfg, target: dict = TARGET) -> int:
-    """fairseq's --base-layers stack = our Base Layers stack minus the attention of its sparse blocks.
-
-    Our sparse block is attention + routed FFN; fairseq's BaseLayer is the routed FFN alone (with its
-    own LayerNorm), so its FLOPs are ours minus N2 attention sublayers. The attention sublayer's
-    cost is the dense Transformer block's minus its FFN (2 D F multiply-adds per token)."""
-    c = rows["base"].count
-    T, D, Fw = target["seq_len"], target["d_model"], target["d_ffn"]
-    attention_macs = c.dense.macs - 2 * D * Fw * T - 5 * T * D  # minus the FFN and its LayerNorm
-    return c.flops - 2 * base_cfg.sparse_layers * attention_macs
 
 
 def models_from_plan(plan: dict) -> list[Model]:

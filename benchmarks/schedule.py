@@ -1,8 +1,5 @@
-"""The plan of a benchmark and its interleaved schedule, and speed ratios from runs adjacent in time: rounds of one
-seed each (as given, reversed, then shuffled with the recorded order seed), a short probe run of the reference model
-before, between and after the training runs, each run's words/s over its adjacent probes' and ratios of those
-normalized speeds (docs/benchmarks.md says why). Pure functions: the tests check them without training.
-"""
+"""The plan of a benchmark, its interleaved schedule of runs and probes, and speed ratios from runs adjacent in time
+(docs/benchmarks.md says how and why). Pure functions: the tests check them without training."""
 from __future__ import annotations
 
 import json

@@ -1,16 +1,7 @@
 """Training speed of sMLP-det's layouts against gMLP and the Transformer-MoEs, fair configuration (issues 30, 47).
 
-    smlp-bench speed [--output-dir results/speed] [--updates 40] [--seeds 5] [--nproc 1,2] [--resume]
-    smlp-bench speed --publish results/speed/speed.json      # rewrite its section of docs/benchmarks.md
-
-In words/s on 1 process and on 2 CPU gloo ranks (one thread each), in the fair comparison's configuration:
-sMLP-det with its sMoE's layout chosen (`smlp_det`, replicated here) and, on 2 ranks, expert-parallel
-(`smlp_det_expert`) and with its all2all overlapped (`smlp_det_overlap`), against gMLP and the Transformer-MoEs,
-in the harness's interleaved rounds (every model once per round; no validation, 3 profiled steps per run). Every
-ratio comes from the runs themselves: the words/s of two models in the same round, median and range over rounds
-(no probes). OUTPUT_DIR/speed.json holds both sides, the scaling from 1 process to 2 ranks and the issue's targets.
-Take the ratios from a quiet machine.
-"""
+Words/s on 1 process and on 2 CPU gloo ranks, every ratio from the same round's runs; OUTPUT_DIR/speed.json holds
+both sides, the scaling and the targets (docs/benchmarks.md, "sMLP-det's parallel layouts and overlapped all2all")."""
 from __future__ import annotations
 
 import argparse
@@ -219,7 +210,7 @@ def run(args) -> int:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m smlp_bench.speed", description=__doc__.split("\n\n")[2])
+    p = argparse.ArgumentParser(prog="python -m smlp_bench.speed", description=__doc__)
     add_arguments(p)
     return run(p.parse_args(argv))
 

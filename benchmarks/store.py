@@ -1,8 +1,5 @@
-"""Records: the run store every benchmark writes its runs to (`RunStore`, runs.json, format smlp-bench-runs/1,
-rewritten atomically after every run so that `--resume` continues where a stop left it), any other record written
-whole or not at all (`atomic_write_json`, `write_record`), and `read_record`, the one reader of every record kind
-(tests/test_records.py reads each record under docs/benchmark/ through it).
-"""
+"""Records: the run store (`RunStore`, runs.json, rewritten atomically after every run), other records written whole or
+not at all, and `read_record`, the one reader of every record kind (tests/test_records.py)."""
 from __future__ import annotations
 
 import contextlib
@@ -22,12 +19,12 @@ KINDS = {"runs": ("plan", "schedule", "records"), "preset": ("models", "settings
          "speed": ("targets", "settings", "complete"), "measurement": ()}
 
 
-def atomic_write_json(path: Path, obj) -> None:
-    """Write JSON so that a stop at any moment leaves either the old file or the whole new one."""
+def write_text(path: Path, text: str) -> None:
+    """Write a file so that a stop at any moment leaves either the old file or the whole new one."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -39,10 +36,8 @@ def atomic_write_json(path: Path, obj) -> None:
             os.close(fd)
 
 
-def write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+def atomic_write_json(path: Path, obj) -> None:
+    write_text(path, json.dumps(obj, indent=1))
 
 
 def environment(versions: Mapping | None = None) -> dict:
@@ -63,20 +58,6 @@ def write_record(path: str | Path, record: dict) -> Path:
     return path
 
 
-def record_kind(d: dict) -> str:
-    if d.get("format") == STORE_FORMAT:
-        return "runs"
-    if d.get("kind") in KINDS:
-        return d["kind"]
-    if "table_md" in d and "models" in d:
-        return "preset"  # written before records named their kind
-    if "rows" in d and "targets" in d:
-        return "speed"  # one side (2 ranks), written before issue 47
-    if "question" in d or "benchmark" in d:
-        return "measurement"
-    raise BenchError(f"not a benchmark record: fields {sorted(d)[:8]}")
-
-
 def read_record(path: Path) -> tuple[str, dict]:
     """(kind, record) of a JSON record of any kind (KINDS); a run store is checked slot by slot."""
     try:
@@ -86,7 +67,18 @@ def read_record(path: Path) -> tuple[str, dict]:
     if "format" in d and d["format"] != STORE_FORMAT:
         raise BenchError(f"{path} is not a benchmark record of this version (format {d['format']!r}, expected "
                          f"{STORE_FORMAT!r})")
-    kind = record_kind(d)
+    if d.get("format") == STORE_FORMAT:
+        kind = "runs"
+    elif d.get("kind") in KINDS:
+        kind = d["kind"]
+    elif "table_md" in d and "models" in d:
+        kind = "preset"  # written before records named their kind
+    elif "rows" in d and "targets" in d:
+        kind = "speed"  # one side (2 ranks), written before issue 47
+    elif "question" in d or "benchmark" in d:
+        kind = "measurement"
+    else:
+        raise BenchError(f"not a benchmark record: fields {sorted(d)[:8]}")
     if kind == "measurement" and not {"machine", "environment", "runs"} & set(d):
         raise BenchError(f"{path}: a measurement without its machine")
     if missing := [k for k in KINDS[kind] if k not in d]:

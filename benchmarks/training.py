@@ -1,11 +1,8 @@
-"""The run step: one fairseq-train run through `smlp-launch --nproc W --cpu` (one gloo rank and thread per core), its
-log read as it goes, every worker's peak memory polled and, with `profile=True`, a window of steps near the end
-profiled inside fairseq-train (fairseq_plugins/step_profiler.py); with `code` (a pinned Checkout) that commit's
-command and code. `execute` runs a store's pending slots, recording each at once. Words/s are tokens read per second
-over all ranks (`input_tokens_per_target`), the median over the intervals free of warm-up, validation and profiling.
-"""
+"""The run step: one fairseq-train run through `smlp-launch --nproc W --cpu` (`run_training`), and `execute`, which runs
+a store's pending slots, recording each at once; words/s as docs/benchmarks.md defines them."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -257,7 +254,9 @@ def execute(store: RunStore, models: dict[str, Model], data: Path, *, log_dir: P
             print(f"   [{done + 1}/{len(store.slots)}] {slot.run_id:<28} {rec['wps'] or float('nan'):>8,.0f} words/s, "
                   f"valid ppl {ppl if ppl is not None else float('nan'):.1f}, {run.seconds:.0f} s "
                   f"(phase {slot.phase}, round {slot.round})", flush=True)
-        store.record(slot, {**rec, "log": _under(rec.get("log"), log_dir)})
+        with contextlib.suppress(ValueError):  # a store committed to the repository names no machine's paths
+            rec["log"] = str(Path(rec["log"]).resolve().relative_to(Path(log_dir).resolve()))
+        store.record(slot, rec)
         if left := store.pending():
             took = {k: [store.records[s.run_id]["seconds"] for s in store.finished() if s.kind == k]
                     for k in (S.TRAIN, S.PROBE)}
@@ -268,15 +267,6 @@ def execute(store: RunStore, models: dict[str, Model], data: Path, *, log_dir: P
                 on_recorded()
             except Exception as exc:  # noqa: BLE001
                 print(f"   (partial report failed: {type(exc).__name__}: {exc})", flush=True)
-
-
-def _under(path: str | None, folder: Path) -> str | None:
-    """A run's log path relative to the logs' folder (a store committed to the repository names no machine's
-    paths); as is when it lies elsewhere."""
-    try:
-        return None if path is None else str(Path(path).resolve().relative_to(Path(folder).resolve()))
-    except ValueError:
-        return path
 
 
 def run_schedule(name: str, settings: dict, models: Sequence[Model], matching: dict, data: Path, nproc: int,

@@ -1,15 +1,12 @@
-"""The rules that turn measured figures into yes / no / tied: the seed rule of the experiments (`compare`), the
-Welch interval of the fair comparison (`t_compare`, T_RULE), where curves cross and when the ranking settles
-(`analyse_curves`), whether sMLP beats the best Transformer-MoE (`verdict`) and the issue's targets (`targets`).
-The report and the docs (benchmarks/report.py, benchmarks/publish.py) only show what these decide.
-"""
+"""The rules that turn measured figures into yes / no / tied, and the validation curves they read (docs/benchmarks.md);
+the report and the docs (benchmarks/report.py, benchmarks/publish.py) only show what these decide."""
 from __future__ import annotations
 
+import bisect
 import math
 import statistics
 from collections.abc import Iterable, Sequence
 
-from . import curves as C
 from .presets import MOE_BASELINES, NAMES, REFERENCE
 
 # the perplexity target's name (docs/benchmarks.md replaces it with the long preset's, `long_ppl_target`)
@@ -101,28 +98,98 @@ def t_compare(a: Sequence[float], b: Sequence[float], spread_a: dict | None = No
     return out
 
 
+# Validation curves: validation perplexity at increasing x (tokens read, or seconds), compared in log perplexity,
+# linearly interpolated between validation points; two curves cross where their difference changes sign inside the x
+# range both cover.
+def mean_curve(curves: Sequence[dict], xkey: str) -> tuple[list[float], list[float]]:
+    """Mean x and geometric-mean perplexity over seeds, point by point (as many points as the shortest curve)."""
+    curves = [c for c in curves if c.get("ppl") and c.get(xkey)]  # no time axis without a measured speed
+    if not curves:
+        return [], []
+    n = min(min(len(c["ppl"]), len(c[xkey])) for c in curves)
+    return ([statistics.mean(c[xkey][i] for c in curves) for i in range(n)],
+            [math.exp(statistics.mean(math.log(c["ppl"][i]) for c in curves)) for i in range(n)])
+
+
+def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
+    """Linear interpolation of log y at x (xs increasing, x inside [xs[0], xs[-1]])."""
+    if (i := bisect.bisect_left(xs, x)) < len(xs) and xs[i] == x:
+        return math.log(ys[i])
+    t = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+    return (1 - t) * math.log(ys[i - 1]) + t * math.log(ys[i])
+
+
+def crossings(xa: Sequence[float], ya: Sequence[float], xb: Sequence[float], yb: Sequence[float]) -> list[dict]:
+    """Where curve a and curve b cross: [{x, ppl, lower_after: 'a' | 'b'}], in increasing x: a sign change of log
+    ppl_a - log ppl_b between two neighbouring x of the union of their points (a touch is no crossing)."""
+    if len(xa) < 2 or len(xb) < 2:
+        return []
+    lo, hi = max(xa[0], xb[0]), min(xa[-1], xb[-1])
+    grid = sorted({x for x in (*xa, *xb) if lo <= x <= hi})
+    out, prev = [], None
+    for x in grid if len(grid) >= 2 else []:
+        d = _interp(xa, ya, x) - _interp(xb, yb, x)
+        if d == 0:
+            continue
+        if prev is not None and (prev[0] < 0) != (d < 0):
+            d0, x0 = prev
+            xc = x0 + (x - x0) * d0 / (d0 - d)
+            out.append({"x": xc, "ppl": math.exp(_interp(xa, ya, xc)), "lower_after": "b" if d > 0 else "a"})
+        prev = (d, x)
+    return out
+
+
+def ranking_history(curves: dict[str, tuple[Sequence[float], Sequence[float]]]) -> list[dict]:
+    """The ranking (lowest perplexity first) at every validation point all curves share (by index), with each
+    model's perplexity there."""
+    n = min((len(ys) for _, ys in curves.values()), default=0)
+    return [{"x": statistics.mean(curves[k][0][i] for k in curves),
+             "ranking": sorted(curves, key=lambda k: curves[k][1][i]), "ppl": {k: curves[k][1][i] for k in curves}}
+            for i in range(n)]
+
+
+def settled_from(history: Sequence[dict], top: int | None = None, tol: float = 0.0) -> dict | None:
+    """The first validation point from which the ranking (its first `top` places) no longer changes, two models
+    within `tol` (relative perplexity) of each other counting as tied: {x, index, points_unchanged, fraction,
+    tolerance}, fraction = x / the last x; None for no history."""
+    if not history:
+        return None
+    final = history[-1]["ranking"]
+    top = top or len(final)
+
+    def agrees(point: dict) -> bool:  # keeps the final ranking's first `top` places, each above everyone after it
+        return all(point["ppl"][a] <= point["ppl"][b] * (1 + tol) for i, a in enumerate(final[:top])
+                   for b in final[i + 1:])
+
+    i = len(history) - 1
+    while i > 0 and agrees(history[i - 1]):
+        i -= 1
+    return {"x": history[i]["x"], "index": i, "points_unchanged": len(history) - i,
+            "fraction": history[i]["x"] / history[-1]["x"] if history[-1]["x"] else None, "tolerance": tol}
+
+
 def analyse_curves(results: dict, keys: Sequence[str] | None = None) -> dict:
     """Mean curves against tokens and time, where every two of them cross, and the ranking's history."""
     keys = [k for k in (keys or results) if k in results and results[k]["curves"]]
-    mean = {x: {k: C.mean_curve(results[k]["curves"], x) for k in keys} for x in ("tokens", "time")}
+    mean = {x: {k: mean_curve(results[k]["curves"], x) for k in keys} for x in ("tokens", "time")}
     cross = {x: [] for x in mean}
     for x, by in mean.items():
         for i, a in enumerate(keys):
             for b in keys[i + 1:]:
-                for c in C.crossings(*by[a], *by[b]):
+                for c in crossings(*by[a], *by[b]):
                     cross[x].append({"a": a, "b": b, **c, "lower_after": a if c["lower_after"] == "a" else b})
-    history = C.ranking_history(mean["tokens"])
+    history = ranking_history(mean["tokens"])
     return {"mean_curves": {x: {k: {"x": xs, "ppl": ys} for k, (xs, ys) in by.items()} for x, by in mean.items()},
             "crossings": cross, "ranking_history": history,
-            "ranking_settled_from": C.settled_from(history, tol=RANK_TIE),
-            "top3_settled_from": C.settled_from(history, 3, tol=RANK_TIE), "ranking_tie_tolerance": RANK_TIE}
+            "ranking_settled_from": settled_from(history, tol=RANK_TIE),
+            "top3_settled_from": settled_from(history, 3, tol=RANK_TIE), "ranking_tie_tolerance": RANK_TIE}
 
 
 def ppl_at(xs: Sequence[float], ys: Sequence[float], x: float) -> float | None:
     """A curve's perplexity at x, interpolated in log perplexity (None outside the points it has)."""
     if not xs or x < xs[0] or x > xs[-1]:
         return None
-    return math.exp(C._interp(xs, ys, x))
+    return math.exp(_interp(xs, ys, x))
 
 
 def verdict(results: dict, analysis: dict, key: str = REFERENCE) -> dict | None:

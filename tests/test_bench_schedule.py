@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from smlp_bench import cli, machine, presets, publish, training, verdicts
-from smlp_bench import curves as C
 from smlp_bench import schedule as S
 from smlp_bench.presets import BenchError
 from smlp_bench.report import report
@@ -209,17 +208,17 @@ def test_execute_runs_phase_two_for_the_best_and_resumes_after_a_stop(tmp_path, 
 def test_crossings_and_ranking_settlement():
     xa, ya = [1, 2, 3, 4], [10.0, 8.0, 6.0, 5.0]
     xb, yb = [1, 2, 3, 4], [9.0, 8.5, 7.0, 4.0]
-    cross = C.crossings(xa, ya, xb, yb)
+    cross = verdicts.crossings(xa, ya, xb, yb)
     assert [c["lower_after"] for c in cross] == ["a", "b"]
     assert 1 < cross[0]["x"] < 2 and 3 < cross[1]["x"] < 4
-    assert C.crossings(xa, ya, xa, [y * 2 for y in ya]) == []  # never cross
-    hist = C.ranking_history({"a": (xa, ya), "b": (xb, yb)})
+    assert verdicts.crossings(xa, ya, xa, [y * 2 for y in ya]) == []  # never cross
+    hist = verdicts.ranking_history({"a": (xa, ya), "b": (xb, yb)})
     assert [h["ranking"][0] for h in hist] == ["b", "a", "a", "b"]
-    assert C.settled_from(hist) == {"x": 4, "index": 3, "points_unchanged": 1, "fraction": 1.0, "tolerance": 0.0}
+    assert verdicts.settled_from(hist) == {"x": 4, "index": 3, "points_unchanged": 1, "fraction": 1.0, "tolerance": 0.0}
     # a swap within the tolerance is a tie, not a change: b is 5% above a at x=2 and 3, 20% below at the end
-    assert C.settled_from(hist, tol=0.05)["x"] == 4                   # 8.5 vs 8 is within 5%, 7 vs 6 is not
-    assert C.settled_from(hist, tol=0.2)["x"] == 1                    # everything within 20%: settled at once
-    assert C.settled_from(hist, top=1)["x"] == 4
+    assert verdicts.settled_from(hist, tol=0.05)["x"] == 4                   # 8.5 vs 8 is within 5%, 7 vs 6 is not
+    assert verdicts.settled_from(hist, tol=0.2)["x"] == 1                    # everything within 20%: settled at once
+    assert verdicts.settled_from(hist, top=1)["x"] == 4
 
 
 # ---------------------------------------------------------------- publishing a partial run

@@ -1,13 +1,6 @@
 """Count host syncs on CPU: the device-to-host reads and host-to-device copies a CUDA run of the same code would stall
-on (the step breakdown's host syncs, the GPU check's CPU reference, the budget tests/test_hot_path.py enforces).
-
-`HostSyncCounter`, a TorchFunctionMode, counts the Python-level calls that are host syncs on CUDA and the copies of
-host data to the device; docs/training.md ("What the host-sync counter counts") lists them, with what makes a tensor
-a host tensor. While counting, the backward methods of the project's autograd Functions (smlp, fairseq_plugins)
-re-enter the counter (autograd runs them outside every TorchFunctionMode). `accelerator_paths()` puts balanced
-assignment on its torch path with the accelerator's completion checks and the FFN experts on their grouped product,
-so the count is the CUDA one. Each sync is recorded with the first frame in the project's code that caused it.
-"""
+on (docs/training.md, "What the host-sync counter counts"). `accelerator_paths()` puts the code on the paths an
+accelerator takes, so the count is the CUDA one; each sync is recorded with the first frame in the project's code."""
 from __future__ import annotations
 
 import contextlib

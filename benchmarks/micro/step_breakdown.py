@@ -1,14 +1,6 @@
-"""Where a training step of each FLOP-matched family goes (issue 38): the one profiler breakdown, `smlp-bench
-breakdown` (`python -m smlp_bench.micro.step_breakdown`), on one process and on 2 gloo ranks x 1 thread.
+"""Where a training step of each FLOP-matched family goes, on one process and on 2 gloo ranks x 1 thread.
 
-The core's models (`--size fair`: the fair configuration's FLOP matches, planned with fairseq; `--size tiny`) train
-in a plain loop as fairseq's train_step runs it. Per family, world size and rank: the step's time without the
-profiler, each profiled event's own time by part (smlp.profiling.step_parts), the forward by block and range, the
-backward by block, operators by phase and block (op_count.py), host syncs on the accelerator's path (host_syncs.py);
-and cached decoding at batch 1 (operators per block, ms per token with the cache and recomputing the prefix). Times
-on a shared machine are noise (the record keeps the load average); operator counts are exact. `--baseline RECORD`
-keeps an earlier record's operator counts beside this run's (e.g. of an older smlp/ first on PYTHONPATH).
-"""
+`smlp-bench breakdown` (issue 38); docs/benchmarks.md, "Where sMLP-det's step goes", says what it measures."""
 from __future__ import annotations
 
 import contextlib
