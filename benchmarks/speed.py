@@ -137,7 +137,7 @@ def markdown(speed: dict) -> str:
             share = f"{b['routing'] + b['all2all']:.1%}" if "routing" in b and "all2all" in b else "-"
             span = f" [{r['wps_range'][0]:,.0f}-{r['wps_range'][1]:,.0f}]" if r.get("wps_range") else ""
             lines.append(f"| {n} | {r['name']} | {r['wps'] or 0:,.0f}{span} | {_cell(r['gMLP'])} "
-                         f"| {_cell(r['fastest Transformer-MoE'])} ({side['fastest_moe']}) "
+                         f"| {_cell(r['fastest Transformer-MoE'])}{f' ({m})' if (m := side['fastest_moe']) else ''} "
                          f"| {share} |")
     if speed.get("scaling"):
         lines += ["", "| scaling (words/s on 2 ranks / 2 x on 1 process) | " +
@@ -195,6 +195,7 @@ def run(args) -> int:
             print(f"== speed: {n} process(es)", flush=True)
             ms = models(vocab_size(data), n, keys)
             s = dict(settings(args.updates, args.seeds), models=tuple(m.key for m in ms))
+            (out / f"nproc{n}").mkdir(exist_ok=True)
             store = run_schedule("speed", s, ms, {}, data, n, out / f"nproc{n}", resume=args.resume,
                                  reference="smlp_det")
             sides[n] = analyse(report(store, out / f"nproc{n}", quiet=True))

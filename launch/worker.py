@@ -215,4 +215,20 @@ def run_worker(fairseq_args: list[str]) -> int:
 
         if rank_and_world()[0] == 0:
             Path(status_file).write_text(f"stopped num_updates={stop.stopped_at}\n")
+    end_after_profiling()
     return 0
+
+
+def end_after_profiling() -> None:
+    """After a run that profiled steps (SMLP_PROFILE_STEPS, smlp-bench): the Python exit handlers, then exit 0
+    without the C++ static destructors, where torch's profiler can abort a finished run at exit (kineto's
+    exit-time lifetime bugs: SIGABRT, "terminate called without an active exception"). Nothing otherwise."""
+    profiler = sys.modules.get("fairseq_plugins.step_profiler")
+    if profiler is None or not profiler.PROFILED:
+        return
+    import atexit
+
+    atexit._run_exitfuncs()  # what a normal exit runs first (fairseq's writers, logging)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
