@@ -122,7 +122,7 @@ def expert_trend(deciding: dict, experts: dict, best: str) -> dict:
             "label": "trend (one seed at 2 and 32 experts, spreads borrowed from the deciding seeds), not a verdict",
             "note": "sMLP-det's sMoE routes deterministically: every token passes through every sMoE expert (each a "
                     "spatial gating unit over D/E channels), so more experts split the same channels finer rather "
-                    "than adding parameters per token as the tMoE's experts do"}
+                    "than adding parameters per token as the tMoE's experts do."}
 
 
 def analysed_stage(record: dict, extra: dict) -> dict:
@@ -258,8 +258,9 @@ def fair_verdicts(record: dict) -> list[str]:
     if e := record.get("experts"):
         gaps = ", ".join(f"{x} experts {g['ratio'] - 1:+.1%}"
                          for x, g in sorted(e["gaps"].items(), key=lambda kv: int(kv[0])))
+        note = e.get("note", "").rstrip(".")  # records written before it ended with a period lack one
         lines.append(f"- Experts (a trend, one seed at 2 and 32): sMLP-det's difference to "
-                     f"{names.get(e['best_moe'], e['best_moe'])}: {gaps}. {e.get('note', '')}")
+                     f"{names.get(e['best_moe'], e['best_moe'])}: {gaps}." + (f" {note}." if note else ""))
     lines.append(f"- Rule: {v.get('rule', record.get('rule'))}.")
     if not record.get("complete"):
         lines.append("- **PARTIAL: the benchmark has not finished; the answers may change.**")
