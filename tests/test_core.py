@@ -4,7 +4,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from smlp.causality import assert_causal, earlier_outputs_unchanged
 from smlp.config import GMLPConfig, SGUConfig, SMoEConfig, SparseBlockConfig, TMoEConfig
@@ -14,6 +13,7 @@ from smlp.gmlp import GMLPBlock, SpatialGatingUnit
 from smlp.moe import SMoE, SparseBlock, TMoE, hash_table
 from smlp.routing import base_route, smoe_partial_route
 from smlp.routing.assignment import sanitize_scores
+from tiny_steps import PlainOpCount
 from tolerance import within_bound
 
 torch.set_num_threads(1)
@@ -151,9 +151,9 @@ def test_local_deterministic_smoe_mixes_one_sequence_in_place_as_the_multihead_s
                              ("rows", lambda x: _rows_path(smoe, x), smoe)):
         module.zero_grad()
         x = z.clone().requires_grad_(True)
-        with _OpCount() as forward:
+        with PlainOpCount() as forward:
             y = fn(x)
-        with _OpCount() as backward:
+        with PlainOpCount() as backward:
             y.backward(g)
         grads = [p.grad.clone() for p in module.parameters()]
         results[name], ops[name] = [y.detach(), x.grad, *grads], (forward.n, backward.n)
@@ -169,18 +169,6 @@ def test_local_deterministic_smoe_mixes_one_sequence_in_place_as_the_multihead_s
     smoe(torch.randn(3, 7, 16))  # the rows' path; the constant counts are made once per share, not every forward
     smoe(torch.randn(3, 9, 16))
     assert list(smoe._constant_counts) == [(C // experts, z.device), (3 * C // experts, z.device)]
-
-
-class _OpCount(TorchDispatchMode):
-    """Operators that reach the kernels (below autograd), as smlp_bench.micro.step_breakdown counts them."""
-
-    def __init__(self):
-        super().__init__()
-        self.n = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.n += func.namespace != "profiler"
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("routing", ["deterministic", "partial"])

@@ -14,10 +14,10 @@ from collections import Counter
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from smlp.lm import LanguageModel, LMConfig
 from smlp_bench.micro import step_breakdown as sb
+from tiny_steps import PlainOpCount
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -88,23 +88,13 @@ def test_a_baseline_s_operator_counts_are_shown_beside_the_run_s(record):
     assert f"decoding    smlp_det     step {record['decoding']['smlp_det']['ops']} -> " in text
 
 
-class _Plain(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.n = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.n += func.namespace != "profiler"
-        return func(*args, **(kwargs or {}))
-
-
 def test_the_forward_counted_by_block_is_the_forward_counted_whole():
     cfg = LMConfig(**sb.TINY, **sb.TINY_LAYERS["smlp_det"])
     loop = sb.Loop(LanguageModel(cfg).train(), 1)
     tokens = sb.batches(cfg, 2, 0, 1)[0]
     loop.step(tokens)
     by_block = sb.count_ops(loop, tokens)
-    with _Plain() as plain:
+    with PlainOpCount() as plain:
         loop.model(tokens[:, :-1])
     assert sum(by_block["forward"].values()) == plain.n
     per = Counter({k: v["forward"] * v["blocks"] for k, v in by_block["per_block"].items()})

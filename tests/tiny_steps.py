@@ -5,6 +5,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from smlp.lm import LanguageModel, LMConfig
 from smlp_bench.micro.host_syncs import HostSyncCounter, accelerator_paths
@@ -100,3 +101,16 @@ def count_step(name: str, seed: int = 0) -> dict:
         out[f"{part}_sites"] = dict(counter.by_site)
     out["sparse_layers"] = core.cfg.sparse_layers
     return out
+
+
+class PlainOpCount(TorchDispatchMode):
+    """Operators that reach the kernels (below autograd), counted whole: the reference for the step breakdown's
+    per-block counts (smlp_bench.micro.op_count) and the operator-count tests."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += func.namespace != "profiler"
+        return func(*args, **(kwargs or {}))
