@@ -12,7 +12,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from .presets import MOE_BASELINES, NAMES, BenchError, plan_models
+from . import machine, pinned
+from .presets import MOE_BASELINES, NAMES, BenchError, models_from_plan, plan_models
 from .publish import PAGE, replace_section
 from .report import report
 from .store import atomic_write_json
@@ -44,13 +45,17 @@ def min_updates() -> int:
     return 2 * s["log_interval"] + s["profile_steps"] + 2
 
 
-def models(vocab_size: int, nproc: int, keys=MODELS) -> list:
-    """The models of `keys` (sMLP-det, the reference of every ratio, always first); one process runs no variant."""
+def models(vocab_size: int, nproc: int, keys=MODELS, code=None) -> list:
+    """The models of `keys` (sMLP-det, the reference of every ratio, always first), planned by `code` (a pinned
+    commit's worktree, benchmarks/pinned.py) or by this checkout; one process runs no variant."""
     from .fair import FAIR_TARGET
 
     if unknown := [k for k in keys if k not in MODELS]:
         raise BenchError(f"--models: unknown {', '.join(unknown)}; valid: {', '.join(MODELS)}")
-    base, _ = plan_models(vocab_size, nproc, ("smlp_det", *(k for k in BASELINES if k in keys)), FAIR_TARGET)
+    planned = ("smlp_det", *(k for k in BASELINES if k in keys))
+    base = models_from_plan(code.ask("plan", vocab_size=vocab_size, nproc=nproc, keys=list(planned),
+                                     target=FAIR_TARGET)) if code is not None else \
+        plan_models(vocab_size, nproc, planned, FAIR_TARGET)[0]
     by_key = {m.key: m for m in base}
     det = by_key["smlp_det"]
     if nproc > 1:
@@ -103,7 +108,7 @@ def combine(sides: dict[int, dict]) -> dict:
         side = sides.get(nproc)
         row = side["rows"][0] if side and side["rows"] and side["rows"][0]["model"] == "smlp_det" else None
         v = row[label]["ratio"] if row and row[label] else None
-        name = f"{label} ({side['fastest_moe']})" if label.startswith("fastest") and side else label
+        name = f"{label} ({side['fastest_moe'] or 'none measured'})" if label.startswith("fastest") and side else label
         targets.append({"target": f"sMLP-det words/s over {name}, {nproc} process(es)", "goal": f">= {goal:.2f}x",
                         "measured": v, "met": None if v is None else v >= goal})
     if "smlp_det" in scaling and "gmlp" in scaling:
@@ -125,9 +130,10 @@ def _cell(r: dict | float | None) -> str:
 def markdown(speed: dict) -> str:
     m, s = speed.get("machine") or {}, speed["settings"]
     sides = speed.get("sides") or {"2": speed}  # a record of one side (2 ranks), written before issue 47
-    lines = [f"Measured by `python -m smlp_bench.speed` on {m.get('cpu_model') or m.get('cpu', '?')}, gloo ranks x 1 "
-             f"thread, {s['updates']} updates x {s['seeds']} interleaved round(s) per model, fair configuration "
-             f"(8 experts); {'complete' if speed['complete'] else 'PARTIAL'}. Ratios from "
+    at = f" at commit {_commit(speed)}" if speed.get("code") else ""
+    lines = [f"Measured by `python -m smlp_bench.speed`{at} on {m.get('cpu_model') or m.get('cpu', '?')}, gloo "
+             f"ranks x 1 thread, {s['updates']} updates x {s['seeds']} interleaved round(s) per model, fair "
+             f"configuration (8 experts); {'complete' if speed['complete'] else 'PARTIAL'}. Ratios from "
              f"{speed.get('ratios_from', 'runs adjacent in time, probe-normalized')}: median [range] over rounds.", "",
              "| processes | model | words/s [range] | over gMLP | over the fastest Transformer-MoE "
              "| routing + all2all share |", "|---:|---|---:|---:|---:|---:|"]
@@ -152,8 +158,41 @@ def markdown(speed: dict) -> str:
     return "\n".join(lines)
 
 
-def publish(path: Path, page: Path = PAGE) -> None:
-    page.write_text(replace_section(page.read_text(), START, END, markdown(json.loads(path.read_text())), page))
+def _commit(record: dict) -> str:
+    return ((record.get("code") or {}).get("commit") or "?")[:7]
+
+
+def before_after(before: dict, after: dict) -> str:
+    """Two records of the same benchmark, the code before a change and after it: each model's words/s in both
+    (runs of different hours: machine drift included), and sMLP-det's same-round ratio over gMLP in both, which
+    cancels the drift that both sides share."""
+    lines = [f"Before (commit {_commit(before)}) and after (commit {_commit(after)}), each its own run of "
+             f"`python -m smlp_bench.speed`; words/s median [range] over rounds.", "",
+             "| processes | model | words/s before | words/s after | after / before | sMLP-det over gMLP, before -> "
+             "after |", "|---:|---|---:|---:|---:|---:|"]
+    for n, side in (after.get("sides") or {}).items():
+        old = (before.get("sides") or {}).get(n)
+        if old is None:
+            continue
+        rows = {r["model"]: r for r in old["rows"]}
+        for key, now in side["wps"].items():
+            if key not in old["wps"]:
+                continue
+            was = old["wps"][key]
+            ratio = (f"{_cell(rows[key]['gMLP'])} -> {_cell(r['gMLP'])}"
+                     if key in rows and (r := next((x for x in side["rows"] if x["model"] == key), None)) else "")
+            lines.append(f"| {n} | {NAMES.get(key, key)} | {was['median']:,.0f} [{was['range'][0]:,.0f}-"
+                         f"{was['range'][1]:,.0f}] | {now['median']:,.0f} [{now['range'][0]:,.0f}-"
+                         f"{now['range'][1]:,.0f}] | {now['median'] / was['median']:.3f}x | {ratio} |")
+    return "\n".join(lines)
+
+
+def publish(path: Path, page: Path = PAGE, before: Path | None = None) -> None:
+    """Rewrite the speed section of `page` from the record at `path` (and the before/after table against the
+    record at `before`)."""
+    speed = json.loads(path.read_text())
+    text = markdown(speed) + (f"\n\n{before_after(json.loads(before.read_text()), speed)}" if before else "")
+    page.write_text(replace_section(page.read_text(), START, END, text, page))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -164,14 +203,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--models", default=",".join(MODELS), help=f"a subset of {', '.join(MODELS)} (all)")
     p.add_argument("--data", type=Path, default=None, help="a fairseq data-bin (default: the demo corpus)")
     p.add_argument("--resume", action="store_true")
+    p.add_argument("--code", default=None, metavar="COMMIT",
+                   help="train with the code of COMMIT (a git worktree under OUTPUT_DIR/code/), e.g. the commit before "
+                        "a change, to measure before and after with the same harness (default: this checkout)")
     p.add_argument("--publish", type=Path, default=None, metavar="SPEED_JSON",
                    help="do not train: rewrite the speed section of docs/benchmarks.md from SPEED_JSON")
+    p.add_argument("--before", type=Path, default=None, metavar="BEFORE_JSON",
+                   help="with --publish: add a before/after table against this record (the code before a change, "
+                        "measured with --code COMMIT)")
 
 
 def run(args) -> int:
     if args.publish:
-        publish(args.publish)
-        print(f"   {PAGE}: the speed section from {args.publish}")
+        publish(args.publish, before=args.before)
+        print(f"   {PAGE}: the speed section from {args.publish}{f' against {args.before}' if args.before else ''}")
         return 0
     if args.updates < min_updates() or args.seeds < 1:
         print(f"smlp_bench.speed: error: --updates {args.updates}: a run needs at least {min_updates()} updates "
@@ -190,19 +235,22 @@ def run(args) -> int:
     t0, sides = time.time(), {}
     try:
         data = prepare(args.data, out)
+        code = pinned.checkout(args.code, out, machine.CODE_ROOT) if args.code else None
+        if code is not None:
+            print(f"   every run executes commit {code.commit[:10]} ({code.root})", flush=True)
         keys = [k.strip() for k in args.models.split(",") if k.strip()]
         for n in counts:  # one side after the other, each in its own interleaved rounds and store
             print(f"== speed: {n} process(es)", flush=True)
-            ms = models(vocab_size(data), n, keys)
+            ms = models(vocab_size(data), n, keys, code)
             s = dict(settings(args.updates, args.seeds), models=tuple(m.key for m in ms))
             (out / f"nproc{n}").mkdir(exist_ok=True)
             store = run_schedule("speed", s, ms, {}, data, n, out / f"nproc{n}", resume=args.resume,
-                                 reference="smlp_det")
+                                 reference="smlp_det", code=code)
             sides[n] = analyse(report(store, out / f"nproc{n}", quiet=True))
     except BenchError as exc:
         print(f"smlp_bench.speed: error: {exc}", file=sys.stderr)
         return 1
-    speed = combine(sides)
+    speed = dict(combine(sides), code=code.identity() if code is not None else machine.code_identity())
     atomic_write_json(out / "speed.json", speed)
     print(markdown(speed))
     print(f"   {out / 'speed.json'} ({(time.time() - t0) / 60:.0f} min); publish with "

@@ -139,6 +139,17 @@ def test_speed_record_gives_both_sides_ratios_from_the_same_rounds_and_the_scali
     assert text.startswith("before\n") and text.endswith("after\n") and "old" not in text
     assert "| 2 | smlp_det_expert | 50 [45-80] | 0.500x [0.45-0.80] | 0.500x [0.40-0.80] (hash) | - |" in text
     assert "| 1 | smlp_det | 50 [48-52] |" in text and "| **no** |" in text and "no probes" in text
+    # before/after (--publish AFTER --before BEFORE): the same benchmark on the code before a change
+    was = speed.combine({1: speed.analyse(side(1, {"smlp_det": [40.0, 45.0, 44.0], "gmlp": [50.0, 50.0, 55.0]}))})
+    (tmp_path / "b.json").write_text(__import__("json").dumps(dict(was, code={"commit": "aaaaaaa1234"})))
+    (tmp_path / "s.json").write_text(__import__("json").dumps(dict(out, code={"commit": "bbbbbbb5678"})))
+    speed.publish(tmp_path / "s.json", page, before=tmp_path / "b.json")
+    text = page.read_text()
+    assert "at commit bbbbbbb" in text and "Before (commit aaaaaaa) and after (commit bbbbbbb)" in text
+    # 1 process, sMLP-det: medians 44 -> 50; over gMLP in the same rounds 40/50, 45/50, 44/55 -> 0.8 [0.80-0.90]
+    assert "| 1 | sMLP-deterministic | 44 [40-45] | 50 [48-52] | 1.136x | 0.800x [0.80-0.90] -> 0.960x [0.87-0.96] |" \
+        in text
+    assert "| 1 | gMLP | 50 [50-55] | 52 [50-60] | 1.040x |  |" in text and "| 2 |" not in text.split("Before")[1]
 
 
 def test_speed_refuses_a_run_too_short_to_measure_and_accepts_the_shortest_that_measures(capsys):
