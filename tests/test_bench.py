@@ -152,6 +152,30 @@ def test_speed_record_gives_both_sides_ratios_from_the_same_rounds_and_the_scali
     assert "| 1 | gMLP | 50 [50-55] | 52 [50-60] | 1.040x |  |" in text and "| 2 |" not in text.split("Before")[1]
 
 
+def test_speed_code_plans_the_models_with_the_pinned_commit(tmp_path):
+    """`--code COMMIT` (before/after with one harness): the models are planned by the commit's own code, in a
+    worktree of it (benchmarks/pinned.py); for this checkout's HEAD, the same models as planned here, the
+    variants added on 2 ranks as for this checkout's plan. The worktree is removed again."""
+    import subprocess
+
+    from smlp_bench import machine, pinned, speed
+
+    head = subprocess.run(["git", "-C", str(machine.CODE_ROOT), "rev-parse", "HEAD"], capture_output=True, text=True)
+    if head.returncode != 0:
+        pytest.skip("not a git checkout")
+    code = pinned.checkout(head.stdout.strip(), tmp_path, machine.CODE_ROOT)
+    try:
+        keys = ("smlp_det", "smlp_det_expert", "hash")
+        here = speed.models(4000, 2, keys)
+        there = speed.models(4000, 2, keys, code)
+        assert [m.key for m in there] == ["smlp_det", "smlp_det_expert", "hash"]
+        assert [m.as_dict() for m in there] == [m.as_dict() for m in here]
+        assert "--smoe-parallel" in there[1].flags and code.root.is_relative_to(tmp_path)
+    finally:
+        subprocess.run(["git", "-C", str(machine.CODE_ROOT), "worktree", "remove", "--force", str(code.root)],
+                       capture_output=True)
+
+
 def test_speed_refuses_a_run_too_short_to_measure_and_accepts_the_shortest_that_measures(capsys):
     """`--updates N` below the minimum left no log interval to read words/s from ("nan words/s", then an
     IndexError in the report): refused with the minimum, which itself leaves one clean interval."""
