@@ -34,6 +34,23 @@ def machine_info() -> dict:
     return info
 
 
+def cpu_ticks() -> tuple[int, int] | None:
+    """(steal, total) CPU time of the machine since boot, in clock ticks (/proc/stat; None where there is none).
+    Between two readings, steal / total is the share of the CPUs' time the hypervisor gave to other guests."""
+    try:
+        ticks = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    return (ticks[7], sum(ticks)) if len(ticks) == 8 else None
+
+
+def steal_share(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+    """The share of CPU time stolen by the hypervisor between two `cpu_ticks` readings (None: unknown)."""
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return (after[0] - before[0]) / (after[1] - before[1])
+
+
 def matmul_rate(n: int, seconds: float, device=None, dtype=None) -> float:
     """Dense matmul FLOP/s of n x n products on `device` (the CPU by default) in `dtype` (fp32 by default, no TF32)."""
     import torch

@@ -42,6 +42,7 @@ class Run:
     log: str = ""
     started: float = 0.0
     finished: float = 0.0
+    steal: float | None = None  # share of the machine's CPU time the hypervisor took during the run (machine.py)
 
 
 def _poll_peaks(pid: int, peaks: dict, stop: threading.Event) -> None:
@@ -121,7 +122,7 @@ def run_training(model: Model, data: Path, settings: dict, nproc: int, seed: int
         env["SMLP_PROFILE_STEPS"] = f"{start}:{count}:{out / 'profile'}"
     (out / "train.cmd").write_text(" ".join(cmd) + "\n")
     run = Run(model.key, seed, log=str(out / "train.log"), started=time.time())
-    t0 = time.perf_counter()
+    t0, ticks = time.perf_counter(), machine.cpu_ticks()
     with open(out / "train.log", "w") as log:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env,
                                 cwd=code.root if code is not None else None)
@@ -148,6 +149,7 @@ def run_training(model: Model, data: Path, settings: dict, nproc: int, seed: int
             stop.set()
             memory.join(timeout=5)
     run.seconds, run.finished = time.perf_counter() - t0, time.time()
+    run.steal = machine.steal_share(ticks, machine.cpu_ticks())
     run.peak_rss_mb = sorted(peaks.values(), reverse=True)[:nproc]
     if rc != 0:
         tail = "".join((out / "train.log").read_text(errors="replace").splitlines(keepends=True)[-30:])
@@ -192,7 +194,7 @@ def run_record(slot: S.Slot, run: Run, settings: dict, nproc: int, code=None) ->
     rec = {"key": run.key, "seed": run.seed, "kind": slot.kind, "seconds": round(run.seconds, 2),
            "started": run.started, "finished": run.finished, "peak_rss_mb": run.peak_rss_mb,
            "intervals": [{k: f[k] for k in INTERVAL_FIELDS if k in f} for f in run.intervals], "valid": run.valid,
-           "profile": run.profile, "log": run.log,
+           "profile": run.profile, "log": run.log, "cpu_steal": run.steal,
            "code": code.identity() if code is not None else machine.code_identity()}
     if slot.kind == S.PROBE:
         w = [f["wps"] * input_tokens_per_target(f, seq_len) for f in run.intervals
@@ -202,6 +204,12 @@ def run_record(slot: S.Slot, run: Run, settings: dict, nproc: int, code=None) ->
         rec["tokens_per_update"] = nproc * settings["batch_size"] * seq_len
     rec["wps"] = statistics.median(w) if w else None
     return rec
+
+
+def _stolen(run: Run) -> str:
+    """A warning for a run whose machine was not its own: the hypervisor took more than 2% of the CPU time."""
+    return f"; the hypervisor took {run.steal:.0%} of the CPU time: words/s disturbed" if (run.steal or 0) > 0.02 \
+        else ""
 
 
 def second_phase(store: RunStore) -> bool:
@@ -253,7 +261,7 @@ def execute(store: RunStore, models: dict[str, Model], data: Path, *, log_dir: P
             ppl = final_ppl(rec)
             print(f"   [{done + 1}/{len(store.slots)}] {slot.run_id:<28} {rec['wps'] or float('nan'):>8,.0f} words/s, "
                   f"valid ppl {ppl if ppl is not None else float('nan'):.1f}, {run.seconds:.0f} s "
-                  f"(phase {slot.phase}, round {slot.round})", flush=True)
+                  f"(phase {slot.phase}, round {slot.round}){_stolen(run)}", flush=True)
         with contextlib.suppress(ValueError):  # a store committed to the repository names no machine's paths
             rec["log"] = str(Path(rec["log"]).resolve().relative_to(Path(log_dir).resolve()))
         store.record(slot, rec)

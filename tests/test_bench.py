@@ -193,3 +193,23 @@ def test_speed_refuses_a_run_too_short_to_measure_and_accepts_the_shortest_that_
     with pytest.raises(SystemExit):
         speed.main(["--updates", str(low - 1)])
     assert f"at least {low} updates" in capsys.readouterr().err
+
+
+def test_a_run_records_the_cpu_time_the_hypervisor_took():
+    """The steal share between two /proc/stat readings (hand-computed), None when unknown; a run whose machine lost
+    more than 2% of its CPU time to other guests says so on its progress line and keeps the share in its record."""
+    from smlp_bench import machine
+
+    assert machine.steal_share((100, 10_000), (130, 10_600)) == 30 / 600
+    assert machine.steal_share(None, (1, 2)) is None and machine.steal_share((5, 10), (5, 10)) is None
+    now = machine.cpu_ticks()
+    if now is not None:  # Linux: steal <= total, and both only grow
+        later = machine.cpu_ticks()
+        assert 0 <= now[0] <= now[1] and later[0] >= now[0] and later[1] >= now[1]
+    run = training.Run("m", 1, steal=0.05)
+    assert "the hypervisor took 5% of the CPU time" in training._stolen(run)
+    assert training._stolen(training.Run("m", 1, steal=0.01)) == training._stolen(training.Run("m", 1)) == ""
+    slot = training.S.Slot(index=0, kind=training.S.TRAIN, key="m", seed=1, phase=1, round=0)
+    rec = training.run_record(slot, run, {"target": {"seq_len": 8}, "batch_size": 1, "log_interval": 1,
+                                          "validate_every": 100, "updates": 4, "profile_steps": 0}, 1)
+    assert rec["cpu_steal"] == 0.05
