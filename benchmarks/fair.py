@@ -81,11 +81,8 @@ def _plan(code: pinned.Checkout | None, vocab_size: int, nproc: int, keys: tuple
           target: str) -> tuple[tuple[str, Model], ...]:
     """The FLOP-matched models of a target by the stage's code, planned once per process (Models are only ever
     copied with `replace`)."""
-    if code is not None:
-        models = models_from_plan(code.ask("plan", vocab_size=vocab_size, nproc=nproc, keys=list(keys),
-                                           target=json.loads(target)))
-    else:
-        models, _ = plan_models(vocab_size, nproc, keys, json.loads(target))
+    plan = code.plan_models if code is not None else plan_models
+    models, _ = plan(vocab_size, nproc, keys, json.loads(target))
     return tuple((m.key, m) for m in models)
 
 

@@ -9,7 +9,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .presets import BenchError
+from .presets import BenchError, models_from_plan
 
 # installed name -> folder of the checkout (pyproject.toml's package-dir); the top-level folders smlp/ and
 # fairseq_plugins/ resolve from the worktree's root on the path
@@ -84,6 +84,11 @@ class Checkout:
         finally:
             req.unlink(missing_ok=True)
             ans.unlink(missing_ok=True)
+
+    def plan_models(self, vocab_size: int, nproc: int, keys, target: dict) -> tuple[list, dict]:
+        """`presets.plan_models`, answered by the pinned commit's code: (models, matching)."""
+        answer = self.ask("plan", vocab_size=vocab_size, nproc=nproc, keys=list(keys), target=target)
+        return models_from_plan(answer), answer["matching"]
 
     def train_command(self, model, data: Path, settings: dict, nproc: int, seed: int, out: Path, *,
                       updates: int | None = None, validate: bool = True, log_interval: int | None = None) -> list[str]:

@@ -13,7 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from . import machine, pinned
-from .presets import MOE_BASELINES, NAMES, BenchError, models_from_plan, plan_models
+from .presets import MOE_BASELINES, NAMES, BenchError, plan_models
 from .publish import PAGE, replace_section
 from .report import report
 from .store import atomic_write_json
@@ -52,10 +52,8 @@ def models(vocab_size: int, nproc: int, keys=MODELS, code=None) -> list:
 
     if unknown := [k for k in keys if k not in MODELS]:
         raise BenchError(f"--models: unknown {', '.join(unknown)}; valid: {', '.join(MODELS)}")
-    planned = ("smlp_det", *(k for k in BASELINES if k in keys))
-    base = models_from_plan(code.ask("plan", vocab_size=vocab_size, nproc=nproc, keys=list(planned),
-                                     target=FAIR_TARGET)) if code is not None else \
-        plan_models(vocab_size, nproc, planned, FAIR_TARGET)[0]
+    plan = code.plan_models if code is not None else plan_models
+    base, _ = plan(vocab_size, nproc, ("smlp_det", *(k for k in BASELINES if k in keys)), FAIR_TARGET)
     by_key = {m.key: m for m in base}
     det = by_key["smlp_det"]
     if nproc > 1:
@@ -174,13 +172,13 @@ def before_after(before: dict, after: dict) -> str:
         old = (before.get("sides") or {}).get(n)
         if old is None:
             continue
-        rows = {r["model"]: r for r in old["rows"]}
+        rows_was, rows_now = ({r["model"]: r for r in s["rows"]} for s in (old, side))
         for key, now in side["wps"].items():
             if key not in old["wps"]:
                 continue
             was = old["wps"][key]
-            ratio = (f"{_cell(rows[key]['gMLP'])} -> {_cell(r['gMLP'])}"
-                     if key in rows and (r := next((x for x in side["rows"] if x["model"] == key), None)) else "")
+            ratio = f"{_cell(rows_was[key]['gMLP'])} -> {_cell(rows_now[key]['gMLP'])}" \
+                if key in rows_was and key in rows_now else ""
             lines.append(f"| {n} | {NAMES.get(key, key)} | {was['median']:,.0f} [{was['range'][0]:,.0f}-"
                          f"{was['range'][1]:,.0f}] | {now['median']:,.0f} [{now['range'][0]:,.0f}-"
                          f"{now['range'][1]:,.0f}] | {now['median'] / was['median']:.3f}x | {ratio} |")
