@@ -22,9 +22,23 @@ def make_plan(name: str, settings: dict, models: Sequence, nproc: int, order_see
 
 
 def plan_seeds(settings: dict) -> list[int]:
-    """The seeds of a plan: `seeds` is a count (1..N) or the list itself."""
+    """The seeds of a plan: `seeds` is a count (1..N) or the list itself; a plan of explicit `rounds` (below) has
+    the seeds of its rounds."""
+    if settings.get("rounds"):
+        return sorted({int(seed) for seed, _ in settings["rounds"]})
     seeds = settings["seeds"]
     return list(seeds) if isinstance(seeds, (list, tuple)) else list(range(1, seeds + 1))
+
+
+def planned_rounds(settings: dict, keys: Sequence[str], order_seed: int) -> list[tuple[int, int, int, list[str]]]:
+    """The rounds of a plan: every model at every seed (one round per seed), or, where the settings name them,
+    explicit `rounds` ([seed, [model keys]], in execution order: a stage whose models run different seeds), each
+    round's keys in its rotated order."""
+    if not settings.get("rounds"):
+        return seed_rounds(keys, plan_seeds(settings), order_seed)
+    if unknown := sorted({k for _, ks in settings["rounds"] for k in ks} - set(keys)):
+        raise BenchError(f"the plan's rounds name models it does not have: {', '.join(unknown)}")
+    return [(1, i, int(seed), round_order(ks, i, order_seed)) for i, (seed, ks) in enumerate(settings["rounds"])]
 
 
 def probe_reference(plan: dict) -> str | None:
@@ -34,8 +48,7 @@ def probe_reference(plan: dict) -> str | None:
 
 def initial_schedule(plan: dict) -> list[Slot]:
     keys = [m["key"] for m in plan["models"]]
-    return extend_schedule([], seed_rounds(keys, plan_seeds(plan["settings"]), plan["order_seed"]),
-                           probe_reference(plan))
+    return extend_schedule([], planned_rounds(plan["settings"], keys, plan["order_seed"]), probe_reference(plan))
 
 
 def round_order(keys: Sequence[str], round_index: int, order_seed: int) -> list[str]:

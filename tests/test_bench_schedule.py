@@ -62,6 +62,18 @@ def test_extending_a_schedule_continues_its_probes_and_refuses_a_duplicate_run()
         S.extend_schedule(slots, S.seed_rounds(["b"], [1], 0), "a")
 
 
+def test_explicit_rounds_give_each_model_its_own_seeds_in_the_planned_order():
+    settings = {"seeds": [], "rounds": [[4, ["g"]], [5, ["g"]], [3, ["a", "b"]], [4, ["a", "b"]]]}
+    rounds = S.planned_rounds(settings, ["g", "a", "b"], order_seed=1)
+    slots = S.extend_schedule([], rounds, None)
+    assert [(s.key, s.seed) for s in slots] == [("g", 4), ("g", 5), *((k, 3) for k in S.round_order(["a", "b"], 2, 1)),
+                                                *((k, 4) for k in S.round_order(["a", "b"], 3, 1))]
+    assert S.plan_seeds(settings) == [3, 4, 5]
+    assert S.planned_rounds({"seeds": 2}, KEYS, 0) == S.seed_rounds(KEYS, [1, 2], 0)  # the plain plan unchanged
+    with pytest.raises(BenchError, match="does not have: x"):
+        S.planned_rounds({"rounds": [[1, ["a", "x"]]]}, KEYS, 0)
+
+
 # ---------------------------------------------------------------- ratios from adjacent runs
 
 
