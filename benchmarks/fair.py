@@ -31,6 +31,11 @@ PRIMARY_SEEDS = (4, 5)  # more seeds for the primary pair (sMLP-det, the sweep's
 # issue 51, fixed before any of its results: dense gMLP's seeds 4-5 (the secondary at 4 and 4 seeds), then the expert
 # trend's points (2 and 32 experts, the tie) at seeds 3-5 beside the experts stage's seed 2
 SECONDARY_SEEDS, TREND_SEEDS = (4, 5), (3, 4, 5)
+# then sMLP-det with the paper's channels per sMoE expert (D / 4 = 32 at D=128, as 1024 / 32 in Table 8), at 32 and 8
+# tMoE experts, seeds 2-5; last, the rates at 32 experts: sMLP-det and the best MoE at half, once and twice their
+# sweep's rate, seed 1 (the sweep's seed)
+SMOE_EXPERTS, SMOE_TMOE_EXPERTS, SMOE_SEEDS = 4, (32, 8), (2, 3, 4, 5)
+RATE_CHECK_EXPERTS, RATE_FACTORS = 32, (0.5, 1.0, 2.0)
 COMMON = dict(batch_size=16, log_interval=10, validate_every=50, valid_steps=10, warmup=50, lr=2e-3)
 STAGE_SETTINGS = {
     "lr-sweep": dict(COMMON, seeds=[SWEEP_SEED], updates=200, probe_updates=0, profile_steps=0),
@@ -40,10 +45,11 @@ STAGE_SETTINGS = {
     # explicit rounds (stage_rounds): each model its own seeds
     "experts-seeds": dict(COMMON, seeds=[*SECONDARY_SEEDS, *TREND_SEEDS], updates=500, probe_updates=0,
                           profile_steps=0),
+    "smoe-experts": dict(COMMON, seeds=[SWEEP_SEED, *SMOE_SEEDS], updates=500, probe_updates=0, profile_steps=0),
 }
 STAGES = tuple(STAGE_SETTINGS)
 # `width` only when asked for (--stages width)
-DEFAULT_STAGES = ("lr-sweep", "deciding", "experts", "experts-seeds")
+DEFAULT_STAGES = ("lr-sweep", "deciding", "experts", "experts-seeds", "smoe-experts")
 # what the comparison is, for its record (benchmarks/fair_report.py final_report)
 DESIGN = {"target": FAIR_TARGET, "wide_target": WIDE_TARGET, "settings": STAGE_SETTINGS,
           "primary_seeds": {"seeds": [*DECIDING_SEEDS, *PRIMARY_SEEDS], "others": list(DECIDING_SEEDS)}}
@@ -134,15 +140,42 @@ def seed_rounds_of(ctx: Context) -> list[list]:
     return [*([s, ["gmlp"]] for s in SECONDARY_SEEDS), *([s, trend] for s in TREND_SEEDS)]
 
 
+def smoe_key(tmoe_experts: int, smoe_experts: int = SMOE_EXPERTS) -> str:
+    """sMLP-det with its sMoE's experts counted apart: smlp_det_s4_e32 (4 sMoE, 32 tMoE experts)."""
+    return f"smlp_det_s{smoe_experts}_e{tmoe_experts}"
+
+
+def smoe_models(ctx: Context) -> list[Model]:
+    """sMLP-det with SMOE_EXPERTS sMoE experts at each tMoE count, then the rate check's models at
+    RATE_CHECK_EXPERTS experts (sMLP-det and the best MoE at each factor of their sweep's rate, keyed by rate)."""
+    out = []
+    for e in SMOE_TMOE_EXPERTS:
+        target = dict(FAIR_TARGET, experts=e, smoe_experts=SMOE_EXPERTS)
+        out.append(_at_rate(_matched(ctx, target, ("smlp_det",))["smlp_det"], ctx.rate("smlp_det"), smoe_key(e),
+                            f"{NAMES['smlp_det']}, {SMOE_EXPERTS} sMoE + {e} tMoE experts"))
+    e = RATE_CHECK_EXPERTS
+    for k in ("smlp_det", ctx.best_moe()):
+        base = _matched(ctx, dict(FAIR_TARGET, experts=e), (k,))[k]
+        for f in RATE_FACTORS:
+            lr = ctx.rate(k) * f
+            out.append(_at_rate(base, lr, f"{k}_e{e}@lr{lr:g}", f"{NAMES[k]}, {e} experts, lr {lr:g}"))
+    return out
+
+
+def smoe_rounds_of(ctx: Context) -> list[list]:
+    rate_keys = [m.key for m in smoe_models(ctx) if "@lr" in m.key]
+    return [*([s, [smoe_key(e)]] for e in SMOE_TMOE_EXPERTS for s in SMOE_SEEDS), [SWEEP_SEED, rate_keys]]
+
+
 BUILDERS: dict[str, Callable[[Context], list[Model]]] = {
     "lr-sweep": sweep_models, "deciding": deciding_models, "experts": expert_models, "width": width_models,
-    "experts-seeds": seed_models}
+    "experts-seeds": seed_models, "smoe-experts": smoe_models}
 # the stages whose models run different seeds: their rounds ([seed, [keys]], in order)
-ROUNDS: dict[str, Callable[[Context], list[list]]] = {"experts-seeds": seed_rounds_of}
+ROUNDS: dict[str, Callable[[Context], list[list]]] = {"experts-seeds": seed_rounds_of, "smoe-experts": smoe_rounds_of}
 TARGETS = {"lr-sweep": FAIR_TARGET, "deciding": FAIR_TARGET, "experts": FAIR_TARGET, "width": WIDE_TARGET,
-           "experts-seeds": FAIR_TARGET}
+           "experts-seeds": FAIR_TARGET, "smoe-experts": FAIR_TARGET}
 NEEDS = {"lr-sweep": (), "deciding": ("lr-sweep",), "experts": ("lr-sweep",), "width": ("lr-sweep",),
-         "experts-seeds": ("lr-sweep",)}
+         "experts-seeds": ("lr-sweep",), "smoe-experts": ("lr-sweep",)}
 
 
 def rates_tried(record: dict) -> dict[str, dict[float, float]]:

@@ -82,7 +82,8 @@ def target_flags(target: dict, nproc: int) -> list[str]:
     t = target
     return ["--arch", "smlp_lm", "--decoder-embed-dim", str(t["d_model"]), "--decoder-ffn-embed-dim",
             str(t["d_ffn"]), "--tokens-per-sample", str(t["seq_len"]), "--decoder-layers", str(t["dense"]),
-            "--sparse-layers", str(t["sparse"]), "--num-experts", str(t.get("experts", nproc))]
+            "--sparse-layers", str(t["sparse"]), "--num-experts", str(t.get("experts", nproc)),
+            *(["--smoe-experts", str(t["smoe_experts"])] if t.get("smoe_experts") else [])]
 
 
 def model_of(key: str, count, **fields) -> Model:

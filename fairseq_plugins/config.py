@@ -147,6 +147,11 @@ FIELDS: tuple[Field, ...] = (
     Field("num_experts", int, 0, "experts per sparse layer; 0 means one per rank of an expert-parallel group "
           "(--expert-parallel-size, else the world size)", "num_experts", SPARSE, to_core=_num_experts,
           always=True, sparse=True),
+    Field("smoe_experts", int, 0,
+          "experts of each sMoE (sMLP's sparse token mixing); 0 (the default) means --num-experts, the paper's tie. "
+          "Deterministic routing gives each sMoE expert D / N channels (32 in the paper's models); the tMoE keeps "
+          "--num-experts. Expert-parallel where the group size divides N, else replicated (--smoe-parallel)",
+          "smoe_experts", ("smlp",), sparse=True),
     Field("expert_parallel_size", int, 0,
           "G, ranks of one expert-parallel group: the experts are spread over G ranks (all2all inside the group) "
           "and replicated W/G times, the replicas' expert gradients averaged (expert-data parallelism, as "

@@ -121,6 +121,7 @@ def smoe_layout(core_cfg, settings: PluginSettings, layout: ExpertDataLayout | N
     update frequency and the collectives' device)."""
     if core_cfg.family != "smlp" or not core_cfg.sparse_layers or layout is None:
         return "expert", "one process holds every expert" if layout is None else "no sMoE"
+    check_smoe_layout(core_cfg, settings, layout)
     if settings.smoe_parallel != "auto":
         return settings.smoe_parallel, f"--smoe-parallel {settings.smoe_parallel}"
     from smlp.steptime import choose_smoe_layout
@@ -129,6 +130,16 @@ def smoe_layout(core_cfg, settings: PluginSettings, layout: ExpertDataLayout | N
                                      batch_size=settings.batch_size, tokens=core_cfg.seq_len,
                                      update_freq=settings.update_freq, device_type=collective_device().type)
     return choice, f"--smoe-parallel auto: {why}"
+
+
+def check_smoe_layout(core_cfg, settings: PluginSettings, layout: ExpertDataLayout) -> None:
+    """FlagError for --smoe-parallel expert where the expert-parallel group does not divide the sMoE's experts
+    (--smoe-experts; auto then replicates them, smlp.steptime.choose_smoe_layout)."""
+    N, G = core_cfg.smoe_num_experts, layout.ep_size
+    if core_cfg.family == "smlp" and N and settings.smoe_parallel == "expert" and N % G:
+        raise FlagError(f"--smoe-parallel expert spreads the sMoE's {N} experts (--smoe-experts {core_cfg.smoe_experts}"
+                        f") over expert-parallel groups of {G} ranks, which must divide them: give --smoe-experts a "
+                        f"multiple of {G}, or --smoe-parallel replicated (every rank holds all {N})")
 
 
 def check_ddp_backend(settings: PluginSettings) -> None:
@@ -154,7 +165,7 @@ def check_model_flags(model_cfg, dictionary_size: int, padding_idx: int = 1) -> 
     world = settings.world_size or 1
     if core_cfg.sparse_layers and world > 1:
         check_ddp_backend(settings)
-        runtime_layout(core_cfg, settings, world)
+        check_smoe_layout(core_cfg, settings, runtime_layout(core_cfg, settings, world))
 
 
 def make_dispatcher(core_cfg, settings: PluginSettings):
@@ -165,7 +176,7 @@ def make_dispatcher(core_cfg, settings: PluginSettings):
     if not core_cfg.sparse_layers:
         return None, None, None, None
     rank, world = rank_and_world()
-    if world == 1:
+    if world == 1:  # the sMoE's own count, if any: LanguageModel derives its dispatcher (with_experts)
         return LocalDispatcher(core_cfg.num_experts), None, None, None
     check_ddp_backend(settings)
     layout = runtime_layout(core_cfg, settings, world)  # clear error when experts do not fit
@@ -173,16 +184,16 @@ def make_dispatcher(core_cfg, settings: PluginSettings):
     smoe_dispatcher = None
     if core_cfg.family == "smlp":
         choice, why = smoe_layout(core_cfg, settings, layout)
+        N = core_cfg.smoe_num_experts
         if rank == 0:
-            logger.info("sMoE experts: %s (%s); tMoE experts: spread over expert-parallel groups of %d",
+            logger.info("sMoE experts (%d): %s (%s); tMoE experts (%d): spread over expert-parallel groups of %d", N,
                         "replicated on every rank" if choice == "replicated" else "spread over expert-parallel "
-                        f"groups of {layout.ep_size}", why, layout.ep_size)
+                        f"groups of {layout.ep_size}", why, core_cfg.num_experts, layout.ep_size)
         if choice == "replicated":
-            smoe_dispatcher = LocalDispatcher(core_cfg.num_experts, replicated=True)
-    if layout.ep_size == 1:
-        return LocalDispatcher(core_cfg.num_experts), smoe_dispatcher, layout, replica_group
-    return (AllToAllDispatcher(core_cfg.num_experts, ep_group=ep_group, chunks=settings.all2all_chunks),
-            smoe_dispatcher, layout, replica_group)
+            smoe_dispatcher = LocalDispatcher(N, replicated=True)
+    dispatcher = LocalDispatcher(core_cfg.num_experts) if layout.ep_size == 1 else \
+        AllToAllDispatcher(core_cfg.num_experts, ep_group=ep_group, chunks=settings.all2all_chunks)
+    return dispatcher, smoe_dispatcher, layout, replica_group
 
 
 def scale_expert_gradients(model: torch.nn.Module, layout: ExpertDataLayout, replica_group=None) -> None:

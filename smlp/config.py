@@ -222,6 +222,17 @@ class SMoEConfig:
         return self.seq_len - self.prefix_len
 
 
+def check_smoe_experts(value: int, d_model: int, routing: str) -> None:
+    """ValueError for a bad sMoE expert count (0 is the tie to num_experts), naming the valid ones."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"smoe_experts={value!r} is invalid: give a positive number of sMoE experts, or 0 for as "
+                         f"many as the tMoE's experts")
+    if value and routing == "deterministic" and d_model % value:
+        valid = ", ".join(str(n) for n in range(1, d_model + 1) if d_model % n == 0 and n <= 64)
+        raise ValueError(f"smoe_experts={value} must divide d_model={d_model}: deterministic routing gives each sMoE "
+                         f"expert an equal chunk of the channels (valid counts up to 64: {valid})")
+
+
 @dataclass(frozen=True, kw_only=True)
 class SparseBlockConfig:
     """The sMLP sparse block: sMoE token mixing then tMoE (Base Layers) channel mixing.
@@ -229,12 +240,20 @@ class SparseBlockConfig:
     It has no dense channel projection (the paper's per-GPU parameter counts, Tables 8-10):
         x = x + sMoE(LayerNorm(x))     sMoE gates the D channels with themselves (split=False)
         x = x + tMoE(x)                Base Layers: sigmoid(x.c_e) * FFN_e(LN_e(x))
+
+    num_experts:  the tMoE's experts, and the sMoE's unless smoe_experts says otherwise.
+    smoe_experts: the sMoE's experts; 0 (default) ties them to num_experts, as the paper's models do
+                  (one --num-experts for both). Deterministic routing gives each sMoE expert D / smoe_experts
+                  channels (32 in the paper's 1024-wide, 32-expert models), so the two counts are two
+                  different choices: more tMoE experts add parameters per token, more sMoE experts split the
+                  same channels finer (a multi-head SGU with more heads).
     """
 
     d_model: int
     d_ffn: int
     seq_len: int
     num_experts: int
+    smoe_experts: int = 0
     smoe_routing: str = "deterministic"
     activation: str = "gelu"
     dropout: float = 0.0
@@ -244,12 +263,18 @@ class SparseBlockConfig:
 
     def __post_init__(self) -> None:
         _probability("dropout", self.dropout)
+        check_smoe_experts(self.smoe_experts, self.d_model, self.smoe_routing)
         _ = self.smoe  # validates
         _ = self.tmoe
 
     @property
+    def smoe_num_experts(self) -> int:
+        """The sMoE's experts: smoe_experts, or num_experts when it is 0 (the tie)."""
+        return self.smoe_experts or self.num_experts
+
+    @property
     def smoe(self) -> SMoEConfig:
-        return SMoEConfig(dim=self.d_model, seq_len=self.seq_len, num_experts=self.num_experts,
+        return SMoEConfig(dim=self.d_model, seq_len=self.seq_len, num_experts=self.smoe_num_experts,
                           routing=self.smoe_routing, split=False, prefix_fraction=self.prefix_fraction,
                           eval_routing=self.eval_routing)
 

@@ -203,6 +203,14 @@ class LocalDispatcher:
     def comm_seconds(self) -> float:
         return self.timer.seconds
 
+    def with_experts(self, num_experts: int) -> LocalDispatcher:
+        """A dispatcher of this layout (its process group, replication and chunks) for a layer with another
+        number of experts: the sMoE's own count (SparseBlockConfig.smoe_experts). It shares this one's timer,
+        so `--log-a2a-time` covers both layers."""
+        other = LocalDispatcher(num_experts, replicated=self.replicated, chunks=self.chunks)
+        other.timer = self.timer
+        return other
+
     @contextlib.contextmanager
     def one_forward(self):
         """Within the block: one forward of a model whose layers share this dispatcher (LanguageModel). Every
@@ -390,6 +398,13 @@ class AllToAllDispatcher(LocalDispatcher):
         self.group_ranks = (list(range(world)) if ep_group is None
                             else [dist.get_global_rank(ep_group, r) for r in range(world)])
         self._indices: dict = {}  # split sizes -> _AssignmentIndex (`unshuffle_assignment`)
+
+    def with_experts(self, num_experts: int) -> AllToAllDispatcher:
+        """The same expert-parallel group for a layer with `num_experts` experts (LocalDispatcher.with_experts);
+        ValueError when the group's size does not divide them."""
+        other = AllToAllDispatcher(num_experts, self.ep_group, chunks=self.chunks)
+        other.timer = self.timer
+        return other
 
     def _exchange_counts(self, counts_WX: Tensor) -> Tensor:
         """counts_WX[w] goes to rank w; returns what arrives from each rank, on the collective's device."""

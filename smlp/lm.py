@@ -107,6 +107,7 @@ class LMConfig:
     sparse_layers: int = 0
     heads: int = 1
     num_experts: int = 1
+    smoe_experts: int = 0  # smlp only: the sMoE's experts; 0 = num_experts (the paper's tie, SparseBlockConfig)
     smoe_routing: str = "deterministic"
     moe_router: str = "base"
     capacity_factor: float = 1.0
@@ -146,6 +147,9 @@ class LMConfig:
         _choice("sparse_placement", self.sparse_placement, ("auto",) + PLACEMENTS)
         if self.family == "gmlp" and self.sparse_layers:
             raise ValueError(f"sparse_layers={self.sparse_layers}: the dense gMLP family has no sparse layers")
+        if self.smoe_experts and self.family != "smlp":
+            raise ValueError(f"smoe_experts={self.smoe_experts} sets the experts of sMLP's sMoE: the {self.family} "
+                             f"family has none (valid: smlp, or 0)")
         if self.family == "transformer" and self.d_model % self.heads:
             raise ValueError(f"heads={self.heads} must divide d_model={self.d_model}")
         if self.family in ("smlp", "gmlp"):
@@ -224,10 +228,16 @@ class LMConfig:
     @property
     def sparse_block(self) -> SparseBlockConfig:
         return SparseBlockConfig(d_model=self.d_model, d_ffn=self.d_ffn, seq_len=self.seq_len,
-                                 num_experts=self.num_experts, smoe_routing=self.smoe_routing,
+                                 num_experts=self.num_experts, smoe_experts=self.smoe_experts,
+                                 smoe_routing=self.smoe_routing,
                                  activation=self.activation, dropout=self.dropout,
                                  prefix_fraction=self.prefix_fraction, base_shuffle=self.base_shuffle,
                                  eval_routing=self.balanced_eval_routing)
+
+    @property
+    def smoe_num_experts(self) -> int:
+        """The sMoE's experts (smoe_experts, else num_experts); 0 for a model without an sMoE."""
+        return (self.smoe_experts or self.num_experts) if self.family == "smlp" and self.sparse_layers else 0
 
     @property
     def tmoe(self) -> TMoEConfig:
@@ -266,6 +276,9 @@ class LanguageModel(nn.Module):
         self.cfg = cfg
         if cfg.sparse_layers:
             dispatcher = dispatcher if dispatcher is not None else LocalDispatcher(cfg.num_experts)
+            if smoe_dispatcher is None and cfg.smoe_num_experts not in (0, cfg.num_experts):
+                # the sMoE's own expert count: the same layout over the same group, for its experts
+                smoe_dispatcher = dispatcher.with_experts(cfg.smoe_num_experts)
         self.dispatcher = dispatcher
         self.smoe_dispatcher = smoe_dispatcher  # the sMoE's own layout (SparseBlock), or None: `dispatcher`
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model, padding_idx=cfg.padding_idx)

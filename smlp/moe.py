@@ -633,15 +633,19 @@ class SparseBlock(nn.Module):
 
     The two layers share `dispatcher` unless `smoe_dispatcher` gives the sMoE its own: a parallel
     layout per layer type (expert_data_parallel.py), e.g. the sMoE's experts replicated on every rank
-    (LocalDispatcher(E, replicated=True)) and the tMoE's spread over the expert-parallel group.
+    (LocalDispatcher(E, replicated=True)) and the tMoE's spread over the expert-parallel group, or another
+    expert count (cfg.smoe_experts: `dispatcher.with_experts(N)` unless given).
     """
 
     def __init__(self, cfg: SparseBlockConfig, dispatcher=None, smoe_dispatcher=None):
         super().__init__()
         self.cfg = cfg
+        dispatcher = dispatcher if dispatcher is not None else LocalDispatcher(cfg.num_experts)
+        if smoe_dispatcher is None and cfg.smoe_num_experts != cfg.num_experts:
+            smoe_dispatcher = dispatcher.with_experts(cfg.smoe_num_experts)  # as LanguageModel does
         self.norm = nn.LayerNorm(cfg.d_model)
         self.smoe = SMoE(cfg.smoe, smoe_dispatcher if smoe_dispatcher is not None else dispatcher)
-        self.tmoe = TMoE(cfg.tmoe, dispatcher if smoe_dispatcher is not None else self.smoe.dispatcher)
+        self.tmoe = TMoE(cfg.tmoe, dispatcher)
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x_BND: Tensor) -> Tensor:

@@ -321,6 +321,13 @@ def smoe_expert_params(cfg: LMConfig, experts: int) -> int:
     return cfg.sparse_layers * experts * (Te * Te + Te)
 
 
+def smoe_local_experts(cfg: LMConfig, ep_size: int) -> int:
+    """The sMoE experts a GPU holds in the expert layout: its share of the group's (all of them where the group
+    does not divide them; eval/flops/one_gpu.py counts the same)."""
+    N = cfg.smoe_num_experts
+    return N // ep_size if N % ep_size == 0 else N
+
+
 def step_time(name: str, cfg: LMConfig, *, flops_per_sequence: float, params_non_expert: int,
               params_expert_per_gpu: int, train: Training, cluster: Cluster,
               activations: dict[str, tuple[int, int]]) -> StepTime:
@@ -330,8 +337,8 @@ def step_time(name: str, cfg: LMConfig, *, flops_per_sequence: float, params_non
     gradients join the non-expert all-reduce and the optimizer updates them on every GPU."""
     B, U = train.batch_size, train.update_freq
     if train.smoe_layout == "replicated":
-        params_expert_per_gpu -= smoe_expert_params(cfg, cfg.num_experts // train.ep_size)
-        params_non_expert += smoe_expert_params(cfg, cfg.num_experts)
+        params_expert_per_gpu -= smoe_expert_params(cfg, smoe_local_experts(cfg, train.ep_size))
+        params_non_expert += smoe_expert_params(cfg, cfg.smoe_num_experts)
     pad_flops = 2 * padding_macs_per_sequence(cfg, train.tokens, train.padding)
     exchanges = sparse_exchanges(cfg, sequences=B, tokens=train.tokens, ep_size=train.ep_size,
                                  dtype_bytes=train.dtype_bytes, padding=train.padding, smoe_layout=train.smoe_layout)
@@ -364,7 +371,7 @@ def layout_seconds(cfg: LMConfig, train: Training, cluster: Cluster) -> dict[str
     optimizer (compute and memory-bound terms are the same in both). Each such term is linear in the
     parameters and rows the layouts move, so the difference of the two is exact without the model's
     other parameters or FLOPs (one stand-in parameter keeps each all-reduce's latency in both)."""
-    L = cfg.num_experts // train.ep_size
+    L = smoe_local_experts(cfg, train.ep_size)
     out = {}
     for layout in SMOE_LAYOUTS:
         st = step_time("", cfg, flops_per_sequence=0, params_non_expert=1,
@@ -383,11 +390,14 @@ def choose_smoe_layout(cfg: LMConfig, *, world_size: int, ep_size: int, batch_si
     and moments within a quarter of the preset's memory; otherwise "expert", the paper's layout. The
     all2all runs once per micro-batch and the replicated weights' all-reduce once per update, so a larger
     `update_freq` favours the replicated layout."""
-    E = cfg.num_experts
+    E = cfg.smoe_num_experts
     if cfg.family != "smlp" or not cfg.sparse_layers:
         return "expert", "no sMoE"
     if world_size <= 1:
         return "expert", "one process holds every expert: nothing to choose"
+    if E % ep_size:
+        return "replicated", (f"the sMoE's {E} experts (--smoe-experts) do not spread evenly over expert-parallel "
+                              f"groups of {ep_size}: every rank holds all of them")
     if not batch_size:
         return "expert", ("the sequences per micro-batch are unknown (no --batch-size): the step-time model "
                           "cannot compare the layouts; expert-parallel as the paper")

@@ -54,6 +54,7 @@ EXAMPLES = {
                           {"token_mixer": "hypermixer", "hypermixer_tied": False}),
     "sparse_layers": ("transformer", ["--sparse-layers", "1"], {"sparse_layers": 1}),
     "num_experts": ("smlp", ["--num-experts", "2"], {"num_experts": 2}),
+    "smoe_experts": ("smlp", ["--smoe-experts", "8"], {"smoe_experts": 8}),  # the tMoE keeps --num-experts 4
     "expert_parallel_size": ("transformer", ["--expert-parallel-size", "2"], {"ep_size": 2}),
     "sparse_placement": ("smlp", ["--sparse-placement", "fairseq"], {"sparse_placement": "fairseq"}),
     "all2all_chunks": ("transformer", ["--all2all-chunks", "2"], {"all2all_chunks": 2}),

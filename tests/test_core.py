@@ -10,6 +10,7 @@ from smlp.config import GMLPConfig, SGUConfig, SMoEConfig, SparseBlockConfig, TM
 from smlp.dispatch import LocalDispatcher
 from smlp.expert_data_parallel import expert_parallel_layout
 from smlp.gmlp import GMLPBlock, SpatialGatingUnit
+from smlp.lm import LanguageModel, LMConfig
 from smlp.moe import SMoE, SparseBlock, TMoE, hash_table
 from smlp.routing import base_route, smoe_partial_route
 from smlp.routing.assignment import sanitize_scores
@@ -317,6 +318,43 @@ def test_sparse_block_runs_and_is_causal():
         assert_causal(block, torch.randn(2, 20, 16), first_checked=P, positions=[P, 12, 18])
 
 
+@pytest.mark.parametrize("routing", ["deterministic", "partial"])
+@pytest.mark.parametrize("smoe_experts", [1, 2, 8])
+def test_sparse_block_with_its_own_smoe_experts_is_causal_and_is_its_parts(routing, smoe_experts):
+    """--smoe-experts N apart from the tMoE's 4: the sMoE holds N spatial experts, the tMoE 4, the block is causal,
+    and it equals its two layers built on their own (an sMoE of N experts, a tMoE of 4) with the same weights."""
+    torch.manual_seed(0)
+    cfg = SparseBlockConfig(d_model=16, d_ffn=32, seq_len=20, num_experts=4, smoe_experts=smoe_experts,
+                            smoe_routing=routing)
+    block = SparseBlock(cfg).eval()
+    randomize_spatial_(block)
+    assert block.smoe.experts.weight.shape[0] == smoe_experts and block.tmoe.experts.w1.shape[0] == 4
+    assert block.smoe.dispatcher.num_experts == smoe_experts and block.tmoe.dispatcher.num_experts == 4
+    P = block.smoe.cfg.prefix_len
+    assert_causal(block, torch.randn(2, 20, 16), first_checked=P, positions=[P, 12, 18])
+    smoe = SMoE(SMoEConfig(dim=16, seq_len=20, num_experts=smoe_experts, routing=routing, split=False)).eval()
+    tmoe = TMoE(cfg.tmoe).eval()
+    smoe.load_state_dict({k[5:]: v for k, v in block.state_dict().items() if k.startswith("smoe.")})
+    tmoe.load_state_dict({k[5:]: v for k, v in block.state_dict().items() if k.startswith("tmoe.")})
+    x = torch.randn(2, 20, 16)
+    h = x + smoe(block.norm(x))
+    assert torch.equal(block(x), h + tmoe(h.reshape(-1, 16)).view_as(h))
+
+
+def test_the_tied_smoe_experts_build_the_model_of_before():
+    """--smoe-experts 0 (the default) and --smoe-experts E build the same model as before the flag: one
+    dispatcher shared by both layers, the same parameters, the same outputs."""
+    kw = dict(family="smlp", vocab_size=40, d_model=16, d_ffn=32, seq_len=12, dense_layers=1, sparse_layers=1,
+              num_experts=4)
+    outs = []
+    for smoe_experts in (0, 4):
+        torch.manual_seed(0)
+        lm = LanguageModel(LMConfig(**kw, smoe_experts=smoe_experts)).eval()
+        assert lm.smoe_dispatcher is None and lm.layers[1].smoe.dispatcher is lm.layers[1].tmoe.dispatcher
+        outs.append(lm(torch.arange(24).view(2, 12) % 40))
+    assert torch.equal(*outs)
+
+
 # ---------------------------------------------------------------- routing and errors
 
 
@@ -344,6 +382,12 @@ def test_non_finite_scores_are_refused_by_the_routers():
     (lambda: TMoEConfig(d_model=8, d_ffn=8, num_experts=0), "num_experts=0 is invalid"),
     (lambda: TMoEConfig(d_model=8, d_ffn=8, num_experts=2, router="hash"), "needs vocab_size"),
     (lambda: SparseBlockConfig(d_model=10, d_ffn=8, seq_len=8, num_experts=4), "must divide the gated width 10"),
+    (lambda: SparseBlockConfig(d_model=16, d_ffn=8, seq_len=8, num_experts=4, smoe_experts=3),
+     r"smoe_experts=3 must divide d_model=16: .* \(valid counts up to 64: 1, 2, 4, 8, 16\)"),
+    (lambda: SparseBlockConfig(d_model=16, d_ffn=8, seq_len=8, num_experts=4, smoe_experts=-2),
+     "smoe_experts=-2 is invalid: give a positive number of sMoE experts, or 0 for as many as the tMoE's experts"),
+    (lambda: LMConfig(family="transformer", vocab_size=9, d_model=16, d_ffn=8, seq_len=8, dense_layers=1,
+                      sparse_layers=1, num_experts=2, heads=2, smoe_experts=2), "the transformer family has none"),
     (lambda: expert_parallel_layout(6, 4), "num_experts=6 cannot be spread evenly over 4 ranks"),
     (lambda: expert_parallel_layout(2, 4), "an expert-parallel group holds at most one rank per expert"),
     (lambda: TMoE(TMoEConfig(d_model=8, d_ffn=8, num_experts=4), LocalDispatcher(2)), "built for 2 experts"),

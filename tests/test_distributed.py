@@ -273,17 +273,20 @@ def test_token_counts_not_divisible_by_experts_do_not_hang(spawned, request):
 # ---------------------------------------------------------------- the sparse block
 
 
-def _block_worker(rank, world, init_file, routing, lengths=None, training=True, chunks=1, batch=2):
+def _block_worker(rank, world, init_file, routing, lengths=None, training=True, chunks=1, batch=2, smoe_experts=0):
     _init(rank, world, init_file)
     try:
         cfg = SparseBlockConfig(d_model=16, d_ffn=24, seq_len=20, num_experts=2 * world, smoe_routing=routing,
-                                base_shuffle=False)
+                                base_shuffle=False, smoe_experts=smoe_experts)
         lengths = lengths or [20] * world
         torch.manual_seed(0)
         ref = SparseBlock(cfg).train(training)
         _randomize_spatial(ref)
         _randomize_expert_output(ref)
         model = SparseBlock(cfg, AllToAllDispatcher(2 * world, chunks=chunks)).train(training)
+        if smoe_experts:  # the sMoE's own count: its own all2all dispatcher over the same group
+            assert model.smoe.dispatcher.num_experts == smoe_experts != model.tmoe.dispatcher.num_experts
+            assert model.smoe.experts.weight.shape[0] == smoe_experts // world
         model.load_state_dict(slice_expert_shard(ref.state_dict(), expert_keys(ref), rank, world))
         xs = _inputs(world, lambda r: (batch, lengths[r], 16))
         gs = _inputs(world, lambda r: (batch, lengths[r], 16), seed=200)
@@ -294,21 +297,22 @@ def _block_worker(rank, world, init_file, routing, lengths=None, training=True, 
         _finish()
 
 
-def _replicated_smoe_worker(rank, world, init_file, routing):
-    """The sMoE's replicated layout: every rank holds all E spatial experts (LocalDispatcher(E, replicated=True),
+def _replicated_smoe_worker(rank, world, init_file, routing, smoe_experts=0):
+    """The sMoE's replicated layout: every rank holds all N spatial experts (LocalDispatcher(N, replicated=True),
     not marked expert, so the data-parallel all-reduce averages their gradients) and the tMoE stays expert-
     parallel. Equal to the single-process block and to the all-expert-parallel block; the sMoE calls no
-    collective."""
+    collective. N: the tMoE's E, or the sMoE's own count (--smoe-experts)."""
     _init(rank, world, init_file)
     try:
         E = 2 * world
+        N = smoe_experts or E
         cfg = SparseBlockConfig(d_model=16, d_ffn=24, seq_len=20, num_experts=E, smoe_routing=routing,
-                                base_shuffle=False)
+                                base_shuffle=False, smoe_experts=smoe_experts)
         torch.manual_seed(0)
         ref = SparseBlock(cfg).train()
         _randomize_spatial(ref)
         _randomize_expert_output(ref)
-        model = SparseBlock(cfg, AllToAllDispatcher(E), LocalDispatcher(E, replicated=True)).train()
+        model = SparseBlock(cfg, AllToAllDispatcher(E), LocalDispatcher(N, replicated=True)).train()
         spread = SparseBlock(cfg, AllToAllDispatcher(E)).train()  # both layers expert-parallel
         assert not any(getattr(p, "expert", False) for p in model.smoe.parameters())
         assert expert_keys(model) == [k for k in expert_keys(ref) if k.startswith("tmoe.")]
@@ -334,7 +338,7 @@ def _replicated_smoe_worker(rank, world, init_file, routing):
             mine = dict(model.named_parameters())[name].grad.clone()
             dist.all_reduce(mine)  # the data-parallel sum; the expert-parallel rank holds its experts' sum
             theirs = dict(spread.named_parameters())[name].grad
-            local = E // world
+            local = N // world
             assert within_bound(mine[rank * local:(rank + 1) * local], theirs, **RULE), name
     finally:
         _finish()
@@ -358,6 +362,15 @@ def test_sparse_block_matches_single_process(routing, spawned, request):
 def test_replicated_smoe_with_expert_parallel_tmoe_matches_single_process(routing, spawned, request):
     """--smoe-parallel replicated: outputs and gradients equal the single-process block and the block with
     both layers expert-parallel; the sMoE runs no collective."""
+    spawned.check(request.node.name)
+
+
+@pytest.mark.parametrize("case", ["deterministic-expert-2", "deterministic-expert-8", "partial-expert-2",
+                                  "deterministic-replicated-8", "partial-replicated-2"])
+def test_smoe_experts_apart_from_the_tmoes_match_single_process(case, spawned, request):
+    """--smoe-experts N apart from the tMoE's E = 4 on 2 ranks: the sMoE spread over the group (its own all2all
+    dispatcher, N / 2 experts a rank) or replicated (all N on every rank), outputs and every gradient equal to
+    the single-process block with the same weights."""
     spawned.check(request.node.name)
 
 
@@ -578,6 +591,12 @@ def _case_table() -> dict[str, list[tuple[int, object, tuple]]]:
     for routing in ("deterministic", "partial"):
         t[f"test_replicated_smoe_with_expert_parallel_tmoe_matches_single_process[{routing}]"] = [
             (2, _replicated_smoe_worker, (routing,))]
+    for routing, layout, N in (("deterministic", "expert", 2), ("deterministic", "expert", 8),
+                               ("partial", "expert", 2), ("deterministic", "replicated", 8),
+                               ("partial", "replicated", 2)):
+        fn, args = ((_block_worker, (routing, None, True, 1, 2, N)) if layout == "expert" else
+                    (_replicated_smoe_worker, (routing, N)))
+        t[f"test_smoe_experts_apart_from_the_tmoes_match_single_process[{routing}-{layout}-{N}]"] = [(2, fn, args)]
     overlapped = {"smlp-deterministic": (_block_worker, ("deterministic", None, True, 2, 3)),
                   "smlp-partial-uneven": (_block_worker, ("partial", [20, 9], True, 2, 3)),
                   "smlp-one-sequence": (_block_worker, ("deterministic", None, True, 2, 1)),

@@ -28,7 +28,7 @@ SEED_FACTOR = {1: 1.0, 2: 1.0, 3: 1.012, 4: 1.006, 5: 0.994}
 
 
 def family_of(key: str) -> str:
-    return re.sub(r"_e\d+$", "", key.split("@")[0])
+    return re.sub(r"(_s\d+)?_e\d+$", "", key.split("@")[0])
 
 
 def final(key: str, lr: float, seed: int, d_model: int) -> float:
@@ -98,7 +98,7 @@ def test_the_fair_benchmark_sweeps_decides_and_resumes(tmp_path, data, fake_trai
     # this checkout's code (--no-pin: the stand-in trains nothing; tests/test_fair_pinned.py runs pinned stages),
     # every stage (width only when named)
     args = ["--fair", "--output-dir", str(out), "--work-dir", str(tmp_path / "work"), "--data", str(data),
-            "--commit-store", "--no-pin", "--stages", "lr-sweep,deciding,experts,width"]
+            "--commit-store", "--no-pin", "--stages", "lr-sweep,deciding,experts,width,experts-seeds,smoe-experts"]
     # a stop in the middle of the deciding stage (Ctrl-C, a session's end) ...
     real = training.run_training
     deciding_runs = []
@@ -152,7 +152,7 @@ def test_the_fair_benchmark_sweeps_decides_and_resumes(tmp_path, data, fake_trai
 
     # 2. every later run at its family's rate, on seeds the sweep did not use, 8 experts, the diagnostics logged
     for c in trained:
-        if c["stage"] != "lr-sweep":
+        if c["stage"] != "lr-sweep" and "@lr" not in c["key"]:
             assert c["lr"] == pytest.approx(rates[family_of(c["key"])]["chosen"]), c["key"]
             assert c["seed"] != fair.SWEEP_SEED
     deciding = [c for c in trained if c["stage"] == "deciding"]
@@ -162,6 +162,26 @@ def test_the_fair_benchmark_sweeps_decides_and_resumes(tmp_path, data, fake_trai
     for flag in ("--valid-suffix-from 26", "--valid-trained-routing", "--valid-greedy-routing", "--num-experts 8"):
         assert flag in flags
     assert any(not c["validate"] for c in fake_training if c["stage"] == "deciding")  # speed probes here
+
+    # 2b. issue 51's runs, each model its own seeds in the order fixed in advance: gMLP seeds 4-5, the trend's points
+    # seeds 3-5; then sMLP-det with 4 sMoE experts (--smoe-experts) at 32 and 8 tMoE experts, seeds 2-5; then the
+    # rates at 32 experts, seed 1
+    order = [(c["key"], c["seed"]) for c in trained if c["stage"] == "experts-seeds"]
+    trend = ["smlp_det_e2", "hash_e2", "smlp_det_e32", "hash_e32"]
+    assert order[:2] == [("gmlp", 4), ("gmlp", 5)]
+    assert [sorted(order[2 + 4 * i:6 + 4 * i]) for i in range(3)] == [sorted((k, s) for k in trend) for s in (3, 4, 5)]
+    order = [(c["key"], c["seed"]) for c in trained if c["stage"] == "smoe-experts"]
+    assert order[:8] == [(f"smlp_det_s4_e{e}", s) for e in (32, 8) for s in (2, 3, 4, 5)]
+    assert sorted(order[8:]) == sorted((f"{k}_e32@lr{rates[k]['chosen'] * f:g}", 1) for k in ("smlp_det", "hash")
+                                       for f in (0.5, 1, 2))
+    for c in trained:
+        if c["stage"] == "smoe-experts":
+            flags = " ".join(c["cmd"])
+            assert ("--smoe-experts 4" in flags) == ("_s4_" in c["key"]), c["key"]
+            experts = re.search(r"_e(\d+)", c["key"]).group(1)
+            assert f"--num-experts {experts}" in flags
+            if "@lr" in c["key"]:
+                assert c["lr"] == pytest.approx(float(c["key"].split("@lr")[1]))
 
     # 3. the primary verdict by the Welch t rule (each side its own spread), and the secondary ones
     v = rec["verdicts"]

@@ -136,6 +136,7 @@ class Count:
             "token_mixer": c.token_mixer if c.family in ("smlp", "gmlp") else None,
             "d_model": c.d_model, "d_ffn": c.d_ffn, "seq_len": c.seq_len, "vocab_size": c.vocab_size,
             "heads": c.heads, "num_experts": c.num_experts if c.sparse_layers else 0,
+            "smoe_experts": c.smoe_num_experts,
             "experts_per_gpu": self.experts_per_gpu, "world_size": self.world_size, "tokens": self.tokens,
             "flops": self.flops, "macs": self.macs, "params_expert_per_gpu": self.params_expert_per_gpu,
             "params_non_expert": self.params_non_expert, "params_per_gpu": self.params_per_gpu,

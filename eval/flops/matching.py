@@ -82,8 +82,8 @@ def family_config(target: LMConfig, family: str, smlp_sparse: int | None) -> tup
     if family == "smlp":
         if not smlp_sparse:
             return None
-        routing = dict(smoe_routing=target.smoe_routing, prefix_fraction=target.prefix_fraction) \
-            if target.family == "smlp" else {}
+        routing = dict(smoe_routing=target.smoe_routing, prefix_fraction=target.prefix_fraction,
+                       smoe_experts=target.smoe_experts) if target.family == "smlp" else {}
         cfg = LMConfig(family="smlp", dense_layers=1, sparse_layers=smlp_sparse, num_experts=experts, **routing,
                        **common)
         return cfg, lambda n: (n, smlp_sparse)

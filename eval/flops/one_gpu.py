@@ -30,6 +30,15 @@ class OneGPUDispatcher(LocalDispatcher):
         self.num_local_experts = experts_per_gpu
         self.world_size = num_experts // experts_per_gpu
 
+    def with_experts(self, num_experts: int) -> OneGPUDispatcher:
+        """The same GPU for a layer of `num_experts` experts (the sMoE's own count): spread over the same GPUs
+        where they divide it, else every GPU holds all of them (the sMoE's replicated layout)."""
+        if num_experts % self.world_size == 0:
+            return OneGPUDispatcher(num_experts, num_experts // self.world_size)
+        whole = OneGPUDispatcher(num_experts, num_experts)
+        whole.world_size, whole.replicated = self.world_size, True  # data-parallel weights: not counted per GPU
+        return whole
+
     def dispatch(self, x_SD, expert_S, *, presorted: bool = False, **unused):
         # rows of dropped slots (expert -1, over capacity) are computed by no expert: cut them off
         # meta: nothing routed, nothing dropped; no experts: presorted rows with their counts, none dropped

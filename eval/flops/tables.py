@@ -30,6 +30,10 @@ def describe(c: Count) -> str:
          f"V={cfg.vocab_size}")
     if cfg.sparse_layers:
         s += f", {cfg.num_experts} experts, {c.experts_per_gpu} per GPU on {c.world_size} GPUs"
+        if cfg.smoe_num_experts not in (0, cfg.num_experts):
+            N = cfg.smoe_num_experts
+            s += (f" (sMoE: {N} experts, " + (f"{N // c.world_size} per GPU)" if N % c.world_size == 0 else
+                                              "all on every GPU)"))
     mixer = cfg.dense_mixer if cfg.family in ("smlp", "gmlp") else None
     if mixer is not None:
         sizes = {k: v for k, v in vars(mixer).items() if k not in ("dim", "seq_len", "chunk_size", "causal")}
