@@ -310,10 +310,12 @@ def explain_mismatch(ckpt: dict, model: dict) -> str:
         if k.endswith("embed.weight") and k in model and ckpt[k][0] != model[k][0] and ckpt[k][1:] == model[k][1:]:
             return (f"the checkpoint was trained with a {ckpt[k][0]}-symbol dictionary and the data directory's "
                     f"dict.txt has {model[k][0]} symbols: use the data directory the checkpoint was trained on")
-    for k in ckpt:
+    # the tMoE's first: a different --num-experts changes both layers when the sMoE's count follows it
+    for k in sorted(ckpt, key=lambda k: ".smoe.experts." in k):
         if ".experts." in k and k in model and ckpt[k][0] != model[k][0] and ckpt[k][1:] == model[k][1:]:
+            flags = "--smoe-experts, --smoe-parallel" if ".smoe.experts." in k else "--num-experts"
             return (f"the checkpoint holds {ckpt[k][0]} expert(s) per file and this run {model[k][0]} "
-                    f"(--num-experts or the world size differ)")
+                    f"({flags} or the world size differ)")
     return "the checkpoint is of another architecture or size (--arch, --decoder-layers, --sparse-layers, widths)"
 
 

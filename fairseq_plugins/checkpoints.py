@@ -37,11 +37,38 @@ from smlp.resharding import merge_expert_shards, replicated_keys, slice_expert_s
 from .checkpoint_sets import CheckpointSetError, rank_shards
 
 EXPERT_KEY = re.compile(r"(^|\.)experts\.")
+SMOE_EXPERT_KEY = re.compile(r"(^|\.)smoe\.experts\.")
 
 
 def is_expert_key(key: str) -> bool:
     """Expert weights live in the core's `experts` modules (FFNExperts, SpatialExperts)."""
     return bool(EXPERT_KEY.search(key))
+
+
+def layer_totals(keys, num_experts: int, smoe_experts: int = 0) -> dict[str, int]:
+    """{expert key: the experts of its layer}: the sMoE's keys `smoe_experts` (0: `num_experts`, the paper's tie,
+    --smoe-experts), every other expert key `num_experts`."""
+    return {k: (smoe_experts or num_experts) if SMOE_EXPERT_KEY.search(k) else num_experts for k in keys}
+
+
+def saved_totals(state, num_shards: int, keys) -> dict[str, int] | None:
+    """layer_totals of a checkpoint from its saved configuration (--num-experts 0: one per rank of the group of
+    the `num_shards` ranks that wrote it); None when it has none."""
+    from .config import configured_ep_size, read, resolve_num_experts
+
+    model_cfg = _model_cfg(state)
+    if model_cfg is None:
+        return None
+    E = resolve_num_experts(int(read(model_cfg, "num_experts") or 0), num_shards, configured_ep_size(model_cfg))
+    return layer_totals(keys, E, int(read(model_cfg, "smoe_experts", default=0) or 0))
+
+
+def model_totals(model) -> dict[str, int] | None:
+    """layer_totals of one of our built models (its core config); None for another module."""
+    core = getattr(getattr(model, "core", None), "cfg", None)
+    if core is None:
+        return None
+    return layer_totals([k for k in model.state_dict() if is_expert_key(k)], core.num_experts, core.smoe_experts)
 
 
 def allow_fairseq_checkpoints() -> None:
@@ -139,12 +166,15 @@ def adapt_expert_state(model, state: Mapping[str, torch.Tensor], rank: int, worl
     mismatched = [k for k in keys if k in state and state[k].shape[0] != own[k].shape[0]]
     if not mismatched:
         return state
-    spread = [k for k in keys if k not in replicated_keys(own, keys)]  # this model's layers over the group
-    total = min(own[k].shape[0] for k in keys) * world  # experts of a layer
-    if all(state[k].shape[0] == total for k in mismatched) and all(k in spread for k in mismatched):
+    totals = model_totals(model)  # the experts of each layer (the sMoE's may differ from the tMoE's)
+    whole = replicated_keys(own, keys, totals) if world > 1 else []
+    spread = [k for k in keys if k not in whole]  # this model's layers over the group
+    if totals is None:  # every layer has as many experts
+        totals = {k: min(own[k].shape[0] for k in keys) * world for k in keys}
+    if all(state[k].shape[0] == totals[k] for k in mismatched) and all(k in spread for k in mismatched):
         return slice_expert_shard(state, mismatched, rank, world)  # whole layers: take this rank's experts
-    k = next(k for k in mismatched if state[k].shape[0] != total or k not in spread)
-    local, saved = own[k].shape[0], state[k].shape[0]
+    k = next(k for k in mismatched if state[k].shape[0] != totals[k] or k not in spread)
+    local, saved, total = own[k].shape[0], state[k].shape[0], totals[k]
     if local == total and saved < total:  # a replicated layer here, one rank's shard of it in the file
         raise ValueError(
             f"the checkpoint holds one rank's shard of {k} ({saved} of {total} experts, written with the layer "
@@ -172,25 +202,38 @@ def saved_ep_size(state, num_shards: int, keys=()) -> int:
     """G, the expert-parallel group size of the run that wrote `num_shards` rank shards (shard 0's
     `state`): ranks r and r + G hold the same experts. From the saved config (--num-experts,
     --expert-parallel-size; checkpoints written before that flag used G = W), checked against the
-    experts each shard holds."""
-    from .config import expert_layout, read, resolve_num_experts
+    experts each shard holds: its share of each layer, or a replicated sMoE's whole layer."""
+    from .config import configured_ep_size, expert_layout, read, resolve_num_experts
 
     model_cfg = _model_cfg(state)
-    # the layers spread over the group hold the fewest experts per file (a replicated sMoE holds all E)
-    local = min(int(state["model"][k].shape[0]) for k in keys) if keys else None
     if model_cfg is None:
         return num_shards
-    ep_cfg = int(read(model_cfg, "expert_parallel_size") or 0)  # the flag table (a saved config may lack it)
+    ep_cfg = configured_ep_size(model_cfg)  # the flag table (a saved config may lack it)
     num_experts = resolve_num_experts(int(read(model_cfg, "num_experts") or 0), num_shards, ep_cfg)
     try:
         G = expert_layout(num_experts, num_shards, ep_cfg).ep_size
     except ValueError as exc:
         raise ValueError(f"{num_shards} rank shards do not fit the saved configuration ({exc})") from None
-    if local is not None and local * G != num_experts:
+    totals = saved_totals(state, num_shards, keys)
+    for k in keys:
+        n, total = int(state["model"][k].shape[0]), totals[k]
+        if n * G == total or (n == total and SMOE_EXPERT_KEY.search(k)):  # spread, or the sMoE replicated
+            continue
+        what = f"{total} experts in that layer" + (" (--smoe-experts)" if SMOE_EXPERT_KEY.search(k) else "")
         raise ValueError(
-            f"the shards hold {local} expert(s) each, but the saved configuration ({num_experts} experts, expert-"
-            f"parallel groups of {G} on {num_shards} ranks) gives {num_experts // G}: the files are not one save")
+            f"the shards hold {n} expert(s) of {k} each, but the saved configuration ({what}, expert-parallel "
+            f"groups of {G} on {num_shards} ranks) gives {total // G}: the files are not one save")
     return G
+
+
+def merge_rank_models(states: list) -> dict:
+    """The model state of one save's rank shards (rank order) with every expert: each spread layer's pieces from
+    the first G ranks concatenated (the replicas checked to agree), a replicated layer taken once."""
+    models = [s["model"] for s in states]
+    keys = [k for k in models[0] if is_expert_key(k)]
+    G = saved_ep_size(states[0], len(states), keys)
+    return merge_expert_shards(models, keys, G, replicated_keys(models[0], keys,
+                                                                saved_totals(states[0], len(states), keys)))
 
 
 def shard_paths(path: str) -> list[str]:
@@ -273,17 +316,17 @@ def consolidate(path: str, out: str | None = None) -> str:
     check_consolidate_output(out or path)
     check_one_save(path, shards)
     states = [load_checkpoint(p) for p in shards]
-    models = [s["model"] for s in states]
-    keys = [k for k in models[0] if is_expert_key(k)]
     merged = dict(states[0])
-    merged["model"] = merge_expert_shards(models, keys, saved_ep_size(states[0], len(states), keys),
-                                          replicated_keys(models[0], keys))
+    merged["model"] = merge_rank_models(states)
     merged["last_optimizer_state"] = None  # per-rank optimizer states are not mergeable; this is for evaluation
     merged["smlp_consolidated_from"] = len(shards)
-    if keys and merged.get("cfg") is not None:
+    tmoe = [k for k in merged["model"] if is_expert_key(k) and not SMOE_EXPERT_KEY.search(k)]
+    if tmoe and merged.get("cfg") is not None:
         from omegaconf import OmegaConf
         cfg = OmegaConf.to_container(merged["cfg"], resolve=True, enum_to_str=True)
-        cfg["model"]["num_experts"] = int(merged["model"][keys[0]].shape[0])
+        # --num-experts 0 meant one per rank of the writing run: the count it resolved to (the sMoE's
+        # --smoe-experts 0 follows it; another count is kept as saved)
+        cfg["model"]["num_experts"] = int(merged["model"][tmoe[0]].shape[0])
         merged["cfg"] = cfg  # stored as plain containers, as fairseq stores it
     out = out or path
     from .atomic_files import atomic_torch_save
@@ -305,10 +348,7 @@ def read_checkpoint_any_layout(path: str, arg_overrides: dict | None = None) -> 
     check_one_save(path, shards)
     states = [load_checkpoint(p, arg_overrides) for p in shards]
     merged = dict(states[0])
-    models = [s["model"] for s in states]
-    keys = [k for k in models[0] if is_expert_key(k)]
-    merged["model"] = merge_expert_shards(models, keys, saved_ep_size(states[0], len(states), keys),
-                                          replicated_keys(models[0], keys))
+    merged["model"] = merge_rank_models(states)
     return merged, shards[0]
 
 

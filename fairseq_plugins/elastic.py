@@ -86,10 +86,12 @@ class SavedSet:
     num_updates: int | None
     problem: str | None = None  # why the shards are not one save (then the other fields are not read)
     replicated: tuple[str, ...] = ()  # expert keys every file holds whole (a replicated layer)
+    smoe_experts: int = 0     # the sMoE's experts where they differ from num_experts (--smoe-experts), else 0
 
     def describe(self) -> str:
         what = (f"{len(self.files)} rank shards" if self.sharded else "one file")
         experts = (f", {self.num_experts} experts in groups of {self.ep_size}" if self.num_experts else "")
+        experts += f" ({self.smoe_experts} in each sMoE)" if self.smoe_experts else ""
         return (f"{os.path.basename(self.base)} ({what} from a {self.world_size}-rank run{experts}, "
                 f"update {self.num_updates})")
 
@@ -119,7 +121,7 @@ def _updates(state: dict) -> int | None:
 
 def inspect_saved(base: str) -> SavedSet | None:
     """The saved set of checkpoint `base` (its rank shards, else the file itself), or None if absent."""
-    from .checkpoints import saved_ep_size
+    from .checkpoints import SMOE_EXPERT_KEY, saved_ep_size, saved_totals
 
     shards = rank_shards(base)
     problem = None
@@ -153,10 +155,15 @@ def inspect_saved(base: str) -> SavedSet | None:
                            f"move its files back")
     if not keys:
         return SavedSet(base, files, bool(shards), saved_world if not shards else W, 1, 0, 0, _updates(first))
-    local = min(int(first["model"][k].shape[0]) for k in keys)  # a spread layer's experts per file
+    totals = saved_totals(first, W, keys)  # the experts of each layer (the sMoE's may differ: --smoe-experts)
+    tmoe = [k for k in keys if not SMOE_EXPERT_KEY.search(k)] or keys
     G = saved_ep_size(first, W, keys) if shards else 1
+    replicated = tuple(replicated_keys(first["model"], keys, totals)) if shards else ()
+    local = min(int(first["model"][k].shape[0]) for k in tmoe if k not in replicated)  # the tMoE's per file
+    smoe = {totals[k] for k in keys if SMOE_EXPERT_KEY.search(k)} if totals else set()
+    N = smoe.pop() if len(smoe) == 1 and local * G not in smoe else 0
     return SavedSet(base, files, bool(shards), W if shards else saved_world, G, local * G, local, _updates(first),
-                    replicated=tuple(replicated_keys(first["model"], keys)) if shards else ())
+                    replicated=replicated, smoe_experts=N)
 
 
 @dataclass(frozen=True)
@@ -170,10 +177,11 @@ class Plan:
 
 
 def plan_resume(base: str, *, world_size: int, sharded: bool, layout: ExpertDataLayout | None,
-                num_experts: int, replicated: tuple[str, ...] = ()) -> Plan | None:
+                num_experts: int, replicated: tuple[str, ...] = (), smoe_experts: int = 0) -> Plan | None:
     """What must change for a run of `world_size` ranks (expert layout `layout`; `replicated`: the expert
-    keys of its layers replicated on every rank) to resume `base`; None when fairseq can load it as it is
-    (or there is nothing to load)."""
+    keys of its layers replicated on every rank; `smoe_experts`: its sMoE's experts where they differ from
+    `num_experts`, else 0) to resume `base`; None when fairseq can load it as it is (or there is nothing to
+    load)."""
     saved = inspect_saved(base)
     if saved is None:
         return None
@@ -190,8 +198,19 @@ def plan_resume(base: str, *, world_size: int, sharded: bool, layout: ExpertData
             f"{saved.describe()} holds {saved.num_experts} experts per sparse layer but this run builds "
             f"{num_experts}; resuming cannot change the number of experts. Pass --num-experts {saved.num_experts}"
             + (" (--num-experts 0 means one per rank)" if saved.num_experts else ""))
+    if (saved.smoe_experts or saved.num_experts) != (smoe_experts or num_experts):
+        if same_files:
+            return None
+        raise ReshardError(
+            f"{saved.describe()} holds {saved.smoe_experts or saved.num_experts} experts in each sMoE but this run "
+            f"builds {smoe_experts or num_experts}; resuming cannot change the number of experts. Pass --smoe-experts "
+            f"{saved.smoe_experts or saved.num_experts}")
     same = same_files
     target_replicated = tuple(replicated) if sharded and layout is not None and layout.ep_size > 1 else ()
+    N, G = smoe_experts or num_experts, layout.ep_size if sharded and layout is not None else 1
+    if N % G and not target_replicated:
+        raise ReshardError(f"this run spreads the sMoE's {N} experts over expert-parallel groups of {G}, which do not "
+                           f"divide them: resume with --smoe-parallel replicated")
     if num_experts:
         same = same and saved.ep_size == (layout.ep_size if layout is not None else 1)
         same = same and set(saved.replicated) == set(target_replicated)
@@ -200,23 +219,29 @@ def plan_resume(base: str, *, world_size: int, sharded: bool, layout: ExpertData
     return Plan(saved, layout, world_size, sharded, targets, target_replicated)
 
 
-def _ranges(plan: Plan, keys) -> dict[str, tuple[int, int | None, int]]:
-    """{key: (source experts per file, first, count)} of the keys laid out otherwise than the spread layers
-    (smlp.resharding.reshard_model_state): replicated in the saved files (each holds all E) or in this run
-    (first 0, count E); first None: the rank's own first expert (`_rank_ranges`)."""
+def _ranges(plan: Plan, keys) -> dict[str, tuple[int, int | None, int, bool]]:
+    """{key: (source experts per file, first, count, whole in the source)} of the keys laid out otherwise than
+    the tMoE's spread layers (smlp.resharding.reshard_model_state): replicated in the saved files (each holds all
+    its layer's experts) or in this run (first 0, count all), or of a layer with its own expert count (the sMoE's
+    --smoe-experts); first None: this rank's position in its group times count (`_rank_ranges`)."""
+    from .checkpoints import SMOE_EXPERT_KEY
+
     saved, E = plan.saved, plan.saved.num_experts
-    L = plan.target.num_local_experts if plan.target is not None else E
+    G = plan.target.ep_size if plan.target is not None else 1
     out = {}
     for k in keys:
+        T = saved.smoe_experts if saved.smoe_experts and SMOE_EXPERT_KEY.search(k) else E  # the layer's experts
         whole_there, whole_here = k in saved.replicated, k in plan.replicated
-        if whole_there or whole_here:
-            out[k] = (E if whole_there else saved.local_experts, 0 if whole_here else None, E if whole_here else L)
+        if whole_there or whole_here or T != E:
+            out[k] = (T if whole_there else T // saved.ep_size, 0 if whole_here else None, T if whole_here else T // G,
+                      whole_there)
     return out
 
 
-def _rank_ranges(plan: Plan, rank: int, keys) -> dict[str, tuple[int, int, int]]:
-    first = plan.target.first_expert(rank) if plan.target is not None else 0
-    return {k: (local, first if f is None else f, count) for k, (local, f, count) in _ranges(plan, keys).items()}
+def _rank_ranges(plan: Plan, rank: int, keys) -> dict[str, tuple[int, int, int, bool]]:
+    position = plan.target.ep_rank(rank) if plan.target is not None else 0
+    return {k: (local, position * count if f is None else f, count, whole)
+            for k, (local, f, count, whole) in _ranges(plan, keys).items()}
 
 
 def resharded_state(plan: Plan, rank: int, sources: dict[int, dict], expert_params: list) -> dict:
@@ -297,9 +322,17 @@ def sources_for(plan: Plan, rank: int) -> dict[int, str]:
     L = plan.target.num_local_experts if plan.target is not None else saved.num_experts
     first = plan.target.first_expert(rank) if plan.target is not None else 0
     positions = set(source_positions(first, L, saved.local_experts))
-    if set(plan.replicated) - set(saved.replicated):  # a layer replicated here but spread in the files
-        positions = set(range(saved.ep_size))
+    for _key, (local, f, count, whole) in _rank_ranges(plan, rank, saved_expert_keys(plan)).items():
+        if not whole:  # a layer with its own count or replicated here: its pieces too
+            positions |= set(source_positions(f, count, local))
     return {i: saved.files[i] for i in sorted(positions)}
+
+
+def saved_expert_keys(plan: Plan) -> list[str]:
+    """The expert keys of the saved files (read from the first: every file holds the same keys)."""
+    from .checkpoints import is_expert_key
+
+    return [k for k in _load(plan.saved.files[0])["model"] if is_expert_key(k)]
 
 
 def _link_or_copy(src: str, dst: str) -> None:
@@ -376,8 +409,10 @@ def reshard_for_resume(cfg, trainer) -> Plan | None:
     replicated = tuple(n for n, p in model.named_parameters() if is_expert_key(n) and not is_expert(p))
     if rank == 0:
         try:
+            smoe = core.smoe_num_experts
             plan = plan_resume(_restore_base(cfg), world_size=world, sharded=sharded, layout=layout,
-                               num_experts=num_experts, replicated=replicated)
+                               num_experts=num_experts, replicated=replicated,
+                               smoe_experts=smoe if smoe not in (0, num_experts) else 0)
         except ReshardError as exc:
             error = str(exc)
     plan, error = _broadcast((plan, error))

@@ -49,13 +49,21 @@ def check_replicas(states: Sequence[Mapping[str, Tensor]], keys: Sequence[str], 
                     f"(max difference {diff}): the shards are not one save of one expert-data-parallel run")
 
 
-def replicated_keys(state: Mapping[str, Tensor], keys: Sequence[str]) -> list[str]:
-    """The expert keys of one rank's `state` that hold more experts than the fewest any expert key holds:
-    the layers replicated on every rank (all E experts) while the others are spread over the group. On a
-    single-process or consolidated state every key holds all E, and none is called replicated."""
+def replicated_keys(state: Mapping[str, Tensor], keys: Sequence[str],
+                    totals: Mapping[str, int] | None = None) -> list[str]:
+    """The expert keys of one rank's `state` that hold their whole layer while other layers are spread over the
+    group: the layers replicated on every rank. On a single-process or consolidated state every key holds its
+    whole layer, and none is called replicated.
+
+    totals: {key: the experts of its layer} (layers may differ: the sMoE's --smoe-experts apart from the tMoE's);
+    without it every layer has as many experts, and the replicated keys are those holding more than the fewest."""
     counts = {k: state[k].shape[0] for k in keys if k in state}
-    fewest = min(counts.values(), default=0)
-    return [k for k, n in counts.items() if n > fewest]
+    if totals is None:
+        fewest = min(counts.values(), default=0)
+        return [k for k, n in counts.items() if n > fewest]
+    if not any(n < totals[k] for k, n in counts.items()):
+        return []
+    return [k for k, n in counts.items() if n == totals[k]]
 
 
 def merge_expert_shards(states: Sequence[Mapping[str, Tensor]], keys: Sequence[str],
@@ -114,16 +122,16 @@ def expert_slice(pieces: Mapping[int, Tensor], source_local: int, first: int, co
     return stacked[offset:offset + count].clone()
 
 
-def _range_of(ranges: Mapping | None, key, source_local: int, first: int, count: int) -> tuple[int, int, int]:
-    return ranges.get(key, (source_local, first, count)) if ranges else (source_local, first, count)
+def _range_of(ranges: Mapping | None, key, source_local: int, first: int, count: int
+              ) -> tuple[int, int, int, bool]:
+    local, f, c, *whole = ranges.get(key, (source_local, first, count)) if ranges else (source_local, first, count)
+    return local, f, c, bool(whole and whole[0])
 
 
-def _by_position(pieces: Mapping[int, Tensor], local: int, source_local: int) -> dict[int, Tensor]:
-    """The source tensors by position. A key whose files hold `local` != `source_local` experts is a layer
-    replicated in the source: every file holds all of them, so any one file serves, as position 0."""
-    if local == source_local:
-        return dict(pieces)
-    return {0: pieces[min(pieces)]}
+def _by_position(pieces: Mapping[int, Tensor], whole: bool) -> dict[int, Tensor]:
+    """The source tensors by position. A layer replicated in the source (`whole`): every file holds all of its
+    experts, so any one file serves, as position 0."""
+    return {0: pieces[min(pieces)]} if whole else dict(pieces)
 
 
 def reshard_model_state(sources: Mapping[int, Mapping[str, Tensor]], keys: Sequence[str], source_local: int,
@@ -132,19 +140,20 @@ def reshard_model_state(sources: Mapping[int, Mapping[str, Tensor]], keys: Seque
     """A model state holding experts [first, first+count), from the shards {source position: state}
     that hold them (every non-expert tensor is the same in every shard: taken from the first).
 
-    ranges: {key: (source experts per file, first, count)} for the keys laid out otherwise than
-    (source_local, first, count): a layer replicated in the source (every file holds all E: source
-    experts per file E, read from any one file) or in the target (first 0, count E)."""
+    ranges: {key: (source experts per file, first, count[, whole])} for the keys laid out otherwise than
+    (source_local, first, count): a layer with its own expert count (the sMoE's --smoe-experts), replicated in
+    the source (whole: every file holds all its experts, read from any one file) or in the target (first 0,
+    count all)."""
     out = dict(sources[min(sources)])
     for k in keys:
-        local, f, c = _range_of(ranges, k, source_local, first, count)
-        out[k] = expert_slice(_by_position({i: s[k] for i, s in sources.items()}, local, source_local), local, f, c)
+        local, f, c, whole = _range_of(ranges, k, source_local, first, count)
+        out[k] = expert_slice(_by_position({i: s[k] for i, s in sources.items()}, whole), local, f, c)
     return out
 
 
 def reshard_optimizer_state(sources: Mapping[int, Mapping], expert_indices: set[int] | Sequence[int],
                             source_local: int, first: int, count: int,
-                            ranges: Mapping[int, tuple[int, int, int]] | None = None) -> dict:
+                            ranges: Mapping[int, tuple] | None = None) -> dict:
     """The optimizer state (torch's `state_dict()` format, per-parameter entries) for a rank holding
     experts [first, first+count), from the source positions' optimizer states.
 
@@ -162,7 +171,7 @@ def reshard_optimizer_state(sources: Mapping[int, Mapping], expert_indices: set[
             state[idx] = entry
             continue
         new = {}
-        local, f, c = _range_of(ranges, idx, source_local, first, count)
+        local, f, c, whole = _range_of(ranges, idx, source_local, first, count)
         for name, value in entry.items():
             if torch.is_tensor(value) and value.dim() >= 1:
                 pieces = {}
@@ -170,7 +179,7 @@ def reshard_optimizer_state(sources: Mapping[int, Mapping], expert_indices: set[
                     if idx not in s["state"] or name not in s["state"][idx]:
                         raise ValueError(f"optimizer state {name!r} of parameter {idx} is missing from position {i}")
                     pieces[i] = s["state"][idx][name]
-                new[name] = expert_slice(_by_position(pieces, local, source_local), local, f, c)
+                new[name] = expert_slice(_by_position(pieces, whole), local, f, c)
             else:
                 new[name] = value
         state[idx] = new

@@ -200,7 +200,10 @@ CASES = [
      ["does not fit the model of this run: the checkpoint is of another architecture",
       "checkpoint: --arch smlp_lm_tiny, this run: --arch gmlp_lm_tiny"]),
     ("checkpoint-of-another-expert-count", resume("--num-experts", "4"), 1, ValueError,
-     ["the checkpoint holds 2 expert(s) per file and this run 4"]),
+     ["the checkpoint holds 2 expert(s) per file and this run 4 (--num-experts or the world size differ)"]),
+    ("checkpoint-of-another-smoe-expert-count", resume("--num-experts", "2", "--smoe-experts", "4"), 1, ValueError,
+     ["the checkpoint holds 2 expert(s) per file and this run 4 (--smoe-experts, --smoe-parallel or the world size "
+      "differ)"]),
     ("restore-file-names-a-rank-shard", lambda c: smlp("--restore-file", str(c.save / "checkpoint_last-rank-0.pt"))(c),
      1, ValueError, ["names one rank's shard", "Pass the checkpoint name without the suffix"]),
     ("restore-file-does-not-exist", resume("--num-experts", "2", "--restore-file", "/nonexistent/model.pt"), 1,

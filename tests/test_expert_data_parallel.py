@@ -388,19 +388,21 @@ def test_elastic_reshards_model_optimizer_and_data_position(tmp_path):
 SMOE, TMOE = "decoder.core.layers.1.smoe.experts.weight", "decoder.core.layers.1.tmoe.experts.w1"
 
 
-def _write_layout_set(directory, smoe_replicated, E=4, world=2):
-    """A fake 2-rank set: the tMoE spread over the ranks, the sMoE spread too or whole in every file."""
+def _write_layout_set(directory, smoe_replicated, E=4, world=2, N=0):
+    """A fake 2-rank set: the tMoE spread over the ranks, the sMoE (N experts, 0: E) spread too or whole in
+    every file."""
     g = torch.Generator().manual_seed(1)
-    full = {SMOE: torch.randn(E, 3, 3, generator=g), TMOE: torch.randn(E, 2, generator=g)}
-    moments = {SMOE: torch.randn(E, 3, 3, generator=g), TMOE: torch.randn(E, 2, generator=g)}
+    S = N or E
+    full = {SMOE: torch.randn(S, 3, 3, generator=g), TMOE: torch.randn(E, 2, generator=g)}
+    moments = {SMOE: torch.randn(S, 3, 3, generator=g), TMOE: torch.randn(E, 2, generator=g)}
     shared = torch.randn(5, generator=g)
-    L = E // world
     for r in range(world):
         def mine(t, whole, r=r):
+            L = t.shape[0] // world
             return t.clone() if whole else t[r * L:(r + 1) * L].clone()
         state = {
             "cfg": {"model": {"_name": "smlp_lm", "num_experts": E, "expert_parallel_size": world,
-                              "distributed_world_size": world},
+                              "distributed_world_size": world, **({"smoe_experts": N} if N else {})},
                     "distributed_training": {"distributed_world_size": world, "distributed_rank": r}},
             "model": {"decoder.core.embed.weight": shared.clone(), SMOE: mine(full[SMOE], smoe_replicated),
                       TMOE: mine(full[TMOE], False)},
@@ -452,6 +454,78 @@ def test_checkpoints_move_between_the_smoe_layouts(tmp_path, saved_replicated):
 
     got = adapt_expert_state(Spread(), states[1]["model"], 1, 2)
     assert torch.equal(got[SMOE], full[SMOE][2:]) and torch.equal(got[TMOE], full[TMOE][2:])
+
+
+class _Core(torch.nn.Module):
+    """A stand-in for one of our models on rank `rank` of 2: its state (each layer spread, or the sMoE whole) and
+    the core config its layers' expert counts come from (checkpoints.model_totals)."""
+
+    def __init__(self, full, rank, smoe_whole, E, N):
+        super().__init__()
+        self.core = type("core", (), {"cfg": type("cfg", (), {"num_experts": E, "smoe_experts": N})})()
+        self._state = {SMOE: full[SMOE] if smoe_whole else full[SMOE][rank * N // 2:(rank + 1) * N // 2],
+                       TMOE: full[TMOE][rank * E // 2:(rank + 1) * E // 2]}
+
+    def state_dict(self):
+        return self._state
+
+
+@pytest.mark.parametrize("saved_replicated", [False, True], ids=["smoe-spread", "smoe-replicated"])
+def test_checkpoints_of_a_model_with_its_own_smoe_experts(tmp_path, saved_replicated):
+    """--smoe-experts 2 apart from the tMoE's 4 on 2 ranks: with the sMoE replicated each file holds 2 sMoE and
+    2 tMoE experts, the shapes alone cannot tell the layouts apart (the saved --smoe-experts does). The set
+    consolidates into the full model, reshards to one file, to 4 ranks and to the other sMoE layout (weights and
+    Adam moments), a whole layer loads into either layout, and another --smoe-experts is refused."""
+    from fairseq_plugins.checkpoints import adapt_expert_state, merge_rank_models
+    from fairseq_plugins.elastic import ReshardError, plan_resume, reshard_checkpoint
+
+    E, N = 4, 2
+    full, moments = _write_layout_set(tmp_path, saved_replicated, E=E, N=N)
+    base = str(tmp_path / "checkpoint_last.pt")
+    states = [torch.load(tmp_path / f"checkpoint_last-rank-{r}.pt", weights_only=False) for r in range(2)]
+    merged = merge_rank_models(states)  # what smlp-consolidate and the evaluators merge
+    assert torch.equal(merged[SMOE], full[SMOE]) and torch.equal(merged[TMOE], full[TMOE])
+    for r in range(2):  # a consolidated (whole) state into rank r of either layout
+        for whole in (False, True):
+            model = _Core(full, r, whole, E, N)
+            got = adapt_expert_state(model, merged, r, 2)
+            assert all(torch.equal(got[k], v) for k, v in model.state_dict().items()), (r, whole)
+    two = ExpertDataLayout(world_size=2, ep_size=2, num_experts=E)
+    here = (SMOE,) if saved_replicated else ()
+    assert plan_resume(base, world_size=2, sharded=True, layout=two, num_experts=E, replicated=here,
+                       smoe_experts=N) is None  # its own layout: nothing to do
+    with pytest.raises(ReshardError, match="holds 2 experts in each sMoE but this run builds 4.*--smoe-experts 2"):
+        plan_resume(base, world_size=1, sharded=False, layout=ExpertDataLayout(world_size=1, ep_size=1,
+                                                                               num_experts=E), num_experts=E)
+    # the other sMoE layout on the same 2 ranks
+    other = () if saved_replicated else (SMOE,)
+    plan = plan_resume(base, world_size=2, sharded=True, layout=two, num_experts=E, replicated=other, smoe_experts=N)
+    assert plan.saved.smoe_experts == N and plan.saved.replicated == here
+    for r in (1, 0):
+        reshard_checkpoint(plan, r, [None, SMOE, TMOE])
+    for r in range(2):
+        st = torch.load(tmp_path / f"checkpoint_last-rank-{r}.pt", weights_only=False)
+        for key, idx, total in ((SMOE, 1, N), (TMOE, 2, E)):
+            lo, hi = (0, total) if key in other else (r * total // 2, (r + 1) * total // 2)
+            assert torch.equal(st["model"][key], full[key][lo:hi]), (r, key)
+            assert torch.equal(st["last_optimizer_state"]["state"][idx]["exp_avg"], moments[key][lo:hi]), (r, key)
+    # ... then one file (every expert), then 4 ranks: one tMoE expert each, the sMoE's 2 spread over groups of 2
+    one = ExpertDataLayout(world_size=1, ep_size=1, num_experts=E)
+    plan = plan_resume(base, world_size=1, sharded=False, layout=one, num_experts=E, smoe_experts=N)
+    reshard_checkpoint(plan, 0, [None, SMOE, TMOE])
+    st = torch.load(base, weights_only=False)
+    assert torch.equal(st["model"][SMOE], full[SMOE]) and torch.equal(st["model"][TMOE], full[TMOE])
+    assert st["cfg"]["model"]["smoe_experts"] == N and st["cfg"]["model"]["num_experts"] == E
+    four = ExpertDataLayout(world_size=4, ep_size=4, num_experts=E)
+    with pytest.raises(ReshardError, match="sMoE's 2 experts over expert-parallel groups of 4.*replicated"):
+        plan_resume(base, world_size=4, sharded=True, layout=four, num_experts=E, smoe_experts=N)
+    plan = plan_resume(base, world_size=4, sharded=True, layout=four, num_experts=E, replicated=(SMOE,),
+                       smoe_experts=N)
+    for r in (3, 1, 2, 0):
+        reshard_checkpoint(plan, r, [None, SMOE, TMOE])
+    for r in range(4):
+        st = torch.load(tmp_path / f"checkpoint_last-rank-{r}.pt", weights_only=False)
+        assert torch.equal(st["model"][SMOE], full[SMOE]) and torch.equal(st["model"][TMOE], full[TMOE][r:r + 1])
 
 
 def test_a_replicated_layer_refuses_one_rank_shard_with_the_fix():

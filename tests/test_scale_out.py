@@ -16,6 +16,8 @@ consolidate into the model the reference holds at the same update.
 """
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -128,3 +130,45 @@ def test_resume_that_would_change_the_number_of_experts_is_refused(runs):
         plan = plan_resume(base, world_size=2, sharded=True, num_experts=4,
                            layout=ExpertDataLayout(world_size=2, ep_size=G, num_experts=4))
         assert (plan.saved.world_size, plan.target.ep_size, len(plan.targets)) == (1, G, 2)
+
+
+def test_a_model_with_its_own_smoe_experts_reshards_consolidates_and_exports(tiny_lm_data, tmp_path, monkeypatch):
+    """--smoe-experts 2 apart from --num-experts 4 on 2 ranks, the sMoE replicated: every rank file holds 2 sMoE
+    and 2 tMoE experts of each sparse layer (only the saved --smoe-experts tells the layers apart). Resumed on one
+    process the set is resharded into the model smlp-consolidate merges from it, bit for bit, and that file
+    exports to a Hugging Face folder whose logits equal the checkpoint's (the export's own check, 1e-5)."""
+    pytest.importorskip("transformers")
+    from fairseq_plugins.checkpoints import consolidate, load_checkpoint
+    from smlp_eval import hf_export
+
+    smlp = ["--arch", "smlp_lm_tiny", "--num-experts", "4", "--smoe-experts", "2", "--disable-validation",
+            "--max-update", "3"]
+    args = [str(tiny_lm_data), "--user-dir", PLUGINS, *TINY_TRAIN, *smlp, "--save-dir", str(tmp_path / "ck")]
+    text = assert_ok(run_fairseq("fairseq-train", [*args, "--smoe-parallel", "replicated"], world=2, timeout=600))
+    assert "sMoE experts (2): replicated on every rank" in text and "tMoE experts (4)" in text, text[-3000:]
+    shards = [load_checkpoint(str(tmp_path / "ck" / f"checkpoint_last-rank-{r}.pt")) for r in range(2)]
+    smoe = [k for k in shards[0]["model"] if ".smoe.experts." in k]
+    assert smoe and all(s["model"][k].shape[0] == 2 for s in shards for k in shards[0]["model"] if ".experts." in k)
+    merged = load_checkpoint(consolidate(str(tmp_path / "ck" / "checkpoint_last.pt"), str(tmp_path / "merged.pt")))
+    assert all(merged["model"][k].shape[0] == 2 for k in smoe)
+    assert all(v.shape[0] == 4 for k, v in merged["model"].items() if ".tmoe.experts." in k)
+    # resumed on one process: the resharded file (as fairseq-train installs it, before it trains on) is the merge
+    from fairseq_plugins import elastic
+
+    resharded, real = {}, elastic.reshard_checkpoint
+
+    def keep(plan, rank, expert_params):
+        real(plan, rank, expert_params)
+        resharded["file"] = shutil.copy(plan.targets[0], tmp_path / "resharded.pt")
+
+    monkeypatch.setattr(elastic, "reshard_checkpoint", keep)
+    text = assert_ok(run_in_process("fairseq-train", [*args[:-1], str(tmp_path / "ck"), "--max-update", "4"]))
+    assert "resharded checkpoint_last.pt (2 rank shards from a 2-rank run, 4 experts in groups of 2 (2 in each " \
+           "sMoE)" in text, text[-3000:]
+    assert sorted(train_losses(text)) == [4], text[-3000:]
+    one = load_checkpoint(str(resharded["file"]))
+    assert one["model"].keys() == merged["model"].keys()
+    for k, v in merged["model"].items():
+        assert torch.equal(one["model"][k], v), k
+    result = hf_export.export(str(resharded["file"]), tmp_path / "hf", verify=True)
+    assert result.max_logit_difference is not None and result.max_logit_difference <= 1e-5

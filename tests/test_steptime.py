@@ -275,6 +275,40 @@ def test_replicated_smoe_sends_no_rows_and_holds_every_spatial_weight():
     assert part["replicated"] - part["expert"] == pytest.approx(r.step_seconds - e.step_seconds, rel=1e-9, abs=1e-12)
 
 
+@pytest.mark.parametrize("N", [2, 8])
+def test_the_smoe_s_own_expert_count_moves_its_own_weights(N):
+    """--smoe-experts N apart from the tMoE's 4: the GPU's expert parameters hold N / G sMoE experts (G = 2
+    divides N), the replicated layout moves N x (T^2 + T) per sparse block to the data-parallel parameters, the
+    tMoE's are the same as with the tie; where G does not divide N the default replicates them and the expert
+    layout is refused."""
+    tied = LMConfig(family="smlp", dense_layers=1, sparse_layers=2, **TINY)
+    cfg = LMConfig(family="smlp", dense_layers=1, sparse_layers=2, smoe_experts=N, **TINY)
+    c, c_tied = (FL.count(x, 12, experts_per_gpu=2, method="analytic") for x in (cfg, tied))
+    per_expert = 2 * (12 * 12 + 12)  # 2 sparse blocks x (T x T + T)
+    assert c.params_expert_per_gpu - c_tied.params_expert_per_gpu == (N // 2 - 2) * per_expert
+    assert c.flops == c_tied.flops  # deterministic routing: every channel mixed once whatever N
+    train = dict(world_size=4, ep_size=2, batch_size=3, tokens=12)
+    e, r = (S.step_time("x", cfg, flops_per_sequence=c.flops, params_non_expert=c.params_non_expert,
+                        params_expert_per_gpu=c.params_expert_per_gpu, activations={},
+                        train=S.Training(**train, smoe_layout=layout), cluster=S.CLUSTERS["v100-dgx1"])
+            for layout in ("expert", "replicated"))
+    assert r.allreduce["non_expert_bytes"] - e.allreduce["non_expert_bytes"] == 2 * N * per_expert
+    assert r.memory["params"] - e.memory["params"] == (N - N // 2) * per_expert
+    layout, why = S.choose_smoe_layout(LMConfig(family="smlp", dense_layers=1, sparse_layers=2, **{**TINY,
+                                                "num_experts": 8}, smoe_experts=2),
+                                       world_size=4, ep_size=4, batch_size=3, tokens=12, device_type="cpu")
+    assert layout == "replicated" and "2 experts (--smoe-experts) do not spread evenly over expert-parallel " \
+                                      "groups of 4" in why, why
+    spec = FL.parse_model("smlp_lm", ["--decoder-embed-dim", "16", "--decoder-ffn-embed-dim", "32",
+                                      "--tokens-per-sample", "12", "--num-experts", "8", "--smoe-experts", "2",
+                                      "--distributed-world-size", "4", "--batch-size", "3"], vocab_size=40)
+    both = FL.steptime.compare_smoe_layouts(spec, S.CLUSTERS["v100-dgx1"], method="analytic")
+    assert set(both["step_times"]) == {"replicated"}
+    assert "its 2 experts do not spread over expert-parallel groups of 4" in FL.steptime.smoe_layout_sentence(both)
+    with pytest.raises(ValueError, match="the sMoE's 2 experts .* do not spread over expert-parallel groups of 4"):
+        FL.steptime.step_time_for(spec, S.CLUSTERS["v100-dgx1"], method="analytic", smoe_layout="expert")
+
+
 def test_default_smoe_layout_follows_the_step_time_model():
     """--smoe-parallel auto: replicated where every preset of the device's kind predicts it clearly faster and
     it fits, expert-parallel where the model says so or is not clear-cut."""

@@ -73,6 +73,9 @@ def step_time_for(spec: ModelSpec, cluster, *, name: str | None = None, padding:
         raise ValueError("the step-time model needs --batch-size (sequences per GPU per micro-batch), e.g. "
                          "--batch-size 4 --update-freq 4 --distributed-world-size 32 --fp16")
     c = count_spec(spec, method)
+    if smoe_layout == "expert" and not smoe_spreads(spec):
+        raise ValueError(f"--smoe-parallel expert: the sMoE's {spec.cfg.smoe_num_experts} experts (--smoe-experts) do "
+                         f"not spread over expert-parallel groups of {spec.ep_size}; use --smoe-parallel replicated")
     train = Training(world_size=spec.world_size, ep_size=spec.ep_size if spec.cfg.sparse_layers else 1,
                               batch_size=spec.batch_size, update_freq=spec.update_freq, tokens=spec.tokens,
                               fp16=spec.fp16, optimizer_sharding=spec.zero_sharding, padding=padding,
@@ -130,16 +133,27 @@ def compare_smoe_layouts(spec: ModelSpec, cluster, *, name: str | None = None, p
     StepTime}, "faster": the layout of the shorter step, "speedup": slower step / faster step}."""
     if not smoe_expert_params(spec.cfg, 1):
         raise ValueError(f"{spec.arch} has no sMoE: only the sMLP's sparse blocks have a layout to choose")
+    layouts = SMOE_LAYOUTS if smoe_spreads(spec) else ("replicated",)  # the only one where the group cannot
     times = {layout: step_time_for(spec, cluster, name=name, padding=padding, method=method, smoe_layout=layout,
-                                   all2all_chunks=all2all_chunks) for layout in SMOE_LAYOUTS}
-    faster = min(SMOE_LAYOUTS, key=lambda k: times[k].step_seconds)
-    slower = max(SMOE_LAYOUTS, key=lambda k: times[k].step_seconds)
-    return {"step_times": times, "faster": faster, "speedup": times[slower].step_seconds / times[faster].step_seconds}
+                                   all2all_chunks=all2all_chunks) for layout in layouts}
+    faster = min(layouts, key=lambda k: times[k].step_seconds)
+    slower = max(layouts, key=lambda k: times[k].step_seconds)
+    return {"step_times": times, "faster": faster, "speedup": times[slower].step_seconds / times[faster].step_seconds,
+            "experts": spec.cfg.smoe_num_experts, "ep_size": spec.ep_size}
+
+
+def smoe_spreads(spec: ModelSpec) -> bool:
+    """Whether the sMoE's experts spread over the expert-parallel group (its size divides them: --smoe-experts)."""
+    return spec.cfg.smoe_num_experts % max(spec.ep_size, 1) == 0
 
 
 def smoe_layout_sentence(both: dict) -> str:
     """One line: which sMoE layout is faster, by how much, and both step times."""
-    t, other = both["step_times"], {"replicated": "expert-parallel", "expert": "replicated"}[both["faster"]]
+    t = both["step_times"]
+    if "expert" not in t:
+        return (f"sMoE replicated ({t['replicated'].step_seconds:.3f} s: its {both['experts']} experts do not spread "
+                f"over expert-parallel groups of {both['ep_size']})")
+    other = {"replicated": "expert-parallel", "expert": "replicated"}[both["faster"]]
     return (f"sMoE {both['faster']} ({both['speedup']:.2f}x faster than {other}: {t['expert'].step_seconds:.3f} s "
             f"expert-parallel, {t['replicated'].step_seconds:.3f} s replicated)")
 
