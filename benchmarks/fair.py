@@ -52,6 +52,7 @@ STAGES = tuple(STAGE_SETTINGS)
 DEFAULT_STAGES = ("lr-sweep", "deciding", "experts", "experts-seeds", "smoe-experts")
 # what the comparison is, for its record (benchmarks/fair_report.py final_report)
 DESIGN = {"target": FAIR_TARGET, "wide_target": WIDE_TARGET, "settings": STAGE_SETTINGS,
+          "experts_stages": ("experts", "experts-seeds", "smoe-experts"),
           "primary_seeds": {"seeds": [*DECIDING_SEEDS, *PRIMARY_SEEDS], "others": list(DECIDING_SEEDS)}}
 
 

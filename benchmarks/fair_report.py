@@ -4,6 +4,7 @@ its figures, and the text of its sections of docs/benchmarks.md and README. No s
 """
 from __future__ import annotations
 
+import math
 import re
 import statistics
 from pathlib import Path
@@ -26,6 +27,7 @@ SWEEP_DONE = ("Its learning-rate sweep has finished (each family's rates in [ben
               "runs are under way.")
 METRIC_WORDS = {"ppl": "all positions", "suffix_ppl": "the positions after sMLP-partial's routing prefix"}
 ANSWER = {"better": "yes", "worse": "no", "undecided": "undecided"}
+LOWER = {"better": "lower", "worse": "higher"}  # the first model's perplexity against the second's
 SCALE_NOTE = ("Scale: about 2M non-expert parameters trained on about 2M tokens of one small corpus (Gutenberg plays, "
               "a 4k sentencepiece vocabulary, repeated after about 1.3 epochs), on CPU ranks. The answer says which "
               "family learns this corpus fastest per FLOP at this size and budget; it cannot say how the families "
@@ -104,25 +106,119 @@ def width_trend(deciding: dict, width: dict, best: str) -> dict:
             "label": "trend (one seed per model at D=256, spreads borrowed from the deciding seeds), not a verdict"}
 
 
-def expert_trend(deciding: dict, experts: dict, best: str) -> dict:
-    """Final perplexity against the expert count for sMLP-det and the best Transformer-MoE (the deciding count: its
-    seeds; the others: one seed, borrowing the family's spread at the deciding count), and sMLP-det's gap at each."""
-    spreads, base = deciding["fair"]["seed_spread"], deciding["target"]["experts"]
-    swept = sorted({int(m.group(1)) for k in experts["models"] if (m := re.search(r"_e(\d+)$", k))})
-    source = {e: (deciding["models"], "") if e == base else (experts["models"], f"_e{e}") for e in {base, *swept}}
+# the stages whose runs of one model key pool into one set of seeds (each run its seed once), in this order
+POOLED_STAGES = ("deciding", "experts", "experts-seeds", "smoe-experts")
+PER_SEED = ("valid_ppl_per_seed", "valid_suffix_ppl_per_seed", "valid_greedy_routing_ppl_per_seed",
+            "valid_trained_routing_ppl_per_seed")
+EXPERT_COUNTS = (2, 8, 32)
+SMOE_NOTE = ("sMLP-det's sMoE routes deterministically: every token passes through every sMoE expert, each a spatial "
+             "gating unit over D/E channels, so with --num-experts alone more experts split the same channels finer "
+             "(16 channels per sMoE expert at 8 experts, 4 at 32) rather than adding parameters per token as the "
+             "tMoE's experts do; `--smoe-experts 4` keeps 32 channels per sMoE expert, the paper's width (1024 / 32, "
+             "Table 8), whatever the tMoE's count. The paper reports no expert sweep for sMLP (its Table 7 is "
+             "token-routed gMLP).")
+
+
+def pooled_models(records: dict) -> tuple[dict, list[str]]:
+    """{model key: its results pooled over the stages that ran it} and the problems found: a key is one model
+    (the same fairseq flags and learning rate in every stage) and each seed counts once; a stage whose model of
+    the same key differs is left out of the pool, and said."""
+    out, problems = {}, []
+    for stage in POOLED_STAGES:
+        for key, m in ((records.get(stage) or {}).get("models") or {}).items():
+            if key not in out:
+                out[key] = {**m, "stages": [stage], **{f: list(m.get(f) or []) for f in (*PER_SEED, "seeds")}}
+                continue
+            have = out[key]
+            if (m.get("fairseq_flags"), m.get("lr")) != (have.get("fairseq_flags"), have.get("lr")):
+                problems.append(f"{key}: stage {stage} trained another model under this key (flags or rate differ); "
+                                f"its seeds are not pooled")
+                continue
+            if twice := sorted(set(m.get("seeds") or []) & set(have["seeds"])):
+                problems.append(f"{key}: seed(s) {twice} ran in stage {stage} again; its seeds are not pooled")
+                continue
+            have["stages"].append(stage)
+            for f in (*PER_SEED, "seeds"):
+                have[f] += list(m.get(f) or [])
+    for m in out.values():
+        if m["valid_ppl_per_seed"]:
+            m["valid_ppl"] = statistics.mean(m["valid_ppl_per_seed"])
+    return out, problems
+
+
+def _point_key(row: str, experts: int, best: str, base: int) -> str:
+    """The model key of a row of the expert figure at `experts` tMoE experts (the deciding stage's at `base`)."""
+    if row == "smoe4":
+        return f"smlp_det_s4_e{experts}"
+    return row.replace("best", best) + ("" if experts == base else f"_e{experts}")
+
+
+def _mean_interval(values: list[float], level: float = 0.95) -> list[float] | None:
+    """The `level` t-interval of a model's geometric mean perplexity over its seeds (None below two seeds)."""
+    from scipy.stats import t as student_t
+
+    if len(values) < 2:
+        return None
+    logs = [math.log(v) for v in values]
+    half = student_t.ppf(0.5 + level / 2, len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs))
+    return [math.exp(statistics.mean(logs) - half), math.exp(statistics.mean(logs) + half)]
+
+
+def expert_scaling(pooled: dict, best: str, base: int, spreads: dict) -> dict:
+    """Validation perplexity against the tMoE's expert count (2, 8, 32) for sMLP-det (the sMoE's experts tied to
+    them, as --num-experts alone), sMLP-det with 4 sMoE experts (--smoe-experts 4) and the best Transformer-MoE,
+    every seed of every stage pooled; at each count each comparison by T_RULE (a side with one seed borrows its
+    family's spread at `base` experts, labelled: a trend's interval, not a verdict)."""
     rows = []
-    for k in ("smlp_det", best):
-        by_e = {e: _seeds(res, f"{k}{suffix}") for e, (res, suffix) in source.items()}
-        es = sorted(e for e in by_e if by_e[e])
-        rows.append({"model": k, "name": NAMES[k], "ppl": {e: statistics.mean(by_e[e]) for e in es},
-                     "seeds": {e: len(by_e[e]) for e in es}})
-    return {"rows": rows, "gaps": {e: c for e, (res, suffix) in sorted(source.items())
-                                   if (c := _gap(res, suffix, best, spreads))},
-            "best_moe": best, "seed_spread": {k: spreads.get(k) for k in ("smlp_det", best)},
-            "label": "trend (one seed at 2 and 32 experts, spreads borrowed from the deciding seeds), not a verdict",
-            "note": "sMLP-det's sMoE routes deterministically: every token passes through every sMoE expert (each a "
-                    "spatial gating unit over D/E channels), so more experts split the same channels finer rather "
-                    "than adding parameters per token as the tMoE's experts do."}
+    for row, name in (("smlp_det", NAMES["smlp_det"]), ("smoe4", f"{NAMES['smlp_det']}, 4 sMoE experts"),
+                      ("best", NAMES.get(best, best))):
+        points = {}
+        for e in EXPERT_COUNTS:
+            vals = _seeds(pooled, _point_key(row, e, best, base))
+            if vals:
+                points[str(e)] = {"ppl": math.exp(statistics.mean(math.log(v) for v in vals)), "per_seed": vals,
+                                  "seeds": (pooled[_point_key(row, e, best, base)]["seeds"]),
+                                  "interval": _mean_interval(vals)}
+        if points:
+            rows.append({"row": row, "model": "smlp_det" if row != "best" else best, "name": name, "points": points})
+    comparisons = []
+    pairs = (("smlp_det", "best", "sMLP-det against {best}"), ("smoe4", "best", "sMLP-det, 4 sMoE experts, against "
+             "{best}"), ("smoe4", "smlp_det", "sMLP-det with 4 sMoE experts against the tie"))
+    for e in EXPERT_COUNTS:
+        for a_row, b_row, label in pairs:
+            a, b = (_point_key(r, e, best, base) for r in (a_row, b_row))
+            sa, sb = _seeds(pooled, a), _seeds(pooled, b)
+            if not sa or not sb:
+                continue
+            fam = {r: "smlp_det" if r != "best" else best for r in (a_row, b_row)}
+            c = t_compare(sa, sb, spreads.get(fam[a_row]), spreads.get(fam[b_row]))
+            names = {"smlp_det": f"sMLP-det, {e} experts", "smoe4": f"sMLP-det, 4 sMoE + {e} tMoE experts",
+                     "best": f"{NAMES.get(best, best)}, {e} experts"}
+            comparisons.append({"experts": e, "model": a, "against": b, "label": label.format(
+                best=NAMES.get(best, best)), **c, "text": describe_t(c, names[a_row], names[b_row])})
+    return {"rows": rows, "comparisons": comparisons, "best_moe": best, "base_experts": base, "rule": T_RULE,
+            "note": SMOE_NOTE}
+
+
+def rate_check(pooled: dict, rates: dict, experts: int = 32) -> list[dict]:
+    """At `experts` experts, each family's final perplexity at half, once and twice its sweep's rate (seed 1, the
+    sweep's seed): is the sweep's rate still the best of the three, or would a rate beyond it do better?"""
+    out = []
+    for family in sorted({k.partition("_e")[0] for k in pooled if re.fullmatch(rf"[a-z_]+_e{experts}@lr.+", k)}):
+        tried = {}
+        for key, m in pooled.items():
+            if key.startswith(f"{family}_e{experts}@lr") and m.get("valid_ppl_per_seed"):
+                tried[float(key.split("@lr")[1])] = m["valid_ppl_per_seed"][0]
+        chosen = (rates.get(family) or {}).get("chosen")
+        if not tried or chosen is None:
+            continue
+        best = min(tried, key=tried.get)
+        at_edge = best in (min(tried), max(tried)) and best != chosen
+        out.append({"family": family, "name": NAMES.get(family, family), "experts": experts, "chosen": chosen,
+                    "tried": {f"{r:g}": tried[r] for r in sorted(tried)}, "best": best,
+                    "chosen_is_best": math.isclose(best, chosen), "best_at_edge": at_edge,
+                    "complete": len(tried) == 3})
+    return out
 
 
 def analysed_stage(record: dict, extra: dict) -> dict:
@@ -147,13 +243,18 @@ def final_report(records: dict, out_dir: Path, design: dict) -> dict:
            "stages_complete": {k: bool(records.get(k, {}).get("complete")) for k in design["settings"]},
            "target": design["target"], "wide_target": design["wide_target"], "settings": design["settings"],
            "primary_seeds": design["primary_seeds"],
+           "experts_complete": all(records.get(k, {}).get("complete") for k in design.get("experts_stages", ())),
            "eval_routing": "priced (--balanced-eval-routing, smlp/routing/prices.py)"}
     sweep = (records.get("lr-sweep") or {}).get("fair") or {}
     if "lr-sweep" in records:
         rec["rates"], rec["best_moe"] = sweep["rates"], sweep.get("best_moe")
         plot_sweep(rec["rates"], out_dir / "lr_sweep.png")
-    if d := records.get("deciding"):
-        spreads = analysed_stage(d, {})["seed_spread"]
+    pooled, problems = pooled_models(records)
+    spreads = {}
+    if d := records.get("deciding"):  # its families with every seed any stage ran of them (gMLP's 4-5: issue 51)
+        d = {**d, "models": {k: pooled.get(k, m) for k, m in d["models"].items()}}
+        d["fair"] = {**(d.get("fair") or {}), "seed_spread": analysed_stage(d, {})["seed_spread"]}
+        spreads = d["fair"]["seed_spread"]
         keep = ("valid_suffix_ppl_per_seed", "valid_greedy_routing_ppl_per_seed", "valid_trained_routing_ppl_per_seed")
         rec["families"] = {k: {"name": m["name"], "layers": m["layers"], "lr": m.get("lr"),
                                "bracketed": (sweep.get("rates", {}).get(k) or {}).get("bracketed"),
@@ -161,10 +262,16 @@ def final_report(records: dict, out_dir: Path, design: dict) -> dict:
                                "seeds": m["seeds"], "log_spread": spreads[k], **{f: m.get(f) for f in keep},
                                "greedy_max_load": m.get("greedy_max_load")} for k, m in d["models"].items()}
         rec["seed_spread"], rec["verdicts"] = spreads, verdicts(d, sweep)
-    for stage, trend, plot in (("width", width_trend, plot_width), ("experts", expert_trend, plot_experts)):
-        if "deciding" in records and stage in records and rec.get("best_moe"):
-            rec[stage] = trend(_analysed(records["deciding"]), records[stage], rec["best_moe"])
-            plot(rec[stage], out_dir / f"{stage}.png")
+    if "deciding" in records and "width" in records and rec.get("best_moe"):
+        rec["width"] = width_trend(_analysed(records["deciding"]), records["width"], rec["best_moe"])
+        plot_width(rec["width"], out_dir / "width.png")
+    if "deciding" in records and "experts" in records and rec.get("best_moe"):
+        rec["experts"] = expert_scaling(pooled, rec["best_moe"], records["deciding"]["target"]["experts"], spreads)
+        plot_experts(rec["experts"], out_dir / "experts.png")
+    if check := rate_check(pooled, rec.get("rates") or {}):
+        rec["rate_check"] = check
+    if problems:
+        rec["pooling_problems"] = problems
     atomic_write_json(out_dir / "results.json", rec)
     return rec
 
@@ -192,13 +299,17 @@ def plot_width(width: dict, path: Path) -> None:
 
 
 def plot_experts(experts: dict, path: Path) -> None:
-    with png_axes(path, "more experts: sMLP-det and the best Transformer-MoE (a trend)", "experts per sparse layer",
-                  "validation perplexity (± 2 seed SD of the family at 8 experts)", log2x=True) as ax:
+    with png_axes(path, "validation perplexity against the tMoE's experts", "tMoE experts per sparse layer",
+                  "validation perplexity (95% interval of the mean over seeds)", log2x=True) as ax:
         for row in experts["rows"]:
-            sd = ((experts.get("seed_spread") or {}).get(row["model"]) or {}).get("sd", 0.0)
-            ppl = {int(e): v for e, v in row["ppl"].items()}  # int keys in memory, str in the JSON
-            ys = [ppl[e] for e in sorted(ppl)]
-            ax.errorbar(sorted(ppl), ys, yerr=[2 * sd * y for y in ys], marker="o", capsize=4, label=row["name"])
+            es = sorted(int(e) for e in row["points"])
+            pts = [row["points"][str(e)] for e in es]
+            ys = [p["ppl"] for p in pts]
+            lo = [y - p["interval"][0] if p["interval"] else 0 for y, p in zip(ys, pts)]
+            hi = [p["interval"][1] - y if p["interval"] else 0 for y, p in zip(ys, pts)]
+            seeds = "/".join(str(len(p["per_seed"])) for p in pts)
+            ax.errorbar(es, ys, yerr=[lo, hi], marker="o", capsize=4, label=f"{row['name']} (seeds {seeds})")
+        ax.set_xticks(list(EXPERT_COUNTS), [str(e) for e in EXPERT_COUNTS])
 
 
 def print_summary(rec: dict) -> None:
@@ -216,7 +327,9 @@ def _ci(c: dict) -> str:
     if c.get("ci_pct") is None:
         return f"{c['ratio'] - 1:+.1%}, no seed spread known"
     lo, hi = c["ci_pct"]
-    borrowed = ", one seed a side: spread borrowed from the deciding seeds" if c.get("borrowed") else ""
+    borrowed = {2: ", one seed a side: spread borrowed from the deciding seeds",
+                1: ", one seed on one side: its spread borrowed from the deciding seeds"}.get(len(c.get("borrowed") or
+                                                                                             []), "")
     return f"{c['ratio'] - 1:+.1%}, 95% CI {lo:+.1%} to {hi:+.1%}, Welch df {c['df']:.1f}{borrowed}"
 
 
@@ -255,12 +368,12 @@ def fair_verdicts(record: dict) -> list[str]:
         lines.append(f"- Width (a trend, one seed per model at D={b['d_model']}): sMLP-det's difference to "
                      f"{names.get(w['best_moe'], w['best_moe'])} is {a['ratio'] - 1:+.1%} at D={a['d_model']} and "
                      f"{b['ratio'] - 1:+.1%} at D={b['d_model']}.")
-    if e := record.get("experts"):
-        gaps = ", ".join(f"{x} experts {g['ratio'] - 1:+.1%}"
-                         for x, g in sorted(e["gaps"].items(), key=lambda kv: int(kv[0])))
-        note = e.get("note", "").rstrip(".")  # records written before it ended with a period lack one
-        lines.append(f"- Experts (a trend, one seed at 2 and 32): sMLP-det's difference to "
-                     f"{names.get(e['best_moe'], e['best_moe'])}: {gaps}." + (f" {note}." if note else ""))
+    if (e := record.get("experts")) and "comparisons" in e:
+        if gaps := "; ".join(f"{c['experts']} experts: {_answer(c)} ({_ci(c)}; {c['seeds'][0]} and {c['seeds'][1]} "
+                             f"seeds)" for c in e["comparisons"] if c["model"].startswith("smlp_det_e")
+                             or c["model"] == "smlp_det"):
+            lines.append(f"- Experts: does sMLP-det's lead over {names.get(e['best_moe'], e['best_moe'])} hold as "
+                         f"experts are added? {gaps}. The table below has every point and comparison.")
     lines.append(f"- Rule: {v.get('rule', record.get('rule'))}.")
     if not record.get("complete"):
         lines.append("- **PARTIAL: the benchmark has not finished; the answers may change.**")
@@ -311,17 +424,94 @@ def render_fair(record: dict, figures: dict[str, str]) -> str:
         if "width.png" in figures:
             lines += ["", f"![sMLP-det's gap against width]({figures['width.png']})"]
     if e := record.get("experts"):
-        es = sorted({int(x) for r in e["rows"] for x in r["ppl"]})
-        lines += ["", "| model | " + " | ".join(f"{x} experts" for x in es) + " |", "|---|" + "---:|" * len(es)]
-        for r in e["rows"]:
-            lines.append(f"| {r['name']} | " + " | ".join(
-                f"{r['ppl'][str(x)] if str(x) in r['ppl'] else r['ppl'].get(x, float('nan')):.1f}" for x in es) + " |")
-        if "experts.png" in figures:
-            lines += ["", f"![perplexity against the number of experts]({figures['experts.png']})"]
+        lines += ["", *render_experts(e, record.get("rate_check") or [], figures.get("experts.png"),
+                                      complete=record.get("experts_complete", True))]
     lines += ["", BASE_NOTE, "", SCALE_NOTE, "",
               "Generated by `smlp-bench --fair` from `docs/benchmark/fair/results.json` and its stages' records "
               "(`docs/benchmark/fair/<stage>/runs.json`, `results.json`)."]
     return "\n".join(lines)
+
+
+def _point(p: dict | None) -> str:
+    if p is None:
+        return "-"
+    iv = f", {p['interval'][0]:.1f}-{p['interval'][1]:.1f}" if p.get("interval") else ""
+    return f"{p['ppl']:.1f} ({len(p['per_seed'])} seed{'s' if len(p['per_seed']) > 1 else ''}{iv})"
+
+
+def render_experts(e: dict, rate_rows: list[dict], figure: str | None, complete: bool = True) -> list[str]:
+    """The experts part of the fair section: perplexity per tMoE expert count and row (every seed pooled), the
+    verdict of each comparison at each count, the figure, the rate check at 32 experts and what the paper reports."""
+    best = NAMES.get(e["best_moe"], e["best_moe"])
+    if "comparisons" not in e:  # a record written before issue 51: one seed at 2 and 32 experts
+        es = sorted({int(x) for r in e["rows"] for x in r["ppl"]})
+        return ["| model | " + " | ".join(f"{x} experts" for x in es) + " |", "|---|" + "---:|" * len(es),
+                *(f"| {r['name']} | " + " | ".join(f"{r['ppl'][str(x)]:.1f}" for x in es) + " |" for r in e["rows"])]
+    rows = {r["row"]: r for r in e["rows"]}
+    head = [("smlp_det", "sMLP-det, sMoE experts = tMoE experts (the tie)"),
+            ("smoe4", "sMLP-det, 4 sMoE experts (32 channels each)"), ("best", best)]
+    lines = ["How the answer moves with experts (tMoE experts per sparse layer; validation perplexity, the geometric "
+             "mean over seeds with its 95% interval; every seed of every stage pooled, each fixed before its runs):",
+             "", "| tMoE experts | " + " | ".join(h for _, h in head) + " |", "|---:|" + "---:|" * len(head)]
+    for x in EXPERT_COUNTS:
+        lines.append(f"| {x} | " + " | ".join(_point((rows.get(r) or {}).get("points", {}).get(str(x)))
+                                             for r, _ in head) + " |")
+    lines += ["", "| comparison | " + " | ".join(f"{x} experts" for x in EXPERT_COUNTS) + " |",
+              "|---|" + "---|" * len(EXPERT_COUNTS)]
+    for label in dict.fromkeys(c["label"] for c in e["comparisons"]):
+        cells = {c["experts"]: c for c in e["comparisons"] if c["label"] == label}
+        lines.append(f"| {label} | " + " | ".join(
+            f"{LOWER[cells[x]['verdict']] if cells[x]['verdict'] in LOWER else _answer(cells[x])}: {_ci(cells[x])}"
+            if x in cells else "-" for x in EXPERT_COUNTS) + " |")
+    if figure:
+        lines += ["", f"![validation perplexity against the tMoE's experts]({figure})"]
+    lines += ["", e.get("note") or SMOE_NOTE]
+    if rate_rows:
+        lines += ["", "Is the sweep's rate still right at 32 experts? Each family at half, once and twice its sweep's "
+                      "rate on seed 1 (the sweep's seed), final validation perplexity:", "",
+                  "| model | rates: ppl | sweep's rate | best here |", "|---|---|---:|---|"]
+        for r in rate_rows:
+            tried = ", ".join(f"{k}: {v:.1f}" for k, v in r["tried"].items())
+            verdict = ("the sweep's rate" if r["chosen_is_best"] else
+                       f"{r['best']:g}" + (" (at the edge of the three)" if r["best_at_edge"] else ""))
+            lines.append(f"| {r['name']} | {tried} | {r['chosen']:g} | {verdict}"
+                         f"{'' if r['complete'] else ' (partial)'} |")
+    if not complete:
+        lines += ["", "**PARTIAL: the experts runs (issue 51) have not all finished; every figure above may change.**"]
+    return lines
+
+
+def trend_sentences(record: dict) -> str:
+    """README's sentences on the experts: the lead at each expert count with its interval, and which sMoE setting
+    to train (from the verdict of 4 sMoE experts against the tie)."""
+    e = record.get("experts") or {}
+    best = NAMES.get(e.get("best_moe"), e.get("best_moe"))
+    tied = [c for c in e.get("comparisons", []) if c["label"].startswith("sMLP-det against")]
+    if len(tied) < 2:
+        return ""
+    text = (f" As experts are added, sMLP-det against {best}: " + "; ".join(
+        f"{c['experts']} experts {c['ratio'] - 1:+.1%} ({_ci_short(c)}, {c['seeds'][0]}+{c['seeds'][1]} seeds)"
+        for c in tied) + ".")
+    apart = {c["experts"]: c for c in e.get("comparisons", []) if c["label"].endswith("against the tie")}
+    if apart:
+        x = max(apart)
+        c = apart[x]
+        if c["verdict"] == "better":
+            advice = "train with `--smoe-experts` set to D / 32 (32 channels per sMoE expert)"
+        elif c["verdict"] == "worse":
+            advice = "keep the sMoE's experts tied to the tMoE's"
+        else:
+            advice = "the sMoE's expert count is not what decides, at this scale"
+        text += (f" With 4 sMoE experts (32 channels each) at {x} tMoE experts sMLP-det reaches {c['ppl_a']:.1f} "
+                 f"against {c['ppl_b']:.1f} tied ({_ci_short(c)}): {advice}.")
+    return text
+
+
+def _ci_short(c: dict) -> str:
+    if c.get("ci_pct") is None:
+        return "no interval"
+    lo, hi = c["ci_pct"]
+    return f"95% CI {lo:+.1%} to {hi:+.1%}" + (", spread borrowed" if c.get("borrowed") else "")
 
 
 def render_fair_summary(record: dict, figure: str | None, page: str) -> str:
@@ -338,7 +528,9 @@ def render_fair_summary(record: dict, figure: str | None, page: str) -> str:
             f"{names.get(p['against'], p['against'])}, the Transformer-MoE with the best perplexity in the "
             f"learning-rate sweep ({_ci(p)}; {p['seeds'][0]} and {p['seeds'][1]} seeds, fixed in advance).")
     if g := next((c for c in v.get("secondary", []) if c["against"] == "gmlp" and c["model"] == "smlp_det"), None):
-        text += f" Against dense gMLP (secondary): {_answer(g)} ({g['ppl_a']:.1f} against {g['ppl_b']:.1f}, {_ci(g)})."
+        text += (f" Against dense gMLP (secondary): {_answer(g)} ({g['ppl_a']:.1f} against {g['ppl_b']:.1f}, {_ci(g)}; "
+                 f"{g['seeds'][0]} and {g['seeds'][1]} seeds).")
+    text += trend_sentences(record)
     text += (" This is the answer at this small scale only; the paper's claim is at hundreds of millions of "
              "parameters and billions of tokens.") + ("" if record.get("complete") else
                                                        " **PARTIAL: the benchmark has not finished.**")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import statistics
 import subprocess
 from pathlib import Path
 
@@ -209,8 +210,26 @@ def test_the_fair_benchmark_sweeps_decides_and_resumes(tmp_path, data, fake_trai
     w = rec["width"]
     assert [pt["d_model"] for pt in w["points"]] == [128, 256] and w["best_moe"] == "hash"
     assert (out / "width.png").is_file() and (out / "experts.png").is_file()
-    rows = {r["model"]: r for r in rec["experts"]["rows"]}
-    assert sorted(int(e) for e in rows["smlp_det"]["ppl"]) == [2, 8, 32]
+    rows = {r["row"]: r for r in rec["experts"]["rows"]}
+    assert sorted(int(e) for e in rows["smlp_det"]["points"]) == [2, 8, 32]
+    assert sorted(int(e) for e in rows["smoe4"]["points"]) == [8, 32]
+    # every seed of every stage pooled under its key: the trend's points 2-5, gMLP's seeds 2-5 in the secondary
+    for row, e in (("smlp_det", "2"), ("smlp_det", "32"), ("best", "2"), ("best", "32"), ("smoe4", "8")):
+        assert sorted(rows[row]["points"][e]["seeds"]) == [2, 3, 4, 5], (row, e)
+    assert rec["families"]["gmlp"]["seeds"] == [2, 3, 4, 5] and rec["experts_complete"]
+    assert sec[("smlp_det", "gmlp", "ppl")]["seeds"] == [4, 4] and "pooling_problems" not in rec
+    cmp = {(c["experts"], c["model"], c["against"]): c for c in rec["experts"]["comparisons"]}
+    assert set(cmp) == {(2, "smlp_det_e2", "hash_e2"), (8, "smlp_det", "hash"), (32, "smlp_det_e32", "hash_e32"),
+                        (8, "smlp_det_s4_e8", "hash"), (32, "smlp_det_s4_e32", "hash_e32"),
+                        (8, "smlp_det_s4_e8", "smlp_det"), (32, "smlp_det_s4_e32", "smlp_det_e32")}
+    c = cmp[(32, "smlp_det_e32", "hash_e32")]
+    assert c["seeds"] == [4, 4] and not c["borrowed"]
+    assert c["ratio"] == pytest.approx(math.exp(statistics.mean(
+        math.log(final("smlp_det_e32", 1.6e-2, s, 128) / final("hash_e32", 4e-3, s, 128)) for s in (2, 3, 4, 5))))
+    # the rate at 32 experts: half, once and twice each side's sweep's rate, seed 1; the stand-in's optima keep them
+    check = {r["family"]: r for r in rec["rate_check"]}
+    assert set(check) == {"smlp_det", "hash"} and all(r["chosen_is_best"] and r["complete"] for r in check.values())
+    assert list(check["hash"]["tried"]) == ["0.002", "0.004", "0.008"]
     assert "speed-up" not in (out / "deciding" / "table.md").read_text()
 
     # 5. --publish puts the answers in the page and README, from the store in place
@@ -233,6 +252,10 @@ def test_the_fair_benchmark_sweeps_decides_and_resumes(tmp_path, data, fake_trai
     answer = summary.split(publish.README_FAIR_START)[1]
     assert answer.startswith("\n**Does sMLP-deterministic beat the best Transformer-MoE at matched FLOPs? no diff")
     assert "for HASH Layers" in answer and "Against dense gMLP (secondary): undecided" in answer
+    assert "As experts are added, sMLP-det against HASH Layers: 2 experts" in answer
+    assert "With 4 sMoE experts (32 channels each) at 32 tMoE experts" in answer
+    assert "| 32 | " in text and "| sMLP-det with 4 sMoE experts against the tie | - |" in text
+    assert "The paper reports no expert sweep for sMLP" in text and "Is the sweep's rate still right" in text
     for name in ("lr_sweep.png", "width.png", "experts.png"):
         assert f"](fair/{name})" in text, name
 
