@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--commit-store", action="store_true",
                    help="commit each stage's store (runs.json, results.json) after every finished run, so that "
                         "--resume continues from a fresh clone")
+    s.add_argument("--report-only", action="store_true",
+                   help="do not train: OUTPUT_DIR/results.json and its figures from the stages' records as they are "
+                        "(finished or not), by this checkout's report code; then `smlp-bench --publish` it")
     add_training(s, "docs/benchmark/fair")
     s = sub.add_parser("experiment", help="one of the paper's other experiments")
     s.add_argument("name", choices=tuple(EXPERIMENTS), metavar="NAME", help=", ".join(EXPERIMENTS))
@@ -109,6 +112,8 @@ def run_fair(args) -> int:
     from . import fair
 
     _out(args, Path("docs/benchmark/fair"))
+    if args.report_only:
+        return fair.report_only(args.output_dir)
     args.work_dir = (args.work_dir or Path("results/fair-work")).expanduser().absolute()
     args.work_dir.mkdir(parents=True, exist_ok=True)
     data = prepare(args.data, args.work_dir)  # the store is in the repository: the data goes to the work folder

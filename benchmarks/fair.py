@@ -362,6 +362,23 @@ def run_stage(stage: str, ctx: Context, data: Path, out_dir: Path, *, order_seed
     return record
 
 
+def stage_records(out: Path) -> dict:
+    """stage name -> its results.json record, for every stage that has one (finished or partial)."""
+    return {name: json.loads((out / name / "results.json").read_text()) for name in STAGES
+            if (out / name / "results.json").exists()}
+
+
+def report_only(out: Path) -> int:
+    """`smlp-bench fair --report-only`: OUTPUT_DIR/results.json from the stages' records, nothing trained."""
+    if not (records := stage_records(out)):
+        raise BenchError(f"{out} holds no stage's results.json: run the benchmark first (smlp-bench fair)")
+    rec = final_report(records, out, DESIGN)
+    print_summary(rec)
+    print(f"   results: {out / 'results.json'} (stages: {', '.join(records)}); publish with "
+          f"`smlp-bench --publish {out / 'results.json'}`")
+    return 0
+
+
 def main(args, data: Path, vocab_size: int) -> int:
     """The default stages in order (or those of --stages), each resumed where it stopped."""
     stages = list(DEFAULT_STAGES) if not args.stages else [s.strip() for s in args.stages.split(",") if s.strip()]
@@ -372,8 +389,7 @@ def main(args, data: Path, vocab_size: int) -> int:
     if started and not args.resume:
         raise BenchError(f"{out} holds a started benchmark ({', '.join(started)}); pass --resume to continue it, "
                          f"or choose another --output-dir")
-    records = {name: json.loads((out / name / "results.json").read_text()) for name in STAGES
-               if (out / name / "results.json").exists()}
+    records = stage_records(out)
     t0 = time.time()
     for i, name in enumerate(stages, 1):
         if missing := [n for n in NEEDS[name] if not (n in records and records[n].get("complete"))]:
