@@ -300,7 +300,8 @@ def plot_width(width: dict, path: Path) -> None:
 
 def plot_experts(experts: dict, path: Path) -> None:
     with png_axes(path, "validation perplexity against the tMoE's experts", "tMoE experts per sparse layer",
-                  "validation perplexity (95% interval of the mean over seeds)", log2x=True) as ax:
+                  "validation perplexity (95% interval of the mean over seeds)") as ax:
+        ax.set_xscale("log", base=2)
         for row in experts["rows"]:
             es = sorted(int(e) for e in row["points"])
             pts = [row["points"][str(e)] for e in es]
