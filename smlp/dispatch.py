@@ -13,8 +13,9 @@ plus `shuffle` / `unshuffle_assignment` for Base Layers' training-time shuffle o
 dispatch reads one thing on the host, its split sizes, and the router's check travels with them, so a
 fault seen by one rank raises the same error on every rank before any row moves. Within `one_forward`
 (one forward of a model whose layers share the dispatcher) what does not change from layer to layer is
-exchanged once: the shuffle's split sizes, the deterministic sMoE's counts. Dispatchers hold no
-parameters, take their process group as an argument, and are the only place that calls a collective.
+exchanged once: the shuffle's split sizes (begun without waiting at the start of the forward,
+`prepare_shuffle`), the deterministic sMoE's counts. Dispatchers hold no parameters, take their process
+group as an argument, and are the only place that calls a collective.
 """
 from __future__ import annotations
 
@@ -196,6 +197,26 @@ def wait_all_to_all(out: Tensor, flight: _Flight) -> Tensor:
     return _Wait.apply(out, flight)
 
 
+class _Arriving:
+    """Split sizes on their way: an exchange begun without waiting (`prepare_shuffle`); `result()` waits for it
+    and reads them (the one host read the exchange costs)."""
+
+    __slots__ = ("recv_W", "send_W", "work")
+
+    def __init__(self, recv_W: Tensor, send_W: Tensor, work):
+        self.recv_W, self.send_W, self.work = recv_W, send_W, work  # the buffers live until the work is done
+
+    def wait(self) -> None:
+        self.work.wait()  # NCCL: the current stream waits for the exchange's; gloo: this thread for gloo's
+
+    def result(self) -> list[int]:
+        self.wait()
+        return self.recv_W.tolist()
+
+
+_SHUFFLE_SPLITS = "the shuffle's split sizes"
+
+
 @dataclass
 class DispatchState:
     sort: RowPermutation | None  # the rows sorted by expert (None: they came sorted)
@@ -260,6 +281,9 @@ class LocalDispatcher:
         finally:
             self._forwards -= 1
             if self._forwards == 0:
+                for _, value in self._fixed.values():
+                    if isinstance(value, _Arriving):  # begun for a shuffle that did not come: let it finish
+                        value.wait()
                 self._fixed = None
 
     def _once(self, what: str, key, make):
@@ -274,10 +298,17 @@ class LocalDispatcher:
                 raise RuntimeError(f"{what}: a layer of this forward has row counts {key} where its first layer had "
                                    f"{known}; within one_forward every layer sharing the dispatcher must route "
                                    f"the same rows (exchange per layer outside it)")
+            if isinstance(value, _Arriving):  # begun at the start of the forward: read by the first layer
+                value = value.result()
+                self._fixed[what] = (known, value)
             return value
         value = make()
         self._fixed[what] = (key, value)
         return value
+
+    def prepare_shuffle(self, num_rows: int) -> None:
+        """At the start of a forward, inside `one_forward`: its layers will shuffle `num_rows` rows each (Base
+        Layers' training). One process shuffles nothing."""
 
     def shuffle(self, x_SD: Tensor) -> tuple[Tensor, ShuffleState | None]:
         """One process: every row stays here, so the shuffle is the identity.
@@ -457,15 +488,24 @@ class AllToAllDispatcher(LocalDispatcher):
         with self.timer(x_SD.device):
             # what every rank sends this one: exchanged once per `one_forward` (every layer shuffles the
             # same number of rows on each rank)
-            recv_splits = self._once("the shuffle's split sizes", S, lambda: self._shuffle_recv_splits(S))
+            recv_splits = self._once(_SHUFFLE_SPLITS, S, lambda: self._shuffle_splits(S).result())
             x_recv = all_to_all(permute_rows(x_SD, order), recv_splits, send_splits, self.ep_group)
         return x_recv, ShuffleState(order, send_splits, recv_splits)
 
-    def _shuffle_recv_splits(self, S: int) -> list[int]:
+    def prepare_shuffle(self, num_rows: int) -> None:
+        """At the start of a forward, inside `one_forward`: begin exchanging the split sizes of a shuffle of
+        `num_rows` rows without waiting (async_op), so that the first layer that shuffles reads them arrived
+        instead of waiting for an exchange in the middle of the forward. Outside `one_forward` nothing."""
+        if self._fixed is not None and _SHUFFLE_SPLITS not in self._fixed:
+            self._fixed[_SHUFFLE_SPLITS] = (num_rows, self._shuffle_splits(num_rows))
+
+    def _shuffle_splits(self, S: int) -> _Arriving:
+        """What every rank's shuffle sends this one, begun (`_Arriving.result()` reads it)."""
         W = self.world_size
         # the split sizes made on the collective's device (no host-to-device copy)
         send_W = S // W + (torch.arange(W, device=self._device) < S % W).long()
-        return self._exchange_counts(send_W).tolist()  # the one host read of the shuffle
+        recv_W = torch.empty_like(send_W)
+        return _Arriving(recv_W, send_W, dist.all_to_all_single(recv_W, send_W, group=self.ep_group, async_op=True))
 
     def unshuffle(self, y_SD: Tensor, state: ShuffleState) -> Tensor:
         with self.timer(y_SD.device):
