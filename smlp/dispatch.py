@@ -47,8 +47,8 @@ def synchronize(device: torch.device) -> None:
 
 class RowPermutation:
     """A permutation of rows, to move rows into another order and back (Megatron-Core's permute and
-    unpermute): row i of the moved rows is row order_S[i]. Its inverse is made once, when first needed
-    (by the way back or by the backward of the way there), and serves both."""
+    unpermute): row i of the moved rows is row order_S[i]. Its inverse is made once, by the first move, and
+    serves the way back and both backwards."""
 
     __slots__ = ("order_S", "_inverse_S")
 
@@ -63,29 +63,29 @@ class RowPermutation:
 
 
 class _PermuteRows(torch.autograd.Function):
-    """x's rows in a permutation's order (`back`: in the inverse order). The backward gathers the gradient with
-    the other of the two: each row has exactly one destination, so this equals indexing's zero fill and
-    accumulating scatter (0 + g is g) with one operator instead of two."""
+    """x[index_S] for a permutation index_S; the backward gathers the gradient with the inverse permutation.
+    Each row has exactly one destination, so this equals indexing's backward (a zero fill and an accumulating
+    scatter: 0 + g is g) with one operator instead of two."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, perm: RowPermutation, back: bool) -> Tensor:
-        ctx.perm, ctx.back = perm, back
-        return x.index_select(0, perm.inverse_S if back else perm.order_S)
+    def forward(ctx, x: Tensor, index_S: Tensor, inverse_S: Tensor) -> Tensor:
+        ctx.save_for_backward(inverse_S)
+        return x.index_select(0, index_S)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        perm = ctx.perm
-        return grad.index_select(0, perm.order_S if ctx.back else perm.inverse_S), None, None
+        inverse_S, = ctx.saved_tensors
+        return grad.index_select(0, inverse_S), None, None
 
 
 def permute_rows(x: Tensor, perm: RowPermutation | None) -> Tensor:
     """x's rows in `perm`'s order, x[perm.order_S] (x itself for None)."""
-    return x if perm is None else _PermuteRows.apply(x, perm, False)
+    return x if perm is None else _PermuteRows.apply(x, perm.order_S, perm.inverse_S)
 
 
 def unpermute_rows(y: Tensor, perm: RowPermutation | None) -> Tensor:
     """Rows in `perm`'s order back in their own order (the inverse of `permute_rows`)."""
-    return y if perm is None else _PermuteRows.apply(y, perm, True)
+    return y if perm is None else _PermuteRows.apply(y, perm.inverse_S, perm.order_S)
 
 
 @dataclass

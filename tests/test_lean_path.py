@@ -8,8 +8,9 @@
 - Unit checks: a permutation and its inverse round-trip, their backward equals indexing's, and the regroup is the
   former block transpose for any counts (zeros included).
 - A training step (loss, logits, every gradient) of sMLP-det, Base Layers, Switch, GShard and HASH on 1 process and
-  on 2 gloo ranks (two local experts per rank, so the regroup runs; uneven batches; Switch and GShard drop slots)
-  equals the step with the former forms bit for bit (torch.equal), with fewer operators forward and backward.
+  on 2 gloo ranks (two local experts per rank, so the regroup runs; uneven batches; Switch and GShard drop slots;
+  Base Layers also with its exchanges in 2 overlapped chunks) equals the step with the former forms bit for bit
+  (torch.equal), with fewer operators forward and backward.
 - On 2 ranks the shuffle's split sizes are the forward's first exchange, begun without waiting (async_op), and a
   step makes as many exchanges as before.
 - The balanced assignment's auction has a profiler range of its own, inside the routing range.
@@ -198,6 +199,10 @@ def _worker(rank: int, world: int, init: str, out: str) -> None:
                     runs[former] = _step(name, tokens, 100 + rank, former, AllToAllDispatcher(4), seen)
             report[name] = {**_compare(runs[False], runs[True]), "events": events[False],
                             "events_before": events[True]}
+        # the exchanges overlapped with the experts (--all2all-chunks 2: dispatch.ExchangedChunks)
+        runs = {former: _step("Base", tokens, 100 + rank, former, AllToAllDispatcher(4, chunks=2))
+                for former in (False, True)}
+        report["Base, 2 chunks"] = _compare(runs[False], runs[True])
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -226,6 +231,7 @@ def test_a_training_step_on_2_ranks_is_the_former_bit_for_bit(tmp_path):
                 assert before.index("tmoe") < before.index("begun") and before.count("begun") == 1, got
             else:
                 assert "begun" not in new + before, got
+        _check("Base, 2 chunks", report["Base, 2 chunks"])
 
 
 def test_the_auction_has_a_profiler_range_of_its_own_inside_routing():
