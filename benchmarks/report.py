@@ -9,6 +9,8 @@ import statistics
 from collections.abc import Iterator
 from pathlib import Path
 
+from smlp.profiling import routing_and_all2all
+
 from . import schedule as S
 from .machine import machine_info
 from .presets import MOE_BASELINES, REFERENCE, Model, models_from_plan
@@ -135,7 +137,7 @@ def table(results: dict, rat: dict, peak: dict | None, machine: dict, plan: dict
     for key, m in results.items():
         rr, b = rat["smlp_det_wps_over_range"].get(key), m["breakdown"]
         comm, wps, ppl, speed, mfu, mfu_executed, mem = (
-            f"{(b['routing'] + b['all2all']):.1%}" if b else "-",
+            f"{routing_and_all2all(b):.1%}" if b else "-",
             f"{m['wps']:,.0f} ± {m['wps_std']:,.0f}" if m["wps"] else "-",
             f"{m['valid_ppl']:.1f} ± {m['valid_ppl_std']:.1f}" if m["valid_ppl"] else "-",
             f"{rr['ratio']:.2f}x [{rr['lo']:.2f}-{rr['hi']:.2f}]" if rr else "-",

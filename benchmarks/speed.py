@@ -12,6 +12,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from smlp.profiling import routing_and_all2all
+
 from . import machine, pinned
 from .presets import MOE_BASELINES, NAMES, BenchError, plan_models
 from .publish import PAGE, replace_section
@@ -138,7 +140,7 @@ def markdown(speed: dict) -> str:
     for n, side in sides.items():
         for r in side["rows"]:
             b = r.get("breakdown") or {}
-            share = f"{b['routing'] + b['all2all']:.1%}" if "routing" in b and "all2all" in b else "-"
+            share = f"{routing_and_all2all(b):.1%}" if "routing" in b and "all2all" in b else "-"
             span = f" [{r['wps_range'][0]:,.0f}-{r['wps_range'][1]:,.0f}]" if r.get("wps_range") else ""
             lines.append(f"| {n} | {r['name']} | {r['wps'] or 0:,.0f}{span} | {_cell(r['gMLP'])} "
                          f"| {_cell(r['fastest Transformer-MoE'])}{f' ({m})' if (m := side['fastest_moe']) else ''} "

@@ -13,8 +13,9 @@ plus `shuffle` / `unshuffle_assignment` for Base Layers' training-time shuffle o
 dispatch reads one thing on the host, its split sizes, and the router's check travels with them, so a
 fault seen by one rank raises the same error on every rank before any row moves. Within `one_forward`
 (one forward of a model whose layers share the dispatcher) what does not change from layer to layer is
-exchanged once: the shuffle's split sizes, the deterministic sMoE's counts. Dispatchers hold no
-parameters, take their process group as an argument, and are the only place that calls a collective.
+exchanged once: the shuffle's split sizes (begun without waiting at the start of the forward,
+`prepare_shuffle`), the deterministic sMoE's counts. Dispatchers hold no parameters, take their process
+group as an argument, and are the only place that calls a collective.
 """
 from __future__ import annotations
 
@@ -44,9 +45,52 @@ def synchronize(device: torch.device) -> None:
         torch.accelerator.synchronize()
 
 
+class RowPermutation:
+    """A permutation of rows, to move rows into another order and back (Megatron-Core's permute and
+    unpermute): row i of the moved rows is row order_S[i]. Its inverse is made once, by the first move, and
+    serves the way back and both backwards."""
+
+    __slots__ = ("order_S", "_inverse_S")
+
+    def __init__(self, order_S: Tensor):
+        self.order_S, self._inverse_S = order_S, None
+
+    @property
+    def inverse_S(self) -> Tensor:
+        if self._inverse_S is None:
+            self._inverse_S = torch.argsort(self.order_S)  # the values are distinct: any sort gives the inverse
+        return self._inverse_S
+
+
+class _PermuteRows(torch.autograd.Function):
+    """x[index_S] for a permutation index_S; the backward gathers the gradient with the inverse permutation.
+    Each row has exactly one destination, so this equals indexing's backward (a zero fill and an accumulating
+    scatter: 0 + g is g) with one operator instead of two."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, index_S: Tensor, inverse_S: Tensor) -> Tensor:
+        ctx.save_for_backward(inverse_S)
+        return x.index_select(0, index_S)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        inverse_S, = ctx.saved_tensors
+        return grad.index_select(0, inverse_S), None, None
+
+
+def permute_rows(x: Tensor, perm: RowPermutation | None) -> Tensor:
+    """x's rows in `perm`'s order, x[perm.order_S] (x itself for None)."""
+    return x if perm is None else _PermuteRows.apply(x, perm.order_S, perm.inverse_S)
+
+
+def unpermute_rows(y: Tensor, perm: RowPermutation | None) -> Tensor:
+    """Rows in `perm`'s order back in their own order (the inverse of `permute_rows`)."""
+    return y if perm is None else _PermuteRows.apply(y, perm.inverse_S, perm.order_S)
+
+
 @dataclass
 class ShuffleState:
-    order_S: Tensor  # the random permutation applied to the local rows before sending
+    order: RowPermutation  # the random permutation applied to the local rows before sending
     send_splits: list[int] = field(default_factory=list)
     recv_splits: list[int] = field(default_factory=list)
 
@@ -153,12 +197,32 @@ def wait_all_to_all(out: Tensor, flight: _Flight) -> Tensor:
     return _Wait.apply(out, flight)
 
 
+class _Arriving:
+    """Split sizes on their way: an exchange begun without waiting (`prepare_shuffle`); `result()` waits for it
+    and reads them (the one host read the exchange costs)."""
+
+    __slots__ = ("recv_W", "send_W", "work")
+
+    def __init__(self, recv_W: Tensor, send_W: Tensor, work):
+        self.recv_W, self.send_W, self.work = recv_W, send_W, work  # the buffers live until the work is done
+
+    def wait(self) -> None:
+        self.work.wait()  # NCCL: the current stream waits for the exchange's; gloo: this thread for gloo's
+
+    def result(self) -> list[int]:
+        self.wait()
+        return self.recv_W.tolist()
+
+
+_SHUFFLE_SPLITS = "the shuffle's split sizes"
+
+
 @dataclass
 class DispatchState:
-    order_S: Tensor | None  # permutation that sorted the rows by expert (None: they came sorted)
+    sort: RowPermutation | None  # the rows sorted by expert (None: they came sorted)
     send_splits: list[int] = field(default_factory=list)
     recv_splits: list[int] = field(default_factory=list)
-    by_expert_R: Tensor | None = None  # permutation from (source rank, local expert) to (local expert, source rank)
+    regroup: RowPermutation | None = None  # received rows from (source rank, local expert) to (local expert, rank)
     dropped: int = 0  # rows routed nowhere (expert -1): sorted first, kept home, combined as zeros
     # rows per local expert on the device (the experts' grouped product reads its offsets there), or None
     counts_dev_L: Tensor | None = None
@@ -225,6 +289,9 @@ class LocalDispatcher:
         finally:
             self._forwards -= 1
             if self._forwards == 0:
+                for _, value in self._fixed.values():
+                    if isinstance(value, _Arriving):  # begun for a shuffle that did not come: let it finish
+                        value.wait()
                 self._fixed = None
 
     def _once(self, what: str, key, make):
@@ -239,10 +306,17 @@ class LocalDispatcher:
                 raise RuntimeError(f"{what}: a layer of this forward has row counts {key} where its first layer had "
                                    f"{known}; within one_forward every layer sharing the dispatcher must route "
                                    f"the same rows (exchange per layer outside it)")
+            if isinstance(value, _Arriving):  # begun at the start of the forward: read by the first layer
+                value = value.result()
+                self._fixed[what] = (known, value)
             return value
         value = make()
         self._fixed[what] = (key, value)
         return value
+
+    def prepare_shuffle(self, num_rows: int) -> None:
+        """At the start of a forward, inside `one_forward`: its layers will shuffle `num_rows` rows each (Base
+        Layers' training). One process shuffles nothing."""
 
     def shuffle(self, x_SD: Tensor) -> tuple[Tensor, ShuffleState | None]:
         """One process: every row stays here, so the shuffle is the identity.
@@ -279,7 +353,8 @@ class LocalDispatcher:
         assigned:      a plan's dispatch_counts (AllToAllDispatcher; one process never has them).
         """
         E = self.num_experts
-        order_S, x_sorted = _sort_rows(x_SD, expert_S, presorted)
+        sort = _sort_by_expert(expert_S, presorted)
+        x_sorted = permute_rows(x_SD, sort)
         counts_dev_L = None
         if host_counts_E is not None:
             counts, dropped = list(host_counts_E), 0
@@ -293,10 +368,10 @@ class LocalDispatcher:
                 raise_on_fault([fault.record().tolist()], layer)
             dropped, counts = host[0], host[1:E + 1]
             counts_dev_L = counts_E1[1:]
-        return _kept(x_sorted, dropped), counts, DispatchState(order_S, dropped=dropped, counts_dev_L=counts_dev_L)
+        return _kept(x_sorted, dropped), counts, DispatchState(sort, dropped=dropped, counts_dev_L=counts_dev_L)
 
     def combine(self, y_RD: Tensor, state: DispatchState) -> Tensor:
-        return _unsort_rows(_restore_dropped(y_RD, state.dropped), state.order_S)
+        return unpermute_rows(_restore_dropped(y_RD, state.dropped), state.sort)
 
     def dispatch_chunks(self, chunks: list[tuple[Tensor, Tensor]], *, presorted: bool = False,
                         host_counts: list[list[int]] | None = None, fault: DeferredCheck | None = None,
@@ -361,11 +436,11 @@ class ExchangedChunks(Chunks):
         state = self.states[i]
         with self.dispatcher.timer(self.flights[i][0].device):  # the exchange's time not hidden by compute
             x_recv = wait_all_to_all(*self.flights[i])
-        return (x_recv if state.by_expert_R is None else x_recv[state.by_expert_R]), self.counts[i]
+        return permute_rows(x_recv, state.regroup), self.counts[i]
 
     def send_back(self, i: int, y_RD: Tensor) -> None:
         state = self.states[i]
-        y_recv = y_RD if state.by_expert_R is None else _unsort_rows(y_RD, state.by_expert_R)
+        y_recv = unpermute_rows(y_RD, state.regroup)
         self.back[i] = start_all_to_all(y_recv, state.send_splits, state.recv_splits, self.dispatcher.ep_group)
 
     def results(self) -> list[Tensor]:
@@ -373,7 +448,7 @@ class ExchangedChunks(Chunks):
         for state, (y_sorted, flight) in zip(self.states, self.back):
             with self.dispatcher.timer(y_sorted.device):
                 y_sorted = wait_all_to_all(y_sorted, flight)
-            out.append(_unsort_rows(_restore_dropped(y_sorted, state.dropped), state.order_S))
+            out.append(unpermute_rows(_restore_dropped(y_sorted, state.dropped), state.sort))
         return out
 
 
@@ -398,6 +473,7 @@ class AllToAllDispatcher(LocalDispatcher):
         self.group_ranks = (list(range(world)) if ep_group is None
                             else [dist.get_global_rank(ep_group, r) for r in range(world)])
         self._indices: dict = {}  # split sizes -> _AssignmentIndex (`unshuffle_assignment`)
+        self._labels: dict = {}  # device -> (W L,) the local expert of each received block (`_regroup`)
 
     def with_experts(self, num_experts: int) -> AllToAllDispatcher:
         """The same expert-parallel group for a layer with `num_experts` experts (LocalDispatcher.with_experts);
@@ -422,25 +498,34 @@ class AllToAllDispatcher(LocalDispatcher):
         3. Rows arrive ordered by source rank; `unshuffle` reverses both steps.
         """
         S, W = x_SD.shape[0], self.world_size
-        order_S = torch.randperm(S, device=x_SD.device)
+        order = RowPermutation(torch.randperm(S, device=x_SD.device))
         send_splits = shuffle_splits(S, W)
         with self.timer(x_SD.device):
             # what every rank sends this one: exchanged once per `one_forward` (every layer shuffles the
             # same number of rows on each rank)
-            recv_splits = self._once("the shuffle's split sizes", S, lambda: self._shuffle_recv_splits(S))
-            x_recv = all_to_all(x_SD[order_S], recv_splits, send_splits, self.ep_group)
-        return x_recv, ShuffleState(order_S, send_splits, recv_splits)
+            recv_splits = self._once(_SHUFFLE_SPLITS, S, lambda: self._shuffle_splits(S).result())
+            x_recv = all_to_all(permute_rows(x_SD, order), recv_splits, send_splits, self.ep_group)
+        return x_recv, ShuffleState(order, send_splits, recv_splits)
 
-    def _shuffle_recv_splits(self, S: int) -> list[int]:
+    def prepare_shuffle(self, num_rows: int) -> None:
+        """At the start of a forward, inside `one_forward`: begin exchanging the split sizes of a shuffle of
+        `num_rows` rows without waiting (async_op), so that the first layer that shuffles reads them arrived
+        instead of waiting for an exchange in the middle of the forward. Outside `one_forward` nothing."""
+        if self._fixed is not None and _SHUFFLE_SPLITS not in self._fixed:
+            self._fixed[_SHUFFLE_SPLITS] = (num_rows, self._shuffle_splits(num_rows))
+
+    def _shuffle_splits(self, S: int) -> _Arriving:
+        """What every rank's shuffle sends this one, begun (`_Arriving.result()` reads it)."""
         W = self.world_size
         # the split sizes made on the collective's device (no host-to-device copy)
         send_W = S // W + (torch.arange(W, device=self._device) < S % W).long()
-        return self._exchange_counts(send_W).tolist()  # the one host read of the shuffle
+        recv_W = torch.empty_like(send_W)
+        return _Arriving(recv_W, send_W, dist.all_to_all_single(recv_W, send_W, group=self.ep_group, async_op=True))
 
     def unshuffle(self, y_SD: Tensor, state: ShuffleState) -> Tensor:
         with self.timer(y_SD.device):
             y_home = all_to_all(y_SD, state.send_splits, state.recv_splits, self.ep_group)
-        return _unsort_rows(y_home, state.order_S)
+        return unpermute_rows(y_home, state.order)
 
     def unshuffle_assignment(self, expert_R: Tensor, state: ShuffleState, scores_RE: Tensor) -> tuple[Tensor, Tensor]:
         """The experts this rank assigned to the rows the shuffle brought it, sent home, with what the home
@@ -480,7 +565,7 @@ class AllToAllDispatcher(LocalDispatcher):
             received = _exchange(send, index.out_splits, index.in_splits, self.ep_group)
         # 3. this rank's rows' experts (in the order they were sent) and the counts summed over the assigners
         counts_X = received[index.received_counts].view(W, X).sum(0)
-        return _unsort_rows(received[index.received_experts], state.order_S), counts_X
+        return unpermute_rows(received[index.received_experts], state.order), counts_X
 
     @property
     def _device(self) -> torch.device:
@@ -500,7 +585,8 @@ class AllToAllDispatcher(LocalDispatcher):
         # 1. Sort rows by global expert: rows for rank w are then contiguous, ordered by local expert
         #    (already so when the caller says expert_S is non-decreasing, e.g. deterministic sMoE);
         #    dropped rows (expert -1) come first.
-        order_S, x_sorted = _sort_rows(x_SD, expert_S, presorted)
+        sort = _sort_by_expert(expert_S, presorted)
+        x_sorted = permute_rows(x_SD, sort)
         width = x_SD.shape[-1] if common_width else None
         with self.timer(x_SD.device):
             # 2. Learn how many rows every rank sends each local expert here, how many this rank sends each
@@ -525,12 +611,22 @@ class AllToAllDispatcher(LocalDispatcher):
         #    (nothing to do with one local expert per rank, the paper's layout).
         counts_L = [sum(row[l] for row in counts.recv_WL) for l in range(L)]
         counts_dev_L = counts.recv_dev_WL.sum(0)  # on the device, for the experts' grouped product
+        regroup = self._regroup(counts.recv_dev_WL, sum(recv_splits), x_SD.device)
+        state = DispatchState(sort, send_splits, recv_splits, regroup, counts.dropped, counts_dev_L)
+        return permute_rows(x_recv, regroup), counts_L, state
+
+    def _regroup(self, recv_dev_WL: Tensor, num_rows: int, device: torch.device) -> RowPermutation | None:
+        """The received rows, which come in blocks (source rank, local expert), regrouped by local expert, each
+        expert's by source rank: a stable sort of the rows' local experts, made on the device from the counts
+        (no host read). None with one local expert (the paper's layout): nothing to regroup."""
+        W, L = self.world_size, self.num_local_experts
         if L == 1:
-            return x_recv, counts_L, DispatchState(order_S, send_splits, recv_splits, None, counts.dropped,
-                                                   counts_dev_L)
-        by_expert_R = _block_transpose(counts.recv_dev_WL.to(x_SD.device), sum(recv_splits))
-        state = DispatchState(order_S, send_splits, recv_splits, by_expert_R, counts.dropped, counts_dev_L)
-        return x_recv[by_expert_R], counts_L, state
+            return None
+        labels_X = self._labels.get(device)
+        if labels_X is None:  # block (w, l) holds rows of local expert l
+            labels_X = self._labels[device] = torch.arange(L, device=device).repeat(W)
+        local_R = torch.repeat_interleave(labels_X, recv_dev_WL.to(device).reshape(-1), output_size=num_rows)
+        return RowPermutation(torch.argsort(local_R, stable=True))
 
     def _counts(self, chunks: list[tuple[Tensor | None, Tensor | None]], fault: DeferredCheck | None, layer: str,
                 width: int | None) -> list[_Counts]:
@@ -586,30 +682,30 @@ class AllToAllDispatcher(LocalDispatcher):
            every rank before any row moves.
         3. Start every chunk's row exchange (async); `ExchangedChunks.rows(i)` waits for chunk i."""
         W, L = self.world_size, self.num_local_experts
-        sorted_rows = [_sort_rows(x, e, presorted) for x, e in chunks]
+        sorts = [_sort_by_expert(e, presorted) for _, e in chunks]
         device = chunks[0][0].device
         width = max(x.shape[-1] for x, _ in chunks) if common_width else None
         with self.timer(device):
             counts = self._counts([(e, None) for _, e in chunks], fault, layer, width)
         states, flights, counts_L = [], [], []
-        for (order_S, x_sorted), c in zip(sorted_rows, counts):
+        for (x_SD, _), sort, c in zip(chunks, sorts, counts):
             send_splits = [sum(c.sent_E[w * L:(w + 1) * L]) for w in range(W)]
             recv_splits = [sum(r) for r in c.recv_WL]
-            x_send = _kept(x_sorted, c.dropped)
+            x_send = _kept(permute_rows(x_SD, sort), c.dropped)
             if width is not None and c.widest > x_send.shape[-1]:
                 x_send = torch.nn.functional.pad(x_send, (0, c.widest - x_send.shape[-1]))
             flights.append(start_all_to_all(x_send, recv_splits, send_splits, self.ep_group))
-            by_expert_R = None if L == 1 else _block_transpose(c.recv_dev_WL.to(device), sum(recv_splits))
-            states.append(DispatchState(order_S, send_splits, recv_splits, by_expert_R, c.dropped))
+            states.append(DispatchState(sort, send_splits, recv_splits,
+                                        self._regroup(c.recv_dev_WL, sum(recv_splits), device), c.dropped))
             counts_L.append([sum(r[l] for r in c.recv_WL) for l in range(L)])
         return ExchangedChunks(self, states, flights, counts_L)
 
     def combine(self, y_RD: Tensor, state: DispatchState) -> Tensor:
         # Reverse of dispatch: undo the regrouping, send rows home, undo the sort.
-        y_recv = y_RD if state.by_expert_R is None else _unsort_rows(y_RD, state.by_expert_R)
+        y_recv = unpermute_rows(y_RD, state.regroup)
         with self.timer(y_RD.device):
             y_sorted = all_to_all(y_recv, state.send_splits, state.recv_splits, self.ep_group)
-        return _unsort_rows(_restore_dropped(y_sorted, state.dropped), state.order_S)
+        return unpermute_rows(_restore_dropped(y_sorted, state.dropped), state.sort)
 
     def gather_spans(self, lo: int, hi: int) -> list[tuple[int, int]]:
         with self.timer(self._device):
@@ -621,11 +717,11 @@ class AllToAllDispatcher(LocalDispatcher):
     def received_counts(self, state: DispatchState, counts_L: list[int]) -> list[list[int]]:
         # With one local expert the rows arrive grouped by source rank; otherwise the regrouping
         # permutation tells where each (source rank, local expert) block went.
-        if state.by_expert_R is None:
+        if state.regroup is None:
             return [list(state.recv_splits)]
         W = self.world_size
         source_R = torch.repeat_interleave(torch.arange(W), torch.tensor(state.recv_splits))
-        source_R = source_R[state.by_expert_R.cpu()]
+        source_R = source_R[state.regroup.order_S.cpu()]
         out, first = [], 0
         for c in counts_L:
             out.append(torch.bincount(source_R[first:first + c], minlength=W).tolist())
@@ -654,11 +750,10 @@ class _AssignmentIndex:
         self.received_counts = torch.cat([torch.arange(f + n, f + n + X, device=device) for f, n in zip(firsts, sent)])
 
 
-def _sort_rows(x_SD: Tensor, expert_S: Tensor, presorted: bool) -> tuple[Tensor | None, Tensor]:
-    if presorted:
-        return None, x_SD
-    order_S = torch.argsort(expert_S, stable=True)
-    return order_S, x_SD[order_S]
+def _sort_by_expert(expert_S: Tensor | None, presorted: bool) -> RowPermutation | None:
+    """The rows sorted by expert (dropped rows, expert -1, first), each expert's in their order; None for
+    presorted rows."""
+    return None if presorted else RowPermutation(torch.argsort(expert_S, stable=True))
 
 
 def _kept(x_sorted: Tensor, dropped: int) -> Tensor:
@@ -672,26 +767,3 @@ def _restore_dropped(y_RD: Tensor, dropped: int) -> Tensor:
     if not dropped:
         return y_RD
     return torch.cat([y_RD.new_zeros((dropped,) + tuple(y_RD.shape[1:])), y_RD])
-
-
-def _unsort_rows(y_SD: Tensor, order_S: Tensor | None) -> Tensor:
-    """y rows in `order_S`'s order back to the original order (the inverse permutation, O(S))."""
-    if order_S is None:
-        return y_SD
-    inverse = torch.empty_like(order_S)
-    inverse[order_S] = torch.arange(order_S.numel(), device=order_S.device)
-    return y_SD[inverse]
-
-
-def _block_transpose(counts_WL: Tensor, num_rows: int) -> Tensor:
-    """Row permutation turning blocks ordered (w, l) into blocks ordered (l, w), on the counts'
-    device without a host read (num_rows = counts_WL.sum(), known on the host)."""
-    W, L = counts_WL.shape
-    flat = counts_WL.reshape(-1)
-    starts = torch.cumsum(flat, 0) - flat  # start of block (w, l) in the received order
-    counts_LW = counts_WL.t().reshape(-1)
-    out_starts = torch.cumsum(counts_LW, 0) - counts_LW  # start of block (l, w) in the regrouped order
-    block_R = torch.repeat_interleave(torch.arange(L * W, device=flat.device), counts_LW, output_size=num_rows)
-    offset_R = torch.arange(num_rows, device=flat.device) - out_starts[block_R]
-    l_R, w_R = block_R // W, block_R % W
-    return starts[w_R * L + l_R] + offset_R

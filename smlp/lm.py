@@ -291,6 +291,8 @@ class LanguageModel(nn.Module):
         self.final_norm = nn.LayerNorm(cfg.d_model)
         for name, module in self.moe_modules():  # errors (e.g. non-finite router scores) name the layer
             module.layer_name = f"{name} ({type(module).__name__})"
+        # the tMoEs that shuffle their rows in training (Base Layers): `_prepare_exchanges`
+        self._shuffling = [m for _, m in self.moe_modules() if isinstance(m, TMoE) and m.cfg.uses_shuffle]
 
     def _build(self, kind: str) -> nn.Module:
         cfg = self.cfg
@@ -313,9 +315,17 @@ class LanguageModel(nn.Module):
             x = x + sinusoidal_positions(n, self.cfg.d_model, x.device, x.dtype)
         x = self.dropout(x)
         with self.one_forward():
+            self._prepare_exchanges(B * n)
             for layer in self.layers:
                 x = layer(x, tokens_BN) if isinstance(layer, TransformerBlock) else layer(x)
         return self.final_norm(x)
+
+    def _prepare_exchanges(self, rows: int) -> None:
+        """At the start of a forward: every tMoE that shuffles in training gets `rows` rows (the batch's tokens),
+        so the shuffle's split sizes begin their exchange now (dispatch.py, `prepare_shuffle`)."""
+        shuffling = {id(m.dispatcher): m.dispatcher for m in self._shuffling if m.router.training}
+        for dispatcher in shuffling.values():
+            dispatcher.prepare_shuffle(rows)
 
     def one_forward(self) -> contextlib.ExitStack:
         """The dispatchers' `one_forward` blocks (smlp/dispatch.py): every sparse layer of a forward routes the

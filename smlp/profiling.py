@@ -4,7 +4,8 @@ The model marks its regions with `record_function` ranges named in RANGES. A bac
 outside any range, so `breakdown` gives it the range of the forward op that created it, through the
 sequence number the profiler records on both. Nested ranges count for the innermost one.
 
-    routing       router scores and the routing rule (gates, balanced assignment, hash lookup)
+    routing       router scores and the routing rule (gates, hash lookup, the balanced assignment's shuffle)
+    auction       the balanced assignment's auction (keys, rounds, fill; numpy on the CPU), inside routing
     all2all       the dispatcher's collectives (counts, rows, Base Layers' shuffle), both directions
     experts       FFN experts (tMoE, GShard, Switch, Base Layers, HASH)
     token_mixing  spatial gating (dense SGU and the sMoE's spatial experts), self-attention
@@ -21,10 +22,11 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 __all__ = ["RANGES", "CATEGORIES", "BLOCKS", "STEP", "STEP_RANGES", "COLLECTIVE", "StepParts", "breakdown",
-           "step_parts"]
+           "routing_and_all2all", "step_parts"]
 
 RANGES = {
     "routing": "smlp/routing",
+    "auction": "smlp/routing/auction",
     "all2all": "smlp/all2all",
     "experts": "smlp/experts",
     "token_mixing": "smlp/token_mixing",
@@ -71,6 +73,12 @@ def breakdown(events, step_seconds: float) -> dict[str, float]:
     out = {c: seconds.get(c, 0.0) for c in RANGES}
     out["rest"] = max(step_seconds - sum(out.values()), 0.0)
     return out
+
+
+def routing_and_all2all(parts: dict) -> float:
+    """Routing and all2all together, the auction's own range counted in (records made before it had one lack
+    it): the share of a step the benchmarks' targets bound."""
+    return parts["routing"] + parts.get("auction", 0.0) + parts["all2all"]
 
 
 def _ranged_descendants(event):

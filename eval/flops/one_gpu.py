@@ -4,6 +4,10 @@ expert weights. Shapes: the core's legend (smlp/__init__.py).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from torch import Tensor
+
 from smlp.dispatch import DispatchState, LocalDispatcher
 
 __all__ = ["OneGPUDispatcher", "check_experts_per_gpu"]
@@ -14,6 +18,11 @@ def check_experts_per_gpu(num_experts: int, experts_per_gpu: int) -> None:
     if experts_per_gpu < 1 or num_experts % experts_per_gpu:
         raise ValueError(f"{experts_per_gpu} experts per GPU do not divide num_experts={num_experts}: the experts "
                          f"of a layer must spread evenly over the GPUs")
+
+
+@dataclass
+class _KeptRows(DispatchState):
+    kept_S: Tensor | None = None  # (S,) bool, the rows computed (the others were dropped), or None: every row
 
 
 class OneGPUDispatcher(LocalDispatcher):
@@ -47,10 +56,10 @@ class OneGPUDispatcher(LocalDispatcher):
             x_SD = x_SD[kept_S]
         S, L = x_SD.shape[0], self.num_local_experts
         counts_L = [S // L + (i < S % L) for i in range(L)]
-        return x_SD, counts_L, DispatchState(kept_S)
+        return x_SD, counts_L, _KeptRows(None, kept_S=kept_S)
 
     def combine(self, y_RD, state):
-        kept_S = state.order_S
+        kept_S = state.kept_S
         if kept_S is None or y_RD.shape[0] == kept_S.shape[0]:
             return y_RD
         y_SD = y_RD.new_zeros((kept_S.shape[0],) + tuple(y_RD.shape[1:]))

@@ -17,7 +17,9 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from torch.profiler import record_function
 
+from ..profiling import RANGES
 from .auction_arrays import _NumpyOps, _TorchOps, sanitize_scores
 
 __all__ = ["ACCELERATOR_CHECKS", "AuctionChecks", "CheckSchedule", "balanced_assignment", "expert_capacities",
@@ -182,31 +184,32 @@ def balanced_assignment(
     else:
         checks = check_every if isinstance(check_every, CheckSchedule) else CheckSchedule(check_every)
 
-    ops = _array_ops(device)
-    if E == 2:
-        expert_S, price_E = _two_experts(scores_SE, S - S // 2, ops)
-        return (expert_S, price_E) if with_prices else expert_S
-    sh = max(1, (E - 1).bit_length())
-    levels = (1 << _KEY_BITS) >> sh
-    eps_q = max(1, round(eps * levels / _CLIP_GAINS))  # eps in quantisation steps
-    x_ES, unit = _finite_scores(scores_SE, ops)
-    key_ZS, offset_E, steps_per_unit = _integer_keys(x_ES, sh, levels, ops)
-    # Step 4 pays off only when the working set is a small part of the rows and a full round
-    # costs much more than setting it up.
-    work_rows = max(int(working_fraction * S), _MIN_WORKING_ROWS)
-    tail_rows = int(tail_fraction * S) if 2 * work_rows <= S and S << sh >= _MIN_TAIL_KEYS else 0
-    if isinstance(check_every, AuctionChecks) and tail_rows == 0 and checks != CheckSchedule(1):
-        checks = check_every  # a read per check: the layer's own checks (the same assignment)
-    expert_S, price_Z, unassigned = _solve(ops, key_ZS, E, sh, levels, eps_q, max_rounds, checks, tail_rows,
-                                           work_rows)
-    # unassigned is None if the round budget ran out first
-    if unassigned != 0:
-        expert_S = _fill_free_capacity(expert_S, expert_capacities(S, E, device))
-    if not with_prices:
-        return expert_S
-    # A row's key is about steps_per_unit * (score - its row's offsets - offset_E) and the auction
-    # compares key - price: in score units an expert costs offset_E + price / steps_per_unit.
-    return expert_S, _centred(ops.tensor(ops.price_in_units(price_Z[:E], offset_E, steps_per_unit, unit)), device)
+    with record_function(RANGES["auction"]):  # its own range: numpy's time on the CPU shows apart from routing's
+        ops = _array_ops(device)
+        if E == 2:
+            expert_S, price_E = _two_experts(scores_SE, S - S // 2, ops)
+            return (expert_S, price_E) if with_prices else expert_S
+        sh = max(1, (E - 1).bit_length())
+        levels = (1 << _KEY_BITS) >> sh
+        eps_q = max(1, round(eps * levels / _CLIP_GAINS))  # eps in quantisation steps
+        x_ES, unit = _finite_scores(scores_SE, ops)
+        key_ZS, offset_E, steps_per_unit = _integer_keys(x_ES, sh, levels, ops)
+        # Step 4 pays off only when the working set is a small part of the rows and a full round
+        # costs much more than setting it up.
+        work_rows = max(int(working_fraction * S), _MIN_WORKING_ROWS)
+        tail_rows = int(tail_fraction * S) if 2 * work_rows <= S and S << sh >= _MIN_TAIL_KEYS else 0
+        if isinstance(check_every, AuctionChecks) and tail_rows == 0 and checks != CheckSchedule(1):
+            checks = check_every  # a read per check: the layer's own checks (the same assignment)
+        expert_S, price_Z, unassigned = _solve(ops, key_ZS, E, sh, levels, eps_q, max_rounds, checks, tail_rows,
+                                               work_rows)
+        # unassigned is None if the round budget ran out first
+        if unassigned != 0:
+            expert_S = _fill_free_capacity(expert_S, expert_capacities(S, E, device))
+        if not with_prices:
+            return expert_S
+        # A row's key is about steps_per_unit * (score - its row's offsets - offset_E) and the auction
+        # compares key - price: in score units an expert costs offset_E + price / steps_per_unit.
+        return expert_S, _centred(ops.tensor(ops.price_in_units(price_Z[:E], offset_E, steps_per_unit, unit)), device)
 
 
 def _centred(price_E: Tensor, device: torch.device) -> Tensor:
