@@ -13,13 +13,25 @@ from dataclasses import replace
 from pathlib import Path
 
 from . import machine, pinned
-from .presets import MOE_BASELINES, NAMES, BenchError, plan_models
+from .presets import (
+    MOE_BASELINES,
+    NAMES,
+    BenchError,
+    check_at_least,
+    check_names,
+    parse_checked,
+    parse_counts,
+    parse_names,
+    plan_models,
+    refuse,
+)
 from .publish import PAGE, replace_section
 from .report import report
-from .store import atomic_write_json
-from .training import prepare, run_schedule, vocab_size
+from .store import atomic_write_json, check_started
+from .training import check_data, prepare, run_schedule, vocab_size
 
 START, END = "<!-- smlp-speed:start -->", "<!-- smlp-speed:end -->"
+CODE_WHY = "to train the speed benchmark's models with its code (--code COMMIT)"
 BASELINES = ("gmlp", "switch", "base", "hash", "gshard")
 VARIANTS = {  # key -> (display name, extra fairseq-train flags of sMLP-det); they need 2 ranks or more
     "smlp_det_expert": ("sMLP-det, sMoE expert-parallel", ["--smoe-parallel", "expert"]),
@@ -50,8 +62,7 @@ def models(vocab_size: int, nproc: int, keys=MODELS, code=None) -> list:
     commit's worktree, benchmarks/pinned.py) or by this checkout; one process runs no variant."""
     from .fair import FAIR_TARGET
 
-    if unknown := [k for k in keys if k not in MODELS]:
-        raise BenchError(f"--models: unknown {', '.join(unknown)}; valid: {', '.join(MODELS)}")
+    check_names(keys, MODELS, "--models")
     plan = code.plan_models if code is not None else plan_models
     base, _ = plan(vocab_size, nproc, ("smlp_det", *(k for k in BASELINES if k in keys)), FAIR_TARGET)
     by_key = {m.key: m for m in base}
@@ -196,7 +207,7 @@ def publish(path: Path, page: Path = PAGE, before: Path | None = None) -> None:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-dir", type=Path, default=Path("results/speed"))
     p.add_argument("--updates", type=int, default=40, help="updates per training run (40)")
-    p.add_argument("--seeds", type=int, default=5, help="rounds: every model once per seed (5)")
+    p.add_argument("--seeds", "--rounds", type=int, default=5, help="rounds: every model once per seed (5)")
     p.add_argument("--nproc", default="1,2", help="the process counts to measure, each a side of the record (1,2)")
     p.add_argument("--models", default=",".join(MODELS), help=f"a subset of {', '.join(MODELS)} (all)")
     p.add_argument("--data", type=Path, default=None, help="a fairseq data-bin (default: the demo corpus)")
@@ -211,55 +222,70 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "measured with --code COMMIT)")
 
 
+def check_args(args) -> None:
+    """`smlp-bench speed`'s arguments, before any work (no corpus built, no folder made, no model planned)."""
+    if args.publish:
+        for flag, path in (("--publish", args.publish), ("--before", args.before)):
+            if path is not None and not Path(path).is_file():
+                raise BenchError(f"{flag} {path}: no such record")
+        return
+    if args.before is not None:
+        raise BenchError("--before BEFORE_JSON goes with --publish AFTER_JSON (it adds a before/after table)")
+    if args.updates < min_updates():
+        raise BenchError(f"--updates {args.updates}: a run needs at least {min_updates()} updates: words/s are read "
+                         f"from log intervals after the first one, outside the profiled steps near the end")
+    check_at_least(args.seeds, 1, "--seeds")
+    counts = parse_counts(args.nproc, "--nproc", "1,2")
+    parse_names(args.models, MODELS, "--models")
+    check_data(args.data)
+    if args.code:
+        pinned.resolve(args.code, machine.CODE_ROOT, CODE_WHY)
+    out = args.output_dir.expanduser()
+    started = [str(p.relative_to(out)) for n in counts if (p := out / f"nproc{n}" / "runs.json").exists()]
+    check_started(out, started, args.resume)
+    if args.resume and not started:
+        raise BenchError(f"--resume: no measurement of these process counts in {out}; start one without --resume")
+
+
 def run(args) -> int:
+    """Measure (arguments checked by `check_args`), or publish a record."""
     if args.publish:
         publish(args.publish, before=args.before)
         print(f"   {PAGE}: the speed section from {args.publish}{f' against {args.before}' if args.before else ''}")
         return 0
-    if args.updates < min_updates() or args.seeds < 1:
-        print(f"smlp_bench.speed: error: --updates {args.updates}: a run needs at least {min_updates()} updates "
-              f"(--seeds >= 1): words/s are read from log intervals after the first one, outside the profiled steps "
-              f"near the end", file=sys.stderr)
-        raise SystemExit(2)
-    try:
-        counts = sorted({int(n) for n in str(args.nproc).split(",") if n.strip()})
-    except ValueError:
-        counts = []
-    if not counts or counts[0] < 1:
-        print(f"smlp_bench.speed: error: --nproc {args.nproc}: give process counts, e.g. 1,2", file=sys.stderr)
-        raise SystemExit(2)
+    counts = parse_counts(args.nproc, "--nproc", "1,2")
+    keys = parse_names(args.models, MODELS, "--models")
     out = args.output_dir.expanduser().absolute()
     out.mkdir(parents=True, exist_ok=True)
     t0, sides = time.time(), {}
-    try:
-        data = prepare(args.data, out)
-        code = pinned.checkout(args.code, out, machine.CODE_ROOT) if args.code else None
-        if code is not None:
-            print(f"   every run executes commit {code.commit[:10]} ({code.root})", flush=True)
-        keys = [k.strip() for k in args.models.split(",") if k.strip()]
-        for n in counts:  # one side after the other, each in its own interleaved rounds and store
-            print(f"== speed: {n} process(es)", flush=True)
-            ms = models(vocab_size(data), n, keys, code)
-            s = dict(settings(args.updates, args.seeds), models=tuple(m.key for m in ms))
-            (out / f"nproc{n}").mkdir(exist_ok=True)
-            store = run_schedule("speed", s, ms, {}, data, n, out / f"nproc{n}", resume=args.resume,
-                                 reference="smlp_det", code=code)
-            sides[n] = analyse(report(store, out / f"nproc{n}", quiet=True))
-    except BenchError as exc:
-        print(f"smlp_bench.speed: error: {exc}", file=sys.stderr)
-        return 1
+    data = prepare(args.data, out)
+    code = pinned.checkout(args.code, out, machine.CODE_ROOT, CODE_WHY) if args.code else None
+    if code is not None:
+        print(f"   every run executes commit {code.commit[:10]} ({code.root})", flush=True)
+    for n in counts:  # one side after the other, each in its own interleaved rounds and store
+        print(f"== speed: {n} process(es)", flush=True)
+        ms = models(vocab_size(data), n, keys, code)
+        s = dict(settings(args.updates, args.seeds), models=tuple(m.key for m in ms))
+        (out / f"nproc{n}").mkdir(exist_ok=True)
+        store = run_schedule("speed", s, ms, {}, data, n, out / f"nproc{n}", resume=args.resume and
+                             (out / f"nproc{n}" / "runs.json").exists(), reference="smlp_det", code=code)
+        sides[n] = analyse(report(store, out / f"nproc{n}", quiet=True))
     speed = dict(combine(sides), code=code.identity() if code is not None else machine.code_identity())
     atomic_write_json(out / "speed.json", speed)
     print(markdown(speed))
     print(f"   {out / 'speed.json'} ({(time.time() - t0) / 60:.0f} min); publish with "
-          f"python -m smlp_bench.speed --publish {out / 'speed.json'}")
+          f"smlp-bench speed --publish {out / 'speed.json'}")
     return 0
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m smlp_bench.speed", description=__doc__)
     add_arguments(p)
-    return run(p.parse_args(argv))
+    args = parse_checked(p, argv, check_args)
+    try:
+        return run(args)
+    except BenchError as exc:
+        refuse(p.prog, exc, 1)
 
 
 if __name__ == "__main__":

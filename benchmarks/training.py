@@ -81,11 +81,24 @@ def _plugins_dir() -> Path:
     return Path(spec.submodule_search_locations[0]).resolve()
 
 
+def check_data(data: Path | None) -> None:
+    """--data, when given, must be a fairseq data-bin."""
+    if data and not (Path(data).expanduser() / "dict.txt").is_file():
+        raise BenchError(f"--data {data} is not a fairseq data-bin (no dict.txt); build one with smlp-prepare-data")
+
+
+def check_options(args, least_nproc: int = 1) -> None:
+    """The options of every program that trains through the harness (`cli.add_training`): --data, --nproc."""
+    check_data(args.data)
+    if args.nproc < least_nproc:
+        raise BenchError(f"--nproc {args.nproc}: " + ("expert parallelism needs at least 2 ranks" if least_nproc == 2
+                                                      else f"give at least {least_nproc}"))
+
+
 def prepare(data: Path | None, folder: Path) -> Path:
     """The data-bin runs train on: `data`, or the demo corpus built once into `folder`/data-bin."""
     if data:
-        if not (data / "dict.txt").is_file():
-            raise BenchError(f"--data {data} is not a fairseq data-bin (no dict.txt); build one with smlp-prepare-data")
+        check_data(data)
         return data.expanduser().absolute()
     from smlp_launch.data import DataPrepError, prepare_data
 
