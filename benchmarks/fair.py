@@ -30,7 +30,15 @@ from .store import RunStore, atomic_write_json, check_started
 from .training import check_options, run_schedule
 
 FAIR_TARGET = dict(LONG_TARGET, experts=8)
-WIDE_TARGET = dict(FAIR_TARGET, d_model=256, d_ffn=1024)
+
+
+def at_width(width: int) -> dict:
+    """The fair configuration at another width: d_model = width and d_ffn = 4 x width (D=128: FAIR_TARGET itself),
+    its depth, sequence and 8 experts as they are."""
+    return dict(FAIR_TARGET, d_model=width, d_ffn=4 * width)
+
+
+WIDE_TARGET = at_width(256)
 OUTPUT = Path("docs/benchmark/fair")  # --output-dir's default: the store is committed
 FAMILIES = ("smlp_det", "smlp_partial", "gmlp", "transformer", *MOE_BASELINES)
 RATES = (2e-3, 4e-3, 8e-3)

@@ -16,6 +16,8 @@ BAD = [
     (["chaos", "--updates", "6", "--save-every", "4"], "--updates 6 --save-every 4"),
     (["speed", "--models", "nope"], "--models: unknown nope; valid: smlp_det, smlp_det_expert"),
     (["speed", "--code", "deadbeef"], "commit deadbeef is not in the repository"),
+    (["speed", "--widths", "0"], "--widths 0: give positive integers"),
+    (["speed", "--widths", "128,100"], "100 is not a multiple of the 8 experts"),
     (["speed", "--rounds", "0"], "--seeds 0: give at least 1"),
     (["speed", "--updates", "3"], "--updates 3: a run needs at least"),
     (["speed", "--nproc", "0,2"], "--nproc 0,2: give positive integers"),
@@ -72,8 +74,8 @@ def test_a_started_measurement_is_continued_only_with_resume(tmp_path, monkeypat
     out = tmp_path / "speed"
     assert cli.main(["speed", "--output-dir", str(out), "--resume"]) == 1
     assert "--resume: no measurement" in capsys.readouterr().err and not out.exists()
-    (out / "nproc2").mkdir(parents=True)
-    (out / "nproc2" / "runs.json").write_text("{}")
-    assert cli.main(["speed", "--output-dir", str(out)]) == 1
-    err = capsys.readouterr().err
-    assert "holds a started benchmark (nproc2/runs.json); pass --resume" in err
+    for side, widths in (("nproc2", "128"), ("d256/nproc2", "128,256")):  # one width; several: a folder each
+        (out / side).mkdir(parents=True)
+        (out / side / "runs.json").write_text("{}")
+        assert cli.main(["speed", "--output-dir", str(out), "--widths", widths]) == 1
+        assert f"holds a started benchmark ({side}/runs.json); pass --resume" in capsys.readouterr().err
