@@ -15,7 +15,8 @@ from pathlib import Path
 
 from smlp_launch.fairseq_log import loaded_updates, train_fields
 
-from .presets import BenchError
+from .presets import BenchError, check_at_least
+from .training import _plugins_dir, check_data
 
 HELP = ("a 2-rank sMLP-det training killed --kills times at random moments (SIGKILL of a worker, SIGTERM of the job, "
         "both also inside a checkpoint write), resumed each time, against the same training uninterrupted: bitwise "
@@ -32,20 +33,38 @@ TEMP = re.compile(r"^(?P<file>checkpoint\w*?-rank-(?P<rank>\d+)\.pt)\.[a-z0-9_]{
 START_UP_SHARE = 0.2  # of the kills at a random moment, those that land during start-up
 
 
+OUTPUT = Path("results/chaos")  # --output-dir's default
+
+
 def add_arguments(p) -> None:
     p.add_argument("--kills", type=int, default=20, help="how many kills (20)")
-    p.add_argument("--updates", type=int, default=None, help="training updates (60)")
+    p.add_argument("--updates", type=int, default=60, help="training updates (60)")
     p.add_argument("--save-every", type=int, default=4, help="updates between checkpoints (4)")
     p.add_argument("--chaos-seed", type=int, default=1, help="seed of the kills' kinds and moments (1)")
     p.add_argument("--data", type=Path, default=None, help="a fairseq data-bin (default: the demo corpus)")
-    p.add_argument("--output-dir", type=Path, default=None, help="where its record goes (results/chaos)")
+    p.add_argument("--output-dir", type=Path, default=None, help=f"where its record goes ({OUTPUT})")
+
+
+def check_plan(kills: int, updates: int, save_every: int) -> None:
+    """A chaos run that can be made: at least one kill, and room for a kill between two saves."""
+    check_at_least(kills, 1, "--kills")
+    if updates < 2 * save_every or save_every < 1:
+        raise BenchError(f"--updates {updates} --save-every {save_every}: give --save-every >= 1 and --updates at "
+                         f"least twice it, so that a kill can land between two saves")
+
+
+def check_args(args) -> None:
+    """`smlp-bench chaos`'s arguments, before any work: the plan, --data, and an output folder without a chaos run."""
+    check_plan(args.kills, args.updates, args.save_every)
+    check_data(args.data)
+    out = Path(args.output_dir or OUTPUT).expanduser()
+    if (out / "chaos.json").exists() or (out / "chaos").exists():
+        raise BenchError(f"--output-dir {out} already holds a chaos run; choose another folder")
 
 
 def plan_kinds(kills: int, rng: random.Random) -> list[str]:
     """`kills` kinds in a random order: every kind once when there is room (the first three for 3 kills: one worker
     SIGKILLed, the job SIGTERMed, a rank SIGKILLed while it writes a checkpoint), the rest drawn at random."""
-    if kills < 1:
-        raise BenchError(f"--kills {kills}: give at least 1 kill")
     kinds = list(KINDS[:kills]) + [rng.choice(KINDS) for _ in range(kills - len(KINDS))]
     rng.shuffle(kinds)
     return kinds
@@ -65,8 +84,6 @@ def plan_moment(kind: str, rng: random.Random, resumed: int, updates: int, save_
 
 def train_args(data: Path, updates: int, save_every: int) -> list[str]:
     """fairseq-train's arguments: the tiny recipe, sMLP-det, a save every `save_every` updates, the last 2 kept."""
-    from .training import _plugins_dir
-
     recipe = (REPO / "configs" / "smlp_tiny.args").read_text().split()
     i = recipe.index("--max-update")
     return [str(data), "--user-dir", str(_plugins_dir()), *recipe[:i], *recipe[i + 2:], "--smoe-routing",
@@ -248,9 +265,7 @@ def run(out: Path, args: list[str], *, updates: int, save_every: int, kills: int
     same training uninterrupted), or with a baseline run here first in out/baseline. Returns the record."""
     from fairseq_plugins.checkpoints import save_differences
 
-    if updates < 2 * save_every or save_every < 1:
-        raise BenchError(f"--updates {updates} --save-every {save_every}: give --save-every >= 1 and --updates at "
-                         f"least twice it, so that a kill can land between two saves")
+    check_plan(len(kills) if isinstance(kills, list) else kills, updates, save_every)
     rng = random.Random(seed)
     kinds = kills if isinstance(kills, list) else plan_kinds(kills, rng)
     (out / "chaos").mkdir(parents=True, exist_ok=False)
@@ -373,9 +388,7 @@ def main(args, data: Path) -> int:
     from .machine import code_identity, machine_info
     from .store import write_text
 
-    out, updates = args.output_dir, args.updates or 60
-    if (out / "chaos.json").exists() or (out / "chaos").exists():
-        raise BenchError(f"--output-dir {out} already holds a chaos run; choose another folder")
+    out, updates = args.output_dir, args.updates  # checked by check_args
     print(f"== smlp-bench --chaos: {args.kills} kills, {updates} updates, a save every {args.save_every}, "
           f"output {out}", flush=True)
     record = {"benchmark": "chaos", "config": {

@@ -14,14 +14,14 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from . import chaos, gpu_check, speed
+from . import chaos, fair, gpu_check, speed
 from .experiments import EXPERIMENTS, get_experiment
 from .micro import step_breakdown
-from .presets import MODEL_ORDER, PRESETS, BenchError, plan_models
+from .presets import MODEL_ORDER, PRESETS, BenchError, check_at_least, parse_names, plan_models
 from .publish import FIGURE_DIR, PAGE, publish
 from .report import fmt, report
 from .store import RunStore
-from .training import prepare, run_schedule, vocab_size
+from .training import check_options, prepare, run_schedule, vocab_size
 
 PROG = "smlp-bench"
 ALIASES = {"--fair": "fair", "--experiment": "experiment", "--report": "report", "--publish": "publish",
@@ -40,9 +40,16 @@ def add_training(p: argparse.ArgumentParser, output: str) -> None:
     p.add_argument("--order-seed", type=int, default=1, help="seed of the shuffled orders of rounds 3+ (recorded)")
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's parser whose refusal is one line, as every refusal of smlp-bench (the commands' parsers too)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{PROG}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n")[1])
+    p = Parser(prog=PROG, description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+               epilog=__doc__.split("\n\n")[1])
     old = p.add_argument_group("the earlier spellings (each is rewritten to its command)")
     old.add_argument("--fair", action="store_true", help="smlp-bench fair")
     old.add_argument("--experiment", metavar="NAME", help="smlp-bench experiment NAME")
@@ -102,16 +109,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return build_parser().parse_args(spelled(sys.argv[1:] if argv is None else argv))
 
 
-def _out(args, default: Path) -> Path:
-    args.output_dir = (args.output_dir or default).expanduser().absolute()
-    args.output_dir.mkdir(parents=True, exist_ok=True)
-    return args.output_dir
+def _out(args, default: Path, *, make: bool = True) -> Path:
+    """OUTPUT_DIR (its default `default`), absolute; made unless `make` is False (the checks make nothing)."""
+    out = (args.output_dir or default).expanduser().absolute()
+    if make:
+        args.output_dir = out
+        out.mkdir(parents=True, exist_ok=True)
+    return out
 
 
 def run_fair(args) -> int:
-    from . import fair
-
-    _out(args, Path("docs/benchmark/fair"))
+    _out(args, fair.OUTPUT)
     if args.report_only:
         return fair.report_only(args.output_dir)
     args.work_dir = (args.work_dir or Path("results/fair-work")).expanduser().absolute()
@@ -120,22 +128,34 @@ def run_fair(args) -> int:
     return fair.main(args, data, vocab_size(data))
 
 
-def run_trainings(args) -> int:
-    """The preset benchmark, or an experiment: plan, train every run of the schedule, report."""
+def trainings(args, *, make: bool = True):
+    """The preset benchmark's or the experiment's (experiment or None, name, settings, OUTPUT_DIR)."""
     exp = get_experiment(args.name) if args.command == "experiment" else None
     if exp is not None:
-        out, name, settings = _out(args, Path("results") / exp.name), exp.name, dict(exp.settings)
-        settings["models"] = tuple(m.key for m in exp.models)
-    else:
-        name = "quick" if args.quick else (args.preset or "full")
-        settings = dict(PRESETS[name], **{k: v for k in ("seeds", "updates") if (v := getattr(args, k)) is not None})
-        if args.models:
-            settings["models"] = tuple(k.strip() for k in args.models.split(",") if k.strip())
-        out = _out(args, Path("results/bench"))
-    if args.nproc < 2:
-        raise BenchError(f"--nproc {args.nproc}: expert parallelism needs at least 2 ranks")
-    if settings["seeds"] < 1 or settings["updates"] < 2 * settings["validate_every"]:
-        raise BenchError(f"--seeds must be >= 1 and --updates >= {2 * settings['validate_every']}")
+        settings = dict(exp.settings, models=tuple(m.key for m in exp.models))
+        return exp, exp.name, settings, _out(args, Path("results") / exp.name, make=make)
+    name = "quick" if args.quick else (args.preset or "full")
+    settings = dict(PRESETS[name], **{k: v for k in ("seeds", "updates") if (v := getattr(args, k)) is not None})
+    if args.models is not None:
+        settings["models"] = tuple(parse_names(args.models, MODEL_ORDER, "--models"))
+    return None, name, settings, _out(args, Path("results/bench"), make=make)
+
+
+def check_trainings(args) -> None:
+    """`smlp-bench preset` / `experiment`'s arguments, before any work: the models, the counts, the training
+    options, and a run store in OUTPUT_DIR only with --resume."""
+    _, _, settings, out = trainings(args, make=False)
+    check_at_least(settings["seeds"], 1, "--seeds")
+    check_at_least(settings["updates"], 2 * settings["validate_every"], "--updates",
+                   "two validations of the preset")
+    check_options(args, least_nproc=2)
+    RunStore.check_start(out / "runs.json", resume=args.resume)
+
+
+def run_trainings(args) -> int:
+    """The preset benchmark, or an experiment: plan, train every run of the schedule, report (arguments checked by
+    `check_trainings`)."""
+    exp, name, settings, out = trainings(args)
     t0 = time.time()
     print(f"== {PROG} ({name}): {len(settings['models'])} models x {settings['seeds']} seed(s), "
           f"{settings['updates']} updates each, {args.nproc} ranks, output {out}\n== 1/4 data", flush=True)
@@ -184,12 +204,16 @@ def run_publish(args) -> int:
 
 
 def run_chaos(args) -> int:
-    return chaos.main(args, prepare(args.data, _out(args, Path("results/chaos"))))
+    return chaos.main(args, prepare(args.data, _out(args, chaos.OUTPUT)))
 
 
 COMMANDS = {"chaos": run_chaos, "preset": run_trainings, "experiment": run_trainings, "fair": run_fair,
             "report": run_report, "publish": run_publish, "speed": speed.run, "gpu-check": gpu_check.run,
             "breakdown": step_breakdown.run}
+# each command's arguments checked before any work (no corpus built, no folder made, no model planned): a refusal is
+# one line, `smlp-bench: error: ...`
+CHECKS = {"chaos": chaos.check_args, "preset": check_trainings, "experiment": check_trainings, "fair": fair.check_args,
+          "speed": speed.check_args, "gpu-check": gpu_check.check_args, "breakdown": step_breakdown.check_args}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -203,6 +227,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError:  # not the main thread
         previous = None
     try:
+        if (check := CHECKS.get(args.command)) is not None:
+            check(args)
         return COMMANDS[args.command](args)
     except BenchError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)

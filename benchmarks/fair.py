@@ -14,13 +14,32 @@ from . import machine, pinned
 from . import schedule as S
 from .fair_report import analysed_stage, final_report, print_summary
 from .machine import code_identity, perplexity_changes
-from .presets import LONG_TARGET, MOE_BASELINES, NAMES, BenchError, Model, models_from_plan, plan_models, target_flags
+from .presets import (
+    LONG_TARGET,
+    MOE_BASELINES,
+    NAMES,
+    BenchError,
+    Model,
+    models_from_plan,
+    parse_names,
+    plan_models,
+    target_flags,
+)
 from .report import report
-from .store import RunStore, atomic_write_json
-from .training import run_schedule
+from .store import RunStore, atomic_write_json, check_started
+from .training import check_options, run_schedule
 
 FAIR_TARGET = dict(LONG_TARGET, experts=8)
-WIDE_TARGET = dict(FAIR_TARGET, d_model=256, d_ffn=1024)
+
+
+def at_width(width: int) -> dict:
+    """The fair configuration at another width: d_model = width and d_ffn = 4 x width (D=128: FAIR_TARGET itself),
+    its depth, sequence and 8 experts as they are."""
+    return dict(FAIR_TARGET, d_model=width, d_ffn=4 * width)
+
+
+WIDE_TARGET = at_width(256)
+OUTPUT = Path("docs/benchmark/fair")  # --output-dir's default: the store is committed
 FAMILIES = ("smlp_det", "smlp_partial", "gmlp", "transformer", *MOE_BASELINES)
 RATES = (2e-3, 4e-3, 8e-3)
 WIDEN = 2                      # at most this many rates added beyond an edge of the sweep
@@ -379,16 +398,25 @@ def report_only(out: Path) -> int:
     return 0
 
 
+def chosen_stages(args) -> list[str]:
+    return list(DEFAULT_STAGES) if args.stages is None else parse_names(args.stages, STAGES, "--stages")
+
+
+def check_args(args) -> None:
+    """`smlp-bench fair`'s arguments, before any work: the stages, the training options, and no started benchmark
+    in OUTPUT_DIR unless --resume continues it."""
+    if args.report_only:
+        return
+    chosen_stages(args)
+    check_options(args)
+    out = Path(args.output_dir or OUTPUT).expanduser()
+    check_started(out, sorted(str(p.relative_to(out)) for p in out.glob("*/runs.json")), args.resume)
+
+
 def main(args, data: Path, vocab_size: int) -> int:
-    """The default stages in order (or those of --stages), each resumed where it stopped."""
-    stages = list(DEFAULT_STAGES) if not args.stages else [s.strip() for s in args.stages.split(",") if s.strip()]
-    if unknown := [s for s in stages if s not in STAGES]:
-        raise BenchError(f"--stages: unknown {', '.join(unknown)}; valid: {', '.join(STAGES)}")
-    out = args.output_dir
-    started = sorted(str(p.relative_to(out)) for p in out.glob("*/runs.json"))
-    if started and not args.resume:
-        raise BenchError(f"{out} holds a started benchmark ({', '.join(started)}); pass --resume to continue it, "
-                         f"or choose another --output-dir")
+    """The default stages in order (or those of --stages), each resumed where it stopped (arguments checked by
+    `check_args`)."""
+    stages, out = chosen_stages(args), args.output_dir
     records = stage_records(out)
     t0 = time.time()
     for i, name in enumerate(stages, 1):

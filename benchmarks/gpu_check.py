@@ -24,6 +24,7 @@ from smlp.routing.registry import SMOE_ROUTINGS, TOKEN_ROUTERS
 from . import gpu_support as G
 from .gpu_support import DRY_RUN_FAMILIES, FAMILIES, Outcome, SyncCount
 from .micro.host_syncs import torch_assignment_path
+from .presets import BenchError, check_names, parse_checked
 from .store import atomic_write_json, environment, write_text
 
 CHECKS = ("fp32", "autocast", "host-syncs", "speed")
@@ -248,15 +249,27 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m smlp_bench.gpu_check", description=__doc__.split("\n")[0],
                                 epilog="make gpu-check GPU_CHECK_ARGS='...' passes these options.")
     add_arguments(p)
-    return run(p.parse_args(argv))
+    return run(parse_checked(p, argv, check_args))
+
+
+NAMED = {"only": CHECKS, "skip": CHECKS, "families": FAMILIES}  # the options that name checks or families
+
+
+def _named(args, opt: str) -> list[str]:
+    return check_names([n.strip() for n in getattr(args, opt).split(",") if n.strip()], NAMED[opt], f"--{opt}")
+
+
+def check_args(args) -> None:
+    """`smlp-bench gpu-check`'s arguments, before any work: the names of checks and families, the time budget."""
+    for opt in NAMED:
+        _named(args, opt)
+    if args.time_budget <= 0:
+        raise BenchError(f"--time-budget {args.time_budget:g}: give the seconds the check may take (> 0)")
 
 
 def run(args) -> int:
-    for opt, valid in (("only", CHECKS), ("skip", CHECKS), ("families", FAMILIES)):
-        names = [n for n in getattr(args, opt).split(",") if n]
-        if unknown := [n for n in names if n not in valid]:
-            raise SystemExit(f"gpu_check: error: --{opt}: unknown {unknown}; valid: {', '.join(valid)}")
-        setattr(args, opt, names)
+    for opt in NAMED:
+        setattr(args, opt, _named(args, opt))
     started, threads = time.monotonic(), torch.get_num_threads()
     if not args.dry_run and not torch.cuda.is_available():
         print("gpu_check: no CUDA device here; run with --dry-run on a CPU-only machine", file=sys.stderr)

@@ -96,13 +96,22 @@ class Checkout:
                         out=str(out), updates=updates, validate=validate, log_interval=log_interval)["cmd"]
 
 
-def checkout(commit: str, work_dir: Path, repo: Path) -> Checkout:
-    """The worktree of `commit` (of the repository at `repo`) under work_dir/code/, made once and reused; the
-    installed package names linked to its folders. Refuses a worktree someone changed."""
+RESUME = "to resume the stage pinned to it"
+
+
+def resolve(commit: str, repo: Path, why: str = RESUME) -> str:
+    """The full hash of `commit` in the repository at `repo`; refused, saying `why` it is needed, where the repository
+    does not have it."""
     full = _git(repo, "rev-parse", "--verify", "--quiet", f"{commit}^{{commit}}", check=False).stdout.strip()
     if not full:
-        raise BenchError(f"commit {commit[:10]} is not in the repository at {repo}: fetch it (git fetch) to resume "
-                         f"the stage pinned to it")
+        raise BenchError(f"commit {commit[:10]} is not in the repository at {repo}: fetch it (git fetch) {why}")
+    return full
+
+
+def checkout(commit: str, work_dir: Path, repo: Path, why: str = RESUME) -> Checkout:
+    """The worktree of `commit` (of the repository at `repo`) under work_dir/code/, made once and reused; the
+    installed package names linked to its folders. Refuses a worktree someone changed."""
+    full = resolve(commit, repo, why)
     root = (Path(work_dir) / "code" / full[:12]).absolute()
     if root.exists():
         head = _git(root, "rev-parse", "HEAD", check=False).stdout.strip()

@@ -2,6 +2,7 @@
 `Model.as_dict()`, `models_from_plan` reads it back), and how each preset trains them (docs/benchmarks.md)."""
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -44,6 +45,56 @@ PRESETS = {
 
 class BenchError(Exception):
     """A problem with the benchmark's input or one of its runs; the message is for the user."""
+
+
+# Refusing arguments: each command's `check_args(args)` (called by smlp-bench before any work: no corpus built, no
+# folder made, no model planned) raises BenchError through these, one line for the user.
+
+def check_names(names: Sequence[str], valid: Sequence[str], flag: str) -> list[str]:
+    """`names` when each is one of `valid`; else refused, naming the unknown ones and the valid ones."""
+    if unknown := [n for n in names if n not in valid]:
+        raise BenchError(f"{flag}: unknown {', '.join(unknown)}; valid: {', '.join(valid)}")
+    return list(names)
+
+
+def parse_names(text: str, valid: Sequence[str], flag: str) -> list[str]:
+    """A comma-separated list of at least one of `valid`."""
+    names = [n.strip() for n in str(text).split(",") if n.strip()]
+    if not names:
+        raise BenchError(f"{flag} {text!r}: name at least one of {', '.join(valid)}")
+    return check_names(names, valid, flag)
+
+
+def parse_counts(text: str, flag: str, example: str) -> list[int]:
+    """A comma-separated list of positive integers, sorted, each once (process counts, widths)."""
+    try:
+        counts = sorted({int(n) for n in str(text).split(",") if n.strip()})
+    except ValueError:
+        counts = []
+    if not counts or counts[0] < 1:
+        raise BenchError(f"{flag} {text}: give positive integers, e.g. {example}")
+    return counts
+
+
+def check_at_least(value: int | float, least: int | float, flag: str, why: str = "") -> None:
+    if value < least:
+        raise BenchError(f"{flag} {value}: give at least {least}{f' ({why})' if why else ''}")
+
+
+def refuse(prog: str, exc: BenchError, code: int = 2):
+    """Exit with the one line `PROG: error: ...` on stderr."""
+    print(f"{prog}: error: {exc}", file=sys.stderr)
+    raise SystemExit(code)
+
+
+def parse_checked(parser, argv, check):
+    """`python -m` entry points: the arguments parsed and checked; a refused one exits in one line."""
+    args = parser.parse_args(argv)
+    try:
+        check(args)
+    except BenchError as exc:
+        refuse(parser.prog, exc)
+    return args
 
 
 @dataclass
@@ -137,9 +188,7 @@ def plan_models(vocab_size: int, nproc: int, keys: Sequence[str], target: dict =
                         base_flops, f"{base.dense_layers}+{base.sparse_layers}", ours=False, seq_len=T,
                         note="fairseq's BaseLayer has no attention: fewer FLOPs than our Base Layers"))
     by_key = {m.key: m for m in models}
-    unknown = [k for k in keys if k not in by_key]
-    if unknown:
-        raise BenchError(f"--models: unknown {', '.join(unknown)}; valid: {', '.join(MODEL_ORDER)}")
+    check_names(keys, MODEL_ORDER, "--models")
     matching = {"target": {"arch": "smlp_lm", **t, "experts": t.get("experts", nproc), "flops": tcount.flops},
                 "tolerance": MATCH_TOLERANCE, "matches": [r.as_dict() for r in rows.values()]}
     return [by_key[k] for k in keys], matching

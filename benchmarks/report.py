@@ -65,6 +65,8 @@ def summarise(store: RunStore, models: list[Model], peak: dict | None) -> dict:
             curves.append(curve)
         greedy = [v for v in (greedy_max_load(r) for _, r in rs) if v is not None]
         extra = {"greedy_max_load": statistics.mean(greedy)} if greedy else {}
+        if kept := [r["tokens_kept"] for _, r in rs if r.get("tokens_kept") is not None]:
+            extra["tokens_kept"] = statistics.mean(kept)  # the share of routing slots its experts processed
         for metric in EXTRA_METRICS:
             if finals := [final_ppl(r, metric) for _, r in rs if final_ppl(r, metric) is not None]:
                 extra.update({f"valid_{metric}": statistics.mean(finals), f"valid_{metric}_per_seed": finals})

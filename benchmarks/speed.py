@@ -1,7 +1,10 @@
-"""Training speed of sMLP-det's layouts against gMLP and the Transformer-MoEs, fair configuration (issues 30, 47).
+"""Training speed of sMLP-det's layouts against gMLP and the Transformer-MoEs, fair configuration (issues 30, 47),
+and across model widths (issue 53).
 
 Words/s on 1 process and on 2 CPU gloo ranks, every ratio from the same round's runs; OUTPUT_DIR/speed.json holds
-both sides, the scaling and the targets (docs/benchmarks.md, "sMLP-det's parallel layouts and overlapped all2all")."""
+both sides, the scaling and the targets (docs/benchmarks.md, "sMLP-det's parallel layouts and overlapped all2all");
+with several --widths, the same for each width, each FLOP-matched as the fair configuration is, published with a
+figure of every model's words/s over gMLP's against width (docs/benchmarks.md, "Speed across widths")."""
 from __future__ import annotations
 
 import argparse
@@ -15,13 +18,30 @@ from pathlib import Path
 from smlp.profiling import routing_and_all2all
 
 from . import machine, pinned
-from .presets import MOE_BASELINES, NAMES, BenchError, plan_models
+from .fair import COMMON, FAIR_TARGET, at_width
+from .presets import (
+    MOE_BASELINES,
+    NAMES,
+    BenchError,
+    check_at_least,
+    check_names,
+    parse_checked,
+    parse_counts,
+    parse_names,
+    plan_models,
+    refuse,
+)
 from .publish import PAGE, replace_section
-from .report import report
-from .store import atomic_write_json
-from .training import prepare, run_schedule, vocab_size
+from .report import _pyplot, report
+from .store import atomic_write_json, check_started
+from .training import check_data, prepare, run_schedule, vocab_size
 
 START, END = "<!-- smlp-speed:start -->", "<!-- smlp-speed:end -->"
+# the width section (a record of several widths) and its figure, relative to the page's folder
+WIDTHS_START, WIDTHS_END = "<!-- smlp-speed-widths:start -->", "<!-- smlp-speed-widths:end -->"
+WIDTHS_FIGURE = Path("benchmark/speed/widths.png")
+FAIR_WIDTH = FAIR_TARGET["d_model"]
+CODE_WHY = "to train the speed benchmark's models with its code (--code COMMIT)"
 BASELINES = ("gmlp", "switch", "base", "hash", "gshard")
 VARIANTS = {  # key -> (display name, extra fairseq-train flags of sMLP-det); they need 2 ranks or more
     "smlp_det_expert": ("sMLP-det, sMoE expert-parallel", ["--smoe-parallel", "expert"]),
@@ -34,10 +54,10 @@ TARGETS = ((2, "fastest Transformer-MoE", 1.0), (2, "gMLP", 0.92), (1, "gMLP", 0
 SCALING_POINTS = 0.05  # sMLP-det's scaling (words/s on 2 ranks over 2 x on 1 process) within 5 points of gMLP's
 
 
-def settings(updates: int, seeds: int) -> dict:
-    from .fair import COMMON, FAIR_TARGET
-
-    return dict(COMMON, seeds=seeds, updates=updates, validate_every=10 * updates, profile_steps=3, target=FAIR_TARGET)
+def settings(updates: int, seeds: int, width: int = FAIR_WIDTH) -> dict:
+    """A side's settings: the fair configuration's (at `width`: fair.at_width), no validation, 3 profiled steps."""
+    return dict(COMMON, seeds=seeds, updates=updates, validate_every=10 * updates, profile_steps=3,
+                target=at_width(width))
 
 
 def min_updates() -> int:
@@ -47,15 +67,12 @@ def min_updates() -> int:
     return 2 * s["log_interval"] + s["profile_steps"] + 2
 
 
-def models(vocab_size: int, nproc: int, keys=MODELS, code=None) -> list:
-    """The models of `keys` (sMLP-det, the reference of every ratio, always first), planned by `code` (a pinned
-    commit's worktree, benchmarks/pinned.py) or by this checkout; one process runs no variant."""
-    from .fair import FAIR_TARGET
-
-    if unknown := [k for k in keys if k not in MODELS]:
-        raise BenchError(f"--models: unknown {', '.join(unknown)}; valid: {', '.join(MODELS)}")
+def models(vocab_size: int, nproc: int, keys=MODELS, code=None, target: dict = FAIR_TARGET) -> list:
+    """The models of `keys` (sMLP-det, the reference of every ratio, always first), FLOP-matched at `target` by `code`
+    (a pinned commit's worktree, benchmarks/pinned.py) or by this checkout; one process runs no variant."""
+    check_names(keys, MODELS, "--models")
     plan = code.plan_models if code is not None else plan_models
-    base, _ = plan(vocab_size, nproc, ("smlp_det", *(k for k in BASELINES if k in keys)), FAIR_TARGET)
+    base, _ = plan(vocab_size, nproc, ("smlp_det", *(k for k in BASELINES if k in keys)), target)
     by_key = {m.key: m for m in base}
     det = by_key["smlp_det"]
     if nproc > 1:
@@ -91,7 +108,12 @@ def analyse(record: dict) -> dict:
     wps = {k: {"median": statistics.median(m["wps_per_seed"]), "range": [min(m["wps_per_seed"]),
                                                                           max(m["wps_per_seed"])]}
            for k, m in res.items()}
-    return {"nproc": record["nproc"], "fastest_moe": fastest, "rows": rows, "wps": wps,
+    # every model over gMLP (the width figure), the share of routing slots its experts processed (None: no experts)
+    # and its training FLOPs per token (the calculator's)
+    each = {k: {"name": m.get("name") or NAMES.get(k, k), "gMLP": round_ratio(res, k, "gmlp") if k != "gmlp" else None,
+                "tokens_kept": m.get("tokens_kept"), "flops_per_token": m.get("flops_per_token")}
+            for k, m in res.items()}
+    return {"nproc": record["nproc"], "fastest_moe": fastest, "rows": rows, "wps": wps, "models": each,
             "complete": record["complete"], "settings": record["settings"], "seconds": record.get("seconds"),
             "machine": record.get("machine"), "ratios_from": "the same round's runs (raw words/s, no probes)"}
 
@@ -127,13 +149,25 @@ def _cell(r: dict | float | None) -> str:
     return f"{r['ratio']:.3f}x [{r['lo']:.2f}-{r['hi']:.2f}]" if r else "-"
 
 
-def markdown(speed: dict) -> str:
+def _kept(side: dict, key: str | None) -> str:
+    """`, 93.1% of tokens kept` for a model whose experts dropped routing slots (records before issue 53: empty)."""
+    kept = ((side.get("models") or {}).get(key) or {}).get("tokens_kept")
+    return f", {kept:.1%} of tokens kept" if kept is not None else ""
+
+
+def markdown(speed: dict, figure: str | None = None) -> str:
+    """A speed record as its section of docs/benchmarks.md shows it (a record of several widths: `widths_markdown`,
+    with the `figure` linked)."""
+    if "widths" in speed:
+        return widths_markdown(speed, figure)
     m, s = speed.get("machine") or {}, speed["settings"]
     sides = speed.get("sides") or {"2": speed}  # a record of one side (2 ranks), written before issue 47
     at = f" at commit {_commit(speed)}" if speed.get("code") else ""
+    t = s.get("target") or FAIR_TARGET
+    width = "" if t["d_model"] == FAIR_WIDTH else f" at D={t['d_model']}, d_ffn={t['d_ffn']}"
     lines = [f"Measured by `python -m smlp_bench.speed`{at} on {m.get('cpu_model') or m.get('cpu', '?')}, gloo "
              f"ranks x 1 thread, {s['updates']} updates x {s['seeds']} interleaved round(s) per model, fair "
-             f"configuration (8 experts); {'complete' if speed['complete'] else 'PARTIAL'}. Ratios from "
+             f"configuration{width} (8 experts); {'complete' if speed['complete'] else 'PARTIAL'}. Ratios from "
              f"{speed.get('ratios_from', 'runs adjacent in time, probe-normalized')}: median [range] over rounds.", "",
              "| processes | model | words/s [range] | over gMLP | over the fastest Transformer-MoE "
              "| routing + all2all share |", "|---:|---|---:|---:|---:|---:|"]
@@ -143,7 +177,8 @@ def markdown(speed: dict) -> str:
             share = f"{routing_and_all2all(b):.1%}" if "routing" in b and "all2all" in b else "-"
             span = f" [{r['wps_range'][0]:,.0f}-{r['wps_range'][1]:,.0f}]" if r.get("wps_range") else ""
             lines.append(f"| {n} | {r['name']} | {r['wps'] or 0:,.0f}{span} | {_cell(r['gMLP'])} "
-                         f"| {_cell(r['fastest Transformer-MoE'])}{f' ({m})' if (m := side['fastest_moe']) else ''} "
+                         f"| {_cell(r['fastest Transformer-MoE'])}"
+                         f"{f' ({m}{_kept(side, m)})' if (m := side['fastest_moe']) else ''} "
                          f"| {share} |")
     if speed.get("scaling"):
         lines += ["", "| scaling (words/s on 2 ranks / 2 x on 1 process) | " +
@@ -187,19 +222,137 @@ def before_after(before: dict, after: dict) -> str:
     return "\n".join(lines)
 
 
-def publish(path: Path, page: Path = PAGE, before: Path | None = None) -> None:
-    """Rewrite the speed section of `page` from the record at `path` (and the before/after table against the
-    record at `before`)."""
-    speed = json.loads(path.read_text())
+def by_width(records: dict[int, dict]) -> dict:
+    """The record of several widths: each width's record (`combine`'s) under its width, the targets of all."""
+    first = records[min(records)]
+    return {"kind": "speed", "widths": {str(w): r for w, r in sorted(records.items())},
+            "targets": [dict(t, target=f"D={w}: {t['target']}") for w, r in sorted(records.items())
+                        for t in r["targets"]],
+            "complete": all(r["complete"] for r in records.values()), "machine": first.get("machine"),
+            "settings": first["settings"], "ratios_from": first["ratios_from"]}
+
+
+def _widths(speed: dict) -> dict[int, dict]:
+    return {int(w): r for w, r in sorted(speed["widths"].items(), key=lambda kv: int(kv[0]))}
+
+
+def _counts(speed: dict) -> list[int]:
+    return sorted({int(n) for r in speed["widths"].values() for n in r["sides"]})
+
+
+def _keys(speed: dict) -> list[str]:
+    """Every model of the record, in the order measured (sMLP-det first)."""
+    return list(dict.fromkeys(k for r in _widths(speed).values() for side in r["sides"].values()
+                              for k in side["models"]))
+
+
+def _over_gmlp(speed: dict, nproc: int, key: str) -> dict[int, dict]:
+    """width -> a model's words/s over gMLP's on `nproc` processes (same rounds), where measured."""
+    return {w: o for w, r in _widths(speed).items()
+            if (o := ((r["sides"].get(str(nproc)) or {}).get("models", {}).get(key) or {}).get("gMLP"))}
+
+
+def plot_widths(speed: dict, path: Path) -> Path:
+    """One panel per process count: each model's words/s over gMLP's (median, range over rounds) against width."""
+    plt, widths, counts = _pyplot(), list(_widths(speed)), _counts(speed)
+    fig, axes = plt.subplots(1, len(counts), figsize=(6 * len(counts), 4.5), sharey=True, squeeze=False)
+    names = {k: m["name"] for r in speed["widths"].values() for side in r["sides"].values()
+             for k, m in side["models"].items()}
+    for ax, n in zip(axes[0], counts):
+        for i, key in enumerate(_keys(speed)):
+            if not (pts := _over_gmlp(speed, n, key)):
+                continue
+            ws, rs = list(pts), list(pts.values())
+            mid = [r["ratio"] for r in rs]
+            ax.errorbar(ws, mid, yerr=[[m - r["lo"] for m, r in zip(mid, rs)], [r["hi"] - m for m, r in zip(mid, rs)]],
+                        marker="o", capsize=3, label=names[key], color=plt.get_cmap("tab10")(i % 10),
+                        lw=2.2 if key == "smlp_det" else 1.2)
+        ax.axhline(1.0, color="gray", ls="--", lw=1, label="gMLP")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(widths, [str(w) for w in widths])
+        ax.minorticks_off()
+        ax.set(title=f"{n} process{'es' if n > 1 else ''}", xlabel="model width D (d_ffn = 4D)",
+               ylabel="words/s over gMLP's (same round)")
+        ax.grid(alpha=0.3)
+    axes[0][-1].legend(fontsize=8)
+    fig.suptitle("training speed against width, each model FLOP-matched to sMLP-det at each width")
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
+
+
+def widths_markdown(speed: dict, figure: str | None = None) -> str:
+    """The width section: how it was measured, the figure, sMLP-det's trend, every model's row (with the share of
+    its tokens its experts processed), and the scaling at each width."""
+    per = _widths(speed)
+    s, m = speed["settings"], speed.get("machine") or {}
+    t = s["target"]
+    at = f" at commit {_commit(speed)}" if speed.get("code") else ""
+    lines = [f"Measured by `smlp-bench speed --widths {','.join(map(str, per))}`{at} on "
+             f"{m.get('cpu_model') or m.get('cpu', '?')}, gloo ranks x 1 thread, {s['updates']} updates x "
+             f"{s['seeds']} interleaved round(s) per model, width and process count: the fair configuration "
+             f"(T={t['seq_len']}, sMLP-det {t['dense']}+{t['sparse']} blocks, {t['experts']} experts) at d_model = D "
+             f"and d_ffn = 4D, every model FLOP-matched to sMLP-det at each width by the calculator; "
+             f"{'complete' if speed['complete'] else 'PARTIAL'}. Ratios from {speed['ratios_from']}: median [range] "
+             f"over rounds. Tokens kept: the share of routing slots its experts processed in the measured intervals "
+             f"(Switch and GShard drop tokens past capacity, the others keep every token), so that a speed that "
+             f"comes from dropped tokens reads as such.", ""]
+    if figure:
+        lines += [f"![words/s over gMLP's against width, 1 process and 2 ranks]({figure})", ""]
+    for n in _counts(speed):
+        if pts := _over_gmlp(speed, n, "smlp_det"):
+            lines.append(f"- sMLP-det's words/s over gMLP's, {n} process{'es' if n > 1 else ''}: "
+                         + ", ".join(f"{_cell(r)} at D={w}" for w, r in pts.items()) + ".")
+    lines += ["", "| D | processes | model | FLOPs / sMLP-det's | words/s [range] | over gMLP [range] | tokens kept |",
+              "|---:|---:|---|---:|---:|---:|---:|"]
+    for w, r in per.items():
+        for n, side in r["sides"].items():
+            ref = (side["models"].get("smlp_det") or {}).get("flops_per_token")
+            for key, mm in side["models"].items():
+                wps = side["wps"][key]
+                flops = f"{mm['flops_per_token'] / ref:.3f}" if ref and mm.get("flops_per_token") else "-"
+                kept = f"{mm['tokens_kept']:.1%}" if mm.get("tokens_kept") is not None else "-"
+                lines.append(f"| {w} | {n} | {mm['name']} | {flops} | {wps['median']:,.0f} [{wps['range'][0]:,.0f}-"
+                             f"{wps['range'][1]:,.0f}] | {_cell(mm['gMLP'])} | {kept} |")
+    if scaled := [(w, r["scaling"]) for w, r in per.items() if r.get("scaling")]:
+        keys = list(dict.fromkeys(k for _, sc in scaled for k in sc))
+        lines += ["", "| scaling (words/s on 2 ranks / 2 x on 1 process) | " + " | ".join(NAMES.get(k, k) for k in keys)
+                  + " |", "|---|" + "---:|" * len(keys)]
+        lines += [f"| D={w} | " + " | ".join(f"{sc[k]:.2f}" if k in sc else "-" for k in keys) + " |"
+                  for w, sc in scaled]
+    return "\n".join(lines)
+
+
+def publish(path: Path, page: Path = PAGE, before: Path | None = None) -> str:
+    """Rewrite the section of `page` that the record at `path` feeds: the width section and its figure (a record of
+    several widths), else the speed section (with the before/after table against the record at `before`). Returns
+    what it rewrote."""
+    speed = json.loads(Path(path).read_text())
+    if "widths" in speed:
+        if before is not None:
+            raise BenchError(f"--before: {path} holds several widths; a before/after table compares records of one")
+        figure = page.parent / WIDTHS_FIGURE
+        figure.parent.mkdir(parents=True, exist_ok=True)
+        text = replace_section(page.read_text(), WIDTHS_START, WIDTHS_END,
+                               widths_markdown(speed, WIDTHS_FIGURE.as_posix()), page)
+        plot_widths(speed, figure)
+        page.write_text(text)
+        return f"{page}: the width section and {figure} from {path}"
     text = markdown(speed) + (f"\n\n{before_after(json.loads(before.read_text()), speed)}" if before else "")
     page.write_text(replace_section(page.read_text(), START, END, text, page))
+    return f"{page}: the speed section from {path}{f' against {before}' if before else ''}"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-dir", type=Path, default=Path("results/speed"))
     p.add_argument("--updates", type=int, default=40, help="updates per training run (40)")
-    p.add_argument("--seeds", type=int, default=5, help="rounds: every model once per seed (5)")
+    p.add_argument("--seeds", "--rounds", type=int, default=5, help="rounds: every model once per seed (5)")
     p.add_argument("--nproc", default="1,2", help="the process counts to measure, each a side of the record (1,2)")
+    p.add_argument("--widths", default=str(FAIR_WIDTH), metavar="D,...",
+                   help=f"the model widths to measure, each FLOP-matched as the fair configuration is, with d_ffn = "
+                        f"4 x D ({FAIR_WIDTH}: the fair configuration); several give a record of every width, "
+                        f"published with a figure against width (e.g. 128,256,512)")
     p.add_argument("--models", default=",".join(MODELS), help=f"a subset of {', '.join(MODELS)} (all)")
     p.add_argument("--data", type=Path, default=None, help="a fairseq data-bin (default: the demo corpus)")
     p.add_argument("--resume", action="store_true")
@@ -211,57 +364,92 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--before", type=Path, default=None, metavar="BEFORE_JSON",
                    help="with --publish: add a before/after table against this record (the code before a change, "
                         "measured with --code COMMIT)")
+    p.add_argument("--then-publish", action="store_true",
+                   help="once measured, rewrite the record's section of docs/benchmarks.md (and the width figure) as "
+                        "--publish does; run from the checkout's root")
+
+
+def side_dir(out: Path, width: int, nproc: int, several: bool) -> Path:
+    """The run store's folder of one side: OUTPUT_DIR/nproc<N>, or OUTPUT_DIR/d<D>/nproc<N> with several widths."""
+    return (out / f"d{width}" if several else out) / f"nproc{nproc}"
+
+
+def check_args(args) -> None:
+    """`smlp-bench speed`'s arguments, before any work (no corpus built, no folder made, no model planned)."""
+    if args.publish:
+        for flag, path in (("--publish", args.publish), ("--before", args.before)):
+            if path is not None and not Path(path).is_file():
+                raise BenchError(f"{flag} {path}: no such record")
+        return
+    if args.before is not None:
+        raise BenchError("--before BEFORE_JSON goes with --publish AFTER_JSON (it adds a before/after table)")
+    if args.updates < min_updates():
+        raise BenchError(f"--updates {args.updates}: a run needs at least {min_updates()} updates: words/s are read "
+                         f"from log intervals after the first one, outside the profiled steps near the end")
+    check_at_least(args.seeds, 1, "--seeds")
+    counts, widths = parse_counts(args.nproc, "--nproc", "1,2"), parse_counts(args.widths, "--widths", "128,256,512")
+    parse_names(args.models, MODELS, "--models")
+    if odd := [w for w in widths if w % FAIR_TARGET["experts"]]:
+        raise BenchError(f"--widths {args.widths}: {', '.join(map(str, odd))} is not a multiple of the "
+                         f"{FAIR_TARGET['experts']} experts (sMLP-det's sMoE gives each expert an equal chunk of D)")
+    check_data(args.data)
+    if args.code:
+        pinned.resolve(args.code, machine.CODE_ROOT, CODE_WHY)
+    out = args.output_dir.expanduser()
+    stores = [side_dir(out, w, n, len(widths) > 1) / "runs.json" for w in widths for n in counts]
+    started = [str(p.relative_to(out)) for p in stores if p.exists()]
+    check_started(out, started, args.resume)
+    if args.resume and not started:
+        raise BenchError(f"--resume: no measurement of these widths and process counts in {out}; start one without "
+                         f"--resume")
 
 
 def run(args) -> int:
+    """Measure (arguments checked by `check_args`), or publish a record."""
     if args.publish:
-        publish(args.publish, before=args.before)
-        print(f"   {PAGE}: the speed section from {args.publish}{f' against {args.before}' if args.before else ''}")
+        print(f"   {publish(args.publish, before=args.before)}")
         return 0
-    if args.updates < min_updates() or args.seeds < 1:
-        print(f"smlp_bench.speed: error: --updates {args.updates}: a run needs at least {min_updates()} updates "
-              f"(--seeds >= 1): words/s are read from log intervals after the first one, outside the profiled steps "
-              f"near the end", file=sys.stderr)
-        raise SystemExit(2)
-    try:
-        counts = sorted({int(n) for n in str(args.nproc).split(",") if n.strip()})
-    except ValueError:
-        counts = []
-    if not counts or counts[0] < 1:
-        print(f"smlp_bench.speed: error: --nproc {args.nproc}: give process counts, e.g. 1,2", file=sys.stderr)
-        raise SystemExit(2)
+    counts, widths = parse_counts(args.nproc, "--nproc", "1,2"), parse_counts(args.widths, "--widths", "128,256,512")
+    keys = parse_names(args.models, MODELS, "--models")
     out = args.output_dir.expanduser().absolute()
     out.mkdir(parents=True, exist_ok=True)
-    t0, sides = time.time(), {}
-    try:
-        data = prepare(args.data, out)
-        code = pinned.checkout(args.code, out, machine.CODE_ROOT) if args.code else None
-        if code is not None:
-            print(f"   every run executes commit {code.commit[:10]} ({code.root})", flush=True)
-        keys = [k.strip() for k in args.models.split(",") if k.strip()]
+    t0, records = time.time(), {}
+    data = prepare(args.data, out)
+    code = pinned.checkout(args.code, out, machine.CODE_ROOT, CODE_WHY) if args.code else None
+    if code is not None:
+        print(f"   every run executes commit {code.commit[:10]} ({code.root})", flush=True)
+    for w in widths:
+        sides = {}
         for n in counts:  # one side after the other, each in its own interleaved rounds and store
-            print(f"== speed: {n} process(es)", flush=True)
-            ms = models(vocab_size(data), n, keys, code)
-            s = dict(settings(args.updates, args.seeds), models=tuple(m.key for m in ms))
-            (out / f"nproc{n}").mkdir(exist_ok=True)
-            store = run_schedule("speed", s, ms, {}, data, n, out / f"nproc{n}", resume=args.resume,
-                                 reference="smlp_det", code=code)
-            sides[n] = analyse(report(store, out / f"nproc{n}", quiet=True))
-    except BenchError as exc:
-        print(f"smlp_bench.speed: error: {exc}", file=sys.stderr)
-        return 1
-    speed = dict(combine(sides), code=code.identity() if code is not None else machine.code_identity())
+            print(f"== speed: D={w}, {n} process(es)", flush=True)
+            ms = models(vocab_size(data), n, keys, code, at_width(w))
+            s = dict(settings(args.updates, args.seeds, w), models=tuple(m.key for m in ms))
+            folder = side_dir(out, w, n, len(widths) > 1)
+            folder.mkdir(parents=True, exist_ok=True)
+            store = run_schedule("speed", s, ms, {}, data, n, folder, resume=args.resume and
+                                 (folder / "runs.json").exists(), reference="smlp_det", code=code)
+            sides[n] = analyse(report(store, folder, quiet=True))
+        records[w] = combine(sides)
+    speed = dict(records[widths[0]] if len(widths) == 1 else by_width(records),
+                 code=code.identity() if code is not None else machine.code_identity())
     atomic_write_json(out / "speed.json", speed)
-    print(markdown(speed))
-    print(f"   {out / 'speed.json'} ({(time.time() - t0) / 60:.0f} min); publish with "
-          f"python -m smlp_bench.speed --publish {out / 'speed.json'}")
+    print(markdown(speed, str(plot_widths(speed, out / "widths.png")) if "widths" in speed else None))
+    print(f"   {out / 'speed.json'} ({(time.time() - t0) / 60:.0f} min)", flush=True)
+    if args.then_publish:
+        print(f"   {publish(out / 'speed.json')}")
+    else:
+        print(f"   publish with: smlp-bench speed --publish {out / 'speed.json'}")
     return 0
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m smlp_bench.speed", description=__doc__)
     add_arguments(p)
-    return run(p.parse_args(argv))
+    args = parse_checked(p, argv, check_args)
+    try:
+        return run(args)
+    except BenchError as exc:
+        refuse(p.prog, exc, 1)
 
 
 if __name__ == "__main__":

@@ -91,6 +91,13 @@ def read_record(path: Path) -> tuple[str, dict]:
     return kind, d
 
 
+def check_started(out: Path, started: Sequence[str], resume: bool) -> None:
+    """A benchmark of several run stores in `out` (`started`: those that exist) is continued with --resume only."""
+    if started and not resume:
+        raise BenchError(f"{out} holds a started benchmark ({', '.join(started)}); pass --resume to continue it, "
+                         f"or choose another --output-dir")
+
+
 def final_ppl(record: dict, metric: str = "ppl") -> float | None:
     """The last validation perplexity of a run record (None: it never validated, or did not log `metric`:
     `suffix_ppl`, `trained_routing_ppl`, `greedy_routing_ppl`; fairseq_plugins/criterion.py)."""
@@ -118,19 +125,24 @@ class RunStore:
             raise BenchError(f"{path} is not a run store (a {kind} record)")
         return cls(path, d["plan"], [Slot.from_dict(s) for s in d["schedule"]], d["records"], d.get("extra"))
 
+    @staticmethod
+    def check_start(path: Path, *, resume: bool) -> None:
+        """A store at `path` is continued with --resume only, and --resume needs one."""
+        if not resume and path.exists():
+            old = RunStore.load(path)
+            raise BenchError(f"{path.parent} holds a benchmark with {len(old.finished())} of {len(old.slots)} "
+                             f"runs recorded; pass --resume to continue it, or choose another --output-dir")
+        if resume and not path.exists():
+            raise BenchError(f"--resume: no benchmark record at {path}; start one without --resume")
+
     @classmethod
     def open(cls, path: Path, plan: dict, *, resume: bool) -> RunStore:
         """A new store, or with resume the recorded one, whose plan must equal `plan` (models a stage added to its
         own plan while it ran, extra["added_models"], aside)."""
         path = Path(path)
+        cls.check_start(path, resume=resume)
         if not resume:
-            if path.exists():
-                old = cls.load(path)
-                raise BenchError(f"{path.parent} holds a benchmark with {len(old.finished())} of {len(old.slots)} "
-                                 f"runs recorded; pass --resume to continue it, or choose another --output-dir")
             return cls(path, plan)
-        if not path.exists():
-            raise BenchError(f"--resume: no benchmark record at {path}; start one without --resume")
         old = cls.load(path)
         added = set(old.extra.get("added_models", ()))
         started = {**old.plan, "models": [m for m in old.plan["models"] if m["key"] not in added]} if added \

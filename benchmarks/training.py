@@ -25,7 +25,8 @@ from .store import RunStore, final_ppl
 
 BIN = Path(sys.executable).parent
 PROBE_SKIP_UPDATES = 4  # a probe's words/s: from the intervals after this many updates (start-up, allocations)
-# the fields of fairseq's training log intervals a record keeps (the per-layer routing figures stay in the log)
+# the fields of fairseq's training log intervals a record keeps (the per-layer routing figures stay in the log; an
+# interval of a model with experts also keeps their `tokens_kept`, from its layers' drops)
 INTERVAL_FIELDS = ("num_updates", "loss", "nll_loss", "ppl", "wps", "ups", "wpb", "bsz", "lr", "gnorm", "clip",
                    "train_wall", "wall", "aux_loss")
 
@@ -80,11 +81,24 @@ def _plugins_dir() -> Path:
     return Path(spec.submodule_search_locations[0]).resolve()
 
 
+def check_data(data: Path | None) -> None:
+    """--data, when given, must be a fairseq data-bin."""
+    if data and not (Path(data).expanduser() / "dict.txt").is_file():
+        raise BenchError(f"--data {data} is not a fairseq data-bin (no dict.txt); build one with smlp-prepare-data")
+
+
+def check_options(args, least_nproc: int = 1) -> None:
+    """The options of every program that trains through the harness (`cli.add_training`): --data, --nproc."""
+    check_data(args.data)
+    if args.nproc < least_nproc:
+        raise BenchError(f"--nproc {args.nproc}: " + ("expert parallelism needs at least 2 ranks" if least_nproc == 2
+                                                      else f"give at least {least_nproc}"))
+
+
 def prepare(data: Path | None, folder: Path) -> Path:
     """The data-bin runs train on: `data`, or the demo corpus built once into `folder`/data-bin."""
     if data:
-        if not (data / "dict.txt").is_file():
-            raise BenchError(f"--data {data} is not a fairseq data-bin (no dict.txt); build one with smlp-prepare-data")
+        check_data(data)
         return data.expanduser().absolute()
     from smlp_launch.data import DataPrepError, prepare_data
 
@@ -166,19 +180,34 @@ def run_training(model: Model, data: Path, settings: dict, nproc: int, seed: int
     return run
 
 
-def clean_wps(run: Run, preset: dict) -> list[float]:
-    """wps of the intervals that hold no warm-up, no validation and no profiled step."""
+def clean_intervals(run: Run, preset: dict) -> list[dict]:
+    """The log intervals that hold no warm-up, no validation and no profiled step (and log words/s)."""
     L, V = preset["log_interval"], preset["validate_every"]
     start, count = profile_window(preset)
     profiled = set(range(start + 1, start + count + 2))  # 1-based updates, + the step that writes the profile
-    seq_len = preset.get("target", TARGET)["seq_len"]
     out = []
     for f in run.intervals:
         end = int(f.get("num_updates", 0))
         first = end - L + 1
         if first > L and (first - 1) % V and not profiled & set(range(first, end + 1)) and "wps" in f:
-            out.append(f["wps"] * input_tokens_per_target(f, seq_len))
+            out.append(f)
     return out
+
+
+def clean_wps(run: Run, preset: dict) -> list[float]:
+    """wps of the clean intervals, in tokens read (input_tokens_per_target)."""
+    seq_len = preset.get("target", TARGET)["seq_len"]
+    return [f["wps"] * input_tokens_per_target(f, seq_len) for f in clean_intervals(run, preset)]
+
+
+def tokens_kept(interval: dict) -> float | None:
+    """The share of routing slots (token, choice) an interval's experts processed: 1 - the mean over the MoE layers
+    of the share each dropped past capacity (`drop_<layer>`: Switch, GShard; fairseq_plugins/criterion.py); 1.0
+    where the layers log their loads and no drop (Base Layers, HASH, sMLP's routers keep every token); None for a
+    model without experts."""
+    if drops := [v for k, v in interval.items() if k.startswith("drop_")]:
+        return 1.0 - statistics.mean(drops)
+    return 1.0 if any(k.startswith("load_") for k in interval) else None
 
 
 def input_tokens_per_target(interval: dict, seq_len: int = TARGET["seq_len"]) -> float:
@@ -193,7 +222,9 @@ def run_record(slot: S.Slot, run: Run, settings: dict, nproc: int, code=None) ->
     seq_len = settings["target"]["seq_len"]
     rec = {"key": run.key, "seed": run.seed, "kind": slot.kind, "seconds": round(run.seconds, 2),
            "started": run.started, "finished": run.finished, "peak_rss_mb": run.peak_rss_mb,
-           "intervals": [{k: f[k] for k in INTERVAL_FIELDS if k in f} for f in run.intervals], "valid": run.valid,
+           "intervals": [{**{k: f[k] for k in INTERVAL_FIELDS if k in f},
+                          **({"tokens_kept": kept} if (kept := tokens_kept(f)) is not None else {})}
+                         for f in run.intervals], "valid": run.valid,
            "profile": run.profile, "log": run.log, "cpu_steal": run.steal,
            "code": code.identity() if code is not None else machine.code_identity()}
     if slot.kind == S.PROBE:
@@ -202,6 +233,9 @@ def run_record(slot: S.Slot, run: Run, settings: dict, nproc: int, code=None) ->
     else:
         w = clean_wps(run, settings)
         rec["tokens_per_update"] = nproc * settings["batch_size"] * seq_len
+        # over the intervals its words/s come from: a speed that comes from dropped tokens reads as such
+        kept = [k for f in clean_intervals(run, settings) if (k := tokens_kept(f)) is not None]
+        rec["tokens_kept"] = statistics.mean(kept) if kept else None
     rec["wps"] = statistics.median(w) if w else None
     return rec
 

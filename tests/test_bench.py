@@ -7,6 +7,8 @@
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
@@ -213,3 +215,37 @@ def test_a_run_records_the_cpu_time_the_hypervisor_took():
     rec = training.run_record(slot, run, {"target": {"seq_len": 8}, "batch_size": 1, "log_interval": 1,
                                           "validate_every": 100, "updates": 4, "profile_steps": 0}, 1)
     assert rec["cpu_steal"] == 0.05
+
+
+def test_a_run_records_the_share_of_tokens_its_experts_processed():
+    """Switch and GShard log the share of routing slots each MoE layer dropped past capacity (`drop_<layer>`, from
+    the counts summed over ranks: fairseq_plugins/criterion.py); a run's record keeps 1 - their mean over the layers
+    per log interval, and over the intervals its words/s come from (not the warm-up's); 1.0 for routers that keep
+    every token (their loads logged, no drop), None for a model without experts."""
+    import torch
+    from fairseq.logging import metrics
+
+    from fairseq_plugins.criterion import SMLPLanguageModelLoss
+
+    logged = {"loss": torch.tensor(1.0), "ntokens": 8, "sample_size": 8, "moe_count": 2,
+              **{f"moe_load_{i}_ffn": torch.tensor([6.0, 2.0]) for i in (1, 3)},
+              "moe_drop_1_ffn": torch.tensor(2.0), "moe_slots_1_ffn": 10,   # 20% of layer 1's slots dropped
+              "moe_drop_3_ffn": torch.tensor(4.0), "moe_slots_3_ffn": 10}   # 40% of layer 3's
+    with metrics.aggregate(new_root=True) as agg:
+        SMLPLanguageModelLoss.reduce_metrics([logged])
+        line = {k: float(v) for k, v in agg.get_smoothed_values().items()}
+    assert training.tokens_kept(line) == pytest.approx(0.7)
+    assert training.tokens_kept({"load_1_smoe": 1.0, "load_cv_1_smoe": 0.0, "wps": 5.0}) == 1.0
+    assert training.tokens_kept({"wps": 5.0, "loss": 3.0}) is None
+    preset = {"target": {"seq_len": 8}, "batch_size": 1, "log_interval": 2, "validate_every": 100, "updates": 12,
+              "profile_steps": 0}
+    drops = {2: 0.9, 4: 0.1, 6: 0.3, 8: 0.1, 10: 0.3, 12: 0.9}  # updates 1-2: warm-up; 11-12: the end's window
+    run = training.Run("switch", 1, intervals=[{"num_updates": float(u), "wps": 100.0, "drop_1_ffn": d}
+                                                for u, d in drops.items()])
+    slot = training.S.Slot(index=0, kind=training.S.TRAIN, key="switch", seed=1, phase=1, round=0)
+    rec = training.run_record(slot, run, preset, 1, code=SimpleNamespace(identity=lambda: {}))
+    assert rec["tokens_kept"] == pytest.approx(0.8)
+    assert [f["tokens_kept"] for f in rec["intervals"]] == pytest.approx([1 - d for d in drops.values()])
+    dense = training.run_record(slot, training.Run("gmlp", 1, intervals=[{"num_updates": 4.0, "wps": 1.0}]), preset, 1,
+                                code=SimpleNamespace(identity=lambda: {}))
+    assert dense["tokens_kept"] is None and "tokens_kept" not in dense["intervals"][0]

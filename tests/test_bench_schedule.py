@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 
 from smlp_bench import cli, machine, presets, publish, training, verdicts
+from smlp_bench import report as report_module
 from smlp_bench import schedule as S
+from smlp_bench import store as store_module
 from smlp_bench.presets import BenchError
 from smlp_bench.report import report
 from smlp_bench.schedule import initial_schedule, make_plan
@@ -404,3 +406,128 @@ def test_a_fair_record_with_only_its_sweep_publishes_rates_and_no_answer(tmp_pat
     P._publish_readme(readme, None, [], tmp_path / "docs/benchmark", tmp_path / "docs/benchmarks.md", record)
     text = readme.read_text()
     assert "Not published yet" in text and "learning-rate sweep has finished" in text
+
+
+# ---------------------------------------------------------------- the speed benchmark across widths
+
+
+def _flag(model, name: str) -> int:
+    return int(model.flags[model.flags.index(name) + 1])
+
+
+class _WidthTrainer:
+    """Stands in for fairseq-train in the speed benchmark: words/s known from the model, its width, the ranks and the
+    round (a load shared by the round's runs); Switch logs dropped routing slots, the other MoEs only their loads."""
+
+    BASE = {"smlp_det": 900.0, "gmlp": 1000.0, "switch": 1200.0, "hash": 1100.0}
+    LOAD = {1: 1.0, 2: 0.6}  # round 2 ran on a busier machine: every ratio from the same round cancels it
+
+    def __init__(self, stop_at: tuple | None = None):
+        self.trained, self.stop_at = [], stop_at
+
+    def wps(self, key: str, width: int, nproc: int, seed: int) -> float:
+        # sMLP-det gains 10% per doubling of the width against the others, and scales worse than gMLP
+        return self.BASE[key] * 128 / width * (width / 128) ** (0.14 if key == "smlp_det" else 0.0) * \
+            nproc ** (0.9 if key == "gmlp" else 0.8) * self.LOAD[seed]
+
+    def __call__(self, model, data, settings, nproc, seed, out, *, profile=False, updates=None, validate=True,
+                 log_interval=None, on_line=None, code=None):
+        width = _flag(model, "--decoder-embed-dim")
+        if (model.key, width, nproc) == self.stop_at:
+            self.stop_at = None
+            raise KeyboardInterrupt
+        self.trained.append((model.key, width, _flag(model, "--decoder-ffn-embed-dim"), nproc, seed))
+        routing = {"switch": {"drop_1_ffn": 0.1, "drop_3_ffn": 0.3, "load_1_ffn": 1.3}, "hash": {"load_1_ffn": 1.1},
+                   "smlp_det": {"load_1_smoe": 1.0, "load_3_tmoe": 1.2}}.get(model.key, {})
+        intervals = [{"num_updates": float(u), "wps": self.wps(model.key, width, nproc, seed), "bsz": 16.0,
+                      "wpb": 16.0 * 128, **routing} for u in range(10, (updates or settings["updates"]) + 1, 10)]
+        if model.key == "switch":
+            intervals[0]["drop_1_ffn"] = 0.9  # the warm-up interval drops more: not a measured one
+        return training.Run(model.key, seed, intervals=intervals, seconds=1.0, peak_rss_mb=[1.0] * nproc)
+
+
+def test_speed_across_widths_records_each_width_and_publishes_its_section(tmp_path, monkeypatch, capsys):
+    """`smlp-bench speed --widths 128,256` (issue 53) with a stand-in for fairseq-train: every width trains the fair
+    configuration at d_model = D, d_ffn = 4D with the calculator's FLOP matches, on 1 process and 2 ranks, each ratio
+    from the same round; Switch's row says the share of tokens its experts processed; a stop resumes side by side
+    (a side not started yet starts with --resume); --then-publish writes the width section and its figure and leaves
+    the D=128 section as it was."""
+    from smlp_bench import speed
+
+    trainer = _WidthTrainer(stop_at=("hash", 256, 1))
+    monkeypatch.setattr(training, "run_training", trainer)
+    monkeypatch.setattr(machine, "matmul_peak", lambda n: {"total": 1e11, "per_rank": [5e10] * n})
+    monkeypatch.setattr(machine, "code_identity", lambda: {"commit": "c0ffee0", "dirty": False})
+    monkeypatch.setattr(report_module, "plot", lambda *a, **k: None)
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "dict.txt").write_text("".join(f"w{i} 1\n" for i in range(96)))
+    page = tmp_path / publish.PAGE
+    page.parent.mkdir()
+    page.write_text(f"a\n{speed.START}\nD=128 as published\n{speed.END}\nb\n{speed.WIDTHS_START}\nnot measured yet\n"
+                    f"{speed.WIDTHS_END}\nc\n")
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "widths"
+    argv = ["speed", "--widths", "128,256", "--models", "smlp_det,gmlp,switch,hash", "--updates", "25", "--rounds",
+            "2", "--output-dir", str(out), "--data", str(data), "--then-publish"]
+    assert cli.main(argv) == 130  # stopped in the first side of D=256
+    assert (out / "d128" / "nproc2" / "runs.json").exists() and not (out / "d256" / "nproc2").exists()
+    assert cli.main([*argv, "--resume"]) == 0
+    assert len(trainer.trained) == len(set(trainer.trained)) == 2 * 2 * 4 * 2  # widths x sides x models x rounds
+    vocab = training.vocab_size(data)
+    for width in (128, 256):
+        ran = {k: (d, f) for k, d, f, _, _ in trainer.trained if d == width}
+        assert set(ran) == {"smlp_det", "gmlp", "switch", "hash"} and ran["smlp_det"] == (width, 4 * width)
+    kind, record = store_module.read_record(out / "speed.json")  # as tests/test_records.py reads a committed one
+    assert kind == "speed" and record["complete"] and list(record["widths"]) == ["128", "256"]
+    for width, r in record["widths"].items():
+        assert r["settings"]["target"] == dict(presets.LONG_TARGET, experts=8, d_model=int(width), d_ffn=4 * int(width))
+        assert list(r["sides"]) == ["1", "2"]
+    side = record["widths"]["256"]["sides"]["2"]
+    w = trainer.wps
+    over = w("smlp_det", 256, 2, 1) / w("gmlp", 256, 2, 1)  # the same in both rounds: the round's load cancels
+    assert side["models"]["smlp_det"]["gMLP"] == pytest.approx({"ratio": over, "lo": over, "hi": over, "rounds": 2})
+    assert side["models"]["switch"]["gMLP"]["ratio"] == pytest.approx(1.2 * 2 ** -0.1)
+    kept = {k: m["tokens_kept"] for k, m in side["models"].items()}
+    assert kept == {"smlp_det": 1.0, "gmlp": None, "switch": pytest.approx(0.8), "hash": 1.0}
+    # the page: the width section from the record, its figure beside the page's other figures; D=128's untouched
+    text = page.read_text()
+    assert "D=128 as published" in text and "not measured yet" not in text and text.endswith("\nc\n")
+    section = text[text.index(speed.WIDTHS_START):text.index(speed.WIDTHS_END)]
+    assert section == f"{speed.WIDTHS_START}\n{speed.markdown(record, 'benchmark/speed/widths.png')}\n"
+    assert "Measured by `smlp-bench speed --widths 128,256` at commit c0ffee0" in section
+    assert "](benchmark/speed/widths.png)" in section and (tmp_path / "docs/benchmark/speed/widths.png").is_file()
+    trend = [w("smlp_det", d, 2, 1) / w("gmlp", d, 2, 1) for d in (128, 256)]
+    assert (f"- sMLP-det's words/s over gMLP's, 2 processes: {trend[0]:.3f}x [{trend[0]:.2f}-{trend[0]:.2f}] at "
+            f"D=128, {trend[1]:.3f}x [{trend[1]:.2f}-{trend[1]:.2f}] at D=256.") in section
+    planned = {m.key: m.train_flops_per_token for m in presets.plan_models(
+        vocab, 2, ["smlp_det", "switch"], dict(presets.LONG_TARGET, experts=8, d_model=256, d_ffn=1024))[0]}
+    switch = w("switch", 256, 2, 1)
+    assert (f"| 256 | 2 | Switch | {planned['switch'] / planned['smlp_det']:.3f} | {0.8 * switch:,.0f} "
+            f"[{0.6 * switch:,.0f}-{switch:,.0f}] | {1.2 * 2 ** -0.1:.3f}x") in section
+    assert section.count("| 80.0% |") == 4 and section.count("| 100.0% |") == 8  # Switch; sMLP-det and HASH
+    assert "| D=256 | 0.87 | 0.93 | 0.87 | 0.87 |" in section  # 2^-0.2, 2^-0.1: words/s on 2 ranks / 2 x on 1
+    # a record of several widths has no before/after table
+    assert cli.main(["speed", "--publish", str(out / "speed.json"), "--before", str(out / "speed.json")]) == 1
+    assert "holds several widths" in capsys.readouterr().err
+
+
+def test_the_committed_speed_records_publish_the_page_as_it_is(tmp_path):
+    """The speed sections of docs/benchmarks.md are what publishing the committed records gives: issue 47's pair
+    (written before issue 53: no token shares, one width) as the page shows them, and the width section from its
+    record once there is one, and no figure at all before."""
+    from smlp_bench import speed
+
+    repo = Path(__file__).parents[1]
+    page = tmp_path / publish.PAGE
+    page.parent.mkdir()
+    shutil.copy2(repo / publish.PAGE, page)
+    issue47 = repo / "docs/benchmark/speed/issue47"
+    speed.publish(issue47 / "after/speed.json", page, before=issue47 / "before/speed.json")
+    widths = repo / "docs/benchmark/speed/widths/speed.json"
+    if widths.exists():
+        speed.publish(widths, page)
+    assert page.read_text() == (repo / publish.PAGE).read_text()
+    text = page.read_text()
+    section = text[text.index(speed.WIDTHS_START):text.index(speed.WIDTHS_END)]
+    assert widths.exists() or ("Measured by" not in section and "|" not in section and "![" not in section)

@@ -82,4 +82,4 @@ def test_the_kills_cover_every_kind_and_land_before_the_end():
         moment = chaos.plan_moment("sigterm-job", rng, resumed, 48, 4)
         assert resumed < moment["after_update"] <= min(resumed + 8, 47) and 0 <= moment["step_fraction"] <= 1
     with pytest.raises(chaos.BenchError, match="--kills 0"):
-        chaos.plan_kinds(0, rng)
+        chaos.check_plan(0, 48, 4)

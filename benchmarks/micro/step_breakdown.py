@@ -22,6 +22,7 @@ from smlp.lm import LanguageModel, LMConfig
 from smlp.profiling import COLLECTIVE, STEP, STEP_RANGES, step_parts
 
 from ..machine import code_identity
+from ..presets import BenchError, check_at_least, parse_checked, parse_counts, parse_names
 from ..store import environment, write_record
 from .op_count import block_ranges, count_ops, decoding_ops
 
@@ -381,17 +382,25 @@ def main(argv=None) -> int:
 
     p = argparse.ArgumentParser(prog="python -m smlp_bench.micro.step_breakdown", description=__doc__.split("\n")[0])
     add_arguments(p)
-    return run(p.parse_args(argv))
+    return run(parse_checked(p, argv, check_args))
+
+
+def check_args(args) -> None:
+    """`smlp-bench breakdown`'s arguments, before any work (no model built, no rank started)."""
+    parse_names(args.families, PLANNED, "--families")
+    parse_counts(args.ranks, "--ranks", "1,2")
+    check_at_least(args.steps, 1, "--steps")
+    check_at_least(args.warmup, 0, "--warmup")
+    check_at_least(args.decode_steps, 0, "--decode-steps")
+    if args.vocab is not None:
+        check_at_least(args.vocab, 5, "--vocab", "the tokens drawn start at 4")
+    if args.baseline is not None and not args.baseline.is_file():
+        raise BenchError(f"--baseline {args.baseline}: no such record")
 
 
 def run(args) -> int:
-    keys = [k for k in args.families.split(",") if k]
-    if (unknown := [k for k in keys if k not in PLANNED]) or not keys:
-        raise SystemExit(f"step_breakdown: error: --families: unknown {', '.join(unknown) or '(none given)'}; "
-                         f"valid: {', '.join(PLANNED)}")
-    worlds = sorted({int(w) for w in args.ranks.split(",") if w})
-    if args.steps < 1 or any(w < 1 for w in worlds):
-        raise SystemExit("step_breakdown: error: --steps and --ranks must be positive")
+    keys = parse_names(args.families, PLANNED, "--families")
+    worlds = parse_counts(args.ranks, "--ranks", "1,2")
     size = SIZES[args.size]
     baseline = json.loads(args.baseline.read_text()) if args.baseline else None
     cfgs = configs(args.size, keys, args.vocab or size["vocab"])
