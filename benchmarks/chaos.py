@@ -385,6 +385,6 @@ def main(args, data: Path) -> int:
     record.update(run(out, train_args(data, updates, args.save_every), updates=updates, save_every=args.save_every,
                       kills=args.kills, seed=args.chaos_seed))
     write_text(out / "chaos.json", json.dumps(record, indent=1) + "\n")
-    (out / "chaos.md").write_text(summary(record))
+    write_text(out / "chaos.md", summary(record))
     print(summary(record))
     return 0 if record["result"]["equal"] else 1

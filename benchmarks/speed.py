@@ -16,7 +16,7 @@ from . import machine, pinned
 from .presets import MOE_BASELINES, NAMES, BenchError, plan_models
 from .publish import PAGE, replace_section
 from .report import report
-from .store import atomic_write_json
+from .store import atomic_write_json, write_text
 from .training import prepare, run_schedule, vocab_size
 
 START, END = "<!-- smlp-speed:start -->", "<!-- smlp-speed:end -->"
@@ -190,7 +190,7 @@ def publish(path: Path, page: Path = PAGE, before: Path | None = None) -> None:
     record at `before`)."""
     speed = json.loads(path.read_text())
     text = markdown(speed) + (f"\n\n{before_after(json.loads(before.read_text()), speed)}" if before else "")
-    page.write_text(replace_section(page.read_text(), START, END, text, page))
+    write_text(page, replace_section(page.read_text(), START, END, text, page))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

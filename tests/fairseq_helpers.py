@@ -98,9 +98,12 @@ def _forks():
     return multiprocessing.get_context("forkserver")
 
 
-def _rank_main(program: str, argv: list[str], env: dict, out_path: str, threads: int, cwd) -> None:
+def _rank_main(program: str, argv: list[str], env: dict, out_path: str, threads: int, cwd, umask=None) -> None:
     """One rank in a fork of the preloaded server: the console program's cli_main, as its console script would
-    run it (its environment, arguments, working directory, stdout and stderr into one file, its exit code)."""
+    run it (its environment, arguments, working directory, umask, stdout and stderr into one file, its exit
+    code)."""
+    if umask is not None:
+        os.umask(umask)
     fd = os.open(out_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
@@ -120,17 +123,18 @@ def _rank_main(program: str, argv: list[str], env: dict, out_path: str, threads:
     importlib.import_module("fairseq_cli." + CLI_MODULES[program]).cli_main()
 
 
-def _start_rank(program: str, argv: list[str], env: dict, threads: int, cwd, out_path: str):
+def _start_rank(program: str, argv: list[str], env: dict, threads: int, cwd, out_path: str, umask=None):
     """A rank of `program`: forked from the session's preloaded server where it runs the same code as a fresh
     process would, else a fresh process (another interpreter's environment at import time, or no cli_main)."""
     if program in CLI_MODULES and all(env.get(k) == _fork_env.get(k, os.environ.get(k)) for k in IMPORT_TIME_ENV):
-        proc = _forks().Process(target=_rank_main, args=(program, argv, env, out_path, threads, cwd), daemon=False)
+        proc = _forks().Process(target=_rank_main, args=(program, argv, env, out_path, threads, cwd, umask),
+                                daemon=False)
         proc.start()
         return proc
     out = open(out_path, "w")
     with out:
         return subprocess.Popen([str(BIN / program), *argv], stdout=out, stderr=subprocess.STDOUT, text=True,
-                                env=env, cwd=cwd)
+                                env=env, cwd=cwd, umask=-1 if umask is None else umask)
 
 
 def _wait(proc, timeout: float) -> int | None:
@@ -145,11 +149,12 @@ def _wait(proc, timeout: float) -> int | None:
 
 
 def run_fairseq(program: str, args: list[str], *, world: int = 1, timeout: int = 300,
-                cwd=None) -> list[subprocess.CompletedProcess]:
+                cwd=None, umask: int | None = None) -> list[subprocess.CompletedProcess]:
     """Run a fairseq console program on `world` CPU gloo ranks (--cpu, gloo, legacy_ddp, tcp rendezvous), each
     rank's stdout and stderr in its CompletedProcess.stdout. Each rank is a fork of a server that imported
     fairseq once for the session (FORK_PRELOAD: ~8 s of CPU less per rank than a fresh interpreter, the same
-    code after that); tests/test_launch.py and tests/test_faults.py start real processes through smlp-launch."""
+    code after that); tests/test_launch.py and tests/test_faults.py start real processes through smlp-launch.
+    `umask`: the ranks' umask (default: the fork server's, the session's at its start)."""
     import tempfile
     import time
 
@@ -166,7 +171,8 @@ def run_fairseq(program: str, args: list[str], *, world: int = 1, timeout: int =
     with tempfile.TemporaryDirectory(prefix="fairseq-ranks-") as tmp:
         outs = [os.path.join(tmp, f"rank{rank}.log") for rank in range(world)]
         argvs = [[*args, *_merge_flags(args, dist)] for dist in dists]
-        procs = [_start_rank(program, argv, worker_env(threads), threads, cwd, out) for argv, out in zip(argvs, outs)]
+        procs = [_start_rank(program, argv, worker_env(threads), threads, cwd, out, umask)
+                 for argv, out in zip(argvs, outs)]
         codes, deadline = [], time.monotonic() + timeout
         try:
             for proc in procs:
