@@ -19,6 +19,7 @@ from collections.abc import Callable
 import torch
 
 from smlp.files import TEMP_SUFFIX, write_atomic
+from smlp.process_group import gather_objects
 
 from .errors import RefusedInput
 
@@ -68,9 +69,11 @@ def atomic_write(path: str, write: Callable[[object], None], commit: Callable[[]
 _TEMP_FILE = re.compile(r"^(?P<name>checkpoint[^/]*\.pt)" + TEMP_SUFFIX + "$")
 
 
-def stale_temp_files(save_dir: str, suffix: str) -> list[str]:
+def stale_temp_files(save_dir: str, suffix: str, ranks_from: int | None = None) -> list[str]:
     """The temporary files atomic_write left in `save_dir` for checkpoint names ending in `suffix`.pt (this rank's
-    names: `-rank-R`, or "" for a run that writes one file: then names with a rank suffix are not its own)."""
+    names: `-rank-R`, or "" for a run that writes one file: then names with a rank suffix are not its own). With
+    `ranks_from`, instead those of every rank shard `-rank-R` with R >= ranks_from: ranks this run does not have
+    (an earlier run on more ranks was stopped while it saved), which no rank would otherwise remove."""
     try:
         names = sorted(os.listdir(save_dir))
     except OSError:
@@ -78,17 +81,24 @@ def stale_temp_files(save_dir: str, suffix: str) -> list[str]:
     out = []
     for name in names:
         m = _TEMP_FILE.match(name)
-        if m and m.group("name").endswith(suffix + ".pt") and (suffix or not RANK_FILE.match(m.group("name"))):
+        if not m:
+            continue
+        shard = RANK_FILE.match(m.group("name"))
+        if ranks_from is not None:
+            stale = shard is not None and int(shard.group("rank")) >= ranks_from
+        else:
+            stale = m.group("name").endswith(suffix + ".pt") and (suffix or not shard)
+        if stale:
             out.append(os.path.join(save_dir, name))
     return out
 
 
-def remove_stale_temp_files(save_dir: str, suffix: str) -> list[str]:
+def remove_stale_temp_files(save_dir: str, suffix: str, ranks_from: int | None = None) -> list[str]:
     """Delete `stale_temp_files`: partial writes of a run killed while it saved (nothing else removes them, and
-    each is up to a whole checkpoint in size). Called by each rank for its own names before training starts,
-    when no rank of this run is writing."""
+    each is up to a whole checkpoint in size). Called before training starts, when no rank of this run is
+    writing: by each rank for its own names, and by rank 0 for the ranks this run does not have."""
     removed = []
-    for path in stale_temp_files(save_dir, suffix):
+    for path in stale_temp_files(save_dir, suffix, ranks_from):
         try:
             size = os.path.getsize(path)
             os.remove(path)
@@ -110,3 +120,36 @@ def atomic_copy(src: str, dst: str, commit: Callable[[], None] | None = None) ->
             shutil.copyfileobj(s, f, 16 * 2 ** 20)
     atomic_write(dst, write, commit)
 
+
+class _SaveAgreement:
+    """The commit of a file that every rank of a save writes (its rank shard): no rank renames its file before
+    every rank has its own whole, and a rank that could not write stops every rank with its one line. A save
+    that did not complete on every rank is then never named as a set."""
+
+    def __init__(self, path: str):
+        self.path, self.asked = path, False
+
+    def __call__(self, error: BaseException | None = None) -> None:
+        self.asked = True
+        mine = None
+        if error is not None:
+            mine = (getattr(error, "errno", None) or errno.EIO,
+                    str(error) if isinstance(error, CheckpointWriteError)
+                    else f"could not write checkpoint {self.path}: {type(error).__name__}: {error}")
+        failures = [f for f in gather_objects(mine) if f]
+        if failures and error is None:  # another rank failed: this rank's file is not named either
+            raise CheckpointWriteError(*failures[0])
+
+
+def write_on_every_rank(path: str, write: Callable[[Callable[[], None] | None], None], every_rank: bool) -> None:
+    """write(commit) of one file of a save. With `every_rank` (a save in which every rank of the run writes its
+    shard `-rank-R.pt` at the same moment: checkpoint_sets.py) all ranks agree before any renames its file."""
+    if not (every_rank and RANK_FILE.match(os.path.basename(path))):
+        return write(None)
+    agreement = _SaveAgreement(path)
+    try:
+        write(agreement)
+    except Exception as exc:
+        if not agreement.asked:
+            agreement(exc)  # the others wait for this rank's answer
+        raise

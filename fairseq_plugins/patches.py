@@ -323,8 +323,9 @@ PATCHES = (
           "fairseq-validate applies its --tokens-per-sample to the saved model, which then has spatial weights of "
           "another size (PyTorch's size mismatch): a checkpoint's model keeps the T it was trained with"),
     Patch("checkpoint_sets", "checkpoint_sets", "install",
-          "fairseq writes rank shards non-atomically and resumes each rank from whatever file it finds: atomic "
-          "tagged writes, and only a whole set of rank shards is loaded"),
+          "fairseq writes rank shards non-atomically (asynchronously: untagged, never copied to checkpoint_last) and "
+          "resumes each rank from whatever file it finds: atomic tagged writes named only once every rank has "
+          "written its own, --save-async refused, and the newest whole set of rank shards is loaded"),
     Patch("guard_language_modeling_data", "patches", "guard_language_modeling_data",
           "language_modeling reads a missing or unbinarized --data with an obscure error, a truncated .bin with a "
           "numpy error and ids beyond its dict.txt with an IndexError in the embedding (and a crash.pt): checked "
