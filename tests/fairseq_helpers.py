@@ -43,6 +43,57 @@ def fairseq_train(argv: list[str], world: int = 1) -> None:
             dist.destroy_process_group()
 
 
+def in_process_trainer(args: list[str], *, world: int = 1, rank: int = 0, port: int | None = None):
+    """(trainer, epoch iterator, grouped batches) of fairseq's own Trainer for the fairseq-train arguments `args`,
+    built in this process as fairseq_cli.train builds it, on CPU; on `world` gloo ranks (this process is `rank`,
+    rendezvous on `port`) when world > 1. For tests that drive train_step themselves."""
+    from fairseq import options, tasks, utils
+    from fairseq.data import iterators
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+    from fairseq.distributed import utils as distributed_utils
+    from fairseq.trainer import Trainer
+
+    from fairseq_plugins.precision import bf16_without_tpu
+
+    args = [*args, "--cpu"]
+    save_dir = args[args.index("--save-dir") + 1] if "--save-dir" in args else None
+    if save_dir:
+        os.makedirs(save_dir, exist_ok=True)
+    if world > 1:
+        args += ["--distributed-backend", "gloo", "--ddp-backend", "legacy_ddp", "--distributed-init-method",
+                 f"tcp://127.0.0.1:{port}", "--distributed-world-size", str(world), "--distributed-rank", str(rank),
+                 "--device-id", str(rank), "--distributed-no-spawn"]
+    cfg = convert_namespace_to_omegaconf(options.parse_args_and_arch(options.get_training_parser(), input_args=args))
+    bf16_without_tpu(cfg, argv=args)  # what fairseq-train's call_main does
+    if world > 1:
+        distributed_utils.distributed_init(cfg)  # once per process (later calls only warn), and the rank suffix
+    utils.set_torch_seed(cfg.common.seed)
+    task = tasks.setup_task(cfg.task)
+    model = task.build_model(cfg.model)
+    criterion = task.build_criterion(cfg.criterion)
+    trainer = Trainer(cfg, task, model, criterion)
+    epoch_itr = trainer.get_train_iterator(epoch=1)
+    batches = iterators.GroupedIterator(epoch_itr.next_epoch_itr(shuffle=True), cfg.optimization.update_freq[0])
+    return trainer, epoch_itr, batches
+
+
+def spawn_and_collect(worker, nprocs: int, *args) -> list:
+    """Run worker(i, tmp, *args) in `nprocs` processes forked from the session's server (torch.multiprocessing,
+    "forkserver") and return what each saved to `result_path(tmp, i)`, in process order."""
+    import tempfile
+
+    import torch
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(worker, args=(tmp, *args), nprocs=nprocs, join=True, start_method="forkserver")
+        return [torch.load(result_path(tmp, i), weights_only=False) for i in range(nprocs)]
+
+
+def result_path(tmp: str, i: int) -> str:
+    return os.path.join(tmp, f"result-{i}.pt")
+
+
 def smlp_tiny_flags(data, routing: str) -> list[str]:
     """The flags of the shared 2-rank run (`smlp_tiny_two_ranks`) and of the runs compared with it. The learning
     rate is fixed (no schedule) and fairseq reseeds every update, so --max-update, saving and validation decide

@@ -176,14 +176,14 @@ if record:
         self._smlp_observed = getattr(self, "_smlp_observed", 0) + 1
         return _observe(self, price_E, rows)
 
-    def fold_prices(model, group=None):
+    def fold_prices(model, group=None, applied=None):
         layers = []
         for m in _prices.price_modules(model):
             layers.append({"pending": m.pending_E1.tolist(), "observed": getattr(m, "_smlp_observed", 0)})
             m._smlp_observed = 0
         with open(os.path.join(record, f"rank{_rank()}.jsonl"), "a") as f:
             f.write(json.dumps({"layers": layers}) + "\n")
-        return _fold(model, group)
+        return _fold(model, group, applied)
 
     _prices.RouterPrices.observe = observe
     _prices.fold_prices = fold_prices
