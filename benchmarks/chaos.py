@@ -41,9 +41,9 @@ def add_arguments(p) -> None:
     p.add_argument("--data", type=Path, default=None, help="a fairseq data-bin (default: the demo corpus)")
     p.add_argument("--output-dir", type=Path, default=None, help="where its record goes (results/chaos)")
     p.add_argument("--amp", action="store_true",
-                   help="train with --amp (fp16 autocast, a loss scale, --amp-batch-retries 1) and inject a gradient "
-                        "overflow into the steps after each save: one step skipped (saved again with its routing "
-                        "record), one fed again (overflow_plan)")
+                   help="train with --amp (fp16 autocast, a loss scale, --amp-batch-retries 1) and inject gradient "
+                        "overflows: the batch after each save skipped (that save written again with its routing "
+                        "record), one half-way fed again (overflow_plan)")
 
 
 def plan_kinds(kills: int, rng: random.Random) -> list[str]:
@@ -84,19 +84,24 @@ def train_args(data: Path, updates: int, save_every: int, amp: bool = False) -> 
 
 
 def overflow_plan(updates: int, save_every: int) -> dict[int, int]:
-    """update -> overflowing passes of the step after it (chaos_overflow): after every save, 2 (with
-    --amp-batch-retries 1 the step is skipped and the save written again, holding the skipped batch's routing
-    record); half-way to the next save, 1 (fed again and applied)."""
-    out = {}
-    for save in range(save_every, updates, save_every):
-        out[save] = 2
-        if save_every >= 2 and save + save_every // 2 < updates:
-            out[save + save_every // 2] = 1
+    """batch of the epoch (1-based) -> its overflowing passes (chaos_overflow): the batch right after every save, 2
+    (with --amp-batch-retries 1 it is skipped and that save written again, holding the skipped batch's routing
+    record); the batch half-way to the next save, 1 (fed again and applied)."""
+    out, update, batch, skipped = {}, 0, 0, set()
+    while update < updates:
+        batch += 1
+        if update and update % save_every == 0 and update not in skipped:
+            out[batch] = 2
+            skipped.add(update)
+            continue
+        if save_every >= 2 and update > save_every and update % save_every == save_every // 2:
+            out[batch] = 1
+        update += 1
     return out
 
 
 def overflow_env(plan: dict[int, int]) -> dict[str, str]:
-    return {"SMLP_CHAOS_OVERFLOW": ",".join(f"{u}:{n}" for u, n in sorted(plan.items()))}
+    return {"SMLP_CHAOS_OVERFLOW": ",".join(f"{b}:{n}" for b, n in sorted(plan.items()))}
 
 
 class Job:
@@ -375,10 +380,10 @@ def summary(record: dict) -> str:
     kinds = {k: sum(e["kind"] == k for e in record["kills"]) for k in KINDS}
     lines = [f"# Chaos run: {len(record['kills'])} kills, {c['updates']} updates, a save every {c['save_every']}", "",
              f"{c['model']}, {c['ranks']} ranks, {c['recipe']}, data {c['data']}"
-             + (f", {c['precision']} with overflows injected after updates "
-                f"{', '.join(f'{u} ({n} passes)' for u, n in c['overflows_after'].items())}: "
-                f"{record['baseline'].get('overflows')} overflows, {record['baseline'].get('skipped')} steps skipped "
-                f"in the uninterrupted run" if c.get("overflows_after") else "")
+             + (f", {c['precision']} with overflows injected into batches "
+                f"{', '.join(f'{b} ({n} passes)' for b, n in c['overflowing_batches'].items())} of the epoch: "
+                f"{record['baseline'].get('overflows')} overflows, {record['baseline'].get('skipped')} batches skipped "
+                f"in the uninterrupted run" if c.get("overflowing_batches") else "")
              + ". Kills: " + ", ".join(f"{v} {k}" for k, v in kinds.items() if v) + ".", "",
              "| # | kind | landed | after update | resumed from | updates redone | seconds lost |",
              "|---:|---|---|---:|---:|---:|---:|"]
@@ -415,7 +420,7 @@ def main(args, data: Path) -> int:
         "model": "smlp_lm_tiny, --smoe-routing deterministic", "recipe": "configs/smlp_tiny.args", "ranks": NPROC,
         "updates": updates, "save_every": args.save_every, "kills": args.kills, "seed": args.chaos_seed,
         "data": data.name, "precision": "--amp --amp-batch-retries 1" if args.amp else "fp32",
-        "overflows_after": {str(u): n for u, n in sorted(plan.items())}}, "machine": machine_info(),
+        "overflowing_batches": {str(b): n for b, n in sorted(plan.items())}}, "machine": machine_info(),
         "code": code_identity()}
     record.update(run(out, train_args(data, updates, args.save_every, args.amp), updates=updates,
                       save_every=args.save_every, kills=args.kills, seed=args.chaos_seed,
