@@ -1,5 +1,6 @@
 """smlp-bench chaos (--chaos): a 2-rank sMLP-det training killed N times at random moments and resumed each time
-ends bitwise equal to the same training uninterrupted (docs/faults.md, "Killed at random, it loses nothing")."""
+ends bitwise equal to the same training uninterrupted (docs/faults.md, "Killed at random, it loses nothing"); with
+--amp, in fp16 autocast with a loss scale, gradient overflows injected after every save (benchmarks/chaos_overflow)."""
 from __future__ import annotations
 
 import contextlib
@@ -43,6 +44,10 @@ def add_arguments(p) -> None:
     p.add_argument("--chaos-seed", type=int, default=1, help="seed of the kills' kinds and moments (1)")
     p.add_argument("--data", type=Path, default=None, help="a fairseq data-bin (default: the demo corpus)")
     p.add_argument("--output-dir", type=Path, default=None, help=f"where its record goes ({OUTPUT})")
+    p.add_argument("--amp", action="store_true",
+                   help="train with --amp (fp16 autocast, a loss scale, --amp-batch-retries 1) and inject gradient "
+                        "overflows: the batch after each save skipped (that save written again with its routing "
+                        "record), one half-way fed again (overflow_plan)")
 
 
 def check_plan(kills: int, updates: int, save_every: int) -> None:
@@ -82,26 +87,51 @@ def plan_moment(kind: str, rng: random.Random, resumed: int, updates: int, save_
             "step_fraction": round(rng.random(), 2), "rank": rank}
 
 
-def train_args(data: Path, updates: int, save_every: int) -> list[str]:
-    """fairseq-train's arguments: the tiny recipe, sMLP-det, a save every `save_every` updates, the last 2 kept."""
+def train_args(data: Path, updates: int, save_every: int, amp: bool = False) -> list[str]:
+    """fairseq-train's arguments: the tiny recipe, sMLP-det, a save every `save_every` updates, the last 2 kept;
+    with `amp`, --amp and the overflow-injecting --user-dir (run it with `overflow_env`)."""
     recipe = (REPO / "configs" / "smlp_tiny.args").read_text().split()
     i = recipe.index("--max-update")
-    return [str(data), "--user-dir", str(_plugins_dir()), *recipe[:i], *recipe[i + 2:], "--smoe-routing",
+    user_dir = Path(__file__).resolve().parent / "chaos_overflow" if amp else _plugins_dir()
+    return [str(data), "--user-dir", str(user_dir), *recipe[:i], *recipe[i + 2:], "--smoe-routing",
             "deterministic", "--max-update", str(updates), "--save-interval-updates", str(save_every),
             "--keep-interval-updates", "2", "--no-epoch-checkpoints", "--disable-validation", "--seed", "1",
-            "--log-format", "simple", "--log-interval", "1", "--no-progress-bar"]
+            "--log-format", "simple", "--log-interval", "1", "--no-progress-bar",
+            *(["--amp", "--amp-batch-retries", "1"] if amp else [])]
+
+
+def overflow_plan(updates: int, save_every: int) -> dict[int, int]:
+    """batch of the epoch (1-based) -> its overflowing passes (chaos_overflow): the batch right after every save, 2
+    (with --amp-batch-retries 1 it is skipped and that save written again, holding the skipped batch's routing
+    record); the batch half-way to the next save, 1 (fed again and applied)."""
+    out, update, batch, skipped = {}, 0, 0, set()
+    while update < updates:
+        batch += 1
+        if update and update % save_every == 0 and update not in skipped:
+            out[batch] = 2
+            skipped.add(update)
+            continue
+        if save_every >= 2 and update > save_every and update % save_every == save_every // 2:
+            out[batch] = 1
+        update += 1
+    return out
+
+
+def overflow_env(plan: dict[int, int]) -> dict[str, str]:
+    return {"SMLP_CHAOS_OVERFLOW": ",".join(f"{b}:{n}" for b, n in sorted(plan.items()))}
 
 
 class Job:
     """One `smlp-launch` of the training, its output in `log`; `worker(rank)` is that rank's process."""
 
-    def __init__(self, args: list[str], save: Path, log: Path):
+    def __init__(self, args: list[str], save: Path, log: Path, env: dict | None = None):
         cmd = [str(BIN / "smlp-launch"), "--nproc", str(NPROC), "--cpu", "--threads", "1", "--grace", "5", "--",
                *args, "--save-dir", str(save)]
         self.log, self.started, self.stamps, self.lines, self._rest, self._pids = log, time.monotonic(), {}, [], "", {}
         with open(log, "w") as f:
             self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                         start_new_session=True,
+                                         env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"})
         self._reader = open(log, errors="replace")
 
     def text(self) -> str:
@@ -259,10 +289,11 @@ def _times(job: Job, step_s: float | None, start_up: float | None) -> tuple[floa
 
 
 def run(out: Path, args: list[str], *, updates: int, save_every: int, kills: int | list[str] = 20, seed: int = 1,
-        baseline: tuple[Path, str] | None = None, timeout: float = 1800) -> dict:
+        baseline: tuple[Path, str] | None = None, timeout: float = 1800, env: dict | None = None) -> dict:
     """Chaos run of the training `args` (fairseq-train's, without --save-dir; it must stop at `updates` and save
-    every `save_every` updates) in out/chaos, compared with `baseline` (its save directory and rank 0's log, the
-    same training uninterrupted), or with a baseline run here first in out/baseline. Returns the record."""
+    every `save_every` updates; `env`: its extra environment) in out/chaos, compared with `baseline` (its save
+    directory and rank 0's log, the same training uninterrupted), or with a baseline run here first in
+    out/baseline. Returns the record."""
     from fairseq_plugins.checkpoints import save_differences
 
     check_plan(len(kills) if isinstance(kills, list) else kills, updates, save_every)
@@ -273,7 +304,7 @@ def run(out: Path, args: list[str], *, updates: int, save_every: int, kills: int
     if baseline is None:
         (out / "baseline").mkdir()
         t0 = time.monotonic()
-        base = Job(args, out / "baseline" / "ckpt", out / "baseline" / "train.log")
+        base = Job(args, out / "baseline" / "ckpt", out / "baseline" / "train.log", env)
         if base.wait(timeout) != 0:
             raise BenchError(f"the uninterrupted run failed; see {base.log}")
         baseline_wall, baseline = time.monotonic() - t0, (out / "baseline" / "ckpt", base.text())
@@ -284,7 +315,7 @@ def run(out: Path, args: list[str], *, updates: int, save_every: int, kills: int
     try:
         for n in range(len(kinds) + 1):
             before = set(_inspect(save)[1])
-            attempts.append(job := Job(args, save, out / "chaos" / f"attempt-{n + 1:02d}.log"))
+            attempts.append(job := Job(args, save, out / "chaos" / f"attempt-{n + 1:02d}.log", env))
             if n == len(kinds):
                 break
             kind = kinds[n]
@@ -346,7 +377,9 @@ def run(out: Path, args: list[str], *, updates: int, save_every: int, kills: int
                          if (save / name).is_file() else {f"rank {rank}": f"no {name}"})
     torn_any = sorted({t for e in events for t in e["torn_files"]} | set(torn))
     return {
-        "baseline": {"wall_s": baseline_wall and round(baseline_wall, 1), "step_s": round(step_s, 3)},
+        "baseline": {"wall_s": baseline_wall and round(baseline_wall, 1), "step_s": round(step_s, 3),
+                     "overflows": baseline[1].count("AMP: overflow detected"),
+                     "skipped": baseline[1].count("AMP: skipping this batch")},
         "chaos": {"wall_s": round(chaos_wall, 1), "attempts": [str(j.log.relative_to(out)) for j in attempts]},
         "time_lost_s": baseline_wall and round(chaos_wall - baseline_wall, 1),
         "kills": events,
@@ -361,8 +394,12 @@ def summary(record: dict) -> str:
     r, c = record["result"], record["config"]
     kinds = {k: sum(e["kind"] == k for e in record["kills"]) for k in KINDS}
     lines = [f"# Chaos run: {len(record['kills'])} kills, {c['updates']} updates, a save every {c['save_every']}", "",
-             f"{c['model']}, {c['ranks']} ranks, {c['recipe']}, data {c['data']}. Kills: "
-             + ", ".join(f"{v} {k}" for k, v in kinds.items() if v) + ".", "",
+             f"{c['model']}, {c['ranks']} ranks, {c['recipe']}, data {c['data']}"
+             + (f", {c['precision']} with overflows injected into batches "
+                f"{', '.join(f'{b} ({n} passes)' for b, n in c['overflowing_batches'].items())} of the epoch: "
+                f"{record['baseline'].get('overflows')} overflows, {record['baseline'].get('skipped')} batches skipped "
+                f"in the uninterrupted run" if c.get("overflowing_batches") else "")
+             + ". Kills: " + ", ".join(f"{v} {k}" for k, v in kinds.items() if v) + ".", "",
              "| # | kind | landed | after update | resumed from | updates redone | seconds lost |",
              "|---:|---|---|---:|---:|---:|---:|"]
     for i, e in enumerate(record["kills"], 1):
@@ -391,13 +428,17 @@ def main(args, data: Path) -> int:
     out, updates = args.output_dir, args.updates  # checked by check_args
     print(f"== smlp-bench --chaos: {args.kills} kills, {updates} updates, a save every {args.save_every}, "
           f"output {out}", flush=True)
+    plan = overflow_plan(updates, args.save_every) if args.amp else {}
     record = {"benchmark": "chaos", "config": {
         "model": "smlp_lm_tiny, --smoe-routing deterministic", "recipe": "configs/smlp_tiny.args", "ranks": NPROC,
         "updates": updates, "save_every": args.save_every, "kills": args.kills, "seed": args.chaos_seed,
-        "data": data.name}, "machine": machine_info(), "code": code_identity()}
-    record.update(run(out, train_args(data, updates, args.save_every), updates=updates, save_every=args.save_every,
-                      kills=args.kills, seed=args.chaos_seed))
+        "data": data.name, "precision": "--amp --amp-batch-retries 1" if args.amp else "fp32",
+        "overflowing_batches": {str(b): n for b, n in sorted(plan.items())}}, "machine": machine_info(),
+        "code": code_identity()}
+    record.update(run(out, train_args(data, updates, args.save_every, args.amp), updates=updates,
+                      save_every=args.save_every, kills=args.kills, seed=args.chaos_seed,
+                      env=overflow_env(plan) if args.amp else None))
     write_text(out / "chaos.json", json.dumps(record, indent=1) + "\n")
-    (out / "chaos.md").write_text(summary(record))
+    write_text(out / "chaos.md", summary(record))
     print(summary(record))
     return 0 if record["result"]["equal"] else 1

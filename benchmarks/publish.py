@@ -16,7 +16,7 @@ from . import fair_report as FR
 from .fair_report import FAIR_END, FAIR_START, README_FAIR_END, README_FAIR_START, render_fair
 from .presets import MOE_BASELINES, BenchError
 from .report import fmt
-from .store import atomic_write_json
+from .store import atomic_write_json, write_text
 from .verdicts import PPL_TARGET_PREFIX, long_ppl_target, ppl_at
 
 # The page the generated sections live in and the folder of the records and figures they show, relative to
@@ -190,7 +190,7 @@ def _publish_readme(readme: Path, long_rec: dict | None, all_exp: list[dict], fi
         text = replace_section(text, README_CLAIMS_START, README_CLAIMS_END, render_claims(all_exp), readme)
     if text == before:
         return None
-    readme.write_text(text)
+    write_text(readme, text)
     return f"{readme.name}: the long preset's verdict and the claims table"
 
 
@@ -243,7 +243,7 @@ def publish(results_jsons: Sequence[Path], page: Path, figure_dir: Path,
         text = replace_section(text, CLAIMS_START, CLAIMS_END, render_claims(all_exp), page)
     if not done:
         raise BenchError("nothing to publish: each RESULTS_JSON must come from a preset or an experiment")
-    page.write_text(text)
+    write_text(page, text)
     if readme is not None and (line := _publish_readme(readme, long_rec, all_exp, figure_dir, page, fair_rec)):
         done.append(line)
     return done

@@ -14,7 +14,7 @@ from smlp.profiling import routing_and_all2all
 from . import schedule as S
 from .machine import machine_info
 from .presets import MOE_BASELINES, REFERENCE, Model, models_from_plan
-from .store import RunStore, atomic_write_json, final_ppl
+from .store import RunStore, atomic_write_json, final_ppl, write_text
 from .verdicts import analyse_curves, mean_curve, targets, verdict
 
 # validation perplexities besides `ppl` that runs may log (fairseq_plugins/criterion.py): on the positions
@@ -211,7 +211,7 @@ def report(store: RunStore, out_dir: Path, *, machine: dict | None = None, quiet
         record["verdicts"] = {k: verdict(results, record["analysis"], k) for k in ("smlp_det", "smlp_partial")
                               if k in results}
     atomic_write_json(out_dir / "results.json", record)
-    (out_dir / "table.md").write_text(record["table_md"] + "\n")
+    write_text(out_dir / "table.md", record["table_md"] + "\n")
     if any(m["curves"] for m in results.values()):
         plot(results, out_dir / "figure5.png",
              f"{plan['name']}: FLOP-matched models on the demo corpus (in the manner of sMLP Figure 5)")

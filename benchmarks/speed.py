@@ -33,7 +33,7 @@ from .presets import (
 )
 from .publish import PAGE, replace_section
 from .report import _pyplot, report
-from .store import atomic_write_json, check_started
+from .store import atomic_write_json, check_started, write_text
 from .training import check_data, prepare, run_schedule, vocab_size
 
 START, END = "<!-- smlp-speed:start -->", "<!-- smlp-speed:end -->"
@@ -340,7 +340,7 @@ def publish(path: Path, page: Path = PAGE, before: Path | None = None) -> str:
         page.write_text(text)
         return f"{page}: the width section and {figure} from {path}"
     text = markdown(speed) + (f"\n\n{before_after(json.loads(before.read_text()), speed)}" if before else "")
-    page.write_text(replace_section(page.read_text(), START, END, text, page))
+    write_text(page, replace_section(page.read_text(), START, END, text, page))
     return f"{page}: the speed section from {path}{f' against {before}' if before else ''}"
 
 

@@ -2,12 +2,13 @@
 not at all, and `read_record`, the one reader of every record kind (tests/test_records.py)."""
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import platform
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+
+from smlp.files import write_atomic
 
 from .presets import BenchError
 from .schedule import Slot
@@ -20,20 +21,9 @@ KINDS = {"runs": ("plan", "schedule", "records"), "preset": ("models", "settings
 
 
 def write_text(path: Path, text: str) -> None:
-    """Write a file so that a stop at any moment leaves either the old file or the whole new one."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    with contextlib.suppress(OSError):  # the rename itself survives a power cut only once the directory is synced
-        fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    """Write a file so that a stop at any moment leaves either the old file or the whole new one (smlp.files, the
+    one atomic writer: the mode open() would give)."""
+    write_atomic(path, text, text=True)
 
 
 def atomic_write_json(path: Path, obj) -> None:

@@ -21,7 +21,7 @@ from smlp_launch.memory import peak_rss, process_tree
 from . import machine
 from . import schedule as S
 from .presets import REFERENCE, TARGET, BenchError, Model, models_from_plan
-from .store import RunStore, final_ppl
+from .store import RunStore, final_ppl, write_text
 
 BIN = Path(sys.executable).parent
 PROBE_SKIP_UPDATES = 4  # a probe's words/s: from the intervals after this many updates (start-up, allocations)
@@ -134,7 +134,7 @@ def run_training(model: Model, data: Path, settings: dict, nproc: int, seed: int
     if profile:
         start, count = profile_window(settings)
         env["SMLP_PROFILE_STEPS"] = f"{start}:{count}:{out / 'profile'}"
-    (out / "train.cmd").write_text(" ".join(cmd) + "\n")
+    write_text(out / "train.cmd", " ".join(cmd) + "\n")
     run = Run(model.key, seed, log=str(out / "train.log"), started=time.time())
     t0, ticks = time.perf_counter(), machine.cpu_ticks()
     with open(out / "train.log", "w") as log:

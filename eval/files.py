@@ -1,47 +1,24 @@
-"""Files the tools write: a finished folder installed in one rename, and output paths checked before the work.
-
-`install_dir`: a build written under a hidden sibling name becomes the real folder at once, so a reader finds a
-complete folder or none (data preparation, `smlp_launch.data`, and the Hugging Face export,
-`smlp_eval.hf_export`). `check_output_path` runs before a tool's work starts: an output that cannot be written
-(a parent that is a file, a folder without write permission) is refused then, not after the work, and
-`write_atomic` creates the missing parent folders when the result is written."""
+"""Output paths checked before the work: `check_output_path` runs before a tool's work starts, so an output that
+cannot be written (a parent that is a file, a folder without write permission) is refused then, not after the
+work; the missing parent folders are created when the result is written (`make_parents`, or smlp.files'
+`write_atomic(..., make_parents=True)`, the one writer of every result and folder)."""
 from __future__ import annotations
 
 import contextlib
 import os
-import shutil
-import tempfile
-from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["OutputPathError", "check_output_path", "deepest_parent", "install_dir", "make_parents", "remove_folders",
-           "write_atomic"]
+__all__ = ["OutputPathError", "check_output_path", "deepest_parent", "make_parents", "remove_folders"]
 
 
 class OutputPathError(ValueError):
     """An output path the tool cannot write; the message names the option, the path and what is wrong."""
 
 
-def install_dir(tmp: Path, out: Path, replace: bool) -> None:
-    """Rename the finished folder `tmp` to `out`. Without `replace` this fails rather than overwrite an `out`
-    that appeared meanwhile; with it the old folder is swapped out and put back if the rename fails."""
-    if not replace or not out.exists():
-        os.rename(tmp, out)
-        return
-    old = out.parent / f".{out.name}.old-{os.getpid()}"
-    os.rename(out, old)
-    try:
-        os.rename(tmp, out)
-    except BaseException:
-        os.rename(old, out)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
-
-
 def check_output_path(path: str | os.PathLike, option: str, *, folder: bool = False) -> Path:
     """The absolute path `path` given to `option`, refused (OutputPathError) when it cannot be written: it is
     a folder where a file is wanted (or the reverse), one of its parents is a file, or the deepest existing
-    parent is not writable. Missing parents are fine: `write_atomic` (or the caller) creates them."""
+    parent is not writable. Missing parents are fine: the writer creates them."""
     out = Path(path).expanduser().absolute()
     if out.exists() and out.is_dir() != folder:
         raise OutputPathError(f"{option} {path}: {out} is {'a file' if folder else 'a folder'}; give the "
@@ -83,26 +60,3 @@ def remove_folders(created: list[Path]) -> None:
     for folder in reversed(created):
         with contextlib.suppress(OSError):
             folder.rmdir()
-
-
-def write_atomic(path: str | os.PathLike, write: Callable[[object], None], mode: str = "w") -> None:
-    """write(f) into a temporary file beside `path` (its missing parent folders created), renamed over `path`:
-    the file is whole or absent, and no temporary file is left if anything fails."""
-    out = Path(path).expanduser().absolute()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
-    try:
-        with os.fdopen(fd, mode) as f:
-            write(f)
-        os.chmod(tmp, 0o666 & ~_umask())
-        os.replace(tmp, out)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask

@@ -52,7 +52,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from .files import OutputPathError, check_output_path, install_dir, make_parents, remove_folders
+from smlp.files import install_dir, temp_dir, write_atomic, write_atomic_by_name
+
+from .files import OutputPathError, check_output_path, make_parents, remove_folders
 
 PROG = "smlp-export"
 MODELING_FILE = "modeling_smlp.py"
@@ -267,7 +269,7 @@ def _routing_prefix_fill(core, encoder, prefix_fill: str) -> list[int]:
 
 
 def _json(path: Path, obj) -> None:
-    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    write_atomic(path, json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
 
 
 def fp32_state_names(core) -> set[str]:
@@ -289,15 +291,11 @@ def _write_folder(folder: Path, core, encoder, *, checkpoint: str, dtype: str, p
     lm_config = _lm_config(core)
     fill = _routing_prefix_fill(core, encoder, prefix_fill)
     eos, pad = encoder.eos, encoder.pad
-    folder.mkdir(parents=True)
     torch_dtype = getattr(torch, dtype)
     keep = fp32_state_names(core)  # the balanced routers' prices: fp32 in the checkpoint, fp32 here
     weights = {f"model.{k}": (v.to(torch_dtype) if v.is_floating_point() and k not in keep else v).detach()
                .contiguous().clone() for k, v in core.state_dict().items()}
-    save_file(weights, str(folder / WEIGHTS_FILE), metadata={"format": "pt"})
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(folder / WEIGHTS_FILE, 0o666 & ~umask)  # safetensors writes 0600; the folder is to be shared
+    write_atomic_by_name(folder / WEIGHTS_FILE, lambda tmp: save_file(weights, tmp, metadata={"format": "pt"}))
     auto_map = {"AutoConfig": "modeling_smlp.SMLPConfig", "AutoModelForCausalLM": "modeling_smlp.SMLPForCausalLM"}
     versions = {"transformers_version": _version("transformers")} if _version("transformers") else {}
     _json(folder / "config.json", {
@@ -308,8 +306,8 @@ def _write_folder(folder: Path, core, encoder, *, checkpoint: str, dtype: str, p
                         "smlp_version": _version("smlp")}})
     _json(folder / "generation_config.json", {"bos_token_id": eos, "eos_token_id": eos, "pad_token_id": pad,
                                               **versions})
-    (folder / MODELING_FILE).write_text(modeling_source(), encoding="utf-8")
-    (folder / TOKENIZER_FILE).write_text(_source_of("smlp_eval.hf_tokenizer"), encoding="utf-8")
+    write_atomic(folder / MODELING_FILE, modeling_source())
+    write_atomic(folder / TOKENIZER_FILE, _source_of("smlp_eval.hf_tokenizer"))
     _json(folder / "vocab.json", vocab)
     if encoder.sp is not None:
         shutil.copyfile(encoder.spm_model, folder / "spm.model")
@@ -321,7 +319,7 @@ def _write_folder(folder: Path, core, encoder, *, checkpoint: str, dtype: str, p
         **specials, "model_max_length": core.cfg.seq_len, "padding_side": "right",
         "split_special_tokens": True, "clean_up_tokenization_spaces": False})
     files = sorted(p.name for p in folder.iterdir()) + ["README.md"]
-    (folder / "README.md").write_text(_readme(core.cfg, checkpoint, dtype, sorted(files)), encoding="utf-8")
+    write_atomic(folder / "README.md", _readme(core.cfg, checkpoint, dtype, sorted(files)))
     return sorted(files)
 
 
@@ -420,15 +418,17 @@ def export(checkpoint: str, out: str | Path, *, data_dir: str | None = None, dty
     check_representable(core)
     dictionary_vocab(encoder.dictionary)  # refused here, before a folder exists
     created = make_parents(out)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    tmp = None
     try:
+        tmp = temp_dir(out)
         files = _write_folder(tmp, core, encoder, checkpoint=checkpoint, dtype=dtype, prefix_fill=prefix_fill)
         diff = verify_folder(tmp, core, encoder, dtype) if verify else None
         check_replaceable(out, force)  # again: the folder may have changed during the work
         install_dir(tmp, out, replace=force)
     except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            shutil.rmtree(tmp)
+        if tmp is not None:
+            with contextlib.suppress(FileNotFoundError):
+                shutil.rmtree(tmp)
         remove_folders(created)
         raise
     return ExportResult(out, files, core.cfg.family, core.cfg.prediction_start, diff)

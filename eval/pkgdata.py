@@ -25,6 +25,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from smlp.files import install_dir, temp_dir
+
 DEFAULT_CACHE = Path(os.environ.get("SMLP_CACHE", Path.home() / ".cache" / "smlp"))
 MARKER = ".unpacked"
 
@@ -72,18 +74,17 @@ def fetch_package(spec: str, cache_dir: Path | str | None = None) -> Path:
     with _exclusive(cache / "packages" / f".{name}-{version}.lock"):
         if (out / MARKER).exists():  # another process finished while we waited
             return out
-        for stale in (*out.parent.glob(f".{out.name}.tmp-*"), *dl.glob(".pip-*")):
+        for stale in (*out.parent.glob(f".{out.name}.tmp-*"), *out.parent.glob(f".{out.name}.old-*"),
+                      *dl.glob(".pip-*")):
             shutil.rmtree(stale, ignore_errors=True)  # left by a killed fetch (we hold the lock)
         archives = _archives(dl, prefixes)
         if not archives:
             archives = [_download(spec, dl, prefixes)]
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+        tmp = temp_dir(out)  # the mode mkdir gives (tempfile.mkdtemp's 0700 would hide the data from a team)
         try:
             _unpack(archives[0], tmp)
             (tmp / MARKER).touch()
-            if out.exists():  # an incomplete folder of an older version of this code
-                shutil.rmtree(out)
-            os.rename(tmp, out)
+            install_dir(tmp, out, replace=True)  # over an incomplete folder of an older version of this code
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

@@ -82,7 +82,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .files import check_output_path, write_atomic
+from smlp.files import write_atomic
+
+from .files import check_output_path
 from .scoring import EncoderMismatchError, LMScorer, Score, collective_device, common_prefix_suffix, encode_pair, world
 from .tasks import (
     PAPER_SCORING,
@@ -576,7 +578,7 @@ def run(args) -> dict:
 def write_json_report(path: str, record: dict) -> None:
     """--output-json: written whole or not at all (a temporary file renamed over the target), its missing
     folders created."""
-    write_atomic(path, lambda f: json.dump(record, f, indent=1))
+    write_atomic(path, json.dumps(record, indent=1), make_parents=True)
 
 
 def main(argv: Sequence[str] | None = None, *, hard_exit: bool = False) -> int:

@@ -1,23 +1,25 @@
 """Checkpoint files written atomically: a reader sees the old file or the whole new one, never a part.
 
-`atomic_write` writes into a temporary file next to its target, fsyncs it, renames it over the target and fsyncs
-the directory. A failed write (disk full, quota) removes its temporary file, keeps the previous file and raises
-`CheckpointWriteError`, one line naming the file and its folder. A write killed partway (SIGKILL, a lost node)
-cannot remove its temporary file: `remove_stale_temp_files` removes a rank's own when training starts again
+`atomic_write` writes through the project's one atomic writer (smlp/files.py: a temporary file next to its
+target, fsync, rename, fsync of the folder, the mode open() would give). A failed write (disk full or quota,
+when the temporary file is created or while it is written) removes its temporary file, keeps the previous file
+and raises `CheckpointWriteError`, one line naming the file and its folder. A write killed partway (SIGKILL, a
+lost node) cannot remove its temporary file: `remove_stale_temp_files` removes them when training starts again
 (fairseq_plugins/checkpoint_sets.py calls it before anything is loaded or written).
 """
 from __future__ import annotations
 
-import contextlib
 import errno
 import logging
 import os
 import re
 import shutil
-import tempfile
 from collections.abc import Callable
 
 import torch
+
+from smlp.files import TEMP_SUFFIX, write_atomic
+from smlp.process_group import gather_objects
 
 from .errors import RefusedInput
 
@@ -34,82 +36,44 @@ class CheckpointWriteError(OSError, RefusedInput):
         return str(self.strerror)  # without OSError's "[Errno 28] " prefix
 
 
-def _fsync_dir(directory: str) -> None:
-    try:
-        fd = os.open(directory or ".", os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # some filesystems refuse fsync on directories; the rename is still atomic
-        pass
-    finally:
-        os.close(fd)
-
-
-def atomic_write(path: str, write: Callable[[object], None]) -> None:
-    """write(f) into a temporary file next to `path`, fsync it, rename it over `path`.
-
-    A reader sees the old file or the whole new one, never a part. If anything fails (disk full,
-    quota, I/O error) the temporary file is removed, `path` is left as it was, and the error names
-    the file and the free space.
-    """
+def disk_full_error(path: str, errno_: int) -> CheckpointWriteError:
+    """The one line of a checkpoint write that ran out of space (or quota), wherever it failed."""
     directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=directory)
-    f = None
     try:
-        with os.fdopen(fd, "wb") as real:
-            f = _WriteErrors(real)
-            write(f)
-            real.flush()
-            os.fsync(real.fileno())
-        os.replace(tmp, path)
-    except BaseException as caught:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        exc = caught
-        if f is not None and f.error is not None and not isinstance(caught, OSError):
-            exc = f.error  # torch.save's zip writer reports a failed write as "unexpected pos N vs M"
-        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            try:
-                free = f"{shutil.disk_usage(directory).free / 2 ** 20:.1f} MiB free"
-            except OSError:
-                free = "free space unknown"
-            raise CheckpointWriteError(
-                exc.errno, f"could not write checkpoint {path}: {os.strerror(exc.errno)} ({free} in {directory}). "
-                           f"The previous {os.path.basename(path)} is unchanged and no partial file was left; free "
-                           f"space (or use --keep-interval-updates / --no-epoch-checkpoints) and resume") from caught
-        if exc is not caught:
-            raise exc from caught
+        free = f"{shutil.disk_usage(directory).free / 2 ** 20:.1f} MiB free"
+    except OSError:
+        free = "free space unknown"
+    return CheckpointWriteError(
+        errno_, f"could not write checkpoint {path}: {os.strerror(errno_)} ({free} in {directory}). The previous "
+                f"{os.path.basename(path)} is unchanged and no partial file was left; free space (or use "
+                f"--keep-interval-updates / --no-epoch-checkpoints) and resume")
+
+
+def atomic_write(path: str, write: Callable[[object], None], commit: Callable[[], None] | None = None) -> None:
+    """write(f) into `path` through the one atomic writer (smlp/files.py), with the mode open() would give.
+
+    A reader sees the old file or the whole new one, never a part. If anything fails (disk full or quota when
+    the temporary file is created or written, an I/O error) the temporary file is removed, `path` is left as it
+    was, and a full disk is said in one line naming the file and the free space (`CheckpointWriteError`).
+    `commit` runs before the rename (checkpoint_sets.py: every rank of a save has written its file).
+    """
+    try:
+        write_atomic(path, write, commit=commit)
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT) and not isinstance(exc, CheckpointWriteError):
+            raise disk_full_error(path, exc.errno) from exc
         raise
-    _fsync_dir(directory)
 
 
-class _WriteErrors:
-    """The file `atomic_write` hands to its writer: keeps the first OSError of its writes (a full disk), which
-    torch.save's zip writer does not pass on: it fails later with `unexpected pos N vs M`."""
-
-    def __init__(self, f):
-        self._f, self.error = f, None
-
-    def write(self, data) -> int:
-        try:
-            return self._f.write(data)
-        except OSError as exc:
-            self.error = self.error or exc
-            raise
-
-    def __getattr__(self, name):
-        return getattr(self._f, name)
+# atomic_write's temporary files: NAME.pt.XXXXXXXX.tmp
+_TEMP_FILE = re.compile(r"^(?P<name>checkpoint[^/]*\.pt)" + TEMP_SUFFIX + "$")
 
 
-# atomic_write's temporary files: NAME.pt.XXXXXXXX.tmp (tempfile.mkstemp: 8 of [a-z0-9_])
-_TEMP_FILE = re.compile(r"^(?P<name>checkpoint[^/]*\.pt)\.[a-z0-9_]{8}\.tmp$")
-
-
-def stale_temp_files(save_dir: str, suffix: str) -> list[str]:
+def stale_temp_files(save_dir: str, suffix: str, ranks_from: int | None = None) -> list[str]:
     """The temporary files atomic_write left in `save_dir` for checkpoint names ending in `suffix`.pt (this rank's
-    names: `-rank-R`, or "" for a run that writes one file: then names with a rank suffix are not its own)."""
+    names: `-rank-R`, or "" for a run that writes one file: then names with a rank suffix are not its own). With
+    `ranks_from`, instead those of every rank shard `-rank-R` with R >= ranks_from: ranks this run does not have
+    (an earlier run on more ranks was stopped while it saved), which no rank would otherwise remove."""
     try:
         names = sorted(os.listdir(save_dir))
     except OSError:
@@ -117,17 +81,24 @@ def stale_temp_files(save_dir: str, suffix: str) -> list[str]:
     out = []
     for name in names:
         m = _TEMP_FILE.match(name)
-        if m and m.group("name").endswith(suffix + ".pt") and (suffix or not RANK_FILE.match(m.group("name"))):
+        if not m:
+            continue
+        shard = RANK_FILE.match(m.group("name"))
+        if ranks_from is not None:
+            stale = shard is not None and int(shard.group("rank")) >= ranks_from
+        else:
+            stale = m.group("name").endswith(suffix + ".pt") and (suffix or not shard)
+        if stale:
             out.append(os.path.join(save_dir, name))
     return out
 
 
-def remove_stale_temp_files(save_dir: str, suffix: str) -> list[str]:
+def remove_stale_temp_files(save_dir: str, suffix: str, ranks_from: int | None = None) -> list[str]:
     """Delete `stale_temp_files`: partial writes of a run killed while it saved (nothing else removes them, and
-    each is up to a whole checkpoint in size). Called by each rank for its own names before training starts,
-    when no rank of this run is writing."""
+    each is up to a whole checkpoint in size). Called before training starts, when no rank of this run is
+    writing: by each rank for its own names, and by rank 0 for the ranks this run does not have."""
     removed = []
-    for path in stale_temp_files(save_dir, suffix):
+    for path in stale_temp_files(save_dir, suffix, ranks_from):
         try:
             size = os.path.getsize(path)
             os.remove(path)
@@ -135,16 +106,50 @@ def remove_stale_temp_files(save_dir: str, suffix: str) -> list[str]:
             continue
         removed.append(path)
         logger.warning("removed %s (%.1f MiB): a checkpoint write that never finished (the run was stopped while it "
-                    "saved)", os.path.basename(path), size / 2 ** 20)
+                       "saved)", os.path.basename(path), size / 2 ** 20)
     return removed
 
 
-def atomic_torch_save(obj, path: str) -> None:
-    atomic_write(path, lambda f: torch.save(obj, f))
+def atomic_torch_save(obj, path: str, commit: Callable[[], None] | None = None) -> None:
+    atomic_write(path, lambda f: torch.save(obj, f), commit)
 
 
-def atomic_copy(src: str, dst: str) -> None:
+def atomic_copy(src: str, dst: str, commit: Callable[[], None] | None = None) -> None:
     def write(f):
         with open(src, "rb") as s:
             shutil.copyfileobj(s, f, 16 * 2 ** 20)
-    atomic_write(dst, write)
+    atomic_write(dst, write, commit)
+
+
+class _SaveAgreement:
+    """The commit of a file that every rank of a save writes (its rank shard): no rank renames its file before
+    every rank has its own whole, and a rank that could not write stops every rank with its one line. A save
+    that did not complete on every rank is then never named as a set."""
+
+    def __init__(self, path: str):
+        self.path, self.asked = path, False
+
+    def __call__(self, error: BaseException | None = None) -> None:
+        self.asked = True
+        mine = None
+        if error is not None:
+            mine = (getattr(error, "errno", None) or errno.EIO,
+                    str(error) if isinstance(error, CheckpointWriteError)
+                    else f"could not write checkpoint {self.path}: {type(error).__name__}: {error}")
+        failures = [f for f in gather_objects(mine) if f]
+        if failures and error is None:  # another rank failed: this rank's file is not named either
+            raise CheckpointWriteError(*failures[0])
+
+
+def write_on_every_rank(path: str, write: Callable[[Callable[[], None] | None], None], every_rank: bool) -> None:
+    """write(commit) of one file of a save. With `every_rank` (a save in which every rank of the run writes its
+    shard `-rank-R.pt` at the same moment: checkpoint_sets.py) all ranks agree before any renames its file."""
+    if not (every_rank and RANK_FILE.match(os.path.basename(path))):
+        return write(None)
+    agreement = _SaveAgreement(path)
+    try:
+        write(agreement)
+    except Exception as exc:
+        if not agreement.asked:
+            agreement(exc)  # the others wait for this rank's answer
+        raise

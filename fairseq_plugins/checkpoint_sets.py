@@ -9,12 +9,15 @@ fairseq would resume each rank from its own file: experts of different updates, 
 scratch, with no error. Here:
 
 - Writing (`torch_persistent_save`, the copies inside `save_checkpoint`; fairseq_plugins/atomic_files.py):
-  temporary file in the same directory, fsync, rename, fsync of the directory, so a file is either the old
-  one or the whole new one. A failed write (disk full) removes its temporary file, keeps the previous
-  checkpoint and ends the run with one line naming the file and its folder (`CheckpointWriteError`). A
-  write killed partway (SIGKILL, a lost node) cannot remove its temporary file: each rank removes those of
-  its own checkpoint names when training starts again (`remove_stale_temp_files`), before anything is
-  loaded or written.
+  the one atomic writer (smlp/files.py), so a file is either the old one or the whole new one. Every rank
+  of a save writes its file, then all of them agree before any renames its own (`write_on_every_rank`): a
+  rank that could not write (disk full when its temporary file is created or written) stops every rank
+  with its one line (`CheckpointWriteError`), every temporary file is removed and no file of that save is
+  named, so no partial set is left. A write killed partway (SIGKILL, a lost node) cannot remove its
+  temporary file: each rank removes those of its own checkpoint names when training starts again, and
+  rank 0 those of ranks this run does not have (`remove_stale_temp_files`), before anything is loaded.
+  `--write-checkpoints-asynchronously` (fairseq: no atomic write, no tag, no copy to checkpoint_last) is
+  refused before training starts (`check_checkpoint_flags`).
 - Tagging: every trainer state records under `smlp_shard` its rank, world size, update, epoch and a
   set id `<run id>:<update>` (the run id is drawn by rank 0 when training starts and broadcast), so
   the shards of one save carry the same id and shards of different saves or runs never do.
@@ -22,8 +25,9 @@ scratch, with no error. Here:
   it would load (cheap: torch.load with mmap), the ranks exchange what they found, and all of them
   take the same decision. A complete set (every rank's shard present, readable, same set id, written
   by this world size) loads as fairseq would. Anything else is refused with an error that names each
-  shard and its update; when resuming from the default `checkpoint_last.pt`, the newest complete set
-  in the save directory (e.g. `checkpoint_1_800-rank-*.pt`) is loaded instead, with a warning.
+  shard and its update. When resuming from the default `checkpoint_last.pt`, the newest complete save of
+  the save directory is loaded, whichever file holds it (a kill after a numbered save and before its copy
+  to checkpoint_last leaves `checkpoint_1_800-rank-*.pt` newer than checkpoint_last), said in a warning.
 - Superseded shards: a run on fewer ranks (resumed after resharding, fairseq_plugins/elastic.py) overwrites the
   first shards of each name it saves (checkpoint_best-rank-0.pt) and would leave the others of the earlier
   run (checkpoint_best-rank-1.pt): after each save rank 0 removes the shards of an earlier run that this run's
@@ -34,8 +38,9 @@ scratch, with no error. Here:
   tensors do not fit the model being trained (another architecture, expert count or dictionary),
   and a --save-dir that cannot be created or written (said in those words).
 
-fairseq's own files are not changed: `install()` wraps three functions of `fairseq.checkpoint_utils`
-(looked up as module attributes by fairseq_cli.train and the trainer) when the plugins are imported.
+fairseq's own files are not changed: `install()` wraps four functions of `fairseq.checkpoint_utils`
+(looked up as module attributes by fairseq_cli.train and the trainer) and `Trainer.__init__` when the
+plugins are imported.
 """
 from __future__ import annotations
 
@@ -48,11 +53,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from smlp.process_group import broadcast_object as _broadcast
+from smlp.process_group import gather_objects as _gather
 from smlp.process_group import rank_and_world
 
 from .atomic_files import RANK_FILE as _RANK_FILE
-from .atomic_files import atomic_copy, atomic_torch_save, remove_stale_temp_files
-from .errors import RefusedInput
+from .atomic_files import atomic_copy, atomic_torch_save, remove_stale_temp_files, write_on_every_rank
+from .errors import FlagError, RefusedInput
 
 logger = logging.getLogger(__name__)
 
@@ -235,17 +242,28 @@ class ResumePlan:
 
 def decide_resume(requested: list[ShardInfo], candidates: dict[str, list[ShardInfo]], *, world: int,
                   sharded: bool, default_restore: bool, restore_name: str, single_file_exists: bool = False,
-                  others: list[ShardInfo] = (), first_save: int | None = None) -> ResumePlan:
+                  others: list[ShardInfo] = (), first_save: int | None = None, newest: bool = True) -> ResumePlan:
     """What to load, from what every rank found. Raises CheckpointSetError when nothing consistent is.
 
+    Resuming from the default checkpoint_last, the newest complete save is loaded, whichever file holds it: a
+    run stopped after it wrote a numbered save and before it copied that save to checkpoint_last resumes from
+    the numbered save (and says so), not from the older checkpoint_last.
+
     requested:  the file each rank would load (one entry when the checkpoint is not sharded).
-    candidates: checkpoint base path -> the files of that save, one per rank (for the fallback).
+    candidates: checkpoint base path -> the files of that save, one per rank (every other save of the folder).
     single_file_exists: `restore_name` itself exists as one file (consolidated, or from one process).
     others:     every other checkpoint file any rank found in the save directory.
     first_save: the update of a run's first save (--save-interval-updates), if it saves by updates: when no
                 complete save exists and no file is past it, the run was stopped while it wrote its first save
                 and starts again from scratch (it loses what any interrupted save loses), instead of refusing.
+    newest:     a newer complete save replaces a consistent (or missing) checkpoint_last (False with
+                --finetune-from-model or --continue-once, which fairseq reads when checkpoint_last is missing).
     """
+    complete = [(infos[0].num_updates or 0, infos[0].epoch or 0, base) for base, infos in candidates.items()
+                if len(infos) == len(requested) and set_problem(infos, world, sharded) is None]
+    newer = max(complete) if default_restore and newest and complete else None
+    if newer is not None:
+        shown = os.path.basename(shard_path(newer[2], "-rank-*" if sharded else ""))
     if not any(i.exists for i in requested):
         if not default_restore and sharded and single_file_exists:
             raise CheckpointSetError(
@@ -257,9 +275,19 @@ def decide_resume(requested: list[ShardInfo], candidates: dict[str, list[ShardIn
                 f"--restore-file {restore_name}: {_listing(requested)}. fairseq would silently start from "
                 f"scratch and then overwrite the checkpoints in --save-dir; pass an existing checkpoint"
                 + (" name without the -rank-R suffix (each rank adds its own)" if sharded else ""))
+        if newer is not None:
+            return ResumePlan(newer[2], f"{restore_name} does not exist, but a complete save does (the run was stopped "
+                                        f"after it wrote that save, before it copied it to {restore_name}). Resuming "
+                                        f"from the newest complete save, {shown} (update {newer[0]}).")
         return ResumePlan(None)
     problem = set_problem(requested, world, sharded)
     if problem is None:
+        last = requested[0].num_updates or 0
+        if newer is not None and newer[0] > last:
+            return ResumePlan(newer[2], f"{restore_name} holds update {last}, and a newer save is complete (the run "
+                                        f"was stopped after it wrote that save, before it copied it to "
+                                        f"{restore_name}). Resuming from the newest complete save, {shown} (update "
+                                        f"{newer[0]}).")
         return ResumePlan(None)
     what = (f"{restore_name} is not one consistent save ({problem}): {_listing(requested, world)}" if sharded
             else f"{restore_name} cannot be resumed from: {_listing(requested, world)}")
@@ -274,8 +302,6 @@ def decide_resume(requested: list[ShardInfo], candidates: dict[str, list[ShardIn
                 "from the result with --finetune-from-model (it loads on any world size dividing the expert count)")
     if not default_restore:
         raise CheckpointSetError(f"{what}. {hint}.")
-    complete = [(infos[0].num_updates or 0, infos[0].epoch or 0, base) for base, infos in candidates.items()
-                if len(infos) == len(requested) and set_problem(infos, world, sharded) is None]
     if not complete:
         found = [i for i in [*requested, *others] if i.exists]
         if first_save and sharded and all(i.readable and (i.num_updates or 0) <= first_save for i in found):
@@ -320,27 +346,6 @@ def explain_mismatch(ckpt: dict, model: dict) -> str:
 
 
 # ----------------------------------------------------------------------------- fairseq hooks
-
-
-def _gather(obj) -> list:
-    import torch.distributed as dist
-
-    rank, world = rank_and_world()
-    if world == 1:
-        return [obj]
-    out = [None] * world
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def _broadcast(obj):
-    import torch.distributed as dist
-
-    if rank_and_world()[1] == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 def _suffix_info(trainer) -> tuple[str, bool]:
@@ -401,8 +406,11 @@ def plan_and_check_resume(cfg, trainer) -> ResumePlan:
             f"Pass the checkpoint name without the suffix: --restore-file "
             f"{os.path.join(os.path.dirname(cfg.restore_file), m.group('stem') + '.pt')}")
     reads_file = sharded or rank == 0  # without shards only rank 0 reads (and broadcasts) the checkpoint
-    if reads_file and "://" not in str(cfg.save_dir):  # ... and writes it
+    local_dir = "://" not in str(cfg.save_dir)
+    if reads_file and local_dir:  # ... and writes it
         remove_stale_temp_files(cfg.save_dir, suffix)
+    if rank == 0 and local_dir:  # those of ranks this run does not have (it resumes on fewer ranks, resharded)
+        remove_stale_temp_files(cfg.save_dir, suffix, ranks_from=world if sharded else 0)
     mine = read_shard(shard_path(restore_base, suffix)) if reads_file else None
     foreign = _foreign_layout(cfg.save_dir, sharded, world) if rank == 0 and default_restore else None
     gathered = _gather((mine, foreign))
@@ -410,11 +418,9 @@ def plan_and_check_resume(cfg, trainer) -> ResumePlan:
     foreign = gathered[0][1]
     if foreign and not any(i.exists for i in requested) and cfg.finetune_from_model is None:
         raise CheckpointSetError(foreign)
-    needs_fallback = (default_restore and any(i.exists for i in requested)
-                      and set_problem(requested, world, sharded) is not None)
     candidates: dict[str, list[ShardInfo]] = {}
     others: list[ShardInfo] = []
-    if needs_fallback:
+    if default_restore and local_dir:  # every other save: a newer complete one, or the fallback from a mixed set
         local = _candidates_here(cfg.save_dir, suffix) if reads_file else None
         per_rank = [c for c in _gather(local) if c is not None]
         for base in set().union(*[set(c) for c in per_rank]):
@@ -428,7 +434,8 @@ def plan_and_check_resume(cfg, trainer) -> ResumePlan:
     plan = decide_resume(requested, candidates, world=world, sharded=sharded, default_restore=default_restore,
                          restore_name=os.path.basename(restore_base) if default_restore else cfg.restore_file,
                          single_file_exists=single, others=others,
-                         first_save=(cfg.save_interval_updates or None) if restarts_first else None)
+                         first_save=(cfg.save_interval_updates or None) if restarts_first else None,
+                         newest=restarts_first)
     _check_fits_model(plan, restore_base, suffix, trainer, reads_file)
     if plan.message and rank == 0:
         logger.warning(plan.message)
@@ -557,7 +564,17 @@ def remove_superseded(save_dir: str, world: int, sharded: bool) -> list[str]:
     return stale
 
 
-_SAVING = False
+def check_checkpoint_flags(cfg) -> None:
+    """Refuse, before anything is read or written, a checkpoint option that would skip the atomic tagged writes
+    (`cfg`: fairseq's checkpoint config; every rank's Trainer and smlp-launch's preflight call it)."""
+    if getattr(cfg, "write_checkpoints_asynchronously", False):
+        raise FlagError("--write-checkpoints-asynchronously (--save-async) writes each rank's file from a thread, "
+                        "neither atomically nor tagged with its save, and fairseq then copies nothing to "
+                        "checkpoint_last, so a resumed run would start again from update 0; drop the flag: "
+                        "checkpoints are written atomically, as one set of rank shards, in the training loop")
+
+
+_EVERY_RANK_SAVES = False  # inside save_checkpoint of a run on several ranks that each write their shard
 
 
 class _AtomicCopies:
@@ -574,7 +591,7 @@ class _AtomicCopies:
             return self._real.copy(src_path, dst_path, overwrite, **kwargs)
         if not overwrite and os.path.exists(dst_path):
             return False
-        atomic_copy(src_path, dst_path)
+        write_on_every_rank(dst_path, lambda commit: atomic_copy(src_path, dst_path, commit), _EVERY_RANK_SAVES)
         return True
 
 
@@ -589,20 +606,25 @@ def install() -> bool:
     original_load = checkpoint_utils.load_checkpoint
 
     def torch_persistent_save(obj, filename, async_write: bool = False):
-        if async_write or "://" in str(filename):
+        if "://" in str(filename):
             return original_persist(obj, filename, async_write=async_write)
+        # async_write (--write-checkpoints-asynchronously) is refused before training starts
         if isinstance(obj, dict) and "model" in obj and "optimizer_history" in obj:
             obj = {**obj, SHARD_KEY: shard_tag(obj, str(filename), _RUN_ID)}
-        atomic_torch_save(obj, str(filename))
+        write_on_every_rank(str(filename), lambda commit: atomic_torch_save(obj, str(filename), commit),
+                            _EVERY_RANK_SAVES)
 
     def save_checkpoint(cfg, trainer, epoch_itr, val_loss):
+        global _EVERY_RANK_SAVES
+        rank, world = rank_and_world()
         real = checkpoint_utils.PathManager
         checkpoint_utils.PathManager = _AtomicCopies(real)
+        _EVERY_RANK_SAVES = world > 1 and _suffix_info(trainer)[1]
         try:
             result = original_save(cfg, trainer, epoch_itr, val_loss)
         finally:
             checkpoint_utils.PathManager = real
-        rank, world = rank_and_world()
+            _EVERY_RANK_SAVES = False
         if rank == 0 and "://" not in str(cfg.save_dir):
             remove_superseded(cfg.save_dir, world, _suffix_info(trainer)[1])
         return result
@@ -634,6 +656,16 @@ def install() -> bool:
                                      f"writable directory") from exc
 
     verify_checkpoint_directory.__wrapped__ = original_verify
+    from fairseq.trainer import Trainer
+
+    original_init = Trainer.__init__
+
+    def __init__(self, cfg, *args, **kwargs):  # every rank, before any checkpoint is read or written
+        check_checkpoint_flags(cfg.checkpoint)
+        original_init(self, cfg, *args, **kwargs)
+
+    __init__.__wrapped__ = original_init
+    Trainer.__init__ = __init__
     checkpoint_utils.verify_checkpoint_directory = verify_checkpoint_directory
     checkpoint_utils.torch_persistent_save = torch_persistent_save
     checkpoint_utils.save_checkpoint = save_checkpoint

@@ -45,6 +45,9 @@ import torch
 
 from smlp.expert_data_parallel import ExpertDataLayout
 from smlp.experts import is_expert
+from smlp.files import fsync_dir
+from smlp.process_group import broadcast_object as _broadcast
+from smlp.process_group import gather_objects as _gather
 from smlp.process_group import rank_and_world
 from smlp.resharding import replicated_keys, reshard_model_state, reshard_optimizer_state, source_positions
 
@@ -52,8 +55,6 @@ from .atomic_files import atomic_torch_save
 from .checkpoint_sets import (
     DEFAULT_RESTORE,
     SHARD_KEY,
-    _broadcast,
-    _gather,
     check_same_architecture,
     rank_shards,
     read_shard,
@@ -380,6 +381,7 @@ def reshard_checkpoint(plan: Plan, rank: int, expert_params: list) -> None:
             os.replace(target + ".resharded", target)
         for f in set(saved.files) - set(plan.targets):
             os.remove(f)
+        fsync_dir(os.path.dirname(saved.base) or ".")
         logger.info("resharded %s for %d rank(s)%s; the previous files are kept in %s", saved.describe(),
                     plan.world_size, f" in expert-parallel groups of {plan.target.ep_size}" if plan.target else "",
                     backup)

@@ -175,27 +175,38 @@ def _batches_of_any_size(cfg):
 
 
 def fold_router_prices() -> bool:
-    """The balanced routers' evaluation prices (smlp/routing/prices.py) are folded once per optimizer step, for
-    every layer in one all-reduce over the data-parallel group (every rank holds a copy of the routers, whatever
-    --expert-parallel-size), so all ranks evaluate with the same prices whatever the layout, --update-freq or
-    precision: a wrapper of FairseqTask.optimizer_step, which the trainer calls once per update on every rank
-    (not for a step a loss scaler skips: those rows stay recorded for the next, and in the checkpoint)."""
+    """The balanced routers' evaluation prices (smlp/routing/prices.py) are folded once per optimizer step that
+    updates the model, for every layer in one all-reduce over the data-parallel group (every rank holds a copy
+    of the routers, whatever --expert-parallel-size), so all ranks evaluate with the same prices whatever the
+    layout, --update-freq or precision: a wrapper of FairseqTask.optimizer_step, which the trainer calls once
+    per update on every rank. A step that does not update the model folds nothing and its rows stay recorded
+    for the next, and in the checkpoint: --fp16 raises its overflow before the step, --amp steps anyway (the
+    GradScaler skips the update; its agreed skip decision, `precision.update_applied`, masks the fold on the
+    device). fairseq's dummy batch (ignore_grad: a rank with no batch left at an uneven epoch end runs its first
+    batch again with the loss zeroed) does not count: a wrapper of FairseqTask.train_step (`prices.uncounted`)."""
     from fairseq.distributed import utils as distributed_utils
     from fairseq.tasks import FairseqTask
 
     from smlp.routing import prices
 
+    from .precision import update_applied
+
     if getattr(FairseqTask.optimizer_step, "_smlp_prices", False):
         return False
-    original = FairseqTask.optimizer_step
+    original, original_train = FairseqTask.optimizer_step, FairseqTask.train_step
 
     def optimizer_step(self, optimizer, model, update_num):
-        prices.fold_prices(model, distributed_utils.get_data_parallel_group())
+        prices.fold_prices(model, distributed_utils.get_data_parallel_group(), update_applied(optimizer))
         return original(self, optimizer, model, update_num)
 
-    optimizer_step._smlp_prices = True
-    optimizer_step.__wrapped__ = original
-    FairseqTask.optimizer_step = optimizer_step
+    def train_step(self, sample, model, criterion, optimizer, update_num, ignore_grad=False, **kwargs):
+        with prices.uncounted(model) if ignore_grad else contextlib.nullcontext():
+            return original_train(self, sample, model, criterion, optimizer, update_num, ignore_grad, **kwargs)
+
+    for fn, wrapped in ((optimizer_step, original), (train_step, original_train)):
+        fn._smlp_prices = True
+        fn.__wrapped__ = wrapped
+    FairseqTask.optimizer_step, FairseqTask.train_step = optimizer_step, train_step
     return True
 
 
@@ -323,8 +334,9 @@ PATCHES = (
           "fairseq-validate applies its --tokens-per-sample to the saved model, which then has spatial weights of "
           "another size (PyTorch's size mismatch): a checkpoint's model keeps the T it was trained with"),
     Patch("checkpoint_sets", "checkpoint_sets", "install",
-          "fairseq writes rank shards non-atomically and resumes each rank from whatever file it finds: atomic "
-          "tagged writes, and only a whole set of rank shards is loaded"),
+          "fairseq writes rank shards non-atomically (asynchronously: untagged, never copied to checkpoint_last) and "
+          "resumes each rank from whatever file it finds: atomic tagged writes named only once every rank has "
+          "written its own, --save-async refused, and the newest whole set of rank shards is loaded"),
     Patch("guard_language_modeling_data", "patches", "guard_language_modeling_data",
           "language_modeling reads a missing or unbinarized --data with an obscure error, a truncated .bin with a "
           "numpy error and ids beyond its dict.txt with an IndexError in the embedding (and a crash.pt): checked "
@@ -347,7 +359,8 @@ PATCHES = (
           "routing-prefix fill (listed in generation_patches.py)"),
     Patch("fold_router_prices", "patches", "fold_router_prices",
           "the balanced routers' evaluation prices must advance once per update and agree on every rank: folded "
-          "before each optimizer step, all layers in one all-reduce over the data-parallel group"),
+          "before each optimizer step that updates the model (not on an --amp overflow, which fairseq steps "
+          "too), all layers in one all-reduce over the data-parallel group; fairseq's dummy batch does not count"),
     Patch("evaluate_every_sequence", "patches", "evaluate_every_sequence",
           "fairseq-validate and fairseq-train's validation drop the last batch when its size is not a multiple of "
           "--required-batch-size-multiple, so the figure left out sequences and depended on --batch-size: "

@@ -62,7 +62,12 @@ earlier wrapper of the same attribute keeps working. Each is idempotent.
    weights drifted apart). (d) --amp-scale-window sets the growth interval (fairseq passed
    --amp-init-scale). (e) The scaler's state (scale, growth tracker) is saved with the
    optimizer's and restored on resume: fairseq saved none, so every resume restarted at
-   --fp16-init-scale.
+   --fp16-init-scale. (f) fairseq counts the passes of an overflowed batch against
+   --amp-batch-retries (`Trainer._amp_retries`) and resets the count only when it skips the
+   batch: after a retry that succeeded, the next overflowed batch was skipped at once, and a
+   resumed run (which starts at 0, the count is not saved) fed it again where the uninterrupted
+   run had skipped it (found by `smlp-bench chaos --amp`). The count is reset after every batch
+   (`Trainer.train_step`).
 6. Autocast for --amp off CUDA (`FairseqTask.train_step`; off CUDA only): fairseq enters
    `torch.cuda.amp.autocast`, a no-op on CPU; on another device the forward runs under
    `torch.autocast(device, float16)`, so a CPU run exercises what --amp does on GPUs (fp16
@@ -82,7 +87,7 @@ from smlp.experts import is_expert
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FairseqChanged", "WholeModelGradNorm", "install", "prepare"]
+__all__ = ["FairseqChanged", "WholeModelGradNorm", "install", "prepare", "update_applied"]
 
 FAIRSEQ_TARGET = "fairseq-fixed 0.12.3.1"
 _MARK = "_smlp_precision"
@@ -400,6 +405,22 @@ def agree_on_overflow(scaler, optimizer, grad_norm: torch.Tensor) -> None:
         t.copy_(overflow.to(t.device))
 
 
+def update_applied(optimizer) -> torch.Tensor | None:
+    """Whether the optimizer step about to run updates the model: None when it does for sure (fp32, --bf16, and
+    --fp16, whose overflow is raised before the step); under --amp, where fairseq steps on an overflow too and
+    the GradScaler skips the update, a 0-dim tensor on the device, 0 for a skip (`agree_on_overflow`'s decision,
+    the same on every rank; read on the device, no host sync). Called before `optimizer.step()`."""
+    scaler = getattr(optimizer, "_grad_scaler", None)
+    inner = getattr(optimizer, "fp32_optimizer", None)
+    if scaler is None or inner is None:
+        return None
+    state = scaler._per_optimizer_states.get(id(inner))
+    found = state.get("found_inf_per_device") if state else None
+    if not found:
+        return None
+    return (torch.stack([t.float().to(next(iter(found.values())).device) for t in found.values()]).sum() == 0).float()
+
+
 AMP_SCALER_KEY = "amp_scaler"  # the GradScaler's state in the optimizer's saved state
 
 
@@ -447,6 +468,18 @@ def _install_amp() -> None:
         if scaler:
             self.scaler.load_state_dict(scaler)
 
+    from fairseq.trainer import Trainer
+
+    original_step = Trainer.train_step
+
+    def train_step(self, samples, raise_oom=False):
+        try:
+            return original_step(self, samples, raise_oom)
+        finally:
+            self._amp_retries = 0  # a budget per batch (fairseq feeds an overflowed one again from inside the call)
+
+    train_step.__wrapped__ = original_step
+    Trainer.train_step = train_step
     AMPOptimizer.__init__ = _mark(__init__, original_init)
     AMPOptimizer.clip_grad_norm = _mark(clip_grad_norm, original_clip)
     AMPOptimizer.state_dict = _mark(state_dict, original_state)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from smlp.files import write_atomic
 from smlp.process_group import rank_and_world
 from smlp.profiling import CATEGORIES, breakdown
 
@@ -76,11 +77,7 @@ class StepProfiler:
             "breakdown": {c: parts[c] / seconds for c in CATEGORIES},
             "top_ops": [{"name": e.key, "self_seconds": e.self_cpu_time_total / 1e6, "calls": e.count} for e in top],
         }
-        out = Path(f"{self.path}.rank{rank}.json")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(".tmp")
-        tmp.write_text(json.dumps(record, indent=1))
-        os.replace(tmp, out)
+        write_atomic(f"{self.path}.rank{rank}.json", json.dumps(record, indent=1), make_parents=True)
 
 
 def install(module: torch.nn.Module) -> StepProfiler | None:

@@ -68,7 +68,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 # the text handling shared with evaluation lives in smlp_eval.text (names re-exported for callers of this module)
-from smlp_eval.files import install_dir
+from smlp.files import install_dir, temp_dir
 from smlp_eval.text import (  # noqa: F401
     BOS_ID,
     DICT,
@@ -244,9 +244,7 @@ def prepare_data(out: str | Path, inputs: Sequence[str | Path] | None = None, *,
             else:
                 replace = True   # empty directory
 
-        tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
+        tmp = temp_dir(out)
         try:
             manifest = _build(tmp, docs, params, sources, fingerprint, workers=workers, say=say, demo=demo)
             manifest["seconds"] = round(time.time() - t0, 2)

@@ -15,6 +15,7 @@ import shutil
 import time
 from pathlib import Path
 
+from smlp.files import write_atomic
 from smlp_eval.text import BOS_ID, EOS_ID, PAD_ID, SPM_MODEL, UNK_ID, DataPrepError
 
 from .corpus import DEMO_PACKAGE, SPLITS, Document
@@ -109,12 +110,8 @@ def recover(out: Path) -> None:
 
 
 def write_json(path: Path, obj) -> None:
-    """Write JSON and fsync it (into the temporary build, which is renamed into place as a whole)."""
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=1)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
+    """Write JSON whole (smlp.files: into the temporary build, which is renamed into place as a whole)."""
+    write_atomic(path, json.dumps(obj, indent=1) + "\n")
 
 
 def build_manifest(tmp: Path, docs: list[Document], params: dict, sources: list[dict], fingerprint: str, *,

@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from smlp.files import write_atomic
 from smlp_launch.fairseq_log import train_fields, valid_fields
 
 PROG = "smlp-demo"
@@ -275,9 +276,7 @@ def report(args, data: Path, save: Path, curves: Curves, seconds: float, zerosho
                   "hf": str(hf) if hf else None},
     }
     plot(curves, args.out / "loss.png", f"{args.arch}, {args.nproc} expert-parallel CPU workers")
-    tmp = args.out / "summary.json.tmp"
-    tmp.write_text(json.dumps(summary, indent=1))
-    tmp.replace(args.out / "summary.json")
+    write_atomic(args.out / "summary.json", json.dumps(summary, indent=1))
 
     rows = [("model", f"{args.arch} ({args.nproc} expert-parallel CPU workers)"),
             ("training", f"{update} updates in {seconds / 60:.1f} min"),

@@ -540,7 +540,9 @@ class Launcher:
         if self.plan.peak_rss_json is not None:
             import json
 
-            self.plan.peak_rss_json.write_text(json.dumps(
+            from smlp.files import write_atomic
+
+            write_atomic(self.plan.peak_rss_json, json.dumps(
                 {"peak_rss_bytes": {str(r): b for r, b in sorted(peaks.items())},
                  "source": "ru_maxrss / VmHWM"}) + "\n")
 

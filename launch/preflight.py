@@ -3,8 +3,8 @@
 A flag the model cannot take (heads that do not divide the width, experts that do not fit the world size, a
 routing prefix covering the sequence, no layer, --batch-size 0, ...) would surface inside every rank's
 fairseq-train as a 30-line traceback, once per rank. `refusal(fairseq_args)` parses the arguments as
-fairseq-train does (its parser, with the plugins of --user-dir), checks the data folder (its train split whole
-and within its dictionary), the batch limits and the model's flags without building the model
+fairseq-train does (its parser, with the plugins of --user-dir), checks the checkpoint flags, the data folder (its
+train split whole and within its dictionary), the batch limits and the model's flags without building the model
 (`fairseq_plugins.models.check_model_flags`), and returns the one line that says what is wrong, or None. A
 worker runs it before it joins the others (no file is written, no rendezvous is made); the launcher prints the
 line once and stops the other workers (smlp_launch.local).
@@ -39,11 +39,13 @@ def refusal(fairseq_args: list[str]) -> str | None:
                 raise
             return lines[-1]
         cfg = convert_namespace_to_omegaconf(args)
+    from fairseq_plugins.checkpoint_sets import check_checkpoint_flags
     from fairseq_plugins.errors import RefusedInput
     from fairseq_plugins.models import check_model_flags
     from fairseq_plugins.patches import check_batch_limits, check_binarized_split, check_data_dir
 
     try:
+        check_checkpoint_flags(cfg.checkpoint)
         data = getattr(cfg.task, "data", None)
         check_data_dir(data)
         check_batch_limits(cfg.dataset.batch_size, cfg.dataset.max_tokens)

@@ -23,7 +23,9 @@ import here: the fairseq registrations live in `fairseq_plugins/`.
     precision.py           what stays out of half precision
     flop_forms.py          the plain forms a FLOP counter traces
     profiling.py           the profiler ranges of a step and their breakdown
-    process_group.py       rank, world size and the collectives' device
+    process_group.py       rank, world size, the collectives' device, the ranks' object collectives
+    files.py               the one atomic writer of every file (checkpoints, records, results, exports, data
+                           folders): temporary file, fsync, rename, folder fsync, the mode open() gives
     third_party.py         start-up settings for third-party imports (console programs)
 
 Shape legend, one for the whole core. A tensor's name ends in its shape (`x_SD`, `scores_SE`), as in

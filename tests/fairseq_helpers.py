@@ -43,6 +43,57 @@ def fairseq_train(argv: list[str], world: int = 1) -> None:
             dist.destroy_process_group()
 
 
+def in_process_trainer(args: list[str], *, world: int = 1, rank: int = 0, port: int | None = None):
+    """(trainer, epoch iterator, grouped batches) of fairseq's own Trainer for the fairseq-train arguments `args`,
+    built in this process as fairseq_cli.train builds it, on CPU; on `world` gloo ranks (this process is `rank`,
+    rendezvous on `port`) when world > 1. For tests that drive train_step themselves."""
+    from fairseq import options, tasks, utils
+    from fairseq.data import iterators
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+    from fairseq.distributed import utils as distributed_utils
+    from fairseq.trainer import Trainer
+
+    from fairseq_plugins.precision import bf16_without_tpu
+
+    args = [*args, "--cpu"]
+    save_dir = args[args.index("--save-dir") + 1] if "--save-dir" in args else None
+    if save_dir:
+        os.makedirs(save_dir, exist_ok=True)
+    if world > 1:
+        args += ["--distributed-backend", "gloo", "--ddp-backend", "legacy_ddp", "--distributed-init-method",
+                 f"tcp://127.0.0.1:{port}", "--distributed-world-size", str(world), "--distributed-rank", str(rank),
+                 "--device-id", str(rank), "--distributed-no-spawn"]
+    cfg = convert_namespace_to_omegaconf(options.parse_args_and_arch(options.get_training_parser(), input_args=args))
+    bf16_without_tpu(cfg, argv=args)  # what fairseq-train's call_main does
+    if world > 1:
+        distributed_utils.distributed_init(cfg)  # once per process (later calls only warn), and the rank suffix
+    utils.set_torch_seed(cfg.common.seed)
+    task = tasks.setup_task(cfg.task)
+    model = task.build_model(cfg.model)
+    criterion = task.build_criterion(cfg.criterion)
+    trainer = Trainer(cfg, task, model, criterion)
+    epoch_itr = trainer.get_train_iterator(epoch=1)
+    batches = iterators.GroupedIterator(epoch_itr.next_epoch_itr(shuffle=True), cfg.optimization.update_freq[0])
+    return trainer, epoch_itr, batches
+
+
+def spawn_and_collect(worker, nprocs: int, *args) -> list:
+    """Run worker(i, tmp, *args) in `nprocs` processes forked from the session's server (torch.multiprocessing,
+    "forkserver") and return what each saved to `result_path(tmp, i)`, in process order."""
+    import tempfile
+
+    import torch
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(worker, args=(tmp, *args), nprocs=nprocs, join=True, start_method="forkserver")
+        return [torch.load(result_path(tmp, i), weights_only=False) for i in range(nprocs)]
+
+
+def result_path(tmp: str, i: int) -> str:
+    return os.path.join(tmp, f"result-{i}.pt")
+
+
 def smlp_tiny_flags(data, routing: str) -> list[str]:
     """The flags of the shared 2-rank run (`smlp_tiny_two_ranks`) and of the runs compared with it. The learning
     rate is fixed (no schedule) and fairseq reseeds every update, so --max-update, saving and validation decide
@@ -98,9 +149,12 @@ def _forks():
     return multiprocessing.get_context("forkserver")
 
 
-def _rank_main(program: str, argv: list[str], env: dict, out_path: str, threads: int, cwd) -> None:
+def _rank_main(program: str, argv: list[str], env: dict, out_path: str, threads: int, cwd, umask=None) -> None:
     """One rank in a fork of the preloaded server: the console program's cli_main, as its console script would
-    run it (its environment, arguments, working directory, stdout and stderr into one file, its exit code)."""
+    run it (its environment, arguments, working directory, umask, stdout and stderr into one file, its exit
+    code)."""
+    if umask is not None:
+        os.umask(umask)
     fd = os.open(out_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
@@ -120,17 +174,18 @@ def _rank_main(program: str, argv: list[str], env: dict, out_path: str, threads:
     importlib.import_module("fairseq_cli." + CLI_MODULES[program]).cli_main()
 
 
-def _start_rank(program: str, argv: list[str], env: dict, threads: int, cwd, out_path: str):
+def _start_rank(program: str, argv: list[str], env: dict, threads: int, cwd, out_path: str, umask=None):
     """A rank of `program`: forked from the session's preloaded server where it runs the same code as a fresh
     process would, else a fresh process (another interpreter's environment at import time, or no cli_main)."""
     if program in CLI_MODULES and all(env.get(k) == _fork_env.get(k, os.environ.get(k)) for k in IMPORT_TIME_ENV):
-        proc = _forks().Process(target=_rank_main, args=(program, argv, env, out_path, threads, cwd), daemon=False)
+        proc = _forks().Process(target=_rank_main, args=(program, argv, env, out_path, threads, cwd, umask),
+                                daemon=False)
         proc.start()
         return proc
     out = open(out_path, "w")
     with out:
         return subprocess.Popen([str(BIN / program), *argv], stdout=out, stderr=subprocess.STDOUT, text=True,
-                                env=env, cwd=cwd)
+                                env=env, cwd=cwd, umask=-1 if umask is None else umask)
 
 
 def _wait(proc, timeout: float) -> int | None:
@@ -145,11 +200,12 @@ def _wait(proc, timeout: float) -> int | None:
 
 
 def run_fairseq(program: str, args: list[str], *, world: int = 1, timeout: int = 300,
-                cwd=None) -> list[subprocess.CompletedProcess]:
+                cwd=None, umask: int | None = None) -> list[subprocess.CompletedProcess]:
     """Run a fairseq console program on `world` CPU gloo ranks (--cpu, gloo, legacy_ddp, tcp rendezvous), each
     rank's stdout and stderr in its CompletedProcess.stdout. Each rank is a fork of a server that imported
     fairseq once for the session (FORK_PRELOAD: ~8 s of CPU less per rank than a fresh interpreter, the same
-    code after that); tests/test_launch.py and tests/test_faults.py start real processes through smlp-launch."""
+    code after that); tests/test_launch.py and tests/test_faults.py start real processes through smlp-launch.
+    `umask`: the ranks' umask (default: the fork server's, the session's at its start)."""
     import tempfile
     import time
 
@@ -166,7 +222,8 @@ def run_fairseq(program: str, args: list[str], *, world: int = 1, timeout: int =
     with tempfile.TemporaryDirectory(prefix="fairseq-ranks-") as tmp:
         outs = [os.path.join(tmp, f"rank{rank}.log") for rank in range(world)]
         argvs = [[*args, *_merge_flags(args, dist)] for dist in dists]
-        procs = [_start_rank(program, argv, worker_env(threads), threads, cwd, out) for argv, out in zip(argvs, outs)]
+        procs = [_start_rank(program, argv, worker_env(threads), threads, cwd, out, umask)
+                 for argv, out in zip(argvs, outs)]
         codes, deadline = [], time.monotonic() + timeout
         try:
             for proc in procs:

@@ -206,6 +206,19 @@ def test_launcher_says_a_refused_flag_once_in_one_line(tiny_lm_data, tmp_path):
     assert "Traceback" not in proc.stdout and not save.exists()
 
 
+def test_launcher_workers_refuse_asynchronous_checkpoints_before_joining(tiny_lm_data, tmp_path):
+    """smlp-launch's workers check the checkpoint flags with the others before any rendezvous: --save-async (the
+    short name of --write-checkpoints-asynchronously) is refused in one line naming the flag to drop."""
+    from smlp_launch.preflight import refusal
+
+    argv = [str(tiny_lm_data), "--user-dir", PLUGINS, "--arch", "smlp_lm_tiny", *TRAIN, "--save-dir",
+            str(tmp_path / "ckpt")]
+    assert refusal(argv) is None
+    line = refusal([*argv, "--save-async"])
+    assert line.startswith("--write-checkpoints-asynchronously (--save-async) writes each rank's file from a thread")
+    assert "drop the flag" in line and "\n" not in line and not (tmp_path / "ckpt").exists()
+
+
 @pytest.mark.parametrize("extra, message", [
     (lambda t: ["--save-dir", str(t / "a-file" / "ckpt")], "--save-dir {t}/a-file/ckpt cannot be created: {t}/a-file "
                                                            "is a file; choose a folder path"),

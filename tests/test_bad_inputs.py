@@ -217,6 +217,9 @@ CASES = [
       "the save set is mixed or incomplete"]),
     ("finetune-from-a-missing-model", smlp("--finetune-from-model", "/nonexistent/pretrained.pt"), 1, ValueError,
      ["--finetune-from-model /nonexistent/pretrained.pt does not exist"]),
+    # (fairseq's asynchronous write skips the atomic tagged write and copies nothing to checkpoint_last)
+    ("checkpoints-written-asynchronously", smlp("--num-experts", "2", "--save-async"), 1, ValueError,
+     ["--write-checkpoints-asynchronously (--save-async)", "copies nothing to checkpoint_last", "drop the flag"]),
     # save directory
     ("save-dir-not-creatable", save_dir_under_a_file, 1, OSError,
      ["a-file/ckpt cannot be created or written (Not a directory", "Choose a writable directory"]),

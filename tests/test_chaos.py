@@ -43,6 +43,28 @@ def test_a_training_killed_three_times_ends_bitwise_equal_to_the_uninterrupted_o
     assert result["differing"] == {}, result["differing"]  # the routers' prices included (their record is saved)
 
 
+@pytest.mark.slow
+def test_an_amp_training_with_injected_overflows_killed_in_a_save_ends_bitwise_equal(tiny_lm_data, tmp_path):
+    """`smlp-bench chaos --amp` in small: --amp (fp16 autocast on CPU, a loss scale, --amp-batch-retries 1) with
+    overflows injected (batch 5, the one after the save of update 4, skipped, so that save is written again holding
+    its routing record; batch 8, after update 6, fed again; the same after update 8), once uninterrupted, then
+    killed inside a checkpoint write and resumed: every tensor, the routers' prices and the loss scale included,
+    ends bitwise equal, every loss too."""
+    updates, save_every = 12, 4
+    plan = chaos.overflow_plan(updates, save_every)
+    assert plan == {5: 2, 8: 1, 10: 2, 13: 1}
+    args = chaos.train_args(tiny_lm_data, updates, save_every, amp=True)
+    record = chaos.run(tmp_path, args, updates=updates, save_every=save_every, kills=["sigkill-in-save"], seed=3,
+                       env=chaos.overflow_env(plan), timeout=600)
+    result, baseline = record["result"], record["baseline"]
+    assert baseline["overflows"] == 6 and baseline["skipped"] == 2, baseline  # 2 + 1 + 2 + 1 passes; 2 skipped
+    in_save = record["kills"][0]
+    assert in_save["landed"]["phase"] == "checkpoint write" and in_save["launcher_exit"] != 0, in_save
+    assert result["loss_mismatches"] == [] and result["update_problems"] == [], result
+    assert result["updates_logged"] == updates and result["torn_files"] == [] and result["temp_files_at_end"] == []
+    assert result["differing"] == {}, result["differing"]
+
+
 def _save(path, model: dict, exp_avg: torch.Tensor, iterations: int, history: int = 1) -> None:
     torch.save({"model": model, "criterion": {},
                 "last_optimizer_state": {"state": {0: {"step": torch.tensor(3.0), "exp_avg": exp_avg}},

@@ -91,15 +91,16 @@ def test_atomic_save_replaces_whole_files_and_leaves_no_temporary(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint_last.pt"]
 
 
-@pytest.mark.parametrize("where", ["write", "torch-zip-writer", "fsync"])
+@pytest.mark.parametrize("where", ["create", "write", "torch-zip-writer", "fsync"])
 def test_disk_full_while_saving_keeps_the_previous_checkpoint(tmp_path, monkeypatch, where):
-    """ENOSPC in the middle of torch.save (a full disk), inside torch's own zip writer (which reports it as
-    `unexpected pos N vs M`; the error must still say the disk is full), or at fsync (delayed allocation, NFS):
-    one line (a refusal, no traceback) naming the file and its folder."""
+    """ENOSPC when the temporary file is created (no room for it; it was a raw OSError from mkstemp), in the middle
+    of torch.save (a full disk), inside torch's own zip writer (which reports it as `unexpected pos N vs M`; the
+    error must still say the disk is full), or at fsync (delayed allocation, NFS): the same one line (a refusal,
+    no traceback) naming the file and its folder."""
     path = tmp_path / "checkpoint_last-rank-0.pt"
     atomic_torch_save({"update": 7, "w": torch.randn(100)}, str(path))
     before = path.read_bytes()
-    real_save, real_fdopen = torch.save, os.fdopen
+    real_fdopen = os.fdopen
 
     def full_disk_save(obj, f, *a, **k):
         f.write(b"PK\x03\x04 half a checkpoint")
@@ -108,7 +109,16 @@ def test_disk_full_while_saving_keeps_the_previous_checkpoint(tmp_path, monkeypa
     def full_disk_fsync(fd):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    if where == "write":
+    real_open = os.open
+
+    def no_room(file, flags, *args, **kwargs):
+        if flags & os.O_CREAT and os.path.basename(str(file)).startswith(path.name + "."):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(file))
+        return real_open(file, flags, *args, **kwargs)
+
+    if where == "create":
+        monkeypatch.setattr(os, "open", no_room)
+    elif where == "write":
         monkeypatch.setattr(torch, "save", full_disk_save)
     elif where == "torch-zip-writer":
         monkeypatch.setattr(os, "fdopen", lambda fd, mode: FullDisk(real_fdopen(fd, mode), 300))
@@ -116,8 +126,7 @@ def test_disk_full_while_saving_keeps_the_previous_checkpoint(tmp_path, monkeypa
         monkeypatch.setattr(os, "fsync", full_disk_fsync)
     with pytest.raises(OSError) as err:
         atomic_torch_save({"update": 8, "w": torch.randn(1000)}, str(path))
-    monkeypatch.setattr(torch, "save", real_save)
-    monkeypatch.setattr(os, "fdopen", real_fdopen)
+    monkeypatch.undo()
     message = str(err.value)
     assert err.value.errno == errno.ENOSPC and isinstance(err.value, RefusedInput)
     assert message.startswith(f"could not write checkpoint {path}: No space left on device (") and "\n" not in message
@@ -139,6 +148,8 @@ def test_a_write_killed_partway_leaves_a_temporary_file_that_its_rank_removes_at
     for name in names:
         (tmp_path / name).write_bytes(b"PK\x03\x04 part of a checkpoint")
     assert [Path(p).name for p in stale_temp_files(str(tmp_path), "")] == ["checkpoint_last.pt.abcdefgh.tmp"]
+    # rank 0 of a run on fewer ranks: those of the ranks it does not have (here ranks 2 and up: rank 11)
+    assert [Path(p).name for p in stale_temp_files(str(tmp_path), "", ranks_from=2)] == [names[-1]]
     removed = remove_stale_temp_files(str(tmp_path), "-rank-1")
     assert sorted(Path(p).name for p in removed) == names[:2]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[2:])
@@ -203,6 +214,32 @@ def test_resuming_falls_back_to_the_newest_complete_set(tmp_path):
     assert plan.restore_file == str(tmp_path / "checkpoint_1_11.pt")
     assert "checkpoint_last-rank-0.pt: update 12; checkpoint_last-rank-1.pt: update 11" in plan.message
     assert "Resuming from the newest complete save, checkpoint_1_11-rank-*.pt (update 11)" in plan.message
+
+
+def test_a_newer_complete_save_is_resumed_from_not_an_older_consistent_checkpoint_last(tmp_path):
+    """Both ranks wrote update 12's numbered save and were stopped before they copied it to checkpoint_last (one chaos
+    kill redid 4 updates for it): the newest complete save is loaded, whichever file holds it, and said; with no
+    checkpoint_last at all too. An incomplete newer save, or --finetune-from-model (fairseq reads the model to
+    finetune when checkpoint_last is missing), keeps checkpoint_last."""
+    write_set(tmp_path, "checkpoint_1_4", [4, 4])
+    write_set(tmp_path, "checkpoint_last", [8, 8])
+    write_set(tmp_path, "checkpoint_1_8", [8, 8])
+    write_set(tmp_path, "checkpoint_1_16", [16, None])
+    assert decide(tmp_path).restore_file is None  # checkpoint_last is the newest complete save
+    write_set(tmp_path, "checkpoint_1_12", [12, 12])
+    plan = decide(tmp_path)
+    assert plan.restore_file == str(tmp_path / "checkpoint_1_12.pt") and not plan.from_scratch
+    assert plan.message == ("checkpoint_last.pt holds update 8, and a newer save is complete (the run was stopped "
+                            "after it wrote that save, before it copied it to checkpoint_last.pt). Resuming from the "
+                            "newest complete save, checkpoint_1_12-rank-*.pt (update 12).")
+    requested = [read_shard(str(tmp_path / f"checkpoint_last-rank-{r}.pt")) for r in range(2)]
+    assert decide_resume(requested, {str(tmp_path / "checkpoint_1_12.pt"): requested}, world=2, sharded=True,
+                         default_restore=True, restore_name="checkpoint_last.pt", newest=False).restore_file is None
+    for r in range(2):
+        (tmp_path / f"checkpoint_last-rank-{r}.pt").unlink()
+    plan = decide(tmp_path)
+    assert plan.restore_file == str(tmp_path / "checkpoint_1_12.pt")
+    assert "checkpoint_last.pt does not exist, but a complete save does" in plan.message
 
 
 def test_the_same_update_from_two_runs_is_not_one_save(tmp_path):

@@ -119,16 +119,22 @@ def kill_rank_1_and_check_every_worker_ends(proc, out, tmp_path) -> str:
 
 
 def test_sigkill_while_saving_ends_all_workers_and_the_resume_is_consistent(tiny_lm_data, tmp_path, baseline):
-    """Rank 1 is SIGKILLed while it writes update 5; rank 0 has already written (and copied) it.
+    """Rank 1 is SIGKILLed while it saves update 5: every rank has written checkpoint_1_5 and its copy to
+    checkpoint_last, and rank 0 has renamed its copy, rank 1 not yet (a rank names no file of a save before every
+    rank has written its own, so only a kill between the renames leaves a mixed set).
 
     The launcher stops rank 0 and exits non-zero within 60 s with no process left. The save directory
     then holds checkpoint_last-rank-0.pt at update 5 and -rank-1.pt at 4: the next run names both
-    and resumes from the newest complete set (update 4), redoing update 5 with the baseline's loss.
+    and resumes from the newest complete set (checkpoint_1_5), going on with the baseline's losses.
     """
+    from fairseq_plugins.checkpoint_sets import read_shard
+
     proc, out = launch(tmp_path, tiny_lm_data, "--user-dir", FAULT_PLUGIN,
-                       env={"SMLP_FAULT_SLOW_SAVE": "rank=1,nth=5,sleep=120"})
+                       env={"SMLP_FAULT_SLOW_SAVE": "rank=1,nth=5,sleep=120,rename=1"})
     wait_for(lambda: proc.poll() is not None or "rank 1 slow save of update 5" in rank_log(tmp_path, 1), 240,
-             "rank 1 to start saving update 5")
+             "rank 1 to be about to rename its copy of update 5")
+    last = tmp_path / "ckpt" / "checkpoint_last-rank-0.pt"
+    wait_for(lambda: proc.poll() is not None or read_shard(str(last)).num_updates == 5, 30, "rank 0's rename")
     assert proc.poll() is None, read(out)[-3000:]
     text = kill_rank_1_and_check_every_worker_ends(proc, out, tmp_path)
     assert_same_losses(text, baseline)
@@ -138,26 +144,29 @@ def test_sigkill_while_saving_ends_all_workers_and_the_resume_is_consistent(tiny
     assert rc == 0, text[-3000:]
     assert ("checkpoint_last.pt is not one consistent save (the shards come from different saves): "
             "checkpoint_last-rank-0.pt: update 5; checkpoint_last-rank-1.pt: update 4. Resuming from the newest "
-            "complete save, checkpoint_1_4-rank-*.pt (update 4)") in text, text[-3000:]
-    assert sorted(assert_same_losses(text, baseline)) == list(range(5, MAX_UPDATE + 1))
+            "complete save, checkpoint_1_5-rank-*.pt (update 5)") in text, text[-3000:]
+    assert sorted(assert_same_losses(text, baseline)) == list(range(6, MAX_UPDATE + 1))
     assert re.search(r"peak RSS per rank: rank 0 \d+\.\d MiB, rank 1 \d+\.\d MiB", text), text[-500:]
     assert_no_processes(str(tmp_path), within=10)
 
 
-def test_a_full_disk_while_saving_ends_the_job_in_one_line_and_the_previous_save_resumes(tiny_lm_data, tmp_path,
-                                                                                          baseline):
-    """The disk fills up while both ranks write update 3 (each write raises ENOSPC partway): each rank ends with
-    one line naming the file and its folder, no traceback; update 2's checkpoints stay whole, no partial file is
-    left, and the same command (the disk freed) resumes from update 2 with the baseline's losses."""
-    proc, out = launch(tmp_path, tiny_lm_data, "--user-dir", FAULT_PLUGIN, env={"SMLP_FAULT_ENOSPC": "nth=3"})
+def test_a_full_disk_on_one_rank_ends_every_rank_in_one_line_and_names_no_part_of_the_save(tiny_lm_data, tmp_path,
+                                                                                            baseline):
+    """Rank 1's disk is full when it creates its temporary file for update 3 (rank 0 writes its file whole): every
+    rank ends with the one line a full disk gives while writing, naming rank 1's file and its folder, no
+    traceback; no file of update 3 is named on any rank (rank 0's waited for rank 1's and was removed), update 2's
+    checkpoints stay whole, no partial file is left, and the same command (the disk freed) resumes from update 2
+    with the baseline's losses."""
+    proc, out = launch(tmp_path, tiny_lm_data, "--user-dir", FAULT_PLUGIN,
+                       env={"SMLP_FAULT_ENOSPC": "nth=3,rank=1,create=1"})
     rc, text, _ = finish(proc, out, 240)
     ckpt = tmp_path / "ckpt"
-    assert rc == 1 and "disk full while writing checkpoint_1_3-rank-" in text, text[-3000:]
-    errors = [line for line in text.splitlines() if ": error: " in line]
-    assert errors and all(re.search(rf"^(smlp-launch: rank 1: |\[rank0\]: )fairseq-train: error: could not write "
-                                     rf"checkpoint {ckpt}/checkpoint_1_3-rank-[01]\.pt: No space left on device "
-                                     rf"\([\d.]+ MiB free in {ckpt}\)\. ", line) for line in errors), errors
-    assert "Traceback" not in text + rank_log(tmp_path, 1), text[-3000:]
+    assert rc == 1 and "disk full while creating checkpoint_1_3-rank-1" in text + rank_log(tmp_path, 1), text[-3000:]
+    line = (rf"fairseq-train: error: could not write checkpoint {ckpt}/checkpoint_1_3-rank-1\.pt: No space left on "
+            rf"device \([\d.]+ MiB free in {ckpt}\)\. The previous checkpoint_1_3-rank-1\.pt is unchanged")
+    for r, log in ((0, text), (1, rank_log(tmp_path, 1))):  # the same line on every rank (rank 0's: the launcher's)
+        assert re.search(rf"^(\[rank{r}\]: |smlp-launch: rank {r}: )?{line}", log, re.M), (r, log[-3000:])
+        assert "Traceback" not in log, (r, log[-3000:])
     assert sorted(p.name for p in ckpt.glob("checkpoint*")) == [
         f"checkpoint_{n}-rank-{r}.pt" for n in ("1_1", "1_2", "last") for r in (0, 1)]
     from fairseq_plugins.checkpoint_sets import read_shard
@@ -221,15 +230,15 @@ def test_slurm_time_limit_requeue_during_save_and_sigkill(slurm, tiny_lm_data, t
 
     1. SLURM's own time-limit warning (--time=2 --signal=B:USR1@60) arrives mid-run: the tasks save at
        the current update, the script requeues the job; the restart loads exactly that update.
-    2. (time limit raised with scontrol) `scontrol requeue` while rank 1 is still writing a checkpoint
-       that rank 0 has finished: the tasks die of SIGTERM, leaving a mixed set; the restart names it
-       and resumes from the newest complete save.
+    2. (time limit raised with scontrol) `scontrol requeue` while rank 1 is about to rename its copy of a save
+       to checkpoint_last that rank 0 has renamed: the tasks die of SIGTERM, leaving a mixed set; the restart
+       names it and resumes from the newest complete save (that save's numbered files).
     3. A task SIGKILLed inside the all2all: srun ends the other task, the job FAILS within 60 s, nothing
        is left.
     Every logged loss equals the uninterrupted run's at the same update.
     """
     env = {**slurm, "SMLP_FAULT_STEP_SLEEP": "3,restart=0",
-           "SMLP_FAULT_SLOW_SAVE": "rank=1,nth=3,sleep=120,restart=1",
+           "SMLP_FAULT_SLOW_SAVE": "rank=1,nth=3,sleep=120,restart=1,rename=1",
            "SMLP_FAULT_A2A": "victim=1,call=60,sleep=5,restart=2"}
     out = tmp_path / "job-%j.out"
     proc = subprocess.run(
@@ -272,10 +281,10 @@ def test_slurm_time_limit_requeue_during_save_and_sigkill(slurm, tiny_lm_data, t
     runs = re.split(r"\[train\.sbatch [^\]]*\] job \d+ \(restart \d+\)", text)[1:]
     assert len(runs) == 3, text[-5000:]
     loaded = loaded_updates(text)
-    assert loaded == [stopped, slow - 1], (loaded, stopped, slow)
+    assert loaded == [stopped, slow], (loaded, stopped, slow)
     assert (f"checkpoint_last-rank-0.pt: update {slow}; checkpoint_last-rank-1.pt: update {slow - 1}. Resuming "
-            f"from the newest complete save, checkpoint_1_{slow - 1}-rank-*.pt (update {slow - 1})") in runs[2]
+            f"from the newest complete save, checkpoint_1_{slow}-rank-*.pt (update {slow})") in runs[2]
     assert max(train_losses(text)) <= BASELINE_UPDATES, train_losses(text)
     logged = [sorted(assert_same_losses(r, baseline)) for r in runs]
-    assert logged[0][-1] == stopped and logged[1][0] == stopped + 1 and logged[2][0] == slow
-    assert logged[1][-1] >= slow - 1
+    assert logged[0][-1] == stopped and logged[1][0] == stopped + 1 and logged[2][0] == slow + 1
+    assert logged[1][-1] >= slow

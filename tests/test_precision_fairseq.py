@@ -24,13 +24,21 @@
 from __future__ import annotations
 
 import os
-import tempfile
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from fairseq_helpers import PLUGINS, TINY_TRAIN, assert_ok, free_port, run_fairseq, train_losses
+from fairseq_helpers import (
+    PLUGINS,
+    TINY_TRAIN,
+    assert_ok,
+    free_port,
+    in_process_trainer,
+    result_path,
+    run_fairseq,
+    spawn_and_collect,
+    train_losses,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -59,35 +67,12 @@ BYTES_PER_PARAM = {"fp32": 4 + 4 + 8, "fp16": 2 + 2 + 4 + 4 + 8, "memory_efficie
 
 
 def _trainer(data: str, save_dir: str, flags: list[str], world: int, rank: int, port: int):
-    from fairseq import options, tasks, utils
-    from fairseq.data import iterators
-    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
-    from fairseq.distributed import utils as distributed_utils
-    from fairseq.trainer import Trainer
-
-    from fairseq_plugins.precision import bf16_without_tpu
-
-    os.makedirs(save_dir, exist_ok=True)
-    args = [data, "--user-dir", PLUGINS, *TINY_TRAIN, *TRAINER_ARCH, "--save-dir", save_dir, *flags, "--cpu"]
-    if world > 1:
-        args += ["--distributed-backend", "gloo", "--ddp-backend", "legacy_ddp", "--distributed-init-method",
-                 f"tcp://127.0.0.1:{port}", "--distributed-world-size", str(world), "--distributed-rank", str(rank),
-                 "--device-id", str(rank), "--distributed-no-spawn"]
-    else:
+    args = [data, "--user-dir", PLUGINS, *TINY_TRAIN, *TRAINER_ARCH, "--save-dir", save_dir, *flags]
+    if world == 1:
         args += ["--update-freq", str(WORLD)]  # the global batch of WORLD ranks
-    cfg = convert_namespace_to_omegaconf(options.parse_args_and_arch(options.get_training_parser(), input_args=args))
-    bf16_without_tpu(cfg, argv=args)  # what fairseq-train's call_main does
-    if world > 1:
-        distributed_utils.distributed_init(cfg)
-    utils.set_torch_seed(cfg.common.seed)
-    task = tasks.setup_task(cfg.task)
-    model = task.build_model(cfg.model)
-    criterion = task.build_criterion(cfg.criterion)
-    trainer = Trainer(cfg, task, model, criterion)
+    trainer, _, batches = in_process_trainer(args, world=world, rank=rank, port=port)
     if world > 1:  # fairseq compares the ranks' norms only on CUDA; run its check here too
         trainer._grad_norm_buf = torch.zeros(world, dtype=torch.double)
-    epoch_itr = trainer.get_train_iterator(epoch=1)
-    batches = iterators.GroupedIterator(epoch_itr.next_epoch_itr(shuffle=True), cfg.optimization.update_freq[0])
     return trainer, batches
 
 
@@ -179,7 +164,7 @@ def _run_variant(name, data, save_dir, world, rank, port, inject_rank) -> dict:
     return out
 
 
-def _worker(i: int, data: str, tmp: str, port: int) -> None:
+def _worker(i: int, tmp: str, data: str, port: int) -> None:
     torch.set_num_threads(1)
     results = {}
     if i == WORLD:  # the single-process twin: every expert in one process, the same global batches
@@ -192,15 +177,12 @@ def _worker(i: int, data: str, tmp: str, port: int) -> None:
 
         dist.barrier()
         dist.destroy_process_group()
-    torch.save(results, os.path.join(tmp, f"result-{i}.pt"))
+    torch.save(results, result_path(tmp, i))
 
 
 @pytest.fixture(scope="module")
 def trainers(tiny_lm_data):
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(str(tiny_lm_data), tmp, free_port()), nprocs=WORLD + 1, join=True,
-                start_method="forkserver")
-        results = [torch.load(os.path.join(tmp, f"result-{i}.pt"), weights_only=False) for i in range(WORLD + 1)]
+    results = spawn_and_collect(_worker, WORLD + 1, str(tiny_lm_data), free_port())
     return {"ranks": results[:WORLD], "twin": results[WORLD]}
 
 

@@ -46,6 +46,10 @@ def runs(tiny_lm_data, tmp_path_factory):
                               "--save-interval-updates", "3")
     out["replicated"] = _train(tiny_lm_data, root / "elastic", 4, "--expert-parallel-size", "2",
                                "--max-update", "3")
+    # writes of ranks 0, 2 and 3 killed partway (a run stopped while it saved): the 1-process run has none of them
+    out["planted"] = [f"checkpoint_{n}-rank-{r}.pt.k3j2h1g{r}.tmp" for n, r in (("last", 0), ("1_3", 2), ("last", 3))]
+    for name in out["planted"]:
+        (root / "elastic" / name).write_bytes(b"PK\x03\x04 part of a checkpoint")
     out["shrunk"] = _train(tiny_lm_data, root / "elastic", 1, "--update-freq", "4", "--max-update", "5")
     out["shrunk_files"] = sorted(p.name for p in (root / "elastic").iterdir())
     out["regrown"] = _train(tiny_lm_data, root / "elastic", 2, "--update-freq", "2", "--max-update", "7",
@@ -90,6 +94,15 @@ def test_resume_on_one_process_continues_the_losses(runs):
     # one process reads one file: the old shards left the save directory (kept in the backup)
     assert "checkpoint_last.pt" in runs["shrunk_files"]
     assert not any(n.startswith("checkpoint_last-rank-") for n in runs["shrunk_files"]), runs["shrunk_files"]
+
+
+def test_resuming_on_fewer_ranks_removes_the_temporary_files_of_every_rank_it_does_not_have(runs):
+    """Each rank removes its own killed writes when it starts again; those of ranks a resharded run does not have
+    were left for good (each up to a checkpoint in size): rank 0 removes them, and says so."""
+    _, text = runs["shrunk"]
+    assert not set(runs["planted"]) & set(runs["shrunk_files"]), runs["shrunk_files"]
+    for name in runs["planted"]:
+        assert f"removed {name} (0.0 MiB): a checkpoint write that never finished" in text, text[-3000:]
 
 
 def test_resume_on_two_ranks_with_sharded_optimizer_state_continues_the_losses(runs):

@@ -18,6 +18,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from smlp.files import write_atomic
 from smlp.lm import LanguageModel, LMConfig
 from smlp.profiling import COLLECTIVE, STEP, STEP_RANGES, step_parts
 
@@ -249,7 +250,7 @@ def _worker(rank: int, world: int, init: str, cfgs: dict, settings: dict, out: s
     finally:
         if world > 1:
             dist.destroy_process_group()
-    Path(out, f"{world}-{rank}.json").write_text(json.dumps(report))
+    write_atomic(Path(out, f"{world}-{rank}.json"), json.dumps(report))
 
 
 def run_world(cfgs: dict, world: int, settings: dict) -> list[dict]:

@@ -11,18 +11,23 @@ The auction that makes the balanced assignment also yields its dual: one price p
 that argmax_e(score - price_e) gives every row its assigned expert (up to the auction's eps).
 `RouterPrices` (one per balanced layer, its buffers in the checkpoint) records those prices while the
 layer trains; `fold_prices` folds every layer's record into its exponential average once per optimizer
-step, for all layers in one all-reduce over the ranks that hold copies of the routers, so every rank
-of every layout ends each step with the same prices (the way torchtitan updates its routers' expert
-bias in an optimizer pre-step hook and Megatron-Core all-reduces the token counts once per step).
-The training loop calls it: the fairseq plugin before every optimizer step (fairseq_plugins/patches.py),
-a plain loop through `install_price_fold(optimizer, model, group)`. Evaluation reads the prices:
-`RouterPrices.experts` alone decides between priced routing, greedy routing (`eval_routing="greedy"`,
-or the `route_greedily` diagnostic) and the training assignment.
+step that updates the model, for all layers in one all-reduce over the ranks that hold copies of the
+routers, so every rank of every layout ends each step with the same prices (the way torchtitan updates
+its routers' expert bias in an optimizer pre-step hook and Megatron-Core all-reduces the token counts once
+per step). A step a loss scaler skips folds nothing: its record waits for the next applied step (and is
+saved with the checkpoint). A batch that does not train (fairseq's dummy batch) does not count
+(`uncounted`): it is not recorded, and since an assignment mixes the rows of all ranks (Base Layers'
+shuffle), the whole step's record is dropped on every rank. The training loop calls it: the fairseq
+plugin before every optimizer step (fairseq_plugins/patches.py), a plain loop through
+`install_price_fold(optimizer, model, group)`.
+Evaluation reads the prices: `RouterPrices.experts` alone decides between priced routing, greedy routing
+(`eval_routing="greedy"`, or the `route_greedily` diagnostic) and the training assignment.
 
 Shapes: the core's legend (smlp/__init__.py); here S rows, E experts.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -33,7 +38,7 @@ from ..process_group import collective_device, rank_and_world
 from .assignment import AuctionChecks, balanced_assignment
 
 __all__ = ["RouterPrices", "BALANCED_EVAL_ROUTINGS", "DEFAULT_PRICE_DECAY", "price_modules", "fold_prices",
-           "install_price_fold"]
+           "install_price_fold", "uncounted"]
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +68,8 @@ class RouterPrices(nn.Module):
         self.decay, self.eval_routing = decay, eval_routing
         self.route_greedily = False  # LanguageModel.routing_greedily: the greedy diagnostic
         self.auction_checks = AuctionChecks()  # the layer's assignments' completion checks on an accelerator
+        self.recording = True  # False during a training forward whose batch does not count (`uncounted`)
+        self.voided = False  # such a forward ran since the last fold: the step's record is dropped
         self._prices: tuple | None = None  # (the buffers' versions, `prices()`): made once per change
         self.register_buffer("price_E", torch.zeros(num_experts))
         self.register_buffer("price_weight", torch.zeros(()))
@@ -75,21 +82,35 @@ class RouterPrices(nn.Module):
 
     def observe(self, price_E: Tensor, rows: int) -> None:
         """Record one assignment's prices (from `rows` rows) for the next fold; no collective, no host read."""
+        if not self.recording:
+            return
         with torch.no_grad():
             self.pending_E1[:-1].add_(price_E.to(self.pending_E1.device, torch.float32), alpha=float(rows))
             self.pending_E1[-1].add_(float(rows))
 
-    def fold(self, stat_E1: Tensor) -> None:
+    def fold(self, stat_E1: Tensor, applied: Tensor | None = None, void: Tensor | None = None) -> None:
         """Fold a recorded statistic (prices x rows, rows: this layer's `pending_E1` summed over the ranks,
-        `fold_prices`) into the average and clear the record. Nothing recorded changes nothing. No host read."""
+        `fold_prices`) into the average and clear the record. Nothing recorded changes nothing. 0-dim tensors
+        (None: no such case): `applied` 0 when the optimizer step will not update the model (a loss scaler's
+        skip): the average and the record stay as they are, bit for bit; `void` nonzero when a batch of the
+        step does not count: the average stays and the record is dropped. No host read."""
         with torch.no_grad():
             stat_E1 = stat_E1.to(self.price_E.device, torch.float32)
             total = stat_E1[-1]
             mean_E = stat_E1[:-1] / total.clamp(min=1.0)
             step = (total > 0).float() * (1.0 - self.decay)
-            self.price_E.mul_(1.0 - step).add_(step * mean_E)
-            self.price_weight.mul_(1.0 - step).add_(step)
-            self.pending_E1.zero_()
+            if applied is None and void is None:
+                self.price_E.mul_(1.0 - step).add_(step * mean_E)
+                self.price_weight.mul_(1.0 - step).add_(step)
+                self.pending_E1.zero_()
+                return
+            device = self.price_E.device
+            skipped = torch.zeros((), dtype=torch.bool, device=device) if applied is None else applied.to(device) == 0
+            voided = torch.zeros((), dtype=torch.bool, device=device) if void is None else void.to(device) != 0
+            for buf, new, keep in ((self.price_E, self.price_E * (1.0 - step) + step * mean_E, skipped | voided),
+                                   (self.price_weight, self.price_weight * (1.0 - step) + step, skipped | voided),
+                                   (self.pending_E1, torch.zeros_like(self.pending_E1), skipped & ~voided)):
+                buf.copy_(torch.where(keep, buf, new))
 
     def experts(self, scores_SE: Tensor, *, assign: bool, observe: bool) -> Tensor | None:
         """The rows' experts (S,) under a balanced router, the one place that decides: with `assign` the
@@ -147,23 +168,46 @@ def price_modules(model: nn.Module) -> list[RouterPrices]:
     return [m for m in model.modules() if isinstance(m, RouterPrices)]
 
 
-def fold_prices(model: nn.Module, group=None) -> None:
+def fold_prices(model: nn.Module, group=None, applied: Tensor | None = None) -> None:
     """Fold every balanced layer's recorded prices into its average: once per optimizer step, on every rank
     of `group` (the ranks that hold copies of the routers: the data-parallel group, which expert parallelism
     does not split, since routers are replicated), all layers in one all-reduce. Every rank then holds the
-    same prices, the rows-weighted mean over the ranks and micro-batches of the step. No host read."""
+    same prices, the rows-weighted mean over the ranks and micro-batches of the step. `applied` (0-dim, the
+    same on every rank): 0 when the step will not update the model; the record then waits for the next step.
+    A step in which any rank ran a batch that does not count (`uncounted`) drops every rank's record: the
+    all-reduce carries one more entry, how many ranks did (see `RouterPrices.fold`). No host read."""
     mods = price_modules(model)
     if not mods:
         return
-    flat = torch.cat([m.pending_E1 for m in mods])
+    voided = any(m.voided for m in mods)
+    flat = torch.cat([*(m.pending_E1 for m in mods), mods[0].pending_E1.new_full((1,), float(voided))])
     if rank_and_world(group)[1] > 1:
         flat = flat.to(collective_device(group), copy=True)
         dist.all_reduce(flat, group=group)
-    for m, stat in zip(mods, flat.split([m.pending_E1.numel() for m in mods])):
-        m.fold(stat)
+    void = flat[-1]
+    for m, stat in zip(mods, flat[:-1].split([m.pending_E1.numel() for m in mods])):
+        m.fold(stat, applied, void)
+        m.voided = False
 
 
 def install_price_fold(optimizer: torch.optim.Optimizer, model: nn.Module, group=None):
     """For a plain torch training loop: fold the prices before every `optimizer.step()` (an optimizer pre-step
-    hook, as torchtitan updates its routers' balancing state). Returns the hook's handle."""
+    hook, as torchtitan updates its routers' balancing state; a GradScaler that skips a step does not call
+    `optimizer.step()`, so nothing is folded then). Returns the hook's handle."""
     return optimizer.register_step_pre_hook(lambda opt, args, kwargs: fold_prices(model, group))
+
+
+@contextlib.contextmanager
+def uncounted(model: nn.Module):
+    """A training forward whose batch does not count (fairseq's dummy batch, which a rank with no batch left
+    runs with its loss zeroed so the others' collectives meet): its assignments are not recorded, and the
+    next fold drops the step's record on every rank (the shuffle mixed the batch's rows into the others')."""
+    mods = price_modules(model)
+    before = [m.recording for m in mods]
+    for m in mods:
+        m.recording, m.voided = False, True
+    try:
+        yield
+    finally:
+        for m, recording in zip(mods, before):
+            m.recording = recording

@@ -7,10 +7,13 @@ Importing it registers everything fairseq_plugins registers, then reads these va
       prints
       "[fault] rank R inside all2all call N" and enters the collective, while every other rank
       sleeps S seconds before entering it: the victim is blocked inside the all2all, waiting.
-  SMLP_FAULT_SLOW_SAVE="rank=1,nth=K,sleep=S[,restart=C]"
+  SMLP_FAULT_SLOW_SAVE="rank=1,nth=K,sleep=S[,restart=C][,rename=1]"
       The K-th checkpoint write of the rank (on SLURM restart C only, when given) prints
       "[fault] rank R slow save of update U" and sleeps S seconds before writing: a save in progress
-      on that rank while the others have finished theirs.
+      on that rank while the others wait for it (they name no file of a save before every rank has
+      written its own). With rename=1 it sleeps later, once every rank has written its copy of that
+      save to checkpoint_last, just before renaming its own: the other ranks have renamed theirs, and
+      checkpoint_last is a mixed set (rank 0 at update U, this rank at the save before).
   SMLP_FAULT_STOP_ALL_REDUCE="victim=1,call=N"
       Before the N-th all-reduce fairseq itself makes (`fairseq.distributed.utils.all_reduce`: the
       gradients under legacy_ddp, the logging outputs), the victim rank prints "[fault] rank R stops
@@ -21,9 +24,10 @@ Importing it registers everything fairseq_plugins registers, then reads these va
   SMLP_FAULT_KILL_AT_UPDATE="U"
       Every rank prints "[fault] rank R killed at update U" and kills itself (SIGKILL) as it starts the
       training step after update U: a job killed between two checkpoints.
-  SMLP_FAULT_ENOSPC="nth=K[,bytes=B]"
-      The disk fills up: on every rank, the K-th write of a numbered checkpoint (checkpoint_E_U*.pt) prints
-      "[fault] rank R disk full while writing NAME" and raises ENOSPC once B bytes (default 65536) are written.
+  SMLP_FAULT_ENOSPC="nth=K[,bytes=B][,rank=R][,create=1]"
+      The disk fills up: on every rank (on rank R only, when given), the K-th write of a numbered checkpoint
+      (checkpoint_E_U*.pt) prints "[fault] rank R disk full while writing NAME" and raises ENOSPC once B bytes
+      (default 65536) are written; with create=1 its temporary file cannot even be created (ENOSPC from open).
 
 And, not a fault, a record for the tests of the balanced routers' prices (smlp/routing/prices.py):
 
@@ -90,15 +94,33 @@ if slow and _this_restart(slow):
     _persist = checkpoint_utils.torch_persistent_save
     saves = [0]
 
+    renaming = []  # the update whose copy to checkpoint_last waits before its rename (rename=1)
+
     def torch_persistent_save(obj, filename, async_write=False):
         if _rank() == int(slow["rank"]):
             saves[0] += 1
             if saves[0] == int(slow["nth"]):
-                _say(f"rank {_rank()} slow save of update {obj['optimizer_history'][-1]['num_updates']}")
-                time.sleep(slow["sleep"])
+                update = obj['optimizer_history'][-1]['num_updates']
+                if slow.get("rename"):
+                    renaming.append(update)
+                else:
+                    _say(f"rank {_rank()} slow save of update {update}")
+                    time.sleep(slow["sleep"])
         return _persist(obj, filename, async_write=async_write)
 
     checkpoint_utils.torch_persistent_save = torch_persistent_save
+    if slow.get("rename"):
+        from fairseq_plugins import atomic_files
+
+        _agree = atomic_files._SaveAgreement.__call__
+
+        def agree(self, error=None):
+            _agree(self, error)  # every rank has written its file
+            if renaming and error is None and os.path.basename(self.path).startswith("checkpoint_last"):
+                _say(f"rank {_rank()} slow save of update {renaming.pop()}")
+                time.sleep(slow["sleep"])
+
+        atomic_files._SaveAgreement.__call__ = agree
 
 step = _spec("SMLP_FAULT_STEP_SLEEP")
 if step and _this_restart(step):
@@ -154,14 +176,14 @@ if record:
         self._smlp_observed = getattr(self, "_smlp_observed", 0) + 1
         return _observe(self, price_E, rows)
 
-    def fold_prices(model, group=None):
+    def fold_prices(model, group=None, applied=None):
         layers = []
         for m in _prices.price_modules(model):
             layers.append({"pending": m.pending_E1.tolist(), "observed": getattr(m, "_smlp_observed", 0)})
             m._smlp_observed = 0
         with open(os.path.join(record, f"rank{_rank()}.jsonl"), "a") as f:
             f.write(json.dumps({"layers": layers}) + "\n")
-        return _fold(model, group)
+        return _fold(model, group, applied)
 
     _prices.RouterPrices.observe = observe
     _prices.fold_prices = fold_prices
@@ -198,17 +220,28 @@ if full:
     _atomic_write = atomic_files.atomic_write
     numbered = [0]
 
-    def atomic_write(path, write):
+    def no_room_to_create(real_open, name):
+        def open_(path, flags, *args, **kwargs):  # the temporary file beside `name` (mkstemp uses os.open too)
+            if flags & os.O_CREAT and os.path.basename(str(path)).startswith(name + "."):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+            return real_open(path, flags, *args, **kwargs)
+        return open_
+
+    def atomic_write(path, write, *args, **kwargs):
         if re.match(r"checkpoint_\d+_\d+", os.path.basename(path)):
             numbered[0] += 1
-            if numbered[0] == int(full["nth"]):
-                _say(f"rank {_rank()} disk full while writing {os.path.basename(path)}")
-                room, real_fdopen = int(full.get("bytes", 65536)), os.fdopen
-                os.fdopen = lambda fd, *args, **kwargs: FullDisk(real_fdopen(fd, *args, **kwargs), room)
+            if numbered[0] == int(full["nth"]) and int(full.get("rank", _rank())) == _rank():
+                name = os.path.basename(path)
+                _say(f"rank {_rank()} disk full while {'creating' if full.get('create') else 'writing'} {name}")
+                room, real_fdopen, real_open = int(full.get("bytes", 65536)), os.fdopen, os.open
+                if full.get("create"):
+                    os.open = no_room_to_create(real_open, name)
+                else:
+                    os.fdopen = lambda fd, *a, **k: FullDisk(real_fdopen(fd, *a, **k), room)
                 try:  # the file atomic_write opens runs out of space
-                    return _atomic_write(path, write)
+                    return _atomic_write(path, write, *args, **kwargs)
                 finally:
-                    os.fdopen = real_fdopen
-        return _atomic_write(path, write)
+                    os.fdopen, os.open = real_fdopen, real_open
+        return _atomic_write(path, write, *args, **kwargs)
 
     atomic_files.atomic_write = atomic_write
