@@ -13,6 +13,7 @@ import here: the fairseq registrations live in `fairseq_plugins/`.
     moe.py                 the tMoE and sMoE layers as stages, and the sMLP sparse block
     routing/               where a row goes: the router registry, logits, rules, balanced assignment
     dispatch.py            dispatchers: move routed rows to their experts' ranks and back
+    row_moves.py           the dispatchers' row moves: row permutations, the all2all begun without waiting
     comm_timer.py          the dispatchers' all2all time, measured when asked
     experts.py             FFN and spatial experts: the parameters that live on one rank
     expert_data_parallel.py  expert-parallel layouts and groups, expert gradients and their norm

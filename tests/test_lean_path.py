@@ -1,7 +1,7 @@
 """The tMoE's lean path (issue 53): the same training step, bit for bit, with fewer operators.
 
 - The rows' moves (to the experts' order and back, on both sides of the all2all) are one permutation function
-  (dispatch.permute_rows / unpermute_rows) whose backward gathers with the inverse permutation, each inverse made
+  (row_moves.permute_rows / unpermute_rows) whose backward gathers with the inverse permutation, each inverse made
   once; the regroup by local expert is one stable sort. Kept here as plain reference functions, the former forms:
   indexing (whose backward is a zero fill and an accumulating scatter), the inverse made at each way back, the
   regroup by block arithmetic, and the shuffle's split sizes exchanged by the first layer that shuffles.
@@ -32,10 +32,11 @@ from torch.profiler import ProfilerActivity, profile
 
 from smlp import dispatch
 from smlp.config import TMoEConfig
-from smlp.dispatch import AllToAllDispatcher, RowPermutation, permute_rows, unpermute_rows
+from smlp.dispatch import AllToAllDispatcher
 from smlp.lm import LanguageModel
 from smlp.moe import TMoE
 from smlp.profiling import RANGES, breakdown, routing_and_all2all
+from smlp.row_moves import RowPermutation, permute_rows, unpermute_rows
 from tiny_steps import PlainOpCount, tiny_config
 
 TMOE_FAMILIES = ("sMLP-det", "Base", "Switch", "GShard", "HASH")
