@@ -26,7 +26,13 @@ TEMP_SUFFIX = r"\.[a-z0-9_]{8}\.tmp"  # what write_atomic adds to a target's nam
 
 
 def umask() -> int:
-    """The process's umask (read without changing it for longer than the call)."""
+    """The process's umask: read from /proc on Linux (no change at all, so no other thread can create a file
+    under a wrong mask meanwhile), else set and restored at once."""
+    with contextlib.suppress(OSError, ValueError):
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
     mask = os.umask(0o022)
     os.umask(mask)
     return mask
