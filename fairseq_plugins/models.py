@@ -186,9 +186,10 @@ def make_dispatcher(core_cfg, settings: PluginSettings):
         choice, why = smoe_layout(core_cfg, settings, layout)
         N = core_cfg.smoe_num_experts
         if rank == 0:
-            logger.info("sMoE experts (%d): %s (%s); tMoE experts (%d): spread over expert-parallel groups of %d", N,
-                        "replicated on every rank" if choice == "replicated" else "spread over expert-parallel "
-                        f"groups of {layout.ep_size}", why, core_cfg.num_experts, layout.ep_size)
+            logger.info("sMoE experts: %s (%s); tMoE experts: spread over expert-parallel groups of %d (%d sMoE, "
+                        "%d tMoE experts per sparse layer)", "replicated on every rank" if choice == "replicated"
+                        else f"spread over expert-parallel groups of {layout.ep_size}", why, layout.ep_size, N,
+                        core_cfg.num_experts)
         if choice == "replicated":
             smoe_dispatcher = LocalDispatcher(N, replicated=True)
     dispatcher = LocalDispatcher(core_cfg.num_experts) if layout.ep_size == 1 else \

@@ -158,7 +158,8 @@ def test_a_model_with_its_own_smoe_experts_reshards_consolidates_and_exports(tin
             "--max-update", "3"]
     args = [str(tiny_lm_data), "--user-dir", PLUGINS, *TINY_TRAIN, *smlp, "--save-dir", str(tmp_path / "ck")]
     text = assert_ok(run_fairseq("fairseq-train", [*args, "--smoe-parallel", "replicated"], world=2, timeout=600))
-    assert "sMoE experts (2): replicated on every rank" in text and "tMoE experts (4)" in text, text[-3000:]
+    assert "sMoE experts: replicated on every rank" in text and "(2 sMoE, 4 tMoE experts per sparse layer)" in text, \
+        text[-3000:]
     shards = [load_checkpoint(str(tmp_path / "ck" / f"checkpoint_last-rank-{r}.pt")) for r in range(2)]
     smoe = [k for k in shards[0]["model"] if ".smoe.experts." in k]
     assert smoe and all(s["model"][k].shape[0] == 2 for s in shards for k in shards[0]["model"] if ".experts." in k)
