@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_training(s, "results/bench")
     s = sub.add_parser("fair", help="the deciding comparison; each stage resumable, its store in docs/benchmark/fair/")
     s.add_argument("--stages", default=None, help="comma-separated stages, in order (default: lr-sweep,deciding,"
-                                                   "experts; width runs only when named)")
+                                                   "experts,experts-seeds,smoe-experts; width runs only when named)")
     s.add_argument("--no-pin", action="store_true",
                    help="run this checkout's code instead of each stage's pinned commit (to try out uncommitted code; "
                         "such a stage resumes only while the code that decides perplexity is unchanged)")
