@@ -58,9 +58,10 @@ gpu-check:
 	ln -sfn $(CURDIR)/launch $(GPU_CHECK_PATH)/smlp_launch
 	PYTHONPATH="$(CURDIR):$(CURDIR)/$(GPU_CHECK_PATH)$${PYTHONPATH:+:$$PYTHONPATH}" $(GPU_PYTHON) -m smlp_bench.gpu_check $(GPU_CHECK_ARGS)
 
-# The deciding comparison (docs/benchmarks.md): lr-sweep, deciding, experts, experts-seeds, smoe-experts, resumed where
-# its committed store stopped; each finished run is committed. Each stage runs the code of the commit it started at, from a worktree
-# under results/fair-work/code/ with this environment (benchmarks/pinned.py): commits to main never stop it.
+# The deciding comparison (docs/benchmarks.md): lr-sweep, deciding, experts, experts-seeds, smoe-experts, resumed
+# where its committed store stopped; each finished run is committed. Each stage runs the code of the commit it started
+# at, from a worktree under results/fair-work/code/ with this environment (benchmarks/pinned.py): commits to main
+# never stop it.
 # FAIR_ARGS="--stages width" adds the opt-in stage.
 FAIR_ARGS ?=
 fair: install
