@@ -207,7 +207,10 @@ def run_worker(fairseq_args: list[str]) -> int:
             print(f"smlp-launch: error: {message}", file=sys.stderr, flush=True)
         return 2
     sys.argv = ["fairseq-train", *fairseq_args]
-    cli_main()
+    try:
+        cli_main()
+    except (Exception, SystemExit) as exc:  # KeyboardInterrupt keeps Python's own exit (by SIGINT)
+        exit_after_failure(exc)
     _report_own_peak_rss()
     status_file = os.environ.get("SMLP_STATUS_FILE")
     if stop.stopped_at is not None and status_file:
@@ -219,6 +222,33 @@ def run_worker(fairseq_args: list[str]) -> int:
     return 0
 
 
+def exit_after_failure(exc: BaseException) -> None:
+    """A failed fairseq-train: report `exc` as the interpreter would (a refusal in one line, else its traceback),
+    run the Python exit handlers, then exit without the C++ static destructors. After a failure torch's process
+    groups may still own threads (gloo's work, a peer that went away); their destructors at interpreter exit
+    once aborted a rank that had already printed its one-line error (a full disk on one rank: SIGABRT,
+    "terminate called without an active exception", status 134 for the 1 the launcher and SLURM are told)."""
+    if isinstance(exc, SystemExit):
+        code = exc.code
+        if code is not None and not isinstance(code, int):
+            print(code, file=sys.stderr)
+        status = 0 if code is None else code if isinstance(code, int) else 1
+    else:
+        sys.excepthook(type(exc), exc, exc.__traceback__)
+        status = 1
+    _exit_now(status)
+
+
+def _exit_now(status: int) -> None:
+    """What a normal exit runs first (the atexit handlers: fairseq's writers, logging), then os._exit."""
+    import atexit
+
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
 def end_after_profiling() -> None:
     """After a run that profiled steps (SMLP_PROFILE_STEPS, smlp-bench): the Python exit handlers, then exit 0
     without the C++ static destructors, where torch's profiler can abort a finished run at exit (kineto's
@@ -226,9 +256,4 @@ def end_after_profiling() -> None:
     profiler = sys.modules.get("fairseq_plugins.step_profiler")
     if profiler is None or not profiler.PROFILED:
         return
-    import atexit
-
-    atexit._run_exitfuncs()  # what a normal exit runs first (fairseq's writers, logging)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    _exit_now(0)

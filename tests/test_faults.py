@@ -154,11 +154,12 @@ def test_a_full_disk_on_one_rank_ends_every_rank_in_one_line_and_names_no_part_o
                                                                                             baseline):
     """Rank 1's disk is full when it creates its temporary file for update 3 (rank 0 writes its file whole): every
     rank ends with the one line a full disk gives while writing, naming rank 1's file and its folder, no
-    traceback; no file of update 3 is named on any rank (rank 0's waited for rank 1's and was removed), update 2's
+    traceback, and status 1 (no rank ends through the C library's exit(), where a static destructor aborted it once);
+    no file of update 3 is named on any rank (rank 0's waited for rank 1's and was removed), update 2's
     checkpoints stay whole, no partial file is left, and the same command (the disk freed) resumes from update 2
     with the baseline's losses."""
     proc, out = launch(tmp_path, tiny_lm_data, "--user-dir", FAULT_PLUGIN,
-                       env={"SMLP_FAULT_ENOSPC": "nth=3,rank=1,create=1"})
+                       env={"SMLP_FAULT_ENOSPC": "nth=3,rank=1,create=1", "SMLP_FAULT_ABORT_AT_EXIT": "1"})
     rc, text, _ = finish(proc, out, 240)
     ckpt = tmp_path / "ckpt"
     assert rc == 1 and "disk full while creating checkpoint_1_3-rank-1" in text + rank_log(tmp_path, 1), text[-3000:]

@@ -28,6 +28,10 @@ Importing it registers everything fairseq_plugins registers, then reads these va
       The disk fills up: on every rank (on rank R only, when given), the K-th write of a numbered checkpoint
       (checkpoint_E_U*.pt) prints "[fault] rank R disk full while writing NAME" and raises ENOSPC once B bytes
       (default 65536) are written; with create=1 its temporary file cannot even be created (ENOSPC from open).
+  SMLP_FAULT_ABORT_AT_EXIT=1
+      The process aborts (SIGABRT, status 134) if it exits through the C library's exit(), after the interpreter's
+      finalization, as a C++ static destructor of torch's once did after a failed run ("terminate called without
+      an active exception"): a worker that failed must end with os._exit and its own status (launch/worker.py).
 
 And, not a fault, a record for the tests of the balanced routers' prices (smlp/routing/prices.py):
 
@@ -245,3 +249,10 @@ if full:
         return _atomic_write(path, write, *args, **kwargs)
 
     atomic_files.atomic_write = atomic_write
+
+
+if os.environ.get("SMLP_FAULT_ABORT_AT_EXIT"):
+    import ctypes
+
+    libc = ctypes.CDLL(None)
+    libc.__cxa_atexit(ctypes.cast(libc.abort, ctypes.c_void_p), None, None)  # run by exit(), not by _exit()
