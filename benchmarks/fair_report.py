@@ -214,10 +214,13 @@ def rate_check(pooled: dict, rates: dict, experts: int = 32) -> list[dict]:
             continue
         best = min(tried, key=tried.get)
         at_edge = best in (min(tried), max(tried)) and best != chosen
+        # how much the best rate gains over the sweep's, against the family's seed spread at this count (log sd)
+        gain = tried[best] / tried[chosen] - 1 if chosen in tried else None
+        spread = log_spread(_seeds(pooled, f"{family}_e{experts}"))
         out.append({"family": family, "name": NAMES.get(family, family), "experts": experts, "chosen": chosen,
                     "tried": {f"{r:g}": tried[r] for r in sorted(tried)}, "best": best,
                     "chosen_is_best": math.isclose(best, chosen), "best_at_edge": at_edge,
-                    "complete": len(tried) == 3})
+                    "gain": gain, "seed_sd": spread["sd"] if spread else None, "complete": len(tried) == 3})
     return out
 
 
@@ -477,9 +480,32 @@ def render_experts(e: dict, rate_rows: list[dict], figure: str | None, complete:
                        f"{r['best']:g}" + (" (at the edge of the three)" if r["best_at_edge"] else ""))
             lines.append(f"| {r['name']} | {tried} | {r['chosen']:g} | {verdict}"
                          f"{'' if r['complete'] else ' (partial)'} |")
+        for sentence in filter(None, map(rate_sentence, rate_rows)):
+            lines += ["", sentence]
     if not complete:
         lines += ["", "**PARTIAL: the experts runs (issue 51) have not all finished; every figure above may change.**"]
     return lines
+
+
+def rate_sentence(r: dict) -> str:
+    """What a rate-check row means for the 32-expert points, where the sweep's rate was not the best of the three:
+    the gain of the best rate against the family's seed spread there, and whether a rate beyond it is untried."""
+    if r["chosen_is_best"] or r.get("gain") is None:
+        return ""
+    at_best, at_chosen = r["tried"][f"{r['best']:g}"], r["tried"][f"{r['chosen']:g}"]
+    side = "higher" if r["best"] > r["chosen"] else "lower"
+    beyond = f"; a {side} rate than {r['best']:g} was not tried" if r["best_at_edge"] else ""
+    text = (f"{r['name']} does best at {r['best']:g}: {at_best:.1f} against {at_chosen:.1f} at its sweep's rate "
+            f"({r['gain']:+.1%}, seed 1 alone{beyond}).")
+    if r.get("seed_sd") is None:
+        return text
+    if abs(math.log1p(r["gain"])) <= r["seed_sd"]:
+        return text + (f" Its seeds at {r['experts']} experts spread {r['seed_sd']:.1%} (sd of log perplexity): the "
+                       f"gain is within that spread, though its points at this count may be about {abs(r['gain']):.1%} "
+                       f"pessimistic.")
+    return text + (f" Its seeds at {r['experts']} experts spread {r['seed_sd']:.1%} (sd of log perplexity): the gain "
+                   f"exceeds that spread, so its points at this count are pessimistic and the comparisons there lean "
+                   f"against it.")
 
 
 def trend_sentences(record: dict) -> str:

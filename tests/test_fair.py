@@ -330,3 +330,33 @@ def test_the_seed_rule_of_the_other_benchmarks_pools_the_seed_spread():
     assert V.compare([97.0], [100.0], None)["verdict"] == "undecided"
     with pytest.raises(ValueError, match="perplexities on both sides"):
         V.compare([], [100.0], sd)
+
+
+def test_the_rate_check_says_when_a_familys_best_rate_lies_past_its_sweeps_against_its_seed_spread():
+    """At 32 experts: a family whose best of its three rates is the highest, and one whose sweep's rate stays best.
+    The gain and the seed spread (sd of log perplexity over the 32-expert seeds) against hand-computed values; the
+    page's sentence says which side of the spread the gain lies on, and nothing for the family that stays."""
+    from smlp_bench import fair_report as FR
+
+    def model(*ppl):
+        return {"valid_ppl_per_seed": list(ppl)}
+
+    pooled = {"hash_e32@lr0.002": model(79.5), "hash_e32@lr0.004": model(71.4), "hash_e32@lr0.008": model(70.9),
+              "hash_e32": model(71.2, 71.2, 72.2, 73.0),
+              "smlp_det_e32@lr0.004": model(69.1), "smlp_det_e32@lr0.008": model(67.8),
+              "smlp_det_e32@lr0.016": model(70.4), "smlp_det_e32": model(69.2, 70.1, 73.8, 69.2)}
+    rows = {r["family"]: r for r in FR.rate_check(pooled, {"hash": {"chosen": 0.004}, "smlp_det": {"chosen": 0.008}})}
+    h = rows["hash"]
+    assert h["best"] == 0.008 and h["best_at_edge"] and not h["chosen_is_best"] and h["complete"]
+    assert h["gain"] == pytest.approx(70.9 / 71.4 - 1)
+    assert h["seed_sd"] == pytest.approx(statistics.stdev(math.log(v) for v in (71.2, 71.2, 72.2, 73.0)))
+    text = FR.rate_sentence(h)
+    assert text.startswith("HASH Layers does best at 0.008: 70.9 against 71.4 at its sweep's rate (-0.7%, seed 1 "
+                           "alone; a higher rate than 0.008 was not tried).") and "within that spread" in text
+    assert "1.2% (sd of log perplexity)" in text and "about 0.7% pessimistic" in text
+    assert rows["smlp_det"]["chosen_is_best"] and FR.rate_sentence(rows["smlp_det"]) == ""
+    pooled["hash_e32@lr0.008"] = model(60.0)  # a gain past the spread: the comparisons lean against HASH
+    far = FR.rate_sentence(FR.rate_check(pooled, {"hash": {"chosen": 0.004}})[0])
+    assert "the gain exceeds that spread" in far and "(-16.0%," in far
+    lines = FR.render_experts({"best_moe": "hash", "rows": [], "comparisons": []}, [h], None)
+    assert lines[-1] == text and lines[-2] == ""
