@@ -499,13 +499,12 @@ def rate_sentence(r: dict) -> str:
             f"({r['gain']:+.1%}, seed 1 alone{beyond}).")
     if r.get("seed_sd") is None:
         return text
+    spread = f" Its seeds at {r['experts']} experts spread {r['seed_sd']:.1%} (sd of log perplexity): the gain "
     if abs(math.log1p(r["gain"])) <= r["seed_sd"]:
-        return text + (f" Its seeds at {r['experts']} experts spread {r['seed_sd']:.1%} (sd of log perplexity): the "
-                       f"gain is within that spread, though its points at this count may be about {abs(r['gain']):.1%} "
-                       f"pessimistic.")
-    return text + (f" Its seeds at {r['experts']} experts spread {r['seed_sd']:.1%} (sd of log perplexity): the gain "
-                   f"exceeds that spread, so its points at this count are pessimistic and the comparisons there lean "
-                   f"against it.")
+        return text + spread + (f"is within that spread, though its points at this count may be about "
+                                f"{abs(r['gain']):.1%} pessimistic.")
+    return text + spread + ("exceeds that spread, so its points at this count are pessimistic and the comparisons "
+                            "there lean against it.")
 
 
 def trend_sentences(record: dict) -> str:
