@@ -83,6 +83,7 @@ CONTROLLED_FLAGS = {
     "--distributed-backend": "gloo on CPU, nccl on GPU",
 }
 TAIL_LINES = 40
+SETTLE_S = 0.3  # how long the ranks are polled again before a failure is blamed on a rank (Launcher._cause)
 
 
 @dataclass
@@ -554,9 +555,8 @@ class Launcher:
                 self.say(f"stopped by {name}")
                 return 128 + self.stop_signal
             codes = [w.poll() for w in self.workers]
-            failed = [w for w, c in zip(self.workers, codes) if c not in (None, 0)]
-            if failed:
-                return self._fail(failed[0])
+            if any(c not in (None, 0) for c in codes):
+                return self._fail(self._cause())
             if all(c == 0 for c in codes):
                 # stragglers in a worker's group (e.g. an orphaned DataLoader process) go too
                 for w in self.workers:
@@ -568,6 +568,21 @@ class Launcher:
                     self.say(f"all {len(self.workers)} worker(s) finished")
                 return 0
             time.sleep(0.1)
+
+    def _cause(self) -> Worker:
+        """The rank whose failure ended the run. A rank killed by a signal (the OOM killer, a node's kill, a
+        segfault) makes its peers fail a moment later (their collectives see its sockets close), often within
+        the same poll: a signal death is never caused by the peers (the launcher has signalled no one yet), so
+        it is the cause; the others are named after it. The ranks are polled again for SETTLE_S before a rank
+        that exited with a code is blamed, so a peer's death seen a poll late is still found."""
+        deadline = time.monotonic() + SETTLE_S
+        while True:
+            codes = [w.poll() for w in self.workers]
+            killed = [w for w, c in zip(self.workers, codes) if c is not None and c < 0]
+            if killed or None not in codes or time.monotonic() >= deadline:
+                break
+            time.sleep(0.02)
+        return (killed or [w for w, c in zip(self.workers, codes) if c not in (None, 0)])[0]
 
     def _refusal(self) -> str | None:
         """The line a worker wrote refusing the run's flags (smlp_launch.preflight), if any did."""

@@ -326,6 +326,55 @@ def test_failing_worker_stops_all(data_bin, tmp_path):
     assert_no_processes(str(tmp_path), within=5)
 
 
+def _launcher_over(*commands, pass_fds=None):
+    """A Launcher watching the given commands as ranks 0, 1, ..., each in its own session as smlp-launch starts
+    them, without a fairseq run; pass_fds[rank]: the descriptors that rank inherits."""
+    import io
+    from types import SimpleNamespace
+
+    from smlp_launch.local import Launcher, Worker
+
+    launcher = Launcher(SimpleNamespace(grace=5), out=io.StringIO())
+    for rank, cmd in enumerate(commands):
+        proc = subprocess.Popen([sys.executable, "-c", cmd], start_new_session=True,
+                                pass_fds=pass_fds[rank] if pass_fds else (),
+                                stdout=subprocess.PIPE, text=True)
+        launcher.workers.append(Worker(rank, proc, None, None))
+    return launcher
+
+
+def test_a_rank_killed_by_a_signal_is_named_the_cause_when_its_peer_fails_in_the_same_poll():
+    """Rank 1 holds a pipe rank 0 reads (as a gloo peer holds its socket): SIGKILL on rank 1 ends rank 0 with
+    code 1 a moment later. Both are dead when the launcher next polls; the killed rank is the cause, whatever
+    the rank order, and the launcher's status is 128 + SIGKILL (the CI failure: rank 0's code 1 was blamed)."""
+    read_end, write_end = os.pipe()
+    try:
+        launcher = _launcher_over(
+            f"import os, sys; print('ready', flush=True); os.read({read_end}, 1); sys.exit(1)",
+            "import time; print('ready', flush=True); time.sleep(60)", pass_fds=[(read_end,), (write_end,)])
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+    for w in launcher.workers:
+        assert w.proc.stdout.readline().strip() == "ready"
+    os.kill(launcher.workers[1].proc.pid, signal.SIGKILL)
+    assert launcher.workers[0].proc.wait(timeout=30) == 1  # both dead before the launcher looks
+    rc = launcher._watch()
+    text = launcher.out.getvalue()
+    assert rc == 128 + signal.SIGKILL, text
+    assert "FAILED: rank 1 was killed by SIGKILL" in text and "then: rank 0 exited with code 1" in text, text
+
+
+def test_a_rank_that_exits_with_a_code_is_the_cause_and_its_live_peers_are_stopped():
+    launcher = _launcher_over("import sys; sys.exit(3)", "import time; time.sleep(60)")
+    t0 = time.monotonic()
+    rc = launcher._watch()
+    text = launcher.out.getvalue()
+    assert rc == 3 and time.monotonic() - t0 < 10, text
+    assert "FAILED: rank 0 exited with code 3" in text and "then: rank 1 was killed by SIGTERM" in text, text
+    assert all(w.proc.returncode is not None for w in launcher.workers)
+
+
 @pytest.mark.slow
 def test_ctrl_c_stops_all_workers(data_bin, tmp_path):
     rc, text = launch_and_signal(
