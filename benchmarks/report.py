@@ -9,6 +9,7 @@ import statistics
 from collections.abc import Iterator
 from pathlib import Path
 
+from smlp.files import write_figure
 from smlp.profiling import routing_and_all2all
 
 from . import schedule as S
@@ -257,7 +258,7 @@ def plot(results: dict, path: Path, title: str, xkeys=("tokens", "time")) -> Pat
     axes[-1].legend(fontsize=7)
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=80)
+    write_figure(path, fig, dpi=80)
     plt.close(fig)
     return path
 
@@ -278,6 +279,6 @@ def png_axes(path: Path, title: str, xlabel: str, ylabel: str, *, figsize=(6, 4.
         ax.grid(alpha=0.3)
         ax.legend(fontsize=legend_size)
         fig.tight_layout()
-        fig.savefig(path, dpi=80)
+        write_figure(path, fig, dpi=80)
     finally:
         plt.close(fig)

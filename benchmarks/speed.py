@@ -15,6 +15,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from smlp.files import write_figure
 from smlp.profiling import routing_and_all2all
 
 from . import machine, pinned
@@ -52,6 +53,9 @@ COLUMNS = ("gMLP", "fastest Transformer-MoE")
 # (side: processes, what, goal): sMLP-det's ratio over the column's model; "scaling" in points of gMLP's
 TARGETS = ((2, "fastest Transformer-MoE", 1.0), (2, "gMLP", 0.92), (1, "gMLP", 0.95))
 SCALING_POINTS = 0.05  # sMLP-det's scaling (words/s on 2 ranks over 2 x on 1 process) within 5 points of gMLP's
+# a record of several widths, issue 53's goals: (width, processes, model, goal of sMLP-det's words/s over its)
+WIDTH_TARGETS = ((512, 2, "hash", 1.0), (512, 2, "base", 1.0), (512, 2, "gmlp", 0.95), (512, 2, "switch", 0.95),
+                 (128, 2, "gmlp", 0.85))
 
 
 def settings(updates: int, seeds: int, width: int = FAIR_WIDTH) -> dict:
@@ -110,8 +114,11 @@ def analyse(record: dict) -> dict:
            for k, m in res.items()}
     # every model over gMLP (the width figure), the share of routing slots its experts processed (None: no experts)
     # and its training FLOPs per token (the calculator's)
+    # and sMLP-det's words/s over its (the width goals), and where its step goes (shares of the profiled steps)
     each = {k: {"name": m.get("name") or NAMES.get(k, k), "gMLP": round_ratio(res, k, "gmlp") if k != "gmlp" else None,
-                "tokens_kept": m.get("tokens_kept"), "flops_per_token": m.get("flops_per_token")}
+                "tokens_kept": m.get("tokens_kept"), "flops_per_token": m.get("flops_per_token"),
+                "smlp_det_over": round_ratio(res, "smlp_det", k) if k != "smlp_det" else None,
+                "breakdown": m.get("breakdown")}
             for k, m in res.items()}
     return {"nproc": record["nproc"], "fastest_moe": fastest, "rows": rows, "wps": wps, "models": each,
             "complete": record["complete"], "settings": record["settings"], "seconds": record.get("seconds"),
@@ -227,9 +234,26 @@ def by_width(records: dict[int, dict]) -> dict:
     first = records[min(records)]
     return {"kind": "speed", "widths": {str(w): r for w, r in sorted(records.items())},
             "targets": [dict(t, target=f"D={w}: {t['target']}") for w, r in sorted(records.items())
-                        for t in r["targets"]],
+                        for t in r["targets"]] + width_targets(records),
             "complete": all(r["complete"] for r in records.values()), "machine": first.get("machine"),
             "settings": first["settings"], "ratios_from": first["ratios_from"]}
+
+
+def width_targets(records: dict[int, dict]) -> list[dict]:
+    """Issue 53's goals (WIDTH_TARGETS) at the widths and process counts measured, each sMLP-det's same-round
+    ratio over the model's (None where the model was not measured)."""
+    found = []
+    for width, nproc, key, goal in WIDTH_TARGETS:
+        side = (records.get(width) or {}).get("sides", {}).get(str(nproc))
+        if side is None:
+            continue
+        r = (side["models"].get(key) or {}).get("smlp_det_over")
+        v = r["ratio"] if r else None
+        found.append({"target": f"issue 53, D={width}: sMLP-det words/s over {NAMES.get(key, key)}, "
+                                f"{nproc} process(es)",
+                      "goal": f">= {goal:.2f}x", "measured": v, "met": None if v is None else v >= goal,
+                      "range": [r["lo"], r["hi"]] if r else None})
+    return found
 
 
 def _widths(speed: dict) -> dict[int, dict]:
@@ -277,7 +301,7 @@ def plot_widths(speed: dict, path: Path) -> Path:
     axes[0][-1].legend(fontsize=8)
     fig.suptitle("training speed against width, each model FLOP-matched to sMLP-det at each width")
     fig.tight_layout()
-    fig.savefig(path, dpi=80)
+    write_figure(path, fig, dpi=80)
     plt.close(fig)
     return path
 
@@ -321,7 +345,49 @@ def widths_markdown(speed: dict, figure: str | None = None) -> str:
                   + " |", "|---|" + "---:|" * len(keys)]
         lines += [f"| D={w} | " + " | ".join(f"{sc[k]:.2f}" if k in sc else "-" for k in keys) + " |"
                   for w, sc in scaled]
+    widest = max(per)
+    if parts := [(n, mm) for n, side in per[widest]["sides"].items() for mm in side["models"].values()
+                 if mm.get("breakdown")]:
+        lines += ["", f"Where a step goes at D={widest}: each range's share of the profiled steps' time (the "
+                  "first round's run, mean over ranks; routing includes the auction; rest: what no range covers, the "
+                  "dense projections, embeddings, loss, optimizer and data loading; smlp/profiling.py).", "",
+                  "| processes | model | experts | token mixing | all2all | routing | rest | tokens kept |",
+                  "|---:|---|---:|---:|---:|---:|---:|---:|"]
+        for n, mm in parts:
+            b, kept = mm["breakdown"], mm.get("tokens_kept")
+            lines.append(f"| {n} | {mm['name']} | {b['experts']:.1%} | {b['token_mixing']:.1%} | {b['all2all']:.1%} | "
+                         f"{b['routing'] + b.get('auction', 0.0):.1%} | {b['rest']:.1%} | "
+                         f"{'-' if kept is None else f'{kept:.1%}'} |")
+    lines += ["", "Goals: each width's own (issue 47's, the section above) and issue 53's; ratios are sMLP-det's "
+              "words/s over the model's, same round, median [range] over rounds.", "",
+              "| target | measured [range] | goal | met |", "|---|---:|---|---|"]
+    for t in speed["targets"]:
+        v = "-" if t["measured"] is None else f"{t['measured']:.3f}" + (
+            f" [{t['range'][0]:.2f}-{t['range'][1]:.2f}]" if t.get("range") else "")
+        met = "-" if t["met"] is None else ("yes" if t["met"] else "**no**")
+        lines.append(f"| {t['target']} | {v} | {t['goal']} | {met} |")
     return "\n".join(lines)
+
+
+def widths_sentence(speed: dict) -> str:
+    """README's speed sentence, from a record of several widths: sMLP-det's words/s over gMLP's at each width on
+    1 process and on the most ranks, and the share of its routing slots Switch (which drops tokens) kept."""
+    per, counts = _widths(speed), _counts(speed)
+
+    def side(n: int) -> str:
+        ratios = ", ".join(f"{r['ratio']:.2f}x" for r in _over_gmlp(speed, n, "smlp_det").values())
+        return f"{ratios} {'on one process' if n == 1 else f'on {n} CPU ranks'}"
+
+    sides = [side(n) for n in counts]
+    sides[0] = sides[0].replace(" on ", " gMLP's words/s on ", 1)
+    text = (f"Across widths (D={', '.join(map(str, per))}, FLOP-matched at each) sMLP-det trains at "
+            + " and ".join(sides))
+    kept = [((r["sides"].get(str(counts[-1])) or {}).get("models", {}).get("switch") or {}).get("tokens_kept")
+            for r in per.values()]
+    if all(k is not None for k in kept):
+        text += (f"; Switch stays faster by dropping tokens past its capacity (it keeps "
+                 f"{', '.join(f'{k:.0%}' for k in kept)} of them)")
+    return text + " ([benchmarks.md](docs/benchmarks.md#speed-across-widths-issue-53))."
 
 
 def publish(path: Path, page: Path = PAGE, before: Path | None = None) -> str:
@@ -337,7 +403,7 @@ def publish(path: Path, page: Path = PAGE, before: Path | None = None) -> str:
         text = replace_section(page.read_text(), WIDTHS_START, WIDTHS_END,
                                widths_markdown(speed, WIDTHS_FIGURE.as_posix()), page)
         plot_widths(speed, figure)
-        page.write_text(text)
+        write_text(page, text)
         return f"{page}: the width section and {figure} from {path}"
     text = markdown(speed) + (f"\n\n{before_after(json.loads(before.read_text()), speed)}" if before else "")
     write_text(page, replace_section(page.read_text(), START, END, text, page))

@@ -330,11 +330,14 @@ def run_schedule(name: str, settings: dict, models: Sequence[Model], matching: d
     if before_runs is not None:
         before_runs(store)
     store.extra["machine"] = machine.machine_info()
-    print(f"   dense matmul peak ({nproc} processes x 1 thread) ...", flush=True)
-    peak = machine.matmul_peak(nproc)
-    store.extra.setdefault("peaks", []).append({"total": peak["total"], "at": time.time()})
-    store.save()
-    print(f"   {peak['total'] / 1e9:.1f} GFLOP/s in total", flush=True)
+    if store.pending() or not store.extra.get("peaks"):
+        print(f"   dense matmul peak ({nproc} processes x 1 thread) ...", flush=True)
+        peak = machine.matmul_peak(nproc)
+        store.extra.setdefault("peaks", []).append({"total": peak["total"], "at": time.time()})
+        store.save()
+        print(f"   {peak['total'] / 1e9:.1f} GFLOP/s in total", flush=True)
+    else:  # a finished store reported again: a peak of another hour would move its MFU
+        print("   every run is recorded: the matmul peaks of its runs' hours are kept, none measured now", flush=True)
     print(f"   training: {len(store.pending())} of {len(store.slots)} runs to go "
           f"({len([s for s in store.slots if s.kind == S.PROBE])} of them probes)", flush=True)
 

@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from smlp.files import write_atomic
+from smlp.files import write_atomic, write_figure
 from smlp_launch.fairseq_log import train_fields, valid_fields
 
 PROG = "smlp-demo"
@@ -256,7 +256,7 @@ def plot(curves: Curves, path: Path, title: str) -> Path:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    write_figure(path, fig, dpi=110)
     plt.close(fig)
     return path
 

@@ -33,7 +33,8 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from pathlib import Path
+
+from smlp.files import write_atomic
 
 GRACEFUL_DEFAULT = "USR1"
 DEFAULT_TIMEOUT_S = 600.0  # a collective or the rendezvous waits at most this long for a peer
@@ -202,7 +203,7 @@ def run_worker(fairseq_args: list[str]) -> int:
     if message is not None:  # before this rank joins the others or writes anything
         report = os.environ.get(PREFLIGHT_ENV)
         if report:  # the launcher prints it, once for all ranks
-            Path(report).write_text(message + "\n")
+            write_atomic(report, message + "\n")
         else:
             print(f"smlp-launch: error: {message}", file=sys.stderr, flush=True)
         return 2
@@ -217,7 +218,7 @@ def run_worker(fairseq_args: list[str]) -> int:
         from smlp.process_group import rank_and_world
 
         if rank_and_world()[0] == 0:
-            Path(status_file).write_text(f"stopped num_updates={stop.stopped_at}\n")
+            write_atomic(status_file, f"stopped num_updates={stop.stopped_at}\n")
     end_after_profiling()
     return 0
 

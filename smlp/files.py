@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 __all__ = ["TEMP_SUFFIX", "fsync_dir", "install_dir", "open_mode", "temp_dir", "umask", "write_atomic",
-           "write_atomic_by_name"]
+           "write_atomic_by_name", "write_figure"]
 
 TEMP_SUFFIX = r"\.[a-z0-9_]{8}\.tmp"  # what write_atomic adds to a target's name (a pattern: stale files match it)
 
@@ -160,6 +160,16 @@ def write_atomic_by_name(path: str | os.PathLike, write_to: Callable[[str], None
                 os.unlink(tmp)
         raise
     return out
+
+
+def write_figure(path: str | os.PathLike, fig, **savefig_kwargs) -> Path:
+    """`write_atomic` for a matplotlib figure: drawn whole in memory (the format from the name's suffix), then
+    written, so a figure that fails to draw leaves the old file and a reader never sees half an image."""
+    import io
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format=Path(path).suffix.lstrip(".") or "png", **savefig_kwargs)
+    return write_atomic(path, buf.getvalue())
 
 
 def temp_dir(out: Path) -> Path:

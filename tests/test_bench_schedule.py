@@ -507,6 +507,19 @@ def test_speed_across_widths_records_each_width_and_publishes_its_section(tmp_pa
             f"[{0.6 * switch:,.0f}-{switch:,.0f}] | {1.2 * 2 ** -0.1:.3f}x") in section
     assert section.count("| 80.0% |") == 4 and section.count("| 100.0% |") == 8  # Switch; sMLP-det and HASH
     assert "| D=256 | 0.87 | 0.93 | 0.87 | 0.87 |" in section  # 2^-0.2, 2^-0.1: words/s on 2 ranks / 2 x on 1
+    # issue 53's goals where measured (D=128 on 2 ranks here): sMLP-det's same-round ratio, and README's sentence
+    assert side["models"]["hash"]["smlp_det_over"]["ratio"] == pytest.approx(w("smlp_det", 256, 2, 1)
+                                                                            / w("hash", 256, 2, 1))
+    goals = [t for t in record["targets"] if t["target"].startswith("issue 53")]
+    assert [(t["target"], t["goal"], t["met"]) for t in goals] == [
+        ("issue 53, D=128: sMLP-det words/s over gMLP, 2 process(es)", ">= 0.85x", trend[0] >= 0.85)]
+    assert goals[0]["measured"] == pytest.approx(trend[0]) and f"| {trend[0]:.3f} [" in section
+    one = [w("smlp_det", d, 1, 1) / w("gmlp", d, 1, 1) for d in (128, 256)]
+    assert speed.widths_sentence(record) == (
+        f"Across widths (D=128, 256, FLOP-matched at each) sMLP-det trains at {one[0]:.2f}x, {one[1]:.2f}x gMLP's "
+        f"words/s on one process and {trend[0]:.2f}x, {trend[1]:.2f}x on 2 CPU ranks; Switch stays faster by "
+        "dropping tokens past its capacity (it keeps 80%, 80% of them) "
+        "([benchmarks.md](docs/benchmarks.md#speed-across-widths-issue-53)).")
     # a record of several widths has no before/after table
     assert cli.main(["speed", "--publish", str(out / "speed.json"), "--before", str(out / "speed.json")]) == 1
     assert "holds several widths" in capsys.readouterr().err

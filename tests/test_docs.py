@@ -392,6 +392,20 @@ def test_readme_results_paragraph_says_what_the_published_record_says():
     assert all(ppl["smlp_det"] < ppl[k] for k in ("gshard", "switch", "base", "hash"))
 
 
+def test_readme_speed_sentence_is_the_width_records():
+    """README's speed sentence states the width trend (issue 53): it is `widths_sentence` of the committed record
+    of several widths, so the figures move with the record."""
+    import json
+
+    from smlp_bench.speed import widths_sentence
+
+    record = json.loads((REPO / "docs" / "benchmark" / "speed" / "widths" / "speed.json").read_text())
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("## Results"):readme.index("\n## ", readme.index("## Results") + 1)]
+    sentence = widths_sentence(record)
+    assert sentence in " ".join(section.split()), sentence
+
+
 CITED_FILE = re.compile(r"(?<![\w./-])([\w./-]+\.(?:py|md|sh|sbatch))\b")
 
 

@@ -4,7 +4,7 @@ atomic writer), so a teammate on a shared cluster can read, resume and evaluate 
 Under umask 022 and 027, once each: a 2-rank training saving every update (rank shards, numbered saves and their
 copies), its consolidation, its resharding (the 2-rank set resumed on one process: one file, the old set kept
 aside), a Hugging Face export, a data-bin from smlp-prepare-data, a package fetched into the data cache, and a
-benchmark's run store and record. The reference is a file made by open() and a folder made by mkdir beside them
+benchmark's run store, record and figure. The reference is a file made by open() and a folder made by mkdir beside them
 under the same umask (tempfile.mkstemp made every rank checkpoint 0600, mkdtemp the data cache's folders 0700).
 """
 from __future__ import annotations
@@ -42,6 +42,7 @@ def _wheel(folder: Path) -> None:
 def written(request, tiny_lm_data, tmp_path_factory):
     """(root, umask): everything the tools wrote under `umask` lies under root (root itself is pytest's)."""
     from fairseq_plugins.checkpoints import consolidate
+    from smlp_bench.report import png_axes
     from smlp_bench.store import RunStore, write_record, write_text
     from smlp_eval import hf_export
     from smlp_eval.pkgdata import fetch_package
@@ -70,6 +71,8 @@ def written(request, tiny_lm_data, tmp_path_factory):
         RunStore(root / "bench" / "runs.json", {"models": []}).save()
         write_record(root / "bench" / "record.json", {"benchmark": "modes"})
         write_text(root / "bench" / "table.md", "| a |\n")
+        with png_axes(root / "bench" / "figure.png", "modes", "x", "y") as ax:
+            ax.plot([0, 1], [0, 1], label="line")
         (root / "plain").mkdir()
         with open(root / "plain" / "file", "w"):
             pass
@@ -95,7 +98,7 @@ def test_every_file_and_folder_has_the_mode_open_and_mkdir_give_under_the_umask(
              "ckpt/resharded-from-2-ranks-update-2/checkpoint_last-rank-1.pt",  # the 2-rank set kept aside
              "merged/checkpoint.pt", "hf/model.safetensors", "hf/config.json", "data-bin/train.bin",
              "data-bin/manifest.json", "cache/packages/smlp-probe-1.0/smlp_probe/data.txt", "bench/runs.json",
-             "bench/record.json", "bench/table.md"}
+             "bench/record.json", "bench/table.md", "bench/figure.png"}
     assert kinds <= set(found), sorted(kinds - set(found))
     wrong = {name: oct(_mode(p)) for name, p in found.items()
              if _mode(p) != (dir_mode if p.is_dir() else file_mode) and not p.is_symlink()}

@@ -64,3 +64,27 @@ def test_the_reader_refuses_what_it_cannot_read(tmp_path):
                                  "records": {"a.seed1": {}}}))
     with pytest.raises(BenchError, match="not in its schedule"):
         store.read_record(other)
+
+
+def test_a_figure_is_written_whole_or_not_at_all(tmp_path):
+    """Figures (the pages' plots, the demo's curve) go through smlp.files like every record: a figure drawn
+    whole replaces the old file with a PNG of the mode open() gives; one that fails while drawing leaves the old
+    file as it was and no temporary file."""
+    from smlp.files import open_mode, write_figure
+
+    path = tmp_path / "fig.png"
+    path.write_bytes(b"old figure")
+    mode = open_mode(path)
+    with report.png_axes(path, "t", "x", "y"):  # the benchmarks' own axes, written by write_figure
+        pass
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and open_mode(path) == mode
+
+    class Broken:
+        def savefig(self, f, **kw):
+            f.write(b"half a PNG")
+            raise RuntimeError("drawing failed")
+
+    before = path.read_bytes()
+    with pytest.raises(RuntimeError, match="drawing failed"):
+        write_figure(path, Broken(), dpi=80)
+    assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["fig.png"]
