@@ -520,6 +520,12 @@ def test_speed_across_widths_records_each_width_and_publishes_its_section(tmp_pa
         f"words/s on one process and {trend[0]:.2f}x, {trend[1]:.2f}x on 2 CPU ranks; Switch stays faster by "
         "dropping tokens past its capacity (it keeps 80%, 80% of them) "
         "([benchmarks.md](docs/benchmarks.md#speed-across-widths-issue-53)).")
+    # reported again from the finished stores: nothing trains, no matmul peak of another hour joins the stores
+    stores = {p: p.read_text() for p in out.glob("d*/nproc*/runs.json")}
+    monkeypatch.setattr(machine, "matmul_peak", lambda n: pytest.fail("a peak measured with no run to train"))
+    assert cli.main([*argv, "--resume"]) == 0 and len(trainer.trained) == 2 * 2 * 4 * 2
+    assert {p: p.read_text() for p in stores} == stores and speed.markdown(
+        store_module.read_record(out / "speed.json")[1], "benchmark/speed/widths.png") in page.read_text()
     # a record of several widths has no before/after table
     assert cli.main(["speed", "--publish", str(out / "speed.json"), "--before", str(out / "speed.json")]) == 1
     assert "holds several widths" in capsys.readouterr().err
