@@ -112,9 +112,9 @@ def analyse(record: dict) -> dict:
     wps = {k: {"median": statistics.median(m["wps_per_seed"]), "range": [min(m["wps_per_seed"]),
                                                                           max(m["wps_per_seed"])]}
            for k, m in res.items()}
-    # every model over gMLP (the width figure), the share of routing slots its experts processed (None: no experts)
-    # and its training FLOPs per token (the calculator's)
-    # and sMLP-det's words/s over its (the width goals), and where its step goes (shares of the profiled steps)
+    # every model over gMLP (the width figure), the share of routing slots its experts processed (None: no experts),
+    # its training FLOPs per token (the calculator's), sMLP-det's words/s over its (the width goals) and where its
+    # step goes (shares of the profiled steps)
     each = {k: {"name": m.get("name") or NAMES.get(k, k), "gMLP": round_ratio(res, k, "gmlp") if k != "gmlp" else None,
                 "tokens_kept": m.get("tokens_kept"), "flops_per_token": m.get("flops_per_token"),
                 "smlp_det_over": round_ratio(res, "smlp_det", k) if k != "smlp_det" else None,
@@ -192,12 +192,19 @@ def markdown(speed: dict, figure: str | None = None) -> str:
                   " | ".join(NAMES.get(k, k) for k in speed["scaling"]) + " |",
                   "|---|" + "---:|" * len(speed["scaling"]),
                   "| | " + " | ".join(f"{v:.2f}" for v in speed["scaling"].values()) + " |"]
-    lines += ["", "| target | measured | goal | met |", "|---|---:|---|---|"]
-    for t in speed["targets"]:
-        v = f"{t['measured']:.3f}" if t["measured"] is not None else "-"
-        met = "-" if t["met"] is None else ("yes" if t["met"] else "**no**")
-        lines.append(f"| {t['target']} | {v} | {t['goal']} | {met} |")
+    lines += ["", "| target | measured | goal | met |", "|---|---:|---|---|", *_target_rows(speed["targets"])]
     return "\n".join(lines)
+
+
+def _target_rows(targets: list[dict]) -> list[str]:
+    """The rows of a targets table: measured (with its range over rounds where the target has one), goal, met."""
+    rows = []
+    for t in targets:
+        v = "-" if t["measured"] is None else f"{t['measured']:.3f}" + (
+            f" [{t['range'][0]:.2f}-{t['range'][1]:.2f}]" if t.get("range") else "")
+        met = "-" if t["met"] is None else ("yes" if t["met"] else "**no**")
+        rows.append(f"| {t['target']} | {v} | {t['goal']} | {met} |")
+    return rows
 
 
 def _commit(record: dict) -> str:
@@ -360,12 +367,7 @@ def widths_markdown(speed: dict, figure: str | None = None) -> str:
                          f"{'-' if kept is None else f'{kept:.1%}'} |")
     lines += ["", "Goals: each width's own (issue 47's, the section above) and issue 53's; ratios are sMLP-det's "
               "words/s over the model's, same round, median [range] over rounds.", "",
-              "| target | measured [range] | goal | met |", "|---|---:|---|---|"]
-    for t in speed["targets"]:
-        v = "-" if t["measured"] is None else f"{t['measured']:.3f}" + (
-            f" [{t['range'][0]:.2f}-{t['range'][1]:.2f}]" if t.get("range") else "")
-        met = "-" if t["met"] is None else ("yes" if t["met"] else "**no**")
-        lines.append(f"| {t['target']} | {v} | {t['goal']} | {met} |")
+              "| target | measured [range] | goal | met |", "|---|---:|---|---|", *_target_rows(speed["targets"])]
     return "\n".join(lines)
 
 
@@ -374,14 +376,12 @@ def widths_sentence(speed: dict) -> str:
     1 process and on the most ranks, and the share of its routing slots Switch (which drops tokens) kept."""
     per, counts = _widths(speed), _counts(speed)
 
-    def side(n: int) -> str:
+    def side(n: int, unit: str) -> str:
         ratios = ", ".join(f"{r['ratio']:.2f}x" for r in _over_gmlp(speed, n, "smlp_det").values())
-        return f"{ratios} {'on one process' if n == 1 else f'on {n} CPU ranks'}"
+        return f"{ratios}{unit} {'on one process' if n == 1 else f'on {n} CPU ranks'}"
 
-    sides = [side(n) for n in counts]
-    sides[0] = sides[0].replace(" on ", " gMLP's words/s on ", 1)
     text = (f"Across widths (D={', '.join(map(str, per))}, FLOP-matched at each) sMLP-det trains at "
-            + " and ".join(sides))
+            + " and ".join(side(n, " gMLP's words/s" if i == 0 else "") for i, n in enumerate(counts)))
     kept = [((r["sides"].get(str(counts[-1])) or {}).get("models", {}).get("switch") or {}).get("tokens_kept")
             for r in per.values()]
     if all(k is not None for k in kept):
