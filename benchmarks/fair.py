@@ -67,9 +67,10 @@ STAGE_SETTINGS = {
     "experts-seeds": dict(COMMON, seeds=[*SECONDARY_SEEDS, *TREND_SEEDS], updates=500, probe_updates=0,
                           profile_steps=0),
     "smoe-experts": dict(COMMON, seeds=[SWEEP_SEED, *SMOE_SEEDS], updates=500, probe_updates=0, profile_steps=0),
+    "same-seed": dict(COMMON, seeds=[2, 3], updates=500, probe_updates=0, profile_steps=0),
 }
 STAGES = tuple(STAGE_SETTINGS)
-# `width` only when asked for (--stages width)
+# `width` and `same-seed` only when asked for (--stages width)
 DEFAULT_STAGES = ("lr-sweep", "deciding", "experts", "experts-seeds", "smoe-experts")
 # what the comparison is, for its record (benchmarks/fair_report.py final_report)
 DESIGN = {"target": FAIR_TARGET, "wide_target": WIDE_TARGET, "settings": STAGE_SETTINGS,
@@ -194,15 +195,28 @@ def smoe_rounds_of(ctx: Context) -> list[list]:
     return [*([s, [smoe_key(e)]] for e in SMOE_TMOE_EXPERTS for s in SMOE_SEEDS), [SWEEP_SEED, rate_keys]]
 
 
+# Same-seed reruns of the points whose seeds came from two commits (the experts trend's seed 2 ran at the experts
+# stage's commit, its seeds 3-5 and gMLP's 4-5 at experts-seeds'; gMLP's 2-3 at the deciding stage's): each rerun
+# executes experts-seeds' commit (STAGE_PINS), so that every seed of a pooled point is one code's.
+RERUN_ROUNDS = ((2, ("smlp_det_e2", "hash_e2", "smlp_det_e32", "hash_e32", "gmlp")), (3, ("gmlp",)))
+
+
+def rerun_rounds_of(ctx: Context) -> list[list]:
+    return [[seed, list(keys)] for seed, keys in RERUN_ROUNDS]
+
+
 BUILDERS: dict[str, Callable[[Context], list[Model]]] = {
     "lr-sweep": sweep_models, "deciding": deciding_models, "experts": expert_models, "width": width_models,
-    "experts-seeds": seed_models, "smoe-experts": smoe_models}
+    "experts-seeds": seed_models, "smoe-experts": smoe_models, "same-seed": seed_models}
 # the stages whose models run different seeds: their rounds ([seed, [keys]], in order)
-ROUNDS: dict[str, Callable[[Context], list[list]]] = {"experts-seeds": seed_rounds_of, "smoe-experts": smoe_rounds_of}
+ROUNDS: dict[str, Callable[[Context], list[list]]] = {"experts-seeds": seed_rounds_of, "smoe-experts": smoe_rounds_of,
+                                                      "same-seed": rerun_rounds_of}
 TARGETS = {"lr-sweep": FAIR_TARGET, "deciding": FAIR_TARGET, "experts": FAIR_TARGET, "width": WIDE_TARGET,
-           "experts-seeds": FAIR_TARGET, "smoe-experts": FAIR_TARGET}
+           "experts-seeds": FAIR_TARGET, "smoe-experts": FAIR_TARGET, "same-seed": FAIR_TARGET}
 NEEDS = {"lr-sweep": (), "deciding": ("lr-sweep",), "experts": ("lr-sweep",), "width": ("lr-sweep",),
-         "experts-seeds": ("lr-sweep",), "smoe-experts": ("lr-sweep",)}
+         "experts-seeds": ("lr-sweep",), "smoe-experts": ("lr-sweep",), "same-seed": ("lr-sweep", "experts-seeds")}
+# a stage that executes another stage's commit rather than the checkout's (stage -> that stage)
+STAGE_PINS = {"same-seed": "experts-seeds"}
 
 
 def rates_tried(record: dict) -> dict[str, dict[float, float]]:
@@ -312,17 +326,17 @@ def commit_store(path: Path, message: str, attempts: int = 5) -> bool:
     return False
 
 
-def stage_code(store_path: Path, stage: str, work_dir: Path) -> pinned.Checkout:
-    """The pinned code of a stage: the commit it started at (recorded in its store), or this checkout's commit for a
-    stage not started yet; its worktree made under work_dir/code/."""
+def stage_code(store_path: Path, stage: str, work_dir: Path, commit: str | None = None) -> pinned.Checkout:
+    """The pinned code of a stage: the commit it started at (recorded in its store), else `commit` (another stage's,
+    STAGE_PINS), else this checkout's commit; its worktree made under work_dir/code/."""
     repo = machine.CODE_ROOT
     started = (RunStore.load(store_path).extra.get("code") or {}).get("commit") if store_path.exists() else None
     now = code_identity()
-    commit = started or now["commit"]
+    commit = started or commit or now["commit"]
     if commit is None:
         raise BenchError(f"stage {stage}: {repo} is not a git checkout, so no commit can be pinned for its runs: "
                          f"run the benchmark from a clone, or pass --no-pin to run this folder's code")
-    if started is None and now["dirty"]:
+    if started is None and commit == now["commit"] and now["dirty"]:
         print(f"   stage {stage} pins commit {commit[:10]}: uncommitted changes under "
               f"{', '.join(machine.PERPLEXITY_PATHS)} are not part of its runs", flush=True)
     code = pinned.checkout(commit, work_dir, repo)
@@ -379,6 +393,7 @@ class Comparison:
     report: Callable[[dict, Path, dict], dict]   # (stage records, OUTPUT_DIR, design) -> results.json's record
     summary: Callable[[dict], None]
     rounds: dict[str, Callable[[Context], list[list]]] = field(default_factory=dict)
+    pins: dict[str, str] = field(default_factory=dict)  # STAGE_PINS
     sweep: str = "lr-sweep"
     families: tuple[str, ...] | None = None       # the swept families (None: FAMILIES)
     widen: int | None = None                      # None: WIDEN
@@ -403,7 +418,7 @@ def _demo_report(records: dict, out: Path, design: dict) -> dict:
 DEMO = Comparison(
     name="demo", corpus=None, output=OUTPUT, settings=STAGE_SETTINGS, default_stages=DEFAULT_STAGES,
     builders=BUILDERS, targets=TARGETS, needs=NEEDS, design=DESIGN, report=_demo_report, summary=print_summary,
-    rounds=ROUNDS)
+    rounds=ROUNDS, pins=STAGE_PINS)
 KERNEL_DOCS = Comparison(
     name="kernel-docs", corpus="kernel-docs", output=Path("docs/benchmark/fair-docs"), settings=DOCS_SETTINGS,
     default_stages=tuple(DOCS_SETTINGS),
@@ -455,7 +470,11 @@ def run_stage(stage: str, ctx: Context, data: Path, out_dir: Path, *, order_seed
     resume = store_path.exists()  # main() asked for --resume before continuing a started benchmark
     data_id = check_data(store_path, stage, data)
     if pin:
-        ctx = replace(ctx, code=stage_code(store_path, stage, log_dir or Path("results/fair-work").absolute()))
+        of = comp.pins.get(stage)
+        commit_of = (RunStore.load(out_dir.parent / of / "runs.json").extra.get("code") or {}).get("commit") \
+            if of else None
+        ctx = replace(ctx, code=stage_code(store_path, stage, log_dir or Path("results/fair-work").absolute(),
+                                           commit_of))
         code = {"commit": ctx.code.commit}
     else:
         code = check_code(store_path, stage)
