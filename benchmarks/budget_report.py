@@ -3,6 +3,8 @@ rule (verdicts.T_RULE, each side its own seed spread) at every budget, the relat
 interval, each seed's perplexity and the rates tried; OUTPUT_DIR/results.json, its figures and its page section."""
 from __future__ import annotations
 
+import math
+import statistics
 from pathlib import Path
 
 from .fair_report import plot_sweep
@@ -86,7 +88,9 @@ def final_report(records: dict, out_dir: Path, design: dict) -> dict:
            "stages": {k: f"{k}/results.json" for k in records},
            "stages_complete": {k: bool((records.get(k) or {}).get("complete")) for k in design["settings"]},
            "complete": all((records.get(k) or {}).get("complete") for k in design["settings"]),
-           "rates": rates, "pairs": [], "per_seed": {}}
+           "rates": rates, "pairs": [], "per_seed": {},
+           "data": next((r["settings"].get("data") for r in records.values() if r.get("settings", {}).get("data")),
+                        None)}
     for key, m in models.items():
         rec["per_seed"][key] = {"name": m.get("name") or _name(key), "lr": m.get("lr"),
                                 "ppl": {str(u): {str(s): p for s, p in per_seed(m, u).items()} for u in BUDGETS}}
@@ -124,3 +128,101 @@ def print_summary(rec: dict) -> None:
         for u, text in p["text"].items():
             print(f"   @{u:>5} {text}")
 
+
+
+DOCS_START, DOCS_END = "<!-- smlp-bench-fair-docs:start -->", "<!-- smlp-bench-fair-docs:end -->"
+DOCS_FIGURES = ("gap.png", "rates.png")
+WORDS = {"better": "lower", "worse": "higher", "tie": "tie", "undecided": "undecided"}
+
+
+def _cell(c: dict | None) -> str:
+    if c is None:
+        return "-"
+    if c.get("ci_pct") is None:
+        return f"{c['ratio'] - 1:+.1%} (one seed a side)"
+    lo, hi = c["ci_pct"]
+    return f"{c['ratio'] - 1:+.1%} [{lo:+.1%}, {hi:+.1%}]: {WORDS[c['verdict']]}"
+
+
+def _geo(values: list[float]) -> str:
+    return f"{math.exp(statistics.mean(math.log(v) for v in values)):.1f}" if values else "-"
+
+
+def progress(record: dict) -> str:
+    """Which stages have finished, for a partial record."""
+    done = record.get("stages_complete") or {}
+    return ", ".join(f"{k} {'done' if v else 'running or to come'}" for k, v in done.items())
+
+
+def render_docs(record: dict, figures: dict[str, str]) -> str:
+    """docs/benchmarks.md's section on the kernel-docs comparison: the verdicts at each budget, the gap figure, every
+    seed's perplexity and the rates tried (figures: name -> link)."""
+    d, budgets = record["design"], record["budgets"]
+    t = d["target"]
+    s = d["settings"]["deciding"]
+    tokens = s["updates"] * s["batch_size"] * t["seq_len"] * 2
+    data = record.get("data") or {}
+    corpus = (f"{data['source']}, kept in launch/corpora/{data['corpus']}/; {data['train_tokens'] / 1e6:.2f}M "
+              f"training tokens at 4000 pieces, of which a run reads {tokens / data['train_tokens']:.0%}"
+              if data.get("train_tokens") else "launch/corpora/kernel-docs/")
+    lines = [f"The same question on a corpus the runs read once: the kernel's English documentation ({corpus}). "
+             f"gMLP, sMLP-det and HASH Layers FLOP-matched at D={t['d_model']}, F={t['d_ffn']}, T={t['seq_len']}, "
+             f"{t['dense']}+{t['sparse']} blocks, 2 CPU ranks, {s['updates']} updates ({tokens / 1e6:.1f}M tokens), "
+             f"validated every {s['validate_every']} updates; seeds {', '.join(map(str, d['seeds']))} for every "
+             f"model, fixed in the plan before any run.", ""]
+    if not record.get("complete"):
+        lines += [f"**PARTIAL: {progress(record)}; every figure below may change.**", ""]
+    if record["pairs"]:
+        lines += ["Each pair at each budget: the relative perplexity difference of the first model, its 95% Welch "
+                  "interval and the verdict (the rule below):", "",
+                  "| pair | " + " | ".join(f"{u} updates" for u in budgets) + " |", "|---|" + "---|" * len(budgets)]
+        for p in record["pairs"]:
+            lines.append(f"| {p['what']} | " + " | ".join(_cell(p["at"].get(str(u))) for u in budgets) + " |")
+        if "gap.png" in figures:
+            lines += ["", f"![the relative gap against tokens with its interval]({figures['gap.png']})"]
+    if per := record.get("per_seed"):
+        lines += ["", "Validation perplexity per seed (geometric mean first) at each budget:", "",
+                  "| model | lr | " + " | ".join(f"{u} updates" for u in budgets) + " |",
+                  "|---|---:|" + "---|" * len(budgets)]
+        for m in per.values():
+            cells = []
+            for u in budgets:
+                seeds = m["ppl"].get(str(u)) or {}
+                cells.append(f"{_geo(list(seeds.values()))} ({', '.join(f'{v:.1f}' for v in seeds.values())})"
+                             if seeds else "-")
+            lines.append(f"| {m['name']} | {m['lr']:g} | " + " | ".join(cells) + " |")
+    if rates := record.get("rates"):
+        lines += ["", f"Rates: each family at the demo sweep's rate, half and twice (seed 1, "
+                      f"{d['settings']['rate']['updates']} updates; one more rate past an edge), final validation "
+                      f"perplexity:", "", "| model | rates tried: ppl | chosen | inside the rates tried |",
+                  "|---|---|---:|---|"]
+        for key, c in rates.items():
+            tried = ", ".join(f"{r}: {v:.1f}" for r, v in sorted(c["tried"].items(), key=lambda kv: float(kv[0])))
+            lines.append(f"| {NAMES.get(key, key)} | {tried} | {c['chosen']:g} | {'yes' if c['bracketed'] else 'no'} |")
+        if "rates.png" in figures:
+            lines += ["", f"![final perplexity against learning rate]({figures['rates.png']})"]
+    lines += ["", f"Rule: {record['rule']}.", "", "Generated by `smlp-bench fair --corpus kernel-docs` from "
+              "`docs/benchmark/fair-docs/results.json` and its stages' stores."]
+    return "\n".join(lines)
+
+
+def render_docs_summary(record: dict, page: str) -> str | None:
+    """README's answer on the corpus read once, from the primary pair at the last budget (None until its deciding
+    stage has finished)."""
+    if not (record.get("stages_complete") or {}).get("deciding") or not record.get("pairs"):
+        return None
+    by = {(p["a"], p["b"]): p for p in record["pairs"]}
+    last = str(record["budgets"][-1])
+    p = by.get(("smlp_det", "hash"))
+    if p is None or last not in p["at"]:
+        return None
+    c = p["at"][last]
+    answer = {"better": "yes", "worse": "no", "tie": "a tie", "undecided": "undecided"}[c["verdict"]]
+    text = (f"**On a corpus read once (the kernel's documentation, 6.1M tokens): does sMLP-deterministic beat the "
+            f"best Transformer-MoE at matched FLOPs? {answer}.** {p['text'][last]}. Along the way: "
+            + "; ".join(f"{u} updates {_cell(p['at'][str(u)])}" for u in record["budgets"][:-1] if str(u) in p["at"]))
+    if (g := by.get(("smlp_det", "gmlp"))) and last in g["at"]:
+        text += f". Against dense gMLP: {g['text'][last]}"
+    if (e := by.get(("smlp_det_e32", "hash_e32"))) and last in e["at"]:
+        text += f". At 32 experts: {e['text'][last]}"
+    return text + f" ([{Path(page).name}]({page}#the-answer-on-a-corpus-read-once))."

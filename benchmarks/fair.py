@@ -75,7 +75,8 @@ DEFAULT_STAGES = ("lr-sweep", "deciding", "experts", "experts-seeds", "smoe-expe
 # what the comparison is, for its record (benchmarks/fair_report.py final_report)
 DESIGN = {"target": FAIR_TARGET, "wide_target": WIDE_TARGET, "settings": STAGE_SETTINGS,
           "experts_stages": ("experts", "experts-seeds", "smoe-experts"),
-          "primary_seeds": {"seeds": [*DECIDING_SEEDS, *PRIMARY_SEEDS], "others": list(DECIDING_SEEDS)}}
+          "primary_seeds": {"seeds": [*DECIDING_SEEDS, *PRIMARY_SEEDS], "others": list(DECIDING_SEEDS),
+                            "committed_in": "7dbbd46"}}  # the commit that fixed PRIMARY_SEEDS
 
 
 @dataclass
@@ -437,8 +438,11 @@ def data_identity(data: Path) -> dict:
     from smlp_launch.data_dir import read_manifest
 
     manifest = read_manifest(data) or {}
+    pin = manifest.get("corpus") or {}
     return {"fingerprint": manifest.get("fingerprint"), "corpus": (manifest.get("params") or {}).get("corpus")
-            or ("demo" if manifest.get("demo_package") else None)}
+            or ("demo" if manifest.get("demo_package") else None),
+            "source": f"{pin['package']} {pin['version']}" if pin else manifest.get("demo_package"),
+            "train_tokens": ((manifest.get("splits") or {}).get("train") or {}).get("fairseq_tokens")}
 
 
 def check_data(store_path: Path, stage: str, data: Path) -> dict | None:

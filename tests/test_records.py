@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from smlp_bench import publish, report, speed, store
-from smlp_bench.fair_report import render_fair
+from smlp_bench.fair_pages import render_fair
 from smlp_bench.presets import BenchError
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "benchmark"
