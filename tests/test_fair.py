@@ -250,7 +250,7 @@ def test_the_fair_benchmark_sweeps_decides_and_resumes(tmp_path, data, fake_trai
     assert "| sMLP-deterministic | 9+3 | 0.016 |" in text and "| gMLP | 12 | 0.001 (edge) |" in text
     assert "Rule: " + V.T_RULE in text and fair_pages.SCALE_NOTE in text and fair_pages.BASE_NOTE in text
     answer = summary.split(publish.README_FAIR_START)[1]
-    assert answer.startswith("\n**Does sMLP-deterministic beat the best Transformer-MoE at matched FLOPs? a tie, no diff")
+    assert answer.startswith("\n**Does sMLP-deterministic beat the best Transformer-MoE at matched FLOPs? a tie, no")
     assert "for HASH Layers" in answer and "Against dense gMLP (secondary): undecided" in answer
     assert "As experts are added, sMLP-det against HASH Layers at 500 updates: 2 experts" in answer
     # the order is published as the snapshot it is, with sMLP-det's own trend and its 2-expert point against gMLP
