@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from smlp_bench import budget_report, cli, fair
+from smlp_bench import budget_report, cli, fair, publish
 from smlp_bench import verdicts as V
 from test_fair import data, fake_training, final  # noqa: F401 (fixtures)
 
@@ -65,6 +65,27 @@ def test_the_kernel_docs_comparison_rates_decides_at_every_budget_and_keeps_its_
     # gMLP's rate is at the edge of those tried: it is never called worse
     gmlp = rec["pairs"][1]["at"]["1500"]
     assert gmlp["ratio"] < 1 and gmlp["verdict"] == "undecided" and "edge" in gmlp["why_undecided"]
+    # published: the page's section (every pair at every budget, each seed, the rates) and README's answer
+    docs = tmp_path / "docs"
+    page, readme = docs / "benchmarks.md", tmp_path / "README.md"
+    docs.mkdir()
+    page.write_text(f"# b\n{budget_report.DOCS_START}\nOLD\n{budget_report.DOCS_END}\n")
+    readme.write_text(f"# r\n{publish.README_FAIR_START}\nOLD\n{publish.README_FAIR_END}\n")
+    publish.publish([out / "results.json"], page, docs, readme=readme)
+    text, answer = page.read_text(), readme.read_text()
+    assert "OLD" not in text and "| pair | 500 updates | 1000 updates | 1500 updates |" in text
+    row = next(line for line in text.splitlines() if line.startswith("| sMLP-det against HASH Layers, 8 experts"))
+    c = primary["at"]["1500"]
+    assert row.endswith(f"| {c['ratio'] - 1:+.1%} [{c['ci_pct'][0]:+.1%}, {c['ci_pct'][1]:+.1%}]: tie |")
+    lr = rec["rates"]["smlp_det"]["chosen"]
+    assert f"| sMLP-deterministic | {lr:g} | " in text and "![the relative gap" in text
+    assert (docs / "fair-docs" / "gap.png").is_file() and (docs / "fair-docs" / "results.json").is_file()
+    assert "best Transformer-MoE at matched FLOPs? a tie.**" in answer and "At 32 experts: " in answer
+    # before the deciding stage has finished, README keeps the demo corpus's answer and says how far this one is
+    partial = {**rec, "stages_complete": {"rate": True, "deciding": False, "experts": False}}
+    assert budget_report.render_docs_summary(partial, "p.md") is None
+    body = publish.readme_answer(None, partial, docs, page, tmp_path)
+    assert "is running (rate done, deciding running or to come, experts running or to come)" in body
     # a stage resumed on another data folder is refused in one line naming both fingerprints
     _manifest(data, "e" * 64)
     (out / "experts" / "results.json").unlink()  # the stage is then not finished
