@@ -89,8 +89,8 @@ def final_report(records: dict, out_dir: Path, design: dict) -> dict:
            "stages_complete": {k: bool((records.get(k) or {}).get("complete")) for k in design["settings"]},
            "complete": all((records.get(k) or {}).get("complete") for k in design["settings"]),
            "rates": rates, "pairs": [], "per_seed": {},
-           "data": next((r["settings"].get("data") for r in records.values() if r.get("settings", {}).get("data")),
-                        None)}
+           "data": max((r["settings"]["data"] for r in records.values() if r.get("settings", {}).get("data")),
+                       key=len, default=None)}  # the fullest identity (a stage planned later records more of it)
     for key, m in models.items():
         rec["per_seed"][key] = {"name": m.get("name") or _name(key), "lr": m.get("lr"),
                                 "ppl": {str(u): {str(s): p for s, p in per_seed(m, u).items()} for u in BUDGETS}}
