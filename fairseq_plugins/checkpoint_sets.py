@@ -44,7 +44,6 @@ plugins are imported.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import re
@@ -114,6 +113,7 @@ class ShardInfo:
     model_name: str | None = None  # the saved config's _name: the --arch preset (model_of gives its model)
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     consolidated_from: int | None = None  # smlp-consolidate merged this many rank shards into the file
+    has_optimizer: bool = True  # holds an optimizer state (smlp-consolidate's files do not)
 
     def describe(self, world: int | None = None, runs: bool = False) -> str:
         """`NAME: update N`, with the world size that wrote it when it is not `world`, and with `runs` which
@@ -166,6 +166,7 @@ def read_shard(path: str, with_shapes: bool = False) -> ShardInfo:
     info.world_size = tag.get("world_size") if tag.get("sharded") else None
     info.set_id = tag.get("set_id")
     info.consolidated_from = state.get("smlp_consolidated_from")
+    info.has_optimizer = state.get("last_optimizer_state") is not None
     cfg = state.get("cfg")
     model_cfg = cfg.get("model") if isinstance(cfg, dict) else None
     if isinstance(model_cfg, dict):
@@ -180,8 +181,11 @@ def read_shard(path: str, with_shapes: bool = False) -> ShardInfo:
 
 
 def shard_path(base: str, suffix: str) -> str:
-    """fairseq's name of this rank's file for checkpoint `base` (it inserts the suffix before .pt)."""
-    return base.replace(".pt", suffix + ".pt")
+    """This rank's file of checkpoint `base`: `suffix` inserted before the file name's final `.pt` (fairseq
+    replaces every `.pt` of the whole path, which breaks a folder named `exp.ptb`); the folders are kept."""
+    directory, name = os.path.split(str(base))
+    stem = name[:-3] if name.endswith(".pt") else name
+    return os.path.join(directory, stem + suffix + ".pt")
 
 
 def rank_shards(base: str) -> dict[int, str]:
@@ -391,13 +395,16 @@ def _foreign_layout(save_dir: str, sharded: bool, world: int) -> str | None:
 
 
 def plan_and_check_resume(cfg, trainer) -> ResumePlan:
-    """Every rank calls this before fairseq loads anything; all of them return or raise the same."""
+    """Every rank calls this before fairseq loads anything; all of them return or raise the same. The plan's
+    restore_file is always a save of this run's layout: a save of another (another world size, one file on a
+    sharded run, smlp-consolidate's output) is resharded beside it under --save-dir first (checkpoint_sources)."""
+    from .checkpoint_sources import newest_other_layout, resharded, resume_update
+
     global _RUN_ID
     rank, world = rank_and_world()
     _RUN_ID = _broadcast(uuid.uuid4().hex[:12] if rank == 0 else None)
     suffix, sharded = _suffix_info(trainer)
     default_restore = cfg.restore_file == DEFAULT_RESTORE
-    restore_base = os.path.join(cfg.save_dir, DEFAULT_RESTORE) if default_restore else cfg.restore_file
     m = _RANK_FILE.match(os.path.basename(str(cfg.restore_file)))
     if not default_restore and m:
         raise CheckpointSetError(
@@ -405,18 +412,22 @@ def plan_and_check_resume(cfg, trainer) -> ResumePlan:
             f"itself (this would look for {os.path.basename(shard_path(cfg.restore_file, suffix or '-rank-R'))}). "
             f"Pass the checkpoint name without the suffix: --restore-file "
             f"{os.path.join(os.path.dirname(cfg.restore_file), m.group('stem') + '.pt')}")
-    reads_file = sharded or rank == 0  # without shards only rank 0 reads (and broadcasts) the checkpoint
     local_dir = "://" not in str(cfg.save_dir)
-    if reads_file and local_dir:  # ... and writes it
-        remove_stale_temp_files(cfg.save_dir, suffix)
-    if rank == 0 and local_dir:  # those of ranks this run does not have (it resumes on fewer ranks, resharded)
-        remove_stale_temp_files(cfg.save_dir, suffix, ranks_from=world if sharded else 0)
+    if rank == 0 and local_dir:  # every rank's killed writes: this job holds the folder's lock, nothing writes
+        remove_stale_temp_files(cfg.save_dir)
+    restore_base = os.path.join(cfg.save_dir, DEFAULT_RESTORE) if default_restore else str(cfg.restore_file)
+    check_same_architecture(restore_base, trainer)
+    if not default_restore and local_dir:  # a save of another layout is resharded under --save-dir
+        restore_base = resharded(restore_base, cfg.save_dir, trainer, "checkpoint_resharded")
+    other = _broadcast(newest_other_layout(cfg.save_dir, sharded, world) if rank == 0 and default_restore
+                       and local_dir else None)
+    reads_file = sharded or rank == 0  # without shards only rank 0 reads (and broadcasts) the checkpoint
     mine = read_shard(shard_path(restore_base, suffix)) if reads_file else None
     foreign = _foreign_layout(cfg.save_dir, sharded, world) if rank == 0 and default_restore else None
     gathered = _gather((mine, foreign))
     requested = [g[0] for g in gathered if g[0] is not None]
     foreign = gathered[0][1]
-    if foreign and not any(i.exists for i in requested) and cfg.finetune_from_model is None:
+    if foreign and other is None and not any(i.exists for i in requested) and cfg.finetune_from_model is None:
         raise CheckpointSetError(foreign)
     candidates: dict[str, list[ShardInfo]] = {}
     others: list[ShardInfo] = []
@@ -431,11 +442,25 @@ def plan_and_check_resume(cfg, trainer) -> ResumePlan:
                 candidates[base] = [c[base] for c in per_rank]
     single = _broadcast(os.path.isfile(restore_base) if rank == 0 else None)
     restarts_first = not cfg.finetune_from_model and not getattr(cfg, "continue_once", None)
-    plan = decide_resume(requested, candidates, world=world, sharded=sharded, default_restore=default_restore,
-                         restore_name=os.path.basename(restore_base) if default_restore else cfg.restore_file,
-                         single_file_exists=single, others=others,
-                         first_save=(cfg.save_interval_updates or None) if restarts_first else None,
-                         newest=restarts_first)
+    try:
+        plan = decide_resume(requested, candidates, world=world, sharded=sharded, default_restore=default_restore,
+                             restore_name=os.path.basename(restore_base) if default_restore else cfg.restore_file,
+                             single_file_exists=single, others=others,
+                             first_save=(cfg.save_interval_updates or None) if restarts_first else None,
+                             newest=restarts_first)
+    except CheckpointSetError:
+        if other is None:
+            raise
+        plan = ResumePlan(None, from_scratch=True)  # no complete save of this layout: the other one is newer
+    if other is not None and (other[0], other[1]) > resume_update(plan, requested, candidates):
+        plan = ResumePlan(resharded(other[2], cfg.save_dir, trainer, "checkpoint_resharded"),
+                          f"Resuming from the newest complete save, {other[3]} (update {other[0]}, written by "
+                          f"{other[4]}), resharded for this run's {world} rank(s); the save itself is unchanged.")
+    elif local_dir and not plan.from_scratch and (plan.restore_file or any(i.exists for i in requested)):
+        chosen = plan.restore_file or restore_base  # the same world, another expert-parallel layout
+        moved = resharded(chosen, cfg.save_dir, trainer, "checkpoint_resharded")
+        if moved != chosen:
+            plan = ResumePlan(moved, plan.message)
     _check_fits_model(plan, restore_base, suffix, trainer, reads_file)
     if plan.message and rank == 0:
         logger.warning(plan.message)
@@ -449,13 +474,11 @@ def _run_arch(trainer) -> tuple[str | None, str]:
     return name, getattr(model_cfg, "arch", None) or name or "?"
 
 
-def check_same_architecture(cfg, trainer) -> None:
-    """Refuse, first of all (before resharding or the set checks), a checkpoint to resume of another model, or
-    whose non-expert tensors do not fit this run's model (widths, layers, dictionary): any later message (the
-    expert count, the precision) would point the wrong way. Every rank reads the same file, so all decide
-    alike. Expert tensors are left to the later checks: their shapes change with the world size."""
-    default_restore = cfg.restore_file == DEFAULT_RESTORE
-    base = os.path.join(cfg.save_dir, DEFAULT_RESTORE) if default_restore else cfg.restore_file
+def check_same_architecture(base: str, trainer) -> None:
+    """Refuse, first of all (before resharding or the set checks), a checkpoint `base` (a file or a set's name) of
+    another model, or whose non-expert tensors do not fit this run's model (widths, layers, dictionary): any later
+    message (the expert count, the precision) would point the wrong way. Every rank reads the same file, so all
+    decide alike. Expert tensors are left to the later checks: their shapes change with the world size."""
     if _RANK_FILE.match(os.path.basename(str(base))):
         return  # refused later with the name to pass instead
     shards = rank_shards(base)
@@ -519,51 +542,6 @@ def _check_fits_model(plan: ResumePlan, restore_base: str, suffix: str, trainer,
         raise CheckpointSetError(problems[0])
 
 
-def superseded_files(save_dir: str, run_id: str, world: int, sharded: bool) -> list[str]:
-    """The files of `save_dir` that this run's saves made obsolete: for every checkpoint name whose first file
-    (X-rank-0.pt, or X.pt when this run writes one file) this run (`run_id`) wrote, the rank shards X-rank-R.pt
-    no rank of this run writes (R >= world, or every R for one file) that an earlier run on more ranks left
-    (they carry its tag). Beside the files of this run they would form a mixed set that nothing can load."""
-    try:
-        names = os.listdir(save_dir)
-    except OSError:
-        return []
-    ranks_of: dict[str, list[int]] = {}
-    for name in names:
-        m = _RANK_FILE.match(name)
-        if m and m.group("stem").startswith("checkpoint"):
-            ranks_of.setdefault(m.group("stem"), []).append(int(m.group("rank")))
-    out = []
-    for stem, ranks in sorted(ranks_of.items()):
-        left = sorted(r for r in ranks if r >= world or not sharded)
-        if not left:
-            continue
-        own = read_shard(os.path.join(save_dir, f"{stem}-rank-0.pt" if sharded else f"{stem}.pt"))
-        if not own.readable or own.run_id != run_id:
-            continue
-        for r in left:
-            path = os.path.join(save_dir, f"{stem}-rank-{r}.pt")
-            info = read_shard(path)
-            if info.run_id is not None and info.run_id != run_id:
-                out.append(path)
-    return out
-
-
-def remove_superseded(save_dir: str, world: int, sharded: bool) -> list[str]:
-    """Rank 0, after each save: delete `superseded_files` (see there) and log which run they belonged to."""
-    if _RUN_ID is None:
-        return []
-    stale = superseded_files(save_dir, _RUN_ID, world, sharded)
-    for path in stale:
-        info = read_shard(path)
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(path)
-        logger.info("removed %s (update %s, written by a %s-rank run, run %s): this %d-rank run's save of the same "
-                    "name supersedes it", os.path.basename(path), info.num_updates, info.world_size, info.run_id,
-                    world)
-    return stale
-
-
 def check_checkpoint_flags(cfg) -> None:
     """Refuse, before anything is read or written, a checkpoint option that would skip the atomic tagged writes
     (`cfg`: fairseq's checkpoint config; every rank's Trainer and smlp-launch's preflight call it)."""
@@ -595,15 +573,29 @@ class _AtomicCopies:
         return True
 
 
+def check_checkpoint_suffix(cfg) -> None:
+    """Refuse --checkpoint-suffix on a run that writes one file per rank (`cfg`: fairseq's whole config, read
+    before distributed_init replaces the suffix with `-rank-R`, which would ignore it without a word)."""
+    suffix = getattr(cfg.checkpoint, "checkpoint_suffix", "") or ""
+    world = getattr(cfg.distributed_training, "distributed_world_size", 1) or 1
+    if suffix and world > 1 and getattr(cfg.model, "base_layers", 0):
+        raise FlagError(f"--checkpoint-suffix {suffix}: an expert-parallel run on {world} ranks names its files by "
+                        f"rank (checkpoint_last-rank-R.pt) and fairseq would drop the suffix; keep runs apart with "
+                        f"another --save-dir instead")
+
+
 def install() -> bool:
-    """Wrap fairseq.checkpoint_utils' save, copy, load and save-dir check entry points (once per process)."""
+    """Wrap fairseq.checkpoint_utils' save, copy and save-dir check entry points, fairseq's distributed_init and
+    call_main (once per process); loading is checkpoint_sources.py's."""
     from fairseq import checkpoint_utils
+    from fairseq.distributed import utils as distributed_utils
+
+    from .save_dir import open_save_dir, prune_saves, remove_resharded, remove_superseded
 
     if getattr(checkpoint_utils, "_smlp_checkpoint_sets", False):
         return False
     original_persist = checkpoint_utils.torch_persistent_save
     original_save = checkpoint_utils.save_checkpoint
-    original_load = checkpoint_utils.load_checkpoint
 
     def torch_persistent_save(obj, filename, async_write: bool = False):
         if "://" in str(filename):
@@ -625,50 +617,50 @@ def install() -> bool:
         finally:
             checkpoint_utils.PathManager = real
             _EVERY_RANK_SAVES = False
-        if rank == 0 and "://" not in str(cfg.save_dir):
-            remove_superseded(cfg.save_dir, world, _suffix_info(trainer)[1])
+        if rank == 0 and "://" not in str(cfg.save_dir) and not cfg.no_save:
+            remove_superseded(cfg.save_dir, _RUN_ID, world, _suffix_info(trainer)[1])
+            prune_saves(cfg, cfg.save_dir)
+            remove_resharded(cfg.save_dir, trainer.get_num_updates())
         return result
 
-    def load_checkpoint(cfg, trainer, **passthrough_args):
-        plan = plan_and_check_resume(cfg, trainer)
-        if plan.restore_file is None and not plan.from_scratch:
-            return original_load(cfg, trainer, **passthrough_args)
-        previous = cfg.restore_file
-        # from scratch: a name no save has (fairseq then starts as on a first launch, on every rank)
-        cfg.restore_file = os.path.join(cfg.save_dir, NO_CHECKPOINT) if plan.from_scratch else plan.restore_file
-        try:
-            return original_load(cfg, trainer, **passthrough_args)
-        finally:
-            cfg.restore_file = previous
-
-    for wrapper, original in ((save_checkpoint, original_save), (load_checkpoint, original_load),
-                              (torch_persistent_save, original_persist)):
-        wrapper.__wrapped__ = original
-        wrapper.__doc__ = original.__doc__
     original_verify = checkpoint_utils.verify_checkpoint_directory
 
-    def verify_checkpoint_directory(save_dir: str) -> None:
-        try:
-            original_verify(save_dir)
-        except OSError as exc:
-            raise OSError(exc.errno, f"--save-dir {save_dir} cannot be created or written ({exc.strerror}: "
-                                     f"{exc.filename}); training would fail at its first save. Choose a "
-                                     f"writable directory") from exc
+    def verify_checkpoint_directory(save_dir: str) -> None:  # rank 0, before any file is read or written
+        open_save_dir(save_dir)
 
-    verify_checkpoint_directory.__wrapped__ = original_verify
+    original_init = distributed_utils.distributed_init
+    original_call_main = distributed_utils.call_main
+
+    def distributed_init(cfg):  # every rank, before the rendezvous and before fairseq sets the rank suffix
+        check_checkpoint_suffix(cfg)
+        return original_init(cfg)
+
+    def call_main(cfg, main, **kwargs):
+        from smlp import folder_lock
+
+        try:
+            return original_call_main(cfg, main, **kwargs)
+        finally:
+            folder_lock.release()  # the save folder's lock (a program run in a longer-lived process)
+
     from fairseq.trainer import Trainer
 
-    original_init = Trainer.__init__
+    original_init_trainer = Trainer.__init__
 
     def __init__(self, cfg, *args, **kwargs):  # every rank, before any checkpoint is read or written
         check_checkpoint_flags(cfg.checkpoint)
-        original_init(self, cfg, *args, **kwargs)
+        original_init_trainer(self, cfg, *args, **kwargs)
 
-    __init__.__wrapped__ = original_init
+    for wrapper, original in ((save_checkpoint, original_save), (torch_persistent_save, original_persist),
+                              (verify_checkpoint_directory, original_verify), (distributed_init, original_init),
+                              (call_main, original_call_main), (__init__, original_init_trainer)):
+        wrapper.__wrapped__ = original
+        wrapper.__doc__ = original.__doc__
     Trainer.__init__ = __init__
+    distributed_utils.distributed_init = distributed_init
+    distributed_utils.call_main = call_main
     checkpoint_utils.verify_checkpoint_directory = verify_checkpoint_directory
     checkpoint_utils.torch_persistent_save = torch_persistent_save
     checkpoint_utils.save_checkpoint = save_checkpoint
-    checkpoint_utils.load_checkpoint = load_checkpoint
     checkpoint_utils._smlp_checkpoint_sets = True
     return True

@@ -1,0 +1,187 @@
+"""The save folder of a training run: one job at a time, checked before anything is written, and kept tidy.
+
+- `open_save_dir` replaces fairseq's start-up check (`verify_checkpoint_directory`, which writes and deletes a
+  file named `dummy`: a user's `dummy` would be emptied and deleted). On rank 0, before any file is touched: the
+  folder is created, its lock taken for the run's life (smlp/folder_lock.py: a second job refuses in one line
+  naming the holder), and a probe file of the one writer's temporary form created and removed. A folder that
+  cannot be created or written is refused in one line (`SaveDirError`), from smlp-launch and plain fairseq-train.
+- `remove_superseded`: a run on fewer ranks (resumed from a resharded set) overwrites the first shards of each
+  name it saves (checkpoint_best-rank-0.pt) and would leave the others of the earlier run (checkpoint_best-rank-1.pt);
+  after each save rank 0 removes the files of an earlier run that this run's save of the same name supersedes, so
+  every name is one run's whole set.
+- `prune_saves` applies --keep-interval-updates, --keep-last-epochs and --keep-best-checkpoints to whole saves,
+  whatever world size wrote them: fairseq prunes on each rank the files of that rank's own suffix, so the shards of
+  ranks a run no longer has (a requeue on fewer ranks) were never removed. Sets the resharder derived
+  (`checkpoint_resharded_*`) are removed once this run has a newer complete save.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+
+from smlp import folder_lock
+from smlp.files import temp_name
+
+from .atomic_files import RANK_FILE
+from .errors import RefusedInput
+
+logger = logging.getLogger(__name__)
+
+RESHARDED = "checkpoint_resharded_"  # the stem of every set the resharder derives (elastic.py)
+
+
+class SaveDirError(OSError, RefusedInput):
+    """A --save-dir that cannot be created, written or locked, said in one line."""
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+def open_save_dir(save_dir: str, program: str = "fairseq-train") -> None:
+    """Create `save_dir`, hold its lock for the run and check it can be written (module docstring); rank 0."""
+    if "://" in str(save_dir):
+        return
+    try:
+        os.makedirs(save_dir, exist_ok=True)
+    except OSError as exc:
+        raise SaveDirError(exc.errno, f"--save-dir {save_dir} cannot be created ({exc.strerror}: {exc.filename}); "
+                                      f"choose a folder you can write") from None
+    try:
+        folder_lock.hold(save_dir, program)
+        probe = os.path.join(save_dir, temp_name("write-probe"))
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+        os.remove(probe)
+    except folder_lock.FolderInUse as exc:
+        raise SaveDirError(0, str(exc)) from None
+    except OSError as exc:
+        raise SaveDirError(exc.errno, f"--save-dir {save_dir} cannot be written ({exc.strerror}); training would "
+                                      f"fail at its first save. Choose a writable folder") from None
+
+
+# ----------------------------------------------------------------------------- pruning whole saves
+
+
+def superseded_files(save_dir: str, run_id: str, world: int, sharded: bool) -> list[str]:
+    """The files of `save_dir` that this run's saves made obsolete: for every checkpoint name whose first file
+    (X-rank-0.pt, or X.pt when this run writes one file) this run (`run_id`) wrote, the rank shards X-rank-R.pt
+    no rank of this run writes (R >= world, or every R for one file) that an earlier run on more ranks left
+    (they carry its tag), and on a sharded run the file X.pt an earlier one-process run wrote (not a merged one).
+    Beside the files of this run they would form a mixed set that nothing can load."""
+    from .checkpoint_sets import read_shard
+
+    try:
+        names = os.listdir(save_dir)
+    except OSError:
+        return []
+    ranks_of: dict[str, list[int]] = {}
+    for name in names:
+        m = RANK_FILE.match(name)
+        if m and m.group("stem").startswith("checkpoint"):
+            ranks_of.setdefault(m.group("stem"), []).append(int(m.group("rank")))
+    out = []
+    for stem, ranks in sorted(ranks_of.items()):
+        left = sorted(r for r in ranks if r >= world or not sharded)
+        if not left:
+            continue
+        own = read_shard(os.path.join(save_dir, f"{stem}-rank-0.pt" if sharded else f"{stem}.pt"))
+        if not own.readable or own.run_id != run_id:
+            continue
+        for r in left:
+            path = os.path.join(save_dir, f"{stem}-rank-{r}.pt")
+            info = read_shard(path)
+            if info.run_id is not None and info.run_id != run_id:
+                out.append(path)
+    for stem in sorted(ranks_of) if sharded else ():
+        one = os.path.join(save_dir, f"{stem}.pt")
+        if os.path.isfile(one) and read_shard(os.path.join(save_dir, f"{stem}-rank-0.pt")).run_id == run_id:
+            info = read_shard(one)
+            if info.run_id is not None and info.run_id != run_id and not info.consolidated_from:
+                out.append(one)
+    return out
+
+
+def remove_superseded(save_dir: str, run_id: str | None, world: int, sharded: bool) -> list[str]:
+    """Rank 0, after each save: delete `superseded_files` (see there) and log which run they belonged to."""
+    from .checkpoint_sets import read_shard
+
+    if run_id is None:
+        return []
+    stale = superseded_files(save_dir, run_id, world, sharded)
+    for path in stale:
+        info = read_shard(path)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
+        logger.info("removed %s (update %s, written by a %s-rank run, run %s): this %d-rank run's save of the same "
+                    "name supersedes it", os.path.basename(path), info.num_updates, info.world_size or 1,
+                    info.run_id, world)
+    return stale
+
+
+
+def saves_by_name(save_dir: str) -> dict[str, list[str]]:
+    """Checkpoint stem -> its files in `save_dir`: the rank shards `STEM-rank-R.pt` and a file `STEM.pt`."""
+    try:
+        names = os.listdir(save_dir)
+    except OSError:
+        return {}
+    out: dict[str, list[str]] = {}
+    for name in sorted(names):
+        if not (name.startswith("checkpoint") and name.endswith(".pt")):
+            continue
+        m = RANK_FILE.match(name)
+        out.setdefault(m.group("stem") if m else name[:-3], []).append(os.path.join(save_dir, name))
+    return out
+
+
+def _ranked(stems, pattern: str) -> list[tuple[float, str]]:
+    found = []
+    for stem in stems:
+        m = re.fullmatch(pattern, stem)
+        if m:
+            found.append((float(m.group(1)), stem))
+    return sorted(found, reverse=True)
+
+
+def prune_saves(cfg, save_dir: str) -> list[str]:
+    """Rank 0, after a save: remove every file (any rank, any world size) of the saves fairseq's --keep-* flags
+    drop (`cfg`: the checkpoint config). Returns the removed paths."""
+    saves = saves_by_name(save_dir)
+    drop: list[str] = []
+    if cfg.keep_interval_updates > 0:
+        drop += [s for _, s in _ranked(saves, r"checkpoint_\d+_(\d+)")[cfg.keep_interval_updates:]]
+    if cfg.keep_last_epochs > 0:
+        drop += [s for _, s in _ranked(saves, r"checkpoint(\d+)")[cfg.keep_last_epochs:]]
+    if cfg.keep_best_checkpoints > 0:
+        best = _ranked(saves, rf"checkpoint\.best_{re.escape(cfg.best_checkpoint_metric)}_(\d+\.?\d*)")
+        if not cfg.maximize_best_checkpoint_metric:
+            best = best[::-1]
+        drop += [s for _, s in best[cfg.keep_best_checkpoints:]]
+    return _remove([f for s in drop for f in saves[s]], "an older save that --keep-* flags drop")
+
+
+def remove_resharded(save_dir: str, newest_update: int) -> list[str]:
+    """Rank 0, after a complete save of update `newest_update`: remove the derived sets (`checkpoint_resharded_*`)
+    of earlier updates; their source saves are kept."""
+    from .checkpoint_sets import read_shard
+
+    old = []
+    for stem, files in saves_by_name(save_dir).items():
+        if stem.startswith(RESHARDED):
+            info = read_shard(files[0])
+            if not info.readable or (info.num_updates or 0) < newest_update:
+                old += files
+    return _remove(old, f"a resharded copy older than this run's save of update {newest_update}")
+
+
+def _remove(paths: list[str], why: str) -> list[str]:
+    removed = []
+    for path in paths:
+        try:
+            os.remove(path)
+        except FileNotFoundError:
+            continue
+        removed.append(path)
+        logger.info("removed %s: %s", os.path.basename(path), why)
+    return removed
