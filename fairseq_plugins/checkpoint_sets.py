@@ -461,6 +461,8 @@ def plan_and_check_resume(cfg, trainer) -> ResumePlan:
         moved = resharded(chosen, cfg.save_dir, trainer, "checkpoint_resharded")
         if moved != chosen:
             plan = ResumePlan(moved, plan.message)
+    if not default_restore and plan.restore_file is None:
+        plan = ResumePlan(restore_base, plan.message)  # the named save, or the set it was resharded into
     _check_fits_model(plan, restore_base, suffix, trainer, reads_file)
     if plan.message and rank == 0:
         logger.warning(plan.message)
@@ -617,7 +619,7 @@ def install() -> bool:
         finally:
             checkpoint_utils.PathManager = real
             _EVERY_RANK_SAVES = False
-        if rank == 0 and "://" not in str(cfg.save_dir) and not cfg.no_save:
+        if rank == 0 and "://" not in str(cfg.save_dir) and result is not None:  # a save was written
             remove_superseded(cfg.save_dir, _RUN_ID, world, _suffix_info(trainer)[1])
             prune_saves(cfg, cfg.save_dir)
             remove_resharded(cfg.save_dir, trainer.get_num_updates())

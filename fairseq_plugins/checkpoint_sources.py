@@ -224,12 +224,12 @@ def load_checkpoint_wrapper(original):
         elif plan.restore_file is not None:
             cfg.restore_file, cfg.finetune_from_model = plan.restore_file, None
             path = shard_path(plan.restore_file, suffix)
-        elif cfg.restore_file != DEFAULT_RESTORE:
-            path = shard_path(cfg.restore_file, suffix)
         elif finetune and not os.path.exists(os.path.join(cfg.save_dir, f"checkpoint_last{suffix}.pt")):
             mine = finetune_file(cfg, trainer)
             if mine is not None:
                 cfg.finetune_from_model = path = mine
+        if path is not None and not plan.from_scratch and not os.path.isfile(path):  # fairseq would start afresh
+            raise CheckpointSetError(f"{path} does not exist: nothing to load for {plan.restore_file or finetune}")
         try:
             with _forced_file(trainer, path, restored=cfg.finetune_from_model is None):
                 return original(cfg, trainer, **passthrough_args)

@@ -29,7 +29,7 @@ from .errors import RefusedInput
 
 logger = logging.getLogger(__name__)
 
-RESHARDED = "checkpoint_resharded_"  # the stem of every set the resharder derives (elastic.py)
+RESHARDED = ("checkpoint_resharded_", "finetune_resharded_")  # the stems of the sets the resharder derives
 
 
 class SaveDirError(OSError, RefusedInput):
@@ -120,15 +120,16 @@ def remove_superseded(save_dir: str, run_id: str | None, world: int, sharded: bo
 
 
 
-def saves_by_name(save_dir: str) -> dict[str, list[str]]:
-    """Checkpoint stem -> its files in `save_dir`: the rank shards `STEM-rank-R.pt` and a file `STEM.pt`."""
+def saves_by_name(save_dir: str, prefixes: tuple[str, ...] = ("checkpoint",)) -> dict[str, list[str]]:
+    """Checkpoint stem -> its files in `save_dir`: the rank shards `STEM-rank-R.pt` and a file `STEM.pt`, for the
+    stems starting with one of `prefixes`."""
     try:
         names = os.listdir(save_dir)
     except OSError:
         return {}
     out: dict[str, list[str]] = {}
     for name in sorted(names):
-        if not (name.startswith("checkpoint") and name.endswith(".pt")):
+        if not (name.startswith(prefixes) and name.endswith(".pt")):
             continue
         m = RANK_FILE.match(name)
         out.setdefault(m.group("stem") if m else name[:-3], []).append(os.path.join(save_dir, name))
@@ -162,16 +163,16 @@ def prune_saves(cfg, save_dir: str) -> list[str]:
 
 
 def remove_resharded(save_dir: str, newest_update: int) -> list[str]:
-    """Rank 0, after a complete save of update `newest_update`: remove the derived sets (`checkpoint_resharded_*`)
-    of earlier updates; their source saves are kept."""
+    """Rank 0, after a complete save of update `newest_update`: remove the sets the resharder derived
+    (`checkpoint_resharded_*`, and `finetune_resharded_*` once fine-tuning has saved) of earlier updates; their
+    sources are kept."""
     from .checkpoint_sets import read_shard
 
     old = []
-    for stem, files in saves_by_name(save_dir).items():
-        if stem.startswith(RESHARDED):
-            info = read_shard(files[0])
-            if not info.readable or (info.num_updates or 0) < newest_update:
-                old += files
+    for stem, files in saves_by_name(save_dir, RESHARDED).items():
+        info = read_shard(files[0])
+        if stem.startswith(RESHARDED[1]) or not info.readable or (info.num_updates or 0) < newest_update:
+            old += files
     return _remove(old, f"a resharded copy older than this run's save of update {newest_update}")
 
 
