@@ -30,7 +30,6 @@ from smlp.process_group import rank_and_world
 
 from .atomic_files import RANK_FILE
 from .checkpoint_sets import (
-    DEFAULT_RESTORE,
     NO_CHECKPOINT,
     CheckpointSetError,
     ResumePlan,

@@ -186,3 +186,41 @@ def _remove(paths: list[str], why: str) -> list[str]:
         removed.append(path)
         logger.info("removed %s: %s", os.path.basename(path), why)
     return removed
+
+
+# ----------------------------------------------------------------------------- train.sbatch's repair
+
+
+def repair_checkpoint_last(save_dir: str) -> str | None:
+    """Before a job's tasks start (train.sbatch, holding the folder's lock): when a file of checkpoint_last cannot
+    be read, copy the newest complete save of the same layout (the same rank files, of one save, written by that
+    many ranks) onto the checkpoint_last names through the one writer. Returns what was done, None if nothing
+    was needed; raises SaveDirError when no complete save can replace it. The plugins resume from the newest
+    complete save by themselves; this keeps a run without them (SMLP_USER_DIR=none) from loading a torn file."""
+    from .atomic_files import atomic_copy
+    from .checkpoint_sets import read_shard, set_problem
+
+    saves = saves_by_name(save_dir)
+    lasts = sorted(saves.get("checkpoint_last", []))
+    infos = [read_shard(f) for f in lasts]
+    if all(i.readable for i in infos):
+        return None
+    names = [os.path.basename(f)[len("checkpoint_last"):] for f in lasts]  # "-rank-R.pt" or ".pt"
+    sharded = names != [".pt"]
+    best = None
+    for stem, files in saves.items():
+        if not re.fullmatch(r"checkpoint(\d+|_\d+_\d+)", stem):
+            continue
+        if sorted(os.path.basename(f)[len(stem):] for f in files) != sorted(names):
+            continue
+        found = [read_shard(os.path.join(save_dir, stem + n)) for n in names]
+        if set_problem(found, len(names), sharded) is None and not found[0].consolidated_from:
+            key = (found[0].num_updates or 0, found[0].epoch or 0, stem)
+            best = max(best, key) if best else key
+    damaged = ", ".join(os.path.basename(i.path) for i in infos if not i.readable)
+    if best is None:
+        raise SaveDirError(0, f"{damaged} in {save_dir} cannot be read (killed while copying?) and no complete save "
+                              f"of the same {len(names)} file(s) can replace it; move it aside to start from scratch")
+    for n in names:
+        atomic_copy(os.path.join(save_dir, best[2] + n), os.path.join(save_dir, "checkpoint_last" + n))
+    return f"{damaged} could not be read: replaced by {best[2]}{'-rank-*.pt' if sharded else '.pt'} (update {best[0]})"
