@@ -9,38 +9,29 @@ fairseq would resume each rank from its own file: experts of different updates, 
 scratch, with no error. Here:
 
 - Writing (`torch_persistent_save`, the copies inside `save_checkpoint`; fairseq_plugins/atomic_files.py):
-  the one atomic writer (smlp/files.py), so a file is either the old one or the whole new one. Every rank
-  of a save writes its file, then all of them agree before any renames its own (`write_on_every_rank`): a
-  rank that could not write (disk full when its temporary file is created or written) stops every rank
-  with its one line (`CheckpointWriteError`), every temporary file is removed and no file of that save is
-  named, so no partial set is left. A write killed partway (SIGKILL, a lost node) cannot remove its
-  temporary file: each rank removes those of its own checkpoint names when training starts again, and
-  rank 0 those of ranks this run does not have (`remove_stale_temp_files`), before anything is loaded.
-  `--write-checkpoints-asynchronously` (fairseq: no atomic write, no tag, no copy to checkpoint_last) is
-  refused before training starts (`check_checkpoint_flags`).
+  the one atomic writer (smlp/files.py). Every rank of a save writes its file, then all of them agree before
+  any renames its own (`write_on_every_rank`): a rank that could not write stops every rank with its one line
+  (`CheckpointWriteError`) and no file of that save is named. `--write-checkpoints-asynchronously` and, on rank
+  shards, `--checkpoint-suffix` are refused before training starts (`check_checkpoint_flags`,
+  `check_checkpoint_suffix`). After each save rank 0 prunes and supersedes whole saves (save_dir.py).
 - Tagging: every trainer state records under `smlp_shard` its rank, world size, update, epoch and a
   set id `<run id>:<update>` (the run id is drawn by rank 0 when training starts and broadcast), so
   the shards of one save carry the same id and shards of different saves or runs never do.
-- Loading (`load_checkpoint`, before fairseq reads anything): every rank reads the tag of the shard
-  it would load (cheap: torch.load with mmap), the ranks exchange what they found, and all of them
-  take the same decision. A complete set (every rank's shard present, readable, same set id, written
-  by this world size) loads as fairseq would. Anything else is refused with an error that names each
-  shard and its update. When resuming from the default `checkpoint_last.pt`, the newest complete save of
-  the save directory is loaded, whichever file holds it (a kill after a numbered save and before its copy
-  to checkpoint_last leaves `checkpoint_1_800-rank-*.pt` newer than checkpoint_last), said in a warning.
-- Superseded shards: a run on fewer ranks (resumed after resharding, fairseq_plugins/elastic.py) overwrites the
-  first shards of each name it saves (checkpoint_best-rank-0.pt) and would leave the others of the earlier
-  run (checkpoint_best-rank-1.pt): after each save rank 0 removes the shards of an earlier run that this run's
-  save of the same name supersedes (`superseded_files`), so every name is one run's whole set.
-- Also refused before any work: `--restore-file` naming one rank's shard or a file that does not
-  exist (fairseq would start from scratch and overwrite checkpoint_last), a save directory holding
-  another layout's checkpoint (rank shards on one process, or the reverse), a checkpoint whose
-  tensors do not fit the model being trained (another architecture, expert count or dictionary),
-  and a --save-dir that cannot be created or written (said in those words).
+- Loading (`plan_and_check_resume`, called by checkpoint_sources.py before fairseq reads anything): rank 0
+  removes the killed writes' temporary files (holding the folder's lock, save_dir.py); every rank reads the tag
+  of the shard it would load (cheap: torch.load with mmap), the ranks exchange what they found, and all of
+  them take the same decision (`decide_resume`). A complete set (every rank's shard present, readable, same
+  set id, written by this world size) loads as fairseq would; anything else is refused naming each shard and its
+  update. Resuming from the default `checkpoint_last.pt`, the newest complete save of the save directory is
+  loaded, whichever file and whatever world size holds it (a save of another layout is resharded beside it).
+- Also refused before any work: `--restore-file` naming one rank's shard or a file that does not exist
+  (fairseq would start from scratch and overwrite checkpoint_last), a checkpoint whose tensors do not fit the
+  model being trained (another architecture, expert count or dictionary), and a --save-dir that cannot be
+  created or written, or that another job trains in (save_dir.open_save_dir, in place of fairseq's check).
 
-fairseq's own files are not changed: `install()` wraps four functions of `fairseq.checkpoint_utils`
-(looked up as module attributes by fairseq_cli.train and the trainer) and `Trainer.__init__` when the
-plugins are imported.
+fairseq's own files are not changed: `install()` wraps functions of `fairseq.checkpoint_utils` (looked up as
+module attributes by fairseq_cli.train and the trainer), fairseq's distributed_init and call_main and
+`Trainer.__init__` when the plugins are imported.
 """
 from __future__ import annotations
 

@@ -329,6 +329,9 @@ def saved_expert_keys(plan: Plan) -> list[str]:
 def reshard_checkpoint(plan: Plan, rank: int, expert_params: list) -> None:
     """Every rank of the new run calls this with the same plan: each writes its file of the new set (rank 0 the
     one file of a one-file layout), named once every rank has written its own; the source is left as it is."""
+    if set(plan.targets) & set(plan.saved.files):
+        raise ReshardError(f"resharding {plan.saved.describe()} would overwrite it: write the new set under another "
+                           f"name (plan_resume's target)")
     def write(commit):
         sources = {i: _load(p) for i, p in sources_for(plan, rank).items()}
         atomic_torch_save(resharded_state(plan, rank, sources, expert_params), plan.targets[rank], commit)
