@@ -427,3 +427,32 @@ def test_published_figures_replace_their_files_whole(tmp_path):
     os.link(dst / "figure.png", tmp_path / "reader")
     _copy(src, dst, ["figure.png"])
     assert (dst / "figure.png").read_bytes() == b"new figure" and (tmp_path / "reader").read_bytes() == b"old figure"
+
+
+def test_export_force_through_a_symlinked_folder_writes_into_its_target(tmp_path, monkeypatch):
+    """`smlp-export --force --hf hflink` with hflink -> real/hf: the export replaces real/hf (an earlier export)
+    and the link stays a link to it; nothing is left beside either (the link was replaced by a real folder and
+    `.hflink.old-PID` was left). The model's loading and writing are stood in for: only the folder is in question."""
+    pytest.importorskip("safetensors")
+    import json
+
+    from smlp_eval import hf_export
+
+    def write_folder(folder, core, encoder, **kwargs):
+        (folder / "config.json").write_text(json.dumps({"smlp_export": {"new": True}}))
+        return ["config.json"]
+
+    core = type("Core", (), {"cfg": type("Cfg", (), {"family": "smlp", "prediction_start": 0})})
+    monkeypatch.setattr(hf_export, "_load", lambda path, data_dir: (None, core, type("E", (), {"dictionary": {}})))
+    monkeypatch.setattr(hf_export, "check_representable", lambda core: None)
+    monkeypatch.setattr(hf_export, "dictionary_vocab", lambda dictionary: {})
+    monkeypatch.setattr(hf_export, "_write_folder", write_folder)
+    target = tmp_path / "real" / "hf"
+    target.mkdir(parents=True)
+    (target / "config.json").write_text(json.dumps({"smlp_export": {"new": False}}))
+    (tmp_path / "hflink").symlink_to(target, target_is_directory=True)
+    hf_export.export("model.pt", tmp_path / "hflink", force=True, verify=False)
+    assert (tmp_path / "hflink").is_symlink() and os.readlink(tmp_path / "hflink") == str(target)
+    assert json.loads((target / "config.json").read_text()) == {"smlp_export": {"new": True}}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hflink", "real"]
+    assert sorted(p.name for p in target.parent.iterdir()) == ["hf"]
