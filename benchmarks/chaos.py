@@ -260,7 +260,7 @@ def _writing(save: Path, target: dict, last: int) -> str | None:
 
 def _inspect(save: Path) -> tuple[list[str], list[str]]:
     """(checkpoint files that cannot be read, temporary files left) in the save directory."""
-    from fairseq_plugins.checkpoint_sets import read_shard
+    from fairseq_plugins.shard_tags import read_shard
 
     names = sorted(os.listdir(save)) if save.is_dir() else []
     torn = [n for n in names if n.startswith("checkpoint") and n.endswith(".pt")

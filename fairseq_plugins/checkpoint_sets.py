@@ -14,13 +14,11 @@ scratch, with no error. Here:
   (`CheckpointWriteError`) and no file of that save is named. `--write-checkpoints-asynchronously` and, on rank
   shards, `--checkpoint-suffix` are refused before training starts (`check_checkpoint_flags`,
   `check_checkpoint_suffix`). After each save rank 0 prunes and supersedes whole saves (save_dir.py).
-- Tagging: every trainer state records under `smlp_shard` its rank, world size, update, epoch and a
-  set id `<run id>:<update>` (the run id is drawn by rank 0 when training starts and broadcast), so
-  the shards of one save carry the same id and shards of different saves or runs never do.
-- Loading (`plan_and_check_resume`, called by checkpoint_sources.py before fairseq reads anything): rank 0
-  removes the killed writes' temporary files (holding the folder's lock, save_dir.py); every rank reads the tag
-  of the shard it would load (cheap: torch.load with mmap), the ranks exchange what they found, and all of
-  them take the same decision (`decide_resume`). A complete set (every rank's shard present, readable, same
+- Tagging: every trainer state records its rank, world size, update, epoch and a set id (shard_tags.py; the
+  run id is drawn by rank 0 when training starts, `start_run`).
+- Loading (checkpoint_sources.plan_and_check_resume, before fairseq reads anything): every rank reads the tag
+  of the shard it would load, the ranks exchange what they found, and all of them take the same decision
+  (`decide_resume`, pure). A complete set (every rank's shard present, readable, same
   set id, written by this world size) loads as fairseq would; anything else is refused naming each shard and its
   update. Resuming from the default `checkpoint_last.pt`, the newest complete save of the save directory is
   loaded, whichever file and whatever world size holds it (a save of another layout is resharded beside it).
@@ -39,21 +37,19 @@ import logging
 import os
 import re
 import uuid
-from dataclasses import dataclass, field
-
-import torch
+from dataclasses import dataclass
 
 from smlp.process_group import broadcast_object as _broadcast
 from smlp.process_group import gather_objects as _gather
 from smlp.process_group import rank_and_world
 
 from .atomic_files import RANK_FILE as _RANK_FILE
-from .atomic_files import atomic_copy, atomic_torch_save, remove_stale_temp_files, write_on_every_rank
+from .atomic_files import atomic_copy, atomic_torch_save, write_on_every_rank
 from .errors import FlagError, RefusedInput
+from .shard_tags import SHARD_KEY, ShardInfo, rank_shards, read_shard, set_problem, shard_path, shard_tag
 
 logger = logging.getLogger(__name__)
 
-SHARD_KEY = "smlp_shard"
 DEFAULT_RESTORE = "checkpoint_last.pt"
 NO_CHECKPOINT = "checkpoint_none.pt"  # what ranks that start from scratch load: no file has this name
 _MAX_LISTED = 8
@@ -63,137 +59,16 @@ class CheckpointSetError(ValueError, RefusedInput):
     """The checkpoint to resume from is not one consistent save, or does not fit this run."""
 
 
-# ----------------------------------------------------------------------------- tags
-
-
 _RUN_ID: str | None = None  # drawn by rank 0 when training starts (load_checkpoint), the same on every rank
 
 
-def shard_tag(state: dict, path: str, run_id: str | None) -> dict:
-    """What `smlp_shard` records for a trainer state about to be written to `path`."""
-    rank, world = rank_and_world()
-    m = _RANK_FILE.match(os.path.basename(path))
-    history = state.get("optimizer_history") or [{}]
-    updates = history[-1].get("num_updates")
-    itr = (state.get("extra_state") or {}).get("train_iterator") or {}
-    return {
-        "format": 1,
-        "rank": int(m.group("rank")) if m else rank,
-        "world_size": world if m else 1,
-        "sharded": bool(m),
-        "num_updates": updates,
-        "epoch": itr.get("epoch"),
-        "iterations_in_epoch": itr.get("iterations_in_epoch"),
-        "set_id": f"{run_id}:{updates}" if run_id else None,
-    }
-
-
-@dataclass
-class ShardInfo:
-    """What one rank found in one checkpoint file (a plain, picklable record exchanged between ranks)."""
-
-    path: str
-    exists: bool = False
-    readable: bool = False
-    error: str | None = None
-    num_updates: int | None = None
-    epoch: int | None = None
-    world_size: int | None = None
-    set_id: str | None = None
-    arch: str | None = None
-    model_name: str | None = None  # the saved config's _name: the --arch preset (model_of gives its model)
-    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
-    consolidated_from: int | None = None  # smlp-consolidate merged this many rank shards into the file
-    has_optimizer: bool = True  # holds an optimizer state (smlp-consolidate's files do not)
-
-    def describe(self, world: int | None = None, runs: bool = False) -> str:
-        """`NAME: update N`, with the world size that wrote it when it is not `world`, and with `runs` which
-        run wrote it (its world size and run id)."""
-        name = os.path.basename(self.path)
-        if not self.exists:
-            return f"{name}: missing"
-        if not self.readable:
-            return f"{name}: unreadable ({self.error})"
-        if self.consolidated_from:
-            return f"{name}: update {self.num_updates}, merged by smlp-consolidate from {self.consolidated_from} shards"
-        if runs:
-            ranks = f"a {self.world_size}-rank run" if self.world_size else "a one-process run"
-            return f"{name}: update {self.num_updates}, written by {ranks}" + (f" (run {self.run_id})"
-                                                                               if self.run_id else "")
-        extra = f", written by a {self.world_size}-rank run" if self.world_size not in (None, world) else ""
-        return f"{name}: update {self.num_updates}{extra}"
-
-    @property
-    def run_id(self) -> str | None:
-        """The id of the training run that wrote the file (drawn when it started), if recorded."""
-        return self.set_id.rsplit(":", 1)[0] if self.set_id else None
-
-    @property
-    def save_key(self):
-        """Shards of one save agree on this: the set id when recorded, else the update."""
-        return self.set_id if self.set_id else ("update", self.num_updates)
-
-
-def read_shard(path: str, with_shapes: bool = False) -> ShardInfo:
-    """The tag of a checkpoint file; tensors are memory-mapped, not read."""
-    info = ShardInfo(path=path, exists=os.path.isfile(path))
-    if not info.exists:
-        return info
-    try:
-        state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-    except Exception as exc:  # truncated, corrupt, not a checkpoint
-        info.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}".rstrip(": ")
-        if "zip archive" in str(exc) or "central directory" in str(exc) or isinstance(exc, EOFError):
-            info.error = "truncated or corrupt file, cut short while it was written?"
-        return info
-    if not isinstance(state, dict) or "model" not in state:
-        info.error = "not a fairseq checkpoint (no 'model' entry)"
-        return info
-    info.readable = True
-    tag = state.get(SHARD_KEY) or {}
-    history = state.get("optimizer_history") or [{}]
-    info.num_updates = tag.get("num_updates", history[-1].get("num_updates"))
-    info.epoch = tag.get("epoch", ((state.get("extra_state") or {}).get("train_iterator") or {}).get("epoch"))
-    info.world_size = tag.get("world_size") if tag.get("sharded") else None
-    info.set_id = tag.get("set_id")
-    info.consolidated_from = state.get("smlp_consolidated_from")
-    info.has_optimizer = state.get("last_optimizer_state") is not None
-    cfg = state.get("cfg")
-    model_cfg = cfg.get("model") if isinstance(cfg, dict) else None
-    if isinstance(model_cfg, dict):
-        info.arch = model_cfg.get("arch") or model_cfg.get("_name")
-        info.model_name = model_cfg.get("_name")
-    if with_shapes:
-        info.shapes = {k: tuple(v.shape) for k, v in state["model"].items() if isinstance(v, torch.Tensor)}
-    return info
+def start_run() -> None:
+    """Every rank, when training starts: rank 0 draws this run's id (the tags' set ids) and shares it."""
+    global _RUN_ID
+    _RUN_ID = _broadcast(uuid.uuid4().hex[:12] if rank_and_world()[0] == 0 else None)
 
 
 # ----------------------------------------------------------------------------- decisions (pure)
-
-
-def shard_path(base: str, suffix: str) -> str:
-    """This rank's file of checkpoint `base`: `suffix` inserted before the file name's final `.pt` (fairseq
-    replaces every `.pt` of the whole path, which breaks a folder named `exp.ptb`); the folders are kept."""
-    directory, name = os.path.split(str(base))
-    stem = name[:-3] if name.endswith(".pt") else name
-    return os.path.join(directory, stem + suffix + ".pt")
-
-
-def rank_shards(base: str) -> dict[int, str]:
-    """Rank -> path of each rank shard `X-rank-R.pt` of checkpoint `X.pt` that exists (fairseq's
-    names: `shard_path(base, f"-rank-{R}")`); empty when there is none."""
-    stem = base[:-3] if base.endswith(".pt") else base
-    directory, name = os.path.split(stem)
-    try:
-        listed = os.listdir(directory or ".")
-    except OSError:
-        return {}
-    found = {}
-    for entry in listed:
-        m = _RANK_FILE.match(entry)
-        if m and m.group("stem") == name:
-            found[int(m.group("rank"))] = os.path.join(directory, entry)
-    return found
 
 
 def _listing(infos: list[ShardInfo], world: int | None = None, runs: bool = False) -> str:
@@ -201,31 +76,6 @@ def _listing(infos: list[ShardInfo], world: int | None = None, runs: bool = Fals
     if len(infos) > _MAX_LISTED:
         lines.append(f"... and {len(infos) - _MAX_LISTED} more")
     return "; ".join(lines)
-
-
-def set_problem(infos: list[ShardInfo], world: int, sharded: bool) -> str | None:
-    """Why the files (one per rank, or one) are not one loadable save; None when they are."""
-    if not all(i.exists for i in infos):
-        return "some shards are missing"
-    if not all(i.readable for i in infos):
-        return "some files cannot be read"
-    if sharded:
-        worlds = {i.world_size for i in infos if i.world_size is not None}
-        if len(worlds) > 1:
-            return (f"the shards come from runs on {' and '.join(str(w) for w in sorted(worlds))} ranks: a run on "
-                    f"fewer ranks wrote the first shards of this name and left the others of an earlier run")
-        if worlds and worlds != {world}:
-            return f"the shards were written by a {max(worlds)}-rank run and this run has {world} ranks"
-        if len({i.save_key for i in infos}) > 1:
-            runs = {i.run_id for i in infos}
-            return "the shards come from different runs" if len(runs) > 1 else "the shards come from different saves"
-    return None
-
-
-def from_several_runs(infos: list[ShardInfo]) -> bool:
-    """The files were written by more than one training run (run ids or world sizes differ)."""
-    return (len({i.run_id for i in infos if i.run_id}) > 1
-            or len({i.world_size for i in infos if i.world_size is not None}) > 1)
 
 
 @dataclass(frozen=True)
@@ -383,81 +233,6 @@ def _foreign_layout(save_dir: str, sharded: bool, world: int) -> str | None:
                 f"run looks for checkpoint_last-rank-R.pt and would start from scratch, overwriting it; start from "
                 f"it with --finetune-from-model in another --save-dir")
     return None
-
-
-def plan_and_check_resume(cfg, trainer) -> ResumePlan:
-    """Every rank calls this before fairseq loads anything; all of them return or raise the same. The plan's
-    restore_file is always a save of this run's layout: a save of another (another world size, one file on a
-    sharded run, smlp-consolidate's output) is resharded beside it under --save-dir first (checkpoint_sources)."""
-    from .checkpoint_sources import newest_other_layout, resharded, resume_update
-
-    global _RUN_ID
-    rank, world = rank_and_world()
-    _RUN_ID = _broadcast(uuid.uuid4().hex[:12] if rank == 0 else None)
-    suffix, sharded = _suffix_info(trainer)
-    default_restore = cfg.restore_file == DEFAULT_RESTORE
-    m = _RANK_FILE.match(os.path.basename(str(cfg.restore_file)))
-    if not default_restore and m:
-        raise CheckpointSetError(
-            f"--restore-file {cfg.restore_file} names one rank's shard; fairseq adds each rank's -rank-R suffix "
-            f"itself (this would look for {os.path.basename(shard_path(cfg.restore_file, suffix or '-rank-R'))}). "
-            f"Pass the checkpoint name without the suffix: --restore-file "
-            f"{os.path.join(os.path.dirname(cfg.restore_file), m.group('stem') + '.pt')}")
-    local_dir = "://" not in str(cfg.save_dir)
-    if rank == 0 and local_dir:  # every rank's killed writes: this job holds the folder's lock, nothing writes
-        remove_stale_temp_files(cfg.save_dir)
-    restore_base = os.path.join(cfg.save_dir, DEFAULT_RESTORE) if default_restore else str(cfg.restore_file)
-    check_same_architecture(restore_base, trainer)
-    if not default_restore and local_dir:  # a save of another layout is resharded under --save-dir
-        restore_base = resharded(restore_base, cfg.save_dir, trainer, "checkpoint_resharded")
-    other = _broadcast(newest_other_layout(cfg.save_dir, sharded, world) if rank == 0 and default_restore
-                       and local_dir else None)
-    reads_file = sharded or rank == 0  # without shards only rank 0 reads (and broadcasts) the checkpoint
-    mine = read_shard(shard_path(restore_base, suffix)) if reads_file else None
-    foreign = _foreign_layout(cfg.save_dir, sharded, world) if rank == 0 and default_restore else None
-    gathered = _gather((mine, foreign))
-    requested = [g[0] for g in gathered if g[0] is not None]
-    foreign = gathered[0][1]
-    if foreign and other is None and not any(i.exists for i in requested) and cfg.finetune_from_model is None:
-        raise CheckpointSetError(foreign)
-    candidates: dict[str, list[ShardInfo]] = {}
-    others: list[ShardInfo] = []
-    if default_restore and local_dir:  # every other save: a newer complete one, or the fallback from a mixed set
-        local = _candidates_here(cfg.save_dir, suffix) if reads_file else None
-        per_rank = [c for c in _gather(local) if c is not None]
-        for base in set().union(*[set(c) for c in per_rank]):
-            if os.path.basename(base) == DEFAULT_RESTORE:
-                continue
-            others += [c[base] for c in per_rank if base in c]
-            if all(base in c for c in per_rank):
-                candidates[base] = [c[base] for c in per_rank]
-    single = _broadcast(os.path.isfile(restore_base) if rank == 0 else None)
-    restarts_first = not cfg.finetune_from_model and not getattr(cfg, "continue_once", None)
-    try:
-        plan = decide_resume(requested, candidates, world=world, sharded=sharded, default_restore=default_restore,
-                             restore_name=os.path.basename(restore_base) if default_restore else cfg.restore_file,
-                             single_file_exists=single, others=others,
-                             first_save=(cfg.save_interval_updates or None) if restarts_first else None,
-                             newest=restarts_first)
-    except CheckpointSetError:
-        if other is None:
-            raise
-        plan = ResumePlan(None, from_scratch=True)  # no complete save of this layout: the other one is newer
-    if other is not None and (other[0], other[1]) > resume_update(plan, requested, candidates):
-        plan = ResumePlan(resharded(other[2], cfg.save_dir, trainer, "checkpoint_resharded"),
-                          f"Resuming from the newest complete save, {other[3]} (update {other[0]}, written by "
-                          f"{other[4]}), resharded for this run's {world} rank(s); the save itself is unchanged.")
-    elif local_dir and not plan.from_scratch and (plan.restore_file or any(i.exists for i in requested)):
-        chosen = plan.restore_file or restore_base  # the same world, another expert-parallel layout
-        moved = resharded(chosen, cfg.save_dir, trainer, "checkpoint_resharded")
-        if moved != chosen:
-            plan = ResumePlan(moved, plan.message)
-    if not default_restore and plan.restore_file is None:
-        plan = ResumePlan(restore_base, plan.message)  # the named save, or the set it was resharded into
-    _check_fits_model(plan, restore_base, suffix, trainer, reads_file)
-    if plan.message and rank == 0:
-        logger.warning(plan.message)
-    return plan
 
 
 def _run_arch(trainer) -> tuple[str | None, str]:

@@ -26,21 +26,27 @@ import logging
 import os
 
 from smlp.process_group import broadcast_object as _broadcast
+from smlp.process_group import gather_objects as _gather
 from smlp.process_group import rank_and_world
 
-from .atomic_files import RANK_FILE
+from . import elastic
+from .atomic_files import RANK_FILE, remove_stale_temp_files
 from .checkpoint_sets import (
+    DEFAULT_RESTORE,
     NO_CHECKPOINT,
     CheckpointSetError,
     ResumePlan,
+    ShardInfo,
+    _candidates_here,
+    _check_fits_model,
+    _foreign_layout,
     _suffix_info,
     check_same_architecture,
-    plan_and_check_resume,
-    rank_shards,
-    read_shard,
-    set_problem,
-    shard_path,
+    decide_resume,
+    start_run,
 )
+from .save_dir import saves_by_name
+from .shard_tags import rank_shards, read_shard, set_problem, shard_path
 
 logger = logging.getLogger(__name__)
 
@@ -50,8 +56,6 @@ logger = logging.getLogger(__name__)
 
 def _save_sets(save_dir: str) -> list[tuple[str, bool, list]]:
     """(base, sharded, infos in rank order) of every save in `save_dir`: the shards of a name, and a file."""
-    from .save_dir import saves_by_name
-
     out = []
     for stem, files in saves_by_name(save_dir).items():
         base = os.path.join(save_dir, stem + ".pt")
@@ -98,8 +102,6 @@ def resume_update(plan: ResumePlan, requested: list, candidates: dict) -> tuple[
 def resharded(source: str, save_dir: str, trainer, kind: str) -> str:
     """Every rank: `source` when this run loads it as it is, else the set it was resharded into under `save_dir`
     (`<kind>_<update>_w<W>.pt`; an earlier one resharded from the same save is loaded again, never rewritten)."""
-    from . import elastic
-
     check_same_architecture(source, trainer)  # before anything that would name the expert count or reshard
     rank, world = rank_and_world()
     sharded = _suffix_info(trainer)[1]
@@ -163,6 +165,78 @@ def finetune_file(cfg, trainer) -> str | None:
                                  f"{'; '.join(i.describe(len(infos)) for i in infos)}; pass a complete save")
     base = resharded(str(path), cfg.save_dir, trainer, "finetune_resharded")
     return shard_path(base, _suffix_info(trainer)[0])
+
+
+def plan_and_check_resume(cfg, trainer) -> ResumePlan:
+    """Every rank calls this before fairseq loads anything; all of them return or raise the same. The plan's
+    restore_file is always a save of this run's layout: a save of another (another world size, one file on a
+    sharded run, smlp-consolidate's output) is resharded beside it under --save-dir first (checkpoint_sources)."""
+    rank, world = rank_and_world()
+    start_run()
+    suffix, sharded = _suffix_info(trainer)
+    default_restore = cfg.restore_file == DEFAULT_RESTORE
+    m = RANK_FILE.match(os.path.basename(str(cfg.restore_file)))
+    if not default_restore and m:
+        raise CheckpointSetError(
+            f"--restore-file {cfg.restore_file} names one rank's shard; fairseq adds each rank's -rank-R suffix "
+            f"itself (this would look for {os.path.basename(shard_path(cfg.restore_file, suffix or '-rank-R'))}). "
+            f"Pass the checkpoint name without the suffix: --restore-file "
+            f"{os.path.join(os.path.dirname(cfg.restore_file), m.group('stem') + '.pt')}")
+    local_dir = "://" not in str(cfg.save_dir)
+    if rank == 0 and local_dir:  # every rank's killed writes: this job holds the folder's lock, nothing writes
+        remove_stale_temp_files(cfg.save_dir)
+    restore_base = os.path.join(cfg.save_dir, DEFAULT_RESTORE) if default_restore else str(cfg.restore_file)
+    check_same_architecture(restore_base, trainer)
+    if not default_restore and local_dir:  # a save of another layout is resharded under --save-dir
+        restore_base = resharded(restore_base, cfg.save_dir, trainer, "checkpoint_resharded")
+    other = _broadcast(newest_other_layout(cfg.save_dir, sharded, world) if rank == 0 and default_restore
+                       and local_dir else None)
+    reads_file = sharded or rank == 0  # without shards only rank 0 reads (and broadcasts) the checkpoint
+    mine = read_shard(shard_path(restore_base, suffix)) if reads_file else None
+    foreign = _foreign_layout(cfg.save_dir, sharded, world) if rank == 0 and default_restore else None
+    gathered = _gather((mine, foreign))
+    requested = [g[0] for g in gathered if g[0] is not None]
+    foreign = gathered[0][1]
+    if foreign and other is None and not any(i.exists for i in requested) and cfg.finetune_from_model is None:
+        raise CheckpointSetError(foreign)
+    candidates: dict[str, list[ShardInfo]] = {}
+    others: list[ShardInfo] = []
+    if default_restore and local_dir:  # every other save: a newer complete one, or the fallback from a mixed set
+        local = _candidates_here(cfg.save_dir, suffix) if reads_file else None
+        per_rank = [c for c in _gather(local) if c is not None]
+        for base in set().union(*[set(c) for c in per_rank]):
+            if os.path.basename(base) == DEFAULT_RESTORE:
+                continue
+            others += [c[base] for c in per_rank if base in c]
+            if all(base in c for c in per_rank):
+                candidates[base] = [c[base] for c in per_rank]
+    single = _broadcast(os.path.isfile(restore_base) if rank == 0 else None)
+    restarts_first = not cfg.finetune_from_model and not getattr(cfg, "continue_once", None)
+    try:
+        plan = decide_resume(requested, candidates, world=world, sharded=sharded, default_restore=default_restore,
+                             restore_name=os.path.basename(restore_base) if default_restore else cfg.restore_file,
+                             single_file_exists=single, others=others,
+                             first_save=(cfg.save_interval_updates or None) if restarts_first else None,
+                             newest=restarts_first)
+    except CheckpointSetError:
+        if other is None:
+            raise
+        plan = ResumePlan(None, from_scratch=True)  # no complete save of this layout: the other one is newer
+    if other is not None and (other[0], other[1]) > resume_update(plan, requested, candidates):
+        plan = ResumePlan(resharded(other[2], cfg.save_dir, trainer, "checkpoint_resharded"),
+                          f"Resuming from the newest complete save, {other[3]} (update {other[0]}, written by "
+                          f"{other[4]}), resharded for this run's {world} rank(s); the save itself is unchanged.")
+    elif local_dir and not plan.from_scratch and (plan.restore_file or any(i.exists for i in requested)):
+        chosen = plan.restore_file or restore_base  # the same world, another expert-parallel layout
+        moved = resharded(chosen, cfg.save_dir, trainer, "checkpoint_resharded")
+        if moved != chosen:
+            plan = ResumePlan(moved, plan.message)
+    if not default_restore and plan.restore_file is None:
+        plan = ResumePlan(restore_base, plan.message)  # the named save, or the set it was resharded into
+    _check_fits_model(plan, restore_base, suffix, trainer, reads_file)
+    if plan.message and rank == 0:
+        logger.warning(plan.message)
+    return plan
 
 
 # ----------------------------------------------------------------------------- handing it to fairseq

@@ -50,9 +50,9 @@ from smlp.process_group import rank_and_world
 from smlp.resharding import replicated_keys, reshard_model_state, reshard_optimizer_state, source_positions
 
 from .atomic_files import atomic_torch_save, write_on_every_rank
-from .checkpoint_sets import SHARD_KEY, rank_shards, read_shard, set_problem, shard_path
 from .checkpoints import is_expert_key
 from .errors import RefusedInput
+from .shard_tags import SHARD_KEY, rank_shards, read_shard, set_problem, shard_path
 
 logger = logging.getLogger(__name__)
 

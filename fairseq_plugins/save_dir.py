@@ -26,6 +26,7 @@ from smlp.files import temp_name
 
 from .atomic_files import RANK_FILE
 from .errors import RefusedInput
+from .shard_tags import read_shard, set_problem
 
 logger = logging.getLogger(__name__)
 
@@ -69,8 +70,6 @@ def superseded_files(save_dir: str, run_id: str, world: int, sharded: bool) -> l
     no rank of this run writes (R >= world, or every R for one file) that an earlier run on more ranks left
     (they carry its tag), and on a sharded run the file X.pt an earlier one-process run wrote (not a merged one).
     Beside the files of this run they would form a mixed set that nothing can load."""
-    from .checkpoint_sets import read_shard
-
     try:
         names = os.listdir(save_dir)
     except OSError:
@@ -104,8 +103,6 @@ def superseded_files(save_dir: str, run_id: str, world: int, sharded: bool) -> l
 
 def remove_superseded(save_dir: str, run_id: str | None, world: int, sharded: bool) -> list[str]:
     """Rank 0, after each save: delete `superseded_files` (see there) and log which run they belonged to."""
-    from .checkpoint_sets import read_shard
-
     if run_id is None:
         return []
     stale = superseded_files(save_dir, run_id, world, sharded)
@@ -146,28 +143,31 @@ def _ranked(stems, pattern: str) -> list[tuple[float, str]]:
 
 
 def prune_saves(cfg, save_dir: str) -> list[str]:
-    """Rank 0, after a save: remove every file (any rank, any world size) of the saves fairseq's --keep-* flags
-    drop (`cfg`: the checkpoint config). Returns the removed paths."""
+    """Rank 0, after a save: remove every file (any rank, any world size) of the saves that --keep-interval-updates,
+    --keep-last-epochs and --keep-best-checkpoints drop (`cfg`: the checkpoint config). Returns the removed paths."""
     saves = saves_by_name(save_dir)
-    drop: list[str] = []
+    removed = []
     if cfg.keep_interval_updates > 0:
-        drop += [s for _, s in _ranked(saves, r"checkpoint_\d+_(\d+)")[cfg.keep_interval_updates:]]
+        drop = _ranked(saves, r"checkpoint_\d+_(\d+)")[cfg.keep_interval_updates:]
+        removed += _remove([f for _, s in drop for f in saves[s]],
+                           f"an older save than --keep-interval-updates {cfg.keep_interval_updates} keeps")
     if cfg.keep_last_epochs > 0:
-        drop += [s for _, s in _ranked(saves, r"checkpoint(\d+)")[cfg.keep_last_epochs:]]
+        drop = _ranked(saves, r"checkpoint(\d+)")[cfg.keep_last_epochs:]
+        removed += _remove([f for _, s in drop for f in saves[s]],
+                           f"an older save than --keep-last-epochs {cfg.keep_last_epochs} keeps")
     if cfg.keep_best_checkpoints > 0:
         best = _ranked(saves, rf"checkpoint\.best_{re.escape(cfg.best_checkpoint_metric)}_(\d+\.?\d*)")
         if not cfg.maximize_best_checkpoint_metric:
             best = best[::-1]
-        drop += [s for _, s in best[cfg.keep_best_checkpoints:]]
-    return _remove([f for s in drop for f in saves[s]], "an older save that --keep-* flags drop")
+        removed += _remove([f for _, s in best[cfg.keep_best_checkpoints:] for f in saves[s]],
+                           f"a worse save than --keep-best-checkpoints {cfg.keep_best_checkpoints} keeps")
+    return removed
 
 
 def remove_resharded(save_dir: str, newest_update: int) -> list[str]:
     """Rank 0, after a complete save of update `newest_update`: remove the sets the resharder derived
     (`checkpoint_resharded_*`, and `finetune_resharded_*` once fine-tuning has saved) of earlier updates; their
     sources are kept."""
-    from .checkpoint_sets import read_shard
-
     old = []
     for stem, files in saves_by_name(save_dir, RESHARDED).items():
         info = read_shard(files[0])
@@ -188,17 +188,16 @@ def _remove(paths: list[str], why: str) -> list[str]:
     return removed
 
 
-# ----------------------------------------------------------------------------- train.sbatch's repair
+# ----------------------------------------------------------------------------- the SLURM script's repair
 
 
 def repair_checkpoint_last(save_dir: str) -> str | None:
-    """Before a job's tasks start (train.sbatch, holding the folder's lock): when a file of checkpoint_last cannot
-    be read, copy the newest complete save of the same layout (the same rank files, of one save, written by that
-    many ranks) onto the checkpoint_last names through the one writer. Returns what was done, None if nothing
+    """Before a job's tasks start (launch/slurm/train.sbatch, holding the folder's lock): when a file of
+    checkpoint_last cannot be read, copy the newest complete save of the same layout (the same rank files, of one
+    save, written by that many ranks) onto the checkpoint_last names through the one writer. Returns what was done, None if nothing
     was needed; raises SaveDirError when no complete save can replace it. The plugins resume from the newest
     complete save by themselves; this keeps a run without them (SMLP_USER_DIR=none) from loading a torn file."""
     from .atomic_files import atomic_copy
-    from .checkpoint_sets import read_shard, set_problem
 
     saves = saves_by_name(save_dir)
     lasts = sorted(saves.get("checkpoint_last", []))

@@ -9,7 +9,7 @@ lock server once the client's lease expires) releases it. The lock file itself s
 jobs lock two different files of one name). A filesystem without locks (Lustre mounted without `flock`) is
 said once in a warning and the run goes on unguarded.
 
-Stdlib only: training (fairseq_plugins/save_dir.py), smlp-launch and train.sbatch's check use it.
+Stdlib only: training (fairseq_plugins/save_dir.py), smlp-launch and launch/slurm/train.sbatch's check use it.
 """
 from __future__ import annotations
 

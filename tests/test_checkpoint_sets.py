@@ -17,16 +17,15 @@ import torch
 import fairseq_plugins  # noqa: F401  (installs the hooks)
 from fairseq_plugins.atomic_files import atomic_copy, atomic_torch_save
 from fairseq_plugins.checkpoint_sets import (
-    SHARD_KEY,
     CheckpointSetError,
     _candidates_here,
     decide_resume,
     explain_mismatch,
-    read_shard,
     shape_mismatch,
 )
 from fairseq_plugins.checkpoints import consolidate
 from fairseq_plugins.errors import RefusedInput
+from fairseq_plugins.shard_tags import SHARD_KEY, read_shard
 from smlp_fault_plugin import FullDisk
 
 
@@ -305,7 +304,7 @@ def test_rank_shards_finds_what_the_glob_rules_it_replaced_found(tmp_path, monke
     import glob
     import re
 
-    from fairseq_plugins.checkpoint_sets import rank_shards
+    from fairseq_plugins.shard_tags import rank_shards
 
     for name in ("x.pt", "x-rank-0.pt", "x-rank-1.pt", "x-rank-10.pt", "x-rank-1-rank-2.pt", "xy-rank-3.pt",
                  "x-rank-a.pt", "y-rank-0.pt"):

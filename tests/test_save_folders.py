@@ -115,7 +115,7 @@ def test_pruning_removes_every_ranks_shards_of_old_saves_whatever_world_wrote_th
     _, text, after = runs["requeue"]
     assert sorted(after) == ["checkpoint_1_6-rank-0.pt", "checkpoint_1_6-rank-1.pt", "checkpoint_1_7.pt",
                              "checkpoint_1_8.pt", "checkpoint_last.pt"], sorted(after)
-    assert "removed checkpoint_1_2-rank-1.pt: an older save that --keep-* flags drop" in text, text[-3000:]
+    assert "removed checkpoint_1_2-rank-1.pt: an older save than --keep-interval-updates 3 keeps" in text, text[-3000:]
 
 
 @pytest.mark.slow
@@ -159,8 +159,8 @@ def test_fine_tuning_from_a_set_gives_each_rank_its_own_experts(runs):
 def test_a_folder_named_like_a_checkpoint_resumes_on_its_own_ranks(runs):
     """`exp.ptb/base`: fairseq's whole-path `.pt` replace named rank 0's file `exp-rank-0.ptb/...`, so the same
     command run again tried to reshard into a folder that does not exist. Shard names come from the file name."""
-    from fairseq_plugins.checkpoint_sets import rank_shards, shard_path
     from fairseq_plugins.elastic import inspect_saved, plan_resume
+    from fairseq_plugins.shard_tags import rank_shards, shard_path
     from smlp.expert_data_parallel import ExpertDataLayout
 
     last = str(runs["base"] / "checkpoint_last.pt")
@@ -360,7 +360,7 @@ def test_a_checkpoint_suffix_on_rank_shards_is_refused_in_one_line(tiny_lm_data,
 
 
 def _fake(path: Path, updates: int, run: str = "old", world: int = 2) -> None:
-    from fairseq_plugins.checkpoint_sets import SHARD_KEY
+    from fairseq_plugins.shard_tags import SHARD_KEY
 
     m = re.search(r"-rank-(\d+)", path.name)
     torch.save({"model": {}, "optimizer_history": [{"num_updates": updates}], "extra_state": {},
