@@ -194,9 +194,9 @@ def _remove(paths: list[str], why: str) -> list[str]:
 def repair_checkpoint_last(save_dir: str) -> str | None:
     """Before a job's tasks start (launch/slurm/train.sbatch, holding the folder's lock): when a file of
     checkpoint_last cannot be read, copy the newest complete save of the same layout (the same rank files, of one
-    save, written by that many ranks) onto the checkpoint_last names through the one writer. Returns what was done, None if nothing
-    was needed; raises SaveDirError when no complete save can replace it. The plugins resume from the newest
-    complete save by themselves; this keeps a run without them (SMLP_USER_DIR=none) from loading a torn file."""
+    save, written by that many ranks) onto the checkpoint_last names through the one writer. Returns what was done,
+    None if nothing was needed; raises SaveDirError when no complete save can replace it. The plugins resume from
+    the newest complete save by themselves; this keeps a run without them (SMLP_USER_DIR=none) from a torn file."""
     from .atomic_files import atomic_copy
 
     saves = saves_by_name(save_dir)
