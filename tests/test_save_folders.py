@@ -25,6 +25,8 @@ import torch
 from fairseq_helpers import PLUGINS, TINY_TRAIN, assert_ok, run_fairseq, run_in_process, train_losses
 
 SMLP = ["--arch", "smlp_lm_tiny", "--num-experts", "2", "--disable-validation"]
+# a warm-up, so that an update count started again at 0 shows in the learning rate
+SCHEDULE = ["--lr-scheduler", "inverse_sqrt", "--warmup-updates", "10", "--warmup-init-lr", "1e-4"]
 
 
 def _flags(data, save, *extra) -> list[str]:
@@ -52,8 +54,8 @@ def runs(tiny_lm_data, tmp_path_factory):
     root = tmp_path_factory.mktemp("save_folders")
     base = root / "exp.ptb" / "base"
     out = {"root": root, "base": base}
-    res = run_fairseq("fairseq-train", _flags(tiny_lm_data, base, "--save-interval-updates", "2", "--max-update", "7"),
-                      world=2)
+    res = run_fairseq("fairseq-train", _flags(tiny_lm_data, base, *SCHEDULE, "--save-interval-updates", "2",
+                                              "--max-update", "7"), world=2)
     out["base_log"] = assert_ok(res)
     out["base_losses"], out["base_lrs"] = train_losses(res[0].stdout), _lrs(res[0].stdout)
     (root / "inputs").mkdir()
@@ -66,12 +68,12 @@ def runs(tiny_lm_data, tmp_path_factory):
         shutil.copyfile(base / f"checkpoint_1_4-rank-{r}.pt", requeue / f"checkpoint_last-rank-{r}.pt")
     out["requeue_before"] = _digest(requeue)
     text = assert_ok(run_in_process("fairseq-train", _flags(
-        tiny_lm_data, requeue, "--update-freq", "2", "--max-update", "8", "--save-interval-updates", "1",
+        tiny_lm_data, requeue, *SCHEDULE, "--update-freq", "2", "--max-update", "8", "--save-interval-updates", "1",
         "--keep-interval-updates", "3")))
     out["requeue"] = (train_losses(text), text, _digest(requeue))
     restored = root / "exp.ptb" / "restored"
-    res = run_fairseq("fairseq-train", _flags(tiny_lm_data, restored, "--restore-file", str(out["merged"]),
-                                              "--max-update", "7"), world=2)
+    res = run_fairseq("fairseq-train", _flags(tiny_lm_data, restored, *SCHEDULE, "--restore-file",
+                                              str(out["merged"]), "--max-update", "7"), world=2)
     out["restored"] = (train_losses(res[0].stdout), assert_ok(res), _lrs(res[0].stdout), _digest(restored))
     set4 = str(base / "checkpoint_1_4.pt")
     res = run_fairseq("fairseq-train", _flags(tiny_lm_data, root / "ft2", "--finetune-from-model", set4, "--lr", "0",
@@ -122,10 +124,12 @@ def test_pruning_removes_every_ranks_shards_of_old_saves_whatever_world_wrote_th
 def test_restoring_a_merged_file_on_two_ranks_continues_its_updates_schedule_and_data(runs):
     """--restore-file merged.pt (smlp-consolidate's merge of update 6, which drops the optimizer state) on 2 ranks:
     resharded under --save-dir (never beside the user's file, which is left as it was), it continues with update 7
-    at update 7's learning rate and logs the uninterrupted run's update-7 loss (same weights, same batch)."""
+    at update 7's learning rate (mid warm-up) and logs the uninterrupted run's update-7 loss (same weights, same
+    batch)."""
     losses, text, lrs, files = runs["restored"]
     assert sorted(losses) == [7], text[-3000:]
-    assert losses[7] == runs["base_losses"][7] and lrs[7] == runs["base_lrs"][7], (losses, lrs, runs["base_lrs"])
+    assert lrs[7] == runs["base_lrs"][7] != runs["base_lrs"][1], (lrs, runs["base_lrs"])  # mid warm-up
+    assert losses[7] == runs["base_losses"][7], (losses, runs["base_losses"])
     assert "checkpoint_resharded_6_w2-rank-0.pt holds no optimizer state (smlp-consolidate leaves it out): the " \
            "update count (6), the learning-rate schedule and the data position continue from it" in text, text[-3000:]
     assert runs["inputs_after"] == runs["inputs"]  # merged.pt unchanged, no merged-rank-R.pt beside it
