@@ -1,14 +1,15 @@
-"""What a training run loads, and from where: the newest complete save of any world size, a --restore-file or a
---finetune-from-model of any layout (fairseq_plugins/checkpoint_sources.py), with the user's files left as they
-were, and whole saves pruned whatever world wrote them (fairseq_plugins/save_dir.py).
+"""Save folders a cluster job can trust (docs/faults.md lists each case): what a training run loads, the newest
+complete save of any world size, a --restore-file or a --finetune-from-model of any layout
+(fairseq_plugins/checkpoint_sources.py), the user's files left as they were, one job per folder, whole saves
+pruned whatever world wrote them (fairseq_plugins/save_dir.py).
 
-Train once, check many ways: one 2-rank sMLP (2 experts, a save every 2 updates, 7 updates) in a folder whose path
-holds `.pt` (`exp.ptb/base`), then from its files, each once: a 2-rank --restore-file of smlp-consolidate's merge of
-update 6, a 2-rank and a 1-process --finetune-from-model of the update-4 set (learning rate 0, so the saved experts
-are the loaded ones), and a 1-process requeue of a folder whose checkpoint_last is older than a complete numbered
-save. The reference is the 2-rank run itself: fairseq reseeds every update, so a run that continues from update 6
-with the same weights, batch and learning rate logs update 7's loss exactly (1 process with --update-freq 2: within
-float noise).
+Train once, check many ways: one 2-rank sMLP (2 experts, a warm-up schedule, a save every 2 updates, 7 updates) in a
+folder whose path holds `.pt` (`exp.ptb/base`), then from its files, each once: a 2-rank --restore-file of
+smlp-consolidate's merge of update 6, a 2-rank and a 1-process --finetune-from-model of the update-4 set (learning
+rate 0, so the saved experts are the loaded ones), and a 1-process requeue of a folder whose checkpoint_last is older
+than a complete numbered save. The reference is the 2-rank run itself: fairseq reseeds every update, so a run that
+continues from update 6 with the same weights and batch logs update 7's loss exactly (1 process with --update-freq
+2: within float noise). The other cases need no training: real files, a killed writer, a lock holder, refusals.
 """
 from __future__ import annotations
 
@@ -199,6 +200,7 @@ def _killed_write(path: Path) -> int:
     return os.waitpid(pid, 0)[1]
 
 
+@pytest.mark.slow
 def test_the_stale_sweep_removes_every_writers_killed_temporaries_and_no_user_file(tmp_path):
     """Writes killed partway (SIGKILL inside the one writer) of a rank shard, a resharded set, a merged file and a
     crash file leave temporaries of one form, and the sweep at start removes exactly those: not a user's
@@ -235,6 +237,7 @@ def _holder(folder: Path):
     return proc
 
 
+@pytest.mark.slow
 def test_a_second_job_on_a_save_folder_is_refused_naming_the_holder_before_any_file_is_touched(tmp_path, tiny_lm_data):
     """The first job (its rank 0 holds the folder's lock) is writing a save; a second fairseq-train on the same
     --save-dir refuses in one line naming host, pid and start, and leaves every file as it was (the first job's
