@@ -321,6 +321,7 @@ def check_checkpoint_flags(cfg) -> None:
 
 
 _EVERY_RANK_SAVES = False  # inside save_checkpoint of a run on several ranks that each write their shard
+_NO_SAVE = False  # this process's run writes no checkpoint (--no-save): its save folder is not locked
 
 
 class _AtomicCopies:
@@ -354,7 +355,7 @@ def check_checkpoint_suffix(cfg) -> None:
 
 def install() -> bool:
     """Wrap fairseq.checkpoint_utils' save, copy and save-dir check entry points, fairseq's distributed_init and
-    call_main (once per process); loading is checkpoint_sources.py's."""
+    call_main, and fairseq-train's main (once per process); loading is checkpoint_sources.py's."""
     from fairseq import checkpoint_utils
     from fairseq.distributed import utils as distributed_utils
 
@@ -394,7 +395,8 @@ def install() -> bool:
     original_verify = checkpoint_utils.verify_checkpoint_directory
 
     def verify_checkpoint_directory(save_dir: str) -> None:  # rank 0, before any file is read or written
-        open_save_dir(save_dir)
+        if not _NO_SAVE:  # runs that save nothing (benchmarks, tests) may share a folder, the default one too
+            open_save_dir(save_dir)
 
     original_init = distributed_utils.distributed_init
     original_call_main = distributed_utils.call_main
@@ -411,6 +413,15 @@ def install() -> bool:
         finally:
             folder_lock.release()  # the save folder's lock (a program run in a longer-lived process)
 
+    from fairseq_cli import train as train_cli
+
+    original_main = train_cli.main
+
+    def main(cfg, *args, **kwargs):  # fairseq-train's main on every rank (call_main looks it up when it runs)
+        global _NO_SAVE
+        _NO_SAVE = bool(cfg.checkpoint.no_save)
+        return original_main(cfg, *args, **kwargs)
+
     from fairseq.trainer import Trainer
 
     original_init_trainer = Trainer.__init__
@@ -421,10 +432,12 @@ def install() -> bool:
 
     for wrapper, original in ((save_checkpoint, original_save), (torch_persistent_save, original_persist),
                               (verify_checkpoint_directory, original_verify), (distributed_init, original_init),
-                              (call_main, original_call_main), (__init__, original_init_trainer)):
+                              (call_main, original_call_main), (__init__, original_init_trainer),
+                              (main, original_main)):
         wrapper.__wrapped__ = original
         wrapper.__doc__ = original.__doc__
     Trainer.__init__ = __init__
+    train_cli.main = main
     distributed_utils.distributed_init = distributed_init
     distributed_utils.call_main = call_main
     checkpoint_utils.verify_checkpoint_directory = verify_checkpoint_directory

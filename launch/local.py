@@ -243,7 +243,8 @@ def _check_paths(fairseq_args: Sequence[str]) -> None:
     if problem == "read-only":
         raise LaunchError(f"--save-dir {save_dir} cannot be written: {parent} is not writable")
     try:  # another job training in this folder: refused before any log or worker is made (rank 0 locks it)
-        probe(save_dir)
+        if "--no-save" not in fairseq_args:  # a run that saves nothing takes no lock
+            probe(save_dir)
     except FolderInUse as exc:
         raise LaunchError(str(exc)) from None
     restore = _flag_value(fairseq_args, "--restore-file")

@@ -277,6 +277,26 @@ def test_a_second_job_on_a_save_folder_is_refused_naming_the_holder_before_any_f
     folder_lock.release(save)
 
 
+def test_runs_that_save_nothing_share_a_folder_and_take_no_lock(tmp_path, tiny_lm_data):
+    """--no-save runs (benchmarks, tests beside each other in one working folder) take no lock on their save
+    folder, so a held lock refuses none of them, and they leave the folder as it was."""
+    from fairseq_helpers import TRAIN, fairseq_train
+    from smlp_launch.local import _check_paths
+
+    save = tmp_path / "ckpt"
+    save.mkdir()
+    holder = _holder(save)
+    try:
+        before = _snapshot(save)
+        fairseq_train([str(tiny_lm_data), "--user-dir", PLUGINS, "--arch", "smlp_lm_tiny", *TRAIN, "--no-save",
+                       "--save-dir", str(save)])
+        _check_paths([str(tiny_lm_data), "--no-save", "--save-dir", str(save)])
+        assert _snapshot(save) == before
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 def test_the_start_up_check_leaves_a_users_dummy_file_alone(tmp_path):
     """fairseq's verify_checkpoint_directory opened, emptied and deleted `SAVE_DIR/dummy`; the plugins' check
     probes with a name only the one writer uses."""
