@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from collections.abc import Sequence
 from pathlib import Path
+
+from smlp.files import write_atomic
 
 from . import budget_report as BR
 from . import fair_pages as FP
@@ -152,7 +153,7 @@ def _copy(src_dir: Path, dst_dir: Path, names: Sequence[str], record: Path | Non
         atomic_write_json(dst_dir / "results.json", _docs_record(record))
     for name in names:
         if (src_dir / name).exists() and (src_dir / name).resolve() != (dst_dir / name).resolve():
-            shutil.copy2(src_dir / name, dst_dir / name)
+            write_atomic(dst_dir / name, (src_dir / name).read_bytes())
 
 
 def _docs_record(path: Path, drop=("normalized_speeds", "schedule")) -> dict:
@@ -294,7 +295,7 @@ def publish_fair(path: Path, page_text: str, page: Path, figure_dir: Path) -> tu
             if (src / stage / "results.json").exists():
                 _copy(src / stage, dst / stage, ["figure5.png", "table.md"], src / stage / "results.json")
     if (src / "deciding" / "figure5.png").exists():
-        shutil.copy2(src / "deciding" / "figure5.png", dst / "figure5.png")
+        write_atomic(dst / "figure5.png", (src / "deciding" / "figure5.png").read_bytes())
     figures = {name: _link(dst / name, page.parent.resolve()) for name in (*FAIR_FIGURES, "figure5.png")
                if (dst / name).exists()}
     return replace_section(page_text, FAIR_START, FAIR_END, render_fair(record, figures), page), record
