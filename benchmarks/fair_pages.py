@@ -167,17 +167,21 @@ def same_seed_sentence(record: dict) -> str:
                 f"({c.get('experts-seeds')}); files on the perplexity path changed between them, and the same-seed "
                 f"reruns at {c.get('experts-seeds')} (`smlp-bench fair --stages same-seed`) have not finished.")
     equal = sum(x["equal"] for x in checks)
+    moved = "; ".join(f"{_pair_name(x['key'], 'x').split(' against')[0]} seed {x['seed']} {x['ppl']:.2f} -> "
+                      f"{x['rerun_ppl']:.2f}" for x in checks if not x["equal"])
     return (f"Pooled across commits, re-run at one: each seed a pooled point first ran at an older commit was run "
             f"again at {checks[0]['rerun_commit']}, the commit of its other seeds; {equal} of {len(checks)} reruns "
-            f"equal the stored value at the printed precision (table below), and every figure on this page uses the "
-            f"reruns, so each point's seeds are one commit's.")
+            f"equal the stored value at the printed precision (table below)"
+            + (f", the others moved ({moved}): code on their path changed between the commits" if moved else "")
+            + ". Every figure on this page uses the reruns, so each point's seeds are one commit's.")
 
 
 def render_same_seed(record: dict) -> list[str]:
     checks = record.get("same_seed") or []
     if not checks:
         return []
-    return ["", "| model | seed | stored (stage, commit) | rerun (commit) | equal at 0.1 |", "|---|---:|---|---|---|",
+    return ["", "The same-seed reruns (`smlp-bench fair --stages same-seed`), each beside the value it reran:", "",
+            "| model | seed | stored (stage, commit) | rerun (commit) | equal at 0.1 |", "|---|---:|---|---|---|",
             *(f"| {_pair_name(x['key'], 'x').split(' against')[0]} | {x['seed']} | {x['ppl']:.2f} ({x['stage']}, "
               f"{x['commit']}) | {x['rerun_ppl']:.2f} ({x['rerun_commit']}) | {'yes' if x['equal'] else 'no'} |"
               for x in checks)]

@@ -82,12 +82,22 @@ def test_the_kernel_docs_comparison_rates_decides_at_every_budget_and_keeps_its_
     assert (docs / "fair-docs" / "gap.png").is_file() and (docs / "fair-docs" / "results.json").is_file()
     assert "best Transformer-MoE at matched FLOPs? a tie.**" in answer and "At 32 experts: " in answer
     # before the deciding stage has finished, README keeps the demo corpus's answer and says how far this one is
-    partial = {**rec, "stages_complete": {"rate": True, "deciding": False, "experts": False}}
+    partial = {**rec, "stages_complete": {"rate": True, "deciding": False, "experts": False},
+               "progress": {"rate": [10, 10], "deciding": [5, 12], "experts": [0, None]}}
     assert budget_report.render_docs_summary(partial, "p.md") is None
     body = publish.readme_answer(None, partial, docs, page, tmp_path)
-    assert "is running (rate done, deciding running or to come, experts running or to come)" in body
+    assert "is running (rate done, deciding 5 of 12 runs, experts to come)" in body
     # a stage resumed on another data folder is refused in one line naming both fingerprints
     _manifest(data, "e" * 64)
     (out / "experts" / "results.json").unlink()  # the stage is then not finished
     with pytest.raises(fair.BenchError, match="planned on data fingerprint ffffffffffff .* has eeeeeeeeeeee"):
         fair.main(cli.parse_args([*args, "--resume"]), data, 96)
+
+
+def test_a_rate_stage_still_running_shows_its_rates_so_far_unchosen():
+    record = {"models": {"gmlp@lr0.008": {"valid_ppl": 67.7}, "gmlp@lr0.016": {"valid_ppl": 65.2},
+                         "gmlp@lr0.032": {"valid_ppl": None}, "hash@lr0.004": {"valid_ppl": 70.0}}}
+    got = budget_report.rates_so_far(record)
+    assert got["gmlp"] == {"tried": {"0.008": 67.7, "0.016": 65.2}, "chosen": 0.016, "bracketed": None,
+                           "partial": True}
+    assert got["hash"]["chosen"] == 0.004 and set(got) == {"gmlp", "hash"}
