@@ -182,6 +182,10 @@ CASES = [
       "give --smoe-experts a multiple of 2, or --smoe-parallel replicated"]),
     ("c10d-would-average-experts", smlp("--num-experts", "2", "--distributed-world-size", "2", "--ddp-backend", "c10d"),
      2, ValueError, ["--ddp-backend c10d would average expert weights", "needs --ddp-backend legacy_ddp"]),
+    ("fully-sharded-would-shard-experts", smlp("--num-experts", "2", "--distributed-world-size", "2", "--ddp-backend",
+                                               "fully_sharded"), 2, ValueError,
+     ["--ddp-backend fully_sharded shards every parameter over the ranks", "--zero-sharding os",
+      "needs --ddp-backend legacy_ddp"]),
     # data directory
     ("data-dir-missing", lambda c: [str(c.tmp / "no-such-data"), *smlp()(c)[1:]], 1, FileNotFoundError,
      ["no-such-data does not exist; pass the output folder of smlp-prepare-data or fairseq-preprocess"]),
