@@ -130,6 +130,10 @@ FIELDS: tuple[Field, ...] = (
           to_core=lambda value, read: _seq_len(read("seq_len"), read), flag="--tokens-per-sample"),
     Field("seq_len", int, 0, "longest sequence the model accepts (size T of the spatial weights); "
           "0 means --tokens-per-sample", "seq_len", ALL, to_core=_seq_len, from_core=lambda core: 0),
+    # transformer_lm's flag, in many fairseq recipes: every model here ties its input embedding and output
+    # projection (smlp/lm.py), so the flag is accepted and changes nothing; nothing reads it.
+    Field("share_decoder_input_output_embed", bool, False, "accepted for fairseq's transformer_lm recipes: the "
+          "input embedding and the output projection are always tied here", None, ALL),
     # Read from the trainer's config so the model can refuse a wrong setup before training starts.
     Field("ddp_backend", str, II("distributed_training.ddp_backend"), "", None, ALL),
     Field("distributed_world_size", int, II("distributed_training.distributed_world_size"), "", None, ALL),
