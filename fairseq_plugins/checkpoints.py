@@ -127,9 +127,9 @@ def pin_sequence_length() -> bool:
         model = cfg.get("model") if cfg is not None else None
         if model is not None and model_of(model.get("_name")) in FAMILIES_BY_MODEL and not model.get("seq_len"):
             tokens = model.get("tokens_per_sample")
-            if isinstance(tokens, int) and tokens > 0:
+            if isinstance(tokens, int) and tokens > 0:  # the positions it trained on (config.sequence_tokens)
                 with open_dict(model):
-                    model.seq_len = tokens
+                    model.seq_len = tokens + (1 if model.get("add_bos_token") else 0)
         if arg_overrides is not None and cfg is not None:
             overwrite_args_by_name(cfg, arg_overrides)
         return state

@@ -279,7 +279,7 @@ def refuse_eval_lm_longer_than_model(core_cfg, task) -> None:
     block = getattr(task_cfg, "tokens_per_sample", None)
     eval_cfg = frame.f_locals.get("cfg")
     context = getattr(getattr(eval_cfg, "eval_lm", None), "context_window", 0) or 0
-    if block is None or block + context <= core_cfg.seq_len:
+    if block is None or block + context + bool(getattr(task_cfg, "add_bos_token", False)) <= core_cfg.seq_len:
         return
     raise FlagError(
         f"fairseq-eval-lm would feed blocks of {block + context} tokens (--tokens-per-sample"

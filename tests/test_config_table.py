@@ -44,6 +44,7 @@ EXAMPLES = {
     "activation_fn": ("transformer", ["--activation-fn", "relu"], {"activation": "relu"}),
     "tokens_per_sample": ("gmlp", ["--tokens-per-sample", "16"], {"seq_len": 16}),
     "seq_len": ("smlp", ["--seq-len", "32"], {"seq_len": 32}),
+    "add_bos_token": ("smlp", ["--add-bos-token"], {"seq_len": 25}),  # the task's BOS makes 24 + 1 positions
     # accepted, changes nothing: the embeddings are always tied (test_shared_embeddings_flag_is_accepted)
     "share_decoder_input_output_embed": ("transformer", ["--share-decoder-input-output-embed"], {}),
     "ddp_backend": ("smlp", ["--ddp-backend", "no_c10d"], {"ddp_backend": "no_c10d"}),
