@@ -344,6 +344,10 @@ PATCHES = (
     Patch("refuse_unlimited_batches", "patches", "refuse_unlimited_batches",
           "fairseq takes --batch-size 0 (or --max-tokens 0) as no limit: one update of the whole epoch, exit 0; "
           "refused where any program batches a dataset"),
+    Patch("torchrun", "torchrun", "install",
+          "fairseq-train under torchrun on CPU divides by torch.cuda.device_count() (ZeroDivisionError), and without "
+          "--distributed-world-size runs independent trainings that write the same checkpoint: the ranks are taken "
+          "from torchrun's environment (gloo on CPU); fairseq-eval-lm there is refused (it reports per rank)"),
     Patch("elastic", "elastic", "install",
           "resuming on another number of ranks loads rank shards of the old layout: resharded first (after "
           "checkpoint_sets, so that its wrapper is the outer one)"),
