@@ -147,6 +147,10 @@ FIELDS: tuple[Field, ...] = (
     # Read from the trainer's config so the model can refuse a wrong setup before training starts.
     Field("ddp_backend", str, II("distributed_training.ddp_backend"), "", None, ALL),
     Field("distributed_world_size", int, II("distributed_training.distributed_world_size"), "", None, ALL),
+    Field("checkpoint_activations", bool, False, "activation checkpointing (fairseq's flag): each block's "
+          "activations are recomputed in backward instead of kept; a sparse layer recomputes its experts between "
+          "its exchanges, never an all2all or a routing (smlp/recompute.py). The same gradients, less memory, "
+          "about one more forward of compute", "checkpoint_activations", ALL),
     # the token mixer of the dense gMLP blocks (smlp/gmlp.py TOKEN_MIXERS)
     Field("token_mixer", str, "sgu", "token mixer of the dense gMLP blocks: sgu (gMLP's spatial gating unit), "
           "hypermixer (causal HyperMixing) or ninformer (NiNformer's gating unit, causal token MLP)",

@@ -50,6 +50,7 @@ EXAMPLES = {
     "ddp_backend": ("smlp", ["--ddp-backend", "no_c10d"], {"ddp_backend": "no_c10d"}),
     "distributed_world_size": ("smlp", ["--num-experts", "0", "--distributed-world-size", "2"],
                                {"world_size": 2, "num_experts": 2}),
+    "checkpoint_activations": ("transformer", ["--checkpoint-activations"], {"checkpoint_activations": True}),
     "token_mixer": ("gmlp", ["--token-mixer", "ninformer"], {"token_mixer": "ninformer"}),
     "mixer_dim": ("smlp", ["--token-mixer", "hypermixer", "--mixer-dim", "24"],
                   {"token_mixer": "hypermixer", "mixer_dim": 24}),
