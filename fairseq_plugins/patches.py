@@ -348,6 +348,9 @@ PATCHES = (
           "fairseq-train under torchrun on CPU divides by torch.cuda.device_count() (ZeroDivisionError), and without "
           "--distributed-world-size runs independent trainings that write the same checkpoint: the ranks are taken "
           "from torchrun's environment (gloo on CPU); fairseq-eval-lm there is refused (it reports per rank)"),
+    Patch("hydra_presets", "hydra_presets", "install",
+          "fairseq-hydra-train with `model: {_name: smlp_lm_tiny}` filled the model from the dataclass defaults (512 "
+          "wide, 6 layers) instead of the preset: the preset fills what the configuration leaves out, as --arch does"),
     Patch("elastic", "elastic", "install",
           "resuming on another number of ranks loads rank shards of the old layout: resharded first (after "
           "checkpoint_sets, so that its wrapper is the outer one)"),

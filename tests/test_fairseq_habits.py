@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fairseq_helpers import PLUGINS, TINY_TRAIN, assert_ok, run_in_process, train_losses, valid_losses
+from fairseq_helpers import PLUGINS, REPO, TINY_TRAIN, assert_ok, run_in_process, train_losses, valid_losses
 
 
 @pytest.mark.slow
@@ -102,3 +102,89 @@ def test_fairseq_train_under_torchrun_logs_the_losses_of_the_two_rank_run(smlp_t
     assert "torchrun: rank 0 of 2" in log and "'checkpoint_activations': True" in log
     assert sorted(p.name for p in tmp_path.glob("checkpoint_last*.pt")) == ["checkpoint_last-rank-0.pt",
                                                                             "checkpoint_last-rank-1.pt"]
+
+
+# ----------------------------------------------------------------------------- fairseq-hydra-train
+
+RECIPES = sorted((REPO / "configs").glob("*.args"))
+
+
+def test_a_preset_as_the_models_name_fills_what_the_configuration_leaves_out():
+    """`model: {_name: smlp_lm_tiny, decoder_layers: 3}` under fairseq-hydra-train: the preset's sizes, the given
+    layer count; a model name or another program's architecture is left to fairseq."""
+    from omegaconf import OmegaConf
+
+    from fairseq_plugins.hydra_presets import apply_preset
+
+    cfg = OmegaConf.create({"model": {"_name": "smlp_lm_tiny", "decoder_layers": 3}})
+    assert apply_preset(cfg) == "smlp_lm_tiny"
+    assert (cfg.model.decoder_embed_dim, cfg.model.decoder_ffn_embed_dim, cfg.model.decoder_layers,
+            cfg.model.sparse_layers, cfg.model.dropout) == (64, 128, 3, 2, 0.0)
+    for name in ("smlp_lm", "transformer_lm_gpt"):
+        other = OmegaConf.create({"model": {"_name": name}})
+        assert apply_preset(other) is None and list(other.model) == ["_name"]
+
+
+def _hydra_model(name: str):
+    """The model config fairseq-hydra-train builds from configs/hydra/NAME.yaml (task.data given): hydra's
+    composition over fairseq's schema, then fairseq's add_defaults, resolved (fairseq_cli.hydra_train)."""
+    from fairseq.dataclass import initialize
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    initialize.hydra_init(name)
+    with initialize_config_dir(config_dir=str(REPO / "configs" / "hydra"), version_base="1.1"):  # fairseq's
+        cfg = compose(config_name=name, overrides=["task.data=DATA"])
+    initialize.add_defaults(cfg)  # the plugins' wrapper: they are imported
+    return OmegaConf.create(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)).model
+
+
+@pytest.mark.slow
+def test_every_recipe_has_a_current_hydra_config_that_builds_its_model():
+    """configs/hydra/NAME.yaml is what smlp_launch.hydra_configs writes from configs/NAME.args today, and
+    fairseq-hydra-train's composition of it builds the model fairseq-train builds from the recipe's flags."""
+    import shlex
+
+    from fairseq.models import ARCH_MODEL_NAME_REGISTRY
+    from omegaconf import OmegaConf
+
+    from fairseq_plugins.config import FAMILIES_BY_MODEL, to_core_config
+    from smlp_launch.hydra_configs import _config, hydra_yaml
+
+    assert len(RECIPES) >= 15
+    for recipe in RECIPES:
+        written = REPO / "configs" / "hydra" / f"{recipe.stem}.yaml"
+        assert written.is_file() and written.read_text() == hydra_yaml(recipe), \
+            f"{written} is not current: run python -m smlp_launch.hydra_configs"
+        flags = shlex.split(recipe.read_text())
+        arch = flags[flags.index("--arch") + 1]
+        family = FAMILIES_BY_MODEL[ARCH_MODEL_NAME_REGISTRY[arch]]
+        parsed = OmegaConf.create(_config(flags)).model
+        assert to_core_config(_hydra_model(recipe.stem), family, 4000, 1) == \
+            to_core_config(parsed, family, 4000, 1), recipe.name
+
+
+@pytest.mark.slow
+def test_fairseq_hydra_train_trains_the_tiny_recipes_model(tiny_lm_data, tmp_path):
+    """fairseq-hydra-train with configs/hydra/smlp_tiny.yaml and fairseq-train with configs/smlp_tiny.args: the
+    same parameter counts and the same first-update loss."""
+    import os
+    import shlex
+    import subprocess
+
+    from fairseq_helpers import BIN, worker_env
+
+    common = ["--cpu", "--max-update", "1", "--no-save", "--log-format", "simple", "--log-interval", "1"]
+    flags = [str(tiny_lm_data), "--user-dir", PLUGINS, *shlex.split((REPO / "configs/smlp_tiny.args").read_text())]
+    log = assert_ok(run_in_process("fairseq-train", [*flags, *common]))
+    run = subprocess.run([str(BIN / "fairseq-hydra-train"), f"task.data={tiny_lm_data}", f"common.user_dir={PLUGINS}",
+                          "common.cpu=true", "optimization.max_update=1", "checkpoint.no_save=true",
+                          "common.log_format=simple", "common.log_interval=1", f"checkpoint.save_dir={tmp_path}",
+                          "--config-dir", str(REPO / "configs" / "hydra"), "--config-name", "smlp_tiny"],
+                         env=worker_env(1), cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    hydra_log = run.stdout + run.stderr
+    assert run.returncode == 0, hydra_log[-3000:]
+    params = [line.split("| ")[-1] for line in log.splitlines() if "model params" in line]
+    assert len(params) == 2 and all(p in hydra_log for p in params), (params, hydra_log[-3000:])
+    assert train_losses(hydra_log) == train_losses(log) and list(train_losses(log)) == [1], hydra_log[-3000:]
+    assert not os.listdir(tmp_path), os.listdir(tmp_path)  # no hydra_train.log, no .hydra/ folder
