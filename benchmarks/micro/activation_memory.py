@@ -40,23 +40,27 @@ def _allocations(prof) -> tuple[list[tuple[int, int]], dict[str, tuple[int, int]
     return allocations, ranges
 
 
+def _loss(model, tokens: torch.Tensor) -> torch.Tensor:
+    """The training loss of a step, as smlp_lm_loss makes it (next-token cross-entropy and the routers' loss)."""
+    logits = model(tokens[:, :-1])
+    loss = F.cross_entropy(logits.reshape(-1, model.cfg.vocab_size), tokens[:, 1:].reshape(-1))
+    aux = model.aux_loss()
+    return loss + 0.01 * aux if aux is not None else loss
+
+
 def measure_step(model, tokens: torch.Tensor) -> dict:
     """One training step's memory from the allocator's record: bytes the forward left allocated when it ended
     (what the backward needs), the step's highest allocation above its start, and the seconds of each part."""
-    vocab = model.cfg.vocab_size
     gc.collect()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         t0 = time.perf_counter()
         with record_function("forward"):
-            logits = model(tokens[:, :-1])
-            loss = F.cross_entropy(logits.reshape(-1, vocab), tokens[:, 1:].reshape(-1))
-            aux = model.aux_loss()
-            loss = loss + 0.01 * aux if aux is not None else loss
+            loss = _loss(model, tokens)  # the logits are gone by its end unless autograd keeps them
         t1 = time.perf_counter()
         with record_function("backward"):
             loss.backward()
         t2 = time.perf_counter()
-    del logits, loss
+    del loss
     allocations, ranges = _allocations(prof)
     live = peak = 0
     after_forward = None
@@ -143,10 +147,11 @@ def check_args(args) -> None:
 
 
 def run(args) -> int:
+    code = code_identity()  # the code that measures, before it runs
     archs = [run_arch(a, args.batch, args.vocab, shlex.split(args.flags)) for a in args.archs.split(",")]
     record = {"question": "how much activation memory --checkpoint-activations saves at the paper's small "
                           "configuration, one GPU's share of an expert-parallel step, measured on CPU",
-              "code": code_identity(), **environment(),
+              "code": code, **environment(),
               "config": {"batch": args.batch, "vocab": args.vocab, "dtype": "float32",
                          "threads": torch.get_num_threads(), "cluster": CLUSTER},
               "archs": archs}
