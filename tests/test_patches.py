@@ -37,8 +37,8 @@ def _patched():
 def test_every_listed_patch_names_code_that_exists_and_says_what_it_fixes():
     assert [p.name for p in patches.PATCHES] == [
         "allow_fairseq_checkpoints", "pin_sequence_length", "checkpoint_sets", "guard_language_modeling_data",
-        "refuse_unlimited_batches", "torchrun", "hydra_presets", "elastic", "zero_optimizer", "precision", "generation_patches",
-        "fold_router_prices", "evaluate_every_sequence", "gather_lists_off_cuda", "ddp_on_cpu",
+        "refuse_unlimited_batches", "torchrun", "hydra_presets", "elastic", "zero_optimizer", "precision",
+        "generation_patches", "fold_router_prices", "evaluate_every_sequence", "gather_lists_off_cuda", "ddp_on_cpu",
         "restore_fairseq_cli_logging", "print_refusals"]
     for p in patches.PATCHES:
         assert callable(getattr(importlib.import_module(f"fairseq_plugins.{p.module}"), p.function)), p
