@@ -1,8 +1,9 @@
 """The last N saves of a training averaged into one checkpoint (`smlp-consolidate DIR --num-update-checkpoints N`).
 
-fairseq's scripts/average_checkpoints.py averages `checkpoint_<epoch>_<update>.pt` (or `checkpoint<epoch>.pt`)
-files; an expert-parallel run writes each save as rank shards (`checkpoint_1_800-rank-R.pt`), which its pattern
-does not match ("Found 0 checkpoint files"), and one shard holds only its rank's experts. Here each save is
+fairseq's averaging script (average_checkpoints in its repository's scripts folder) averages
+`checkpoint_<epoch>_<update>.pt` (or `checkpoint<epoch>.pt`) files; an expert-parallel run writes each save as
+rank shards (`checkpoint_1_800-rank-R.pt`), which its pattern does not match ("Found 0 checkpoint files"), and
+one shard holds only its rank's experts. Here each save is
 found by its shards (or its one file, for a one-process run), checked to be one save (checkpoint_sets' tags),
 merged into every expert (checkpoints.merged_state), and the floating-point tensors of the N models are averaged
 in fp32 (each stored back in its own dtype), as fairseq's script does; integer tensors (HASH's table) must be
