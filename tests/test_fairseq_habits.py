@@ -76,6 +76,23 @@ def test_torchrun_environment_gives_the_ranks_and_refuses_what_cannot_run():
     assert alone.distributed_training.distributed_init_method is None
 
 
+def test_torchrun_on_gpu_nodes_keeps_nccl_and_takes_the_local_rank(monkeypatch):
+    """On GPU nodes (faked here: 8 GPUs each) torchrun's 16 processes, 4 per node, run with NCCL; fairseq's default
+    world size (a node's GPU count, given here as a GPU node's parse gives it) yields to torchrun's, and each rank
+    takes its local rank's GPU (fairseq took RANK % device_count: GPU 5 for rank 5, a GPU of another process's
+    share when a node runs fewer processes than it has GPUs)."""
+    from fairseq_plugins.torchrun import torchrun_ranks
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    cfg = _parsed(["--arch", "smlp_lm_tiny", "--ddp-backend", "legacy_ddp", "--distributed-world-size", "8"])
+    env = {**TORCHRUN_ENV, "WORLD_SIZE": "16", "RANK": "5", "LOCAL_RANK": "1"}
+    assert torchrun_ranks(cfg, "fairseq_cli.train", env)
+    d = cfg.distributed_training
+    assert (d.distributed_backend, d.distributed_world_size, d.distributed_rank, d.device_id) == ("nccl", 16, 5, 1)
+    assert cfg.model.distributed_world_size == 16
+
+
 @pytest.mark.slow
 def test_fairseq_train_under_torchrun_logs_the_losses_of_the_two_rank_run(smlp_tiny_two_ranks, tiny_lm_data, tmp_path):
     """`torchrun --nproc_per_node 2 $(which fairseq-train) ... --cpu --ddp-backend legacy_ddp` (no rank flags) is
