@@ -63,10 +63,13 @@ gpu-check:
 # at, from a worktree under results/fair-work/code/ with this environment (benchmarks/pinned.py): commits to main
 # never stop it.
 # FAIR_ARGS="--stages width" adds the opt-in stage.
+# FAIR_CORPUS=kernel-docs runs the comparison on the corpus read once (stores in docs/benchmark/fair-docs/).
 FAIR_ARGS ?=
+FAIR_CORPUS ?= demo
+FAIR_STORES := $(if $(filter demo,$(FAIR_CORPUS)),docs/benchmark/fair/lr-sweep,docs/benchmark/fair-docs/rate)
 fair: install
-	$(VENV)/bin/smlp-bench --fair --commit-store $$(test -e docs/benchmark/fair/lr-sweep/runs.json && echo --resume) \
-		$(FAIR_ARGS)
+	$(VENV)/bin/smlp-bench --fair --corpus $(FAIR_CORPUS) --commit-store \
+		$$(test -e $(FAIR_STORES)/runs.json && echo --resume) $(FAIR_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

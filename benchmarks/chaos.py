@@ -30,7 +30,8 @@ NPROC = 2
 # its temporary file appears (fairseq_plugins.checkpoint_sets writes atomically) and checked still writing
 KINDS = ("sigkill-worker", "sigterm-job", "sigkill-in-save", "sigterm-in-save")
 IN_SAVE = ("sigkill-in-save", "sigterm-in-save")
-TEMP = re.compile(r"^(?P<file>checkpoint\w*?-rank-(?P<rank>\d+)\.pt)\.[a-z0-9_]{8}\.tmp$")  # atomic_write's names
+# the one writer's temporary file of a rank shard (smlp.files.temp_name)
+TEMP = re.compile(r"^\.(?P<file>checkpoint\w*?-rank-(?P<rank>\d+)\.pt)\.smlp-tmp-[0-9a-f]{16}$")
 START_UP_SHARE = 0.2  # of the kills at a random moment, those that land during start-up
 
 
@@ -259,7 +260,7 @@ def _writing(save: Path, target: dict, last: int) -> str | None:
 
 def _inspect(save: Path) -> tuple[list[str], list[str]]:
     """(checkpoint files that cannot be read, temporary files left) in the save directory."""
-    from fairseq_plugins.checkpoint_sets import read_shard
+    from fairseq_plugins.shard_tags import read_shard
 
     names = sorted(os.listdir(save)) if save.is_dir() else []
     torn = [n for n in names if n.startswith("checkpoint") and n.endswith(".pt")

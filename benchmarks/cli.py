@@ -65,8 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--updates", type=int, default=None, help="updates per run (quick: 24, full: 60, long: 750)")
     add_training(s, "results/bench")
     s = sub.add_parser("fair", help="the deciding comparison; each stage resumable, its store in docs/benchmark/fair/")
-    s.add_argument("--stages", default=None, help="comma-separated stages, in order (default: lr-sweep,deciding,"
-                                                   "experts,experts-seeds,smoe-experts; width runs only when named)")
+    s.add_argument("--corpus", choices=tuple(fair.COMPARISONS), default="demo",
+                   help="the comparison, by the corpus read: demo (Shakespeare, stores in docs/benchmark/fair/) or "
+                        "kernel-docs (read once, 1500 updates; stores in docs/benchmark/fair-docs/)")
+    s.add_argument("--stages", default=None, help="comma-separated stages, in order (demo: lr-sweep,deciding,experts,"
+                                                   "experts-seeds,smoe-experts, width only when named; kernel-docs: "
+                                                   "rate,deciding,experts)")
     s.add_argument("--no-pin", action="store_true",
                    help="run this checkout's code instead of each stage's pinned commit (to try out uncommitted code; "
                         "such a stage resumes only while the code that decides perplexity is unchanged)")
@@ -120,12 +124,14 @@ def _out(args, default: Path, *, make: bool = True) -> Path:
 
 
 def run_fair(args) -> int:
-    _out(args, fair.OUTPUT)
+    comp = fair.comparison_of(args)
+    _out(args, comp.output)
     if args.report_only:
-        return fair.report_only(args.output_dir)
+        return fair.report_only(args.output_dir, comp)
     args.work_dir = (args.work_dir or Path("results/fair-work")).expanduser().absolute()
     args.work_dir.mkdir(parents=True, exist_ok=True)
-    data = prepare(args.data, args.work_dir)  # the store is in the repository: the data goes to the work folder
+    # the store is in the repository: the data goes to the work folder
+    data = prepare(args.data, args.work_dir, comp.corpus)
     return fair.main(args, data, vocab_size(data))
 
 

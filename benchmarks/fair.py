@@ -1,5 +1,7 @@
-"""The deciding comparison, `smlp-bench fair` (docs/benchmarks.md, "The deciding comparison"): its stages, each a
-resumable run store in OUTPUT_DIR/STAGE/ planned from the stages before it; the answers: benchmarks/fair_report.py."""
+"""The deciding comparisons, `smlp-bench fair [--corpus NAME]` (docs/benchmarks.md, "The deciding comparison"): each a
+`Comparison` of stages, each stage a resumable run store in OUTPUT_DIR/STAGE/ planned from the stages before it. The
+demo corpus's comparison (Shakespeare, 500 updates) is answered by benchmarks/fair_report.py; the kernel-docs one (a
+corpus its runs read once, 1500 updates) by benchmarks/budget_report.py."""
 from __future__ import annotations
 
 import functools
@@ -7,10 +9,10 @@ import json
 import subprocess
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from . import machine, pinned
+from . import budget_report, machine, pinned
 from . import schedule as S
 from .fair_report import analysed_stage, final_report, print_summary
 from .machine import code_identity, perplexity_changes
@@ -65,32 +67,39 @@ STAGE_SETTINGS = {
     "experts-seeds": dict(COMMON, seeds=[*SECONDARY_SEEDS, *TREND_SEEDS], updates=500, probe_updates=0,
                           profile_steps=0),
     "smoe-experts": dict(COMMON, seeds=[SWEEP_SEED, *SMOE_SEEDS], updates=500, probe_updates=0, profile_steps=0),
+    "same-seed": dict(COMMON, seeds=[2, 3], updates=500, probe_updates=0, profile_steps=0),
 }
 STAGES = tuple(STAGE_SETTINGS)
-# `width` only when asked for (--stages width)
+# `width` and `same-seed` only when asked for (--stages width)
 DEFAULT_STAGES = ("lr-sweep", "deciding", "experts", "experts-seeds", "smoe-experts")
 # what the comparison is, for its record (benchmarks/fair_report.py final_report)
 DESIGN = {"target": FAIR_TARGET, "wide_target": WIDE_TARGET, "settings": STAGE_SETTINGS,
           "experts_stages": ("experts", "experts-seeds", "smoe-experts"),
-          "primary_seeds": {"seeds": [*DECIDING_SEEDS, *PRIMARY_SEEDS], "others": list(DECIDING_SEEDS)}}
+          "primary_seeds": {"seeds": [*DECIDING_SEEDS, *PRIMARY_SEEDS], "others": list(DECIDING_SEEDS),
+                            "committed_in": "7dbbd46"}}  # the commit that fixed PRIMARY_SEEDS
 
 
 @dataclass
 class Context:
-    """What a stage is planned from: the vocabulary, the ranks, and the finished stages' records."""
+    """What a stage is planned from: the vocabulary, the ranks, the finished stages' records and the comparison."""
 
     vocab_size: int
     nproc: int
     records: dict  # stage name -> its results.json record
     code: pinned.Checkout | None = None  # the stage's pinned commit (None: this checkout's code)
+    comparison: Comparison | None = None  # None: the demo corpus's
+
+    @property
+    def sweep(self) -> str:
+        return (self.comparison or DEMO).sweep
 
     def rate(self, family: str) -> float:
-        return self.records["lr-sweep"]["fair"]["rates"][family]["chosen"]
+        return self.records[self.sweep]["fair"]["rates"][family]["chosen"]
 
     def best_moe(self) -> str:
         """The Transformer-MoE the primary comparison is made against: the best in the sweep (so that the deciding
         runs it is compared on did not choose it)."""
-        return self.records["lr-sweep"]["fair"]["best_moe"]
+        return self.records[self.sweep]["fair"]["best_moe"]
 
 
 def criterion_flags(target: dict, vocab_size: int, nproc: int, code: pinned.Checkout | None = None) -> list[str]:
@@ -187,15 +196,28 @@ def smoe_rounds_of(ctx: Context) -> list[list]:
     return [*([s, [smoe_key(e)]] for e in SMOE_TMOE_EXPERTS for s in SMOE_SEEDS), [SWEEP_SEED, rate_keys]]
 
 
+# Same-seed reruns of the points whose seeds came from two commits (the experts trend's seed 2 ran at the experts
+# stage's commit, its seeds 3-5 and gMLP's 4-5 at experts-seeds'; gMLP's 2-3 at the deciding stage's): each rerun
+# executes experts-seeds' commit (STAGE_PINS), so that every seed of a pooled point is one code's.
+RERUN_ROUNDS = ((2, ("smlp_det_e2", "hash_e2", "smlp_det_e32", "hash_e32", "gmlp")), (3, ("gmlp",)))
+
+
+def rerun_rounds_of(ctx: Context) -> list[list]:
+    return [[seed, list(keys)] for seed, keys in RERUN_ROUNDS]
+
+
 BUILDERS: dict[str, Callable[[Context], list[Model]]] = {
     "lr-sweep": sweep_models, "deciding": deciding_models, "experts": expert_models, "width": width_models,
-    "experts-seeds": seed_models, "smoe-experts": smoe_models}
+    "experts-seeds": seed_models, "smoe-experts": smoe_models, "same-seed": seed_models}
 # the stages whose models run different seeds: their rounds ([seed, [keys]], in order)
-ROUNDS: dict[str, Callable[[Context], list[list]]] = {"experts-seeds": seed_rounds_of, "smoe-experts": smoe_rounds_of}
+ROUNDS: dict[str, Callable[[Context], list[list]]] = {"experts-seeds": seed_rounds_of, "smoe-experts": smoe_rounds_of,
+                                                      "same-seed": rerun_rounds_of}
 TARGETS = {"lr-sweep": FAIR_TARGET, "deciding": FAIR_TARGET, "experts": FAIR_TARGET, "width": WIDE_TARGET,
-           "experts-seeds": FAIR_TARGET, "smoe-experts": FAIR_TARGET}
+           "experts-seeds": FAIR_TARGET, "smoe-experts": FAIR_TARGET, "same-seed": FAIR_TARGET}
 NEEDS = {"lr-sweep": (), "deciding": ("lr-sweep",), "experts": ("lr-sweep",), "width": ("lr-sweep",),
-         "experts-seeds": ("lr-sweep",), "smoe-experts": ("lr-sweep",)}
+         "experts-seeds": ("lr-sweep",), "smoe-experts": ("lr-sweep",), "same-seed": ("lr-sweep", "experts-seeds")}
+# a stage that executes another stage's commit rather than the checkout's (stage -> that stage)
+STAGE_PINS = {"same-seed": "experts-seeds"}
 
 
 def rates_tried(record: dict) -> dict[str, dict[float, float]]:
@@ -207,18 +229,21 @@ def rates_tried(record: dict) -> dict[str, dict[float, float]]:
     return out
 
 
-def choose_rates(tried: dict[str, dict[float, float]], widened: dict[str, int]) -> dict[str, dict]:
+def choose_rates(tried: dict[str, dict[float, float]], widened: dict[str, int], widen: int | None = None,
+                 bounds: tuple[float, float] | None = None) -> dict[str, dict]:
     """Per family the best rate, and the next rate to try when the best is at an edge of those tried (beyond it by a
-    factor 2; not past RATE_BOUNDS, not more than WIDEN times)."""
+    factor 2; not past `bounds`, not more than `widen` times; by default RATE_BOUNDS and WIDEN)."""
+    widen = WIDEN if widen is None else widen
+    lo, hi = RATE_BOUNDS if bounds is None else bounds
     out = {}
     for family, by_rate in tried.items():
         rates = sorted(by_rate)
         best = min(rates, key=lambda r: by_rate[r])
         nxt = None
-        if widened.get(family, 0) < WIDEN and len(rates) >= 2:
-            if best == rates[0] and rates[0] / 2 >= RATE_BOUNDS[0] * (1 - 1e-9):
+        if widened.get(family, 0) < widen and len(rates) >= 2:
+            if best == rates[0] and rates[0] / 2 >= lo * (1 - 1e-9):
                 nxt = rates[0] / 2
-            elif best == rates[-1] and rates[-1] * 2 <= RATE_BOUNDS[1] * (1 + 1e-9):
+            elif best == rates[-1] and rates[-1] * 2 <= hi * (1 + 1e-9):
                 nxt = rates[-1] * 2
         out[family] = {"tried": {f"{r:g}": by_rate[r] for r in rates}, "chosen": best, "next": nxt,
                        "bracketed": best not in (rates[0], rates[-1]), "widened": widened.get(family, 0)}
@@ -231,12 +256,12 @@ def _append_round(store: RunStore, keys: list[str], seeds: list[int]) -> None:
     store.slots = S.extend_schedule(store.slots, rounds, S.probe_reference(store.plan))
 
 
-def widen_sweep(store: RunStore, ctx: Context, record: dict) -> list[Model]:
+def widen_sweep(store: RunStore, ctx: Context, record: dict, comparison: Comparison) -> list[Model]:
     """Append the sweep's next rates (one new phase) to the store; returns the models added."""
     widened = store.extra.setdefault("widened", {})
-    base = _matched(ctx, FAIR_TARGET, FAMILIES)
+    base = _matched(ctx, FAIR_TARGET, comparison.swept())
     added = []
-    for family, c in choose_rates(rates_tried(record), widened).items():
+    for family, c in comparison.choose(rates_tried(record), widened).items():
         if c["next"] is not None:
             added.append(_swept(base[family], c["next"]))
             widened[family] = widened.get(family, 0) + 1
@@ -302,17 +327,17 @@ def commit_store(path: Path, message: str, attempts: int = 5) -> bool:
     return False
 
 
-def stage_code(store_path: Path, stage: str, work_dir: Path) -> pinned.Checkout:
-    """The pinned code of a stage: the commit it started at (recorded in its store), or this checkout's commit for a
-    stage not started yet; its worktree made under work_dir/code/."""
+def stage_code(store_path: Path, stage: str, work_dir: Path, commit: str | None = None) -> pinned.Checkout:
+    """The pinned code of a stage: the commit it started at (recorded in its store), else `commit` (another stage's,
+    STAGE_PINS), else this checkout's commit; its worktree made under work_dir/code/."""
     repo = machine.CODE_ROOT
     started = (RunStore.load(store_path).extra.get("code") or {}).get("commit") if store_path.exists() else None
     now = code_identity()
-    commit = started or now["commit"]
+    commit = started or commit or now["commit"]
     if commit is None:
         raise BenchError(f"stage {stage}: {repo} is not a git checkout, so no commit can be pinned for its runs: "
                          f"run the benchmark from a clone, or pass --no-pin to run this folder's code")
-    if started is None and now["dirty"]:
+    if started is None and commit == now["commit"] and now["dirty"]:
         print(f"   stage {stage} pins commit {commit[:10]}: uncommitted changes under "
               f"{', '.join(machine.PERPLEXITY_PATHS)} are not part of its runs", flush=True)
     code = pinned.checkout(commit, work_dir, repo)
@@ -323,14 +348,137 @@ def stage_code(store_path: Path, stage: str, work_dir: Path) -> pinned.Checkout:
     return code
 
 
+# The kernel-docs comparison (docs/benchmarks.md, "The answer on a corpus read once"): the three families that
+# decide the published answer, each at its demo sweep's rate, half and twice, then seeds 2-5 at 8 and 32 experts.
+DOCS_FAMILIES = ("gmlp", "smlp_det", "hash")
+DOCS_RATES = {"gmlp": 1.6e-2, "smlp_det": 8e-3, "hash": 4e-3}  # the demo corpus's lr-sweep chose these
+DOCS_FACTORS, DOCS_SEEDS, DOCS_EXPERTS = (0.5, 1.0, 2.0), (2, 3, 4, 5), 32
+DOCS_COMMON = dict(COMMON, validate_every=100, valid_steps=20, probe_updates=0, profile_steps=0)
+DOCS_SETTINGS = {
+    "rate": dict(DOCS_COMMON, seeds=[SWEEP_SEED], updates=1000),
+    "deciding": dict(DOCS_COMMON, seeds=list(DOCS_SEEDS), updates=1500),
+    "experts": dict(DOCS_COMMON, seeds=list(DOCS_SEEDS), updates=1500),
+}
+
+
+def docs_rate_models(ctx: Context) -> list[Model]:
+    base = _matched(ctx, FAIR_TARGET, DOCS_FAMILIES)
+    return [_swept(base[f], DOCS_RATES[f] * k) for f in DOCS_FAMILIES for k in DOCS_FACTORS]
+
+
+def docs_deciding_models(ctx: Context) -> list[Model]:
+    base = _matched(ctx, FAIR_TARGET, DOCS_FAMILIES)
+    return [_at_rate(base[f], ctx.rate(f)) for f in DOCS_FAMILIES]
+
+
+def docs_expert_models(ctx: Context) -> list[Model]:
+    e = DOCS_EXPERTS
+    return [_at_rate(_matched(ctx, dict(FAIR_TARGET, experts=e), (k,))[k], ctx.rate(k), f"{k}_e{e}",
+                     f"{NAMES[k]}, {e} experts") for k in ("smlp_det", "hash")]
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """One deciding comparison: the corpus its runs read, its stages (settings, models, targets, what each is planned
+    from), the stage whose record holds each family's rate, where its stores go and how its answer is written."""
+
+    name: str                      # `smlp-bench fair --corpus NAME`
+    corpus: str | None             # a packaged corpus (smlp_launch.packaged_corpus); None: the demo corpus
+    output: Path
+    settings: dict[str, dict]
+    default_stages: tuple[str, ...]
+    builders: dict[str, Callable[[Context], list[Model]]]
+    targets: dict[str, dict]
+    needs: dict[str, tuple[str, ...]]
+    design: dict
+    report: Callable[[dict, Path, dict], dict]   # (stage records, OUTPUT_DIR, design) -> results.json's record
+    summary: Callable[[dict], None]
+    rounds: dict[str, Callable[[Context], list[list]]] = field(default_factory=dict)
+    pins: dict[str, str] = field(default_factory=dict)  # STAGE_PINS
+    sweep: str = "lr-sweep"
+    families: tuple[str, ...] | None = None       # the swept families (None: FAMILIES)
+    widen: int | None = None                      # None: WIDEN
+    rate_bounds: tuple[float, float] | None = None  # None: RATE_BOUNDS
+    vocab_size: int = 4000
+
+    @property
+    def stages(self) -> tuple[str, ...]:
+        return tuple(self.settings)
+
+    def swept(self) -> tuple[str, ...]:
+        return FAMILIES if self.families is None else self.families
+
+    def choose(self, tried: dict, widened: dict) -> dict:
+        return choose_rates(tried, widened, self.widen, self.rate_bounds)
+
+
+def _demo_report(records: dict, out: Path, design: dict) -> dict:
+    return final_report(records, out, design)
+
+
+DEMO = Comparison(
+    name="demo", corpus=None, output=OUTPUT, settings=STAGE_SETTINGS, default_stages=DEFAULT_STAGES,
+    builders=BUILDERS, targets=TARGETS, needs=NEEDS, design=DESIGN, report=_demo_report, summary=print_summary,
+    rounds=ROUNDS, pins=STAGE_PINS)
+KERNEL_DOCS = Comparison(
+    name="kernel-docs", corpus="kernel-docs", output=Path("docs/benchmark/fair-docs"), settings=DOCS_SETTINGS,
+    default_stages=tuple(DOCS_SETTINGS),
+    builders={"rate": docs_rate_models, "deciding": docs_deciding_models, "experts": docs_expert_models},
+    targets={"rate": FAIR_TARGET, "deciding": FAIR_TARGET, "experts": dict(FAIR_TARGET, experts=DOCS_EXPERTS)},
+    needs={"rate": (), "deciding": ("rate",), "experts": ("rate",)},
+    design={"target": FAIR_TARGET, "settings": DOCS_SETTINGS, "families": DOCS_FAMILIES, "centre_rates": DOCS_RATES,
+            "factors": DOCS_FACTORS, "seeds": list(DOCS_SEEDS), "experts": [FAIR_TARGET["experts"], DOCS_EXPERTS]},
+    report=budget_report.final_report, summary=budget_report.print_summary,
+    sweep="rate", families=DOCS_FAMILIES, widen=1, rate_bounds=(5e-4, 6.4e-2))
+COMPARISONS = {c.name: c for c in (DEMO, KERNEL_DOCS)}
+
+
+def data_identity(data: Path) -> dict:
+    """What a stage records of its data folder: smlp-prepare-data's fingerprint and the corpus it names."""
+    from smlp_launch.data_dir import read_manifest
+
+    manifest = read_manifest(data) or {}
+    pin = manifest.get("corpus") or {}
+    return {"fingerprint": manifest.get("fingerprint"), "corpus": (manifest.get("params") or {}).get("corpus")
+            or ("demo" if manifest.get("demo_package") else None),
+            "source": f"{pin['package']} {pin['version']}" if pin else manifest.get("demo_package"),
+            "train_tokens": ((manifest.get("splits") or {}).get("train") or {}).get("fairseq_tokens")}
+
+
+def check_data(store_path: Path, stage: str, data: Path) -> dict | None:
+    """The data identity to plan a stage with; refuses, in one line, a data folder other than the one its store was
+    planned on. None for a store planned before stages recorded their data (nothing to check against)."""
+    now = data_identity(data)
+    if not store_path.exists():
+        return now
+    planned = RunStore.load(store_path).plan["settings"].get("data")
+    if planned is not None and planned.get("fingerprint") != now["fingerprint"]:
+        raise BenchError(f"stage {stage} was planned on data fingerprint {str(planned.get('fingerprint'))[:12]} "
+                         f"(corpus {planned.get('corpus')}), but {data} has {str(now['fingerprint'])[:12]} (corpus "
+                         f"{now['corpus']}): pass the data folder it was planned on (--data), or rebuild it with "
+                         f"smlp-prepare-data as the stage's plan records")
+    return planned
+
+
+def _logs(work_dir: Path | None, comp: Comparison, stage: str) -> Path | None:
+    """Where a stage's run logs go: WORK_DIR/STAGE (the demo corpus's), WORK_DIR/CORPUS/STAGE (another's)."""
+    return None if work_dir is None else work_dir / stage if comp is DEMO else work_dir / comp.name / stage
+
+
 def run_stage(stage: str, ctx: Context, data: Path, out_dir: Path, *, order_seed: int = 1,
               log_dir: Path | None = None, commit: bool = False, pin: bool = True) -> dict:
     """Train one stage (resuming where it stopped) and return its report record with the stage's analysis."""
+    comp = ctx.comparison or DEMO
     out_dir.mkdir(parents=True, exist_ok=True)
     store_path = out_dir / "runs.json"
     resume = store_path.exists()  # main() asked for --resume before continuing a started benchmark
+    data_id = check_data(store_path, stage, data)
     if pin:
-        ctx = replace(ctx, code=stage_code(store_path, stage, log_dir or Path("results/fair-work").absolute()))
+        of = comp.pins.get(stage)
+        commit_of = (RunStore.load(out_dir.parent / of / "runs.json").extra.get("code") or {}).get("commit") \
+            if of else None
+        ctx = replace(ctx, code=stage_code(store_path, stage, log_dir or Path("results/fair-work").absolute(),
+                                           commit_of))
         code = {"commit": ctx.code.commit}
     else:
         code = check_code(store_path, stage)
@@ -340,11 +488,14 @@ def run_stage(stage: str, ctx: Context, data: Path, out_dir: Path, *, order_seed
         models = [m for m in models_from_plan(store.plan) if m.key not in added]
         settings = dict(store.plan["settings"])
     else:
-        models = BUILDERS[stage](ctx)
-        settings = dict(STAGE_SETTINGS[stage], target=TARGETS[stage],
-                        criterion_flags=criterion_flags(TARGETS[stage], ctx.vocab_size, ctx.nproc, ctx.code))
-        if stage in ROUNDS:
-            settings["rounds"] = ROUNDS[stage](ctx)
+        models = comp.builders[stage](ctx)
+        target = comp.targets[stage]
+        settings = dict(comp.settings[stage], target=target,
+                        criterion_flags=criterion_flags(target, ctx.vocab_size, ctx.nproc, ctx.code))
+        if data_id is not None:
+            settings["data"] = data_id
+        if stage in comp.rounds:
+            settings["rounds"] = comp.rounds[stage](ctx)
     settings["models"] = tuple(m.key for m in models)
 
     def after_run():
@@ -352,23 +503,24 @@ def run_stage(stage: str, ctx: Context, data: Path, out_dir: Path, *, order_seed
             commit_store(out_dir, f"fair benchmark, stage {stage}: a run finished")
 
     def before_runs(store: RunStore):
-        if stage == "deciding" and (keys := primary_seeds(store, ctx)):
+        if comp is DEMO and stage == "deciding" and (keys := primary_seeds(store, ctx)):
             print(f"   seeds {', '.join(map(str, PRIMARY_SEEDS))} for the primary pair: {', '.join(keys)}", flush=True)
 
     while True:
-        store = run_schedule(f"fair/{stage}", settings, models, {"stage": stage}, data, ctx.nproc, out_dir,
-                             resume=resume, order_seed=order_seed, reference=models[0].key,
-                             log_dir=(log_dir / stage) if log_dir else None, after_run=after_run,
+        store = run_schedule(f"fair/{stage}" if comp is DEMO else f"fair-{comp.name}/{stage}", settings, models,
+                             {"stage": stage}, data, ctx.nproc, out_dir, resume=resume, order_seed=order_seed,
+                             reference=models[0].key, log_dir=_logs(log_dir, comp, stage),
+                             after_run=after_run,
                              extra={"code": {"commit": code["commit"], "checked": "machine.PERPLEXITY_PATHS"}},
                              code=ctx.code, before_runs=before_runs)
         record = report(store, out_dir, quiet=True)
-        added = [m.key for m in widen_sweep(store, ctx, record)] if stage == "lr-sweep" else []
+        added = [m.key for m in widen_sweep(store, ctx, record, comp)] if stage == comp.sweep else []
         if not added:
             break
         print(f"   widening the sweep: {', '.join(added)}", flush=True)
         resume = True
-    if stage == "lr-sweep":
-        choice = choose_rates(rates_tried(record), store.extra.get("widened", {}))
+    if stage == comp.sweep:
+        choice = comp.choose(rates_tried(record), store.extra.get("widened", {}))
         moe = [k for k in MOE_BASELINES if k in choice]
         record["fair"] = {"rates": choice, "best_moe": min(moe, key=lambda k: choice[k]["tried"][
             f"{choice[k]['chosen']:g}"]) if moe else None,
@@ -381,25 +533,31 @@ def run_stage(stage: str, ctx: Context, data: Path, out_dir: Path, *, order_seed
     return record
 
 
-def stage_records(out: Path) -> dict:
+def stage_records(out: Path, comparison: Comparison = None) -> dict:
     """stage name -> its results.json record, for every stage that has one (finished or partial)."""
-    return {name: json.loads((out / name / "results.json").read_text()) for name in STAGES
+    return {name: json.loads((out / name / "results.json").read_text()) for name in (comparison or DEMO).stages
             if (out / name / "results.json").exists()}
 
 
-def report_only(out: Path) -> int:
+def comparison_of(args) -> Comparison:
+    return COMPARISONS[getattr(args, "corpus", None) or DEMO.name]
+
+
+def report_only(out: Path, comparison: Comparison = None) -> int:
     """`smlp-bench fair --report-only`: OUTPUT_DIR/results.json from the stages' records, nothing trained."""
-    if not (records := stage_records(out)):
+    comp = comparison or DEMO
+    if not (records := stage_records(out, comp)):
         raise BenchError(f"{out} holds no stage's results.json: run the benchmark first (smlp-bench fair)")
-    rec = final_report(records, out, DESIGN)
-    print_summary(rec)
+    rec = comp.report(records, out, comp.design)
+    comp.summary(rec)
     print(f"   results: {out / 'results.json'} (stages: {', '.join(records)}); publish with "
           f"`smlp-bench --publish {out / 'results.json'}`")
     return 0
 
 
 def chosen_stages(args) -> list[str]:
-    return list(DEFAULT_STAGES) if args.stages is None else parse_names(args.stages, STAGES, "--stages")
+    comp = comparison_of(args)
+    return list(comp.default_stages) if args.stages is None else parse_names(args.stages, comp.stages, "--stages")
 
 
 def check_args(args) -> None:
@@ -409,31 +567,43 @@ def check_args(args) -> None:
         return
     chosen_stages(args)
     check_options(args)
-    out = Path(args.output_dir or OUTPUT).expanduser()
+    out = Path(args.output_dir or comparison_of(args).output).expanduser()
     check_started(out, sorted(str(p.relative_to(out)) for p in out.glob("*/runs.json")), args.resume)
+
+
+def _final(comp: Comparison, records: dict, out: Path) -> dict | None:
+    """The comparison's report of the stages so far; a failure is said, never stops the runs (--report-only
+    writes it again)."""
+    try:
+        return comp.report(records, out, comp.design)
+    except Exception as exc:  # noqa: BLE001
+        print(f"   (the report failed: {type(exc).__name__}: {exc}; `smlp-bench fair --report-only` writes it)",
+              flush=True)
+        return None
 
 
 def main(args, data: Path, vocab_size: int) -> int:
     """The default stages in order (or those of --stages), each resumed where it stopped (arguments checked by
     `check_args`)."""
+    comp = comparison_of(args)
     stages, out = chosen_stages(args), args.output_dir
-    records = stage_records(out)
+    records = stage_records(out, comp)
     t0 = time.time()
     for i, name in enumerate(stages, 1):
-        if missing := [n for n in NEEDS[name] if not (n in records and records[n].get("complete"))]:
+        if missing := [n for n in comp.needs[name] if not (n in records and records[n].get("complete"))]:
             raise BenchError(f"stage {name} is planned from {', '.join(missing)}, which has not finished: "
                              f"run it first (--stages {','.join(missing)})")
         if records.get(name, {}).get("complete"):
             print(f"== fair {i}/{len(stages)} {name}: done", flush=True)
             continue
         print(f"== fair {i}/{len(stages)} {name}", flush=True)
-        records[name] = run_stage(name, Context(vocab_size, args.nproc, records), data, out / name,
+        records[name] = run_stage(name, Context(vocab_size, args.nproc, records, comparison=comp), data, out / name,
                                   order_seed=args.order_seed, log_dir=args.work_dir, commit=args.commit_store,
                                   pin=not args.no_pin)
-        final_report(records, out, DESIGN)
+        _final(comp, records, out)
         if args.commit_store:
             commit_store(out, f"fair benchmark: report after stage {name}")
-    rec = final_report(records, out, DESIGN)
-    print_summary(rec)
+    if (rec := _final(comp, records, out)) is not None:
+        comp.summary(rec)
     print(f"   results: {out / 'results.json'} ({(time.time() - t0) / 60:.0f} min)")
     return 0

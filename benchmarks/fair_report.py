@@ -1,41 +1,23 @@
-"""The fair comparison's answers from its stages' records (benchmarks/fair.py runs them): the verdicts (one rule,
-verdicts.T_RULE, decides every published sentence), the trends over width and experts, OUTPUT_DIR/results.json with
-its figures, and the text of its sections of docs/benchmarks.md and README. No speed: the runs share the machine.
+"""The demo corpus's deciding comparison from its stages' records (benchmarks/fair.py runs them): the verdicts (one
+rule, verdicts.T_RULE, decides every published sentence), the trends over width and experts, OUTPUT_DIR/results.json
+with its figures; benchmarks/fair_pages.py writes them in words. No speed: the runs share the machine.
 """
 from __future__ import annotations
 
+import json
 import math
 import re
 import statistics
+import subprocess
 from pathlib import Path
 
 from .presets import MOE_BASELINES, NAMES
-from .report import geo_cell, png_axes
+from .report import png_axes
 from .store import atomic_write_json
 from .verdicts import T_RULE, log_spread, t_compare
 
-FAIR_START, FAIR_END = "<!-- smlp-bench-fair:start -->", "<!-- smlp-bench-fair:end -->"
-README_FAIR_START, README_FAIR_END = "<!-- smlp-bench-readme-fair:start -->", "<!-- smlp-bench-readme-fair:end -->"
 FAIR_FIGURES = ("lr_sweep.png", "width.png", "experts.png")
-FAIR_PENDING = ("Not published yet: the deciding comparison (`smlp-bench --fair`: 8 experts per sparse layer, heads of "
-                "dimension 64, a learning rate per family, deciding runs on seeds the sweep did not use) writes this "
-                "answer; its runs are in progress, their store in docs/benchmark/fair/. The earlier runs "
-                "with 2 experts per sparse layer and one learning rate for all families, in [benchmarks.md]({page}), "
-                "cannot test the paper's claim: at 2 experts GShard's top-2 sends every token to both experts, and "
-                "Switch, GShard and Base Layers ended beside the dense Transformer.")
-SWEEP_DONE = ("Its learning-rate sweep has finished (each family's rates in [benchmarks.md]({page})); the deciding "
-              "runs are under way.")
 METRIC_WORDS = {"ppl": "all positions", "suffix_ppl": "the positions after sMLP-partial's routing prefix"}
-ANSWER = {"better": "yes", "worse": "no", "undecided": "undecided"}
-LOWER = {"better": "lower", "worse": "higher"}  # the first model's perplexity against the second's
-SCALE_NOTE = ("Scale: about 2M non-expert parameters trained on about 2M tokens of one small corpus (Gutenberg plays, "
-              "a 4k sentencepiece vocabulary, repeated after about 1.3 epochs), on CPU ranks. The answer says which "
-              "family learns this corpus fastest per FLOP at this size and budget; it cannot say how the families "
-              "rank at the paper's scale (hundreds of millions of parameters, billions of tokens), where larger "
-              "experts, longer training and hardware speed change the trade-offs.")
-BASE_NOTE = ("Base Layers here equals fairseq's `BaseLayer` with the same weights (outputs and gradients, "
-             "tests/test_distributed.py); its greedy validation loads are in the diagnostic column: a property of "
-             "the router at this scale, not a broken baseline.")
 
 
 def _seeds(res: dict, key: str, metric: str = "ppl") -> list[float]:
@@ -110,6 +92,7 @@ def width_trend(deciding: dict, width: dict, best: str) -> dict:
 POOLED_STAGES = ("deciding", "experts", "experts-seeds", "smoe-experts")
 PER_SEED = ("valid_ppl_per_seed", "valid_suffix_ppl_per_seed", "valid_greedy_routing_ppl_per_seed",
             "valid_trained_routing_ppl_per_seed")
+POOLED = ("seeds", "curves")  # pooled beside the per-seed figures, in the same order
 EXPERT_COUNTS = (2, 8, 32)
 SMOE_NOTE = ("sMLP-det's sMoE routes deterministically: every token passes through every sMoE expert, each a spatial "
              "gating unit over D/E channels, so with --num-experts alone more experts split the same channels finer "
@@ -119,15 +102,19 @@ SMOE_NOTE = ("sMLP-det's sMoE routes deterministically: every token passes throu
              "token-routed gMLP).")
 
 
+RERUN_STAGE = "same-seed"  # its runs replace the pooled runs of the same key and seed (benchmarks/fair.py)
+
+
 def pooled_models(records: dict) -> tuple[dict, list[str]]:
     """{model key: its results pooled over the stages that ran it} and the problems found: a key is one model
     (the same fairseq flags and learning rate in every stage) and each seed counts once; a stage whose model of
-    the same key differs is left out of the pool, and said."""
+    the same key differs is left out of the pool, and said. A same-seed rerun (RERUN_STAGE) replaces the seed it
+    reran, so that a point's seeds are one commit's."""
     out, problems = {}, []
     for stage in POOLED_STAGES:
         for key, m in ((records.get(stage) or {}).get("models") or {}).items():
             if key not in out:
-                out[key] = {**m, "stages": [stage], **{f: list(m.get(f) or []) for f in (*PER_SEED, "seeds")}}
+                out[key] = {**m, "stages": [stage], **{f: list(m.get(f) or []) for f in (*PER_SEED, *POOLED)}}
                 continue
             have = out[key]
             if (m.get("fairseq_flags"), m.get("lr")) != (have.get("fairseq_flags"), have.get("lr")):
@@ -138,12 +125,100 @@ def pooled_models(records: dict) -> tuple[dict, list[str]]:
                 problems.append(f"{key}: seed(s) {twice} ran in stage {stage} again; its seeds are not pooled")
                 continue
             have["stages"].append(stage)
-            for f in (*PER_SEED, "seeds"):
+            for f in (*PER_SEED, *POOLED):
                 have[f] += list(m.get(f) or [])
+    for key, m in ((records.get(RERUN_STAGE) or {}).get("models") or {}).items():
+        have = out.get(key)
+        if have is None or (m.get("fairseq_flags"), m.get("lr")) != (have.get("fairseq_flags"), have.get("lr")):
+            problems.append(f"{key}: the same-seed rerun trained another model under this key; not used")
+            continue
+        for j, seed in enumerate(m["seeds"]):
+            i = have["seeds"].index(seed)
+            for f in PER_SEED:
+                if m.get(f) and have.get(f):
+                    have[f][i] = m[f][j]
+            have["curves"] = [c for c in have["curves"] if c["seed"] != seed] + [
+                c for c in m.get("curves") or [] if c["seed"] == seed]
+            have.setdefault("rerun_seeds", []).append(seed)
     for m in out.values():
         if m["valid_ppl_per_seed"]:
             m["valid_ppl"] = statistics.mean(m["valid_ppl_per_seed"])
     return out, problems
+
+
+def at_update(model: dict, updates: int) -> dict[int, float]:
+    """seed -> validation perplexity at `updates` (the seeds whose curve has that point)."""
+    return {c["seed"]: c["ppl"][c["updates"].index(updates)] for c in model.get("curves") or []
+            if updates in c.get("updates", [])}
+
+
+SNAPSHOT_AT = (100, 250, 350, 500)  # updates at which a pair's gap is shown (the deciding budget last)
+
+
+def snapshot(pooled: dict, a: str, b: str, at: tuple[int, ...] = SNAPSHOT_AT) -> dict | None:
+    """Model a's gap to model b along training (the Welch comparison at each of `at`) and how it moved over the last
+    100 updates: in percent points, and how many seeds (paired by seed number) moved the same way."""
+    ma, mb = pooled.get(a), pooled.get(b)
+    if not ma or not mb:
+        return None
+    points = {}
+    for u in at:
+        sa, sb = at_update(ma, u), at_update(mb, u)
+        if sa and sb:
+            points[str(u)] = t_compare(list(sa.values()), list(sb.values()))
+    last, before = at[-1], at[-1] - 100
+    ga = {s: math.log(v) for s, v in at_update(ma, last).items()}
+    gb = {s: math.log(v) for s, v in at_update(mb, last).items()}
+    pa, pb = at_update(ma, before), at_update(mb, before)
+    paired = [s for s in ga if s in gb and s in pa and s in pb]
+    moves = [(ga[s] - gb[s]) - (math.log(pa[s]) - math.log(pb[s])) for s in paired]
+    if str(last) not in points or not (sa := at_update(ma, before)) or not (sb := at_update(mb, before)):
+        return {"a": a, "b": b, "points": points}
+    then = t_compare(list(sa.values()), list(sb.values()))
+    return {"a": a, "b": b, "points": points, "last_100": points[str(last)]["ratio"] - then["ratio"],
+            "seeds_paired": len(paired), "seeds_moving_down": sum(m < 0 for m in moves)}
+
+
+def same_seed_checks(records: dict, commits: dict[str, str]) -> list[dict]:
+    """Each same-seed rerun against the value it reran: the stage and commit of each, and whether they agree at the
+    printed precision (0.1 perplexity)."""
+    rerun = (records.get(RERUN_STAGE) or {}).get("models") or {}
+    out = []
+    for key, m in rerun.items():
+        for j, seed in enumerate(m.get("seeds") or []):
+            stored = next(((st, r["models"][key]) for st in POOLED_STAGES if (r := records.get(st))
+                           and key in r.get("models", {}) and seed in r["models"][key]["seeds"]), None)
+            if stored is None:
+                continue
+            st, sm = stored
+            old, new = sm["valid_ppl_per_seed"][sm["seeds"].index(seed)], m["valid_ppl_per_seed"][j]
+            out.append({"key": key, "seed": seed, "stage": st, "commit": commits.get(st), "ppl": old,
+                        "rerun_commit": commits.get(RERUN_STAGE), "rerun_ppl": new,
+                        "equal": f"{old:.1f}" == f"{new:.1f}"})
+    return out
+
+
+def stage_commits(out_dir: Path) -> dict[str, str]:
+    """stage -> the commit its runs executed (its store's record), for the stages under OUTPUT_DIR."""
+    out = {}
+    for store in sorted(Path(out_dir).glob("*/runs.json")):
+        if commit := ((json.loads(store.read_text()).get("extra") or {}).get("code") or {}).get("commit"):
+            out[store.parent.name] = commit[:7]
+    return out
+
+
+def seed_rule_history(out_dir: Path, commit: str) -> dict | None:
+    """Which deciding runs had finished when the primary pair's extra seeds were fixed (`commit`, its time from git):
+    the published rule says exactly that."""
+    res = subprocess.run(["git", "-C", str(out_dir), "log", "-1", "--format=%ct", commit], capture_output=True,
+                         text=True)
+    store = Path(out_dir) / "deciding" / "runs.json"
+    if res.returncode != 0 or not res.stdout.strip() or not store.exists():
+        return None
+    at = int(res.stdout.strip())
+    runs = [r for r in json.loads(store.read_text())["records"].values() if r.get("kind") == "train"]
+    return {"commit": commit, "time": at, "finished_before": sorted(
+        f"{r['key']} seed {r['seed']}" for r in runs if r["finished"] < at), "runs": len(runs)}
 
 
 def _point_key(row: str, experts: int, best: str, base: int) -> str:
@@ -273,6 +348,18 @@ def final_report(records: dict, out_dir: Path, design: dict) -> dict:
         plot_experts(rec["experts"], out_dir / "experts.png")
     if check := rate_check(pooled, rec.get("rates") or {}):
         rec["rate_check"] = check
+    if (best := rec.get("best_moe")) and "deciding" in records:
+        pairs = [("smlp_det", best), ("smlp_det", "gmlp"), *((f"smlp_det_e{e}", f"{best}_e{e}") for e in (2, 32))]
+        rec["snapshots"] = [snap for a, b in pairs if (snap := snapshot(pooled, a, b))]
+        if (g := _seeds(pooled, "gmlp")) and (d2 := _seeds(pooled, "smlp_det_e2")):
+            rec["dense_at_2"] = {**t_compare(d2, g), "model": "smlp_det_e2", "against": "gmlp"}
+    commits = stage_commits(out_dir)
+    if checks := same_seed_checks(records, commits):
+        rec["same_seed"] = checks
+    rec["stage_commits"] = commits
+    if design.get("primary_seeds", {}).get("committed_in") and (
+            h := seed_rule_history(out_dir, design["primary_seeds"]["committed_in"])):
+        rec["seed_rule"] = h
     if problems:
         rec["pooling_problems"] = problems
     atomic_write_json(out_dir / "results.json", rec)
@@ -325,243 +412,3 @@ def print_summary(rec: dict) -> None:
     for label, c in ([("PRIMARY", v["primary"])] if v.get("primary") else []) + \
             [("secondary", c) for c in v.get("secondary", [])]:
         print(f"   {label} [{c['scored']}] {c['text']}")
-
-
-def _ci(c: dict) -> str:
-    if c.get("ci_pct") is None:
-        return f"{c['ratio'] - 1:+.1%}, no seed spread known"
-    lo, hi = c["ci_pct"]
-    borrowed = {2: ", one seed a side: spread borrowed from the deciding seeds",
-                1: ", one seed on one side: its spread borrowed from the deciding seeds"}.get(len(c.get("borrowed") or
-                                                                                             []), "")
-    return f"{c['ratio'] - 1:+.1%}, 95% CI {lo:+.1%} to {hi:+.1%}, Welch df {c['df']:.1f}{borrowed}"
-
-
-def _answer(c: dict) -> str:
-    if c["verdict"] == "tie":
-        return f"no difference larger than {c['bound_pct']:.1%} at this budget"
-    if c["verdict"] == "undecided" and c.get("why_undecided"):
-        return f"undecided ({c['why_undecided']})"
-    return ANSWER[c["verdict"]]
-
-
-def fair_verdicts(record: dict) -> list[str]:
-    """The answers, one bullet each (docs/benchmarks.md): the primary comparison first, the secondary ones labelled."""
-    names = {k: f["name"] for k, f in (record.get("families") or {}).items()}
-    v, lines = record.get("verdicts") or {}, []
-    if p := v.get("primary"):
-        best = names.get(p["against"], p["against"])
-        rates = "; ".join(f"{names.get(k, k)} at lr {r['rate']:g}" + ("" if r.get("bracketed") else
-                                                                        " (at the sweep's edge)")
-                          for k, r in (p.get("rates") or {}).items() if r.get("rate") is not None)
-        lines.append(f"- **Does sMLP-deterministic beat the best Transformer-MoE ({best}) at matched FLOPs? "
-                     f"{_answer(p)}.** The primary comparison: validation perplexity on all positions "
-                     f"{p['ppl_a']:.1f} against {p['ppl_b']:.1f} ({_ci(p)}; {p['seeds'][0]} and {p['seeds'][1]} "
-                     f"seeds, none used to choose a rate; {rates}). {best} is the Transformer-MoE "
-                     f"with the best perplexity in the learning-rate sweep.")
-    for c in v.get("secondary", []):
-        lines.append(f"- Secondary, {names.get(c['model'], c['model'])} against {names.get(c['against'], c['against'])}"
-                     f" on {METRIC_WORDS[c['metric']]}: {_answer(c)} ({c['ppl_a']:.1f} against {c['ppl_b']:.1f}, "
-                     f"{_ci(c)}).")
-    lines.append("- Evaluation routing: the balanced routers (Base Layers, sMLP's tMoE, sMLP-partial's sMoE) route "
-                 "each token by its score minus the expert prices averaged over training (causal, per token); greedy "
-                 "routing and the training-time assignment over the batch (not causal) are diagnostic columns, "
-                 "never a verdict.")
-    if (w := record.get("width")) and len(w.get("points", [])) == 2:
-        a, b = w["points"]
-        lines.append(f"- Width (a trend, one seed per model at D={b['d_model']}): sMLP-det's difference to "
-                     f"{names.get(w['best_moe'], w['best_moe'])} is {a['ratio'] - 1:+.1%} at D={a['d_model']} and "
-                     f"{b['ratio'] - 1:+.1%} at D={b['d_model']}.")
-    if (e := record.get("experts")) and "comparisons" in e:
-        if gaps := "; ".join(f"{c['experts']} experts: {_answer(c)} ({_ci(c)}; {c['seeds'][0]} and {c['seeds'][1]} "
-                             f"seeds)" for c in e["comparisons"] if c["model"].startswith("smlp_det_e")
-                             or c["model"] == "smlp_det"):
-            lines.append(f"- Experts: does sMLP-det's lead over {names.get(e['best_moe'], e['best_moe'])} hold as "
-                         f"experts are added? {gaps}. The table below has every point and comparison.")
-    lines.append(f"- Rule: {v.get('rule', record.get('rule'))}.")
-    if not record.get("complete"):
-        lines.append("- **PARTIAL: the benchmark has not finished; the answers may change.**")
-    return lines
-
-
-def render_fair(record: dict, figures: dict[str, str]) -> str:
-    """docs/benchmarks.md section 'Does sMLP beat Transformer-MoE at matched FLOPs here?' (figures: name -> link)."""
-    fam, t = record.get("families") or {}, record["target"]
-    lines = [*fair_verdicts(record), "",
-             f"Every family FLOP-matched to sMLP-det ({t['dense']}+{t['sparse']} blocks, D={t['d_model']}, "
-             f"F={t['d_ffn']}, T={t['seq_len']}), {t['experts']} experts per sparse layer on 2 CPU ranks, Transformers "
-             f"with heads of dimension 64, each family at its own learning rate"
-             + (":" if fam else ". The deciding runs (seeds the sweep did not use) have not finished: no family's "
-                                "perplexity is published yet.")]
-    if fam:
-        lines += ["", "| model | layers | lr | valid ppl (seeds) | seed spread (sd of log ppl) | on sMLP-partial's "
-                  "positions | diagnostic: greedy routing (busiest expert / mean) | diagnostic: training-time "
-                  "assignment |", "|---|---|---:|---:|---:|---:|---:|---:|"]
-        for key in sorted(fam, key=lambda k: fam[k]["valid_ppl"] or float("inf")):
-            f, sp = fam[key], fam[key].get("log_spread")
-            load = f" ({f['greedy_max_load']:.1f}x)" if f.get("greedy_max_load") else ""
-            lr = f"{f['lr']:g}" + ("" if f.get("bracketed") is not False else " (edge)")
-            spread = f"{sp['sd']:.4f}" if sp else ("unknown (1 seed)" if f["valid_ppl_per_seed"] else "-")
-            lines.append(f"| {f['name']} | {f['layers']} | {lr} | {geo_cell(f['valid_ppl_per_seed'])} | {spread} | "
-                         f"{geo_cell(f.get('valid_suffix_ppl_per_seed'))} | "
-                         f"{geo_cell(f.get('valid_greedy_routing_ppl_per_seed'))}{load} | "
-                         f"{geo_cell(f.get('valid_trained_routing_ppl_per_seed'))} |")
-        lines += ["", "Speed is not measured here: these runs share the machine with other work. Words/s at "
-                      "matched FLOPs are the speed benchmark's (`python -m smlp_bench.speed`, section \"Where "
-                      "sMLP-det's step goes\")."]
-        if "figure5.png" in figures:
-            lines += ["", f"![validation perplexity against tokens and against time, the deciding runs]"
-                          f"({figures['figure5.png']})"]
-    if rates := record.get("rates") or {}:
-        lines += ["", "Learning rates (inverse-sqrt schedule, the same warmup), chosen by a sweep of one seed (seed 1, "
-                      "which no deciding run uses) at a shorter budget; final validation perplexity per rate:", "",
-                  "| model | rates tried: ppl | chosen | inside the rates tried |", "|---|---|---:|---|"]
-        for key, c in rates.items():
-            tried = ", ".join(f"{r}: {p:.1f}" for r, p in sorted(c["tried"].items(), key=lambda kv: float(kv[0])))
-            lines.append(f"| {fam.get(key, {}).get('name', key)} | {tried} | {c['chosen']:g} | "
-                         f"{'yes' if c['bracketed'] else 'no (at the edge after widening)'} |")
-        if "lr_sweep.png" in figures:
-            lines += ["", f"![final perplexity against learning rate per family]({figures['lr_sweep.png']})"]
-    if w := record.get("width"):
-        lines += ["", f"| width (trend) | sMLP-det vs {fam.get(w['best_moe'], {}).get('name', w['best_moe'])} |",
-                  "|---|---:|", *(f"| D={pt['d_model']} | {_ci(pt)} |" for pt in w["points"])]
-        if "width.png" in figures:
-            lines += ["", f"![sMLP-det's gap against width]({figures['width.png']})"]
-    if e := record.get("experts"):
-        lines += ["", *render_experts(e, record.get("rate_check") or [], figures.get("experts.png"),
-                                      complete=record.get("experts_complete", True))]
-    lines += ["", BASE_NOTE, "", SCALE_NOTE, "",
-              "Generated by `smlp-bench --fair` from `docs/benchmark/fair/results.json` and its stages' records "
-              "(`docs/benchmark/fair/<stage>/runs.json`, `results.json`)."]
-    return "\n".join(lines)
-
-
-def _point(p: dict | None) -> str:
-    if p is None:
-        return "-"
-    iv = f", {p['interval'][0]:.1f}-{p['interval'][1]:.1f}" if p.get("interval") else ""
-    return f"{p['ppl']:.1f} ({len(p['per_seed'])} seed{'s' if len(p['per_seed']) > 1 else ''}{iv})"
-
-
-def render_experts(e: dict, rate_rows: list[dict], figure: str | None, complete: bool = True) -> list[str]:
-    """The experts part of the fair section: perplexity per tMoE expert count and row (every seed pooled), the
-    verdict of each comparison at each count, the figure, the rate check at 32 experts and what the paper reports."""
-    best = NAMES.get(e["best_moe"], e["best_moe"])
-    if "comparisons" not in e:  # a record written before issue 51: one seed at 2 and 32 experts
-        es = sorted({int(x) for r in e["rows"] for x in r["ppl"]})
-        return ["| model | " + " | ".join(f"{x} experts" for x in es) + " |", "|---|" + "---:|" * len(es),
-                *(f"| {r['name']} | " + " | ".join(f"{r['ppl'][str(x)]:.1f}" for x in es) + " |" for r in e["rows"])]
-    rows = {r["row"]: r for r in e["rows"]}
-    head = [("smlp_det", "sMLP-det, sMoE experts = tMoE experts (the tie)"),
-            ("smoe4", "sMLP-det, 4 sMoE experts (32 channels each)"), ("best", best)]
-    lines = ["How the answer moves with experts (tMoE experts per sparse layer; validation perplexity, the geometric "
-             "mean over seeds with its 95% interval; every seed of every stage pooled, each fixed before its runs):",
-             "", "| tMoE experts | " + " | ".join(h for _, h in head) + " |", "|---:|" + "---:|" * len(head)]
-    for x in EXPERT_COUNTS:
-        lines.append(f"| {x} | " + " | ".join(_point((rows.get(r) or {}).get("points", {}).get(str(x)))
-                                             for r, _ in head) + " |")
-    lines += ["", "| comparison | " + " | ".join(f"{x} experts" for x in EXPERT_COUNTS) + " |",
-              "|---|" + "---|" * len(EXPERT_COUNTS)]
-    for label in dict.fromkeys(c["label"] for c in e["comparisons"]):
-        cells = {c["experts"]: c for c in e["comparisons"] if c["label"] == label}
-        lines.append(f"| {label} | " + " | ".join(
-            f"{LOWER[cells[x]['verdict']] if cells[x]['verdict'] in LOWER else _answer(cells[x])}: {_ci(cells[x])}"
-            if x in cells else "-" for x in EXPERT_COUNTS) + " |")
-    if figure:
-        lines += ["", f"![validation perplexity against the tMoE's experts]({figure})"]
-    lines += ["", e.get("note") or SMOE_NOTE]
-    if rate_rows:
-        lines += ["", "Is the sweep's rate still right at 32 experts? Each family at half, once and twice its sweep's "
-                      "rate on seed 1 (the sweep's seed), final validation perplexity:", "",
-                  "| model | rates: ppl | sweep's rate | best here |", "|---|---|---:|---|"]
-        for r in rate_rows:
-            tried = ", ".join(f"{k}: {v:.1f}" for k, v in r["tried"].items())
-            verdict = ("the sweep's rate" if r["chosen_is_best"] else
-                       f"{r['best']:g}" + (" (at the edge of the three)" if r["best_at_edge"] else ""))
-            lines.append(f"| {r['name']} | {tried} | {r['chosen']:g} | {verdict}"
-                         f"{'' if r['complete'] else ' (partial)'} |")
-        for sentence in filter(None, map(rate_sentence, rate_rows)):
-            lines += ["", sentence]
-    if not complete:
-        lines += ["", "**PARTIAL: the experts runs (issue 51) have not all finished; every figure above may change.**"]
-    return lines
-
-
-def rate_sentence(r: dict) -> str:
-    """What a rate-check row means for the 32-expert points, where the sweep's rate was not the best of the three:
-    the gain of the best rate against the family's seed spread there, and whether a rate beyond it is untried."""
-    if r["chosen_is_best"] or r.get("gain") is None:
-        return ""
-    at_best, at_chosen = r["tried"][f"{r['best']:g}"], r["tried"][f"{r['chosen']:g}"]
-    side = "higher" if r["best"] > r["chosen"] else "lower"
-    beyond = f"; a {side} rate than {r['best']:g} was not tried" if r["best_at_edge"] else ""
-    text = (f"{r['name']} does best at {r['best']:g}: {at_best:.1f} against {at_chosen:.1f} at its sweep's rate "
-            f"({r['gain']:+.1%}, seed 1 alone{beyond}).")
-    if r.get("seed_sd") is None:
-        return text
-    spread = f" Its seeds at {r['experts']} experts spread {r['seed_sd']:.1%} (sd of log perplexity): the gain "
-    if abs(math.log1p(r["gain"])) <= r["seed_sd"]:
-        return text + spread + (f"is within that spread, though its points at this count may be about "
-                                f"{abs(r['gain']):.1%} pessimistic.")
-    return text + spread + ("exceeds that spread, so its points at this count are pessimistic and the comparisons "
-                            "there lean against it.")
-
-
-def trend_sentences(record: dict) -> str:
-    """README's sentences on the experts: the lead at each expert count with its interval, and which sMoE setting
-    to train (from the verdict of 4 sMoE experts against the tie)."""
-    e = record.get("experts") or {}
-    best = NAMES.get(e.get("best_moe"), e.get("best_moe"))
-    tied = [c for c in e.get("comparisons", []) if c["label"].startswith("sMLP-det against")]
-    if len(tied) < 2:
-        return ""
-    text = (f" As experts are added, sMLP-det against {best}: " + "; ".join(
-        f"{c['experts']} experts {c['ratio'] - 1:+.1%} ({_ci_short(c)}, {c['seeds'][0]}+{c['seeds'][1]} seeds)"
-        for c in tied) + ".")
-    apart = {c["experts"]: c for c in e.get("comparisons", []) if c["label"].endswith("against the tie")}
-    if apart:
-        x = max(apart)
-        c = apart[x]
-        if c["verdict"] == "better":
-            advice = "train with `--smoe-experts` set to D / 32 (32 channels per sMoE expert)"
-        elif c["verdict"] == "worse":
-            advice = "keep the sMoE's experts tied to the tMoE's"
-        else:
-            advice = "the sMoE's expert count is not what decides, at this scale"
-        text += (f" With 4 sMoE experts (32 channels each) at {x} tMoE experts sMLP-det reaches {c['ppl_a']:.1f} "
-                 f"against {c['ppl_b']:.1f} tied ({_ci_short(c)}): {advice}.")
-    return text
-
-
-def _ci_short(c: dict) -> str:
-    if c.get("ci_pct") is None:
-        return "no interval"
-    lo, hi = c["ci_pct"]
-    return f"95% CI {lo:+.1%} to {hi:+.1%}" + (", spread borrowed" if c.get("borrowed") else "")
-
-
-def render_fair_summary(record: dict, figure: str | None, page: str) -> str:
-    """README's answer in one paragraph (the primary verdict with its interval, sMLP-det against dense gMLP as the
-    secondary, the scale), the curves, and the page for the rest."""
-    names = {k: f["name"] for k, f in (record.get("families") or {}).items()}
-    v, t = record.get("verdicts") or {}, record["target"]
-    if (p := v.get("primary")) is None:
-        return FAIR_PENDING.format(page=page)
-    text = (f"**Does sMLP-deterministic beat the best Transformer-MoE at matched FLOPs? {_answer(p)}.** "
-            f"At {t['d_model']}-wide models with {t['experts']} experts per sparse layer, trained for about 2M tokens "
-            f"on 2 CPU ranks (about 2M non-expert parameters, each family at its own learning rate), sMLP-det "
-            f"reaches validation perplexity {p['ppl_a']:.1f} against {p['ppl_b']:.1f} for "
-            f"{names.get(p['against'], p['against'])}, the Transformer-MoE with the best perplexity in the "
-            f"learning-rate sweep ({_ci(p)}; {p['seeds'][0]} and {p['seeds'][1]} seeds, fixed in advance).")
-    if g := next((c for c in v.get("secondary", []) if c["against"] == "gmlp" and c["model"] == "smlp_det"), None):
-        text += (f" Against dense gMLP (secondary): {_answer(g)} ({g['ppl_a']:.1f} against {g['ppl_b']:.1f}, {_ci(g)}; "
-                 f"{g['seeds'][0]} and {g['seeds'][1]} seeds).")
-    text += trend_sentences(record)
-    text += (" This is the answer at this small scale only; the paper's claim is at hundreds of millions of "
-             "parameters and billions of tokens.") + ("" if record.get("complete") else
-                                                       " **PARTIAL: the benchmark has not finished.**")
-    lines = [text] + (["", f"![validation perplexity against tokens and against time, the deciding runs]({figure})"]
-                      if figure else [])
-    return "\n".join([*lines, "", f"Every family's perplexity per seed, the secondary comparisons, the rule and the "
-                                  f"expert-count trend: [{Path(page).name}]({page}). Generated by "
-                                  f"`smlp-bench --publish`."])

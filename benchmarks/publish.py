@@ -1,19 +1,22 @@
 """The publish step, `smlp-bench publish RESULTS_JSON ...` (`--publish`): each record (without its per-run
 bookkeeping) and its figures copied under docs/benchmark/, and the sections between the page's markers it feeds
 rewritten: the benchmark table (quick/full preset), the long preset's section, "Does sMLP beat Transformer-MoE at
-matched FLOPs here?" (the fair comparison, benchmarks/fair_report.py renders it), the claims table (the experiments)
+matched FLOPs here?" (the fair comparison, benchmarks/fair_pages.py writes it), the claims table (the experiments)
 and README's summaries. Nothing in them is typed.
 """
 from __future__ import annotations
 
 import json
 import os
-import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
-from . import fair_report as FR
-from .fair_report import FAIR_END, FAIR_START, README_FAIR_END, README_FAIR_START, render_fair
+from smlp.files import write_atomic
+
+from . import budget_report as BR
+from . import fair_pages as FP
+from .fair_pages import FAIR_END, FAIR_START, README_FAIR_END, README_FAIR_START, render_fair
+from .fair_report import FAIR_FIGURES
 from .presets import MOE_BASELINES, BenchError
 from .report import fmt
 from .store import atomic_write_json, write_text
@@ -150,7 +153,7 @@ def _copy(src_dir: Path, dst_dir: Path, names: Sequence[str], record: Path | Non
         atomic_write_json(dst_dir / "results.json", _docs_record(record))
     for name in names:
         if (src_dir / name).exists() and (src_dir / name).resolve() != (dst_dir / name).resolve():
-            shutil.copy2(src_dir / name, dst_dir / name)
+            write_atomic(dst_dir / name, (src_dir / name).read_bytes())
 
 
 def _docs_record(path: Path, drop=("normalized_speeds", "schedule")) -> dict:
@@ -176,12 +179,7 @@ def _publish_readme(readme: Path, long_rec: dict | None, all_exp: list[dict], fi
     text = before = readme.read_text()
     root = readme.parent.resolve()
     if README_FAIR_START in text:
-        figure, done = figure_dir / "fair" / "figure5.png", (fair_rec or {}).get("stages_complete", {})
-        if done.get("deciding"):  # the answer: the deciding stage's
-            body = FR.render_fair_summary(fair_rec, _link(figure, root) if figure.exists() else None, _link(page, root))
-        else:
-            body = FR.FAIR_PENDING.format(page=_link(page, root)) + (
-                " " + FR.SWEEP_DONE.format(page=_link(page, root)) if done.get("lr-sweep") else "")
+        body = readme_answer(fair_rec, _read(figure_dir / "fair-docs" / "results.json"), figure_dir, page, root)
         text = replace_section(text, README_FAIR_START, README_FAIR_END, body, readme)
     if long_rec is not None and README_LONG_START in text:
         text = replace_section(text, README_LONG_START, README_LONG_END, render_long_summary(
@@ -192,6 +190,26 @@ def _publish_readme(readme: Path, long_rec: dict | None, all_exp: list[dict], fi
         return None
     write_text(readme, text)
     return f"{readme.name}: the long preset's verdict and the claims table"
+
+
+def readme_answer(fair_rec: dict | None, docs_rec: dict | None, figure_dir: Path, page: Path, root: Path) -> str:
+    """README's answer: the corpus read once once its deciding stage has finished (the demo corpus's answer then in
+    one sentence), else the demo corpus's answer and how far the longer comparison has come."""
+    figure, done = figure_dir / "fair" / "figure5.png", (fair_rec or {}).get("stages_complete", {})
+    if docs_rec and (answer := BR.render_docs_summary(docs_rec, _link(page, root))):
+        demo = (fair_rec or {}).get("verdicts", {}).get("primary")
+        return answer + ("" if not demo else f" On the demo corpus (Shakespeare, about 2M tokens, read 1.4 times: a "
+                                              f"500-update snapshot) the same pair measured {demo['ppl_a']:.1f} "
+                                              f"against {demo['ppl_b']:.1f} ({demo['ratio'] - 1:+.1%}).")
+    if done.get("deciding"):  # the answer: the deciding stage's
+        body = FP.render_fair_summary(fair_rec, _link(figure, root) if figure.exists() else None, _link(page, root))
+    else:
+        body = FP.FAIR_PENDING.format(page=_link(page, root)) + (
+            " " + FP.SWEEP_DONE.format(page=_link(page, root)) if done.get("lr-sweep") else "")
+    if docs_rec:
+        body += (f"\n\nThe same question on a corpus read once, at three times the tokens, is running "
+                 f"({BR.progress(docs_rec)}): [{page.name}]({_link(page, root)}#the-answer-on-a-corpus-read-once).")
+    return body
 
 
 def _read(path: Path) -> dict | None:
@@ -233,6 +251,9 @@ def publish(results_jsons: Sequence[Path], page: Path, figure_dir: Path,
         done.append(f"{p}: the deciding comparison -> {page.name} 'Does sMLP beat Transformer-MoE at matched FLOPs "
                     f"here?' and its experiments -> the claims table")
     fair_rec = fair_rec or _read(figure_dir / "fair" / "results.json")
+    for p in [p for p, r in records if r.get("kind") == "fair-budget"]:
+        text = publish_budget(p, text, page, figure_dir)
+        done.append(f"{p}: the comparison on a corpus read once -> {page.name} 'The answer on a corpus read once'")
     for p, rec in [(p, r) for p, r in records if r.get("kind") == "experiment"]:
         _copy(p.parent, figure_dir / "experiments" / rec["experiment"], ["figure.png", "table.md"], p)
         done.append(f"{p}: experiment {rec['experiment']} -> {page.name} claims table")
@@ -249,6 +270,18 @@ def publish(results_jsons: Sequence[Path], page: Path, figure_dir: Path,
     return done
 
 
+def publish_budget(path: Path, page_text: str, page: Path, figure_dir: Path) -> str:
+    """Copy the kernel-docs comparison's record and figures under figure_dir/fair-docs/ (unless they are there) and
+    return the page with its section rewritten."""
+    src, dst, record = path.parent, figure_dir / "fair-docs", _docs_record(path)
+    dst.mkdir(parents=True, exist_ok=True)
+    if src.resolve() != dst.resolve():
+        atomic_write_json(dst / "results.json", record)
+        _copy(src, dst, BR.DOCS_FIGURES)
+    figures = {name: _link(dst / name, page.parent.resolve()) for name in BR.DOCS_FIGURES if (dst / name).exists()}
+    return replace_section(page_text, BR.DOCS_START, BR.DOCS_END, BR.render_docs(record, figures), page)
+
+
 def publish_fair(path: Path, page_text: str, page: Path, figure_dir: Path) -> tuple[str, dict]:
     """Copy a fair comparison's output folder (its results.json at `path`, unless it is figure_dir/fair itself,
     where the benchmark writes it) under figure_dir/fair/; returns the page with its section rewritten and the
@@ -257,12 +290,12 @@ def publish_fair(path: Path, page_text: str, page: Path, figure_dir: Path) -> tu
     dst.mkdir(parents=True, exist_ok=True)
     atomic_write_json(dst / "results.json", record)
     if src.resolve() != dst.resolve():
-        _copy(src, dst, FR.FAIR_FIGURES)
+        _copy(src, dst, FAIR_FIGURES)
         for stage in record.get("stages", {}):
             if (src / stage / "results.json").exists():
                 _copy(src / stage, dst / stage, ["figure5.png", "table.md"], src / stage / "results.json")
     if (src / "deciding" / "figure5.png").exists():
-        shutil.copy2(src / "deciding" / "figure5.png", dst / "figure5.png")
-    figures = {name: _link(dst / name, page.parent.resolve()) for name in (*FR.FAIR_FIGURES, "figure5.png")
+        write_atomic(dst / "figure5.png", (src / "deciding" / "figure5.png").read_bytes())
+    figures = {name: _link(dst / name, page.parent.resolve()) for name in (*FAIR_FIGURES, "figure5.png")
                if (dst / name).exists()}
     return replace_section(page_text, FAIR_START, FAIR_END, render_fair(record, figures), page), record

@@ -95,16 +95,17 @@ def check_options(args, least_nproc: int = 1) -> None:
                                                       else f"give at least {least_nproc}"))
 
 
-def prepare(data: Path | None, folder: Path) -> Path:
-    """The data-bin runs train on: `data`, or the demo corpus built once into `folder`/data-bin."""
+def prepare(data: Path | None, folder: Path, corpus: str | None = None) -> Path:
+    """The data-bin runs train on: `data`, or the demo corpus built once into `folder`/data-bin (a packaged corpus:
+    into `folder`/data-CORPUS), with 4000 pieces."""
     if data:
         check_data(data)
         return data.expanduser().absolute()
     from smlp_launch.data import DataPrepError, prepare_data
 
     try:
-        return prepare_data(folder / "data-bin", demo=True, vocab_size=4000, seed=1,
-                            log=lambda msg: print(f"   {msg}", flush=True))[0]
+        return prepare_data(folder / (f"data-{corpus}" if corpus else "data-bin"), demo=corpus is None, corpus=corpus,
+                            vocab_size=4000, seed=1, log=lambda msg: print(f"   {msg}", flush=True))[0]
     except DataPrepError as exc:
         raise BenchError(f"data preparation failed: {exc}") from exc
 

@@ -53,8 +53,8 @@ T_RULE = ("the difference of mean log perplexity with its 95% Welch interval, t(
           "denominator) and df from Welch-Satterthwaite, (s_a^2/n_a + s_b^2/n_b)^2 / ((s_a^2/n_a)^2/(n_a - 1) + "
           "(s_b^2/n_b)^2/(n_b - 1)); better or worse when the interval excludes zero, else a tie (no difference "
           "larger than the interval's farther bound); undecided when a side has one seed (its spread is unknown); "
-          "a side whose best learning rate is at the edge of the sweep is never called worse; the seeds of every "
-          "comparison are fixed before any deciding run")
+          "a side whose best learning rate is at the edge of the sweep is never called worse; each comparison's "
+          "seeds are fixed by a rule that reads no result (when each rule was committed: the page says)")
 
 
 def log_spread(values: Sequence[float]) -> dict | None:

@@ -410,6 +410,8 @@ def export(checkpoint: str, out: str | Path, *, data_dir: str | None = None, dty
     if prefix_fill not in ("text", "eos"):
         raise ExportError(f"--prefix-fill {prefix_fill} is not one of text, eos")
     out = Path(out).expanduser().absolute()
+    if out.is_symlink():  # --hf through a link: the folder is written where it points, the link stays
+        out = Path(os.path.realpath(out))
     check_replaceable(out, force)
     for module in ("safetensors", "transformers") if verify else ("safetensors",):
         if importlib.util.find_spec(module) is None:

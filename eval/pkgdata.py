@@ -45,7 +45,7 @@ def _archives(folder: Path, prefixes: list[str]) -> list[Path]:
 
 
 @contextlib.contextmanager
-def _exclusive(lock_path: Path):
+def exclusive(lock_path: Path):
     with open(lock_path, "a") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)  # blocks until the process fetching this package is done
         try:
@@ -71,7 +71,7 @@ def fetch_package(spec: str, cache_dir: Path | str | None = None) -> Path:
     dl = cache / "downloads"
     dl.mkdir(parents=True, exist_ok=True)
     prefixes = [KNOWN_PACKAGES.get(spec, f"{name.replace('-', '_')}-{version}"), f"{name}-{version}"]
-    with _exclusive(cache / "packages" / f".{name}-{version}.lock"):
+    with exclusive(cache / "packages" / f".{name}-{version}.lock"):
         if (out / MARKER).exists():  # another process finished while we waited
             return out
         for stale in (*out.parent.glob(f".{out.name}.tmp-*"), *out.parent.glob(f".{out.name}.old-*"),

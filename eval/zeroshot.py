@@ -136,8 +136,8 @@ class CheckpointMismatchError(ValueError):
 def load_model(path: str, data_dir: str | None = None, device: str | torch.device = "cpu"):
     """(model, fairseq task, Encoder) of a checkpoint of any of our model families."""
     import fairseq_plugins  # noqa: F401  (registers our models)
-    from fairseq_plugins.checkpoint_sets import rank_shards
     from fairseq_plugins.checkpoints import load_for_eval
+    from fairseq_plugins.shard_tags import rank_shards
 
     stem = path[:-3] if path.endswith(".pt") else path
     if not os.path.isfile(path) and not rank_shards(path):

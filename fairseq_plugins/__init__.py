@@ -2,7 +2,7 @@
 
 Registers the models smlp_lm, gmlp_lm, moe_transformer_lm with their presets (`models`), and the
 criterion smlp_lm_loss (`criterion`), then applies our patches to fairseq through `patches`, the one
-list of them in order (checkpoint loading, rank-shard sets, data checks, elastic resume,
+list of them in order (checkpoint loading, rank-shard sets, what a run loads, data checks,
 --zero-sharding os, mixed precision, generation, evaluation logging): each with what it fixes.
 """
 from . import criterion, models  # noqa: F401  (registration)

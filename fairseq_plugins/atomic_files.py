@@ -5,7 +5,7 @@ target, fsync, rename, fsync of the folder, the mode open() would give). A faile
 when the temporary file is created or while it is written) removes its temporary file, keeps the previous file
 and raises `CheckpointWriteError`, one line naming the file and its folder. A write killed partway (SIGKILL, a
 lost node) cannot remove its temporary file: `remove_stale_temp_files` removes them when training starts again
-(fairseq_plugins/checkpoint_sets.py calls it before anything is loaded or written).
+(rank 0, holding the save folder's lock, before anything is loaded or written).
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from smlp.files import TEMP_SUFFIX, write_atomic
+from smlp.files import stale_temp_files, write_atomic
 from smlp.process_group import gather_objects
 
 from .errors import RefusedInput
@@ -65,48 +65,21 @@ def atomic_write(path: str, write: Callable[[object], None], commit: Callable[[]
         raise
 
 
-# atomic_write's temporary files: NAME.pt.XXXXXXXX.tmp
-_TEMP_FILE = re.compile(r"^(?P<name>checkpoint[^/]*\.pt)" + TEMP_SUFFIX + "$")
-
-
-def stale_temp_files(save_dir: str, suffix: str, ranks_from: int | None = None) -> list[str]:
-    """The temporary files atomic_write left in `save_dir` for checkpoint names ending in `suffix`.pt (this rank's
-    names: `-rank-R`, or "" for a run that writes one file: then names with a rank suffix are not its own). With
-    `ranks_from`, instead those of every rank shard `-rank-R` with R >= ranks_from: ranks this run does not have
-    (an earlier run on more ranks was stopped while it saved), which no rank would otherwise remove."""
-    try:
-        names = sorted(os.listdir(save_dir))
-    except OSError:
-        return []
-    out = []
-    for name in names:
-        m = _TEMP_FILE.match(name)
-        if not m:
-            continue
-        shard = RANK_FILE.match(m.group("name"))
-        if ranks_from is not None:
-            stale = shard is not None and int(shard.group("rank")) >= ranks_from
-        else:
-            stale = m.group("name").endswith(suffix + ".pt") and (suffix or not shard)
-        if stale:
-            out.append(os.path.join(save_dir, name))
-    return out
-
-
-def remove_stale_temp_files(save_dir: str, suffix: str, ranks_from: int | None = None) -> list[str]:
-    """Delete `stale_temp_files`: partial writes of a run killed while it saved (nothing else removes them, and
-    each is up to a whole checkpoint in size). Called before training starts, when no rank of this run is
-    writing: by each rank for its own names, and by rank 0 for the ranks this run does not have."""
+def remove_stale_temp_files(save_dir: str) -> list[str]:
+    """Delete the one writer's temporary files in `save_dir` (smlp.files.stale_temp_files: every writer's, of
+    checkpoints, their copies, resharded sets, merged files and crash files, and nothing else): partial writes
+    of a run killed while it saved, each up to a checkpoint in size. Rank 0 calls it when training starts,
+    holding the save folder's lock (save_dir.py), so no writer of this folder is running."""
     removed = []
-    for path in stale_temp_files(save_dir, suffix, ranks_from):
+    for path in stale_temp_files(save_dir):
         try:
-            size = os.path.getsize(path)
-            os.remove(path)
+            size = path.stat().st_size
+            path.unlink()
         except OSError:
             continue
-        removed.append(path)
-        logger.warning("removed %s (%.1f MiB): a checkpoint write that never finished (the run was stopped while it "
-                       "saved)", os.path.basename(path), size / 2 ** 20)
+        removed.append(str(path))
+        logger.warning("removed %s (%.1f MiB): a write that never finished (the run was stopped while it saved)",
+                       path.name, size / 2 ** 20)
     return removed
 
 

@@ -9,61 +9,47 @@ fairseq would resume each rank from its own file: experts of different updates, 
 scratch, with no error. Here:
 
 - Writing (`torch_persistent_save`, the copies inside `save_checkpoint`; fairseq_plugins/atomic_files.py):
-  the one atomic writer (smlp/files.py), so a file is either the old one or the whole new one. Every rank
-  of a save writes its file, then all of them agree before any renames its own (`write_on_every_rank`): a
-  rank that could not write (disk full when its temporary file is created or written) stops every rank
-  with its one line (`CheckpointWriteError`), every temporary file is removed and no file of that save is
-  named, so no partial set is left. A write killed partway (SIGKILL, a lost node) cannot remove its
-  temporary file: each rank removes those of its own checkpoint names when training starts again, and
-  rank 0 those of ranks this run does not have (`remove_stale_temp_files`), before anything is loaded.
-  `--write-checkpoints-asynchronously` (fairseq: no atomic write, no tag, no copy to checkpoint_last) is
-  refused before training starts (`check_checkpoint_flags`).
-- Tagging: every trainer state records under `smlp_shard` its rank, world size, update, epoch and a
-  set id `<run id>:<update>` (the run id is drawn by rank 0 when training starts and broadcast), so
-  the shards of one save carry the same id and shards of different saves or runs never do.
-- Loading (`load_checkpoint`, before fairseq reads anything): every rank reads the tag of the shard
-  it would load (cheap: torch.load with mmap), the ranks exchange what they found, and all of them
-  take the same decision. A complete set (every rank's shard present, readable, same set id, written
-  by this world size) loads as fairseq would. Anything else is refused with an error that names each
-  shard and its update. When resuming from the default `checkpoint_last.pt`, the newest complete save of
-  the save directory is loaded, whichever file holds it (a kill after a numbered save and before its copy
-  to checkpoint_last leaves `checkpoint_1_800-rank-*.pt` newer than checkpoint_last), said in a warning.
-- Superseded shards: a run on fewer ranks (resumed after resharding, fairseq_plugins/elastic.py) overwrites the
-  first shards of each name it saves (checkpoint_best-rank-0.pt) and would leave the others of the earlier
-  run (checkpoint_best-rank-1.pt): after each save rank 0 removes the shards of an earlier run that this run's
-  save of the same name supersedes (`superseded_files`), so every name is one run's whole set.
-- Also refused before any work: `--restore-file` naming one rank's shard or a file that does not
-  exist (fairseq would start from scratch and overwrite checkpoint_last), a save directory holding
-  another layout's checkpoint (rank shards on one process, or the reverse), a checkpoint whose
-  tensors do not fit the model being trained (another architecture, expert count or dictionary),
-  and a --save-dir that cannot be created or written (said in those words).
+  the one atomic writer (smlp/files.py). Every rank of a save writes its file, then all of them agree before
+  any renames its own (`write_on_every_rank`): a rank that could not write stops every rank with its one line
+  (`CheckpointWriteError`) and no file of that save is named. `--write-checkpoints-asynchronously` and, on rank
+  shards, `--checkpoint-suffix` are refused before training starts (`check_checkpoint_flags`,
+  `check_checkpoint_suffix`). After each save rank 0 prunes and supersedes whole saves (save_dir.py).
+- Tagging: every trainer state records its rank, world size, update, epoch and a set id (shard_tags.py; the
+  run id is drawn by rank 0 when training starts, `start_run`).
+- Loading (checkpoint_sources.plan_and_check_resume, before fairseq reads anything): every rank reads the tag
+  of the shard it would load, the ranks exchange what they found, and all of them take the same decision
+  (`decide_resume`, pure). A complete set (every rank's shard present, readable, same
+  set id, written by this world size) loads as fairseq would; anything else is refused naming each shard and its
+  update. Resuming from the default `checkpoint_last.pt`, the newest complete save of the save directory is
+  loaded, whichever file and whatever world size holds it (a save of another layout is resharded beside it).
+- Also refused before any work: `--restore-file` naming one rank's shard or a file that does not exist
+  (fairseq would start from scratch and overwrite checkpoint_last), a checkpoint whose tensors do not fit the
+  model being trained (another architecture, expert count or dictionary), and a --save-dir that cannot be
+  created or written, or that another job trains in (save_dir.open_save_dir, in place of fairseq's check).
 
-fairseq's own files are not changed: `install()` wraps four functions of `fairseq.checkpoint_utils`
-(looked up as module attributes by fairseq_cli.train and the trainer) and `Trainer.__init__` when the
-plugins are imported.
+fairseq's own files are not changed: `install()` wraps functions of `fairseq.checkpoint_utils` (looked up as
+module attributes by fairseq_cli.train and the trainer), fairseq's distributed_init and call_main and
+`Trainer.__init__` when the plugins are imported.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import re
 import uuid
-from dataclasses import dataclass, field
-
-import torch
+from dataclasses import dataclass
 
 from smlp.process_group import broadcast_object as _broadcast
 from smlp.process_group import gather_objects as _gather
 from smlp.process_group import rank_and_world
 
 from .atomic_files import RANK_FILE as _RANK_FILE
-from .atomic_files import atomic_copy, atomic_torch_save, remove_stale_temp_files, write_on_every_rank
+from .atomic_files import atomic_copy, atomic_torch_save, write_on_every_rank
 from .errors import FlagError, RefusedInput
+from .shard_tags import SHARD_KEY, ShardInfo, rank_shards, read_shard, set_problem, shard_path, shard_tag
 
 logger = logging.getLogger(__name__)
 
-SHARD_KEY = "smlp_shard"
 DEFAULT_RESTORE = "checkpoint_last.pt"
 NO_CHECKPOINT = "checkpoint_none.pt"  # what ranks that start from scratch load: no file has this name
 _MAX_LISTED = 8
@@ -73,132 +59,16 @@ class CheckpointSetError(ValueError, RefusedInput):
     """The checkpoint to resume from is not one consistent save, or does not fit this run."""
 
 
-# ----------------------------------------------------------------------------- tags
-
-
 _RUN_ID: str | None = None  # drawn by rank 0 when training starts (load_checkpoint), the same on every rank
 
 
-def shard_tag(state: dict, path: str, run_id: str | None) -> dict:
-    """What `smlp_shard` records for a trainer state about to be written to `path`."""
-    rank, world = rank_and_world()
-    m = _RANK_FILE.match(os.path.basename(path))
-    history = state.get("optimizer_history") or [{}]
-    updates = history[-1].get("num_updates")
-    itr = (state.get("extra_state") or {}).get("train_iterator") or {}
-    return {
-        "format": 1,
-        "rank": int(m.group("rank")) if m else rank,
-        "world_size": world if m else 1,
-        "sharded": bool(m),
-        "num_updates": updates,
-        "epoch": itr.get("epoch"),
-        "iterations_in_epoch": itr.get("iterations_in_epoch"),
-        "set_id": f"{run_id}:{updates}" if run_id else None,
-    }
-
-
-@dataclass
-class ShardInfo:
-    """What one rank found in one checkpoint file (a plain, picklable record exchanged between ranks)."""
-
-    path: str
-    exists: bool = False
-    readable: bool = False
-    error: str | None = None
-    num_updates: int | None = None
-    epoch: int | None = None
-    world_size: int | None = None
-    set_id: str | None = None
-    arch: str | None = None
-    model_name: str | None = None  # the saved config's _name: the --arch preset (model_of gives its model)
-    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
-    consolidated_from: int | None = None  # smlp-consolidate merged this many rank shards into the file
-
-    def describe(self, world: int | None = None, runs: bool = False) -> str:
-        """`NAME: update N`, with the world size that wrote it when it is not `world`, and with `runs` which
-        run wrote it (its world size and run id)."""
-        name = os.path.basename(self.path)
-        if not self.exists:
-            return f"{name}: missing"
-        if not self.readable:
-            return f"{name}: unreadable ({self.error})"
-        if self.consolidated_from:
-            return f"{name}: update {self.num_updates}, merged by smlp-consolidate from {self.consolidated_from} shards"
-        if runs:
-            ranks = f"a {self.world_size}-rank run" if self.world_size else "a one-process run"
-            return f"{name}: update {self.num_updates}, written by {ranks}" + (f" (run {self.run_id})"
-                                                                               if self.run_id else "")
-        extra = f", written by a {self.world_size}-rank run" if self.world_size not in (None, world) else ""
-        return f"{name}: update {self.num_updates}{extra}"
-
-    @property
-    def run_id(self) -> str | None:
-        """The id of the training run that wrote the file (drawn when it started), if recorded."""
-        return self.set_id.rsplit(":", 1)[0] if self.set_id else None
-
-    @property
-    def save_key(self):
-        """Shards of one save agree on this: the set id when recorded, else the update."""
-        return self.set_id if self.set_id else ("update", self.num_updates)
-
-
-def read_shard(path: str, with_shapes: bool = False) -> ShardInfo:
-    """The tag of a checkpoint file; tensors are memory-mapped, not read."""
-    info = ShardInfo(path=path, exists=os.path.isfile(path))
-    if not info.exists:
-        return info
-    try:
-        state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-    except Exception as exc:  # truncated, corrupt, not a checkpoint
-        info.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}".rstrip(": ")
-        if "zip archive" in str(exc) or "central directory" in str(exc) or isinstance(exc, EOFError):
-            info.error = "truncated or corrupt file, cut short while it was written?"
-        return info
-    if not isinstance(state, dict) or "model" not in state:
-        info.error = "not a fairseq checkpoint (no 'model' entry)"
-        return info
-    info.readable = True
-    tag = state.get(SHARD_KEY) or {}
-    history = state.get("optimizer_history") or [{}]
-    info.num_updates = tag.get("num_updates", history[-1].get("num_updates"))
-    info.epoch = tag.get("epoch", ((state.get("extra_state") or {}).get("train_iterator") or {}).get("epoch"))
-    info.world_size = tag.get("world_size") if tag.get("sharded") else None
-    info.set_id = tag.get("set_id")
-    info.consolidated_from = state.get("smlp_consolidated_from")
-    cfg = state.get("cfg")
-    model_cfg = cfg.get("model") if isinstance(cfg, dict) else None
-    if isinstance(model_cfg, dict):
-        info.arch = model_cfg.get("arch") or model_cfg.get("_name")
-        info.model_name = model_cfg.get("_name")
-    if with_shapes:
-        info.shapes = {k: tuple(v.shape) for k, v in state["model"].items() if isinstance(v, torch.Tensor)}
-    return info
+def start_run() -> None:
+    """Every rank, when training starts: rank 0 draws this run's id (the tags' set ids) and shares it."""
+    global _RUN_ID
+    _RUN_ID = _broadcast(uuid.uuid4().hex[:12] if rank_and_world()[0] == 0 else None)
 
 
 # ----------------------------------------------------------------------------- decisions (pure)
-
-
-def shard_path(base: str, suffix: str) -> str:
-    """fairseq's name of this rank's file for checkpoint `base` (it inserts the suffix before .pt)."""
-    return base.replace(".pt", suffix + ".pt")
-
-
-def rank_shards(base: str) -> dict[int, str]:
-    """Rank -> path of each rank shard `X-rank-R.pt` of checkpoint `X.pt` that exists (fairseq's
-    names: `shard_path(base, f"-rank-{R}")`); empty when there is none."""
-    stem = base[:-3] if base.endswith(".pt") else base
-    directory, name = os.path.split(stem)
-    try:
-        listed = os.listdir(directory or ".")
-    except OSError:
-        return {}
-    found = {}
-    for entry in listed:
-        m = _RANK_FILE.match(entry)
-        if m and m.group("stem") == name:
-            found[int(m.group("rank"))] = os.path.join(directory, entry)
-    return found
 
 
 def _listing(infos: list[ShardInfo], world: int | None = None, runs: bool = False) -> str:
@@ -206,31 +76,6 @@ def _listing(infos: list[ShardInfo], world: int | None = None, runs: bool = Fals
     if len(infos) > _MAX_LISTED:
         lines.append(f"... and {len(infos) - _MAX_LISTED} more")
     return "; ".join(lines)
-
-
-def set_problem(infos: list[ShardInfo], world: int, sharded: bool) -> str | None:
-    """Why the files (one per rank, or one) are not one loadable save; None when they are."""
-    if not all(i.exists for i in infos):
-        return "some shards are missing"
-    if not all(i.readable for i in infos):
-        return "some files cannot be read"
-    if sharded:
-        worlds = {i.world_size for i in infos if i.world_size is not None}
-        if len(worlds) > 1:
-            return (f"the shards come from runs on {' and '.join(str(w) for w in sorted(worlds))} ranks: a run on "
-                    f"fewer ranks wrote the first shards of this name and left the others of an earlier run")
-        if worlds and worlds != {world}:
-            return f"the shards were written by a {max(worlds)}-rank run and this run has {world} ranks"
-        if len({i.save_key for i in infos}) > 1:
-            runs = {i.run_id for i in infos}
-            return "the shards come from different runs" if len(runs) > 1 else "the shards come from different saves"
-    return None
-
-
-def from_several_runs(infos: list[ShardInfo]) -> bool:
-    """The files were written by more than one training run (run ids or world sizes differ)."""
-    return (len({i.run_id for i in infos if i.run_id}) > 1
-            or len({i.world_size for i in infos if i.world_size is not None}) > 1)
 
 
 @dataclass(frozen=True)
@@ -390,58 +235,6 @@ def _foreign_layout(save_dir: str, sharded: bool, world: int) -> str | None:
     return None
 
 
-def plan_and_check_resume(cfg, trainer) -> ResumePlan:
-    """Every rank calls this before fairseq loads anything; all of them return or raise the same."""
-    global _RUN_ID
-    rank, world = rank_and_world()
-    _RUN_ID = _broadcast(uuid.uuid4().hex[:12] if rank == 0 else None)
-    suffix, sharded = _suffix_info(trainer)
-    default_restore = cfg.restore_file == DEFAULT_RESTORE
-    restore_base = os.path.join(cfg.save_dir, DEFAULT_RESTORE) if default_restore else cfg.restore_file
-    m = _RANK_FILE.match(os.path.basename(str(cfg.restore_file)))
-    if not default_restore and m:
-        raise CheckpointSetError(
-            f"--restore-file {cfg.restore_file} names one rank's shard; fairseq adds each rank's -rank-R suffix "
-            f"itself (this would look for {os.path.basename(shard_path(cfg.restore_file, suffix or '-rank-R'))}). "
-            f"Pass the checkpoint name without the suffix: --restore-file "
-            f"{os.path.join(os.path.dirname(cfg.restore_file), m.group('stem') + '.pt')}")
-    reads_file = sharded or rank == 0  # without shards only rank 0 reads (and broadcasts) the checkpoint
-    local_dir = "://" not in str(cfg.save_dir)
-    if reads_file and local_dir:  # ... and writes it
-        remove_stale_temp_files(cfg.save_dir, suffix)
-    if rank == 0 and local_dir:  # those of ranks this run does not have (it resumes on fewer ranks, resharded)
-        remove_stale_temp_files(cfg.save_dir, suffix, ranks_from=world if sharded else 0)
-    mine = read_shard(shard_path(restore_base, suffix)) if reads_file else None
-    foreign = _foreign_layout(cfg.save_dir, sharded, world) if rank == 0 and default_restore else None
-    gathered = _gather((mine, foreign))
-    requested = [g[0] for g in gathered if g[0] is not None]
-    foreign = gathered[0][1]
-    if foreign and not any(i.exists for i in requested) and cfg.finetune_from_model is None:
-        raise CheckpointSetError(foreign)
-    candidates: dict[str, list[ShardInfo]] = {}
-    others: list[ShardInfo] = []
-    if default_restore and local_dir:  # every other save: a newer complete one, or the fallback from a mixed set
-        local = _candidates_here(cfg.save_dir, suffix) if reads_file else None
-        per_rank = [c for c in _gather(local) if c is not None]
-        for base in set().union(*[set(c) for c in per_rank]):
-            if os.path.basename(base) == DEFAULT_RESTORE:
-                continue
-            others += [c[base] for c in per_rank if base in c]
-            if all(base in c for c in per_rank):
-                candidates[base] = [c[base] for c in per_rank]
-    single = _broadcast(os.path.isfile(restore_base) if rank == 0 else None)
-    restarts_first = not cfg.finetune_from_model and not getattr(cfg, "continue_once", None)
-    plan = decide_resume(requested, candidates, world=world, sharded=sharded, default_restore=default_restore,
-                         restore_name=os.path.basename(restore_base) if default_restore else cfg.restore_file,
-                         single_file_exists=single, others=others,
-                         first_save=(cfg.save_interval_updates or None) if restarts_first else None,
-                         newest=restarts_first)
-    _check_fits_model(plan, restore_base, suffix, trainer, reads_file)
-    if plan.message and rank == 0:
-        logger.warning(plan.message)
-    return plan
-
-
 def _run_arch(trainer) -> tuple[str | None, str]:
     """(model name, --arch) of the run `trainer` trains."""
     model_cfg = getattr(getattr(trainer, "cfg", None), "model", None)
@@ -449,13 +242,11 @@ def _run_arch(trainer) -> tuple[str | None, str]:
     return name, getattr(model_cfg, "arch", None) or name or "?"
 
 
-def check_same_architecture(cfg, trainer) -> None:
-    """Refuse, first of all (before resharding or the set checks), a checkpoint to resume of another model, or
-    whose non-expert tensors do not fit this run's model (widths, layers, dictionary): any later message (the
-    expert count, the precision) would point the wrong way. Every rank reads the same file, so all decide
-    alike. Expert tensors are left to the later checks: their shapes change with the world size."""
-    default_restore = cfg.restore_file == DEFAULT_RESTORE
-    base = os.path.join(cfg.save_dir, DEFAULT_RESTORE) if default_restore else cfg.restore_file
+def check_same_architecture(base: str, trainer) -> None:
+    """Refuse, first of all (before resharding or the set checks), a checkpoint `base` (a file or a set's name) of
+    another model, or whose non-expert tensors do not fit this run's model (widths, layers, dictionary): any later
+    message (the expert count, the precision) would point the wrong way. Every rank reads the same file, so all
+    decide alike. Expert tensors are left to the later checks: their shapes change with the world size."""
     if _RANK_FILE.match(os.path.basename(str(base))):
         return  # refused later with the name to pass instead
     shards = rank_shards(base)
@@ -519,51 +310,6 @@ def _check_fits_model(plan: ResumePlan, restore_base: str, suffix: str, trainer,
         raise CheckpointSetError(problems[0])
 
 
-def superseded_files(save_dir: str, run_id: str, world: int, sharded: bool) -> list[str]:
-    """The files of `save_dir` that this run's saves made obsolete: for every checkpoint name whose first file
-    (X-rank-0.pt, or X.pt when this run writes one file) this run (`run_id`) wrote, the rank shards X-rank-R.pt
-    no rank of this run writes (R >= world, or every R for one file) that an earlier run on more ranks left
-    (they carry its tag). Beside the files of this run they would form a mixed set that nothing can load."""
-    try:
-        names = os.listdir(save_dir)
-    except OSError:
-        return []
-    ranks_of: dict[str, list[int]] = {}
-    for name in names:
-        m = _RANK_FILE.match(name)
-        if m and m.group("stem").startswith("checkpoint"):
-            ranks_of.setdefault(m.group("stem"), []).append(int(m.group("rank")))
-    out = []
-    for stem, ranks in sorted(ranks_of.items()):
-        left = sorted(r for r in ranks if r >= world or not sharded)
-        if not left:
-            continue
-        own = read_shard(os.path.join(save_dir, f"{stem}-rank-0.pt" if sharded else f"{stem}.pt"))
-        if not own.readable or own.run_id != run_id:
-            continue
-        for r in left:
-            path = os.path.join(save_dir, f"{stem}-rank-{r}.pt")
-            info = read_shard(path)
-            if info.run_id is not None and info.run_id != run_id:
-                out.append(path)
-    return out
-
-
-def remove_superseded(save_dir: str, world: int, sharded: bool) -> list[str]:
-    """Rank 0, after each save: delete `superseded_files` (see there) and log which run they belonged to."""
-    if _RUN_ID is None:
-        return []
-    stale = superseded_files(save_dir, _RUN_ID, world, sharded)
-    for path in stale:
-        info = read_shard(path)
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(path)
-        logger.info("removed %s (update %s, written by a %s-rank run, run %s): this %d-rank run's save of the same "
-                    "name supersedes it", os.path.basename(path), info.num_updates, info.world_size, info.run_id,
-                    world)
-    return stale
-
-
 def check_checkpoint_flags(cfg) -> None:
     """Refuse, before anything is read or written, a checkpoint option that would skip the atomic tagged writes
     (`cfg`: fairseq's checkpoint config; every rank's Trainer and smlp-launch's preflight call it)."""
@@ -575,6 +321,7 @@ def check_checkpoint_flags(cfg) -> None:
 
 
 _EVERY_RANK_SAVES = False  # inside save_checkpoint of a run on several ranks that each write their shard
+_NO_SAVE = False  # this process's run writes no checkpoint (--no-save): its save folder is not locked
 
 
 class _AtomicCopies:
@@ -595,15 +342,29 @@ class _AtomicCopies:
         return True
 
 
+def check_checkpoint_suffix(cfg) -> None:
+    """Refuse --checkpoint-suffix on a run that writes one file per rank (`cfg`: fairseq's whole config, read
+    before distributed_init replaces the suffix with `-rank-R`, which would ignore it without a word)."""
+    suffix = getattr(cfg.checkpoint, "checkpoint_suffix", "") or ""
+    world = getattr(cfg.distributed_training, "distributed_world_size", 1) or 1
+    if suffix and world > 1 and getattr(cfg.model, "base_layers", 0):
+        raise FlagError(f"--checkpoint-suffix {suffix}: an expert-parallel run on {world} ranks names its files by "
+                        f"rank (checkpoint_last-rank-R.pt) and fairseq would drop the suffix; keep runs apart with "
+                        f"another --save-dir instead")
+
+
 def install() -> bool:
-    """Wrap fairseq.checkpoint_utils' save, copy, load and save-dir check entry points (once per process)."""
+    """Wrap fairseq.checkpoint_utils' save, copy and save-dir check entry points, fairseq's distributed_init and
+    call_main, and fairseq-train's main (once per process); loading is checkpoint_sources.py's."""
     from fairseq import checkpoint_utils
+    from fairseq.distributed import utils as distributed_utils
+
+    from .save_dir import open_save_dir, prune_saves, remove_resharded, remove_superseded
 
     if getattr(checkpoint_utils, "_smlp_checkpoint_sets", False):
         return False
     original_persist = checkpoint_utils.torch_persistent_save
     original_save = checkpoint_utils.save_checkpoint
-    original_load = checkpoint_utils.load_checkpoint
 
     def torch_persistent_save(obj, filename, async_write: bool = False):
         if "://" in str(filename):
@@ -625,50 +386,62 @@ def install() -> bool:
         finally:
             checkpoint_utils.PathManager = real
             _EVERY_RANK_SAVES = False
-        if rank == 0 and "://" not in str(cfg.save_dir):
-            remove_superseded(cfg.save_dir, world, _suffix_info(trainer)[1])
+        if rank == 0 and "://" not in str(cfg.save_dir) and result is not None:  # a save was written
+            remove_superseded(cfg.save_dir, _RUN_ID, world, _suffix_info(trainer)[1])
+            prune_saves(cfg, cfg.save_dir)
+            remove_resharded(cfg.save_dir, trainer.get_num_updates())
         return result
 
-    def load_checkpoint(cfg, trainer, **passthrough_args):
-        plan = plan_and_check_resume(cfg, trainer)
-        if plan.restore_file is None and not plan.from_scratch:
-            return original_load(cfg, trainer, **passthrough_args)
-        previous = cfg.restore_file
-        # from scratch: a name no save has (fairseq then starts as on a first launch, on every rank)
-        cfg.restore_file = os.path.join(cfg.save_dir, NO_CHECKPOINT) if plan.from_scratch else plan.restore_file
-        try:
-            return original_load(cfg, trainer, **passthrough_args)
-        finally:
-            cfg.restore_file = previous
-
-    for wrapper, original in ((save_checkpoint, original_save), (load_checkpoint, original_load),
-                              (torch_persistent_save, original_persist)):
-        wrapper.__wrapped__ = original
-        wrapper.__doc__ = original.__doc__
     original_verify = checkpoint_utils.verify_checkpoint_directory
 
-    def verify_checkpoint_directory(save_dir: str) -> None:
-        try:
-            original_verify(save_dir)
-        except OSError as exc:
-            raise OSError(exc.errno, f"--save-dir {save_dir} cannot be created or written ({exc.strerror}: "
-                                     f"{exc.filename}); training would fail at its first save. Choose a "
-                                     f"writable directory") from exc
+    def verify_checkpoint_directory(save_dir: str) -> None:  # rank 0, before any file is read or written
+        if not _NO_SAVE:  # runs that save nothing (benchmarks, tests) may share a folder, the default one too
+            open_save_dir(save_dir)
 
-    verify_checkpoint_directory.__wrapped__ = original_verify
+    original_init = distributed_utils.distributed_init
+    original_call_main = distributed_utils.call_main
+
+    def distributed_init(cfg):  # every rank, before the rendezvous and before fairseq sets the rank suffix
+        check_checkpoint_suffix(cfg)
+        return original_init(cfg)
+
+    def call_main(cfg, main, **kwargs):
+        from smlp import folder_lock
+
+        try:
+            return original_call_main(cfg, main, **kwargs)
+        finally:
+            folder_lock.release()  # the save folder's lock (a program run in a longer-lived process)
+
+    from fairseq_cli import train as train_cli
+
+    original_main = train_cli.main
+
+    def main(cfg, *args, **kwargs):  # fairseq-train's main on every rank (call_main looks it up when it runs)
+        global _NO_SAVE
+        _NO_SAVE = bool(cfg.checkpoint.no_save)
+        return original_main(cfg, *args, **kwargs)
+
     from fairseq.trainer import Trainer
 
-    original_init = Trainer.__init__
+    original_init_trainer = Trainer.__init__
 
     def __init__(self, cfg, *args, **kwargs):  # every rank, before any checkpoint is read or written
         check_checkpoint_flags(cfg.checkpoint)
-        original_init(self, cfg, *args, **kwargs)
+        original_init_trainer(self, cfg, *args, **kwargs)
 
-    __init__.__wrapped__ = original_init
+    for wrapper, original in ((save_checkpoint, original_save), (torch_persistent_save, original_persist),
+                              (verify_checkpoint_directory, original_verify), (distributed_init, original_init),
+                              (call_main, original_call_main), (__init__, original_init_trainer),
+                              (main, original_main)):
+        wrapper.__wrapped__ = original
+        wrapper.__doc__ = original.__doc__
     Trainer.__init__ = __init__
+    train_cli.main = main
+    distributed_utils.distributed_init = distributed_init
+    distributed_utils.call_main = call_main
     checkpoint_utils.verify_checkpoint_directory = verify_checkpoint_directory
     checkpoint_utils.torch_persistent_save = torch_persistent_save
     checkpoint_utils.save_checkpoint = save_checkpoint
-    checkpoint_utils.load_checkpoint = load_checkpoint
     checkpoint_utils._smlp_checkpoint_sets = True
     return True

@@ -34,7 +34,8 @@ import torch
 
 from smlp.resharding import merge_expert_shards, replicated_keys, slice_expert_shard
 
-from .checkpoint_sets import CheckpointSetError, rank_shards
+from .checkpoint_sets import CheckpointSetError
+from .shard_tags import rank_shards
 
 EXPERT_KEY = re.compile(r"(^|\.)experts\.")
 SMOE_EXPERT_KEY = re.compile(r"(^|\.)smoe\.experts\.")
@@ -250,7 +251,7 @@ def shard_paths(path: str) -> list[str]:
 
 def check_one_save(path: str, shards: list[str]) -> None:
     """ValueError naming every shard and its update unless the shards are one save (checkpoint_sets tags)."""
-    from .checkpoint_sets import from_several_runs, read_shard, set_problem
+    from .shard_tags import from_several_runs, read_shard, set_problem
 
     infos = [read_shard(p) for p in shards]
     problem = set_problem(infos, len(shards), sharded=True)
@@ -269,7 +270,7 @@ def check_current(path: str) -> None:
     """CheckpointSetError when the file `path` and rank shards of the same name (`X-rank-R.pt`) both exist and
     hold different saves: e.g. `smlp-consolidate X.pt` wrote X.pt at update 10, then training went on and wrote
     shards of update 12 beside it. Evaluating X.pt would silently evaluate the older save."""
-    from .checkpoint_sets import read_shard
+    from .shard_tags import read_shard
 
     found = rank_shards(path)
     if not found or not os.path.isfile(path):
@@ -300,7 +301,7 @@ def shard_path_any(path: str) -> str:
 def check_consolidate_output(out: str) -> None:
     """ValueError before any work unless replacing `out` loses nothing: it is absent or a file smlp-consolidate
     wrote (a training checkpoint of the same name is never overwritten)."""
-    from .checkpoint_sets import read_shard
+    from .shard_tags import read_shard
 
     if os.path.isfile(out):
         info = read_shard(out)

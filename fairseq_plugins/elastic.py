@@ -3,8 +3,8 @@
 A cluster that hands back fewer (or more) nodes after a requeue must not end the run. fairseq
 resumes each rank from its own `checkpoint_last-rank-R.pt` (or one `checkpoint_last.pt` on one
 process), so on another world size it would start from scratch, load the wrong experts, or drop
-the optimizer state. Before fairseq loads anything, `reshard_for_resume` rewrites the checkpoint
-into the layout of this run:
+the optimizer state. Before fairseq loads anything, `reshard` writes the checkpoint in the layout
+of this run:
 
 - model: the experts of every sparse layer are re-sliced for each rank's position in its
   expert-parallel group (smlp.resharding; replicas of expert-data parallelism get identical files);
@@ -20,20 +20,19 @@ into the layout of this run:
   and logs its losses.
 
 The resharding runs on all ranks: rank 0 inspects the saved set and broadcasts the plan; every
-rank reads the source shards holding its experts and writes its own file to a temporary name;
-then rank 0 hard-links the old set into `<save_dir>/resharded-from-<W>-ranks-update-<N>/` (a
-complete copy stays on disk whatever happens next), renames the new files into place and
-removes old shards no rank of this run owns. It applies to the checkpoint fairseq will load
-(--restore-file, default checkpoint_last.pt); other saves keep their layout (smlp-consolidate
-merges any of them).
+rank reads the source shards holding its experts and writes its own file of a new set beside, under
+--save-dir (`checkpoint_resharded_<update>_w<W>-rank-R.pt`, or `finetune_resharded_...` for the model a
+fine-tuning starts from), named only once every rank has written its own (atomic_files.write_on_every_rank).
+The source is never moved, changed or deleted: a user's consolidated file, a set in another folder, or the
+newest complete save of the save directory stays as it was, and a kill while resharding leaves it whole.
+What loads which set is decided in fairseq_plugins/checkpoint_sources.py.
 
 Refused with a clear error: a run whose model holds another number of experts than the
 checkpoint (e.g. --num-experts 0, one per rank, on another world size), an optimizer state that
 is not kept per parameter (--fp16 with flattened parameters: use --fp16-no-flatten-grads), and
 a save set that is not complete.
 
-`install()` wraps `fairseq.checkpoint_utils.load_checkpoint` (looked up as a module attribute by
-fairseq_cli.train when it resumes); evaluation programs never call it.
+Evaluation programs never reshard: they merge a set in memory (checkpoints.read_checkpoint_any_layout).
 """
 from __future__ import annotations
 
@@ -45,28 +44,17 @@ import torch
 
 from smlp.expert_data_parallel import ExpertDataLayout
 from smlp.experts import is_expert
-from smlp.files import fsync_dir
 from smlp.process_group import broadcast_object as _broadcast
 from smlp.process_group import gather_objects as _gather
 from smlp.process_group import rank_and_world
 from smlp.resharding import replicated_keys, reshard_model_state, reshard_optimizer_state, source_positions
 
-from .atomic_files import atomic_torch_save
-from .checkpoint_sets import (
-    DEFAULT_RESTORE,
-    SHARD_KEY,
-    check_same_architecture,
-    rank_shards,
-    read_shard,
-    set_problem,
-    shard_path,
-)
+from .atomic_files import atomic_torch_save, write_on_every_rank
 from .checkpoints import is_expert_key
 from .errors import RefusedInput
+from .shard_tags import SHARD_KEY, rank_shards, read_shard, set_problem, shard_path
 
 logger = logging.getLogger(__name__)
-
-BACKUP_DIR = "resharded-from-{world}-ranks-update-{updates}"
 
 
 class ReshardError(ValueError, RefusedInput):
@@ -151,9 +139,8 @@ def inspect_saved(base: str) -> SavedSet | None:
     saved_world = int(_cfg_section(first, "distributed_training").get("distributed_world_size", W) or W)
     if shards and saved_world != W:
         raise ReshardError(f"{base}: {W} rank shards on disk but they were written by a {saved_world}-rank run: "
-                           f"the save set is mixed or incomplete (a crash while resharding or saving?). If a "
-                           f"{BACKUP_DIR.split('-{')[0]}-* folder in the save directory holds the previous set, "
-                           f"move its files back")
+                           f"the save set is mixed or incomplete (a crash while saving?); resume from a complete "
+                           f"save (--restore-file checkpoint_<epoch>_<update>.pt)")
     if not keys:
         return SavedSet(base, files, bool(shards), saved_world if not shards else W, 1, 0, 0, _updates(first))
     totals = saved_totals(first, W, keys)  # the experts of each layer (the sMoE's may differ: --smoe-experts)
@@ -178,11 +165,12 @@ class Plan:
 
 
 def plan_resume(base: str, *, world_size: int, sharded: bool, layout: ExpertDataLayout | None,
-                num_experts: int, replicated: tuple[str, ...] = (), smoe_experts: int = 0) -> Plan | None:
+                num_experts: int, replicated: tuple[str, ...] = (), smoe_experts: int = 0,
+                target: str | None = None) -> Plan | None:
     """What must change for a run of `world_size` ranks (expert layout `layout`; `replicated`: the expert
     keys of its layers replicated on every rank; `smoe_experts`: its sMoE's experts where they differ from
     `num_experts`, else 0) to resume `base`; None when fairseq can load it as it is (or there is nothing to
-    load)."""
+    load). The resharded set is written under the name `target` (default: `base`'s, for a plan only read)."""
     saved = inspect_saved(base)
     if saved is None:
         return None
@@ -217,6 +205,8 @@ def plan_resume(base: str, *, world_size: int, sharded: bool, layout: ExpertData
         same = same and set(saved.replicated) == set(target_replicated)
     if same:
         return None
+    if target is not None:
+        targets = tuple(shard_name(target, r) for r in range(world_size)) if sharded else (target,)
     return Plan(saved, layout, world_size, sharded, targets, target_replicated)
 
 
@@ -336,66 +326,45 @@ def saved_expert_keys(plan: Plan) -> list[str]:
     return [k for k in _load(plan.saved.files[0])["model"] if is_expert_key(k)]
 
 
-def _link_or_copy(src: str, dst: str) -> None:
-    try:
-        os.link(src, dst)
-    except OSError:
-        import shutil
-        shutil.copy2(src, dst)
-
-
-def _barrier() -> None:
-    if rank_and_world()[1] > 1:
-        import torch.distributed as dist
-
-        dist.barrier()
-
-
 def reshard_checkpoint(plan: Plan, rank: int, expert_params: list) -> None:
-    """Every rank of the new run calls this with the same plan (see the module docstring)."""
-    error = None
-    if rank < len(plan.targets):  # one file per rank, or one file written by rank 0
-        try:
-            sources = {i: _load(p) for i, p in sources_for(plan, rank).items()}
-            atomic_torch_save(resharded_state(plan, rank, sources, expert_params), plan.targets[rank] + ".resharded")
-            del sources
-        except Exception as exc:  # every rank must hear of it, or the others would wait forever
-            error = f"rank {rank}: {type(exc).__name__}: {exc}"
-    errors = [e for e in _gather(error) if e]  # also the barrier: every rank read its sources and staged its file
-    if errors:
-        for target in plan.targets:
-            if rank == 0 and os.path.exists(target + ".resharded"):
-                os.remove(target + ".resharded")
-        raise ReshardError(f"resharding {plan.saved.describe()} for {plan.world_size} rank(s) failed, the checkpoint "
-                           f"is unchanged: {'; '.join(errors)}")
+    """Every rank of the new run calls this with the same plan: each writes its file of the new set (rank 0 the
+    one file of a one-file layout), named once every rank has written its own; the source is left as it is."""
+    if set(plan.targets) & set(plan.saved.files):
+        raise ReshardError(f"resharding {plan.saved.describe()} would overwrite it: write the new set under another "
+                           f"name (plan_resume's target)")
+    def write(commit):
+        sources = {i: _load(p) for i, p in sources_for(plan, rank).items()}
+        atomic_torch_save(resharded_state(plan, rank, sources, expert_params), plan.targets[rank], commit)
+
+    if plan.sharded:
+        write_on_every_rank(plan.targets[rank], write, every_rank=True)
+    else:  # one file, written by rank 0 while the others wait for its outcome
+        error = None
+        if rank == 0:
+            try:
+                write(None)
+            except Exception as exc:
+                error = f"{type(exc).__name__}: {exc}"
+        errors = [e for e in _gather(error) if e]
+        if errors:
+            raise ReshardError(f"resharding {plan.saved.describe()} for {plan.world_size} rank(s) failed, the "
+                               f"source is unchanged: {errors[0]}")
     if rank == 0:
-        saved = plan.saved
-        backup = os.path.join(os.path.dirname(saved.base) or ".",
-                              BACKUP_DIR.format(world=saved.world_size, updates=saved.num_updates))
-        os.makedirs(backup, exist_ok=True)
-        # e.g. a consolidated file
-        overwritten = [t for t in plan.targets if os.path.exists(t) and t not in saved.files]
-        for f in [*saved.files, *overwritten]:
-            _link_or_copy(f, os.path.join(backup, os.path.basename(f)))
-        for target in plan.targets:
-            os.replace(target + ".resharded", target)
-        for f in set(saved.files) - set(plan.targets):
-            os.remove(f)
-        fsync_dir(os.path.dirname(saved.base) or ".")
-        logger.info("resharded %s for %d rank(s)%s; the previous files are kept in %s", saved.describe(),
+        name = os.path.basename(plan.targets[0])
+        logger.info("resharded %s for %d rank(s)%s into %s; the source is unchanged", plan.saved.describe(),
                     plan.world_size, f" in expert-parallel groups of {plan.target.ep_size}" if plan.target else "",
-                    backup)
-    _barrier()
+                    name.replace("-rank-0.pt", "-rank-*.pt") if plan.sharded else name)
 
 
-def _restore_base(cfg) -> str:
-    if cfg.restore_file == DEFAULT_RESTORE:
-        return os.path.join(cfg.save_dir, DEFAULT_RESTORE)
-    return cfg.restore_file
+def derived_name(save_dir: str, kind: str, saved: SavedSet, world: int) -> str:
+    """`save_dir/<kind>_<update>_w<world>.pt`, the name of a set the resharder derives (kind: checkpoint_resharded
+    for a resume or restore, finetune_resharded for a fine-tuning's start)."""
+    return os.path.join(save_dir, f"{kind}_{saved.num_updates or 0}_w{world}.pt")
 
 
-def reshard_for_resume(cfg, trainer) -> Plan | None:
-    """Called on every rank before fairseq loads the checkpoint to resume (cfg: the checkpoint config)."""
+def reshard(source: str, target: str, trainer) -> Plan | None:
+    """Every rank, before fairseq loads: write checkpoint `source` in this run's layout as the set `target` (a
+    name under --save-dir, elastic.derived_name) when it is laid out otherwise; None when it loads as it is."""
     model = trainer.get_model() if hasattr(trainer, "get_model") else trainer.model
     if not hasattr(model, "core"):
         return None  # not one of our models
@@ -412,9 +381,9 @@ def reshard_for_resume(cfg, trainer) -> Plan | None:
     if rank == 0:
         try:
             smoe = core.smoe_num_experts
-            plan = plan_resume(_restore_base(cfg), world_size=world, sharded=sharded, layout=layout,
-                               num_experts=num_experts, replicated=replicated,
-                               smoe_experts=smoe if smoe not in (0, num_experts) else 0)
+            plan = plan_resume(source, world_size=world, sharded=sharded, layout=layout, num_experts=num_experts,
+                               replicated=replicated, smoe_experts=smoe if smoe not in (0, num_experts) else 0,
+                               target=target)
         except ReshardError as exc:
             error = str(exc)
     plan, error = _broadcast((plan, error))
@@ -426,25 +395,3 @@ def reshard_for_resume(cfg, trainer) -> Plan | None:
     named = [(n, p) for n, p in list(model.named_parameters()) + list(criterion.named_parameters()) if p.requires_grad]
     reshard_checkpoint(plan, rank, [n if is_expert_key(n) else None for n, p in named])
     return plan
-
-
-_installed = False
-
-
-def install() -> None:
-    """Reshard before fairseq_cli.train resumes (idempotent)."""
-    global _installed
-    if _installed:
-        return
-    from fairseq import checkpoint_utils
-
-    inner = checkpoint_utils.load_checkpoint
-
-    def load_checkpoint(cfg, trainer, **passthrough_args):
-        check_same_architecture(cfg, trainer)  # before anything that would name the expert count or reshard
-        reshard_for_resume(cfg, trainer)
-        return inner(cfg, trainer, **passthrough_args)
-
-    load_checkpoint.__wrapped__ = inner
-    checkpoint_utils.load_checkpoint = load_checkpoint
-    _installed = True

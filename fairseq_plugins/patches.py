@@ -7,10 +7,7 @@ package (`--user-dir fairseq_plugins`, or `import fairseq_plugins`) calls `apply
 nothing else installs a patch. The code of each patch lives with the concept it serves (the module
 named in the table); the small ones without such a module live here.
 
-Order matters in one place: `checkpoint_sets` and `elastic` both wrap `checkpoint_utils.load_checkpoint`;
-elastic's wrapper must be the outer one (it reshards the checkpoint to this run's layout first, then
-checkpoint_sets checks that the rank shards form one save), so elastic is applied after checkpoint_sets. The
-logging repair runs last, after every import that could have configured logging.
+Order matters in one place: the logging repair runs last, after every import that could have configured logging.
 """
 from __future__ import annotations
 
@@ -334,9 +331,15 @@ PATCHES = (
           "fairseq-validate applies its --tokens-per-sample to the saved model, which then has spatial weights of "
           "another size (PyTorch's size mismatch): a checkpoint's model keeps the T it was trained with"),
     Patch("checkpoint_sets", "checkpoint_sets", "install",
-          "fairseq writes rank shards non-atomically (asynchronously: untagged, never copied to checkpoint_last) and "
-          "resumes each rank from whatever file it finds: atomic tagged writes named only once every rank has "
-          "written its own, --save-async refused, and the newest whole set of rank shards is loaded"),
+          "fairseq writes rank shards non-atomically (asynchronously: untagged, never copied to checkpoint_last), "
+          "probes --save-dir with a file named dummy, prunes only each rank's own suffix and drops "
+          "--checkpoint-suffix: atomic tagged writes named only once every rank has written its own, --save-async "
+          "and --checkpoint-suffix on rank shards refused, one job per save folder (a lock), whole saves pruned"),
+    Patch("checkpoint_sources", "checkpoint_sources", "install",
+          "fairseq resumes each rank from whatever file it finds, only on the world size that wrote it, and loads "
+          "--finetune-from-model as one file on every rank: the newest complete save of any world size, a "
+          "--restore-file or --finetune-from-model of any layout, each rank its own experts (resharded beside, "
+          "under --save-dir)"),
     Patch("guard_language_modeling_data", "patches", "guard_language_modeling_data",
           "language_modeling reads a missing or unbinarized --data with an obscure error, a truncated .bin with a "
           "numpy error and ids beyond its dict.txt with an IndexError in the embedding (and a crash.pt): checked "
@@ -351,9 +354,6 @@ PATCHES = (
     Patch("hydra_presets", "hydra_presets", "install",
           "fairseq-hydra-train with `model: {_name: smlp_lm_tiny}` filled the model from the dataclass defaults (512 "
           "wide, 6 layers) instead of the preset: the preset fills what the configuration leaves out, as --arch does"),
-    Patch("elastic", "elastic", "install",
-          "resuming on another number of ranks loads rank shards of the old layout: resharded first (after "
-          "checkpoint_sets, so that its wrapper is the outer one)"),
     Patch("zero_optimizer", "zero_optimizer", "install",
           "--zero-sharding os (fairscale OSS) would overwrite every rank's experts with one rank's: expert "
           "parameters keep their optimizer state on their rank"),

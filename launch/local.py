@@ -36,8 +36,9 @@ run, `smlp_launch.memory` reads VmHWM), and --peak-rss-json FILE writes it as JS
 Flags the model cannot take: each worker checks the fairseq-train arguments before it joins the others
 (smlp_launch.preflight: the model's flags, the data folder, --batch-size); if they are refused, the launcher
 prints the one line that says why, once (`smlp-launch: error: --decoder-ffn-embed-dim 127 must be even ...`),
-stops the workers and exits 2. A --save-dir that cannot be created and a --restore-file or
---finetune-from-model that does not exist are refused before any worker starts.
+stops the workers and exits 2. A --save-dir that cannot be created or that another job trains in (its lock,
+smlp.folder_lock) and a --restore-file or --finetune-from-model that does not exist are refused before any
+worker starts.
 
 Timeouts: a rank waits at most --timeout seconds (default $SMLP_DIST_TIMEOUT, else 600) in one
 collective or in the rendezvous before it fails, so a hung peer ends the job instead of blocking it
@@ -62,6 +63,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from smlp.folder_lock import FolderInUse, probe
 from smlp_eval.files import deepest_parent
 
 from .worker import DEFAULT_TIMEOUT_S, PREFLIGHT_ENV, TIMEOUT_ENV, LaunchError, collective_timeout, run_worker
@@ -240,6 +242,11 @@ def _check_paths(fairseq_args: Sequence[str]) -> None:
         raise LaunchError(f"--save-dir {save_dir} cannot be created: {parent} is a file; choose a folder path")
     if problem == "read-only":
         raise LaunchError(f"--save-dir {save_dir} cannot be written: {parent} is not writable")
+    try:  # another job training in this folder: refused before any log or worker is made (rank 0 locks it)
+        if "--no-save" not in fairseq_args:  # a run that saves nothing takes no lock
+            probe(save_dir)
+    except FolderInUse as exc:
+        raise LaunchError(str(exc)) from None
     restore = _flag_value(fairseq_args, "--restore-file")
     if restore and restore != "checkpoint_last.pt" and not os.path.exists(restore) and not _rank_shards_of(restore):
         raise LaunchError(f"--restore-file {restore} does not exist (nor its rank shards {restore[:-3]}-rank-R.pt): "

@@ -39,13 +39,14 @@ def refusal(fairseq_args: list[str]) -> str | None:
                 raise
             return lines[-1]
         cfg = convert_namespace_to_omegaconf(args)
-    from fairseq_plugins.checkpoint_sets import check_checkpoint_flags
+    from fairseq_plugins.checkpoint_sets import check_checkpoint_flags, check_checkpoint_suffix
     from fairseq_plugins.errors import RefusedInput
     from fairseq_plugins.models import check_model_flags
     from fairseq_plugins.patches import check_batch_limits, check_binarized_split, check_data_dir
 
     try:
         check_checkpoint_flags(cfg.checkpoint)
+        check_checkpoint_suffix(cfg)
         data = getattr(cfg.task, "data", None)
         check_data_dir(data)
         check_batch_limits(cfg.dataset.batch_size, cfg.dataset.max_tokens)

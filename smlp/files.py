@@ -1,10 +1,13 @@
 """Files written whole: the one writer of every checkpoint, record, result, export and data folder.
 
-`write_atomic` writes into a temporary file beside its target (`NAME.XXXXXXXX.tmp`), fsyncs it, renames it over
-the target and fsyncs the folder: a reader sees the old file or the whole new one, never a part, and a failure at
-any step (the temporary file's creation included) removes the temporary file and leaves the target as it was.
-The file gets the mode a plain `open(path, "w")` would give it: the target's own when it exists, else 0666
-less the umask (`tempfile.mkstemp` would give 0600, which a teammate on a shared cluster cannot read).
+`write_atomic` writes into a temporary file beside its target (`temp_name`: `.NAME.smlp-tmp-<16 hex digits>`, a
+hidden name no user file plausibly has, the one form of every writer), fsyncs it, renames it over the target and
+fsyncs the folder: a reader sees the old file or the whole new one, never a part, and a failure at any step (the
+temporary file's creation included) removes the temporary file and leaves the target as it was. A writer killed
+partway leaves its temporary file; `stale_temp_files` finds exactly those of a folder.
+The file gets the mode a plain `open(path, "w")` would give it: the temporary file is created with 0666 and the
+kernel applies the umask and the folder's default ACL (a mode computed from the umask would contradict the ACL);
+a target that exists keeps its own mode. `tempfile.mkstemp` would give 0600, which a teammate cannot read.
 `install_dir` is its twin for a folder built under a hidden sibling name (`temp_dir`): one rename installs it.
 
 Stdlib only: the core, the fairseq plugins, the launcher, the evaluator and the benchmarks all write through it.
@@ -13,16 +16,33 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import secrets
 import shutil
 import stat
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["TEMP_SUFFIX", "fsync_dir", "install_dir", "open_mode", "temp_dir", "umask", "write_atomic",
-           "write_atomic_by_name", "write_figure"]
+__all__ = ["TEMP_NAME", "fsync_dir", "install_dir", "open_mode", "stale_temp_files", "temp_dir", "temp_name",
+           "umask", "write_atomic", "write_atomic_by_name", "write_figure"]
 
-TEMP_SUFFIX = r"\.[a-z0-9_]{8}\.tmp"  # what write_atomic adds to a target's name (a pattern: stale files match it)
+# the temporary file of target NAME: hidden, the project's word, 16 random hex digits (no user names a file so)
+TEMP_NAME = re.compile(r"^\.(?P<target>.+)\.smlp-tmp-[0-9a-f]{16}$")
+
+
+def temp_name(target: str) -> str:
+    """A new temporary name for the file `target` (a base name) of the one writer (module docstring)."""
+    return f".{target}.smlp-tmp-{secrets.token_hex(8)}"
+
+
+def stale_temp_files(folder: str | os.PathLike) -> list[Path]:
+    """The temporary files of the one writer in `folder` (every writer's: checkpoints, copies, resharded sets,
+    merged files, crash files, records), sorted; only plain files of the `temp_name` form, nothing else."""
+    try:
+        entries = sorted(os.scandir(folder), key=lambda e: e.name)
+    except OSError:
+        return []
+    return [Path(e.path) for e in entries if TEMP_NAME.match(e.name) and e.is_file(follow_symlinks=False)]
 
 
 def umask() -> int:
@@ -39,7 +59,8 @@ def umask() -> int:
 
 
 def open_mode(path: str | os.PathLike) -> int:
-    """The permission bits `open(path, "w")` gives: those of `path` when it exists, else 0666 less the umask."""
+    """The permission bits `open(path, "w")` gives: those of `path` when it exists, else 0666 less the umask
+    (in a folder without a default ACL; with one, only creating a file tells: `write_atomic` does)."""
     try:
         return stat.S_IMODE(os.stat(path).st_mode)
     except FileNotFoundError:
@@ -79,21 +100,33 @@ class _FirstWriteError:
         return getattr(self._f, name)
 
 
-def _temp_file(out: Path, mode: int) -> tuple[int, Path]:
-    """Create `out`'s temporary file (O_EXCL, so never another's) with permission bits `mode`."""
+def _existing_mode(path: Path) -> int | None:
+    try:
+        return stat.S_IMODE(os.stat(path).st_mode)
+    except FileNotFoundError:
+        return None
+
+
+def _temp_file(out: Path) -> tuple[int, Path, int]:
+    """Create `out`'s temporary file (O_EXCL, so never another's) as open() would (0666; the kernel applies the
+    umask and the folder's default ACL), then give it the mode of an existing `out`. Returns (fd, path, mode)."""
     for _ in range(100):
-        tmp = out.with_name(f"{out.name}.{secrets.token_hex(4)}.tmp")
+        tmp = out.with_name(temp_name(out.name))
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
         except FileExistsError:
             continue
         try:
-            os.fchmod(fd, mode)  # created under the umask already; this gives an existing target's own mode
+            mode = _existing_mode(out)
+            if mode is not None:
+                os.fchmod(fd, mode)
+            else:
+                mode = stat.S_IMODE(os.fstat(fd).st_mode)
         except BaseException:
             os.close(fd)
             os.unlink(tmp)
             raise
-        return fd, tmp
+        return fd, tmp, mode
     raise FileExistsError(f"no free temporary name beside {out}")
 
 
@@ -120,7 +153,7 @@ def write_atomic(path: str | os.PathLike, content: str | bytes | Callable[[objec
         content = lambda f: f.write(data)  # noqa: E731
     tmp, f = None, None
     try:
-        fd, tmp = _temp_file(out, open_mode(out))
+        fd, tmp, _ = _temp_file(out)
         with os.fdopen(fd, "w" if text else "wb") as real:
             f = _FirstWriteError(real)
             content(f)
@@ -142,12 +175,13 @@ def write_atomic_by_name(path: str | os.PathLike, write_to: Callable[[str], None
     """`write_atomic` for a library that opens the file itself by name (safetensors' save_file):
     `write_to(temporary path)`, then the same mode, fsync, rename and folder fsync."""
     out = Path(path).expanduser().absolute()
-    mode, tmp = open_mode(out), None
+    tmp = None
     try:
-        fd, tmp = _temp_file(out, mode)
+        fd, tmp, mode = _temp_file(out)
         os.close(fd)
         write_to(str(tmp))
-        os.chmod(tmp, mode)  # a library may have replaced the file (safetensors writes 0600)
+        if stat.S_IMODE(os.stat(tmp).st_mode) != mode:  # a library replaced the file (safetensors wrote 0600)
+            os.chmod(tmp, mode)  # (in a folder with a default ACL this also restores the ACL's mask)
         fd = os.open(tmp, os.O_RDONLY)
         try:
             os.fsync(fd)

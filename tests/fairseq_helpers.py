@@ -39,6 +39,9 @@ def fairseq_train(argv: list[str], world: int = 1) -> None:
     try:
         fairseq_cli_train.main(cfg)
     finally:
+        from smlp import folder_lock
+
+        folder_lock.release()  # the save folder's lock, as fairseq-train's call_main releases it
         if dist.is_initialized():
             dist.destroy_process_group()
 

@@ -108,7 +108,7 @@ def test_speed_record_gives_both_sides_ratios_from_the_same_rounds_and_the_scali
     """smlp_bench.speed without probes (issue 47: it printed "-" for every ratio): every ratio is the median over
     rounds of the same round's words/s ratio, with its range; the fastest Transformer-MoE is the one with the most
     words/s; the scaling is words/s on 2 ranks over 2 x on 1 process; --publish rewrites exactly its section."""
-    from smlp_bench import speed
+    from smlp_bench import speed, speed_pages
 
     def side(nproc, wps):  # a report's models: words/s per seed (round); seeds listed out of order on purpose
         return {"complete": True, "machine": {"cpu": "x"}, "settings": {"updates": 40, "seeds": 3}, "seconds": 1.0,
@@ -135,8 +135,8 @@ def test_speed_record_gives_both_sides_ratios_from_the_same_rounds_and_the_scali
     assert out["targets"][3]["measured"] == pytest.approx(1 / 1.04 - 0.9)
     (tmp_path / "s.json").write_text(__import__("json").dumps(out))
     page = tmp_path / "page.md"
-    page.write_text(f"before\n{speed.START}\nold\n{speed.END}\nafter\n")
-    speed.publish(tmp_path / "s.json", page)
+    page.write_text(f"before\n{speed_pages.START}\nold\n{speed_pages.END}\nafter\n")
+    speed_pages.publish(tmp_path / "s.json", page)
     text = page.read_text()
     assert text.startswith("before\n") and text.endswith("after\n") and "old" not in text
     assert "| 2 | smlp_det_expert | 50 [45-80] | 0.500x [0.45-0.80] | 0.500x [0.40-0.80] (hash) | - |" in text
@@ -145,7 +145,7 @@ def test_speed_record_gives_both_sides_ratios_from_the_same_rounds_and_the_scali
     was = speed.combine({1: speed.analyse(side(1, {"smlp_det": [40.0, 45.0, 44.0], "gmlp": [50.0, 50.0, 55.0]}))})
     (tmp_path / "b.json").write_text(__import__("json").dumps(dict(was, code={"commit": "aaaaaaa1234"})))
     (tmp_path / "s.json").write_text(__import__("json").dumps(dict(out, code={"commit": "bbbbbbb5678"})))
-    speed.publish(tmp_path / "s.json", page, before=tmp_path / "b.json")
+    speed_pages.publish(tmp_path / "s.json", page, before=tmp_path / "b.json")
     text = page.read_text()
     assert "at commit bbbbbbb" in text and "Before (commit aaaaaaa) and after (commit bbbbbbb)" in text
     # 1 process, sMLP-det: medians 44 -> 50; over gMLP in the same rounds 40/50, 45/50, 44/55 -> 0.8 [0.80-0.90]

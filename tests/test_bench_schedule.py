@@ -132,7 +132,7 @@ def test_store_writes_atomically_and_resume_skips_finished_runs(tmp_path):
     store.save()
     for slot in store.slots[:5]:
         store.record(slot, {"kind": slot.kind, "wps": 1.0})
-    assert not list(tmp_path.glob(".runs.json.tmp*"))  # the temporary file was renamed
+    assert [p.name for p in tmp_path.iterdir()] == ["runs.json"]  # the temporary file was renamed
     with pytest.raises(BenchError, match="--resume"):
         RunStore.open(path, _plan(), resume=False)  # never overwrite a benchmark in progress
     with pytest.raises(BenchError, match="planned differently.*order_seed"):
@@ -452,7 +452,7 @@ def test_speed_across_widths_records_each_width_and_publishes_its_section(tmp_pa
     from the same round; Switch's row says the share of tokens its experts processed; a stop resumes side by side
     (a side not started yet starts with --resume); --then-publish writes the width section and its figure and leaves
     the D=128 section as it was."""
-    from smlp_bench import speed
+    from smlp_bench import speed_pages
 
     trainer = _WidthTrainer(stop_at=("hash", 256, 1))
     monkeypatch.setattr(training, "run_training", trainer)
@@ -464,8 +464,8 @@ def test_speed_across_widths_records_each_width_and_publishes_its_section(tmp_pa
     (data / "dict.txt").write_text("".join(f"w{i} 1\n" for i in range(96)))
     page = tmp_path / publish.PAGE
     page.parent.mkdir()
-    page.write_text(f"a\n{speed.START}\nD=128 as published\n{speed.END}\nb\n{speed.WIDTHS_START}\nnot measured yet\n"
-                    f"{speed.WIDTHS_END}\nc\n")
+    page.write_text(f"a\n{speed_pages.START}\nD=128 as published\n{speed_pages.END}\nb\n"
+                    f"{speed_pages.WIDTHS_START}\nnot measured yet\n{speed_pages.WIDTHS_END}\nc\n")
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "widths"
     argv = ["speed", "--widths", "128,256", "--models", "smlp_det,gmlp,switch,hash", "--updates", "25", "--rounds",
@@ -493,8 +493,8 @@ def test_speed_across_widths_records_each_width_and_publishes_its_section(tmp_pa
     # the page: the width section from the record, its figure beside the page's other figures; D=128's untouched
     text = page.read_text()
     assert "D=128 as published" in text and "not measured yet" not in text and text.endswith("\nc\n")
-    section = text[text.index(speed.WIDTHS_START):text.index(speed.WIDTHS_END)]
-    assert section == f"{speed.WIDTHS_START}\n{speed.markdown(record, 'benchmark/speed/widths.png')}\n"
+    section = text[text.index(speed_pages.WIDTHS_START):text.index(speed_pages.WIDTHS_END)]
+    assert section == f"{speed_pages.WIDTHS_START}\n{speed_pages.markdown(record, 'benchmark/speed/widths.png')}\n"
     assert "Measured by `smlp-bench speed --widths 128,256` at commit c0ffee0" in section
     assert "](benchmark/speed/widths.png)" in section and (tmp_path / "docs/benchmark/speed/widths.png").is_file()
     trend = [w("smlp_det", d, 2, 1) / w("gmlp", d, 2, 1) for d in (128, 256)]
@@ -515,7 +515,7 @@ def test_speed_across_widths_records_each_width_and_publishes_its_section(tmp_pa
         ("issue 53, D=128: sMLP-det words/s over gMLP, 2 process(es)", ">= 0.85x", trend[0] >= 0.85)]
     assert goals[0]["measured"] == pytest.approx(trend[0]) and f"| {trend[0]:.3f} [" in section
     one = [w("smlp_det", d, 1, 1) / w("gmlp", d, 1, 1) for d in (128, 256)]
-    assert speed.widths_sentence(record) == (
+    assert speed_pages.widths_sentence(record) == (
         f"Across widths (D=128, 256, FLOP-matched at each) sMLP-det trains at {one[0]:.2f}x, {one[1]:.2f}x gMLP's "
         f"words/s on one process and {trend[0]:.2f}x, {trend[1]:.2f}x on 2 CPU ranks; Switch stays faster by "
         "dropping tokens past its capacity (it keeps 80%, 80% of them) "
@@ -524,7 +524,7 @@ def test_speed_across_widths_records_each_width_and_publishes_its_section(tmp_pa
     stores = {p: p.read_text() for p in out.glob("d*/nproc*/runs.json")}
     monkeypatch.setattr(machine, "matmul_peak", lambda n: pytest.fail("a peak measured with no run to train"))
     assert cli.main([*argv, "--resume"]) == 0 and len(trainer.trained) == 2 * 2 * 4 * 2
-    assert {p: p.read_text() for p in stores} == stores and speed.markdown(
+    assert {p: p.read_text() for p in stores} == stores and speed_pages.markdown(
         store_module.read_record(out / "speed.json")[1], "benchmark/speed/widths.png") in page.read_text()
     # a record of several widths has no before/after table
     assert cli.main(["speed", "--publish", str(out / "speed.json"), "--before", str(out / "speed.json")]) == 1
@@ -535,18 +535,18 @@ def test_the_committed_speed_records_publish_the_page_as_it_is(tmp_path):
     """The speed sections of docs/benchmarks.md are what publishing the committed records gives: issue 47's pair
     (written before issue 53: no token shares, one width) as the page shows them, and the width section from its
     record once there is one, and no figure at all before."""
-    from smlp_bench import speed
+    from smlp_bench import speed_pages
 
     repo = Path(__file__).parents[1]
     page = tmp_path / publish.PAGE
     page.parent.mkdir()
     shutil.copy2(repo / publish.PAGE, page)
     issue47 = repo / "docs/benchmark/speed/issue47"
-    speed.publish(issue47 / "after/speed.json", page, before=issue47 / "before/speed.json")
+    speed_pages.publish(issue47 / "after/speed.json", page, before=issue47 / "before/speed.json")
     widths = repo / "docs/benchmark/speed/widths/speed.json"
     if widths.exists():
-        speed.publish(widths, page)
+        speed_pages.publish(widths, page)
     assert page.read_text() == (repo / publish.PAGE).read_text()
     text = page.read_text()
-    section = text[text.index(speed.WIDTHS_START):text.index(speed.WIDTHS_END)]
+    section = text[text.index(speed_pages.WIDTHS_START):text.index(speed_pages.WIDTHS_END)]
     assert widths.exists() or ("Measured by" not in section and "|" not in section and "![" not in section)

@@ -17,16 +17,15 @@ import torch
 import fairseq_plugins  # noqa: F401  (installs the hooks)
 from fairseq_plugins.atomic_files import atomic_copy, atomic_torch_save
 from fairseq_plugins.checkpoint_sets import (
-    SHARD_KEY,
     CheckpointSetError,
     _candidates_here,
     decide_resume,
     explain_mismatch,
-    read_shard,
     shape_mismatch,
 )
 from fairseq_plugins.checkpoints import consolidate
 from fairseq_plugins.errors import RefusedInput
+from fairseq_plugins.shard_tags import SHARD_KEY, read_shard
 from smlp_fault_plugin import FullDisk
 
 
@@ -112,7 +111,7 @@ def test_disk_full_while_saving_keeps_the_previous_checkpoint(tmp_path, monkeypa
     real_open = os.open
 
     def no_room(file, flags, *args, **kwargs):
-        if flags & os.O_CREAT and os.path.basename(str(file)).startswith(path.name + "."):
+        if flags & os.O_CREAT and os.path.basename(str(file)).startswith(f".{path.name}.smlp-tmp-"):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(file))
         return real_open(file, flags, *args, **kwargs)
 
@@ -133,26 +132,6 @@ def test_disk_full_while_saving_keeps_the_previous_checkpoint(tmp_path, monkeypa
     assert f"MiB free in {tmp_path}). " in message and "checkpoint_last-rank-0.pt is unchanged" in message, message
     assert path.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]
-
-
-def test_a_write_killed_partway_leaves_a_temporary_file_that_its_rank_removes_at_the_next_start(tmp_path):
-    """A kill inside atomic_write leaves NAME.pt.XXXXXXXX.tmp (nothing else removes it, and it can be a whole
-    checkpoint in size). When training starts again each rank removes those of its own checkpoint names, and
-    nothing else: not another rank's, not train.sbatch's `X.pt.tmp`, not a file of another name."""
-    from fairseq_plugins.atomic_files import remove_stale_temp_files, stale_temp_files
-
-    names = ["checkpoint_1_8-rank-1.pt.ab12cd_4.tmp", "checkpoint_last-rank-1.pt.zz99yy88.tmp",
-             "checkpoint_last-rank-0.pt.k3j2h1g0.tmp", "checkpoint_last.pt.abcdefgh.tmp",
-             "checkpoint_last-rank-1.pt.tmp", "notes.pt.abcdefgh.tmp", "checkpoint_last-rank-1.pt",
-             "checkpoint_1_8-rank-11.pt.ab12cd34.tmp"]
-    for name in names:
-        (tmp_path / name).write_bytes(b"PK\x03\x04 part of a checkpoint")
-    assert [Path(p).name for p in stale_temp_files(str(tmp_path), "")] == ["checkpoint_last.pt.abcdefgh.tmp"]
-    # rank 0 of a run on fewer ranks: those of the ranks it does not have (here ranks 2 and up: rank 11)
-    assert [Path(p).name for p in stale_temp_files(str(tmp_path), "", ranks_from=2)] == [names[-1]]
-    removed = remove_stale_temp_files(str(tmp_path), "-rank-1")
-    assert sorted(Path(p).name for p in removed) == names[:2]
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[2:])
 
 
 def test_fairseq_writes_go_through_the_atomic_tagged_writer(tmp_path, monkeypatch):
@@ -325,7 +304,7 @@ def test_rank_shards_finds_what_the_glob_rules_it_replaced_found(tmp_path, monke
     import glob
     import re
 
-    from fairseq_plugins.checkpoint_sets import rank_shards
+    from fairseq_plugins.shard_tags import rank_shards
 
     for name in ("x.pt", "x-rank-0.pt", "x-rank-1.pt", "x-rank-10.pt", "x-rank-1-rank-2.pt", "xy-rank-3.pt",
                  "x-rank-a.pt", "y-rank-0.pt"):
@@ -354,7 +333,7 @@ def test_a_run_on_fewer_ranks_supersedes_the_shards_it_does_not_write(tmp_path):
     """A 2-rank run saved checkpoint_best at update 10; resumed on 1 rank, its save of update 12 rewrote
     checkpoint_best-rank-0.pt only. rank-1 is the earlier run's and is superseded; a name this run did not
     save (checkpoint_1_10) stays the earlier run's whole set, and a one-file run supersedes every shard."""
-    from fairseq_plugins.checkpoint_sets import superseded_files
+    from fairseq_plugins.save_dir import superseded_files
 
     write_set(tmp_path, "checkpoint_best", [10, 10], run="old")
     write_set(tmp_path, "checkpoint_1_10", [10, 10], run="old")
@@ -371,6 +350,13 @@ def test_a_run_on_fewer_ranks_supersedes_the_shards_it_does_not_write(tmp_path):
     torch.save(fake_state(14, world=1, run="one", sharded=False), tmp_path / "checkpoint_1_10.pt")
     assert superseded_files(str(tmp_path), "one", world=1, sharded=False) == [
         str(tmp_path / f"checkpoint_1_10-rank-{r}.pt") for r in (0, 1)]
+    # and a sharded run supersedes the one file an earlier one-process run wrote under a name it saves, never a
+    # merged file (smlp-consolidate's output)
+    write_set(tmp_path, "checkpoint_1_10", [16, 16], run="two")
+    assert superseded_files(str(tmp_path), "two", world=2, sharded=True) == [str(tmp_path / "checkpoint_1_10.pt")]
+    torch.save({**fake_state(14, world=1, run="one", sharded=False), "smlp_consolidated_from": 2},
+               tmp_path / "checkpoint_1_10.pt")
+    assert superseded_files(str(tmp_path), "two", world=2, sharded=True) == []
 
 
 def test_a_consolidated_file_older_than_its_shards_is_refused_naming_both(tmp_path):

@@ -380,7 +380,8 @@ def test_argument_errors(plays, tmp_path, capsys):
         (["--input", plays[0], "--valid-fraction", "0.7", "--out", out], "--valid-fraction 0.7"),
         (["--train", plays[0], "--valid", plays[1], "--out", out], "missing --test"),
         (["--input", plays[0], "--train", plays[0], "--valid", plays[1], "--test", plays[2], "--out", out],
-         "not both"),
+         "give one of --input/--demo, --corpus, or --train/--valid/--test"),
+        (["--corpus", "kernel-docs", "--input", plays[0], "--out", out], "give one of"),
         (["--input", plays[0], "--vocab-size", "3", "--out", out], "--vocab-size 3"),
         (["--input", plays[0], "--block-lines", "100000", "--out", out], "--block-lines"),
     ]:

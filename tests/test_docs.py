@@ -406,7 +406,7 @@ def test_readme_speed_sentence_is_the_width_records():
     of several widths, so the figures move with the record."""
     import json
 
-    from smlp_bench.speed import widths_sentence
+    from smlp_bench.speed_pages import widths_sentence
 
     record = json.loads((REPO / "docs" / "benchmark" / "speed" / "widths" / "speed.json").read_text())
     readme = (REPO / "README.md").read_text()

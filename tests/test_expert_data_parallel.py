@@ -346,11 +346,15 @@ def test_elastic_reshards_model_optimizer_and_data_position(tmp_path):
     with pytest.raises(ReshardError, match="holds 4 experts per sparse layer but this run builds 8"):
         plan_resume(base, world_size=1, sharded=False, layout=ExpertDataLayout(world_size=1, ep_size=1, num_experts=8),
                     num_experts=8)
-    plan = plan_resume(base, world_size=1, sharded=False, layout=one, num_experts=4)
+    target = str(tmp_path / "checkpoint_resharded_3_w1.pt")
+    plan = plan_resume(base, world_size=1, sharded=False, layout=one, num_experts=4, target=target)
     assert (plan.saved.world_size, plan.saved.ep_size, plan.saved.local_experts) == (4, 2, 2)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
     reshard_checkpoint(plan, 0, [False, True])
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint_last.pt", "resharded-from-4-ranks-update-3"]
-    assert len(list((tmp_path / "resharded-from-4-ranks-update-3").iterdir())) == 4
+    # written beside: the 4-rank set is left as it was
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*before, "checkpoint_resharded_3_w1.pt"])
+    assert all((tmp_path / name).read_bytes() == data for name, data in before.items())
+    base = target
     st = torch.load(base, weights_only=False)
     assert torch.equal(st["model"]["decoder.core.layers.0.ffn.experts.w1"], full_w)
     assert torch.equal(st["last_optimizer_state"]["state"][1]["exp_avg"], full_m)
@@ -359,24 +363,25 @@ def test_elastic_reshards_model_optimizer_and_data_position(tmp_path):
     assert st["cfg"]["distributed_training"]["distributed_world_size"] == 1
     assert plan_resume(base, world_size=1, sharded=False, layout=one, num_experts=4) is None  # nothing left to do
 
-    # one file -> 8 ranks in groups of 4 (two replicas): ranks stage in any order, rank 0 puts them in place
+    # one file -> 8 ranks in groups of 4 (two replicas), each rank writing its own file in any order
     eight = ExpertDataLayout(world_size=8, ep_size=4, num_experts=4)
-    plan = plan_resume(base, world_size=8, sharded=True, layout=eight, num_experts=4)
+    plan = plan_resume(base, world_size=8, sharded=True, layout=eight, num_experts=4,
+                       target=str(tmp_path / "checkpoint_resharded_3_w8.pt"))
     for r in [7, 3, 5, 1, 2, 6, 4, 0]:
         reshard_checkpoint(plan, r, [False, True])
     for r in range(8):
-        st = torch.load(tmp_path / f"checkpoint_last-rank-{r}.pt", weights_only=False)
+        st = torch.load(tmp_path / f"checkpoint_resharded_3_w8-rank-{r}.pt", weights_only=False)
         j = r % 4
         assert torch.equal(st["model"]["decoder.core.layers.0.ffn.experts.w1"], full_w[j:j + 1])
         assert torch.equal(st["last_optimizer_state"]["state"][1]["exp_avg"], full_m[j:j + 1])
         assert st["last_optimizer_state"]["state"][0]["step"] == 3
         # 12 batches over 8 ranks: each skips 1, 4 batches are seen twice (a warning says so)
         assert st["extra_state"]["train_iterator"]["iterations_in_epoch"] == 1
-    assert not (tmp_path / "checkpoint_last.pt").exists()
+    assert (tmp_path / "checkpoint_resharded_3_w1.pt").exists()  # the source stays
     # consolidation reads the group size from the rewritten config and merges the first 4 of the 8 shards
     from fairseq_plugins.checkpoints import saved_ep_size
 
-    states = [torch.load(tmp_path / f"checkpoint_last-rank-{r}.pt", weights_only=False) for r in range(8)]
+    states = [torch.load(tmp_path / f"checkpoint_resharded_3_w8-rank-{r}.pt", weights_only=False) for r in range(8)]
     keys = ["decoder.core.layers.0.ffn.experts.w1"]
     G = saved_ep_size(states[0], 8, keys)
     assert G == 4
@@ -432,11 +437,12 @@ def test_checkpoints_move_between_the_smoe_layouts(tmp_path, saved_replicated):
     target = () if saved_replicated else (SMOE,)
     assert plan_resume(base, world_size=2, sharded=True, layout=layout, num_experts=4,
                        replicated=(SMOE,) if saved_replicated else ()) is None  # its own layout: nothing to do
-    plan = plan_resume(base, world_size=2, sharded=True, layout=layout, num_experts=4, replicated=target)
+    plan = plan_resume(base, world_size=2, sharded=True, layout=layout, num_experts=4, replicated=target,
+                       target=str(tmp_path / "moved.pt"))
     assert plan is not None and plan.saved.replicated == ((SMOE,) if saved_replicated else ())
     for r in (1, 0):
         reshard_checkpoint(plan, r, [None, SMOE, TMOE])
-    states = [torch.load(tmp_path / f"checkpoint_last-rank-{r}.pt", weights_only=False) for r in range(2)]
+    states = [torch.load(tmp_path / f"moved-rank-{r}.pt", weights_only=False) for r in range(2)]
     for r, st in enumerate(states):
         for key, whole in ((SMOE, not saved_replicated), (TMOE, False)):
             want = (full[key], moments[key]) if whole else (full[key][2 * r:2 * r + 2], moments[key][2 * r:2 * r + 2])
@@ -499,20 +505,24 @@ def test_checkpoints_of_a_model_with_its_own_smoe_experts(tmp_path, saved_replic
                                                                                num_experts=E), num_experts=E)
     # the other sMoE layout on the same 2 ranks
     other = () if saved_replicated else (SMOE,)
-    plan = plan_resume(base, world_size=2, sharded=True, layout=two, num_experts=E, replicated=other, smoe_experts=N)
+    plan = plan_resume(base, world_size=2, sharded=True, layout=two, num_experts=E, replicated=other, smoe_experts=N,
+                       target=str(tmp_path / "other.pt"))
     assert plan.saved.smoe_experts == N and plan.saved.replicated == here
     for r in (1, 0):
         reshard_checkpoint(plan, r, [None, SMOE, TMOE])
     for r in range(2):
-        st = torch.load(tmp_path / f"checkpoint_last-rank-{r}.pt", weights_only=False)
+        st = torch.load(tmp_path / f"other-rank-{r}.pt", weights_only=False)
         for key, idx, total in ((SMOE, 1, N), (TMOE, 2, E)):
             lo, hi = (0, total) if key in other else (r * total // 2, (r + 1) * total // 2)
             assert torch.equal(st["model"][key], full[key][lo:hi]), (r, key)
             assert torch.equal(st["last_optimizer_state"]["state"][idx]["exp_avg"], moments[key][lo:hi]), (r, key)
     # ... then one file (every expert), then 4 ranks: one tMoE expert each, the sMoE's 2 spread over groups of 2
     one = ExpertDataLayout(world_size=1, ep_size=1, num_experts=E)
-    plan = plan_resume(base, world_size=1, sharded=False, layout=one, num_experts=E, smoe_experts=N)
+    base = str(tmp_path / "other.pt")
+    plan = plan_resume(base, world_size=1, sharded=False, layout=one, num_experts=E, smoe_experts=N,
+                       target=str(tmp_path / "one.pt"))
     reshard_checkpoint(plan, 0, [None, SMOE, TMOE])
+    base = str(tmp_path / "one.pt")
     st = torch.load(base, weights_only=False)
     assert torch.equal(st["model"][SMOE], full[SMOE]) and torch.equal(st["model"][TMOE], full[TMOE])
     assert st["cfg"]["model"]["smoe_experts"] == N and st["cfg"]["model"]["num_experts"] == E
@@ -520,11 +530,11 @@ def test_checkpoints_of_a_model_with_its_own_smoe_experts(tmp_path, saved_replic
     with pytest.raises(ReshardError, match="sMoE's 2 experts over expert-parallel groups of 4.*replicated"):
         plan_resume(base, world_size=4, sharded=True, layout=four, num_experts=E, smoe_experts=N)
     plan = plan_resume(base, world_size=4, sharded=True, layout=four, num_experts=E, replicated=(SMOE,),
-                       smoe_experts=N)
+                       smoe_experts=N, target=str(tmp_path / "four.pt"))
     for r in (3, 1, 2, 0):
         reshard_checkpoint(plan, r, [None, SMOE, TMOE])
     for r in range(4):
-        st = torch.load(tmp_path / f"checkpoint_last-rank-{r}.pt", weights_only=False)
+        st = torch.load(tmp_path / f"four-rank-{r}.pt", weights_only=False)
         assert torch.equal(st["model"][SMOE], full[SMOE]) and torch.equal(st["model"][TMOE], full[TMOE][r:r + 1])
 
 

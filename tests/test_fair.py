@@ -233,7 +233,7 @@ def test_the_fair_benchmark_sweeps_decides_and_resumes(tmp_path, data, fake_trai
     assert "speed-up" not in (out / "deciding" / "table.md").read_text()
 
     # 5. --publish puts the answers in the page and README, from the store in place
-    from smlp_bench import fair_report, publish
+    from smlp_bench import fair_pages, publish
 
     docs = repo / "docs"
     page = docs / "benchmarks.md"
@@ -244,15 +244,19 @@ def test_the_fair_benchmark_sweeps_decides_and_resumes(tmp_path, data, fake_trai
     publish.publish([out / "results.json"], page, docs, experiment_order=[], readme=readme)
     text, summary = page.read_text(), readme.read_text()
     assert "OLD" not in text and "OLD" not in summary
-    assert ("- **Does sMLP-deterministic beat the best Transformer-MoE (HASH Layers) at matched FLOPs? no difference "
-            "larger than") in text
+    assert ("- **Does sMLP-deterministic beat the best Transformer-MoE (HASH Layers) at matched FLOPs? a tie, no "
+            "difference larger than") in text
     assert "- Secondary, sMLP-deterministic against Base Layers on all positions: yes" in text
     assert "| sMLP-deterministic | 9+3 | 0.016 |" in text and "| gMLP | 12 | 0.001 (edge) |" in text
-    assert "Rule: " + V.T_RULE in text and fair_report.SCALE_NOTE in text and fair_report.BASE_NOTE in text
+    assert "Rule: " + V.T_RULE in text and fair_pages.SCALE_NOTE in text and fair_pages.BASE_NOTE in text
     answer = summary.split(publish.README_FAIR_START)[1]
-    assert answer.startswith("\n**Does sMLP-deterministic beat the best Transformer-MoE at matched FLOPs? no diff")
+    assert answer.startswith("\n**Does sMLP-deterministic beat the best Transformer-MoE at matched FLOPs? a tie, no")
     assert "for HASH Layers" in answer and "Against dense gMLP (secondary): undecided" in answer
-    assert "As experts are added, sMLP-det against HASH Layers: 2 experts" in answer
+    assert "As experts are added, sMLP-det against HASH Layers at 500 updates: 2 experts" in answer
+    # the order is published as the snapshot it is, with sMLP-det's own trend and its 2-expert point against gMLP
+    assert "**The order is a 500-update snapshot on a corpus read 1.4 times, not a settled one.**" in text
+    assert "sMLP-deterministic (32 experts) against HASH Layers (32 experts) at 100 / 250 / 350 / 500 updates" in text
+    assert "- sMLP-det itself at this budget: " in text and "At 2 experts against dense gMLP: " in text
     assert "With 4 sMoE experts (32 channels each) at 32 tMoE experts" in answer
     assert "| 32 | " in text and "| sMLP-det with 4 sMoE experts against the tie | - |" in text
     assert "The paper reports no expert sweep for sMLP" in text and "Is the sweep's rate still right" in text
@@ -336,6 +340,7 @@ def test_the_rate_check_says_when_a_familys_best_rate_lies_past_its_sweeps_again
     """At 32 experts: a family whose best of its three rates is the highest, and one whose sweep's rate stays best.
     The gain and the seed spread (sd of log perplexity over the 32-expert seeds) against hand-computed values; the
     page's sentence says which side of the spread the gain lies on, and nothing for the family that stays."""
+    from smlp_bench import fair_pages as FP
     from smlp_bench import fair_report as FR
 
     def model(*ppl):
@@ -350,13 +355,34 @@ def test_the_rate_check_says_when_a_familys_best_rate_lies_past_its_sweeps_again
     assert h["best"] == 0.008 and h["best_at_edge"] and not h["chosen_is_best"] and h["complete"]
     assert h["gain"] == pytest.approx(70.9 / 71.4 - 1)
     assert h["seed_sd"] == pytest.approx(statistics.stdev(math.log(v) for v in (71.2, 71.2, 72.2, 73.0)))
-    text = FR.rate_sentence(h)
+    text = FP.rate_sentence(h)
     assert text.startswith("HASH Layers does best at 0.008: 70.9 against 71.4 at its sweep's rate (-0.7%, seed 1 "
                            "alone; a higher rate than 0.008 was not tried).") and "within that spread" in text
     assert "1.2% (sd of log perplexity)" in text and "about 0.7% pessimistic" in text
-    assert rows["smlp_det"]["chosen_is_best"] and FR.rate_sentence(rows["smlp_det"]) == ""
+    assert rows["smlp_det"]["chosen_is_best"] and FP.rate_sentence(rows["smlp_det"]) == ""
     pooled["hash_e32@lr0.008"] = model(60.0)  # a gain past the spread: the comparisons lean against HASH
-    far = FR.rate_sentence(FR.rate_check(pooled, {"hash": {"chosen": 0.004}})[0])
+    far = FP.rate_sentence(FR.rate_check(pooled, {"hash": {"chosen": 0.004}})[0])
     assert "the gain exceeds that spread" in far and "(-16.0%," in far
-    lines = FR.render_experts({"best_moe": "hash", "rows": [], "comparisons": []}, [h], None)
+    lines = FP.render_experts({"best_moe": "hash", "rows": [], "comparisons": []}, [h], None)
     assert lines[-1] == text and lines[-2] == ""
+
+
+def test_a_same_seed_rerun_replaces_the_seed_it_reran_and_is_compared_at_the_printed_precision():
+    from smlp_bench import fair_report as FR
+
+    def model(seeds, ppls, flags="--arch smlp_lm"):
+        return {"fairseq_flags": flags, "lr": 0.008, "seeds": seeds, "valid_ppl_per_seed": ppls,
+                "curves": [{"seed": s, "updates": [500], "ppl": [p]} for s, p in zip(seeds, ppls)]}
+
+    records = {"experts": {"models": {"a": model([2], [60.04]), "b": model([2], [70.0])}},
+               "experts-seeds": {"models": {"a": model([3, 4], [61.0, 62.0]), "b": model([3], [71.0])}},
+               "same-seed": {"models": {"a": model([2], [60.01]), "b": model([2], [70.2], flags="--arch other")}}}
+    pooled, problems = FR.pooled_models(records)
+    assert pooled["a"]["seeds"] == [2, 3, 4] and pooled["a"]["valid_ppl_per_seed"] == [60.01, 61.0, 62.0]
+    assert FR.at_update(pooled["a"], 500) == {2: 60.01, 3: 61.0, 4: 62.0} and pooled["a"]["rerun_seeds"] == [2]
+    # a rerun of another model under the key is not used, and said
+    assert pooled["b"]["valid_ppl_per_seed"] == [70.0, 71.0] and problems == [
+        "b: the same-seed rerun trained another model under this key; not used"]
+    checks = FR.same_seed_checks(records, {"experts": "7dbbd46", "same-seed": "caaf5bf"})
+    assert [(c["key"], c["seed"], c["stage"], c["commit"], c["rerun_commit"], c["equal"]) for c in checks] == [
+        ("a", 2, "experts", "7dbbd46", "caaf5bf", True), ("b", 2, "experts", "7dbbd46", "caaf5bf", False)]

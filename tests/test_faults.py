@@ -127,7 +127,7 @@ def test_sigkill_while_saving_ends_all_workers_and_the_resume_is_consistent(tiny
     then holds checkpoint_last-rank-0.pt at update 5 and -rank-1.pt at 4: the next run names both
     and resumes from the newest complete set (checkpoint_1_5), going on with the baseline's losses.
     """
-    from fairseq_plugins.checkpoint_sets import read_shard
+    from fairseq_plugins.shard_tags import read_shard
 
     proc, out = launch(tmp_path, tiny_lm_data, "--user-dir", FAULT_PLUGIN,
                        env={"SMLP_FAULT_SLOW_SAVE": "rank=1,nth=5,sleep=120,rename=1"})
@@ -170,7 +170,7 @@ def test_a_full_disk_on_one_rank_ends_every_rank_in_one_line_and_names_no_part_o
         assert "Traceback" not in log, (r, log[-3000:])
     assert sorted(p.name for p in ckpt.glob("checkpoint*")) == [
         f"checkpoint_{n}-rank-{r}.pt" for n in ("1_1", "1_2", "last") for r in (0, 1)]
-    from fairseq_plugins.checkpoint_sets import read_shard
+    from fairseq_plugins.shard_tags import read_shard
 
     assert [read_shard(str(ckpt / f"checkpoint_last-rank-{r}.pt")).num_updates for r in (0, 1)] == [2, 2]
     proc, out = launch(tmp_path, tiny_lm_data, "--user-dir", PLUGINS, name="resume")

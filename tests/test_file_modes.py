@@ -2,23 +2,27 @@
 atomic writer), so a teammate on a shared cluster can read, resume and evaluate a run.
 
 Under umask 022 and 027, once each: a 2-rank training saving every update (rank shards, numbered saves and their
-copies), its consolidation, its resharding (the 2-rank set resumed on one process: one file, the old set kept
-aside), a Hugging Face export, a data-bin from smlp-prepare-data, a package fetched into the data cache, and a
+copies), its consolidation, its resharding (the 2-rank set resumed on one process: one file written beside it),
+a Hugging Face export, a data-bin from smlp-prepare-data, a package fetched into the data cache, and a
 benchmark's run store, record and figure. The reference is a file made by open() and a folder made by mkdir beside them
 under the same umask (tempfile.mkstemp made every rank checkpoint 0600, mkdtemp the data cache's folders 0700).
+The one writer itself is also checked, in one process, under umasks 022, 027 and 077 and in a folder whose default
+ACL gives the group rw and others nothing (the mode then comes from the ACL, not the umask: a mode computed from
+the umask gave 0600 with the ACL's mask emptied, or 0644 against it).
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import stat
+import subprocess
 import zipfile
 from pathlib import Path
 
 import pytest
 
 from fairseq_helpers import PLUGINS, TINY_TRAIN, assert_ok, run_fairseq, run_in_process
-
-pytestmark = pytest.mark.slow
 
 UMASKS = (0o022, 0o027)
 
@@ -87,6 +91,7 @@ def _mode(path: Path) -> int:
     return stat.S_IMODE(path.lstat().st_mode)
 
 
+@pytest.mark.slow
 def test_every_file_and_folder_has_the_mode_open_and_mkdir_give_under_the_umask(written):
     root, mask = written
     file_mode, dir_mode = _mode(root / "plain" / "file"), _mode(root / "plain")
@@ -94,8 +99,7 @@ def test_every_file_and_folder_has_the_mode_open_and_mkdir_give_under_the_umask(
     found = {p.relative_to(root).as_posix(): p for p in sorted(root.rglob("*")) if p.relative_to(root).parts[0]
              != "plain" and not p.name.endswith(".lock")}
     kinds = {"ckpt/checkpoint_1_1-rank-1.pt", "ckpt/checkpoint_1_2-rank-0.pt",  # training's rank shards
-             "ckpt/checkpoint_last.pt",  # resharded to one file, then saved again by the 1-process run
-             "ckpt/resharded-from-2-ranks-update-2/checkpoint_last-rank-1.pt",  # the 2-rank set kept aside
+             "ckpt/checkpoint_last.pt", "ckpt/checkpoint_1_3.pt",  # the 1-process run's, resumed from a resharded file
              "merged/checkpoint.pt", "hf/model.safetensors", "hf/config.json", "data-bin/train.bin",
              "data-bin/manifest.json", "cache/packages/smlp-probe-1.0/smlp_probe/data.txt", "bench/runs.json",
              "bench/record.json", "bench/table.md", "bench/figure.png"}
@@ -104,3 +108,87 @@ def test_every_file_and_folder_has_the_mode_open_and_mkdir_give_under_the_umask(
              if _mode(p) != (dir_mode if p.is_dir() else file_mode) and not p.is_symlink()}
     assert not wrong, (f"expected files {oct(file_mode)}, folders {oct(dir_mode)}", wrong)
     assert not [n for n in found if n.endswith(".tmp") or ".tmp-" in n]  # no temporary file or folder left
+
+
+# ---------------------------------------------------------------------------- the one writer, umask and ACL
+
+
+def acl_tools() -> None:
+    """setfacl/getfacl (Debian's `acl`), installed as launch/slurm/local_cluster.sh installs SLURM: with apt-get
+    as root unless SMLP_ACL_NO_INSTALL=1; else the test is skipped saying why, or fails under SMLP_REQUIRE_ACL=1
+    (.ci/run installs the package and sets it)."""
+    if shutil.which("setfacl") is None and os.geteuid() == 0 and shutil.which("apt-get") \
+            and os.environ.get("SMLP_ACL_NO_INSTALL") != "1":
+        env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+        if subprocess.run(["apt-get", "install", "-y", "-q", "acl"], capture_output=True, env=env).returncode:
+            subprocess.run(["apt-get", "update", "-q"], capture_output=True, env=env)
+            subprocess.run(["apt-get", "install", "-y", "-q", "acl"], capture_output=True, env=env)
+    if shutil.which("setfacl") is None:
+        reason = "setfacl is missing: install Debian's acl package (apt-get install -y acl)"
+        if os.environ.get("SMLP_REQUIRE_ACL") == "1":
+            pytest.fail(reason)
+        pytest.skip(reason)
+
+
+@contextlib.contextmanager
+def _umask(mask: int):
+    old = os.umask(mask)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+def _acl(path: Path) -> str:
+    """getfacl's entries of `path` (without its header), the mode bits included."""
+    out = subprocess.run(["getfacl", "-p", "--omit-header", str(path)], capture_output=True, text=True, check=True)
+    return out.stdout
+
+
+def _writes(folder: Path) -> dict[str, Path]:
+    """A file of each of the one writer's forms in `folder`, and the reference made by open()."""
+    from fairseq_plugins.atomic_files import atomic_torch_save
+    from smlp.files import write_atomic, write_atomic_by_name
+
+    def replacing(tmp: str) -> None:  # a library that writes its own file over ours (safetensors did, 0600)
+        os.unlink(tmp)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT, 0o600)
+        os.write(fd, b"weights")
+        os.close(fd)
+
+    with open(folder / "plain", "w"):
+        pass
+    write_atomic(folder / "record.json", "{}")
+    atomic_torch_save({"w": 1}, str(folder / "checkpoint_last.pt"))
+    write_atomic_by_name(folder / "model.safetensors", replacing)
+    return {name: folder / name for name in ("plain", "record.json", "checkpoint_last.pt", "model.safetensors")}
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o027, 0o077], ids=lambda m: f"umask{m:03o}")
+@pytest.mark.parametrize("acl", [False, True], ids=["no-acl", "default-acl"])
+def test_the_one_writer_gives_the_mode_open_gives_under_the_umask_and_the_default_acl(tmp_path, mask, acl):
+    """In a folder with a default ACL (group rw, others nothing) the kernel ignores the umask: open() gives 0660
+    and an access ACL like the default. The writer's files match open()'s reference bit for bit (mode and ACL),
+    under each umask; a file that exists keeps its own mode."""
+    folder = tmp_path / "runs"
+    folder.mkdir()
+    if acl:
+        acl_tools()
+        done = subprocess.run(["setfacl", "-d", "-m", "u::rw,g::rw,o::-", str(folder)], capture_output=True, text=True)
+        if done.returncode:
+            pytest.skip(f"this filesystem has no ACLs: {done.stderr.strip()}")
+    with _umask(mask):
+        files = _writes(folder)
+    expected = 0o660 if acl else 0o666 & ~mask
+    modes = {name: oct(stat.S_IMODE(p.stat().st_mode)) for name, p in files.items()}
+    assert modes == dict.fromkeys(files, oct(expected)), modes
+    if acl:
+        reference = _acl(files["plain"])
+        assert {name: _acl(p) for name, p in files.items()} == dict.fromkeys(files, reference)
+    from smlp.files import write_atomic
+
+    os.chmod(files["record.json"], 0o604)
+    with _umask(mask):
+        write_atomic(files["record.json"], "[]")
+    assert stat.S_IMODE(files["record.json"].stat().st_mode) == 0o604
+    assert sorted(p.name for p in folder.iterdir()) == sorted(files)  # no temporary file left

@@ -151,7 +151,8 @@ def test_evaluation_and_the_core_import_no_launcher_and_data_preparation_no_mode
                 todo.append(nxt)
         return seen
 
-    NOT_MODELS = {"smlp.third_party", "smlp.process_group", "smlp.files"}  # start-up; ranks; the atomic writer
+    # start-up; ranks; the atomic writer; one job per save folder
+    NOT_MODELS = {"smlp.third_party", "smlp.process_group", "smlp.files", "smlp.folder_lock"}
     # a worker (smlp-launch --worker, its own process) checks its fairseq-train flags with the model's code
     # (smlp_launch.preflight) before fairseq-train runs there; the launcher's own checks never reach it
     assert "smlp_launch.preflight" in graph["smlp_launch.worker"]

@@ -36,10 +36,10 @@ def _patched():
 
 def test_every_listed_patch_names_code_that_exists_and_says_what_it_fixes():
     assert [p.name for p in patches.PATCHES] == [
-        "allow_fairseq_checkpoints", "pin_sequence_length", "checkpoint_sets", "guard_language_modeling_data",
-        "refuse_unlimited_batches", "torchrun", "hydra_presets", "elastic", "zero_optimizer", "precision",
-        "generation_patches", "fold_router_prices", "evaluate_every_sequence", "gather_lists_off_cuda", "ddp_on_cpu",
-        "restore_fairseq_cli_logging", "print_refusals"]
+        "allow_fairseq_checkpoints", "pin_sequence_length", "checkpoint_sets", "checkpoint_sources",
+        "guard_language_modeling_data", "refuse_unlimited_batches", "torchrun", "hydra_presets", "zero_optimizer",
+        "precision", "generation_patches", "fold_router_prices", "evaluate_every_sequence", "gather_lists_off_cuda",
+        "ddp_on_cpu", "restore_fairseq_cli_logging", "print_refusals"]
     for p in patches.PATCHES:
         assert callable(getattr(importlib.import_module(f"fairseq_plugins.{p.module}"), p.function)), p
         assert len(p.fixes) > 40, p
@@ -51,11 +51,10 @@ def test_every_listed_patch_names_code_that_exists_and_says_what_it_fixes():
 def test_the_import_applied_them_in_order_and_again_changes_nothing():
     from fairseq import checkpoint_utils
 
-    # elastic after checkpoint_sets: its wrapper is the outer one (reshard first, then check the set)
+    # one wrapper decides what loads (the newest save of any layout, resharded beside it) around fairseq's own
     outer = checkpoint_utils.load_checkpoint
-    assert outer.__module__ == "fairseq_plugins.elastic"
-    assert outer.__wrapped__.__module__ == "fairseq_plugins.checkpoint_sets"
-    assert outer.__wrapped__.__wrapped__.__module__ == "fairseq.checkpoint_utils"
+    assert outer.__module__ == "fairseq_plugins.checkpoint_sources"
+    assert outer.__wrapped__.__module__ == "fairseq.checkpoint_utils"
     before = _patched()
     # wrappers defined by our modules (train_step is wrapped only by runs that need it, precision.py patch 3)
     assert all(v.__module__.startswith("fairseq_plugins.") for k, v in before.items()

@@ -47,9 +47,12 @@ def runs(tiny_lm_data, tmp_path_factory):
     out["replicated"] = _train(tiny_lm_data, root / "elastic", 4, "--expert-parallel-size", "2",
                                "--max-update", "3")
     # writes of ranks 0, 2 and 3 killed partway (a run stopped while it saved): the 1-process run has none of them
-    out["planted"] = [f"checkpoint_{n}-rank-{r}.pt.k3j2h1g{r}.tmp" for n, r in (("last", 0), ("1_3", 2), ("last", 3))]
+    out["planted"] = [f".checkpoint_{n}-rank-{r}.pt.smlp-tmp-{r:016x}" for n, r in (("last", 0), ("1_3", 2),
+                                                                                    ("last", 3))]
     for name in out["planted"]:
         (root / "elastic" / name).write_bytes(b"PK\x03\x04 part of a checkpoint")
+    # the 4-rank set, as the resumed runs find it (a later save of that name supersedes it)
+    shutil.copytree(root / "elastic", root / "four", ignore=shutil.ignore_patterns(".*"))
     out["shrunk"] = _train(tiny_lm_data, root / "elastic", 1, "--update-freq", "4", "--max-update", "5")
     out["shrunk_files"] = sorted(p.name for p in (root / "elastic").iterdir())
     out["regrown"] = _train(tiny_lm_data, root / "elastic", 2, "--update-freq", "2", "--max-update", "7",
@@ -73,9 +76,9 @@ def test_replicated_shards_consolidate_into_the_reference_model(runs, tmp_path):
     from fairseq_plugins.checkpoints import consolidate, load_checkpoint
 
     root = runs["root"]
-    backup = root / "elastic" / "resharded-from-4-ranks-update-3"  # the 4-rank set, kept when resharded
-    assert sorted(p.name for p in backup.iterdir()) == [f"checkpoint_last-rank-{r}.pt" for r in range(4)]
-    mine = load_checkpoint(consolidate(str(backup / "checkpoint_last.pt"), str(tmp_path / "mine.pt")))
+    four = root / "four"  # the 4-rank set, copied before the 1-process run resumed from it
+    assert sorted(p.name for p in four.iterdir()) == [f"checkpoint_last-rank-{r}.pt" for r in range(4)]
+    mine = load_checkpoint(consolidate(str(four / "checkpoint_last.pt"), str(tmp_path / "mine.pt")))
     theirs = load_checkpoint(consolidate(str(root / "ref" / "checkpoint_1_3.pt"), str(tmp_path / "ref.pt")))
     assert mine["model"].keys() == theirs["model"].keys()
     experts = [k for k in mine["model"] if ".experts." in k]
@@ -119,18 +122,20 @@ def test_resume_on_one_process_continues_the_losses(runs):
         text[-3000:]
     assert sorted(got) == [4, 5], text[-3000:]
     assert got == pytest.approx({u: ref[u] for u in got}, abs=2e-3), (got, ref)
-    # one process reads one file: the old shards left the save directory (kept in the backup)
-    assert "checkpoint_last.pt" in runs["shrunk_files"]
-    assert not any(n.startswith("checkpoint_last-rank-") for n in runs["shrunk_files"]), runs["shrunk_files"]
+    # one process reads one file, resharded beside the set; once this run saved checkpoint_last.pt, the 4-rank
+    # checkpoint_last-rank-* it supersedes and the resharded copy are gone
+    assert "into checkpoint_resharded_3_w1.pt; the source is unchanged" in text, text[-3000:]
+    assert [n for n in runs["shrunk_files"] if n.startswith("checkpoint")] == ["checkpoint_last.pt"], \
+        runs["shrunk_files"]
 
 
 def test_resuming_on_fewer_ranks_removes_the_temporary_files_of_every_rank_it_does_not_have(runs):
-    """Each rank removes its own killed writes when it starts again; those of ranks a resharded run does not have
-    were left for good (each up to a checkpoint in size): rank 0 removes them, and says so."""
+    """Killed writes of ranks a resharded run does not have would be left for good (each up to a checkpoint in
+    size): rank 0, holding the folder's lock, removes every rank's when training starts, and says so."""
     _, text = runs["shrunk"]
     assert not set(runs["planted"]) & set(runs["shrunk_files"]), runs["shrunk_files"]
     for name in runs["planted"]:
-        assert f"removed {name} (0.0 MiB): a checkpoint write that never finished" in text, text[-3000:]
+        assert f"removed {name} (0.0 MiB): a write that never finished" in text, text[-3000:]
 
 
 def test_resume_on_two_ranks_with_sharded_optimizer_state_continues_the_losses(runs):

@@ -226,7 +226,7 @@ if full:
 
     def no_room_to_create(real_open, name):
         def open_(path, flags, *args, **kwargs):  # the temporary file beside `name` (mkstemp uses os.open too)
-            if flags & os.O_CREAT and os.path.basename(str(path)).startswith(name + "."):
+            if flags & os.O_CREAT and os.path.basename(str(path)).startswith(f".{name}.smlp-tmp-"):
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
             return real_open(path, flags, *args, **kwargs)
         return open_
