@@ -11,6 +11,7 @@ share of the data, is refused in one line, as is a --distributed-world-size that
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 from collections.abc import Mapping
@@ -80,7 +81,9 @@ def _copy_world_size(cfg, world: int) -> None:
 
 
 def _program(main) -> str:
-    """The module of a program's main: its import name also when it runs as `python -m` / `torchrun -m`."""
+    """The module of a program's main (under the plugins' wrappers of it): its import name also when it runs as
+    `python -m` / `torchrun -m`."""
+    main = inspect.unwrap(main)
     module = getattr(main, "__module__", "") or ""
     spec = getattr(main, "__globals__", {}).get("__spec__") if module == "__main__" else None
     return spec.name if spec is not None else module

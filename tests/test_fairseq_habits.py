@@ -74,6 +74,12 @@ def test_torchrun_environment_gives_the_ranks_and_refuses_what_cannot_run():
     alone = _parsed(["--arch", "smlp_lm_tiny", "--cpu"])
     assert torchrun_ranks(alone, "fairseq_cli.train", {}) is None
     assert alone.distributed_training.distributed_init_method is None
+    # the program is told by its main, under the plugins' wrappers of it
+    from fairseq_cli import train
+
+    from fairseq_plugins.torchrun import _program
+
+    assert _program(train.main) == "fairseq_cli.train" and train.main.__module__ != "fairseq_cli.train"
 
 
 def test_torchrun_on_gpu_nodes_keeps_nccl_and_takes_the_local_rank(monkeypatch):
@@ -194,14 +200,16 @@ def test_fairseq_hydra_train_trains_the_tiny_recipes_model(tiny_lm_data, tmp_pat
     common = ["--cpu", "--max-update", "1", "--no-save", "--log-format", "simple", "--log-interval", "1"]
     flags = [str(tiny_lm_data), "--user-dir", PLUGINS, *shlex.split((REPO / "configs/smlp_tiny.args").read_text())]
     log = assert_ok(run_in_process("fairseq-train", [*flags, *common]))
+    here = tmp_path / "run"  # the folder it runs in
+    here.mkdir()
     run = subprocess.run([str(BIN / "fairseq-hydra-train"), f"task.data={tiny_lm_data}", f"common.user_dir={PLUGINS}",
                           "common.cpu=true", "optimization.max_update=1", "checkpoint.no_save=true",
-                          "common.log_format=simple", "common.log_interval=1", f"checkpoint.save_dir={tmp_path}",
+                          "common.log_format=simple", "common.log_interval=1", f"checkpoint.save_dir={tmp_path / 'ck'}",
                           "--config-dir", str(REPO / "configs" / "hydra"), "--config-name", "smlp_tiny"],
-                         env=worker_env(1), cwd=tmp_path, capture_output=True, text=True, timeout=300)
+                         env=worker_env(1), cwd=here, capture_output=True, text=True, timeout=300)
     hydra_log = run.stdout + run.stderr
     assert run.returncode == 0, hydra_log[-3000:]
     params = [line.split("| ")[-1] for line in log.splitlines() if "model params" in line]
     assert len(params) == 2 and all(p in hydra_log for p in params), (params, hydra_log[-3000:])
     assert train_losses(hydra_log) == train_losses(log) and list(train_losses(log)) == [1], hydra_log[-3000:]
-    assert not os.listdir(tmp_path), os.listdir(tmp_path)  # no hydra_train.log, no .hydra/ folder
+    assert not os.listdir(here), os.listdir(here)  # no hydra_train.log, no .hydra/ folder, no outputs/
