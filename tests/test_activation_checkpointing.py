@@ -129,3 +129,47 @@ def test_the_memory_estimator_counts_what_checkpointing_keeps():
                        for kind, layers in (("head", 1), ("dense", 3), ("sparse", 1)))
     assert mem["kept"]["activations"] == train.batch_size * per_sequence
     assert mem["kept"]["activations"] < 0.5 * mem["plain"]["activations"]
+
+
+def test_recomputing_adds_no_host_sync(monkeypatch):
+    """On the path a GPU takes (smlp_bench.micro.host_syncs), a training step with --checkpoint-activations reads
+    from the device exactly what the plain step reads in its forward, and the recomputed stages read nothing in
+    backward (they run outside any TorchFunctionMode, so each is counted on its own here)."""
+    from dataclasses import replace as with_fields
+
+    import smlp.recompute
+    from smlp_bench.micro.host_syncs import HostSyncCounter, accelerator_paths
+    from tiny_steps import FAMILIES as STEP_FAMILIES
+    from tiny_steps import tiny_config, tokens
+
+    in_backward, recomputes, recomputed = [False], HostSyncCounter(), [0]
+    real = smlp.recompute.checkpoint
+
+    def counted_checkpoint(fn, *args, **kwargs):
+        def run(*a):
+            if not in_backward[0]:
+                return fn(*a)
+            recomputed[0] += 1
+            with recomputes:
+                return fn(*a)
+        return real(run, *args, **kwargs)
+
+    monkeypatch.setattr(smlp.recompute, "checkpoint", counted_checkpoint)
+    for name in STEP_FAMILIES:
+        forward_syncs = []
+        for on in (False, True):
+            torch.manual_seed(0)
+            model = LanguageModel(with_fields(tiny_config(name), checkpoint_activations=on)).train()
+            x = tokens()
+            in_backward[0] = False
+            with accelerator_paths():
+                with HostSyncCounter() as forward:
+                    loss = model(x).float().logsumexp(-1).mean()
+                in_backward[0] = True
+                before, runs = recomputes.count, recomputed[0]
+                loss.backward()
+            forward_syncs.append(dict(forward.by_site))
+            assert recomputes.count == before, (name, dict(recomputes.by_site))
+            assert (recomputed[0] > runs) == on, name  # the stages ran again, counted
+        assert forward_syncs[0] == forward_syncs[1], name
+    assert recomputes.count == 0
