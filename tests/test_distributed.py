@@ -414,10 +414,10 @@ def _recompute_worker(rank, world, init_file, kind, dtype_name):
             if kind == "base":
                 block = TransformerBlock(16, 24, 2, dropout=0.1, moe=TMoEConfig(d_model=16, d_ffn=24, num_experts=E),
                                          dispatcher=AllToAllDispatcher(E))
-            else:
-                cfg = SparseBlockConfig(d_model=16, d_ffn=24, seq_len=20, num_experts=E, smoe_routing=kind,
-                                        dropout=0.1)
-                block = SparseBlock(cfg, AllToAllDispatcher(E))
+            else:  # "partial", "deterministic", "deterministic-overlapped" (2 chunks, exchanges beside experts)
+                cfg = SparseBlockConfig(d_model=16, d_ffn=24, seq_len=20, num_experts=E,
+                                        smoe_routing=kind.split("-")[0], dropout=0.1)
+                block = SparseBlock(cfg, AllToAllDispatcher(E, chunks=2 if kind.endswith("overlapped") else 1))
             _randomize_expert_output(block)
             for m in block.modules():
                 if hasattr(m, "recompute"):
@@ -455,12 +455,13 @@ def _recompute_worker(rank, world, init_file, kind, dtype_name):
         _finish()
 
 
-@pytest.mark.parametrize("kind", ["deterministic", "partial", "base"])
+@pytest.mark.parametrize("kind", ["deterministic", "partial", "base", "deterministic-overlapped"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_recompute_repeats_no_exchange(kind, dtype, spawned, request):
-    """--checkpoint-activations on 2 ranks: the sMLP sparse block (both sMoE routings) and a Base Layers
-    Transformer block recompute their experts and attention in backward without one all2all more, and give the
-    plain block's outputs and gradients bit for bit, in fp32 and bf16."""
+    """--checkpoint-activations on 2 ranks: the sMLP sparse block (both sMoE routings, and with its exchanges
+    in 2 chunks beside its experts) and a Base Layers Transformer block recompute their experts and attention in
+    backward without one all2all more, and give the plain block's outputs and gradients bit for bit, in fp32 and
+    bf16."""
     spawned.check(request.node.name)
 
 
@@ -675,7 +676,7 @@ def _case_table() -> dict[str, list[tuple[int, object, tuple]]]:
     for name, lengths in (("different-lengths", [20, 9]), ("one-rank-within-prefix", [20, 3])):
         t[f"test_partial_routing_with_uneven_sequences_matches_single_process[{name}]"] = [
             (2, _block_worker, ("partial", lengths))]
-    for kind in ("deterministic", "partial", "base"):
+    for kind in ("deterministic", "partial", "base", "deterministic-overlapped"):
         for dtype in ("float32", "bfloat16"):
             t[f"test_recompute_repeats_no_exchange[{dtype}-{kind}]"] = [(2, _recompute_worker, (kind, dtype))]
     for name, tokens in (("even", [16, 16]), ("uneven", [7, 13])):
