@@ -173,3 +173,22 @@ def test_recomputing_adds_no_host_sync(monkeypatch):
             assert (recomputed[0] > runs) == on, name  # the stages ran again, counted
         assert forward_syncs[0] == forward_syncs[1], name
     assert recomputes.count == 0
+
+
+def test_the_pages_table_is_the_committed_records():
+    """docs/training.md's activation-memory table is what `smlp-bench activations --publish` writes from the
+    committed record (never typed by hand), and the record's estimate is the allocator's figure to 0.1 MiB."""
+    import json
+    from pathlib import Path
+
+    from smlp_bench.micro.activation_memory import PAGE_END, PAGE_START, markdown
+
+    root = Path(__file__).resolve().parents[1]
+    record = json.loads((root / "docs/benchmark/checkpoint_activations/paper_small.json").read_text())
+    page = (root / "docs/training.md").read_text()
+    assert page.split(PAGE_START, 1)[1].split(PAGE_END, 1)[0].strip() == markdown(record).strip()
+    for arch in record["archs"]:
+        for side in ("plain", "checkpointed"):
+            measured = arch[side]["forward_held_bytes"]
+            assert abs(arch[side]["estimated"]["activations_per_sequence_fp32"] - measured) < 0.1 * 2 ** 20, side
+        assert arch["held_ratio"] < 0.5

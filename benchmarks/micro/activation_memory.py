@@ -126,6 +126,60 @@ def run_arch(arch: str, batch: int, vocab: int, flags: list[str]) -> dict:
     return out
 
 
+def _gib(n: int) -> str:
+    return f"{n / 2 ** 30:.2f} GiB"
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2 ** 20:.1f}"
+
+
+def _blocks(side: dict) -> str:
+    return " / ".join(_mib(side["estimated"]["per_block_fp32"].get(k, 0)) for k in ("dense", "sparse", "head"))
+
+
+def markdown(record: dict) -> str:
+    """The table docs/training.md shows of a record (between its smlp-bench-activations markers)."""
+    config, lines = record["config"], []
+    fits = f"sequences_per_gpu_{config['cluster']}_fp16"
+    for a in record["archs"]:
+        plain, kept, m = a["plain"], a["checkpointed"], a["model"]
+        estimated = [_gib(side["estimated"]["activations_per_sequence_fp32"]) for side in (plain, kept)]
+        lines += [f"`{a['arch']}` (D={m['d_model']}, F={m['d_ffn']}, T={m['seq_len']}, {m['dense_layers']} dense + "
+                  f"{m['sparse_layers']} sparse blocks, {m['num_experts']} experts, {a['experts_per_gpu']} per GPU), "
+                  f"{config['batch']} sequence(s) of {a['tokens']} tokens, {config['dtype']}:",
+                  "",
+                  "| per step | plain | `--checkpoint-activations` |", "|---|---:|---:|",
+                  f"| held by the forward for the backward | {_gib(plain['forward_held_bytes'])} | "
+                  f"{_gib(kept['forward_held_bytes'])} ({a['held_ratio']:.2f}x) |",
+                  f"| the step's peak above its start (activations, gradients, recompute) | "
+                  f"{_gib(plain['step_peak_bytes'])} | {_gib(kept['step_peak_bytes'])} ({a['peak_ratio']:.2f}x) |",
+                  f"| the step-time model's activations | {estimated[0]} | {estimated[1]} |",
+                  f"| of a dense block / a sparse block / the head, MiB | {_blocks(plain)} | {_blocks(kept)} |",
+                  f"| the step-time model's sequences per GPU ({config['cluster']}, fp16, Adam) | "
+                  f"{plain['estimated'][fits]} | {kept['estimated'][fits]} |", ""]
+    commit = (record.get("code") or {}).get("commit") or "?"
+    lines.append(f"Measured by `smlp-bench activations` at commit {commit[:7]} on {record['machine']['cores']} CPU "
+                 f"cores (the allocator's record, torch.profiler); written into this page by `smlp-bench activations "
+                 f"--publish`.")
+    return "\n".join(lines)
+
+
+PAGE_START, PAGE_END = "<!-- smlp-bench-activations:start -->", "<!-- smlp-bench-activations:end -->"
+
+
+def publish(record_path: Path, page: Path) -> None:
+    """Rewrite `page`'s section between PAGE_START and PAGE_END with `markdown` of the record."""
+    import json
+
+    from ..publish import replace_section
+    from ..store import write_text
+
+    record = json.loads(record_path.read_text())
+    write_text(page, replace_section(page.read_text(), PAGE_START, PAGE_END, markdown(record), page))
+    print(f"wrote {page}")
+
+
 def add_arguments(p) -> None:
     p.add_argument("--out", type=Path, default=Path("results/activation_memory.json"), help="the JSON record")
     p.add_argument("--archs", default=",".join(DEFAULT_ARCHS), help="registered architectures, comma-separated "
@@ -134,6 +188,9 @@ def add_arguments(p) -> None:
     p.add_argument("--vocab", type=int, default=51200, help="vocabulary (51200: Table 9's non-expert parameters)")
     p.add_argument("--flags", default="", help="fairseq model flags added to every architecture (e.g. "
                                                "\"--num-experts 2 --tokens-per-sample 64\" for a tiny one)")
+    p.add_argument("--publish", type=Path, default=None, metavar="PAGE",
+                   help="rewrite PAGE's smlp-bench-activations section from the record (docs/training.md)")
+    p.add_argument("--report-only", action="store_true", help="measure nothing: publish the record at --out")
 
 
 def check_args(args) -> None:
@@ -147,6 +204,12 @@ def check_args(args) -> None:
 
 
 def run(args) -> int:
+    if args.report_only:
+        if args.publish is None or not args.out.is_file():
+            raise BenchError(f"--report-only publishes the record at --out ({args.out}, which must exist) into "
+                             f"--publish PAGE")
+        publish(args.out, args.publish)
+        return 0
     code = code_identity()  # the code that measures, before it runs
     archs = [run_arch(a, args.batch, args.vocab, shlex.split(args.flags)) for a in args.archs.split(",")]
     record = {"question": "how much activation memory --checkpoint-activations saves at the paper's small "
@@ -156,6 +219,8 @@ def run(args) -> int:
                          "threads": torch.get_num_threads(), "cluster": CLUSTER},
               "archs": archs}
     write_record(args.out, record)
+    if args.publish is not None:
+        publish(args.out, args.publish)
     return 0
 
 
