@@ -1,8 +1,9 @@
 """fairseq the way its users drive it: flags and workflows of fairseq's own recipes on our models.
 
 Each is honoured as fairseq does it or refused in one line before any work (docs/training.md, "From fairseq
-habits"): --add-bos-token, torchrun, fairseq-hydra-train with the presets' configs, --checkpoint-activations,
-averaging the last saves of a shard set.
+habits"): --add-bos-token, torchrun (trained with --checkpoint-activations, whose own tests are in
+tests/test_activation_checkpointing.py), fairseq-hydra-train with the presets' configurations. Averaging the last
+saves of a shard set is tested on the scale-out run's saves (tests/test_scale_out.py).
 """
 from __future__ import annotations
 
