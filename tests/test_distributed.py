@@ -428,8 +428,15 @@ def _recompute_worker(rank, world, init_file, kind, dtype_name):
         g = _inputs(world, lambda r: (3, 20, 16), seed=200)[rank].to(dtype)
         results = []
         for block in (build(False), build(True)):
-            calls, real = {"forward": 0, "backward": 0}, dist.all_to_all_single
+            calls, real = {"forward": 0, "backward": 0, "experts": 0}, dist.all_to_all_single
             phase = ["forward"]
+            experts = next(m for n, m in block.named_modules() if n.endswith(("tmoe.experts", "ffn.experts")))
+
+            def count_experts(*a, calls=calls, forward=experts.forward, **k):
+                calls["experts"] += 1
+                return forward(*a, **k)
+
+            experts.forward = count_experts
 
             def counted(*a, calls=calls, phase=phase, real=real, **k):
                 calls[phase[0]] += 1
@@ -447,6 +454,8 @@ def _recompute_worker(rank, world, init_file, kind, dtype_name):
             grads = {n: p.grad for n, p in block.named_parameters()}
             results.append((y.detach(), xi.grad, grads, calls))
         (y0, gx0, g0, c0), (y1, gx1, g1, c1) = results
+        assert c1["experts"] == 2 * c0["experts"] > 0, (c0, c1)  # the experts ran again in backward
+        c0.pop("experts"), c1.pop("experts")
         assert c0 == c1 and c0["forward"] > 0 and c0["backward"] > 0, (c0, c1)
         assert torch.equal(y0, y1) and torch.equal(gx0, gx1)
         assert all(g0[n] is not None for n in g0), [n for n in g0 if g0[n] is None]
