@@ -16,7 +16,7 @@ from pathlib import Path
 
 from . import chaos, fair, gpu_check, speed
 from .experiments import EXPERIMENTS, get_experiment
-from .micro import step_breakdown
+from .micro import activation_memory, step_breakdown
 from .presets import MODEL_ORDER, PRESETS, BenchError, check_at_least, parse_names, plan_models
 from .publish import FIGURE_DIR, PAGE, publish
 from .report import fmt, report
@@ -92,7 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("publish", help="do not train: copy each record's figures to docs/benchmark/ and rewrite the "
                                        "sections of docs/benchmarks.md (and README) it feeds; run from the root")
     s.add_argument("publish", type=Path, nargs="+", metavar="RESULTS_JSON")
-    for name, module in (("chaos", chaos), ("speed", speed), ("gpu-check", gpu_check), ("breakdown", step_breakdown)):
+    for name, module in (("chaos", chaos), ("speed", speed), ("gpu-check", gpu_check), ("breakdown", step_breakdown),
+                         ("activations", activation_memory)):
         module.add_arguments(sub.add_parser(name, help=getattr(module, "HELP", module.__doc__.split("\n")[0])))
     return p
 
@@ -215,11 +216,12 @@ def run_chaos(args) -> int:
 
 COMMANDS = {"chaos": run_chaos, "preset": run_trainings, "experiment": run_trainings, "fair": run_fair,
             "report": run_report, "publish": run_publish, "speed": speed.run, "gpu-check": gpu_check.run,
-            "breakdown": step_breakdown.run}
+            "breakdown": step_breakdown.run, "activations": activation_memory.run}
 # each command's arguments checked before any work (no corpus built, no folder made, no model planned): a refusal is
 # one line, `smlp-bench: error: ...`
 CHECKS = {"chaos": chaos.check_args, "preset": check_trainings, "experiment": check_trainings, "fair": fair.check_args,
-          "speed": speed.check_args, "gpu-check": gpu_check.check_args, "breakdown": step_breakdown.check_args}
+          "speed": speed.check_args, "gpu-check": gpu_check.check_args, "breakdown": step_breakdown.check_args,
+          "activations": activation_memory.check_args}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

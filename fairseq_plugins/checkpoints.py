@@ -128,9 +128,9 @@ def pin_sequence_length() -> bool:
         model = cfg.get("model") if cfg is not None else None
         if model is not None and model_of(model.get("_name")) in FAMILIES_BY_MODEL and not model.get("seq_len"):
             tokens = model.get("tokens_per_sample")
-            if isinstance(tokens, int) and tokens > 0:
+            if isinstance(tokens, int) and tokens > 0:  # the positions it trained on (config.sequence_tokens)
                 with open_dict(model):
-                    model.seq_len = tokens
+                    model.seq_len = tokens + (1 if model.get("add_bos_token") else 0)
         if arg_overrides is not None and cfg is not None:
             overwrite_args_by_name(cfg, arg_overrides)
         return state
@@ -313,8 +313,21 @@ def check_consolidate_output(out: str) -> None:
 
 def consolidate(path: str, out: str | None = None) -> str:
     """Merge the rank shards of `path` into one checkpoint holding every expert; returns its path."""
-    shards = shard_paths(path)
+    shard_paths(path)  # FileNotFoundError / ValueError before anything is checked or read
     check_consolidate_output(out or path)
+    merged = merged_state(path)
+    out = out or path
+    from .atomic_files import atomic_torch_save
+
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    atomic_torch_save(merged, out)
+    return out
+
+
+def merged_state(path: str) -> dict:
+    """The checkpoint state of one save's rank shards `path` (X-rank-R.pt) holding every expert, for evaluation:
+    no optimizer state, the expert count the writing run resolved; ValueError unless they are one save."""
+    shards = shard_paths(path)
     check_one_save(path, shards)
     states = [load_checkpoint(p) for p in shards]
     merged = dict(states[0])
@@ -329,12 +342,7 @@ def consolidate(path: str, out: str | None = None) -> str:
         # --smoe-experts 0 follows it; another count is kept as saved)
         cfg["model"]["num_experts"] = int(merged["model"][tmoe[0]].shape[0])
         merged["cfg"] = cfg  # stored as plain containers, as fairseq stores it
-    out = out or path
-    from .atomic_files import atomic_torch_save
-
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    atomic_torch_save(merged, out)
-    return out
+    return merged
 
 
 def read_checkpoint_any_layout(path: str, arg_overrides: dict | None = None) -> tuple[dict, str]:

@@ -90,8 +90,14 @@ class Field:
         return self.from_core(core) if self.from_core is not None else getattr(core, self.core)
 
 
+def sequence_tokens(read) -> int:
+    """Positions of the task's sequences: --tokens-per-sample, plus one with --add-bos-token (fairseq's
+    language_modeling task puts a beginning-of-sentence token before every block)."""
+    return read("tokens_per_sample") + (1 if read("add_bos_token") else 0)
+
+
 def _seq_len(value, read):
-    return value if value > 0 else read("tokens_per_sample")
+    return value if value > 0 else sequence_tokens(read)
 
 
 def _base_shuffle(value, read):
@@ -129,10 +135,22 @@ FIELDS: tuple[Field, ...] = (
     Field("tokens_per_sample", int, II("task.tokens_per_sample"), "", "seq_len", ALL, always=True,
           to_core=lambda value, read: _seq_len(read("seq_len"), read), flag="--tokens-per-sample"),
     Field("seq_len", int, 0, "longest sequence the model accepts (size T of the spatial weights); "
-          "0 means --tokens-per-sample", "seq_len", ALL, to_core=_seq_len, from_core=lambda core: 0),
+          "0 means --tokens-per-sample (plus one with --add-bos-token)", "seq_len", ALL, to_core=_seq_len,
+          from_core=lambda core: 0),
+    # the task's beginning-of-sentence token makes every sequence one position longer: the spatial weights
+    # are sized for it (`sequence_tokens`)
+    Field("add_bos_token", bool, II("task.add_bos_token"), "", None, ALL),
+    # transformer_lm's flag, in many fairseq recipes: every model here ties its input embedding and output
+    # projection (smlp/lm.py), so the flag is accepted and changes nothing; nothing reads it.
+    Field("share_decoder_input_output_embed", bool, False, "accepted for fairseq's transformer_lm recipes: the "
+          "input embedding and the output projection are always tied here", None, ALL),
     # Read from the trainer's config so the model can refuse a wrong setup before training starts.
     Field("ddp_backend", str, II("distributed_training.ddp_backend"), "", None, ALL),
     Field("distributed_world_size", int, II("distributed_training.distributed_world_size"), "", None, ALL),
+    Field("checkpoint_activations", bool, False, "activation checkpointing (fairseq's flag): each block's "
+          "activations are recomputed in backward instead of kept; a sparse layer recomputes its experts between "
+          "its exchanges, never an all2all or a routing (smlp/recompute.py). The same gradients, less memory, "
+          "about one more forward of compute", "checkpoint_activations", ALL),
     # the token mixer of the dense gMLP blocks (smlp/gmlp.py TOKEN_MIXERS)
     Field("token_mixer", str, "sgu", "token mixer of the dense gMLP blocks: sgu (gMLP's spatial gating unit), "
           "hypermixer (causal HyperMixing) or ninformer (NiNformer's gating unit, causal token MLP)",
@@ -362,8 +380,8 @@ def to_core_config(cfg, family: str, vocab_size: int, padding_idx: int) -> LMCon
         for f in family_fields(family):
             if f.core is not None:
                 values[f.core] = f.core_value(_read(f.name), _read)
-        tokens = _read("tokens_per_sample")
-        _check_flags(family, values, tokens)
+        tokens = sequence_tokens(_read)
+        _check_flags(family, values, tokens, bos=bool(_read("add_bos_token")))
         if values.get("sparse_layers"):  # experts must fit the ranks: refuse a bad layout before any weight is built
             expert_layout(values["num_experts"], _read("distributed_world_size"), configured_ep_size(cfg))
         core = LMConfig(family=family, vocab_size=vocab_size, padding_idx=padding_idx, **values)
@@ -376,13 +394,16 @@ def to_core_config(cfg, family: str, vocab_size: int, padding_idx: int) -> LMCon
     return core
 
 
-def _check_flags(family: str, values: dict, tokens: int) -> None:
-    """The mistakes whose core message would name a field of an inner block (the SGU's `dim`), said in flags."""
+def _check_flags(family: str, values: dict, tokens: int, bos: bool = False) -> None:
+    """The mistakes whose core message would name a field of an inner block (the SGU's `dim`), said in flags.
+    `tokens`: the positions of a sequence (`sequence_tokens`), one more than --tokens-per-sample with `bos`."""
     T = values["seq_len"]
     if tokens > T:
-        raise FlagError(f"--tokens-per-sample {tokens} exceeds the model's sequence length {T} (--seq-len, the size "
-                        f"of its spatial weights): give --tokens-per-sample {T} or less, or (training a new model) "
-                        f"raise --seq-len to {tokens}")
+        given = (f"--tokens-per-sample {tokens - 1} with --add-bos-token ({tokens} positions)" if bos else
+                 f"--tokens-per-sample {tokens}")
+        raise FlagError(f"{given} exceeds the model's sequence length {T} (--seq-len, the size of its spatial "
+                        f"weights): give --tokens-per-sample {T - int(bos)} or less, or (training a new model) raise "
+                        f"--seq-len to {tokens}")
     dense, sparse = values["dense_layers"], values.get("sparse_layers", 0)
     if dense < 0 or sparse < 0 or dense + sparse == 0:
         layers = f"--decoder-layers {dense}" + (f" and --sparse-layers {sparse}" if "sparse_layers" in values else "")

@@ -142,12 +142,24 @@ def check_smoe_layout(core_cfg, settings: PluginSettings, layout: ExpertDataLayo
                         f"multiple of {G}, or --smoe-parallel replicated (every rank holds all {N})")
 
 
+# why each of fairseq's other DDP backends cannot train experts (each rank holds different ones)
+_DDP_BACKEND_REASONS = {
+    "c10d": "would average expert weights across ranks (each rank holds different experts)",
+    "pytorch_ddp": "would average expert weights across ranks (each rank holds different experts)",
+    "fully_sharded": "shards every parameter over the ranks as if all of them held the same weights: fairscale's "
+                     "FSDP would flatten each rank's own experts in with the shared weights and average their "
+                     "gradients across ranks (to shard the optimizer state, add --zero-sharding os instead)",
+    "slowmo": "averages every parameter across ranks every few updates (SlowMo), each rank's own experts included",
+}
+
+
 def check_ddp_backend(settings: PluginSettings) -> None:
+    """FlagError, with the backend's own reason, unless --ddp-backend leaves expert parameters out of the
+    gradient exchange (legacy_ddp, no_c10d)."""
     if settings.ddp_backend not in EXPERT_PARALLEL_DDP_BACKENDS:
-        raise FlagError(
-            f"--ddp-backend {settings.ddp_backend} would average expert weights across ranks (each rank holds "
-            f"different experts); expert-parallel training needs --ddp-backend legacy_ddp"
-        )
+        reason = _DDP_BACKEND_REASONS.get(settings.ddp_backend, "would exchange expert parameters across ranks")
+        raise FlagError(f"--ddp-backend {settings.ddp_backend} {reason}; expert-parallel training needs "
+                        f"--ddp-backend legacy_ddp")
 
 
 def check_model_flags(model_cfg, dictionary_size: int, padding_idx: int = 1) -> None:
@@ -267,7 +279,7 @@ def refuse_eval_lm_longer_than_model(core_cfg, task) -> None:
     block = getattr(task_cfg, "tokens_per_sample", None)
     eval_cfg = frame.f_locals.get("cfg")
     context = getattr(getattr(eval_cfg, "eval_lm", None), "context_window", 0) or 0
-    if block is None or block + context <= core_cfg.seq_len:
+    if block is None or block + context + bool(getattr(task_cfg, "add_bos_token", False)) <= core_cfg.seq_len:
         return
     raise FlagError(
         f"fairseq-eval-lm would feed blocks of {block + context} tokens (--tokens-per-sample"

@@ -347,6 +347,13 @@ PATCHES = (
     Patch("refuse_unlimited_batches", "patches", "refuse_unlimited_batches",
           "fairseq takes --batch-size 0 (or --max-tokens 0) as no limit: one update of the whole epoch, exit 0; "
           "refused where any program batches a dataset"),
+    Patch("torchrun", "torchrun", "install",
+          "fairseq-train under torchrun on CPU divides by torch.cuda.device_count() (ZeroDivisionError), and without "
+          "--distributed-world-size runs independent trainings that write the same checkpoint: the ranks are taken "
+          "from torchrun's environment (gloo on CPU); fairseq-eval-lm there is refused (it reports per rank)"),
+    Patch("hydra_presets", "hydra_presets", "install",
+          "fairseq-hydra-train with `model: {_name: smlp_lm_tiny}` filled the model from the dataclass defaults (512 "
+          "wide, 6 layers) instead of the preset: the preset fills what the configuration leaves out, as --arch does"),
     Patch("zero_optimizer", "zero_optimizer", "install",
           "--zero-sharding os (fairscale OSS) would overwrite every rank's experts with one rank's: expert "
           "parameters keep their optimizer state on their rank"),

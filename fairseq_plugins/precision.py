@@ -5,7 +5,7 @@ fairseq 0.12 (fairseq-fixed 0.12.3.1, the version these patches target) trains h
 device or on data-parallel ranks that hold the same parameters. With experts (`param.expert =
 True`, one set per rank) and on CPU it breaks in the ways listed below.
 
-When they are installed (issue 28): importing the plugins installs only wrappers that cannot fail
+When they are installed: importing the plugins installs only wrappers that cannot fail
 and change nothing by themselves: `fairseq.distributed.utils.call_main` and `Trainer.__init__`,
 which call `prepare(cfg)` once the run's configuration is known, and the gradient norm (patch 4,
 which every precision uses). `prepare` installs the patches that configuration needs, each only

@@ -518,6 +518,9 @@ class Launcher:
                      f"({'nccl' if p.device == 'gpu' else 'gloo'}, {p.threads} thread(s) each), "
                      f"rendezvous tcp://{p.master_addr}:{p.master_port}"
                      + (f", output of rank(s) {_ranks_text(p.nproc)} in {p.log_dir}" if p.nproc > 1 else ""))
+            if p.progress and _flag_value(p.fairseq_args, "--log-format") == "none":
+                self.say("--log-format none: fairseq-train logs no training or validation figures, so the progress "
+                         "bar cannot move; use --log-format simple or json to see them")
             self.start()
             return self._watch()
         finally:

@@ -22,6 +22,7 @@ import here: the fairseq registrations live in `fairseq_plugins/`.
     decoding_cache.py      the cache of incremental decoding
     generation.py          greedy, sampling and beam-search generation
     precision.py           what stays out of half precision
+    recompute.py           activation checkpointing: which stages run again in backward, and why not the exchanges
     flop_forms.py          the plain forms a FLOP counter traces
     profiling.py           the profiler ranges of a step and their breakdown
     process_group.py       rank, world size, the collectives' device, the ranks' object collectives

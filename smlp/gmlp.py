@@ -23,6 +23,7 @@ from torch.profiler import record_function
 from .config import GMLPConfig, SGUConfig
 from .decoding_cache import cache_append
 from .profiling import RANGES
+from .recompute import recomputed
 from .spatial import causal_product, causal_step, causal_weight, check_length, init_spatial_, load_gate_bias_offset
 
 __all__ = ["TOKEN_MIXERS", "MLP", "check_decodable", "SpatialProjection", "SpatialGatingUnit", "GMLPBlock"]
@@ -121,12 +122,16 @@ class GMLPBlock(nn.Module):
             self.mixer = mixer
         self.proj_out = nn.Linear(cfg.d_ffn // 2, cfg.d_model)
         self.dropout = nn.Dropout(cfg.dropout)
+        self.recompute = False  # activation checkpointing: the block again in backward (recompute.py)
 
     @property
     def token_mixer(self) -> nn.Module:
         return self.sgu if "sgu" in self._modules else self.mixer
 
     def forward(self, x_BND: Tensor) -> Tensor:
+        return recomputed(self.recompute, self._block, x_BND)
+
+    def _block(self, x_BND: Tensor) -> Tensor:
         h = F.gelu(self.proj_in(self.norm(x_BND)))  # (B, N, F)
         h = self.proj_out(self.token_mixer(h))  # (B, N, D)
         return x_BND + self.dropout(h)

@@ -129,6 +129,9 @@ class LMConfig:
     # gmlp only: 0 = dense gMLP blocks; E >= 1 = every block routes each token to one of E gMLP experts
     # (Appendix A, Figure 6 right, Table 7); 1 expert is the dense block
     token_routed_experts: int = 0
+    # activation checkpointing (fairseq's --checkpoint-activations): each block's activations recomputed in
+    # backward, a sparse layer's between its exchanges (recompute.py); the same outputs and gradients
+    checkpoint_activations: bool = False
 
     def __post_init__(self) -> None:
         _choice("family", self.family, FAMILIES)
@@ -161,6 +164,8 @@ class LMConfig:
         _ = self.plan  # validates the placement against the layer counts
         self._check_token_mixer()
         self._check_token_routing()
+        if not isinstance(self.checkpoint_activations, bool):
+            raise ValueError(f"checkpoint_activations={self.checkpoint_activations!r} is invalid: True or False")
 
     def _check_token_routing(self) -> None:
         E = self.token_routed_experts
@@ -293,6 +298,9 @@ class LanguageModel(nn.Module):
             module.layer_name = f"{name} ({type(module).__name__})"
         # the tMoEs that shuffle their rows in training (Base Layers): `_prepare_exchanges`
         self._shuffling = [m for _, m in self.moe_modules() if isinstance(m, TMoE) and m.cfg.uses_shuffle]
+        for module in self.modules():  # activation checkpointing: the blocks and the tMoEs' experts
+            if hasattr(module, "recompute"):
+                module.recompute = cfg.checkpoint_activations
 
     def _build(self, kind: str) -> nn.Module:
         cfg = self.cfg

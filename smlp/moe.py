@@ -26,6 +26,7 @@ from .decoding_cache import cache_append
 from .dispatch import DispatchState, LocalDispatcher
 from .experts import FFNExperts, SpatialExperts
 from .profiling import RANGES
+from .recompute import recomputed
 from .routing.gates import router_z_loss
 from .routing.logits import router_logits
 from .routing.plan import FLAG_ONLY, RoutingPlan, count_rows
@@ -95,6 +96,7 @@ class TMoE(nn.Module):
         self.layer_name = f"TMoE ({cfg.router} router)"  # LanguageModel sets the module path, for errors
         # set with the balanced router's (LanguageModel.assigning_as_in_training): fixed counts per expert
         self.assign_as_in_training = False
+        self.recompute = False  # activation checkpointing: the experts again in backward (recompute.py)
 
     @property
     def comm_seconds(self) -> float:
@@ -249,9 +251,13 @@ class TMoE(nn.Module):
         only for a balanced assignment (evaluating as in training): otherwise evaluation computes the
         rows in tiles, so that a row's result does not depend on the other rows (FFNExperts)."""
         fixed = self.token_router.balanced and self.assign_as_in_training
+        counts_dev_L = dstate.counts_dev_L if dstate is not None else None
+
+        def experts(x_RD: Tensor) -> Tensor:
+            return self.experts(x_RD, counts_L, counts_dev_L=counts_dev_L, fixed_counts=fixed)
+
         with record_function(RANGES["experts"]):
-            return self.experts(x_RD, counts_L, counts_dev_L=dstate.counts_dev_L if dstate is not None else None,
-                                fixed_counts=fixed)
+            return recomputed(self.recompute, experts, x_RD)
 
     def combine(self, y_RD: Tensor, slots: TokenSlots, x_SD: Tensor) -> Tensor:
         """Stage 4: the results back home, weighted, each row's slots summed.

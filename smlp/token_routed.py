@@ -26,6 +26,7 @@ from .config import TokenRoutedGMLPConfig
 from .experts import TILE_ROWS, tile_slots, tiled_expert_linear
 from .gmlp import SpatialGatingUnit
 from .profiling import RANGES
+from .recompute import recomputed
 from .routing.gates import switch_top1
 from .routing.logits import router_logits
 from .spatial import check_length
@@ -65,6 +66,7 @@ class TokenRoutedGMLPBlock(nn.Module):
         self.load_E: Tensor | None = None
         self.comm_seconds = 0.0
         self.explicit_spatial = False  # FLOP counting: projections on the routed rows only, no tile padding
+        self.recompute = False  # activation checkpointing: the experts again in backward (recompute.py)
         self.layer_name = f"TokenRoutedGMLPBlock ({cfg.num_experts} experts)"
 
     def _projection(self, x_SD: Tensor, expert_S: Tensor, tiling, modules: list[nn.Module]) -> Tensor:
@@ -93,11 +95,15 @@ class TokenRoutedGMLPBlock(nn.Module):
         weight_S = plan.weights_SK[:, 0].to(x_BND.dtype)
         with record_function(RANGES["experts"]):
             tiling = tile_slots(expert_S, E) if not self.explicit_spatial else None
-            z_SF = F.gelu(self._projection(h_BND.reshape(S, D), expert_S, tiling, [x.proj_in for x in self.experts]))
-            z1_SC, z2_SC = z_SF.chunk(2, dim=-1)
-            with record_function(RANGES["token_mixing"]):
-                dev_SC = self._spatial(z2_SC, expert_S.view(B, n))
-            y_SD = self._projection(z1_SC + z1_SC * dev_SC, expert_S, tiling, [x.proj_out for x in self.experts])
+
+            def experts(h_SD: Tensor) -> Tensor:
+                z_SF = F.gelu(self._projection(h_SD, expert_S, tiling, [x.proj_in for x in self.experts]))
+                z1_SC, z2_SC = z_SF.chunk(2, dim=-1)
+                with record_function(RANGES["token_mixing"]):
+                    dev_SC = self._spatial(z2_SC, expert_S.view(B, n))
+                return self._projection(z1_SC + z1_SC * dev_SC, expert_S, tiling, [x.proj_out for x in self.experts])
+
+            y_SD = recomputed(self.recompute, experts, h_BND.reshape(S, D))
         return x_BND + self.dropout((y_SD * weight_S[:, None]).view(B, n, D))
 
     def _spatial(self, z2_SC: Tensor, expert_BN: Tensor) -> Tensor:

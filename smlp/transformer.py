@@ -21,6 +21,7 @@ from .config import TMoEConfig
 from .decoding_cache import cache_append
 from .moe import TMoE
 from .profiling import RANGES
+from .recompute import recomputed
 
 __all__ = ["CausalSelfAttention", "DenseFFN", "TransformerBlock", "sinusoidal_positions"]
 
@@ -126,13 +127,26 @@ class TransformerBlock(nn.Module):
         self.norm2 = nn.LayerNorm(d_model)
         self.ffn = TMoE(moe, dispatcher) if moe is not None else DenseFFN(d_model, d_ffn, activation)
         self.dropout = nn.Dropout(dropout)
+        # activation checkpointing (recompute.py): a dense block again in backward; with a tMoE, the attention
+        # and the norm before its router (the tMoE recomputes its experts itself)
+        self.recompute = False
 
     def forward(self, x_BND: Tensor, token_ids_BN: Tensor | None = None) -> Tensor:
+        if not isinstance(self.ffn, TMoE):
+            return recomputed(self.recompute, self._dense_block, x_BND)
+        x_BND, h_BND = recomputed(self.recompute, self._attention, x_BND)
+        ids = token_ids_BN.reshape(-1) if token_ids_BN is not None else None
+        return x_BND + self.dropout(self.ffn(h_BND.reshape(-1, self.d_model), ids).view_as(x_BND))
+
+    def _attention(self, x_BND: Tensor) -> tuple[Tensor, Tensor]:
+        """(x + attention, its normalized form: the FFN's input)."""
         with record_function(RANGES["token_mixing"]):
             x_BND = x_BND + self.dropout(self.attn(self.norm1(x_BND)))
-        h = self.norm2(x_BND).reshape(-1, self.d_model)
-        ids = token_ids_BN.reshape(-1) if token_ids_BN is not None else None
-        return x_BND + self.dropout(self.ffn(h, ids).view_as(x_BND))
+        return x_BND, self.norm2(x_BND)
+
+    def _dense_block(self, x_BND: Tensor) -> Tensor:
+        x_BND, h_BND = self._attention(x_BND)
+        return x_BND + self.dropout(self.ffn(h_BND))
 
     def step(self, x_BkD: Tensor, state: dict, start: int, token_ids_Bk: Tensor | None = None) -> Tensor:
         """Cached decoding of positions start..start+k-1 (eval mode): the FFN / tMoE sees the new rows only."""

@@ -44,9 +44,13 @@ EXAMPLES = {
     "activation_fn": ("transformer", ["--activation-fn", "relu"], {"activation": "relu"}),
     "tokens_per_sample": ("gmlp", ["--tokens-per-sample", "16"], {"seq_len": 16}),
     "seq_len": ("smlp", ["--seq-len", "32"], {"seq_len": 32}),
+    "add_bos_token": ("smlp", ["--add-bos-token"], {"seq_len": 25}),  # the task's BOS makes 24 + 1 positions
+    # accepted, changes nothing: the embeddings are always tied (test_shared_embeddings_flag_is_accepted)
+    "share_decoder_input_output_embed": ("transformer", ["--share-decoder-input-output-embed"], {}),
     "ddp_backend": ("smlp", ["--ddp-backend", "no_c10d"], {"ddp_backend": "no_c10d"}),
     "distributed_world_size": ("smlp", ["--num-experts", "0", "--distributed-world-size", "2"],
                                {"world_size": 2, "num_experts": 2}),
+    "checkpoint_activations": ("transformer", ["--checkpoint-activations"], {"checkpoint_activations": True}),
     "token_mixer": ("gmlp", ["--token-mixer", "ninformer"], {"token_mixer": "ninformer"}),
     "mixer_dim": ("smlp", ["--token-mixer", "hypermixer", "--mixer-dim", "24"],
                   {"token_mixer": "hypermixer", "mixer_dim": 24}),
@@ -251,6 +255,20 @@ def test_models_reads_fairseq_fields_only_through_the_table():
         if any(isinstance(a, ast.Name) and a.id == "cfg" for a in node.args):
             assert node.func.id in ("to_core_config", "plugin_settings"), \
                 f"models.py line {node.lineno} passes the fairseq config to {node.func.id}"
+
+
+def test_shared_embeddings_flag_is_accepted_and_the_model_is_tied():
+    """--share-decoder-input-output-embed (fairseq's transformer_lm recipes) parses for every family and builds
+    the same model as without it, whose output projection is its input embedding."""
+    import torch
+
+    from smlp.lm import LanguageModel
+
+    for flags in BASE.values():
+        assert namespace_core(flags + WORLD + ["--share-decoder-input-output-embed"]) == namespace_core(flags + WORLD)
+    model = LanguageModel(namespace_core(BASE["smlp"] + WORLD)).eval()
+    tokens = torch.randint(4, VOCAB, (2, 8))
+    assert torch.equal(model(tokens), model.features(tokens) @ model.embed.weight.t())
 
 
 @pytest.mark.parametrize("d_model, heads", [(1024, 16), (256, 4), (128, 2), (64, 1), (32, 1), (200, 2), (96, 1)])

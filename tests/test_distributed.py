@@ -396,6 +396,84 @@ def test_sparse_block_eval_outputs_equal_one_process(routing, spawned, request):
     spawned.check(request.node.name)
 
 
+# ---------------------------------------------------------------- activation checkpointing
+
+
+def _recompute_worker(rank, world, init_file, kind, dtype_name):
+    """A sparse block with its activations recomputed in backward (smlp/recompute.py) against the same block
+    without: the same outputs and gradients bit for bit, and not one all2all more, forward or backward."""
+    from smlp.transformer import TransformerBlock
+
+    _init(rank, world, init_file)
+    try:
+        dtype = getattr(torch, dtype_name)
+        E = 2 * world
+
+        def build(recompute):
+            torch.manual_seed(0)
+            if kind == "base":
+                block = TransformerBlock(16, 24, 2, dropout=0.1, moe=TMoEConfig(d_model=16, d_ffn=24, num_experts=E),
+                                         dispatcher=AllToAllDispatcher(E))
+            else:  # "partial", "deterministic", "deterministic-overlapped" (2 chunks, exchanges beside experts)
+                cfg = SparseBlockConfig(d_model=16, d_ffn=24, seq_len=20, num_experts=E,
+                                        smoe_routing=kind.split("-")[0], dropout=0.1)
+                block = SparseBlock(cfg, AllToAllDispatcher(E, chunks=2 if kind.endswith("overlapped") else 1))
+            _randomize_expert_output(block)
+            for m in block.modules():
+                if hasattr(m, "recompute"):
+                    m.recompute = recompute
+            return block.to(dtype).train()
+
+        x = _inputs(world, lambda r: (3, 20, 16))[rank].to(dtype)
+        g = _inputs(world, lambda r: (3, 20, 16), seed=200)[rank].to(dtype)
+        results = []
+        for block in (build(False), build(True)):
+            calls, real = {"forward": 0, "backward": 0, "experts": 0}, dist.all_to_all_single
+            phase = ["forward"]
+            experts = next(m for n, m in block.named_modules() if n.endswith(("tmoe.experts", "ffn.experts")))
+
+            def count_experts(*a, calls=calls, forward=experts.forward, **k):
+                calls["experts"] += 1
+                return forward(*a, **k)
+
+            experts.forward = count_experts
+
+            def counted(*a, calls=calls, phase=phase, real=real, **k):
+                calls[phase[0]] += 1
+                return real(*a, **k)
+
+            dist.all_to_all_single = counted
+            try:
+                torch.manual_seed(10 + rank)  # dropout, Base Layers' shuffle
+                xi = x.clone().requires_grad_(True)
+                y = block(xi)
+                phase[0] = "backward"
+                y.backward(g)
+            finally:
+                dist.all_to_all_single = real
+            grads = {n: p.grad for n, p in block.named_parameters()}
+            results.append((y.detach(), xi.grad, grads, calls))
+        (y0, gx0, g0, c0), (y1, gx1, g1, c1) = results
+        assert c1["experts"] == 2 * c0["experts"] > 0, (c0, c1)  # the experts ran again in backward
+        c0.pop("experts"), c1.pop("experts")
+        assert c0 == c1 and c0["forward"] > 0 and c0["backward"] > 0, (c0, c1)
+        assert torch.equal(y0, y1) and torch.equal(gx0, gx1)
+        assert all(g0[n] is not None for n in g0), [n for n in g0 if g0[n] is None]
+        assert not [n for n in g0 if not torch.equal(g0[n], g1[n])]
+    finally:
+        _finish()
+
+
+@pytest.mark.parametrize("kind", ["deterministic", "partial", "base", "deterministic-overlapped"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_recompute_repeats_no_exchange(kind, dtype, spawned, request):
+    """--checkpoint-activations on 2 ranks: the sMLP sparse block (both sMoE routings, and with its exchanges
+    in 2 chunks beside its experts) and a Base Layers Transformer block recompute their experts and attention in
+    backward without one all2all more, and give the plain block's outputs and gradients bit for bit, in fp32 and
+    bf16."""
+    spawned.check(request.node.name)
+
+
 # ---------------------------------------------------------------- Base Layers' token shuffle
 
 
@@ -607,6 +685,9 @@ def _case_table() -> dict[str, list[tuple[int, object, tuple]]]:
     for name, lengths in (("different-lengths", [20, 9]), ("one-rank-within-prefix", [20, 3])):
         t[f"test_partial_routing_with_uneven_sequences_matches_single_process[{name}]"] = [
             (2, _block_worker, ("partial", lengths))]
+    for kind in ("deterministic", "partial", "base", "deterministic-overlapped"):
+        for dtype in ("float32", "bfloat16"):
+            t[f"test_recompute_repeats_no_exchange[{dtype}-{kind}]"] = [(2, _recompute_worker, (kind, dtype))]
     for name, tokens in (("even", [16, 16]), ("uneven", [7, 13])):
         t[f"test_base_shuffle_equals_single_process_on_the_shuffled_groups[{name}]"] = [
             (2, _shuffle_worker, (tokens,))]

@@ -6,9 +6,10 @@ checked as far as it can be without doing the work:
 - our console scripts and `python -m` / `torchrun -m` modules: the program's own argument parser
   reads the command's arguments (the program stops right after parsing; a bad flag or value fails
   with argparse's message);
-- fairseq-train arguments (after `smlp-launch ... --`, after `train.sbatch DATA SAVE`, with the
-  `$(cat configs/X.args)` recipes expanded), `fairseq-eval-lm` and `fairseq-validate`: fairseq's own
-  parser with our plugins, model and criterion arguments included (`parse_args_and_arch`);
+- fairseq-train arguments (after `smlp-launch ... --`, after `train.sbatch DATA SAVE`, after `torchrun ...
+  $(which fairseq-train)`, with the `$(cat configs/X.args)` recipes expanded), `fairseq-eval-lm` and
+  `fairseq-validate`: fairseq's own parser with our plugins, model and criterion arguments included
+  (`parse_args_and_arch`);
 - `make` targets exist in the Makefile, `pip install` pins are the Makefile's;
 - what the page does not run here is run elsewhere: `smlp-flops` by tests/test_flops.py, every command
   of docs/generation.md by tests/test_generation_docs.py (which trains once for the whole page).
@@ -78,11 +79,12 @@ def stop_after_parsing(parse: bool = True):
 
 
 def _expand_recipes(line: str) -> str:
-    """`$(cat configs/X.args)` -> the recipe's flags (the file must exist)."""
+    """`$(cat configs/X.args)` -> the recipe's flags (the file must exist); `$(which PROG)` -> PROG."""
     def read(m):
         path = REPO / m.group(1)
         assert path.is_file(), f"{m.group(0)}: {path} does not exist"
         return " ".join(path.read_text().split())
+    line = re.sub(r"\$\(which ([\w-]+)\)", r"\1", line)  # `torchrun ... $(which fairseq-train)`: the program
     return re.sub(r"\$\(cat ([^)]+)\)", read, line)
 
 
@@ -244,6 +246,13 @@ def check_command(argv: list[str], parse, parsers: dict, where: str) -> str:
     if prog in ("fairseq-eval-lm", "fairseq-validate"):
         parse("eval-lm" if prog == "fairseq-eval-lm" else "validate", args)
         return "fairseq parsed"
+    if prog == "torchrun" and any(a in ("fairseq-train", "fairseq-validate") for a in args):
+        i = next(i for i, a in enumerate(args) if a in ("fairseq-train", "fairseq-validate"))
+        if args[i] == "fairseq-train":
+            _check_fairseq_train(args[i + 1:], parse, where)
+        else:
+            parse("validate", args[i + 1:])
+        return "torchrun's fairseq program parsed"
     if prog == "torchrun":
         assert "-m" in args, f"{where}: torchrun without -m"
         args = args[args.index("-m"):]

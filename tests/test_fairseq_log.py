@@ -50,3 +50,28 @@ def test_the_readers_agree_with_the_regexes_they_replace():
             assert new(line) == (dict(OLD_SUITE_FIELD.findall(m.group(1))) if m else None)
     assert L.as_floats(valid[0])["best_loss"] == 7.61
     assert L.loaded_updates(LOG) == [12] and L.saved_updates(LOG) == [16]
+
+
+# the same records as LOG's, as fairseq 0.12 prints them with --log-format json
+JSON_LOG = """\
+2026-11-24 01:00:02 | INFO | train_inner | {"epoch": 2, "update": 1.5, "loss": "7.913", "ppl": "241.02", \
+"wps": "1510.3", "num_updates": "14", "lr": "0.0005", "load_cv_1_tmoe": "0.25", "wall": "9"}
+2026-11-24 01:00:03 | INFO | train_inner | {"epoch": 2, "update": 1.75, "loss": "7.702", "nll_loss": "7.7", \
+"ppl": "208.3", "wps": "1498", "num_updates": "16", "lr": "0.0005", "wall": "10"}
+2026-11-24 01:00:04 | INFO | valid | {"epoch": 2, "valid_loss": "7.61", "valid_nll_loss": "7.61", "valid_ppl": \
+"195.37", "valid_wps": "4012.1", "valid_num_updates": "16", "valid_best_loss": "7.61"}
+"""
+
+
+def test_json_log_lines_give_the_fields_of_simple_ones():
+    """--log-format json: the same training and validation figures as the simple format's lines (validation keys
+    without their subset prefix); other lines are still None."""
+    simple, js = L.train_records(LOG), L.train_records(JSON_LOG)
+    assert [(f["num_updates"], f["loss"], f["ppl"]) for f in js] == [(f["num_updates"], f["loss"], f["ppl"])
+                                                                     for f in simple]
+    assert js[0]["load_cv_1_tmoe"] == "0.25"
+    valid = L.valid_records(JSON_LOG)
+    assert [(v["num_updates"], v["loss"], v["ppl"], v["best_loss"]) for v in valid] == \
+        [("16", "7.61", "195.37", "7.61")]
+    assert L.valid_fields(JSON_LOG.splitlines()[0]) is None and L.train_fields(JSON_LOG.splitlines()[-1]) is None
+    assert L.train_fields("2026-11-24 | INFO | fairseq_cli.train | {'_name': None}") is None

@@ -199,6 +199,36 @@ def test_a_terminal_gets_a_progress_bar_over_the_updates(tmp_path, monkeypatch):
     assert (tmp_path / "rank0.log").read_text() == "".join(lines)
 
 
+def test_the_progress_bar_reads_json_logs_and_says_none_shows_nothing(tmp_path, monkeypatch):
+    """--log-format json: the bar moves and the "valid @ N updates" line is printed, as with the simple format;
+    --log-format none (fairseq prints no figures): the launcher says so once when it starts."""
+    import io
+
+    import smlp_launch.local as local
+    from smlp_launch.progress import Progress
+
+    out = io.StringIO()
+    progress = Progress(60, tmp_path / "rank0.log", out)
+    lines = ['2026-01-01 00:00:01 | INFO | train_inner | {"epoch": 1, "update": 0.37, "loss": "7.006", '
+             '"ppl": "128.5", "wps": "3804.9", "num_updates": "30", "lr": "0.003"}\n',
+             '2026-01-01 00:00:03 | INFO | valid | {"epoch": 1, "valid_loss": "6.448", "valid_nll_loss": "6.448", '
+             '"valid_ppl": "87.3", "valid_wps": "0", "valid_num_updates": "30"}\n']
+    progress.follow(io.StringIO("".join(lines)))
+    progress.close()
+    shown = out.getvalue()
+    assert "30/60" in shown and "loss=7.006" in shown and "words/s=3804.9" in shown, shown
+    assert "valid @ 30 updates: loss 6.448 (base 2), perplexity 87.3" in shown and "train_inner" not in shown
+
+    monkeypatch.setattr(local.sys.stderr, "isatty", lambda: True)
+    plan = local.plan_launch(local._parser().parse_args(["--nproc", "1", "--cpu"]),
+                             [str(tmp_path), "--log-format", "none", "--max-update", "1"])
+    monkeypatch.setattr(local.Launcher, "start", lambda self: None)
+    monkeypatch.setattr(local.Launcher, "_watch", lambda self: 0)
+    said = io.StringIO()
+    assert local.Launcher(plan, out=said).run() == 0
+    assert "--log-format none: fairseq-train logs no training or validation figures" in said.getvalue()
+
+
 def test_worker_commands(tmp_path, capsys):
     user = [str(tmp_path), "--arch", "transformer_lm", "--save-dir", str(tmp_path / "ck"), "--lr", "0.1"]
     rc = launch_main(["--nproc", "2", "--cpu", "--master-port", "29555", "--dry-run", "--", *user])

@@ -37,9 +37,9 @@ def _patched():
 def test_every_listed_patch_names_code_that_exists_and_says_what_it_fixes():
     assert [p.name for p in patches.PATCHES] == [
         "allow_fairseq_checkpoints", "pin_sequence_length", "checkpoint_sets", "checkpoint_sources",
-        "guard_language_modeling_data", "refuse_unlimited_batches", "zero_optimizer", "precision", "generation_patches",
-        "fold_router_prices", "evaluate_every_sequence", "gather_lists_off_cuda", "ddp_on_cpu",
-        "restore_fairseq_cli_logging", "print_refusals"]
+        "guard_language_modeling_data", "refuse_unlimited_batches", "torchrun", "hydra_presets", "zero_optimizer",
+        "precision", "generation_patches", "fold_router_prices", "evaluate_every_sequence", "gather_lists_off_cuda",
+        "ddp_on_cpu", "restore_fairseq_cli_logging", "print_refusals"]
     for p in patches.PATCHES:
         assert callable(getattr(importlib.import_module(f"fairseq_plugins.{p.module}"), p.function)), p
         assert len(p.fixes) > 40, p

@@ -87,6 +87,34 @@ def test_replicated_shards_consolidate_into_the_reference_model(runs, tmp_path):
         torch.testing.assert_close(mine["model"][k], v, atol=2e-5, rtol=1e-4, msg=k)
 
 
+def test_the_last_saves_of_a_shard_set_average_into_one_checkpoint(runs, tmp_path, capsys):
+    """`smlp-consolidate DIR --num-update-checkpoints 2 --out F` on the 4-rank run's folder: its two numbered saves
+    (rank shards at updates 6 and 3, which fairseq's scripts/average_checkpoints.py does not find) each merged and
+    averaged, equal to the average of the two merged models by hand (HASH's integer table, equal in both, kept);
+    asking for more saves than the folder holds, or for no --out, is refused in one line."""
+    from fairseq_plugins.checkpoints import consolidate, load_checkpoint
+    from smlp_launch.consolidate import consolidate_main
+
+    ref = runs["root"] / "ref"
+    out = tmp_path / "averaged.pt"
+    assert consolidate_main([str(ref), "--num-update-checkpoints", "2", "--out", str(out)]) == 0
+    assert "the average of checkpoint_1_6.pt, checkpoint_1_3.pt" in capsys.readouterr().out
+    six, three = (load_checkpoint(consolidate(str(ref / f"checkpoint_1_{u}.pt"), str(tmp_path / f"{u}.pt")))["model"]
+                  for u in (6, 3))
+    averaged = load_checkpoint(str(out))
+    assert averaged["model"].keys() == six.keys() and averaged["optimizer_history"][-1]["num_updates"] == 6
+    for k, v in six.items():
+        by_hand = ((v.float() + three[k].float()) / 2).to(v.dtype) if v.is_floating_point() else v
+        assert torch.equal(averaged["model"][k], by_hand), k
+    assert any(not v.is_floating_point() for v in six.values())  # the HASH table
+    assert not torch.equal(six["decoder.core.embed.weight"], three["decoder.core.embed.weight"])
+    assert consolidate_main([str(ref), "--num-update-checkpoints", "3", "--out", str(tmp_path / "x.pt")]) == 2
+    assert "holds 2 update save(s) (3, 6), fewer than --num-update-checkpoints 3" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        consolidate_main([str(ref), "--num-update-checkpoints", "2"])
+    assert "give it with --out" in capsys.readouterr().err
+
+
 def test_resume_on_one_process_continues_the_losses(runs):
     ref, _ = runs["reference"]
     got, text = runs["shrunk"]

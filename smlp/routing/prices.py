@@ -1,27 +1,20 @@
 """Evaluation routing of the balanced routers: each row to argmax of its score minus the experts' prices.
 
-Training assigns rows to experts with exact balance (assignment.py); evaluation cannot, because a
-balanced assignment couples the rows of a batch (a token's expert would depend on later tokens).
-Plain greedy routing (argmax of the scores, fairseq's BaseLayer) routes differently from training:
-at the scale of this project's benchmarks the busiest expert gets 1.9-3.3x the mean load, and those
-tokens cost 3.2-6.5% of perplexity over the training assignment, by an amount that differs from run to
-run (docs/benchmarks.md, "Evaluation noise"; record docs/benchmark/eval_noise/mechanism.json).
+Training assigns rows with exact balance (assignment.py); evaluation cannot, because a balanced assignment
+couples the rows of a batch (a token's expert would depend on later tokens). Greedy routing (argmax of the
+scores, fairseq's BaseLayer) sends far more rows to a few experts than training does and costs perplexity
+(docs/benchmarks.md, "Evaluation noise").
 
-The auction that makes the balanced assignment also yields its dual: one price per expert, such
-that argmax_e(score - price_e) gives every row its assigned expert (up to the auction's eps).
-`RouterPrices` (one per balanced layer, its buffers in the checkpoint) records those prices while the
-layer trains; `fold_prices` folds every layer's record into its exponential average once per optimizer
-step that updates the model, for all layers in one all-reduce over the ranks that hold copies of the
-routers, so every rank of every layout ends each step with the same prices (the way torchtitan updates
-its routers' expert bias in an optimizer pre-step hook and Megatron-Core all-reduces the token counts once
-per step). A step a loss scaler skips folds nothing: its record waits for the next applied step (and is
-saved with the checkpoint). A batch that does not train (fairseq's dummy batch) does not count
-(`uncounted`): it is not recorded, and since an assignment mixes the rows of all ranks (Base Layers'
-shuffle), the whole step's record is dropped on every rank. The training loop calls it: the fairseq
-plugin before every optimizer step (fairseq_plugins/patches.py), a plain loop through
-`install_price_fold(optimizer, model, group)`.
-Evaluation reads the prices: `RouterPrices.experts` alone decides between priced routing, greedy routing
-(`eval_routing="greedy"`, or the `route_greedily` diagnostic) and the training assignment.
+The auction that makes the balanced assignment also yields its dual: one price per expert, such that
+argmax_e(score - price_e) gives every row its assigned expert (up to the auction's eps). `RouterPrices`
+(one per balanced layer, its buffers in the checkpoint) records those prices while the layer trains;
+`fold_prices` folds every layer's record into its exponential average once per optimizer step that updates
+the model, all layers in one all-reduce over the ranks that hold copies of the routers, so every rank ends
+each step with the same prices. A step a loss scaler skips folds nothing (its record waits, and is saved
+with the checkpoint); a batch that does not train (fairseq's dummy batch) is not recorded (`uncounted`).
+The fairseq plugin folds before every optimizer step (fairseq_plugins/patches.py); a plain loop calls
+`install_price_fold(optimizer, model, group)`. `RouterPrices.experts` alone decides between priced routing,
+greedy routing (`eval_routing="greedy"`, `route_greedily`) and the training assignment.
 
 Shapes: the core's legend (smlp/__init__.py); here S rows, E experts.
 """
