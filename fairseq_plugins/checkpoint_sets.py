@@ -408,6 +408,8 @@ def install() -> bool:
     def call_main(cfg, main, **kwargs):
         from smlp import folder_lock
 
+        global _NO_SAVE
+        _NO_SAVE = bool(cfg.checkpoint.no_save)  # fairseq-hydra-train calls fairseq-train's main as it imported it
         try:
             return original_call_main(cfg, main, **kwargs)
         finally:

@@ -24,6 +24,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tolerance import assert_orders_agree
+
 pytest.importorskip("transformers")  # the hf extra; `make test` installs it
 
 from smlp_eval import hf_export  # noqa: E402
@@ -363,7 +365,10 @@ def test_padding_labels_and_half_precision(folders, loaded, checkpoints, demo_da
         short = tokens[:1, :40]
         padded = torch.cat([short, torch.full((1, T - 40), tok.pad_token_id)], dim=1)
         mask = (torch.arange(T) < 40).long()[None]
-        assert torch.equal(hf(padded, attention_mask=mask).logits[:, :40], hf(short).logits)
+        # equal up to the rounding of products of other shapes (64 against 40 positions block differently on
+        # some CPUs): tests/tolerance.py's bound over the sequence and the blocks
+        assert_orders_agree(hf(padded, attention_mask=mask).logits[:, :40], hf(short).logits, reduction=T,
+                            depth=len(hf.model.layers))
         with pytest.raises(ValueError, match="right"):
             hf(padded.flip(1), attention_mask=mask.flip(1))  # left padding
         with pytest.raises(ValueError, match="right"):
