@@ -207,7 +207,7 @@ def readme_answer(fair_rec: dict | None, docs_rec: dict | None, figure_dir: Path
         body = FP.FAIR_PENDING.format(page=_link(page, root)) + (
             " " + FP.SWEEP_DONE.format(page=_link(page, root)) if done.get("lr-sweep") else "")
     if docs_rec:
-        body += (f"\n\nThe same question on a corpus read once, at three times the tokens, is running "
+        body += (f" The same question on a corpus read once, at three times the tokens, is running "
                  f"({BR.progress(docs_rec)}): [{page.name}]({_link(page, root)}#the-answer-on-a-corpus-read-once).")
     return body
 

@@ -17,6 +17,7 @@ STORE_FORMAT = "smlp-bench-runs/1"
 # record kind -> the fields its readers use
 KINDS = {"runs": ("plan", "schedule", "records"), "preset": ("models", "settings", "nproc", "machine"),
          "experiment": ("experiment", "claims", "models"), "fair": ("stages", "stages_complete", "target", "rule"),
+         "fair-budget": ("stages", "stages_complete", "budgets", "pairs", "rule"),
          "speed": ("targets", "settings", "complete"), "measurement": ()}
 
 
