@@ -409,11 +409,12 @@ def install() -> bool:
         from smlp import folder_lock
 
         global _NO_SAVE
-        _NO_SAVE = bool(cfg.checkpoint.no_save)  # fairseq-hydra-train calls fairseq-train's main as it imported it
+        before, _NO_SAVE = _NO_SAVE, bool(cfg.checkpoint.no_save)  # hydra-train calls train's main as imported
         try:
             return original_call_main(cfg, main, **kwargs)
         finally:
-            folder_lock.release()  # the save folder's lock (a program run in a longer-lived process)
+            _NO_SAVE = before  # a program run in a longer-lived process leaves no setting behind
+            folder_lock.release()  # nor the save folder's lock
 
     from fairseq_cli import train as train_cli
 
@@ -421,8 +422,11 @@ def install() -> bool:
 
     def main(cfg, *args, **kwargs):  # fairseq-train's main on every rank (call_main looks it up when it runs)
         global _NO_SAVE
-        _NO_SAVE = bool(cfg.checkpoint.no_save)
-        return original_main(cfg, *args, **kwargs)
+        before, _NO_SAVE = _NO_SAVE, bool(cfg.checkpoint.no_save)
+        try:
+            return original_main(cfg, *args, **kwargs)
+        finally:
+            _NO_SAVE = before
 
     from fairseq.trainer import Trainer
 

@@ -37,13 +37,20 @@ def xdist_scope(nodeid: str) -> str:
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """`make test` runs the suite in 2 pytest-xdist workers (-n 2), scheduled by `xdist_scope`: the multi-process
-    tests wait on collectives, SLURM and timeouts, and the other worker's tests use that time."""
+    """`make test` runs the suite in 3 pytest-xdist workers on the 2 cores (-n 3), scheduled by `xdist_scope`: the
+    multi-process tests wait on collectives, SLURM and timeouts, and the other workers' tests use that time."""
     from xdist.scheduler import LoadScopeScheduling
 
     class FileAndClusterScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             return xdist_scope(nodeid)
+
+        def _assign_work_unit(self, node) -> None:
+            # The SLURM tests go first: they wait minutes on the cluster (time limits, requeues), and that wait
+            # overlaps the other workers' computing instead of ending the run alone (xdist orders by test count).
+            if "slurm" in self.workqueue:
+                self.workqueue.move_to_end("slurm", last=False)
+            super()._assign_work_unit(node)
 
     return FileAndClusterScheduling(config, log)
 

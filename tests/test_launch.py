@@ -754,7 +754,7 @@ def test_sbatch_two_nodes_checks_every_node(slurm2, data_bin, tmp_path):
     fake = tmp_path / "python"
     fake.write_text(f"""#!/usr/bin/env bash
 if [ "$1" = -c ] && [ "$SLURMD_NODENAME" = n2 ]; then exit 1; fi
-if [ "$1" = -m ]; then touch {tmp_path}/task-started; exit 0; fi
+if [ "$1" = -m ] && [ "$2" = smlp_launch.local ]; then touch {tmp_path}/task-started; exit 0; fi
 exec {PY} "$@"
 """)
     fake.chmod(0o755)

@@ -281,6 +281,7 @@ def test_runs_that_save_nothing_share_a_folder_and_take_no_lock(tmp_path, tiny_l
     """--no-save runs (benchmarks, tests beside each other in one working folder) take no lock on their save
     folder, so a held lock refuses none of them, and they leave the folder as it was."""
     from fairseq_helpers import TRAIN, fairseq_train
+    from smlp import folder_lock
     from smlp_launch.local import _check_paths
 
     save = tmp_path / "ckpt"
@@ -292,6 +293,11 @@ def test_runs_that_save_nothing_share_a_folder_and_take_no_lock(tmp_path, tiny_l
                        "--save-dir", str(save)])
         _check_paths([str(tiny_lm_data), "--no-save", "--save-dir", str(save)])
         assert _snapshot(save) == before
+        from fairseq import checkpoint_utils  # a later save-writing program in this process locks its folder again
+
+        checkpoint_utils.verify_checkpoint_directory(str(tmp_path))
+        assert (tmp_path / ".smlp-save-dir.lock").exists()
+        folder_lock.release(tmp_path)
     finally:
         holder.kill()
         holder.wait()
