@@ -4,8 +4,10 @@ From a model's FLOPs and parameters (eval/flops/counting.py), `Training` and a `
 overlap of communication and compute, as legacy_ddp runs (docs/scale-out.md), an update takes
 
     U x [ 3 B x FLOPs per sequence / (peak x matmul efficiency)   forward + backward
+          + B x blocks' forward FLOPs / (peak x efficiency)   --checkpoint-activations: recomputed
           + 4 x activation bytes / HBM bandwidth        memory-bound: each saved byte and its
-                                                        gradient are written and read
+                                                        gradient are written and read (recomputing:
+                                                        the kept inputs read once more)
           + all2all time not hidden by the experts ]    per exchange: latency + max(NVLink, IB time)
     + gradient all-reduces + optimizer (about 32 bytes of HBM traffic per parameter)
 
@@ -23,8 +25,8 @@ from smlp.routing.registry import TOKEN_ROUTERS
 
 __all__ = ["Cluster", "CLUSTERS", "GPU_CLUSTERS", "Training", "Exchange", "sparse_exchanges",
            "a2a_seconds", "expert_seconds", "exposed_a2a_seconds", "allreduce_seconds", "allreduce_payloads",
-           "memory_per_gpu", "step_time", "StepTime", "SMOE_LAYOUTS", "smoe_expert_params",
-           "padding_macs_per_sequence", "with_cluster_overrides", "layout_seconds", "choose_smoe_layout"]
+           "memory_per_gpu", "activation_bytes_per_micro_batch", "step_time", "StepTime", "SMOE_LAYOUTS",
+           "smoe_expert_params", "padding_macs_per_sequence", "with_cluster_overrides", "layout_seconds", "choose_smoe_layout"]
 
 SMOE_LAYOUTS = ("expert", "replicated")  # the sMoE's parallel layouts (fairseq's --smoe-parallel)
 
@@ -251,6 +253,16 @@ def allreduce_payloads(params_non_expert: int, params_expert_per_gpu: int, train
 # ---------------------------------------------------------------- activations
 
 
+def activation_bytes_per_micro_batch(cfg: LMConfig, train: Training, activations: dict[str, tuple[int, int]]) -> int:
+    """Bytes autograd keeps for one micro-batch of `train.batch_size` sequences, from (floats in the training
+    dtype, other bytes) per sequence and layer kind (eval/flops/activations.py)."""
+    act = 0
+    for kind, layers in (("head", 1), ("dense", cfg.dense_layers), ("sparse", cfg.sparse_layers)):
+        floats, other = activations.get(kind, (0, 0))
+        act += layers * (floats * train.dtype_bytes + other)
+    return act * train.batch_size
+
+
 def memory_per_gpu(cfg: LMConfig, *, params_non_expert: int, params_expert_per_gpu: int, train: Training,
                    activations: dict[str, tuple[int, int]]) -> dict:
     """Bytes per GPU: weights + gradients (fp16 as fairseq's FP16Optimizer: 2 + 2 + fp32 master 4 +
@@ -259,11 +271,7 @@ def memory_per_gpu(cfg: LMConfig, *, params_non_expert: int, params_expert_per_g
     weights_grads = 12 if train.fp16 else 8
     params = params_non_expert + params_expert_per_gpu
     moments_non_expert = 8 * params_non_expert / (train.world_size if train.optimizer_sharding else 1)
-    act = 0
-    for kind, layers in (("head", 1), ("dense", cfg.dense_layers), ("sparse", cfg.sparse_layers)):
-        floats, other = activations.get(kind, (0, 0))
-        act += layers * (floats * train.dtype_bytes + other)
-    act *= train.batch_size
+    act = activation_bytes_per_micro_batch(cfg, train, activations)
     out = {"params": params, "weights_and_grads": weights_grads * params,
            "adam_moments": moments_non_expert + 8 * params_expert_per_gpu,
            "adam_moments_unsharded": 8 * params, "activations": act}
@@ -330,11 +338,17 @@ def smoe_local_experts(cfg: LMConfig, ep_size: int) -> int:
 
 def step_time(name: str, cfg: LMConfig, *, flops_per_sequence: float, params_non_expert: int,
               params_expert_per_gpu: int, train: Training, cluster: Cluster,
-              activations: dict[str, tuple[int, int]]) -> StepTime:
+              activations: dict[str, tuple[int, int]],
+              recompute: tuple[float, dict[str, tuple[int, int]]] | None = None) -> StepTime:
     """The time of one update (module docstring). The parameter counts are those of the expert layout
     (eval/flops/counting.py marks every expert). With train.smoe_layout "replicated" every GPU holds
     all E sMoE experts as data-parallel parameters: no sMoE all2all and the same compute, but their
-    gradients join the non-expert all-reduce and the optimizer updates them on every GPU."""
+    gradients join the non-expert all-reduce and the optimizer updates them on every GPU.
+    With cfg.checkpoint_activations, `recompute` is (the blocks' forward FLOPs per sequence, the activations
+    the plain model keeps): backward runs that forward again (no all2all again) and keeps what it keeps."""
+    if cfg.checkpoint_activations and recompute is None:
+        raise ValueError("a model with checkpoint_activations needs recompute=(the blocks' forward FLOPs per "
+                         "sequence, the plain model's activations): backward runs each block's forward again")
     B, U = train.batch_size, train.update_freq
     if train.smoe_layout == "replicated":
         params_expert_per_gpu -= smoe_expert_params(cfg, smoe_local_experts(cfg, train.ep_size))
@@ -355,6 +369,14 @@ def step_time(name: str, cfg: LMConfig, *, flops_per_sequence: float, params_non
         "allreduce_expert": U * allreduce_seconds(ar["expert_bytes"], train.replicas, cluster, strided=train.ep_size),
         "optimizer": 32 * (params_non_expert + params_expert_per_gpu) / cluster.hbm_bandwidth,
     }
+    if cfg.checkpoint_activations:  # the recomputed forward keeps the plain activations; the blocks' inputs are
+        block_flops, plain = recompute  # written in forward and read by the recomputation
+        inputs = activation_bytes_per_micro_batch(cfg, train, {k: v for k, v in activations.items() if k != "head"})
+        seconds = {"compute": seconds.pop("compute"),
+                   "recompute": U * B * (block_flops + pad_flops) / (cluster.peak_flops * cluster.matmul_efficiency),
+                   **seconds}
+        seconds["memory_bound"] = U * (4 * activation_bytes_per_micro_batch(cfg, train, plain) + 2 * inputs) / \
+            cluster.hbm_bandwidth
     return StepTime(name, train, cluster, flops_per_sequence, pad_flops, exchanges, ar, memory, seconds)
 
 
@@ -372,6 +394,7 @@ def layout_seconds(cfg: LMConfig, train: Training, cluster: Cluster) -> dict[str
     parameters and rows the layouts move, so the difference of the two is exact without the model's
     other parameters or FLOPs (one stand-in parameter keeps each all-reduce's latency in both)."""
     L = smoe_local_experts(cfg, train.ep_size)
+    cfg = replace(cfg, checkpoint_activations=False)  # recomputing is the same in both layouts
     out = {}
     for layout in SMOE_LAYOUTS:
         st = step_time("", cfg, flops_per_sequence=0, params_non_expert=1,

@@ -131,6 +131,45 @@ def test_the_memory_estimator_counts_what_checkpointing_keeps():
     assert mem["kept"]["activations"] < 0.5 * mem["plain"]["activations"]
 
 
+def test_the_step_time_model_adds_the_recomputed_forward():
+    """smlp-flops --step-time with --checkpoint-activations: every block's forward runs again in backward (its
+    FLOPs are the model's less the head's), the recomputed activations cost what the plain ones do in memory
+    traffic plus the kept inputs written and read again, and nothing else changes; the default sMoE layout's
+    choice is unaffected."""
+    import smlp.steptime as S
+    from smlp_eval import flops as FL
+    from smlp_eval.flops.activations import activation_bytes
+
+    flags = ["--decoder-embed-dim", "32", "--decoder-ffn-embed-dim", "64", "--tokens-per-sample", "16",
+             "--num-experts", "4", "--distributed-world-size", "4", "--batch-size", "3", "--update-freq", "2"]
+    cluster = S.CLUSTERS["v100-dgx1"]
+    plain_spec = FL.parse_model("smlp_lm", flags, vocab_size=64)
+    spec = FL.parse_model("smlp_lm", [*flags, "--checkpoint-activations"], vocab_size=64)
+    assert spec.cfg.checkpoint_activations and not plain_spec.cfg.checkpoint_activations
+    plain, kept = (FL.steptime.step_time_for(s, cluster, method="analytic", smoe_layout="expert")
+                   for s in (plain_spec, spec))
+    c = FL.count_spec(spec, "analytic")
+    rate = cluster.peak_flops * cluster.matmul_efficiency
+    assert kept.seconds["recompute"] == pytest.approx(2 * 3 * (c.flops - 2 * c.head.macs) / rate, rel=1e-12)
+    assert 0 < c.head.macs and 2 * c.head.macs < c.flops
+    assert kept.memory["activations"] < 0.5 * plain.memory["activations"]
+    kept_per_sequence = activation_bytes(spec.cfg, 16, 1)  # (fp32 floats, other bytes) per block kind
+    assert kept_per_sequence["dense"] == (16 * 32, 0)  # a dense block keeps its input alone
+    inputs = 2 * 3 * sum(layers * (kept_per_sequence[k][0] * 4 + kept_per_sequence[k][1])  # U x B x blocks
+                         for k, layers in (("dense", spec.cfg.dense_layers), ("sparse", spec.cfg.sparse_layers)))
+    assert kept.seconds["memory_bound"] == pytest.approx(
+        plain.seconds["memory_bound"] + 2 * inputs / cluster.hbm_bandwidth, rel=1e-12)
+    assert {k: v for k, v in kept.seconds.items() if k not in ("recompute", "memory_bound")} == \
+        {k: v for k, v in plain.seconds.items() if k != "memory_bound"}
+    assert kept.step_seconds > plain.step_seconds
+    with pytest.raises(ValueError, match="checkpoint_activations needs recompute"):
+        S.step_time("x", spec.cfg, flops_per_sequence=c.flops, params_non_expert=1, params_expert_per_gpu=1,
+                    train=S.Training(world_size=4, ep_size=4, batch_size=3, tokens=16), cluster=cluster,
+                    activations={})
+    train = S.Training(world_size=4, ep_size=4, batch_size=3, tokens=16)
+    assert S.layout_seconds(spec.cfg, train, cluster) == S.layout_seconds(plain_spec.cfg, train, cluster)
+
+
 def test_recomputing_adds_no_host_sync(monkeypatch):
     """On the path a GPU takes (smlp_bench.micro.host_syncs), a training step with --checkpoint-activations reads
     from the device exactly what the plain step reads in its forward, and the recomputed stages read nothing in

@@ -7,7 +7,7 @@ importing this package. This module counts a model given as fairseq flags (model
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from smlp.steptime import (
     CLUSTERS,
@@ -82,9 +82,14 @@ def step_time_for(spec: ModelSpec, cluster, *, name: str | None = None, padding:
                               smoe_layout=smoe_layout if smoe_expert_params(spec.cfg, 1) else "expert",
                               all2all_chunks=spec.all2all_chunks if all2all_chunks is None else all2all_chunks)
     acts = activation_bytes(spec.cfg, spec.tokens, max(spec.experts_per_gpu, 1))
+    recompute = None
+    if spec.cfg.checkpoint_activations:  # every block's forward again in backward: all but the head's FLOPs
+        plain = activation_bytes(replace(spec.cfg, checkpoint_activations=False), spec.tokens,
+                                 max(spec.experts_per_gpu, 1))
+        recompute = (c.flops - 2 * c.head.macs, plain)
     return step_time(name or spec.arch, spec.cfg, flops_per_sequence=c.flops,
                               params_non_expert=c.params_non_expert, params_expert_per_gpu=c.params_expert_per_gpu,
-                              train=train, cluster=cluster, activations=acts)
+                              train=train, cluster=cluster, activations=acts, recompute=recompute)
 
 
 def table4(which: str, cluster, method: str = "fvcore", smoe_layout: str = "faster",
