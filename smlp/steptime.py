@@ -26,7 +26,8 @@ from smlp.routing.registry import TOKEN_ROUTERS
 __all__ = ["Cluster", "CLUSTERS", "GPU_CLUSTERS", "Training", "Exchange", "sparse_exchanges",
            "a2a_seconds", "expert_seconds", "exposed_a2a_seconds", "allreduce_seconds", "allreduce_payloads",
            "memory_per_gpu", "activation_bytes_per_micro_batch", "step_time", "StepTime", "SMOE_LAYOUTS",
-           "smoe_expert_params", "padding_macs_per_sequence", "with_cluster_overrides", "layout_seconds", "choose_smoe_layout"]
+           "smoe_expert_params", "padding_macs_per_sequence", "with_cluster_overrides", "layout_seconds",
+           "choose_smoe_layout"]
 
 SMOE_LAYOUTS = ("expert", "replicated")  # the sMoE's parallel layouts (fairseq's --smoe-parallel)
 
