@@ -293,7 +293,7 @@ def cli() -> None:
     """Console entry point of ``smlp-generate`` (no third-party import warnings: smlp/third_party.py)."""
     from smlp.third_party import quiet_imports
 
-    quiet_imports()
+    quiet_imports(deepspeed=False)  # it trains nothing: fairseq's one DeepSpeed user is an optimizer
     sys.exit(main(hard_exit=True))
 
 

@@ -768,3 +768,18 @@ exec {PY} "$@"
     assert "a node cannot run the tasks" in text and "node n1 (" not in text, text
     assert not (tmp_path / "task-started").exists()
     assert not list(save.glob(".smlp-shared-*"))  # the marker is cleaned up
+
+
+def test_a_worker_imports_deepspeed_only_for_fairseqs_cpu_adam():
+    """fairseq's one DeepSpeed user is its cpu_adam optimizer: a rank training with another optimizer starts
+    without importing DeepSpeed (fairseq goes on without it, every optimizer but cpu_adam registered)."""
+    from smlp_launch.worker import needs_deepspeed
+
+    assert not needs_deepspeed(["data", "--optimizer", "adam", "--lr", "1e-3"])
+    assert needs_deepspeed(["data", "--optimizer", "cpu_adam"]) and needs_deepspeed(["data", "--optimizer=cpu_adam"])
+    code = ("import sys; from smlp.third_party import quiet_imports; from smlp_launch.worker import needs_deepspeed; "
+            "quiet_imports(deepspeed=needs_deepspeed(sys.argv[1:])); import fairseq_cli.train; "
+            "from fairseq.optim import OPTIMIZER_REGISTRY; "
+            "print(sys.modules.get('deepspeed') is not None, 'adam' in OPTIMIZER_REGISTRY)")
+    run = subprocess.run([PY, "-c", code, "data", "--optimizer", "adam"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.split()[-2:] == ["False", "True"], run.stdout + run.stderr[-2000:]
