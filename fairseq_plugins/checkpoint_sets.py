@@ -342,6 +342,22 @@ class _AtomicCopies:
         return True
 
 
+class _PruningOs:
+    """The os module for fairseq's save_checkpoint, except that removing a file already gone is no error: every rank
+    prunes its own old shards there (--keep-*) while rank 0's prune_saves removes every rank's, and either may come
+    first."""
+
+    def __getattr__(self, name):
+        return getattr(os, name)
+
+    @staticmethod
+    def remove(path) -> None:
+        try:
+            os.remove(path)
+        except FileNotFoundError:
+            pass
+
+
 def check_checkpoint_suffix(cfg) -> None:
     """Refuse --checkpoint-suffix on a run that writes one file per rank (`cfg`: fairseq's whole config, read
     before distributed_init replaces the suffix with `-rank-R`, which would ignore it without a word)."""
@@ -379,12 +395,12 @@ def install() -> bool:
         global _EVERY_RANK_SAVES
         rank, world = rank_and_world()
         real = checkpoint_utils.PathManager
-        checkpoint_utils.PathManager = _AtomicCopies(real)
+        checkpoint_utils.PathManager, checkpoint_utils.os = _AtomicCopies(real), _PruningOs()
         _EVERY_RANK_SAVES = world > 1 and _suffix_info(trainer)[1]
         try:
             result = original_save(cfg, trainer, epoch_itr, val_loss)
         finally:
-            checkpoint_utils.PathManager = real
+            checkpoint_utils.PathManager, checkpoint_utils.os = real, os
             _EVERY_RANK_SAVES = False
         if rank == 0 and "://" not in str(cfg.save_dir) and result is not None:  # a save was written
             remove_superseded(cfg.save_dir, _RUN_ID, world, _suffix_info(trainer)[1])

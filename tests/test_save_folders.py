@@ -489,3 +489,20 @@ def test_export_force_through_a_symlinked_folder_writes_into_its_target(tmp_path
     assert json.loads((target / "config.json").read_text()) == {"smlp_export": {"new": True}}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hflink", "real"]
     assert sorted(p.name for p in target.parent.iterdir()) == ["hf"]
+
+
+def test_fairseqs_own_pruning_on_a_rank_finds_its_old_shard_already_removed(tmp_path):
+    """Every rank prunes its own old shards inside fairseq's save_checkpoint (--keep-*) while rank 0's prune_saves
+    removes every rank's: rank 1 could see its shard exist, then find it gone (a FileNotFoundError that ended a
+    resumed run in the full-disk test once). Inside the save, fairseq's os.remove of a file already gone is no error;
+    any other failure to remove still is."""
+    from fairseq import checkpoint_utils
+
+    from fairseq_plugins.checkpoint_sets import _PruningOs
+
+    gone = tmp_path / "checkpoint_1_2-rank-1.pt"
+    assert os.path.lexists(tmp_path) and not gone.exists()
+    _PruningOs().remove(str(gone))  # removed by rank 0 after this rank's lexists
+    with pytest.raises(OSError):  # a folder: not a file already gone
+        _PruningOs().remove(str(tmp_path))
+    assert _PruningOs().path is os.path and checkpoint_utils.os is os  # the real module outside a save
