@@ -518,6 +518,7 @@ def run_stage(stage: str, ctx: Context, data: Path, out_dir: Path, *, order_seed
         if not added:
             break
         print(f"   widening the sweep: {', '.join(added)}", flush=True)
+        report(store, out_dir, quiet=True)  # the stage's record says its new runs are to come (a resume runs them)
         resume = True
     if stage == comp.sweep:
         choice = comp.choose(rates_tried(record), store.extra.get("widened", {}))
