@@ -360,9 +360,17 @@ def step_time(name: str, cfg: LMConfig, *, flops_per_sequence: float, params_non
     memory = memory_per_gpu(cfg, params_non_expert=params_non_expert, params_expert_per_gpu=params_expert_per_gpu,
                             train=train, activations=activations)
     ar = allreduce_payloads(params_non_expert, params_expert_per_gpu, train)
+    rate = cluster.peak_flops * cluster.matmul_efficiency
+    recomputed, traffic = {}, 4 * memory["activations"]
+    if cfg.checkpoint_activations:  # the recomputed forward keeps the plain activations; the blocks' inputs are
+        block_flops, plain = recompute  # written in forward and read by the recomputation
+        inputs = activation_bytes_per_micro_batch(cfg, train, {k: v for k, v in activations.items() if k != "head"})
+        recomputed = {"recompute": U * B * (block_flops + pad_flops) / rate}
+        traffic = 4 * activation_bytes_per_micro_batch(cfg, train, plain) + 2 * inputs
     seconds = {
-        "compute": U * 3 * B * (flops_per_sequence + pad_flops) / (cluster.peak_flops * cluster.matmul_efficiency),
-        "memory_bound": U * 4 * memory["activations"] / cluster.hbm_bandwidth,
+        "compute": U * 3 * B * (flops_per_sequence + pad_flops) / rate,
+        **recomputed,
+        "memory_bound": U * traffic / cluster.hbm_bandwidth,
         "all2all": U * cfg.sparse_layers * sum(
             exposed_a2a_seconds(cfg, e, cluster, chunks=train.all2all_chunks, dtype_bytes=train.dtype_bytes)
             for e in exchanges),
@@ -370,14 +378,6 @@ def step_time(name: str, cfg: LMConfig, *, flops_per_sequence: float, params_non
         "allreduce_expert": U * allreduce_seconds(ar["expert_bytes"], train.replicas, cluster, strided=train.ep_size),
         "optimizer": 32 * (params_non_expert + params_expert_per_gpu) / cluster.hbm_bandwidth,
     }
-    if cfg.checkpoint_activations:  # the recomputed forward keeps the plain activations; the blocks' inputs are
-        block_flops, plain = recompute  # written in forward and read by the recomputation
-        inputs = activation_bytes_per_micro_batch(cfg, train, {k: v for k, v in activations.items() if k != "head"})
-        seconds = {"compute": seconds.pop("compute"),
-                   "recompute": U * B * (block_flops + pad_flops) / (cluster.peak_flops * cluster.matmul_efficiency),
-                   **seconds}
-        seconds["memory_bound"] = U * (4 * activation_bytes_per_micro_batch(cfg, train, plain) + 2 * inputs) / \
-            cluster.hbm_bandwidth
     return StepTime(name, train, cluster, flops_per_sequence, pad_flops, exchanges, ar, memory, seconds)
 
 
