@@ -14,6 +14,7 @@ from pathlib import Path
 
 from . import budget_report, machine, pinned
 from . import schedule as S
+from .experiments import EXPERIMENTS
 from .fair_report import analysed_stage, final_report, print_summary
 from .machine import code_identity, perplexity_changes
 from .presets import (
@@ -27,6 +28,7 @@ from .presets import (
     plan_models,
     target_flags,
 )
+from .publish import FIGURE_DIR, PAGE, publish
 from .report import report
 from .store import RunStore, atomic_write_json, check_started
 from .training import check_options, run_schedule
@@ -311,15 +313,16 @@ def check_code(store_path: Path, stage: str) -> dict:
     return {**now, "stage_commit": started}
 
 
-def commit_store(path: Path, message: str, attempts: int = 5) -> bool:
-    """Commit the files under `path` (a stage's store and report) and nothing else to the repository holding it;
-    retried while another git process holds the index. False (said, not raised) when it cannot."""
+def commit_store(path: Path, message: str, attempts: int = 5, files: Sequence[str] = (".",)) -> bool:
+    """Commit the files under `path` (a stage's store and report; or `files`, relative to it) and nothing else to
+    the repository holding it; retried while another git process holds the index. False (said, not raised) when it
+    cannot."""
     def git(*args):
         return subprocess.run(["git", "-C", str(path), *args], capture_output=True, text=True, timeout=60)
 
     for attempt in range(attempts):
-        add = git("add", "--", ".")
-        res = git("commit", "-q", "-m", message, "--only", "--", ".") if add.returncode == 0 else add
+        add = git("add", "--", *files)
+        res = git("commit", "-q", "-m", message, "--only", "--", *files) if add.returncode == 0 else add
         if res.returncode == 0 or "nothing to commit" in (res.stdout + res.stderr):
             return True
         time.sleep(2 + 3 * attempt)
@@ -583,6 +586,29 @@ def _final(comp: Comparison, records: dict, out: Path) -> dict | None:
         return None
 
 
+def republish(out: Path, stage: str, root: Path = machine.CODE_ROOT) -> bool:
+    """After a stage's report is committed: when `out` is a committed record under the repository's docs/benchmark/,
+    rewrite what README.md and docs/benchmarks.md publish of it and commit the two files, so the committed pages
+    never lag the committed record (a checkout whose pages said 'rate 9 of 10 runs' beside a record saying 'rate
+    done' failed the suite's page-is-the-record test). Left to the user, and said, when either file has uncommitted
+    changes: the commit must hold only what publishing wrote."""
+    record, files = out.resolve() / "results.json", ["README.md", str(PAGE)]
+    if not record.is_relative_to((root / FIGURE_DIR).resolve()) or not record.exists():
+        return False
+    dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--", *files],
+                           capture_output=True, text=True, timeout=60)
+    if dirty.returncode != 0 or dirty.stdout.strip():
+        print(f"   ({' or '.join(files)} has uncommitted changes: after committing them, publish with "
+              f"`smlp-bench --publish {record.relative_to(root.resolve())}`)", flush=True)
+        return False
+    try:
+        publish([record], root / PAGE, root / FIGURE_DIR, experiment_order=list(EXPERIMENTS), readme=root / "README.md")
+    except (BenchError, OSError, KeyError, ValueError) as exc:
+        print(f"   (publishing {record} failed: {type(exc).__name__}: {exc}; `smlp-bench --publish` it)", flush=True)
+        return False
+    return commit_store(root, f"fair benchmark: published after stage {stage}", files=files)
+
+
 def main(args, data: Path, vocab_size: int) -> int:
     """The default stages in order (or those of --stages), each resumed where it stopped (arguments checked by
     `check_args`)."""
@@ -604,6 +630,7 @@ def main(args, data: Path, vocab_size: int) -> int:
         _final(comp, records, out)
         if args.commit_store:
             commit_store(out, f"fair benchmark: report after stage {name}")
+            republish(out, name)
     if (rec := _final(comp, records, out)) is not None:
         comp.summary(rec)
     print(f"   results: {out / 'results.json'} ({(time.time() - t0) / 60:.0f} min)")

@@ -12,6 +12,7 @@ import json
 import math
 import re
 import statistics
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -386,3 +387,44 @@ def test_a_same_seed_rerun_replaces_the_seed_it_reran_and_is_compared_at_the_pri
     checks = FR.same_seed_checks(records, {"experts": "7dbbd46", "same-seed": "caaf5bf"})
     assert [(c["key"], c["seed"], c["stage"], c["commit"], c["rerun_commit"], c["equal"]) for c in checks] == [
         ("a", 2, "experts", "7dbbd46", "caaf5bf", True), ("b", 2, "experts", "7dbbd46", "caaf5bf", False)]
+
+
+def test_a_stage_report_is_published_to_the_readme_and_page_in_its_own_commit(tmp_path, capsys):
+    """After a stage's report is committed, the benchmark rewrites what README.md and docs/benchmarks.md publish of
+    it and commits those two files alone: a checkout never holds a record whose pages say something older (a stage
+    report committed beside a README saying 'rate 9 of 10 runs' failed the page-is-the-record test). With either
+    file edited and not committed, nothing is written and the command to publish is said."""
+    from smlp_bench import budget_report as BR
+    from smlp_bench import publish
+
+    repo, root = Path(__file__).parents[1], tmp_path / "repo"
+    shutil.copytree(repo / publish.FIGURE_DIR, root / publish.FIGURE_DIR)
+    page = repo.joinpath(publish.PAGE).read_text()
+    start, end = page.index(BR.DOCS_START) + len(BR.DOCS_START), page.index(BR.DOCS_END)
+    root.joinpath(publish.PAGE).write_text(page[:start] + "\nSTALE\n" + page[end:])
+    readme = repo.joinpath("README.md").read_text()
+    stale = re.sub(r"(<!-- smlp-bench-readme-fair:start -->\n).*?(<!-- smlp-bench-readme-fair:end)",
+                   r"\1STALE\n\2", readme, flags=re.S)
+    assert stale != readme
+    (root / "README.md").write_text(stale)
+    _git(root, "init", "-q")
+    _git(root, "config", "user.email", "t@t"), _git(root, "config", "user.name", "t")
+    _git(root, "add", "README.md", publish.PAGE)
+    _git(root, "commit", "-q", "-m", "start")
+    (root / "other.txt").write_text("someone's work in progress\n")
+    _git(root, "add", "other.txt")
+    out = root / publish.FIGURE_DIR / "fair-docs"
+    # a record outside the repository's docs/benchmark/ is not published
+    assert not fair.republish(tmp_path / "elsewhere", "rate", root=root)
+    # an uncommitted edit of README: nothing written, nothing committed, the command said
+    (root / "README.md").write_text(stale + "my note\n")
+    assert not fair.republish(out, "rate", root=root)
+    assert "uncommitted changes" in capsys.readouterr().out and (root / "README.md").read_text() == stale + "my note\n"
+    assert _git(root, "log", "--format=%s").split("\n")[0] == "start"
+    (root / "README.md").write_text(stale)
+    assert fair.republish(out, "rate", root=root)
+    assert (root / "README.md").read_text() == readme  # what publishing the committed record gives
+    assert root.joinpath(publish.PAGE).read_text() == page
+    assert _git(root, "log", "-1", "--format=%s").strip() == "fair benchmark: published after stage rate"
+    assert sorted(_git(root, "show", "--name-only", "--format=", "HEAD").split()) == ["README.md", str(publish.PAGE)]
+    assert _git(root, "diff", "--cached", "--name-only").split() == ["other.txt"]
