@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 import math
 import re
-import statistics
 import shutil
+import statistics
 import subprocess
 from pathlib import Path
 
