@@ -57,9 +57,31 @@ def _mmap_digest(prefix: Path):
     if ds is None:
         raise DataPrepError(f"fairseq-preprocess wrote no {prefix}.bin/.idx")
     digest = hashlib.sha256()
-    for i in range(len(ds)):
-        digest.update(ds[i].numpy().astype("<i4").tobytes())
-    return ds.sizes, digest.hexdigest()
+    if (stream := _id_stream(ds)) is not None:
+        digest.update(stream.astype("<i4").tobytes())
+    else:
+        for i in range(len(ds)):
+            digest.update(ds[i].numpy().astype("<i4").tobytes())
+    # a copy: ds.sizes is a view of the index file's mmap, which fairseq closes when ds is collected (reading the view
+    # after this function returned was a segmentation fault: check_binarized's error message sums it)
+    return ds.sizes.copy(), digest.hexdigest()
+
+
+def _id_stream(ds):
+    """Every sentence's ids in order as one array, read from the reader's own buffer when its sentences lie end to
+    end in it (what fairseq's builder writes): the same bytes as reading sentence by sentence, without a Python
+    step per sentence (146k of them in the demo corpus: seconds). None when the reader is not laid out that way."""
+    import numpy as np
+
+    index, buffer = getattr(ds, "_index", None), getattr(ds, "_bin_buffer", None)
+    pointers, dtype = getattr(index, "_pointers", None), getattr(index, "dtype", None)
+    if buffer is None or pointers is None or dtype is None:
+        return None
+    sizes, itemsize = np.asarray(ds.sizes, dtype=np.int64), np.dtype(dtype).itemsize
+    ends = np.cumsum(sizes) * itemsize
+    if len(sizes) and (int(pointers[0]) != 0 or not np.array_equal(np.asarray(pointers[1:]), ends[:-1])):
+        return None
+    return np.frombuffer(buffer, dtype=dtype, count=int(sizes.sum()))
 
 
 def check_binarized(tmp: Path, counts: dict, digests: dict[str, str]) -> None:

@@ -426,3 +426,38 @@ def test_gutenberg_boilerplate_is_stripped_from_wrapped_files(plays, tmp_path, m
             D.prepare(tmp_path / "o", [wrapped], strip_gutenberg=strip, vocab_size=400, log=None)
         assert ("Gutenberg" in seen["text"]) is not strip
         assert "Our revels now are ended." in seen["text"]
+
+
+def test_the_binarized_ids_digest_reads_the_stream_as_sentence_by_sentence_does(tmp_path):
+    """check_binarized's digest of a split read as one stream from fairseq's reader equals the digest of reading it
+    sentence by sentence (the reference); a reader whose sentences do not lie end to end is read sentence by
+    sentence."""
+    import hashlib
+
+    import numpy as np
+    import torch
+    from fairseq.data.indexed_dataset import MMapIndexedDatasetBuilder
+
+    from smlp_eval.text import DataPrepError, load_binarized
+    from smlp_launch import binarize as B
+
+    rng = np.random.default_rng(0)
+    builder = MMapIndexedDatasetBuilder(str(tmp_path / "s.bin"), dtype=np.uint16)
+    for n in rng.integers(1, 40, size=300):
+        builder.add_item(torch.from_numpy(rng.integers(0, 60000, size=n).astype(np.int64)))
+    builder.finalize(str(tmp_path / "s.idx"))
+    ds = load_binarized(tmp_path / "s")
+    reference = hashlib.sha256()
+    for i in range(len(ds)):
+        reference.update(ds[i].numpy().astype("<i4").tobytes())
+    sizes, digest = B._mmap_digest(tmp_path / "s")
+    assert B._id_stream(ds) is not None and digest == reference.hexdigest() and list(sizes) == list(ds.sizes)
+    ds._index._pointers = ds._index._pointers[::-1].copy()  # sentences not end to end: no stream
+    assert B._id_stream(ds) is None
+    # ids that differ from the sentencepiece ids: the error names fairseq's counts (read after the reader is gone)
+    for split in ("train", "valid", "test"):
+        for ext in ("bin", "idx"):
+            shutil.copy(tmp_path / f"s.{ext}", tmp_path / f"{split}.{ext}")
+    counts = {split: {"sentences": 300, "fairseq_tokens": int(sizes.sum())} for split in ("train", "valid", "test")}
+    with pytest.raises(DataPrepError, match=f"wrote 300 sentences / {int(sizes.sum())} tokens for train"):
+        B.check_binarized(tmp_path, counts, {split: "0" * 64 for split in ("train", "valid", "test")})
