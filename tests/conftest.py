@@ -65,6 +65,21 @@ def fork_server():
     start_fork_server()
 
 
+@pytest.fixture(autouse=True)
+def no_stale_fairseq_group():
+    """fairseq caches its global process group on `get_global_group` and never drops it: a test that ran fairseq in
+    this process inside a process group it then destroyed left the next one a destroyed group ("Group ... is not
+    registered" when fairseq's BaseLayer asked it for a rank). After each test, the cache goes unless a process group
+    is still up."""
+    yield
+    utils = sys.modules.get("fairseq.distributed.utils")
+    if utils is not None and hasattr(utils.get_global_group, "_global_group"):
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            del utils.get_global_group._global_group
+
+
 @pytest.fixture(scope="session")
 def tiny_lm_data(tmp_path_factory) -> Path:
     """~6k lines of Gutenberg Shakespeare, whitespace tokens, 2000-word vocabulary, fairseq binary."""
