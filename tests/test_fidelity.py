@@ -65,16 +65,14 @@ def test_fairseq_placement_stacks_sparse_blocks_low_and_every_other_alternates()
 
 @pytest.fixture
 def one_rank_group(tmp_path):
-    """A 1-rank gloo group: fairseq's BaseLayer asks torch.distributed for its rank when built."""
+    """A 1-rank gloo group: fairseq's BaseLayer asks torch.distributed for its rank when built (the group fairseq
+    caches from it is dropped after the test: conftest's no_stale_fairseq_group)."""
     import torch.distributed as dist
-    from fairseq.distributed import utils as fairseq_dist
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
     try:
         yield
     finally:
-        if hasattr(fairseq_dist.get_global_group, "_global_group"):
-            del fairseq_dist.get_global_group._global_group
         dist.destroy_process_group()
 
 
