@@ -103,8 +103,13 @@ def test_every_paper_and_tiny_config_has_the_documented_layer_plan(capsys):
     """smlp-flops --json reports the layer plan; it is the rule of the family and the real model's order."""
     archs = _registered_archs()
     assert len(archs) >= 18
+    from smlp_eval.flops.command import as_trained
+
     for arch in archs:
-        spec = FL.parse_model(arch, ["--distributed-world-size", "2"] if "_tiny" in arch else [])
+        flags = ["--distributed-world-size", "2", "--tokens-per-sample", "32"] if "_tiny" in arch else []
+        # the flags and vocabulary smlp-flops itself parses below: one fairseq parse per arch (it is remembered)
+        parsed, vocab_size = as_trained(arch, flags, None)
+        spec = FL.parse_model(arch, parsed, vocab_size=vocab_size)
         cfg = spec.cfg
         expected_rule = "every_other" if cfg.family == "transformer" and cfg.moe_router in ("gshard", "switch") \
             and cfg.sparse_layers else "paper"
@@ -115,7 +120,6 @@ def test_every_paper_and_tiny_config_has_the_documented_layer_plan(capsys):
         built = ["sparse" if (isinstance(l, TransformerBlock) and isinstance(l.ffn, TMoE)) or
                  type(l).__name__ == "SparseBlock" else "dense" for l in model.layers]
         assert built == expected, arch
-        flags = ["--distributed-world-size", "2", "--tokens-per-sample", "32"] if "_tiny" in arch else []
         assert FL.main(["--arch", arch, *flags, "--method", "analytic", "--json"]) == 0
         out = json.loads(capsys.readouterr().out)
         assert out["layer_plan"] == expected, arch

@@ -66,10 +66,12 @@ def _fairseq_parse(argv: list[str]):
 
 def plugin_archs() -> dict[str, str]:
     """Registered architecture -> model name, for our plugin models."""
-    from fairseq.models import ARCH_MODEL_NAME_REGISTRY
+    # fairseq's first import brings DeepSpeed, whose logger writes to stdout: keep stdout for our output (--json)
+    with warnings_off(), contextlib.redirect_stdout(sys.stderr):
+        from fairseq.models import ARCH_MODEL_NAME_REGISTRY
 
-    import fairseq_plugins  # noqa: F401  (registration)
-    from fairseq_plugins.config import FAMILIES_BY_MODEL  # our models (the flag table's)
+        import fairseq_plugins  # noqa: F401  (registration)
+        from fairseq_plugins.config import FAMILIES_BY_MODEL  # our models (the flag table's)
 
     return {a: m for a, m in ARCH_MODEL_NAME_REGISTRY.items() if m in FAMILIES_BY_MODEL}
 
@@ -85,11 +87,10 @@ def parse_model(arch: str, flags: Sequence[str] = (), *, vocab_size: int = DEFAU
 
 @functools.lru_cache(maxsize=512)
 def _parse_model(arch: str, flags: tuple[str, ...], vocab_size: int) -> ModelSpec:
-    # fairseq imports DeepSpeed, whose logger writes to stdout: keep stdout for our output (--json).
-    with warnings_off(), contextlib.redirect_stdout(sys.stderr):
-        archs = plugin_archs()
-        from fairseq.dataclass.utils import convert_namespace_to_omegaconf
-        from fairseq.models import MODEL_REGISTRY
+    archs = plugin_archs()
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+    from fairseq.models import MODEL_REGISTRY
+
     if arch not in archs:
         raise ValueError(f"--arch {arch!r} is not one of our registered architectures: {', '.join(sorted(archs))}")
     if vocab_size < 2:
