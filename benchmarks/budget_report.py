@@ -7,7 +7,7 @@ import math
 import statistics
 from pathlib import Path
 
-from .fair_report import plot_sweep
+from .fair_report import plot_sweep, snapshot
 from .presets import NAMES
 from .report import png_axes
 from .store import atomic_write_json
@@ -80,6 +80,33 @@ def _tokens(model: dict, updates: int) -> int:
     return c["tokens"][c["updates"].index(updates)]
 
 
+def motion(models: dict, a: str, b: str, last: int) -> dict | None:
+    """How the pair's gap moved over the 100 updates before `last` (fair_report.snapshot's reading: the change of the
+    relative gap of the geometric means, and how many seeds, paired by number, moved the same way), whether toward
+    zero, and in how many more updates that pace would close it (two significant digits; a straight line, not a
+    measurement)."""
+    snap = snapshot(models, a, b, at=(last - 100, last))
+    if not snap or snap.get("last_100") is None:
+        return None
+    move, gap = snap["last_100"], snap["points"][str(last)]["ratio"] - 1
+    down, paired = snap["seeds_moving_down"], snap["seeds_paired"]
+    direction = ("unchanged" if round(100 * move, 1) == 0  # at the printed precision, 0.1 points
+                 else "toward zero" if move * gap < 0 else "away from zero")
+    return {"updates": last, "last_100": move, "seeds_paired": paired,
+            "seeds_same_way": down if move < 0 else paired - down, "direction": direction,
+            "updates_to_zero": int(float(f"{100 * abs(gap / move):.2g}")) if direction == "toward zero" else None}
+
+
+def motion_words(m: dict) -> str:
+    """A gap's motion at the last budget, in words."""
+    head = (f"{100 * m['last_100']:+.1f} points over the last 100 updates ({m['seeds_same_way']} of "
+            f"{m['seeds_paired']} seeds the same way), ")
+    if m["direction"] != "toward zero":
+        return head + m["direction"]
+    return head + (f"toward zero: at that pace it closes in about {m['updates_to_zero']} more updates (a straight "
+                   f"line through the last two validations, not a measurement)")
+
+
 def sentence(c: dict, a: str, b: str) -> str:
     """One verdict in words: the means, the change, its interval and the seeds."""
     head = f"{_name(a)} {c['ppl_a']:.1f} against {_name(b)} {c['ppl_b']:.1f}, {c['ratio'] - 1:+.1%}"
@@ -112,7 +139,8 @@ def final_report(records: dict, out_dir: Path, design: dict) -> dict:
         at = {str(u): p for u in BUDGETS if (p := pair_at(models, a, b, u, rates))}
         if at:
             rec["pairs"].append({"a": a, "b": b, "what": what, "at": at, "gap": gap_curve(models, a, b, rates),
-                                 "text": {u: sentence(c, a, b) for u, c in at.items()}})
+                                 "text": {u: sentence(c, a, b) for u, c in at.items()},
+                                 "motion": motion(models, a, b, BUDGETS[-1])})
     if rates:
         plot_sweep(rates, out_dir / "rates.png")
     if rec["pairs"]:
@@ -196,6 +224,12 @@ def render_docs(record: dict, figures: dict[str, str]) -> str:
             lines.append(f"| {p['what']} | " + " | ".join(_cell(p["at"].get(str(u))) for u in budgets) + " |")
         if "gap.png" in figures:
             lines += ["", f"![the relative gap against tokens with its interval]({figures['gap.png']})"]
+        if moving := [p for p in record["pairs"] if p.get("motion")]:
+            last = moving[0]["motion"]["updates"]
+            lines += ["", f"Still moving at {last} updates? Each gap's change over the last 100 updates (a gap's "
+                          f"relative difference, in percent points; seeds paired by number). Each verdict is the "
+                          f"answer at its budget: where a gap still closes, a longer run can change it.", ""]
+            lines += [f"- {p['what']}: {motion_words(p['motion'])}" for p in moving]
     if per := record.get("per_seed"):
         lines += ["", "Validation perplexity per seed (geometric mean first) at each budget:", "",
                   "| model | lr | " + " | ".join(f"{u} updates" for u in budgets) + " |",
@@ -239,6 +273,10 @@ def render_docs_summary(record: dict, page: str) -> str | None:
     text = (f"**On a corpus read once (the kernel's documentation, 6.1M tokens): does sMLP-deterministic beat the "
             f"best Transformer-MoE at matched FLOPs? {answer}.** {p['text'][last]}. Along the way: "
             + "; ".join(f"{u} updates {_cell(p['at'][str(u)])}" for u in record["budgets"][:-1] if str(u) in p["at"]))
+    if m := p.get("motion"):
+        state = {"toward zero": "still shrinking", "away from zero": "still growing"}.get(m["direction"], "steady")
+        text += (f". At {last} updates the gap was {state}: {motion_words(m)}"
+                 + (", so this is the answer at this budget, not a settled order" if state != "steady" else ""))
     if (g := by.get(("smlp_det", "gmlp"))) and last in g["at"]:
         text += f". Against dense gMLP: {g['text'][last]}"
     if (e := by.get(("smlp_det_e32", "hash_e32"))) and last in e["at"]:

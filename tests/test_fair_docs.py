@@ -81,6 +81,10 @@ def test_the_kernel_docs_comparison_rates_decides_at_every_budget_and_keeps_its_
     assert f"| sMLP-deterministic | {lr:g} | " in text and "![the relative gap" in text
     assert (docs / "fair-docs" / "gap.png").is_file() and (docs / "fair-docs" / "results.json").is_file()
     assert "best Transformer-MoE at matched FLOPs? a tie.**" in answer and "At 32 experts: " in answer
+    # the stand-in's curves keep each pair's ratio along training: every gap is unchanged at 1500, and both say so
+    assert all(p["motion"]["direction"] == "unchanged" for p in rec["pairs"])
+    assert "Still moving at 1500 updates?" in text and "), unchanged\n" in text
+    assert "At 1500 updates the gap was steady: " in answer and "not a settled order" not in answer
     # before the deciding stage has finished, README keeps the demo corpus's answer and says how far this one is
     partial = {**rec, "stages_complete": {"rate": True, "deciding": False, "experts": False},
                "progress": {"rate": [10, 10], "deciding": [5, 12], "experts": [0, None]}}
@@ -101,3 +105,30 @@ def test_a_rate_stage_still_running_shows_its_rates_so_far_unchosen():
     assert got["gmlp"] == {"tried": {"0.008": 67.7, "0.016": 65.2}, "chosen": 0.016, "bracketed": None,
                            "partial": True}
     assert got["hash"]["chosen"] == 0.004 and set(got) == {"gmlp", "hash"}
+
+
+def _curves(per_seed: dict[int, tuple[float, float]]) -> dict:
+    """A model validated at 1400 and 1500 updates: seed -> (perplexity at 1400, at 1500)."""
+    return {"curves": [{"seed": s, "updates": [1400, 1500], "tokens": [0, 0], "ppl": list(v)}
+                       for s, v in per_seed.items()]}
+
+
+def test_a_gaps_motion_over_the_last_100_updates_is_the_hand_computed_one():
+    import math
+    a, b = _curves({2: (60.0, 57.0), 3: (62.0, 58.0)}), _curves({2: (63.0, 58.5), 3: (64.0, 59.5)})
+    m = budget_report.motion({"a": a, "b": b}, "a", "b", 1500)
+    gap_1500, gap_1400 = math.sqrt(57 * 58 / (58.5 * 59.5)) - 1, math.sqrt(60 * 62 / (63 * 64)) - 1
+    assert m["last_100"] == pytest.approx(gap_1500 - gap_1400) and m["last_100"] == pytest.approx(0.014043, abs=1e-6)
+    # both seeds closed on b (57/58.5 above 60/63, 58/59.5 above 62/64); -2.54% closing 1.40 points a step: ~181
+    assert m["direction"] == "toward zero" and (m["seeds_same_way"], m["seeds_paired"]) == (2, 2)
+    assert m["updates_to_zero"] == 180
+    words = budget_report.motion_words(m)
+    assert words.startswith("+1.4 points over the last 100 updates (2 of 2 seeds the same way), toward zero: at "
+                            "that pace it closes in about 180 more updates")
+    # the other way round: the gap widens, one seed of two with it; no pace to zero
+    a, b = _curves({2: (63.0, 61.0), 3: (64.0, 60.5)}), _curves({2: (60.0, 57.0), 3: (62.0, 59.0)})
+    m = budget_report.motion({"a": a, "b": b}, "a", "b", 1500)  # +4.1% -> +4.8%: seed 2 widens, seed 3 closes
+    assert m["direction"] == "away from zero" and m["updates_to_zero"] is None and m["seeds_same_way"] == 1
+    # within the printed precision (0.1 points) the gap is unchanged, whichever way the rounding leans
+    m = budget_report.motion({"a": _curves({2: (60.0, 58.52)}), "b": _curves({2: (63.0, 61.45)})}, "a", "b", 1500)
+    assert m["direction"] == "unchanged" and budget_report.motion_words(m).endswith("), unchanged")
