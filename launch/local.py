@@ -329,12 +329,37 @@ def plan_launch(opts: argparse.Namespace, fairseq_args: list[str]) -> Plan:
 # ----------------------------------------------------------------------------- running workers
 
 
-def _worker_preexec(parent_pid: int):
+AUTOGROUP = "/proc/self/autogroup"  # Linux with CONFIG_SCHED_AUTOGROUP: "/autogroup-N nice K"
+
+
+def _launcher_nice() -> int:
+    """The lower of the launcher's priorities (the larger nice value): its own, and its session's autogroup's."""
+    nice = os.getpriority(os.PRIO_PROCESS, 0) if hasattr(os, "getpriority") else 0
+    try:
+        with open(AUTOGROUP) as f:
+            nice = max(nice, int(f.read().split()[-1]))
+    except (OSError, ValueError, IndexError):
+        pass
+    return nice
+
+
+def _worker_preexec(parent_pid: int, nice: int = 0):
     """preexec_fn: the worker gets SIGKILL if the launcher dies, even by SIGKILL (Linux only), and
     starts with SIGUSR1 ignored (kept across exec) until worker mode installs its handler, so a
-    forwarded SIGUSR1 can never kill a worker that is still starting."""
+    forwarded SIGUSR1 can never kill a worker that is still starting.
+
+    `nice` > 0 (the launcher's, `nice -n 19 smlp-launch ...`): the worker's new session gets a scheduler autogroup
+    of its own where the kernel has them, at nice 0 against every other session, so the worker would compete at the
+    default priority whatever its own nice value; it gets `nice` there too (raising a nice value needs no privilege).
+    """
     def preexec() -> None:
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+        if nice > 0:
+            try:
+                with open(AUTOGROUP, "w") as f:
+                    f.write(str(nice))
+            except OSError:  # no autogroups here: the process's own nice value already holds
+                pass
         try:
             libc = ctypes.CDLL("libc.so.6", use_errno=True)
             libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
@@ -463,7 +488,7 @@ class Launcher:
             from smlp_eval.files import make_parents
 
             self.created = make_parents(p.log_dir / "rank1.log")  # taken away again if the flags are refused
-        preexec = _worker_preexec(os.getpid())
+        preexec = _worker_preexec(os.getpid(), _launcher_nice())
         import tempfile
 
         self.refusals = Path(tempfile.mkdtemp(prefix="smlp-launch-"))

@@ -47,6 +47,8 @@ LAUNCH_2CPU = ["--nproc", "2", "--cpu", "--threads", "1", "--grace", "5", "--"]
 FAILING_PLUGIN = '''
 import os, sys
 if os.environ.get("SLURM_PROCID", os.environ.get("RANK")) == "1":
+    group = open("/proc/self/autogroup").read().strip() if os.path.exists("/proc/self/autogroup") else "none"
+    print(f"test plugin: rank 1 at nice {os.nice(0)}, autogroup {group}", file=sys.stderr, flush=True)
     print("test plugin: rank 1 fails on purpose", file=sys.stderr, flush=True)
     raise SystemExit(3)
 '''
@@ -340,10 +342,12 @@ def test_two_cpu_workers_train_resume_and_stop_on_usr1(data_bin, tmp_path):
 
 @pytest.mark.slow
 def test_failing_worker_stops_all(data_bin, tmp_path):
+    """A rank that fails ends the run; the launcher ran under `nice -n 7`, and a worker in its own session keeps that
+    priority in its own scheduler autogroup too (where the kernel has them), not the default one a new session gets."""
     plugin = failing_plugin(tmp_path)
     t0 = time.monotonic()
     proc = subprocess.run(
-        [SMLP_LAUNCH, *LAUNCH_2CPU, str(data_bin), *TINY_LM,
+        ["nice", "-n", "7", SMLP_LAUNCH, *LAUNCH_2CPU, str(data_bin), *TINY_LM,
          "--user-dir", str(plugin), "--max-update", "4", "--save-dir", str(tmp_path / "ckpt")],
         capture_output=True, text=True, timeout=180)
     took = time.monotonic() - t0
@@ -352,6 +356,11 @@ def test_failing_worker_stops_all(data_bin, tmp_path):
     assert "rank 1 exited with code 3" in err
     assert "test plugin: rank 1 fails on purpose" in err  # the tail of rank 1's log is shown
     assert "FAILED: rank 1 exited with code 3" in err
+    nice, group = re.search(r"rank 1 at nice (\d+), autogroup (.*)", err).groups()
+    assert int(nice) == min(19, 7 + os.nice(0))  # nice adds to the test's own
+    if group != "none":  # a group of its own, at the launcher's lower priority (its nice, or its group's)
+        own, own_nice = open("/proc/self/autogroup").read().split()[0::2]
+        assert group.split()[0] != own and group.endswith(f" nice {max(int(nice), int(own_nice))}")
     assert took < 120, f"took {took:.0f}s"
     assert_no_processes(str(tmp_path), within=5)
 
