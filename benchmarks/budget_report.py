@@ -170,6 +170,8 @@ def print_summary(rec: dict) -> None:
     for p in rec.get("pairs") or []:
         for u, text in p["text"].items():
             print(f"   @{u:>5} {text}")
+        if p.get("motion"):
+            print(f"          the gap at {p['motion']['updates']}: {motion_words(p['motion'])}")
 
 
 

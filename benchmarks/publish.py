@@ -198,9 +198,12 @@ def readme_answer(fair_rec: dict | None, docs_rec: dict | None, figure_dir: Path
     figure, done = figure_dir / "fair" / "figure5.png", (fair_rec or {}).get("stages_complete", {})
     if docs_rec and (answer := BR.render_docs_summary(docs_rec, _link(page, root))):
         demo = (fair_rec or {}).get("verdicts", {}).get("primary")
+        gap = figure_dir / "fair-docs" / BR.GAP_FIGURE
         return answer + ("" if not demo else f" On the demo corpus (Shakespeare, about 2M tokens, read 1.4 times: a "
                                               f"500-update snapshot) the same pair measured {demo['ppl_a']:.1f} "
-                                              f"against {demo['ppl_b']:.1f} ({demo['ratio'] - 1:+.1%}).")
+                                              f"against {demo['ppl_b']:.1f} ({demo['ratio'] - 1:+.1%}).") + (
+            f"\n\n![each pair's relative gap against tokens read, with its 95% interval]({_link(gap, root)})"
+            if gap.exists() else "")
     if done.get("deciding"):  # the answer: the deciding stage's
         body = FP.render_fair_summary(fair_rec, _link(figure, root) if figure.exists() else None, _link(page, root))
     else:

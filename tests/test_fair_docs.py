@@ -85,6 +85,7 @@ def test_the_kernel_docs_comparison_rates_decides_at_every_budget_and_keeps_its_
     assert all(p["motion"]["direction"] == "unchanged" for p in rec["pairs"])
     assert "Still moving at 1500 updates?" in text and "), unchanged\n" in text
     assert "At 1500 updates the gap was steady: " in answer and "not a settled order" not in answer
+    assert "![each pair's relative gap against tokens read, with its 95% interval](docs/fair-docs/gap.png)" in answer
     # before the deciding stage has finished, README keeps the demo corpus's answer and says how far this one is
     partial = {**rec, "stages_complete": {"rate": True, "deciding": False, "experts": False},
                "progress": {"rate": [10, 10], "deciding": [5, 12], "experts": [0, None]}}
