@@ -49,7 +49,6 @@ launch/slurm/train.sbatch's tasks do; that side is smlp_launch.worker.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import re
 import shlex
@@ -66,6 +65,7 @@ from typing import IO
 from smlp.folder_lock import FolderInUse, probe
 from smlp_eval.files import deepest_parent
 
+from .sessions import group_alive, launcher_nice, signal_group, worker_preexec
 from .worker import DEFAULT_TIMEOUT_S, PREFLIGHT_ENV, TIMEOUT_ENV, LaunchError, collective_timeout, run_worker
 
 PROG = "smlp-launch"
@@ -329,47 +329,6 @@ def plan_launch(opts: argparse.Namespace, fairseq_args: list[str]) -> Plan:
 # ----------------------------------------------------------------------------- running workers
 
 
-AUTOGROUP = "/proc/self/autogroup"  # Linux with CONFIG_SCHED_AUTOGROUP: "/autogroup-N nice K"
-
-
-def _launcher_nice() -> int:
-    """The lower of the launcher's priorities (the larger nice value): its own, and its session's autogroup's."""
-    nice = os.getpriority(os.PRIO_PROCESS, 0) if hasattr(os, "getpriority") else 0
-    try:
-        with open(AUTOGROUP) as f:
-            nice = max(nice, int(f.read().split()[-1]))
-    except (OSError, ValueError, IndexError):
-        pass
-    return nice
-
-
-def _worker_preexec(parent_pid: int, nice: int = 0):
-    """preexec_fn: the worker gets SIGKILL if the launcher dies, even by SIGKILL (Linux only), and
-    starts with SIGUSR1 ignored (kept across exec) until worker mode installs its handler, so a
-    forwarded SIGUSR1 can never kill a worker that is still starting.
-
-    `nice` > 0 (the launcher's, `nice -n 19 smlp-launch ...`): the worker's new session gets a scheduler autogroup
-    of its own where the kernel has them, at nice 0 against every other session, so the worker would compete at the
-    default priority whatever its own nice value; it gets `nice` there too (raising a nice value needs no privilege).
-    """
-    def preexec() -> None:
-        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-        if nice > 0:
-            try:
-                with open(AUTOGROUP, "w") as f:
-                    f.write(str(nice))
-            except OSError:  # no autogroups here: the process's own nice value already holds
-                pass
-        try:
-            libc = ctypes.CDLL("libc.so.6", use_errno=True)
-            libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-        except OSError:
-            pass
-        if os.getppid() != parent_pid:  # the launcher died before prctl took effect
-            os._exit(1)
-    return preexec
-
-
 @dataclass
 class Worker:
     rank: int
@@ -436,21 +395,6 @@ def _tail(path: Path, n: int = TAIL_LINES) -> str:
         return f"(cannot read {path}: {e})"
 
 
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except (ProcessLookupError, PermissionError):
-        return False
-
-
-def _signal_group(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
 class Launcher:
     def __init__(self, plan: Plan, out: IO = sys.stderr):
         self.plan = plan
@@ -488,7 +432,7 @@ class Launcher:
             from smlp_eval.files import make_parents
 
             self.created = make_parents(p.log_dir / "rank1.log")  # taken away again if the flags are refused
-        preexec = _worker_preexec(os.getpid(), _launcher_nice())
+        preexec = worker_preexec(os.getpid(), launcher_nice())
         import tempfile
 
         self.refusals = Path(tempfile.mkdtemp(prefix="smlp-launch-"))
@@ -514,21 +458,21 @@ class Launcher:
 
     def stop_all(self, reason: str, quiet: bool = False) -> None:
         """SIGTERM every live worker's process group, SIGKILL after the grace period, reap all."""
-        live = [w for w in self.workers if _group_alive(w.pgid)]
+        live = [w for w in self.workers if group_alive(w.pgid)]
         if live and not quiet:
             self.say(f"{reason}: stopping {len(live)} worker(s) (SIGTERM, SIGKILL after {self.plan.grace:g}s)")
         for w in live:
-            _signal_group(w.pgid, signal.SIGTERM)
+            signal_group(w.pgid, signal.SIGTERM)
         deadline = time.monotonic() + self.plan.grace
         while time.monotonic() < deadline and not self.kill_now:
             for w in live:
                 w.poll()
-            if not any(_group_alive(w.pgid) for w in live):
+            if not any(group_alive(w.pgid) for w in live):
                 break
             time.sleep(0.05)
         for w in self.workers:
-            if _group_alive(w.pgid):
-                _signal_group(w.pgid, signal.SIGKILL)
+            if group_alive(w.pgid):
+                signal_group(w.pgid, signal.SIGKILL)
         for w in self.workers:
             if w.wait(timeout=30) is None:  # unkillable (D state); report, never hang
                 self.say(f"rank {w.rank} (pid {w.proc.pid}) did not die after SIGKILL")
@@ -550,7 +494,7 @@ class Launcher:
             return self._watch()
         finally:
             # whatever happened (exception included), no worker outlives the launcher
-            if any(_group_alive(w.pgid) for w in self.workers):
+            if any(group_alive(w.pgid) for w in self.workers):
                 self.stop_all("cleaning up")
             if self.progress is not None:
                 self.progress.close()
@@ -595,8 +539,8 @@ class Launcher:
             if all(c == 0 for c in codes):
                 # stragglers in a worker's group (e.g. an orphaned DataLoader process) go too
                 for w in self.workers:
-                    if _group_alive(w.pgid):
-                        _signal_group(w.pgid, signal.SIGKILL)
+                    if group_alive(w.pgid):
+                        signal_group(w.pgid, signal.SIGKILL)
                 if self.forwarded_usr1:
                     self.say("workers saved a checkpoint and stopped (SIGUSR1)")
                 else:
