@@ -85,6 +85,10 @@ def test_the_kernel_docs_comparison_rates_decides_at_every_budget_and_keeps_its_
     assert all(p["motion"]["direction"] == "unchanged" for p in rec["pairs"])
     assert "Still moving at 1500 updates?" in text and "), unchanged\n" in text
     assert "At 1500 updates the gap was steady: " in answer and "not a settled order" not in answer
+    # one checkout ran every stage (--no-pin): one commit, nothing differs between the stages that pairs cross
+    commits = rec["stage_commits"]
+    assert list(commits) == ["rate", "deciding", "experts"] and len(set(commits.values())) == 1
+    assert rec["code_between"] == {"deciding..experts": []} and "that differ between them: none differ." in text
     assert "![each pair's relative gap against tokens read, with its 95% interval](docs/fair-docs/gap.png)" in answer
     # before the deciding stage has finished, README keeps the demo corpus's answer and says how far this one is
     partial = {**rec, "stages_complete": {"rate": True, "deciding": False, "experts": False},
@@ -133,3 +137,15 @@ def test_a_gaps_motion_over_the_last_100_updates_is_the_hand_computed_one():
     # within the printed precision (0.1 points) the gap is unchanged, whichever way the rounding leans
     m = budget_report.motion({"a": _curves({2: (60.0, 58.52)}), "b": _curves({2: (63.0, 61.45)})}, "a", "b", 1500)
     assert m["direction"] == "unchanged" and budget_report.motion_words(m).endswith("), unchanged")
+
+
+def test_the_code_each_stage_ran_and_what_differs_between_crossed_stages_is_stated():
+    record = {"stage_commits": {"rate": "c1aa701", "deciding": "970dc94", "experts": "0b7bbae"},
+              "code_between": {"deciding..experts": ["launch/binarize.py", "launch/local.py"]}}
+    text = budget_report.code_sentence(record)
+    assert text.startswith("Code: each stage's runs executed one commit (rate c1aa701, deciding 970dc94, experts "
+                           "0b7bbae). The pairs across the deciding and experts stages compare 970dc94 with 0b7bbae;")
+    assert text.endswith("that differ between them: `launch/binarize.py`, `launch/local.py`.")
+    assert budget_report.code_sentence({**record, "code_between": {"deciding..experts": None}}).endswith(
+        "git could not tell which.")
+    assert budget_report.code_sentence({}) is None
