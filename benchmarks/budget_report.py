@@ -306,5 +306,8 @@ def render_docs_summary(record: dict, page: str) -> str | None:
     if (g := by.get(("smlp_det", "gmlp"))) and last in g["at"]:
         text += f". Against dense gMLP: {g['text'][last]}"
     if (e := by.get(("smlp_det_e32", "hash_e32"))) and last in e["at"]:
-        text += f". At 32 experts: {e['text'][last]}"
+        done, planned = (record.get("progress") or {}).get("experts") or [None, None]
+        so_far = "" if (record.get("stages_complete") or {}).get("experts") else (
+            f" (so far: the experts stage has run {done} of {planned} runs)")
+        text += f". At 32 experts{so_far}: {e['text'][last]}"
     return text + f" ([{Path(page).name}]({page}#the-answer-on-a-corpus-read-once))."

@@ -94,6 +94,10 @@ def test_the_kernel_docs_comparison_rates_decides_at_every_budget_and_keeps_its_
     partial = {**rec, "stages_complete": {"rate": True, "deciding": False, "experts": False},
                "progress": {"rate": [10, 10], "deciding": [5, 12], "experts": [0, None]}}
     assert budget_report.render_docs_summary(partial, "p.md") is None
+    experts_running = {**partial, "stages_complete": {"rate": True, "deciding": True, "experts": False},
+                       "progress": {"rate": [10, 10], "deciding": [12, 12], "experts": [4, 8]}}
+    assert ". At 32 experts (so far: the experts stage has run 4 of 8 runs): sMLP-deterministic, 32 experts " in (
+        budget_report.render_docs_summary(experts_running, "p.md"))
     body = publish.readme_answer(None, partial, docs, page, tmp_path)
     assert "is running (rate done, deciding 5 of 12 runs, experts to come)" in body
     # a stage resumed on another data folder is refused in one line naming both fingerprints
