@@ -26,10 +26,6 @@ from smlp.process_group import rank_and_world
 from smlp.profiling import CATEGORIES, breakdown
 
 ENV = "SMLP_PROFILE_STEPS"
-# True once a window has been profiled in this process: the worker then ends without the C++ static destructors
-# (launch/worker.py `end_after_profiling`), where torch's profiler (kineto) can abort an exit after a finished run
-# ("terminate called without an active exception", SIGABRT: once in four 1-process gMLP runs here)
-PROFILED = False
 
 
 def parse_spec(spec: str) -> tuple[int, int, Path]:
@@ -62,8 +58,6 @@ class StepProfiler:
             self.prof.__exit__(None, None, None)
             self._write(seconds)
             self.prof = None
-            global PROFILED
-            PROFILED = True
         self.calls += 1
 
     def _write(self, seconds: float) -> None:

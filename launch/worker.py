@@ -225,16 +225,18 @@ def run_worker(fairseq_args: list[str]) -> int:
 
         if rank_and_world()[0] == 0:
             write_atomic(status_file, f"stopped num_updates={stop.stopped_at}\n")
-    end_after_profiling()
-    return 0
+    end_finished_run()
 
 
 def exit_after_failure(exc: BaseException) -> None:
     """A failed fairseq-train: report `exc` as the interpreter would (a refusal in one line, else its traceback),
-    run the Python exit handlers, then exit without the C++ static destructors. After a failure torch's process
-    groups may still own threads (gloo's work, a peer that went away); their destructors at interpreter exit
-    once aborted a rank that had already printed its one-line error (a full disk on one rank: SIGABRT,
-    "terminate called without an active exception", status 134 for the 1 the launcher and SLURM are told)."""
+    run the Python exit handlers, then exit without the C++ static destructors.
+
+    Every worker ends this way, a finished run too (run_worker). torch's process groups may still own threads at
+    interpreter exit (gloo's work threads, a peer that went away; fairseq never destroys its groups), and so may
+    torch's profiler (kineto); their destructors aborted ranks after their work was done: a rank that had printed
+    its one-line error (a full disk on one rank), a profiled 1-process run, and a CI run's 2-rank run that had
+    finished training (SIGABRT, "terminate called without an active exception", status 134 where 0 or 1 was due)."""
     if isinstance(exc, SystemExit):
         code = exc.code
         if code is not None and not isinstance(code, int):
@@ -246,6 +248,17 @@ def exit_after_failure(exc: BaseException) -> None:
     _exit_now(status)
 
 
+def end_finished_run() -> None:
+    """A finished fairseq-train: as the interpreter's own exit (its other non-daemon threads, then the Python exit
+    handlers), then status 0 without the C++ static destructors (see exit_after_failure)."""
+    import threading
+
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    _exit_now(0)
+
+
 def _exit_now(status: int) -> None:
     """What a normal exit runs first (the atexit handlers: fairseq's writers, logging), then os._exit."""
     import atexit
@@ -254,13 +267,3 @@ def _exit_now(status: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
-
-
-def end_after_profiling() -> None:
-    """After a run that profiled steps (SMLP_PROFILE_STEPS, smlp-bench): the Python exit handlers, then exit 0
-    without the C++ static destructors, where torch's profiler can abort a finished run at exit (kineto's
-    exit-time lifetime bugs: SIGABRT, "terminate called without an active exception"). Nothing otherwise."""
-    profiler = sys.modules.get("fairseq_plugins.step_profiler")
-    if profiler is None or not profiler.PROFILED:
-        return
-    _exit_now(0)

@@ -157,7 +157,7 @@ def test_a_full_disk_on_one_rank_ends_every_rank_in_one_line_and_names_no_part_o
     traceback, and status 1 (no rank ends through the C library's exit(), where a static destructor aborted it once);
     no file of update 3 is named on any rank (rank 0's waited for rank 1's and was removed), update 2's
     checkpoints stay whole, no partial file is left, and the same command (the disk freed) resumes from update 2
-    with the baseline's losses."""
+    with the baseline's losses and status 0, its finished ranks too ending before the C library's exit()."""
     proc, out = launch(tmp_path, tiny_lm_data, "--user-dir", FAULT_PLUGIN,
                        env={"SMLP_FAULT_ENOSPC": "nth=3,rank=1,create=1", "SMLP_FAULT_ABORT_AT_EXIT": "1"})
     rc, text, _ = finish(proc, out, 240)
@@ -173,7 +173,8 @@ def test_a_full_disk_on_one_rank_ends_every_rank_in_one_line_and_names_no_part_o
     from fairseq_plugins.shard_tags import read_shard
 
     assert [read_shard(str(ckpt / f"checkpoint_last-rank-{r}.pt")).num_updates for r in (0, 1)] == [2, 2]
-    proc, out = launch(tmp_path, tiny_lm_data, "--user-dir", PLUGINS, name="resume")
+    proc, out = launch(tmp_path, tiny_lm_data, "--user-dir", FAULT_PLUGIN, name="resume",
+                       env={"SMLP_FAULT_ABORT_AT_EXIT": "1"})
     rc, text, _ = finish(proc, out, 300)
     assert rc == 0 and loaded_updates(text) == [2], text[-3000:]
     assert sorted(assert_same_losses(text, baseline)) == list(range(3, MAX_UPDATE + 1))
