@@ -198,7 +198,7 @@ def run_worker(fairseq_args: list[str]) -> int:
         signal.signal(sig, stop.handler)
     from smlp.third_party import quiet_imports
 
-    quiet_imports(deepspeed=needs_deepspeed(fairseq_args))  # before fairseq's import: no start-up warnings
+    quiet_imports(deepspeed=needs_deepspeed(fairseq_args))  # before fairseq's import: no start-up warnings, no sklearn
     install_collective_timeout(collective_timeout())
     _install_stop_hook(stop)
     from fairseq_cli.train import cli_main

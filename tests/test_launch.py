@@ -12,6 +12,7 @@ command line, so "no orphans" means no process whose command line mentions it.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -785,16 +786,41 @@ exec {PY} "$@"
     assert not list(save.glob(".smlp-shared-*"))  # the marker is cleaned up
 
 
-def test_a_worker_imports_deepspeed_only_for_fairseqs_cpu_adam():
+def test_a_worker_imports_deepspeed_only_for_fairseqs_cpu_adam_and_sklearn_at_its_first_use():
     """fairseq's one DeepSpeed user is its cpu_adam optimizer: a rank training with another optimizer starts
-    without importing DeepSpeed (fairseq goes on without it, every optimizer but cpu_adam registered)."""
+    without importing DeepSpeed (fairseq goes on without it, every optimizer but cpu_adam registered). fairseq's
+    audio_classification task and sentence_prediction criterion import scikit-learn and scipy.stats (1.3 s of a
+    rank's start-up): a rank starts without them, and their functions, called through fairseq's modules, import
+    them then and give what the real ones give (and hand-computed values); later imports get the real modules."""
     from smlp_launch.worker import needs_deepspeed
 
     assert not needs_deepspeed(["data", "--optimizer", "adam", "--lr", "1e-3"])
     assert needs_deepspeed(["data", "--optimizer", "cpu_adam"]) and needs_deepspeed(["data", "--optimizer=cpu_adam"])
-    code = ("import sys; from smlp.third_party import quiet_imports; from smlp_launch.worker import needs_deepspeed; "
-            "quiet_imports(deepspeed=needs_deepspeed(sys.argv[1:])); import fairseq_cli.train; "
-            "from fairseq.optim import OPTIMIZER_REGISTRY; "
-            "print(sys.modules.get('deepspeed') is not None, 'adam' in OPTIMIZER_REGISTRY)")
+    code = """
+import json, sys
+from smlp.third_party import quiet_imports
+from smlp_launch.worker import needs_deepspeed
+quiet_imports(deepspeed=needs_deepspeed(sys.argv[1:]))
+import fairseq_cli.train
+from fairseq.criterions import sentence_prediction as sp
+from fairseq.optim import OPTIMIZER_REGISTRY
+from fairseq.tasks import audio_classification as ac
+started = [m for m in ("deepspeed", "sklearn", "sklearn.metrics", "scipy.stats", "pandas") if sys.modules.get(m)]
+y, p, a, b = [0, 1, 1, 0, 1, 1], [0, 1, 0, 0, 1, 1], [1.0, 2.0, 3.0, 5.0], [1.0, 2.5, 2.0, 7.0]
+via = [sp.f1_score(y, p), sp._matthews_corrcoef(y, p), sp.pearsonr(a, b)[0], sp.spearmanr(a, b)[0],
+       ac.sklearn_metrics.accuracy_score(y, p)]
+import scipy.stats, sklearn.metrics
+real = [sklearn.metrics.f1_score(y, p), sklearn.metrics.matthews_corrcoef(y, p), scipy.stats.pearsonr(a, b)[0],
+        scipy.stats.spearmanr(a, b)[0], sklearn.metrics.accuracy_score(y, p)]
+files = [bool(getattr(sys.modules[m], "__file__", None)) for m in ("sklearn", "sklearn.metrics", "scipy.stats")]
+stats = hasattr(sys.modules["scipy"].stats, "__file__")
+print(json.dumps(dict(started=started, adam="adam" in OPTIMIZER_REGISTRY, via=[float(v) for v in via],
+                      real=[float(v) for v in real], files=files, stats=stats)))
+"""
     run = subprocess.run([PY, "-c", code, "data", "--optimizer", "adam"], capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0 and run.stdout.split()[-2:] == ["False", "True"], run.stdout + run.stderr[-2000:]
+    assert run.returncode == 0, run.stdout + run.stderr[-2000:]
+    got = json.loads(run.stdout.splitlines()[-1])
+    assert got["started"] == [] and got["adam"], got
+    assert got["via"] == got["real"] and got["files"] == [True] * 3 and got["stats"], got
+    # by hand: 3 true positives, no false positive, 1 false negative; 5 of 6 right
+    assert got["via"][0] == pytest.approx(6 / 7) and got["via"][4] == pytest.approx(5 / 6)
