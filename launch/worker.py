@@ -191,7 +191,8 @@ def needs_deepspeed(fairseq_args: list[str]) -> bool:
 
 
 def run_worker(fairseq_args: list[str]) -> int:
-    """One fairseq-train in this process; graceful stop on the SMLP_STOP_SIGNALS (default USR1)."""
+    """One fairseq-train in this process; graceful stop on the SMLP_STOP_SIGNALS (default USR1). Ends the process
+    (end_finished_run, exit_after_failure); returns only a refusal of its flags, 2, before fairseq-train starts."""
     stop = _StopFlag()
     # handlers first: a signal that arrives while fairseq imports must not kill the worker
     for sig in _stop_signals():
