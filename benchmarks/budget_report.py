@@ -22,7 +22,7 @@ PAIRS = (("smlp_det", "hash", "sMLP-det against HASH Layers, 8 experts (primary)
          ("smlp_det_e32", "smlp_det", "sMLP-det, 32 experts against 8"),
          ("hash_e32", "hash", "HASH Layers, 32 experts against 8"))
 GAP_FIGURE = "gap.png"
-CROSSING = (("deciding", "experts"),)  # stages that PAIRS compare across (32 experts against 8)
+POOLED = ("deciding", "experts")  # the stages whose models PAIRS compare
 
 
 def _name(key: str) -> str:
@@ -41,8 +41,14 @@ def per_seed(model: dict, updates: int) -> dict[int, float]:
 
 def pooled_models(records: dict) -> dict[str, dict]:
     """Every model of the deciding and experts stages by key (the two stages' keys differ)."""
-    return {k: m for stage in ("deciding", "experts") for k, m in ((records.get(stage) or {}).get("models")
-                                                                   or {}).items()}
+    return {k: m for stage in POOLED for k, m in ((records.get(stage) or {}).get("models") or {}).items()}
+
+
+def crossed_stages(records: dict) -> list[tuple[str, str]]:
+    """The (earlier, later) stages that a pair of PAIRS compares across (32 experts against 8), of those recorded."""
+    stage_of = {k: stage for stage in POOLED for k in ((records.get(stage) or {}).get("models") or {})}
+    return sorted({tuple(sorted((stage_of[a], stage_of[b]), key=POOLED.index)) for a, b, _ in PAIRS
+                   if a in stage_of and b in stage_of and stage_of[a] != stage_of[b]})
 
 
 def rates_so_far(record: dict) -> dict:
@@ -145,8 +151,8 @@ def final_report(records: dict, out_dir: Path, design: dict) -> dict:
                                  "motion": motion(models, a, b, BUDGETS[-1])})
     found = stage_commits(out_dir)
     rec["stage_commits"] = commits = {k: found[k] for k in design["settings"] if k in found}
-    rec["code_between"] = {f"{a}..{b}": perplexity_changes(commits[a], commits[b]) for a, b in CROSSING
-                           if a in commits and b in commits}
+    rec["code_between"] = {f"{a}..{b}": perplexity_changes(commits[a], commits[b])
+                           for a, b in crossed_stages(records) if a in commits and b in commits}
     if rates:
         plot_sweep(rates, out_dir / "rates.png")
     if rec["pairs"]:
