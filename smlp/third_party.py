@@ -63,28 +63,28 @@ class _Later:
         return f"<{self.module}.{self.name}, imported at its first call>"
 
 
+def _deferred_package(name: str) -> bool:
+    return any(d.startswith(name + ".") for d in DEFERRED)
+
+
 class _Placeholder(types.ModuleType):
     def __getattr__(self, name: str):
         if name.startswith("__"):
             raise AttributeError(name)
         full = f"{self.__name__}.{name}"
-        if full in DEFERRED or any(d.startswith(full + ".") for d in DEFERRED):  # `from sklearn import metrics`
+        if full in DEFERRED or _deferred_package(full):  # `from sklearn import metrics`
             return importlib.import_module(full)
         return _Later(self.__name__, name)
 
 
 class _DeferringFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    def __init__(self, names):
-        self.names = set(names)
-
     def find_spec(self, name, path=None, target=None):
-        if name not in self.names:
+        if name not in DEFERRED:
             return None
         parent = name.rpartition(".")[0]
-        if parent in self.names and not isinstance(sys.modules.get(parent), _Placeholder):
+        if parent in DEFERRED and not isinstance(sys.modules.get(parent), _Placeholder):
             return None  # its package was imported for real: so is it
-        package = any(n.startswith(name + ".") for n in self.names)
-        return importlib.machinery.ModuleSpec(name, self, is_package=package)
+        return importlib.machinery.ModuleSpec(name, self, is_package=_deferred_package(name))
 
     def create_module(self, spec):
         return _Placeholder(spec.name)
@@ -95,7 +95,7 @@ class _DeferringFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 class _FairseqFinder(importlib.abc.MetaPathFinder):
     """Finds fairseq as the other finders do (once: it then leaves sys.meta_path), with a loader that executes
-    fairseq's package inside deferred_imports(DEFERRED)."""
+    fairseq's package inside deferred_imports()."""
 
     def find_spec(self, name, path=None, target=None):
         if name != "fairseq":
@@ -115,7 +115,7 @@ class _ExecutingDeferred(importlib.abc.Loader):
         return self.loader.create_module(spec)
 
     def exec_module(self, module) -> None:
-        with deferred_imports(DEFERRED):
+        with deferred_imports():
             self.loader.exec_module(module)
 
     def __getattr__(self, name: str):  # get_resource_reader, get_source, ...: the real loader's
@@ -123,17 +123,17 @@ class _ExecutingDeferred(importlib.abc.Loader):
 
 
 @contextlib.contextmanager
-def deferred_imports(names):
-    """Within the block, importing a module of `names` not yet imported gives a placeholder (its attributes:
+def deferred_imports():
+    """Within the block, importing a module of DEFERRED not yet imported gives a placeholder (its attributes:
     functions that import the real module at their first call); after it, the placeholders leave sys.modules
     and their real parents, so later imports get the real modules."""
-    finder = _DeferringFinder(names)
+    finder = _DeferringFinder()
     sys.meta_path.insert(0, finder)
     try:
         yield
     finally:
         sys.meta_path.remove(finder)
-        for name in names:
+        for name in DEFERRED:
             if isinstance(sys.modules.get(name), _Placeholder):
                 del sys.modules[name]
                 parent, _, child = name.rpartition(".")
