@@ -26,6 +26,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[train.sbatch] error: {exc}", file=sys.stderr)
         return 2
     try:
+        from smlp.third_party import quiet_imports
+
+        quiet_imports(deepspeed=False)  # the plugins' package imports fairseq: no optimizer, no scikit-learn here
         from fairseq_plugins.errors import RefusedInput
         from fairseq_plugins.save_dir import repair_checkpoint_last
 

@@ -1,7 +1,6 @@
 """Shared fixtures: tiny real-text LM data binarized for fairseq."""
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -89,10 +88,11 @@ def tiny_lm_data(tmp_path_factory) -> Path:
     (root / "valid.txt").write_text("\n".join(lines[6000:6400]) + "\n")
     (root / "test.txt").write_text("\n".join(lines[6400:6800]) + "\n")
     out = root / "bin"
-    subprocess.run([str(Path(sys.executable).parent / "fairseq-preprocess"), "--only-source",
-                    "--trainpref", str(root / "train.txt"), "--validpref", str(root / "valid.txt"),
-                    "--testpref", str(root / "test.txt"), "--destdir", str(out), "--nwordssrc", "2000",
-                    "--workers", "1"], check=True, capture_output=True)
+    from fairseq_helpers import fairseq_preprocess
+
+    fairseq_preprocess("--only-source", "--trainpref", str(root / "train.txt"), "--validpref", str(root / "valid.txt"),
+                       "--testpref", str(root / "test.txt"), "--destdir", str(out), "--nwordssrc", "2000",
+                       "--workers", "1")
     return out
 
 

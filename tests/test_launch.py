@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from fairseq_helpers import fairseq_preprocess
 from smlp_launch.fairseq_log import loaded_updates, saved_updates, train_records
 from smlp_launch.local import main as launch_main
 
@@ -128,10 +129,8 @@ def data_bin(tmp_path_factory) -> Path:
     (root / "train.txt").write_text(lines("hamlet_gut.txt", 40, 3000))
     (root / "valid.txt").write_text(lines("macbeth_gut.txt", 400, 300))
     dest = root / "bin"
-    subprocess.run(
-        [str(Path(PY).parent / "fairseq-preprocess"), "--only-source", "--trainpref", str(root / "train.txt"),
-         "--validpref", str(root / "valid.txt"), "--destdir", str(dest), "--workers", "1"],
-        check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    fairseq_preprocess("--only-source", "--trainpref", str(root / "train.txt"), "--validpref", str(root / "valid.txt"),
+                       "--destdir", str(dest), "--workers", "1")
     assert (dest / "train.bin").stat().st_size > 0 and (dest / "dict.txt").exists()
     return dest
 
@@ -546,6 +545,8 @@ def test_sbatch_cpu_job_requeues_and_completes(slurm, data_bin, tmp_path):
     assert "2 task(s) on 1 node(s), cpu/gloo" in text
     assert "bsz=16" in text  # 2 ranks x --batch-size 8
     assert text.rstrip().endswith("training finished")
+    # the resume check before each run imports fairseq as the tasks do: no DeepSpeed or fairscale warnings in the log
+    assert "Setting accelerator to CPU" not in text and "FutureWarning" not in text, text[:3000]
 
     runs = re.split(r"\[train\.sbatch [^\]]*\] job \d+ \(restart \d+\)", text)[1:]
     assert len(runs) == 3, f"expected 3 runs, found {len(runs)}"

@@ -21,6 +21,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from fairseq_helpers import fairseq_preprocess
 from smlp_eval import zeroshot
 from smlp_eval.scoring import Encoder, LMScorer
 from smlp_eval.tasks import DataFormatError, Example, default_data_path, load_examples, render
@@ -84,9 +85,8 @@ def build_data_dir(root: Path, train: list[str], valid: list[str], vocab: int, b
         return root
     for name, lines in (("train", train), ("valid", valid)):
         (root / f"{name}.spm").write_text("".join(" ".join(sp.encode(l, out_type=str)) + "\n" for l in lines))
-    subprocess.run([str(BIN / "fairseq-preprocess"), "--only-source", "--trainpref", str(root / "train.spm"),
-                    "--validpref", str(root / "valid.spm"), "--destdir", str(root), "--srcdict",
-                    str(root / "dict.txt"), "--workers", "1"], check=True, capture_output=True)
+    fairseq_preprocess("--only-source", "--trainpref", str(root / "train.spm"), "--validpref", str(root / "valid.spm"),
+                       "--destdir", str(root), "--srcdict", str(root / "dict.txt"), "--workers", "1")
     return root
 
 
