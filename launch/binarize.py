@@ -1,51 +1,63 @@
-"""The binarizing step of smlp-prepare-data: `fairseq-preprocess` on the encoded splits, and the check that
-fairseq wrote exactly the sentencepiece ids (read back with fairseq's own reader).
+"""The binarizing step of smlp-prepare-data: each split's ids written in fairseq's mmap indexed format, the files
+`fairseq-preprocess --dataset-impl mmap --srcdict dict.txt` writes from the same pieces (byte for byte:
+tests/test_data.py compares them), and the check that fairseq's own reader and dictionary give back exactly the
+sentencepiece ids.
+
+fairseq-preprocess would read the pieces back as text and look each one up in the dictionary, a Python step per
+token: 14 of the demo build's 25 s here (two processes), for ids this pipeline already holds, since a fairseq id is
+the sentencepiece id (smlp_launch.data). They are written in the integer type fairseq's own rule picks for the
+dictionary's size (`best_fitting_int_dtype`), end to end, and the index by fairseq's index writer.
 """
 from __future__ import annotations
 
 import hashlib
-import os
-import subprocess
-import sys
+import itertools
 from pathlib import Path
 
-from smlp_eval.text import DataPrepError, load_binarized
+from smlp_eval.text import N_SPECIAL, DataPrepError, load_binarized
 
 from .corpus import SPLITS
 
-# `fairseq-preprocess` itself, except that logging is set up after fairseq is imported: importing
-# fairseq here imports deepspeed, which installs a WARNING-level root handler first, so fairseq's
-# own logging.basicConfig does nothing and its INFO lines (sizes, "% replaced by <unk>") vanish.
-_PREPROCESS_MAIN = (
-    "import logging, sys\n"
-    "from smlp.third_party import quiet_imports\n"
-    "quiet_imports(deepspeed=False)\n"  # binarizing needs no optimizer
-    "from fairseq_cli.preprocess import cli_main\n"
-    "logging.basicConfig(format='%(asctime)s | %(levelname)s | %(name)s | %(message)s',"
-    " level=logging.INFO, stream=sys.stdout, force=True)\n"
-    "sys.argv[0] = 'fairseq-preprocess'\n"
-    "cli_main()\n"
-)
+
+class SplitWriter:
+    """PREFIX.bin and PREFIX.idx of one split, as fairseq's mmap dataset builder writes them: `add` each batch of
+    sentences (their ids, </s> included), then `close` (writes the index)."""
+
+    def __init__(self, prefix: Path, dict_size: int):
+        from smlp.third_party import quiet_imports
+
+        quiet_imports()  # fairseq's format module: this process's first fairseq import, without DeepSpeed's warnings
+        from fairseq.data.indexed_dataset import best_fitting_int_dtype, data_file_path
+
+        self.prefix, self.dtype, self.sizes = prefix, best_fitting_int_dtype(dict_size), []
+        self._bin = open(data_file_path(str(prefix)), "wb")
+
+    def add(self, sentences: list[list[int]]) -> None:
+        import numpy as np
+
+        ids = np.fromiter(itertools.chain.from_iterable(sentences), dtype=self.dtype)
+        self._bin.write(ids.tobytes(order="C"))
+        self.sizes.extend(len(s) for s in sentences)
+
+    def close(self) -> None:
+        from fairseq.data.indexed_dataset import MMapIndexedDataset, index_file_path
+
+        self._bin.close()
+        with MMapIndexedDataset.Index.writer(index_file_path(str(self.prefix)), self.dtype) as index:
+            index.write(self.sizes)
 
 
-def _fairseq_preprocess_cmd() -> list[str]:
-    return [sys.executable, "-c", _PREPROCESS_MAIN]
+def check_dictionary(path: Path, sp) -> None:
+    """fairseq's Dictionary read from dict.txt must give every piece its sentencepiece id (what the binary files
+    hold) and be as long as the vocabulary."""
+    from fairseq.data import Dictionary
 
-
-def run_fairseq_preprocess(work: Path, dest: Path, srcdict: Path, workers: int) -> None:
-    cmd = _fairseq_preprocess_cmd() + [
-        "--only-source", "--task", "language_modeling", "--dataset-impl", "mmap",
-        "--srcdict", str(srcdict), "--destdir", str(dest), "--workers", str(max(1, workers)),
-        "--trainpref", str(work / "train.spm"), "--validpref", str(work / "valid.spm"),
-        "--testpref", str(work / "test.spm"),
-    ]
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    with open(dest / "preprocess.log", "a", encoding="utf-8") as f:   # fairseq leaves it empty
-        f.write(f"$ {' '.join(cmd)}\n{proc.stdout}{proc.stderr}")
-    if proc.returncode != 0:
-        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
-        raise DataPrepError(f"fairseq-preprocess failed (exit {proc.returncode}):\n{tail}")
+    d, size = Dictionary.load(str(path)), sp.get_piece_size()
+    wrong = [i for i in range(N_SPECIAL, size) if d.index(sp.id_to_piece(i)) != i]
+    if len(d) != size or wrong:
+        raise DataPrepError(f"{path} gives {len(d)} fairseq ids for {size} sentencepiece pieces"
+                            + (f", piece {sp.id_to_piece(wrong[0])!r} id {d.index(sp.id_to_piece(wrong[0]))} "
+                               f"instead of {wrong[0]}" if wrong else "") + "; this is a bug")
 
 
 def _mmap_digest(prefix: Path):
@@ -55,7 +67,7 @@ def _mmap_digest(prefix: Path):
     quiet_imports()  # fairseq's reader: this process's first fairseq import, without DeepSpeed's warnings
     ds = load_binarized(prefix)
     if ds is None:
-        raise DataPrepError(f"fairseq-preprocess wrote no {prefix}.bin/.idx")
+        raise DataPrepError(f"no {prefix}.bin/.idx was written")
     digest = hashlib.sha256()
     if (stream := _id_stream(ds)) is not None:
         digest.update(stream.astype("<i4").tobytes())
@@ -90,6 +102,6 @@ def check_binarized(tmp: Path, counts: dict, digests: dict[str, str]) -> None:
     for s in SPLITS:
         sizes, got = _mmap_digest(tmp / s)
         if len(sizes) != counts[s]["sentences"] or got != digests[s]:
-            raise DataPrepError(f"fairseq-preprocess wrote {len(sizes)} sentences / {int(sizes.sum())} "
+            raise DataPrepError(f"fairseq's reader gives {len(sizes)} sentences / {int(sizes.sum())} "
                                 f"tokens for {s} that differ from the sentencepiece ids "
                                 f"({counts[s]['sentences']} / {counts[s]['fairseq_tokens']}); this is a bug")

@@ -26,6 +26,7 @@ from smlp_eval.text import (
     load_sentencepiece,
 )
 
+from .binarize import SplitWriter
 from .corpus import SPLITS
 
 CHARACTER_COVERAGE = 0.9999
@@ -80,33 +81,36 @@ def train_tokenizer(tmp: Path, train_text: Path, params: dict, workers: int) -> 
     return Encoder(spm_model=tmp / SPM_MODEL)
 
 
-def encode_splits(text_dir: Path, work: Path, encoder: Encoder, workers: int, counts: dict) -> tuple[list, dict]:
-    """Encode each split into pieces (work/SPLIT.spm, fairseq-preprocess's input); adds the token counts
-    to `counts`; returns the train split's piece frequencies and, per split, the sha256 of the id stream
-    fairseq must write (little-endian int32, </s> after each line)."""
+def encode_splits(text_dir: Path, dest: Path, encoder: Encoder, workers: int, counts: dict) -> tuple[list, dict]:
+    """Encode each split and write its ids in fairseq's binary format (dest/SPLIT.bin and .idx: one sentence per
+    line, </s> after each); adds the token counts to `counts`; returns the train split's piece frequencies and, per
+    split, the sha256 of the id stream written (little-endian int32), which fairseq's reader must give back."""
     freq = [0] * encoder.sp.get_piece_size()
     digests: dict[str, str] = {}
     for s in SPLITS:
         ntok = 0
         digest = hashlib.sha256()
-        with open(text_dir / f"{s}.txt", encoding="utf-8") as src, \
-                open(work / f"{s}.spm", "w", encoding="utf-8") as dst:
+        out = SplitWriter(dest / s, encoder.sp.get_piece_size())
+        with open(text_dir / f"{s}.txt", encoding="utf-8") as src:
             while True:
                 chunk = [line.rstrip("\n") for _, line in zip(range(ENCODE_CHUNK), src)]
                 if not chunk:
                     break
+                rows = []
                 for pieces in encoder.pieces_batch(chunk, num_threads=workers):
                     row = encoder.piece_ids(pieces)
                     ntok += len(row)
-                    row_ids = array("i", row + [EOS_ID])
-                    if BIG_ENDIAN:
-                        row_ids.byteswap()
-                    digest.update(row_ids.tobytes())
                     if s == "train":
                         for i in row:
                             freq[i] += 1
-                    dst.write(" ".join(pieces))
-                    dst.write("\n")
+                    row.append(EOS_ID)
+                    rows.append(row)
+                    row_ids = array("i", row)
+                    if BIG_ENDIAN:
+                        row_ids.byteswap()
+                    digest.update(row_ids.tobytes())
+                out.add(rows)
+        out.close()
         counts[s]["tokens"] = ntok
         digests[s] = digest.hexdigest()
         counts[s]["fairseq_tokens"] = ntok + counts[s]["sentences"]

@@ -1,7 +1,7 @@
 """`smlp-prepare-data`: raw text -> sentencepiece BPE -> fairseq binarized LM data.
 
 One real build of four Shakespeare plays (vocab 500) is shared by most tests; the error paths stop
-before fairseq-preprocess, so the module runs two more fairseq-preprocess calls in all.
+before binarizing; fairseq-preprocess run on the same pieces is the binary files' reference.
 """
 from __future__ import annotations
 
@@ -200,6 +200,26 @@ def test_encoder_round_trip_and_ids_match_the_binarized_data(built):
     assert enc.encode_ids("a\nb") == enc.encode_ids("a") + [d.eos()] + enc.encode_ids("b")
 
 
+def test_the_binary_files_are_fairseq_preprocess_s_byte_for_byte(built, tmp_path):
+    """fairseq-preprocess (the reference) run on each split's pieces with the folder's dict.txt as --srcdict writes
+    the same .bin, .idx and dict.txt bytes as the pipeline's own binarizing; the pieces come from the folder's
+    encoder, line by line, from the text it kept."""
+    from fairseq_helpers import fairseq_preprocess
+
+    enc = D.load_encoder(built)
+    for split in D.SPLITS:
+        lines = split_lines(built, split)
+        (tmp_path / f"{split}.spm").write_text("".join(" ".join(p) + "\n" for p in enc.pieces_batch(lines)),
+                                              encoding="utf-8")
+    fairseq_preprocess("--only-source", "--task", "language_modeling", "--dataset-impl", "mmap", "--srcdict",
+                       str(built / "dict.txt"), "--destdir", str(tmp_path / "ref"), "--workers", "1",
+                       *(a for split in D.SPLITS for a in (f"--{split}pref", str(tmp_path / f"{split}.spm"))))
+    names = [f"{split}.{ext}" for split in D.SPLITS for ext in ("bin", "idx")] + ["dict.txt"]
+    for name in names:
+        assert (built / name).read_bytes() == (tmp_path / "ref" / name).read_bytes(), name
+    assert (built / "train.bin").stat().st_size == 2 * D.read_manifest(built)["splits"]["train"]["fairseq_tokens"]
+
+
 def test_second_run_reuses_and_force_rebuilds_identically(built, plays, tmp_path):
     before = snapshot(built)
     t0 = time.time()
@@ -237,7 +257,7 @@ def test_a_directory_missing_files_is_rebuilt_not_reused(built, plays, tmp_path,
         calls.append(1)
         raise Stop()
 
-    monkeypatch.setattr(D, "run_fairseq_preprocess", stop)
+    monkeypatch.setattr(D, "encode_splits", stop)
     with pytest.raises(Stop):
         D.prepare(copy, plays, demo=True, **KW)
     assert calls and not (copy / "valid.bin").exists() and (copy / "manifest.json").exists()
@@ -249,11 +269,11 @@ def test_a_directory_missing_files_is_rebuilt_not_reused(built, plays, tmp_path,
 def test_interrupted_run_leaves_no_complete_looking_directory(plays, tmp_path, monkeypatch):
     out = tmp_path / "new"
 
-    def half_then_die(work, dest, srcdict, workers):
+    def half_then_die(text_dir, dest, encoder, workers, counts):
         (dest / "train.bin").write_bytes(b"\0" * 100)   # a partial binarization
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(D, "run_fairseq_preprocess", half_then_die)
+    monkeypatch.setattr(D, "encode_splits", half_then_die)
     with pytest.raises(KeyboardInterrupt):
         D.prepare(out, plays[:2], **KW)
     assert not out.exists() and leftovers(out) == []
@@ -263,7 +283,7 @@ def test_interrupted_forced_rebuild_keeps_the_previous_directory(built, plays, t
     copy = tmp_path / "copy"
     shutil.copytree(built, copy)
     before = snapshot(copy)
-    monkeypatch.setattr(D, "run_fairseq_preprocess", lambda *a: (_ for _ in ()).throw(Stop()))
+    monkeypatch.setattr(D, "check_binarized", lambda *a: (_ for _ in ()).throw(Stop()))
     with pytest.raises(Stop):
         D.prepare(copy, plays, demo=True, force=True, **{**KW, "vocab_size": 400})
     assert snapshot(copy) == before and leftovers(copy) == []
@@ -288,10 +308,10 @@ def test_interrupted_forced_rebuild_keeps_the_previous_directory(built, plays, t
 
 def test_a_failing_step_cleans_up_and_the_cli_reports_it(plays, tmp_path, monkeypatch, capsys):
     out = tmp_path / "o"
-    monkeypatch.setattr(D, "run_fairseq_preprocess",
-                        lambda *a: (_ for _ in ()).throw(D.DataPrepError("fairseq-preprocess failed (exit 1)")))
+    monkeypatch.setattr(D, "check_binarized",
+                        lambda *a: (_ for _ in ()).throw(D.DataPrepError("fairseq's reader gives 3 sentences")))
     rc = D.main(["--input", str(plays[0]), str(plays[1]), "--out", str(out), "--vocab-size", "400", "--quiet"])
-    assert rc == 2 and "fairseq-preprocess failed" in capsys.readouterr().err
+    assert rc == 2 and "fairseq's reader gives 3 sentences" in capsys.readouterr().err
     assert not out.exists() and leftovers(out) == []
 
 
@@ -336,11 +356,11 @@ def test_vocab_size_too_large_names_a_value_that_works(plays, tmp_path, monkeypa
     # the suggested value trains (stop before binarizing)
     seen = {}
 
-    def stop(work, dest, srcdict, workers):
-        seen["dict"] = len(srcdict.read_text().splitlines())
+    def stop(dest, counts, digests):
+        seen["dict"] = len((dest / "dict.txt").read_text().splitlines())
         raise Stop()
 
-    monkeypatch.setattr(D, "run_fairseq_preprocess", stop)
+    monkeypatch.setattr(D, "check_binarized", stop)
     with pytest.raises(Stop):
         D.prepare(tmp_path / "o", [small], vocab_size=suggested, block_lines=100, log=None)
     assert seen["dict"] == suggested - D.N_SPECIAL
@@ -416,11 +436,11 @@ def test_gutenberg_boilerplate_is_stripped_from_wrapped_files(plays, tmp_path, m
                        "Updated editions will replace the previous one\n")
     seen = {}
 
-    def grab(work, dest, srcdict, workers):
-        seen["text"] = "\n".join((dest / "text" / f"{s}.txt").read_text() for s in D.SPLITS)
+    def grab(text_dir, dest, encoder, workers, counts):
+        seen["text"] = "\n".join((text_dir / f"{s}.txt").read_text() for s in D.SPLITS)
         raise Stop()
 
-    monkeypatch.setattr(D, "run_fairseq_preprocess", grab)
+    monkeypatch.setattr(D, "encode_splits", grab)
     for strip in (True, False):
         with pytest.raises(Stop):
             D.prepare(tmp_path / "o", [wrapped], strip_gutenberg=strip, vocab_size=400, log=None)
@@ -459,5 +479,5 @@ def test_the_binarized_ids_digest_reads_the_stream_as_sentence_by_sentence_does(
         for ext in ("bin", "idx"):
             shutil.copy(tmp_path / f"s.{ext}", tmp_path / f"{split}.{ext}")
     counts = {split: {"sentences": 300, "fairseq_tokens": int(sizes.sum())} for split in ("train", "valid", "test")}
-    with pytest.raises(DataPrepError, match=f"wrote 300 sentences / {int(sizes.sum())} tokens for train"):
+    with pytest.raises(DataPrepError, match=f"gives 300 sentences / {int(sizes.sum())} tokens for train"):
         B.check_binarized(tmp_path, counts, {split: "0" * 64 for split in ("train", "valid", "test")})
