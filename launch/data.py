@@ -344,7 +344,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-lines", type=int, default=500,
                    help="split unit: contiguous blocks of this many lines; 0 = whole files (500)")
     p.add_argument("--seed", type=int, default=1, help="seed of the block assignment and spm sampling")
-    p.add_argument("--workers", type=int, default=None, help="threads/processes (default min(4, cores))")
+    p.add_argument("--workers", type=int, default=None, help="sentencepiece threads (default min(4, cores))")
     p.add_argument("--glob", default="*.txt", help="files taken from input directories (*.txt)")
     p.add_argument("--strip-gutenberg", action="store_true",
                    help="drop Project Gutenberg license headers/footers (always on with --demo)")
