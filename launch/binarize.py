@@ -32,12 +32,14 @@ class SplitWriter:
         self.prefix, self.dtype, self.sizes = prefix, best_fitting_int_dtype(dict_size), []
         self._bin = open(data_file_path(str(prefix)), "wb")
 
-    def add(self, sentences: list[list[int]]) -> None:
+    def add(self, sentences: list[list[int]]):
+        """Writes the sentences; returns their ids end to end (the array written)."""
         import numpy as np
 
         ids = np.fromiter(itertools.chain.from_iterable(sentences), dtype=self.dtype)
         self._bin.write(ids.tobytes(order="C"))
         self.sizes.extend(len(s) for s in sentences)
+        return ids
 
     def close(self) -> None:
         from fairseq.data.indexed_dataset import MMapIndexedDataset, index_file_path

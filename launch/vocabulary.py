@@ -9,8 +9,6 @@ from __future__ import annotations
 import hashlib
 import io
 import re
-import sys
-from array import array
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -30,7 +28,6 @@ from .binarize import SplitWriter
 from .corpus import SPLITS
 
 CHARACTER_COVERAGE = 0.9999
-BIG_ENDIAN = sys.byteorder == "big"
 ENCODE_CHUNK = 20000  # lines per sentencepiece batch when encoding a split
 # sentencepiece's refusals of a vocabulary size (its message's pattern -> ours, naming a size that works)
 _VOCAB_SIZE_REFUSALS = (
@@ -85,36 +82,29 @@ def encode_splits(text_dir: Path, dest: Path, encoder: Encoder, workers: int, co
     """Encode each split and write its ids in fairseq's binary format (dest/SPLIT.bin and .idx: one sentence per
     line, </s> after each); adds the token counts to `counts`; returns the train split's piece frequencies and, per
     split, the sha256 of the id stream written (little-endian int32), which fairseq's reader must give back."""
-    freq = [0] * encoder.sp.get_piece_size()
+    import numpy as np
+
+    size = encoder.sp.get_piece_size()
+    freq = np.zeros(size, dtype=np.int64)
     digests: dict[str, str] = {}
     for s in SPLITS:
-        ntok = 0
         digest = hashlib.sha256()
-        out = SplitWriter(dest / s, encoder.sp.get_piece_size())
+        out = SplitWriter(dest / s, size)
         with open(text_dir / f"{s}.txt", encoding="utf-8") as src:
             while True:
                 chunk = [line.rstrip("\n") for _, line in zip(range(ENCODE_CHUNK), src)]
                 if not chunk:
                     break
-                rows = []
-                for pieces in encoder.pieces_batch(chunk, num_threads=workers):
-                    row = encoder.piece_ids(pieces)
-                    ntok += len(row)
-                    if s == "train":
-                        for i in row:
-                            freq[i] += 1
-                    row.append(EOS_ID)
-                    rows.append(row)
-                    row_ids = array("i", row)
-                    if BIG_ENDIAN:
-                        row_ids.byteswap()
-                    digest.update(row_ids.tobytes())
-                out.add(rows)
+                ids = out.add([encoder.piece_ids(pieces) + [EOS_ID]
+                               for pieces in encoder.pieces_batch(chunk, num_threads=workers)])
+                digest.update(ids.astype("<i4").tobytes())
+                if s == "train":  # </s> is counted too: dict.txt lists the pieces from N_SPECIAL on only
+                    freq += np.bincount(ids, minlength=size)
         out.close()
-        counts[s]["tokens"] = ntok
+        counts[s]["tokens"] = sum(out.sizes) - len(out.sizes)  # one </s> a sentence
+        counts[s]["fairseq_tokens"] = counts[s]["tokens"] + counts[s]["sentences"]
         digests[s] = digest.hexdigest()
-        counts[s]["fairseq_tokens"] = ntok + counts[s]["sentences"]
-    return freq, digests
+    return freq.tolist(), digests
 
 
 def write_dictionary(path: Path, sp, freq: list[int]) -> list[str]:
